@@ -1,0 +1,43 @@
+"""The contract between an OpenAI frontend and whatever produces tokens for it.
+
+The engine daemon implements it over its engine-core process; the router (later) implements it
+over a strategy that spreads a request across engines. The frontend owns the tokenizer, text,
+stop strings and the OpenAI wire format; a backend speaks token ids only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from microserve.types import SamplingParams, TokenOutput
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot take the request now (engine down, KV full): maps to HTTP 503."""
+
+
+class GenerateBackend(ABC):
+    model_name: str  # the name /v1/models reports and requests must use
+    max_model_len: int  # prompt + completion tokens must fit in this
+
+    @abstractmethod
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenOutput]:
+        """Stream the request's outputs; the last one carries a finish_reason.
+
+        Raises BackendUnavailable before the first output if the request cannot be served.
+        Closing the iterator early does not abort the request: call `abort`.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop the request wherever it is and free everything it holds. Unknown ids are ignored."""
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def metrics_text(self) -> str:
+        """Prometheus text of backend-side metrics (KV pages, queue lengths, ...)."""
+        return ""
