@@ -1,0 +1,195 @@
+"""Per-sequence page tables over the page pool and the prefix cache.
+
+The scheduler talks to this class only; it never touches the pool or the tree directly.
+Everything here is ids and counts, so it is tested on CPU to the exact page id.
+
+A sequence's page table covers its KV positions in order: position `i` lives in page
+`page_table[i // page_size]` at offset `i % page_size`.
+
+    page_table:  [ p7 | p3 | p9 | p2 ]        page_size = 4, 14 tokens of KV
+    tokens:       0..3 4..7 8..11 12,13 _ _
+                  └ shared with the prefix cache ┘ └ private (partial) ┘
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcache.page_pool import PagePool
+from kvcache.prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Copy the first `num_tokens` slots of page `src` into page `dst` (all layers)."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KVStats:
+    total_pages: int
+    free_pages: int
+    cached_pages: int  # in the prefix cache and held by nothing else: reusable or evictable
+    used_pages: int  # held by at least one sequence
+    pinned_pages: int
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        self.cache = PrefixCache(self.pool, page_size)
+        self.enable_prefix_cache = enable_prefix_cache
+        self._tables: dict[str, list[int]] = {}  # seq id -> page table; written only here
+        self._num_cached: dict[str, int] = {}  # seq id -> leading pages already inserted in the tree
+
+    # ---- sequences ----------------------------------------------------------------------------
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._tables
+
+    def seq_ids(self) -> set[str]:
+        return set(self._tables)
+
+    def page_table(self, seq_id: str) -> list[int]:
+        return self._tables[seq_id]
+
+    def pages_needed(self, seq_id: str | None, num_tokens: int) -> int:
+        """Extra pages a sequence (or a new one, when seq_id is None) needs to hold num_tokens."""
+        have = len(self._tables[seq_id]) if seq_id is not None else 0
+        return max(0, -(-num_tokens // self.page_size) - have)
+
+    def open(self, seq_id: str, tokens: list[int]) -> int:
+        """Start a page table for `seq_id`, reusing the longest cached whole-page prefix of
+        `tokens`. Returns the number of tokens whose KV is already there (a page multiple).
+
+        The caller passes only tokens whose KV it may reuse; a request that must compute at
+        least one token to get logits passes its prompt without the last token.
+        """
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already has KV pages")
+        pages: list[int] = []
+        if self.enable_prefix_cache:
+            pages = self.cache.match(tokens).pages
+            self.pool.retain(pages)
+        self._tables[seq_id] = list(pages)
+        self._num_cached[seq_id] = len(pages)
+        return len(pages) * self.page_size
+
+    def can_allocate(self, num_pages: int) -> bool:
+        free = self.pool.num_free
+        return num_pages <= free or num_pages <= free + self.cache.num_evictable()
+
+    def allocate(self, seq_id: str, num_tokens: int) -> bool:
+        """Grow the page table so it covers `num_tokens` positions, evicting cached pages if
+        needed. Returns False, changing nothing, if the pages cannot be found."""
+        new = self._alloc(self.pages_needed(seq_id, num_tokens))
+        if new is None:
+            return False
+        self._tables[seq_id].extend(new)
+        return True
+
+    def _alloc(self, n: int) -> list[int] | None:
+        if n == 0:
+            return []
+        if n > self.pool.num_free:
+            if not self.can_allocate(n):
+                return None
+            self.cache.evict(n - self.pool.num_free)
+        return self.pool.alloc(n)
+
+    def cache_tokens(self, seq_id: str, tokens: list[int]) -> None:
+        """Offer the sequence's whole pages of computed KV (`tokens` = the tokens whose KV is
+        written, in order) to the prefix cache, so concurrent and later requests reuse them.
+
+        If another sequence cached the same prefix first, this sequence switches to the cached
+        pages and its own copies are released (their KV is the same).
+        """
+        if not self.enable_prefix_cache:
+            return
+        table = self._tables[seq_id]
+        n_full = min(len(tokens) // self.page_size, len(table))
+        if n_full <= self._num_cached[seq_id]:
+            return
+        canonical = self.cache.insert(tokens[: n_full * self.page_size], table[:n_full])
+        dup = [mine for mine, kept in zip(table, canonical) if mine != kept]
+        if dup:
+            self.pool.retain([kept for mine, kept in zip(table, canonical) if mine != kept])
+            table[:n_full] = canonical
+            self.pool.release(dup)
+        self._num_cached[seq_id] = n_full
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence's page table; cached pages stay in the prefix cache."""
+        table = self._tables.pop(seq_id)
+        del self._num_cached[seq_id]
+        self.pool.release(table)
+
+    def fork_sequence(self, parent: str, child: str, num_tokens: int) -> PageCopy | None | bool:
+        """Give `child` the parent's KV for positions [0, num_tokens).
+
+        Whole pages are shared (refcounted). A partial last page is copied into a fresh page:
+        returns the PageCopy the runner must execute before the child's next forward, None if
+        nothing needs copying, or False (changing nothing) if no page is free for the copy.
+        """
+        if child in self._tables:
+            raise ValueError(f"sequence {child!r} already has KV pages")
+        table = self._tables[parent]
+        if num_tokens > len(table) * self.page_size:
+            raise ValueError(
+                f"fork at {num_tokens} tokens beyond the parent's {len(table) * self.page_size}"
+            )
+        n_full, rest = divmod(num_tokens, self.page_size)
+        copy = None
+        shared = table[:n_full]
+        if rest:
+            new = self._alloc(1)
+            if new is None:
+                return False
+            copy = PageCopy(table[n_full], new[0], rest)
+        self.pool.retain(shared)
+        self._tables[child] = shared + ([copy.dst] if copy else [])
+        self._num_cached[child] = min(self._num_cached[parent], n_full)
+        return copy
+
+    # ---- router-driven cache control ------------------------------------------------------------
+
+    def pin(self, tokens: list[int]) -> int:
+        return self.cache.pin(tokens)
+
+    def unpin(self, tokens: list[int]) -> int:
+        return self.cache.unpin(tokens)
+
+    # ---- accounting -----------------------------------------------------------------------------
+
+    def stats(self) -> KVStats:
+        held = {p for t in self._tables.values() for p in t}
+        cached_only = self.cache.num_pages - len(held.intersection(self.cache.all_pages()))
+        return KVStats(
+            total_pages=self.pool.num_pages,
+            free_pages=self.pool.num_free,
+            cached_pages=cached_only,
+            used_pages=len(held),
+            pinned_pages=self.cache.num_pinned_pages(),
+        )
+
+    def check_integrity(self) -> None:
+        """Every page is free, cached, or used, and each page's refcount equals its holders."""
+        self.pool.check_integrity()
+        self.cache.check_integrity()
+        holders = [0] * self.pool.num_pages
+        for p in self.cache.all_pages():
+            holders[p] += 1
+        for seq_id, table in self._tables.items():
+            assert len(set(table)) == len(table), f"{seq_id}: page twice in one table"
+            for p in table:
+                holders[p] += 1
+        for p, n in enumerate(holders):
+            assert self.pool.refcount(p) == n, f"page {p}: refcount {self.pool.refcount(p)} != {n}"
+        s = self.stats()
+        assert s.free_pages + s.cached_pages + s.used_pages == s.total_pages, s

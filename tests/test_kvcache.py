@@ -1,0 +1,244 @@
+"""Exact tests of the page pool, the radix prefix cache and per-sequence page tables."""
+
+import pytest
+
+from kvcache.manager import KVCacheManager, PageCopy
+from kvcache.page_pool import PagePool
+from kvcache.prefix_cache import PrefixCache
+
+PS = 4
+
+
+def toks(n, start=0):
+    return list(range(start, start + n))
+
+
+# ---- page pool ------------------------------------------------------------------------------
+
+
+def test_pool_alloc_order_refcounts_and_reuse():
+    pool = PagePool(6)
+    assert pool.alloc(3) == [0, 1, 2]
+    assert pool.alloc(2) == [3, 4]
+    assert pool.alloc(2) is None  # only page 5 left: nothing taken
+    assert pool.num_free == 1
+    pool.retain([1])
+    assert pool.release([0, 1, 2]) == 2  # page 1 still held once
+    assert pool.refcount(1) == 1
+    assert pool.alloc(2) == [0, 2]  # freed pages come back in their order
+    pool.check_integrity()
+
+
+def test_pool_rejects_bad_size():
+    with pytest.raises(ValueError, match="num_pages must be >= 1, got 0"):
+        PagePool(0)
+
+
+# ---- prefix cache ---------------------------------------------------------------------------
+
+
+def make_cache(num_pages=16):
+    pool = PagePool(num_pages)
+    return pool, PrefixCache(pool, PS)
+
+
+def insert_seq(pool, cache, tokens):
+    """A sequence computes `tokens`, caches them, then finishes."""
+    pages = pool.alloc(-(-len(tokens) // PS))
+    kept = cache.insert(tokens, pages)
+    pool.release(pages)
+    return kept
+
+
+def test_match_is_whole_pages_only():
+    pool, cache = make_cache()
+    assert insert_seq(pool, cache, toks(10)) == [0, 1]  # 10 tokens: 2 whole pages cached
+    assert pool.num_free == 14  # the partial page went back
+    m = cache.match(toks(10))
+    assert (m.matched_len, m.pages) == (8, [0, 1])
+    m = cache.match(toks(7))
+    assert (m.matched_len, m.pages) == (4, [0])
+    assert cache.match([99] + toks(7)).matched_len == 0
+    cache.check_integrity()
+
+
+def test_insert_shares_prefix_and_splits_edges():
+    pool, cache = make_cache()
+    insert_seq(pool, cache, toks(12))  # pages 0,1,2 on one edge
+    b = toks(8) + [50, 51, 52, 53]
+    # b shares 2 pages, diverges on the third: its own pages 3,4 for the shared part are
+    # duplicates, page 5 is new.
+    pages = pool.alloc(3)
+    assert pages == [3, 4, 5]
+    assert cache.insert(b, pages) == [0, 1, 5]
+    pool.release(pages)
+    assert pool.num_free == 16 - 4  # 0,1,2 and 5 cached; 3,4 free again
+    assert cache.match(b).pages == [0, 1, 5]
+    assert cache.match(toks(12)).pages == [0, 1, 2]
+    cache.check_integrity()
+
+
+def test_evict_lru_leaves_first_and_parents_after_children():
+    pool, cache = make_cache()
+    assert insert_seq(pool, cache, toks(8)) == [0, 1]
+    assert insert_seq(pool, cache, toks(4) + [70, 71, 72, 73]) == [0, 3]  # 2 was a duplicate
+    assert insert_seq(pool, cache, [90, 91, 92, 93]) == [2]
+    cache.match(toks(8))  # the [0, 1] path is now the most recent
+    # LRU order of leaves: page 3, then page 2, then page 1; page 0 becomes a leaf last.
+    assert cache.evict(1) == 1
+    assert pool.refcount(3) == 0 and pool.refcount(2) == 1
+    assert cache.evict(2) == 2
+    assert pool.refcount(2) == 0 and pool.refcount(1) == 0 and pool.refcount(0) == 1
+    assert cache.evict(5) == 1  # only page 0 was left
+    assert cache.num_pages == 0 and pool.num_free == 16
+    cache.check_integrity()
+
+
+def test_evict_trims_a_long_leaf_from_its_tail():
+    pool, cache = make_cache()
+    assert insert_seq(pool, cache, toks(16)) == [0, 1, 2, 3]  # one edge
+    assert cache.evict(1) == 1 and pool.refcount(3) == 0
+    assert cache.match(toks(16)).pages == [0, 1, 2]
+    assert cache.evict(2) == 2 and cache.match(toks(16)).pages == [0]
+    cache.check_integrity()
+
+
+def test_evict_skips_pages_held_by_sequences_and_pins():
+    pool, cache = make_cache()
+    insert_seq(pool, cache, toks(4))  # page 0
+    insert_seq(pool, cache, [50, 51, 52, 53])  # page 1
+    insert_seq(pool, cache, [60, 61, 62, 63])  # page 2
+    held = cache.match(toks(4)).pages
+    pool.retain(held)  # a running sequence reuses page 0
+    assert cache.pin([50, 51, 52, 53, 54]) == 4  # whole pages only
+    assert cache.num_evictable() == 1
+    assert cache.evict(3) == 1 and pool.refcount(2) == 0
+    cache.unpin([50, 51, 52, 53])
+    assert cache.evict(3) == 1 and pool.refcount(1) == 0
+    pool.release(held)
+    assert cache.evict(3) == 1 and pool.refcount(0) == 0
+    cache.check_integrity()
+
+
+def test_pin_survives_a_split_of_the_pinned_edge():
+    pool, cache = make_cache()
+    insert_seq(pool, cache, toks(12))  # one edge of pages 0, 1, 2
+    assert cache.pin(toks(12)) == 12
+    # Splits the pinned edge after page 0; the new branch gets page 4 (3 was a duplicate).
+    assert insert_seq(pool, cache, toks(4) + [77, 78, 79, 80]) == [0, 4]
+    assert cache.evict(16) == 1 and pool.refcount(4) == 0  # only the unpinned branch goes
+    assert [pool.refcount(p) for p in (0, 1, 2)] == [1, 1, 1]
+    assert cache.unpin(toks(12)) == 12  # unpins both halves
+    assert cache.evict(16) == 3 and cache.num_pages == 0
+    cache.check_integrity()
+
+
+def test_unpin_of_unpinned_prefix_is_an_error():
+    pool, cache = make_cache()
+    insert_seq(pool, cache, toks(8))
+    with pytest.raises(ValueError, match="prefix of 8 tokens is not pinned"):
+        cache.unpin(toks(8))
+
+
+# ---- manager --------------------------------------------------------------------------------
+
+
+def test_manager_open_reuses_prefix_and_allocates_rest():
+    m = KVCacheManager(num_pages=8, page_size=PS)
+    assert m.open("a", toks(9)) == 0
+    assert m.allocate("a", 10)
+    assert m.page_table("a") == [0, 1, 2]
+    m.cache_tokens("a", toks(10))  # 2 whole pages go to the tree
+    m.free("a")
+    assert m.stats().free_pages == 6 and m.stats().cached_pages == 2
+    # Same prompt again: reuse both pages, allocate the rest.
+    assert m.open("b", toks(9)) == 8
+    assert m.allocate("b", 10)
+    assert m.page_table("b") == [0, 1, 2]
+    s = m.stats()
+    assert (s.free_pages, s.cached_pages, s.used_pages) == (5, 0, 3)
+    m.check_integrity()
+    m.free("b")
+    m.check_integrity()
+
+
+def test_manager_concurrent_duplicates_switch_to_cached_pages():
+    m = KVCacheManager(num_pages=8, page_size=PS)
+    for sid in ("a", "b"):
+        assert m.open(sid, toks(8)) == 0
+        assert m.allocate(sid, 8)
+    assert m.page_table("a") == [0, 1] and m.page_table("b") == [2, 3]
+    m.cache_tokens("a", toks(8))
+    m.cache_tokens("b", toks(8))  # b's pages are duplicates: it switches to a's
+    assert m.page_table("b") == [0, 1]
+    assert m.stats().free_pages == 6
+    m.check_integrity()
+    m.free("a")
+    m.free("b")
+    assert m.stats().cached_pages == 2
+    m.check_integrity()
+
+
+def test_manager_allocate_evicts_and_fails_cleanly():
+    m = KVCacheManager(num_pages=4, page_size=PS)
+    m.open("a", [])
+    assert m.allocate("a", 12)
+    m.cache_tokens("a", toks(12))
+    m.free("a")  # 3 cached pages, 1 free
+    m.open("b", [])
+    assert m.allocate("b", 8)  # takes the free page and trims one page off the cached edge
+    assert m.page_table("b") == [2, 3]  # the tail page (2) was evicted, then reused
+    assert m.stats().cached_pages == 2
+    assert not m.allocate("b", 24)  # needs 4 more: impossible
+    assert m.page_table("b") == [2, 3]  # unchanged
+    m.check_integrity()
+
+
+def test_manager_cannot_allocate_pages_a_running_sequence_shares():
+    m = KVCacheManager(num_pages=3, page_size=PS)
+    m.open("a", [])
+    m.allocate("a", 8)
+    m.cache_tokens("a", toks(8))
+    assert m.open("b", toks(8)) == 8  # b reuses both cached pages
+    m.free("a")
+    m.open("c", [])
+    assert not m.allocate("c", 8)  # only one free page; cached ones are in use by b
+    assert m.allocate("c", 4)
+    m.check_integrity()
+
+
+def test_fork_shares_whole_pages_and_copies_the_partial_one():
+    m = KVCacheManager(num_pages=8, page_size=PS)
+    m.open("p", [])
+    m.allocate("p", 10)
+    assert m.page_table("p") == [0, 1, 2]
+    assert m.fork_sequence("p", "c", 10) == PageCopy(src=2, dst=3, num_tokens=2)
+    assert m.page_table("c") == [0, 1, 3]
+    assert m.pool.refcount(0) == 2 and m.pool.refcount(2) == 1
+    assert m.fork_sequence("p", "d", 8) is None
+    assert m.page_table("d") == [0, 1]
+    with pytest.raises(ValueError, match="fork at 13 tokens beyond the parent's 12"):
+        m.fork_sequence("p", "e", 13)
+    for sid in ("p", "c", "d"):
+        m.free(sid)
+    assert m.stats().free_pages == 8
+    m.check_integrity()
+
+
+def test_fork_without_a_free_page_changes_nothing():
+    m = KVCacheManager(num_pages=2, page_size=PS)
+    m.open("p", [])
+    m.allocate("p", 6)
+    assert m.fork_sequence("p", "c", 6) is False
+    assert not m.has("c") and m.pool.refcount(0) == 1
+    m.check_integrity()
+
+
+def test_prefix_cache_can_be_disabled():
+    m = KVCacheManager(num_pages=4, page_size=PS, enable_prefix_cache=False)
+    m.open("a", [])
+    m.allocate("a", 8)
+    m.cache_tokens("a", toks(8))
+    m.free("a")
+    assert m.open("b", toks(8)) == 0
+    assert m.stats().free_pages == 4
