@@ -1,0 +1,50 @@
+"""Engine configuration (what the user asked for) and EngineInfo (what was found at start-up)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # a resolved local Hugging Face directory (see microserve.model_files)
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    page_size: int = 16
+    kv_cache_memory_gb: float = 1.0  # KV pool size on CPU
+    num_pages: int | None = None  # overrides kv_cache_memory_gb when set (tests)
+    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunk + decodes)
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+    seed: int = 0  # engine-wide generator for requests without a seed
+
+    def __post_init__(self):
+        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts the engine core reports once it has loaded the model and sized the KV pool."""
+
+    model_name: str
+    model_dir: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    page_size: int
+    num_pages: int
+    kv_capacity_tokens: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,153 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+One step packs, under a token budget:
+  1. every running sequence that is decoding (one token each), oldest first;
+  2. running sequences still prefilling (chunked: as much of the prompt as the budget allows);
+  3. waiting sequences, in policy order, while the budget, the sequence limit and free KV pages
+     last. A new sequence first reuses the longest cached prefix of its prompt.
+
+Admission happens only when pages exist, so the engine never runs out of KV mid-step. When a
+running sequence needs a page and none is left, the policy's victim (the newest running
+sequence under FCFS) is preempted: its pages are released (whole pages stay in the prefix cache)
+and it is recomputed later from prompt + output so far.
+
+    sequence tokens:  [ computed (KV written) | to compute this step | rest ]
+                      0                  num_computed          +num_new     num_tokens
+    A step samples a token for a sequence when its chunk reaches num_tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence, SeqStatus
+from kvcache.manager import KVCacheManager
+
+
+class SchedulingPolicy:
+    """FCFS: admit in arrival order, preempt the most recent arrival first.
+
+    The interface a priority policy (e.g. FastServe's skip-join MLFQ) replaces.
+    """
+
+    def admit_order(self, waiting: deque[Sequence]) -> list[Sequence]:
+        return list(waiting)
+
+    def preemption_victim(self, running: list[Sequence]) -> Sequence:
+        return max(running, key=lambda s: s.arrival)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        policy: SchedulingPolicy | None = None,
+    ):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
+                f"({max_num_seqs}) must be >= 1"
+            )
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy or SchedulingPolicy()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0  # counter for /metrics
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and release its pages."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq.request_id)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
+                out.scheduled.append(self._entry(seq, n))
+                budget -= n
+        if not out.preempted:  # don't admit new work in a step that had to preempt
+            budget = self._admit(budget, out)
+        return out
+
+    def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
+        return ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Find pages for `seq` to hold `num_tokens`, preempting others as needed.
+        Returns False if `seq` itself had to be preempted."""
+        while not self.kv.allocate(seq.request_id, num_tokens):
+            victim = self.policy.preemption_victim(self.running)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.scheduled[:] = [s for s in out.scheduled if s.seq is not seq]
+        self.num_preemptions += 1
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        for seq in self.policy.admit_order(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            # Reuse cached KV for all but the last token: its logits are needed to sample.
+            reused = self.kv.open(seq.request_id, seq.token_at(0, seq.num_tokens - 1))
+            n = min(seq.num_tokens - reused, budget)
+            if not self.kv.allocate(seq.request_id, reused + n):
+                self.kv.free(seq.request_id)
+                break  # FCFS: nobody overtakes the head of the queue
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
+            seq.num_computed_tokens = reused
+            seq.status = SeqStatus.RUNNING
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            out.scheduled.append(self._entry(seq, n))
+            budget -= n
+        return budget
