@@ -1,0 +1,115 @@
+"""Exact scheduling decisions: token budget, chunked prefill, decode first, admission only when
+pages exist, preemption by recompute, prefix reuse. No model: a step is simulated by advancing
+`num_computed_tokens` and appending token 0 where the scheduler asked for a sample."""
+
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SeqStatus
+from kvcache.manager import KVCacheManager
+from microserve.types import SamplingParams
+
+PS = 4
+
+
+def seq(rid, n_prompt, arrival, start=0, max_tokens=100):
+    return Sequence(rid, list(range(start, start + n_prompt)), SamplingParams(max_tokens), arrival)
+
+
+def run_step(sched: Scheduler):
+    out = sched.schedule()
+    for e in out.scheduled:
+        before = e.seq.num_computed_tokens
+        e.seq.num_computed_tokens += e.num_new_tokens
+        if e.sample:
+            e.seq.output_token_ids.append(0)
+        if e.seq.num_computed_tokens // PS > before // PS:
+            sched.kv.cache_tokens(e.seq.request_id, e.seq.token_at(0, e.seq.num_computed_tokens))
+    return [(e.seq.request_id, e.num_new_tokens, e.sample) for e in out.scheduled], out
+
+
+def test_chunked_prefill_under_budget_then_decode_first():
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=8)
+    s.add(seq("a", 10, 0))
+    s.add(seq("b", 3, 1, start=100))
+    assert run_step(s)[0] == [("a", 8, False)]  # a's first chunk fills the budget
+    assert run_step(s)[0] == [("a", 2, True), ("b", 3, True)]  # rest of a, then b
+    assert run_step(s)[0] == [("a", 1, True), ("b", 1, True)]  # both decode
+    kv.check_integrity()
+
+
+def test_decodes_go_before_a_long_prefill_chunk():
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=6, max_num_seqs=8)
+    s.add(seq("a", 2, 0))
+    run_step(s)  # a prefilled, now decoding
+    s.add(seq("b", 20, 1, start=100))
+    assert run_step(s)[0] == [("a", 1, True), ("b", 5, False)]
+    assert run_step(s)[0] == [("a", 1, True), ("b", 5, False)]
+
+
+def test_admission_waits_for_pages_and_respects_fcfs():
+    kv = KVCacheManager(num_pages=4, page_size=PS)  # 16 slots
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    s.add(seq("a", 12, 0))  # 3 pages
+    s.add(seq("b", 8, 1, start=100))  # 2 pages: does not fit next to a
+    s.add(seq("c", 2, 2, start=200))  # would fit, but must not overtake b
+    assert run_step(s)[0] == [("a", 12, True)]
+    assert [x.request_id for x in s.waiting] == ["b", "c"]
+    assert not kv.has("b") and not kv.has("c")  # a refused admission holds nothing
+    kv.check_integrity()
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_later():
+    kv = KVCacheManager(num_pages=4, page_size=PS, enable_prefix_cache=False)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    s.add(seq("a", 8, 0))
+    s.add(seq("b", 8, 1, start=100))
+    assert run_step(s)[0] == [("a", 8, True), ("b", 8, True)]  # all 4 pages used
+    # Both need a new page for their 9th token: b (newest) is preempted, a continues.
+    steps, out = run_step(s)
+    assert steps == [("a", 1, True)]
+    assert [x.request_id for x in out.preempted] == ["b"]
+    b = s.waiting[0]
+    assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0 and not kv.has("b")
+    assert b.output_token_ids == [0]  # its output so far is kept and recomputed later
+    s.remove(s.running[0])  # a finishes
+    assert run_step(s)[0] == [("b", 9, True)]  # prompt + its one output token
+    kv.check_integrity()
+
+
+def test_a_sequence_that_alone_lacks_pages_preempts_itself():
+    kv = KVCacheManager(num_pages=2, page_size=PS, enable_prefix_cache=False)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    s.add(seq("a", 8, 0))
+    run_step(s)
+    steps, out = run_step(s)  # needs a third page; there is none
+    assert steps == [] and [x.request_id for x in out.preempted] == ["a"]
+    kv.check_integrity()
+
+
+def test_new_request_reuses_cached_prefix_but_recomputes_last_token():
+    kv = KVCacheManager(num_pages=16, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    s.add(seq("a", 8, 0))
+    run_step(s)
+    s.remove(s.running[0])
+    s.add(seq("b", 8, 1))  # same 8 tokens: page 0 reused, page 1 would hold the last token
+    steps, _ = run_step(s)
+    assert steps == [("b", 4, True)]
+    b = s.running[0]
+    assert b.num_cached_tokens == 4 and kv.page_table("b")[0] == 0
+    # b's second page was cached as soon as its prefill filled it, while b still runs.
+    s.add(seq("c", 13, 2))
+    steps, _ = run_step(s)
+    assert ("c", 5, True) in steps and s.running[1].num_cached_tokens == 8
+    assert kv.page_table("c")[:2] == kv.page_table("b")[:2]
+    kv.check_integrity()
+
+
+def test_max_num_seqs_limits_admission():
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=2)
+    for i in range(3):
+        s.add(seq(f"r{i}", 2, i, start=10 * i))
+    assert [r for r, _, _ in run_step(s)[0]] == ["r0", "r1"]
+    assert [x.request_id for x in s.waiting] == ["r2"]
