@@ -1,0 +1,197 @@
+"""Batched token sampling for one engine step.
+
+Greedy rows take the argmax. Sampled rows divide by their temperature, drop tokens outside top-k
+and then outside the top-p nucleus, and pick a token by an exponential race: for noise
+E ~ Exponential(1) drawn per token, argmax(probs / E) is distributed exactly as probs (it is the
+Gumbel-max trick in another form). The race needs no host sync and lets every row draw its noise
+from its own generator:
+
+  - a row whose request has a seed draws one [V] block of noise per step from that request's
+    generator, always the same way, so its tokens do not depend on which other requests share the
+    batch or where the row sits in it;
+  - rows without a seed draw one [n, V] block together from the sampler's shared generator.
+
+Logprobs are of the raw model distribution (log_softmax of the logits before temperature, top-k
+and top-p), as `TokenLogprob` documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from microserve.types import SamplingParams, TokenLogprob
+
+# Slack for "the nucleus's mass reaches top_p": a set whose true mass equals top_p (0.4 + 0.2 + 0.2
+# for top_p=0.8) may sum a float32 ulp short, which would pull one extra token into the nucleus.
+_TOP_P_SLACK = 1e-6
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]  # one per row of the logits
+    logprobs: list[TokenLogprob | None]  # one per row; None where params.logprobs is None
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """The per-request generator for `SamplingParams.seed`, or None when the request has no seed.
+
+    The caller makes it once per request, on the logits' device, and passes it to every
+    `Sampler.sample` call for that request; only that request's draws advance it.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Turns one step's logits into one token per row.
+
+    Args:
+        vocab_size: the tokenizer's vocabulary; logit columns past it (a padded lm_head) are
+            never sampled.
+        device: where the logits live; the shared generator is made there.
+        seed: seeds the generator shared by rows without a seed (None: nondeterministic).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)  # rows whose request has no seed
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self._positions = torch.arange(vocab_size, device=self.device)  # for top-k masks
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SampleResult:
+        """Sample one token per row.
+
+        Args:
+            logits: [B, V'] float32, V' >= vocab_size. Not modified.
+            params: one per row.
+            generators: one per row: the request's generator from `make_generator` when its
+                params have a seed (advanced by this call if the row is not greedy), else None.
+
+        Returns:
+            The token id of each row, and its logprobs where the row asked for them.
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
+        assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
+        assert all((p.seed is None) == (g is None) for p, g in zip(params, generators))
+        logits = logits[:, : self.vocab_size].float()
+
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            token_ids = logits.argmax(dim=-1)
+        elif len(sampled_rows) == len(params):
+            token_ids = self._sample_rows(logits, params, generators)
+        else:
+            token_ids = logits.argmax(dim=-1)
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            sampled = self._sample_rows(
+                logits.index_select(0, rows),
+                [params[i] for i in sampled_rows],
+                [generators[i] for i in sampled_rows],
+            )
+            token_ids.index_copy_(0, rows, sampled)
+
+        ids = token_ids.tolist()
+        return SampleResult(ids, self._logprobs(logits, token_ids, ids, params))
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Token ids [n] for rows that are all non-greedy (temperature > 0, top_k != 1)."""
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temperature[:, None]
+        logits = self._apply_top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)  # dropped tokens are exactly 0
+        noise = self._exponential_noise(probs.shape, generators)
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _apply_top_k_top_p(
+        self, logits: torch.Tensor, params: list[SamplingParams]
+    ) -> torch.Tensor:
+        """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus.
+
+        Works in descending order and scatters back, so the result is in vocab order whatever the
+        other rows asked for: a row without top-k/top-p comes out bit-identical, which keeps a
+        seeded row's tokens independent of its batch.
+
+            sorted probs     0.50  0.30  0.15  0.05     top_p = 0.8
+            mass before      0.00  0.50  0.80  0.95
+            kept             yes   yes   no    no       (mass before < top_p)
+        """
+        use_top_k = any(p.top_k > 0 for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if not (use_top_k or use_top_p):
+            return logits
+        # Stable, so equal logits keep the lower id first and the choice is reproducible.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        if use_top_k:
+            k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+            k = torch.tensor(k, device=logits.device)
+            sorted_logits.masked_fill_(self._positions >= k[:, None], float("-inf"))
+        if use_top_p:
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # 0 for the top token
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            sorted_logits.masked_fill_(mass_before >= top_p[:, None] - _TOP_P_SLACK, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+    def _exponential_noise(
+        self, shape: torch.Size, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Exponential(1) noise [n, V]: seeded rows from their own generator, the rest shared."""
+        n, vocab = shape
+        noise = torch.empty(shape, device=self.device)
+        shared_rows = [j for j, g in enumerate(generators) if g is None]
+        if len(shared_rows) == n:
+            noise.exponential_(generator=self.generator)
+        elif shared_rows:
+            shared = torch.empty(len(shared_rows), vocab, device=self.device)
+            shared.exponential_(generator=self.generator)
+            noise[torch.tensor(shared_rows, device=self.device)] = shared
+        for j, generator in enumerate(generators):
+            if generator is not None:
+                # A standalone [V] draw: the same stream whatever the batch's shape.
+                noise[j] = torch.empty(vocab, device=self.device).exponential_(generator=generator)
+        # An exact 0 would make probs / noise inf (or nan for dropped tokens).
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        ids: list[int],
+        params: list[SamplingParams],
+    ) -> list[TokenLogprob | None]:
+        """Raw-distribution logprobs of the chosen token and the top n, for rows that ask."""
+        result: list[TokenLogprob | None] = [None] * len(params)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return result
+        rows = torch.tensor(wanted, device=logits.device)
+        logprobs = logits.index_select(0, rows).log_softmax(dim=-1)
+        chosen = logprobs.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1).tolist()
+        num_top = min(max(params[i].logprobs for i in wanted), self.vocab_size)
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)  # best first
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs
+            top = list(zip(top_ids[j][:n], top_values[j][:n]))
+            result[i] = TokenLogprob(token_id=ids[i], logprob=chosen[j], top=top)
+        return result

@@ -1,0 +1,224 @@
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, make_generator
+from microserve.types import SamplingParams
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+NUCLEUS_PROBS = [0.5, 0.3, 0.15, 0.05]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+def params(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=16, **kwargs)
+
+
+def random_logits(rows: int, vocab: int, seed: int, device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=generator).to(device)
+
+
+def draw_many(sampler, probs, n, device, **kwargs) -> Counter:
+    """n unseeded draws from one distribution, as one batch of n identical rows."""
+    logits = torch.tensor(probs).log().expand(n, -1).contiguous().to(device)
+    result = sampler.sample(logits, [params(**kwargs)] * n, [None] * n)
+    return Counter(result.token_ids)
+
+
+def test_greedy_equals_argmax(device):
+    logits = random_logits(8, 100, seed=0, device=device)
+    logits[3, 10] = logits[3, 70] = logits[3].max() + 1  # a tie: the lower id wins
+    sampler = Sampler(100, device, seed=0)
+    result = sampler.sample(logits, [params(temperature=0.0)] * 8, [None] * 8)
+    assert result.token_ids == logits.argmax(dim=-1).tolist()
+    assert result.token_ids[3] == 10
+    assert result.logprobs == [None] * 8
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
+def test_top_k_1_is_greedy_at_any_temperature(device, temperature):
+    logits = random_logits(6, 100, seed=1, device=device)
+    sampler = Sampler(100, device, seed=0)
+    result = sampler.sample(logits, [params(temperature=temperature, top_k=1)] * 6, [None] * 6)
+    assert result.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_p_only_samples_the_nucleus(device):
+    sampler = Sampler(4, device, seed=0)
+    counts = draw_many(sampler, NUCLEUS_PROBS, 2000, device, top_p=0.8)
+    assert set(counts) == {0, 1}
+    # Within the nucleus the renormalised odds are 0.5 : 0.3.
+    assert abs(counts[0] / 2000 - 0.625) < 0.05
+    # Just past the boundary the third token joins; at 0.5 the top token alone reaches it.
+    assert set(draw_many(sampler, NUCLEUS_PROBS, 2000, device, top_p=0.81)) == {0, 1, 2}
+    assert set(draw_many(sampler, NUCLEUS_PROBS, 2000, device, top_p=0.5)) == {0}
+
+
+def test_top_p_boundary_survives_float_rounding(device):
+    # 0.4 + 0.2 + 0.2 reaches 0.8 exactly, but in float32 it sums one ulp short; the tie among the
+    # 0.2s goes to the lower ids.
+    sampler = Sampler(4, device, seed=0)
+    assert set(draw_many(sampler, [0.4, 0.2, 0.2, 0.2], 2000, device, top_p=0.8)) == {0, 1, 2}
+
+
+def test_top_k_only_samples_the_top_k(device):
+    sampler = Sampler(5, device, seed=0)
+    probs = [0.15, 0.3, 0.2, 0.1, 0.25]  # top 2: ids 1 and 4
+    counts = draw_many(sampler, probs, 2000, device, top_k=2)
+    assert set(counts) == {1, 4}
+    assert set(draw_many(sampler, probs, 2000, device, top_k=3)) == {1, 2, 4}
+
+
+def test_top_k_then_top_p(device):
+    # top_k=3 keeps 0.3, 0.25, 0.2 -> renormalised 0.4, 0.33, 0.27; top_p=0.6 keeps the first two.
+    sampler = Sampler(5, device, seed=0)
+    counts = draw_many(sampler, [0.15, 0.3, 0.2, 0.1, 0.25], 2000, device, top_k=3, top_p=0.6)
+    assert set(counts) == {1, 4}
+
+
+def test_temperature_sharpens_and_flattens(device):
+    sampler = Sampler(4, device, seed=0)
+    n = 4000
+    freq = {}
+    for temperature in (0.5, 1.0, 2.0):
+        counts = draw_many(sampler, NUCLEUS_PROBS, n, device, temperature=temperature)
+        freq[temperature] = [counts[i] / n for i in range(4)]
+    assert freq[0.5][0] > freq[1.0][0] > freq[2.0][0]  # the top token gains as T falls
+    assert freq[0.5][3] < freq[1.0][3] < freq[2.0][3]  # the tail gains as T rises
+    for temperature, observed in freq.items():
+        weights = [p ** (1 / temperature) for p in NUCLEUS_PROBS]
+        expected = [w / sum(weights) for w in weights]
+        for o, e in zip(observed, expected):
+            assert abs(o - e) < 5 * math.sqrt(e * (1 - e) / n)
+
+
+SEEDED = params(temperature=1.0)
+SEEDED_NUCLEUS = params(temperature=0.8, top_p=0.9, top_k=40)
+
+
+def sample_alone(device, row_params, seed, steps, vocab=50):
+    sampler = Sampler(vocab, device, seed=123)
+    generator = make_generator(seed, device)
+    tokens = []
+    for step in range(steps):
+        logits = random_logits(1, vocab, seed=1000 + step, device=device)
+        tokens += sampler.sample(logits, [row_params], [generator]).token_ids
+    return tokens
+
+
+@pytest.mark.parametrize("row_params", [SEEDED, SEEDED_NUCLEUS], ids=["plain", "top_k_top_p"])
+def test_same_seed_same_tokens_alone_and_in_a_batch(device, row_params):
+    vocab, steps, position = 50, 20, 3
+    alone = sample_alone(device, replace_seed(row_params, 7), seed=7, steps=steps)
+    assert len(set(alone)) > 5  # actually random, not stuck on one token
+
+    others = [
+        params(temperature=0.7, top_p=0.5, seed=99),
+        params(temperature=1.3),
+        params(temperature=0.0, logprobs=2),
+        params(temperature=1.0, top_k=3, seed=7),  # same seed, own generator
+    ]
+    batch_params = others[:position] + [replace_seed(row_params, 7)] + others[position:]
+    batch_generators = [make_generator(p.seed, device) for p in batch_params]
+    sampler = Sampler(vocab, device, seed=456)
+    in_batch = []
+    for step in range(steps):
+        logits = random_logits(5, vocab, seed=2000 + step, device=device)
+        logits[position] = random_logits(1, vocab, seed=1000 + step, device=device)[0]
+        result = sampler.sample(logits, batch_params, batch_generators)
+        in_batch.append(result.token_ids[position])
+    assert in_batch == alone
+
+
+def replace_seed(p: SamplingParams, seed: int) -> SamplingParams:
+    return SamplingParams.from_dict({**p.to_dict(), "seed": seed})
+
+
+def test_different_seeds_different_tokens(device):
+    first = sample_alone(device, params(seed=1), seed=1, steps=20)
+    second = sample_alone(device, params(seed=2), seed=2, steps=20)
+    assert first != second
+    assert first == sample_alone(device, params(seed=1), seed=1, steps=20)
+
+
+def test_greedy_row_does_not_advance_its_generator(device):
+    sampler = Sampler(50, device, seed=0)
+    generator = make_generator(5, device)
+    logits = random_logits(1, 50, seed=3, device=device)
+    sampler.sample(logits, [params(temperature=0.0, seed=5)], [generator])
+    assert torch.equal(generator.get_state(), make_generator(5, device).get_state())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.7])
+def test_logprobs_are_of_the_raw_logits(device, temperature):
+    vocab = 100
+    logits = random_logits(3, vocab, seed=4, device=device)
+    row_params = [
+        params(temperature=temperature, logprobs=5, seed=11),
+        params(temperature=temperature, logprobs=0, seed=12),
+        params(temperature=temperature, seed=13),
+    ]
+    generators = [make_generator(p.seed, device) for p in row_params]
+    result = Sampler(vocab, device, seed=0).sample(logits, row_params, generators)
+
+    raw = torch.log_softmax(logits.cpu().double(), dim=-1)
+    top_values, top_ids = raw.topk(5, dim=-1)
+    first, second, third = result.logprobs
+    assert first.token_id == result.token_ids[0]
+    assert first.logprob == pytest.approx(raw[0, first.token_id].item(), abs=1e-5)
+    assert [t for t, _ in first.top] == top_ids[0].tolist()
+    assert [v for _, v in first.top] == pytest.approx(top_values[0].tolist(), abs=1e-5)
+    assert second.token_id == result.token_ids[1]
+    assert second.logprob == pytest.approx(raw[1, second.token_id].item(), abs=1e-5)
+    assert second.top == []
+    assert third is None
+
+
+def test_mixed_batch_gives_each_row_what_it_would_alone(device):
+    vocab = 64
+    logits = random_logits(6, vocab, seed=5, device=device)
+    row_params = [
+        params(temperature=0.0),
+        params(temperature=0.9, top_p=0.8, seed=21, logprobs=3),
+        params(temperature=0.0, logprobs=2),
+        params(temperature=1.2, seed=22),
+        params(temperature=0.6, top_k=5, seed=23),
+        params(temperature=1.0, top_k=1, logprobs=1),
+    ]
+    batch = Sampler(vocab, device, seed=0).sample(
+        logits, row_params, [make_generator(p.seed, device) for p in row_params]
+    )
+    for i, p in enumerate(row_params):
+        alone = Sampler(vocab, device, seed=1).sample(
+            logits[i : i + 1], [p], [make_generator(p.seed, device)]
+        )
+        assert batch.token_ids[i] == alone.token_ids[0]
+        assert batch.logprobs[i] == alone.logprobs[0]
+    assert batch.token_ids[0] == logits[0].argmax().item()
+    assert [lp is None for lp in batch.logprobs] == [True, False, False, True, True, False]
+
+
+def test_padded_vocab_columns_are_never_sampled(device):
+    logits = torch.zeros(200, 8, device=device)
+    logits[:, 6:] = 100.0  # a padded lm_head's extra columns
+    sampler = Sampler(6, device, seed=0)
+    row_params = [params()] * 100 + [params(temperature=0.0)] * 100
+    result = sampler.sample(logits, row_params, [None] * 200)
+    assert max(result.token_ids) < 6
