@@ -1,0 +1,223 @@
+"""Llama-family causal LM (Llama 2/3/3.1/3.2, SmolLM2) over packed sequences.
+
+Tokens of every sequence in a step are concatenated into one [T] batch with no padding; each
+token carries its own position, and attention (which needs to know where sequences start and
+which KV they see) is delegated to the `attn` object the runner passes in. Everything else —
+norms, projections, RoPE, MLP — is per token, so it does not care how tokens are grouped.
+
+Numerics follow transformers' LlamaModel so greedy tokens match it: RMSNorm in fp32 then cast
+back, `weight * x`; RoPE cos/sin from fp32 inv_freq, rotate_half layout; llama3 frequency
+scaling as `_compute_llama3_parameters` does. Q/K/V and gate/up are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from microserve.model_config import ModelConfig
+
+
+class Attention(Protocol):
+    def attention(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this layer's k/v for the packed tokens and attend.
+
+        q: [T, num_heads, head_dim], k and v: [T, num_kv_heads, head_dim], q and k rotated.
+        Returns [T, num_heads, head_dim].
+        """
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32, plain or llama3-scaled.
+
+    Raises ValueError for other rope types: serving them with plain RoPE would be silently wrong.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] != "llama3":
+        raise ValueError(
+            f"rope_type {scaling['rope_type']!r} is not supported (supported: default, llama3)"
+        )
+    return _llama3_scaled(inv_freq, scaling)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth ramp
+    between (same arithmetic as transformers, so the fp32 values are identical)."""
+    try:
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context_len = scaling["original_max_position_embeddings"]
+    except KeyError as e:
+        raise ValueError(f"rope_scaling (llama3) is missing field {e.args[0]!r}") from None
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to max_position_embeddings, computed once in fp32.
+
+    The table is a non-persistent buffer: a model built on the meta device must call
+    `reset_cache()` after `to_empty()` (the loader does).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        table = torch.empty(config.max_position_embeddings, 2, config.head_dim)
+        self.register_buffer("cos_sin", table, persistent=False)
+        if table.device.type != "meta":
+            self.reset_cache()
+
+    @torch.no_grad()
+    def reset_cache(self) -> None:
+        inv_freq = rope_inv_freq(self.config).to(self.cos_sin.device)
+        positions = torch.arange(self.config.max_position_embeddings, device=inv_freq.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, KV, D] by their tokens' positions [T]."""
+        cos_sin = self.cos_sin[positions].to(q.dtype)
+        cos, sin = cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        # rows: [ q (heads * head_dim) | k (kv_heads * head_dim) | v (kv_heads * head_dim) ]
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = attn.attention(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        # rows: [ gate (intermediate) | up (intermediate) ]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary_emb, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Module names mirror transformers' (`model.layers.N.self_attn...`) so checkpoint names map
+    one to one, except the fused `qkv_proj` and `gate_up_proj` (see loader.py)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # tied: compute_logits reads the embedding matrix, so there is one weight to load
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the packed tokens input_ids [T] at
+        positions [T]; `attn` owns which tokens belong to which sequence."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the hidden rows [N, hidden] the runner samples from."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def reset_cache(self) -> None:
+        """Recompute non-weight buffers (the RoPE table) after `to_empty()`."""
+        self.model.rotary_emb.reset_cache()

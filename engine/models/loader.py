@@ -1,0 +1,140 @@
+"""Load a Hugging Face Llama checkpoint (safetensors) into `LlamaForCausalLM`.
+
+The model is built on the meta device (no memory, no random init), materialized empty on the
+target device, and filled tensor by tensor from the safetensors files, so peak memory is one
+copy of the weights plus one checkpoint tensor. HF's separate q/k/v and gate/up weights are
+copied into row ranges of the fused `qkv_proj` and `gate_up_proj`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.llama import LlamaForCausalLM
+from microserve.model_config import ModelConfig
+
+# checkpoint names that are not weights (old HF Llama checkpoints saved the RoPE inv_freq)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model for `model_dir`'s config.json and load its weights.
+
+    Returns the model in eval mode with gradients off, and its config. Raises ValueError naming
+    the weights when the checkpoint lacks some the model needs, has ones it does not know, or
+    has a tensor of the wrong shape.
+    """
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    _load_weights(model, _safetensors_files(model_dir))
+    model.reset_cache()
+    model.eval()
+    model.requires_grad_(False)
+    return model, config
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: the shards an index names, else the single model.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _fused_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """HF module name -> (fused module, first row, row count)::
+
+        qkv_proj:     [ q: 0 .. q_size | k: q_size .. +kv_size | v: q_size+kv_size .. +kv_size ]
+        gate_up_proj: [ gate: 0 .. intermediate | up: intermediate .. 2*intermediate ]
+    """
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    return {
+        "q_proj": ("qkv_proj", 0, q_size),
+        "k_proj": ("qkv_proj", q_size, kv_size),
+        "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+        "gate_proj": ("gate_up_proj", 0, inter),
+        "up_proj": ("gate_up_proj", inter, inter),
+    }
+
+
+def _checkpoint_target(name: str, fused: dict) -> tuple[str, int, int]:
+    """(parameter name, first row, row count or -1 for all) that checkpoint tensor `name` fills."""
+    module_path, _, tensor = name.rpartition(".")  # "model.layers.0.self_attn.q_proj", "weight"
+    parent, _, module = module_path.rpartition(".")
+    if module in fused:
+        fused_module, start, rows = fused[module]
+        return f"{parent}.{fused_module}.{tensor}", start, rows
+    return name, 0, -1
+
+
+def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    params = dict(model.named_parameters())
+    fused = _fused_rows(model.config)
+    # every (parameter, first row) still to fill; a fused parameter has one entry per part
+    missing = {_checkpoint_target(name, fused)[:2]: name for name in _checkpoint_names(params)}
+    unexpected = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or _is_tied_head(model, name):
+                    continue
+                target, start, rows = _checkpoint_target(name, fused)
+                if target not in params:
+                    unexpected.append(name)
+                    continue
+                _copy_rows(params[target], start, rows, f.get_tensor(name), name)
+                missing.pop((target, start), None)
+    problems = []
+    if missing:
+        problems.append(f"missing weights {sorted(missing.values())}")
+    if unexpected:
+        problems.append(f"unexpected weights {sorted(unexpected)}")
+    if problems:
+        where = files[0].parent
+        raise ValueError(f"{where}: checkpoint does not match config.json: {'; '.join(problems)}")
+
+
+def _checkpoint_names(params: dict) -> list[str]:
+    """The HF names the model expects: its own, with fused parameters split back apart."""
+    names = []
+    for name in params:
+        if ".qkv_proj." in name:
+            names += [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+        elif ".gate_up_proj." in name:
+            names += [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
+        else:
+            names.append(name)
+    return names
+
+
+def _is_tied_head(model: LlamaForCausalLM, name: str) -> bool:
+    """Some tied checkpoints also store lm_head.weight (a copy of the embedding): skip it."""
+    return name == "lm_head.weight" and model.lm_head is None
+
+
+@torch.no_grad()
+def _copy_rows(
+    param: torch.Tensor, start: int, rows: int, tensor: torch.Tensor, name: str
+) -> None:
+    dest = param if rows == -1 else param[start : start + rows]
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
