@@ -1,0 +1,215 @@
+"""The engine core: requests in, one step at a time, token ids out.
+
+Single-threaded and synchronous on purpose. It runs in its own process (engine/core_proc.py),
+so HTTP parsing, JSON and detokenization in the frontend process never sit on the step loop's
+critical path; tests also drive it in-process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from engine.config import EngineConfig, EngineInfo
+from engine.model_runner import ModelRunner, resolve_dtype
+from engine.sampler import make_generator
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+from kvcache.forward import ForwardBatch, SeqForward
+from kvcache.manager import KVCacheManager
+from microserve.types import FinishReason, SamplingParams, TokenOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        dtype = resolve_dtype(config.dtype, config.device)
+        self.runner = ModelRunner(config.model, config.device, dtype, config.seed)
+        mc = self.runner.config
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
+        num_pages = config.num_pages or int(
+            config.kv_cache_memory_gb * 2**30 // self.runner.kv_bytes_per_page(config.page_size)
+        )
+        self.runner.allocate_kv(num_pages, config.page_size)
+        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._arrivals = itertools.count()
+        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
+        self.info = EngineInfo(
+            model_name=mc.name,
+            model_dir=str(config.model),
+            device=config.device,
+            dtype=str(dtype).removeprefix("torch."),
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=sorted(self.eos_token_ids),
+            page_size=config.page_size,
+            num_pages=num_pages,
+            kv_capacity_tokens=num_pages * config.page_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+        )
+        log.info("engine core ready: %s", self.info)
+
+    @staticmethod
+    def _resolve_max_model_len(asked: int | None, mc) -> int:
+        if asked is None:
+            return mc.max_position_embeddings
+        if not 1 <= asked <= mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {asked} must be in [1, {mc.max_position_embeddings}] "
+                f"(the model's max_position_embeddings)"
+            )
+        return asked
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError (naming the field and numbers) on bad input."""
+        if request_id in self.seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._validate(prompt, params)
+        seq = Sequence(request_id, list(prompt), params, next(self._arrivals))
+        self.seqs[request_id] = seq
+        self._generators[request_id] = make_generator(params.seed, self.runner.device)
+        self.scheduler.add(seq)
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.info.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} out of range [0, {vocab})")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+        if total > self.info.kv_capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the KV cache capacity of {self.info.kv_capacity_tokens} tokens"
+            )
+
+    def abort_request(self, request_id: str) -> TokenOutput | None:
+        """Drop a request wherever it is and release its pages. None if it is unknown."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = FinishReason.ABORT
+        self._finish(seq)
+        return self._output(seq, [], None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[TokenOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        batch, input_ids, sample_rows = self._build_batch(sched)
+        sampled = [e for e in sched.scheduled if e.sample]
+        result = self.runner.execute(
+            batch,
+            input_ids,
+            sample_rows,
+            [e.seq.params for e in sampled],
+            [self._generators[e.seq.request_id] for e in sampled],
+        )
+        outputs = []
+        k = 0
+        for entry in sched.scheduled:
+            seq = entry.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += entry.num_new_tokens
+            if entry.sample:
+                token, logprob = result.token_ids[k], result.logprobs[k]
+                k += 1
+                seq.output_token_ids.append(token)
+                self._check_finish(seq, token)
+                outputs.append(self._output(seq, [token], logprob))
+            self._cache_new_pages(seq, before)
+            if seq.finish_reason is not None:
+                self._finish(seq)
+        return outputs
+
+    def _build_batch(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[int], list[int]]:
+        ps = self.kv.page_size
+        seqs, input_ids, sample_rows = [], [], []
+        for entry in sched.scheduled:
+            seq, n = entry.seq, entry.num_new_tokens
+            start = seq.num_computed_tokens
+            table = self.kv.page_table(seq.request_id)[: -(-(start + n) // ps)]
+            seqs.append(SeqForward(seq.request_id, start, n, table))
+            input_ids.extend(seq.token_at(start, start + n))
+            if entry.sample:
+                sample_rows.append(len(input_ids) - 1)
+        return ForwardBatch(seqs, ps), input_ids, sample_rows
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+
+    def _cache_new_pages(self, seq: Sequence, computed_before: int) -> None:
+        """Offer newly completed whole pages to the prefix cache (cheap check first)."""
+        ps = self.kv.page_size
+        if seq.num_computed_tokens // ps > computed_before // ps:
+            self.kv.cache_tokens(seq.request_id, seq.token_at(0, seq.num_computed_tokens))
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        del self.seqs[seq.request_id]
+        del self._generators[seq.request_id]
+        self.counters["prompt_tokens"] += seq.num_prompt_tokens
+        self.counters["cached_prompt_tokens"] += seq.num_cached_tokens or 0
+        self.counters["generation_tokens"] += len(seq.output_token_ids)
+
+    def _output(self, seq: Sequence, tokens: list[int], logprob) -> TokenOutput:
+        return TokenOutput(
+            request_id=seq.request_id,
+            token_ids=tokens,
+            finish_reason=seq.finish_reason,
+            logprobs=[logprob] if logprob is not None else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+        )
+
+    # ---- inspection ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        s = self.kv.stats()
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_total": s.total_pages,
+            "kv_pages_free": s.free_pages,
+            "kv_pages_cached": s.cached_pages,
+            "kv_pages_used": s.used_pages,
+            "kv_pages_pinned": s.pinned_pages,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        running = {s.request_id for s in self.scheduler.running}
+        # Only running sequences hold pages: a finished, aborted or waiting one holds none.
+        assert self.kv.seq_ids() == running, f"pages held by {self.kv.seq_ids() - running}"
+        queued = running | {s.request_id for s in self.scheduler.waiting}
+        assert queued == set(self.seqs), f"lost or stale requests: {queued ^ set(self.seqs)}"

@@ -1,0 +1,78 @@
+"""Owns the model, the KV tensor and the sampler; runs one forward step.
+
+The runner sees plain data from the scheduler (a ForwardBatch, token ids, which rows to sample)
+and returns plain data (sampled ids and logprobs). It is the one place that holds tensors, and
+the part a GPU runner (CUDA graphs, overlap) replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.models.loader import load_model
+from engine.sampler import SampleResult, Sampler
+from kvcache.forward import ForwardBatch
+from kvcache.manager import PageCopy
+from kvcache.paged import PagedKVCache
+from microserve.types import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, device: str, dtype: torch.dtype, seed: int = 0):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model, self.config = load_model(model_dir, dtype=dtype, device=device)
+        self.sampler = Sampler(self.config.vocab_size, self.device, seed=seed)
+        self.kv: PagedKVCache | None = None  # set by allocate_kv
+
+    def kv_bytes_per_page(self, page_size: int) -> int:
+        c = self.config
+        return PagedKVCache.bytes_per_page(
+            c.num_layers, page_size, c.num_kv_heads, c.head_dim, self.dtype
+        )
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+        c = self.config
+        self.kv = PagedKVCache(
+            c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim,
+            self.dtype, self.device, TorchAttentionBackend(self.device),
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        batch: ForwardBatch,
+        input_ids: list[int],
+        sample_rows: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        copies: list[PageCopy] = (),
+    ) -> SampleResult | None:
+        """Run one step: append KV for `input_ids` (packed per `batch`) and sample a token from
+        the logits at each of `sample_rows` (packed row indices)."""
+        if copies:
+            self.kv.copy_pages(copies)
+        dev = self.device
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(batch.positions(), dtype=torch.long, device=dev)
+        self.kv.begin_forward(batch)
+        try:
+            hidden = self.model(ids, positions, self.kv)
+        finally:
+            self.kv.end_forward()
+        if not sample_rows:
+            return None
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden[rows])
+        return self.sampler.sample(logits, params, generators)

@@ -1,0 +1,81 @@
+"""The KV tensor and the two-stage forward interface over it (paper Table 2).
+
+One allocation holds every layer's K and V pages:
+
+    kv[layer, 0 (K) | 1 (V), page, slot in page, kv_head, head_dim]
+
+One allocation is what CUDA IPC and NVSHMEM export need (DESIGN §5). Attention itself is an
+`AttentionBackend` (torch reference on CPU, Triton on GPU) behind one interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvcache.forward import ForwardBatch
+from kvcache.manager import PageCopy
+
+
+class AttentionBackend(ABC):
+    """Appends a step's K/V to the paged cache and computes attention.
+
+    `plan` is called once per step before any layer runs and may build device tensors from the
+    batch (slot mapping, page tables); `forward` is called once per layer with that plan active.
+    """
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Prepare per-step metadata for all layers. Must not read or write the KV tensor."""
+
+    @abstractmethod
+    def forward(
+        self, kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k, v [T, kv_heads, head_dim] into their slots of `kv_layer`
+        [2, pages, page_size, kv_heads, head_dim], then return causal attention of
+        q [T, heads, head_dim] over each sequence's whole KV, as [T, heads, head_dim]."""
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        backend: AttentionBackend,
+    ):
+        self.page_size = page_size
+        self.backend = backend
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self._batch: ForwardBatch | None = None
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * elem
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        assert self._batch is None, "begin_forward while a step is open"
+        self._batch = batch
+        self.backend.plan(batch)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        return self.backend.forward(self.kv[layer], q, k, v)
+
+    def end_forward(self) -> None:
+        assert self._batch is not None, "end_forward without begin_forward"
+        self._batch = None
+
+    def copy_pages(self, copies: list[PageCopy]) -> None:
+        """Execute fork copies (partial pages) for all layers before the next forward."""
+        for c in copies:
+            self.kv[:, :, c.dst, : c.num_tokens] = self.kv[:, :, c.src, : c.num_tokens]

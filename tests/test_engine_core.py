@@ -1,0 +1,174 @@
+"""The engine core's greedy tokens equal Hugging Face transformers', under continuous batching:
+mixed prompt lengths in one batch, prefix-cache hits, chunked prefill, and preemption.
+After every scenario the KV cache is intact and no finished request holds a page."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import TINY_VOCAB, hf_greedy
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from microserve.types import SamplingParams
+
+N_NEW = 32
+
+
+def greedy(max_tokens=N_NEW, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run_all(core: EngineCore, prompts: dict[str, list[int]], params=None) -> dict:
+    """Submit all prompts at once, step until done; returns request id -> (tokens, cached)."""
+    for rid, prompt in prompts.items():
+        core.add_request(rid, prompt, params or greedy())
+    tokens = {rid: [] for rid in prompts}
+    cached = {}
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id] += out.token_ids
+            cached[out.request_id] = out.num_cached_tokens
+    core.check_integrity()
+    assert core.kv.stats().used_pages == 0, "a finished request still holds pages"
+    return {rid: (tokens[rid], cached[rid]) for rid in prompts}
+
+
+def random_prompts(lengths, seed=0, vocab=TINY_VOCAB):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def make_core(model_dir, **kw):
+    kw.setdefault("page_size", 4)
+    kw.setdefault("num_pages", 256)
+    return EngineCore(EngineConfig(model=model_dir, **kw))
+
+
+# ---- tiny random Llama ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(tiny_model_dir):
+    prompts = random_prompts([1, 5, 17, 40, 64, 90])
+    return prompts, hf_greedy(tiny_model_dir, prompts, N_NEW)
+
+
+def test_tiny_mixed_batch_equals_hf(tiny_model_dir, tiny_ref):
+    prompts, ref = tiny_ref
+    core = make_core(tiny_model_dir)
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"][0] == expected, f"prompt {i} (len {len(prompts[i])})"
+
+
+def test_tiny_chunked_prefill_equals_hf(tiny_model_dir, tiny_ref):
+    prompts, ref = tiny_ref
+    core = make_core(tiny_model_dir, max_num_batched_tokens=7)  # splits every long prompt
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"][0] == expected, f"prompt {i} (len {len(prompts[i])})"
+
+
+def test_tiny_prefix_cache_hits_equal_hf(tiny_model_dir):
+    (shared,) = random_prompts([37], seed=1)
+    tails = random_prompts([3, 11, 1], seed=2)
+    prompts = [shared + t for t in tails]
+    ref = hf_greedy(tiny_model_dir, prompts, N_NEW)
+    core = make_core(tiny_model_dir)
+    first = run_all(core, {"warm": prompts[0]})
+    assert first["warm"] == (ref[0], 0)
+    # The shared 37 tokens are cached in whole pages of 4: 36 tokens are reused by each.
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"] == (expected, 36), f"prompt {i}"
+    # A prompt that is an exact repeat of a finished one (prompt + output) reuses nearly all.
+    again = prompts[1] + ref[1]
+    ref_again = hf_greedy(tiny_model_dir, [again], 8)[0]
+    got = run_all(core, {"again": again}, greedy(8))
+    assert got["again"] == (ref_again, (len(again) - 1) // 4 * 4)
+
+
+def test_tiny_preemption_equals_hf(tiny_model_dir, tiny_ref):
+    prompts, ref = tiny_ref
+    # 40 pages of 4 = 160 slots for 6 sequences that grow to 32..122 tokens: decodes run out of
+    # pages, newer sequences are preempted and recomputed, outputs must not change.
+    core = make_core(tiny_model_dir, num_pages=40, enable_prefix_cache=False)
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+    assert core.scheduler.num_preemptions > 0
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"][0] == expected, f"prompt {i}"
+
+
+def test_tiny_abort_frees_pages(tiny_model_dir):
+    core = make_core(tiny_model_dir)
+    for i, p in enumerate(random_prompts([30, 50, 9], seed=3)):
+        core.add_request(f"r{i}", p, greedy())
+    core.step()
+    core.step()
+    assert core.abort_request("r1").finish_reason == "abort"
+    assert core.abort_request("nope") is None
+    while core.has_work():
+        core.step()
+    core.check_integrity()
+    assert core.kv.stats().used_pages == 0
+
+
+def test_bad_requests_are_refused_with_numbers(tiny_model_dir):
+    core = make_core(tiny_model_dir, num_pages=8, max_model_len=100)
+    with pytest.raises(ValueError, match=r"prompt \(90 tokens\) \+ max_tokens \(20\) = 110 exceeds "
+                       r"the maximum context length of 100 tokens"):
+        core.add_request("a", [5] * 90, greedy(20))
+    with pytest.raises(ValueError, match="exceeds the KV cache capacity of 32 tokens"):
+        core.add_request("b", [5] * 30, greedy(20))
+    with pytest.raises(ValueError, match=r"prompt token id 256 out of range \[0, 256\)"):
+        core.add_request("c", [5, 256], greedy(2))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        core.add_request("d", [], greedy(2))
+    core.add_request("e", [5, 6], greedy(2))
+    with pytest.raises(ValueError, match="request_id 'e' is already in use"):
+        core.add_request("e", [5, 6], greedy(2))
+
+
+def test_stop_token_ids_and_eos(tiny_model_dir, tiny_ref):
+    prompts, ref = tiny_ref
+    core = make_core(tiny_model_dir)
+    stop_at = ref[3][5]
+    first = ref[3].index(stop_at)
+    params = SamplingParams(max_tokens=N_NEW, temperature=0.0, stop_token_ids=(stop_at,),
+                            ignore_eos=True)
+    got = run_all(core, {"s": prompts[3]}, params)
+    assert got["s"][0] == ref[3][: first + 1]
+
+
+# ---- SmolLM2 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_batch_with_shared_prefix_and_chunks_equals_hf(smollm2_dir):
+    from microserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(smollm2_dir)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in two sentences why the sky is blue, and give one example of Rayleigh scattering.",
+        "List three prime numbers.",
+    ]
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]),
+                   add_special_tokens=False)
+        for q in questions
+    ]
+    ref = hf_greedy(smollm2_dir, prompts, N_NEW)
+    core = make_core(smollm2_dir, page_size=16, num_pages=128, max_num_batched_tokens=40)
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"][0] == expected, questions[i]
+    # The system prompt is shared: a second round reuses it from the prefix cache.
+    got = run_all(core, {f"again{i}": p for i, p in enumerate(prompts)})
+    for i, expected in enumerate(ref):
+        assert got[f"again{i}"][0] == expected
+        assert got[f"again{i}"][1] >= 16
+    assert tok.decode(got["again0"][0]).startswith("The capital of France is Paris.")
