@@ -1,0 +1,225 @@
+"""The frontend's handle on its engine-core process (a GenerateBackend). No torch here.
+
+It starts `python -m engine.core_proc` with one end of a Unix socket pair, waits for `ready`,
+and then multiplexes requests over that socket: one asyncio queue per request receives its
+TokenOutputs from a single reader task. If the core process dies, every open request fails with
+BackendUnavailable and `healthy()` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from engine.config import EngineConfig
+from microserve.backend import BackendUnavailable, GenerateBackend
+from microserve.types import SamplingParams, TokenOutput
+from microserve.wire import FrameDecoder, encode
+
+log = logging.getLogger("microserve.engine")
+
+
+class CoreStartError(RuntimeError):
+    pass
+
+
+class CoreClient(GenerateBackend):
+    def __init__(self, config: EngineConfig, served_model_name: str):
+        self.config = config
+        self.model_name = served_model_name
+        self.info: dict = {}  # EngineInfo as sent by the core; set by start()
+        self.max_model_len = 0
+        self._proc: subprocess.Popen | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._alive = False
+        self.exited = asyncio.Event()  # set when the core process is gone (crash or shutdown)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [
+            sys.executable, "-m", "engine.core_proc",
+            "--fd", str(theirs.fileno()), "--config", json.dumps(asdict(self.config)),
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        reader, self._writer = await asyncio.open_connection(sock=ours)
+        decoder = FrameDecoder()
+        try:
+            first = await asyncio.wait_for(self._read_one(reader, decoder), timeout_s)
+        except (asyncio.TimeoutError, ConnectionError) as e:
+            await self.close()
+            raise CoreStartError(f"engine core did not start: {e!r}") from e
+        if first is None or first["type"] != "ready":
+            await self.close()
+            why = first["message"] if first else "the core process exited"
+            raise CoreStartError(f"engine core failed to start: {why}")
+        self.info = first["info"]
+        self.max_model_len = self.info["max_model_len"]
+        self._alive = True
+        self._reader_task = asyncio.create_task(self._read_loop(reader, decoder))
+
+    @staticmethod
+    async def _read_one(reader: asyncio.StreamReader, decoder: FrameDecoder):
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                return None
+            msgs = decoder.feed(data)
+            if msgs:
+                assert len(msgs) == 1, "the core sends nothing before ready"
+                return msgs[0]
+
+    async def close(self) -> None:
+        """Stop the core process and the reader task; fail whatever is still open."""
+        self._alive = False
+        if self._writer is not None and not self._writer.is_closing():
+            with contextlib.suppress(ConnectionError):
+                self._writer.write(encode({"type": "shutdown"}))
+                await self._writer.drain()
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+        if self._proc is not None:
+            try:
+                await asyncio.to_thread(self._proc.wait, 10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                await asyncio.to_thread(self._proc.wait)
+        self._fail_all("engine is shutting down")
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    async def _read_loop(self, reader: asyncio.StreamReader, decoder: FrameDecoder) -> None:
+        try:
+            while data := await reader.read(1 << 20):
+                for msg in decoder.feed(data):
+                    self._dispatch(msg)
+        finally:
+            if self._alive:
+                log.error("engine core process exited (code %s)", self._proc.poll())
+            self._alive = False
+            self._fail_all("engine core process exited")
+            self.exited.set()
+
+    def _dispatch(self, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "outputs":
+            for wire in msg["items"]:
+                q = self._queues.get(wire[0])
+                if q is not None:
+                    q.put_nowait(TokenOutput.from_wire(wire))
+        elif kind == "rejected":
+            q = self._queues.get(msg["request_id"])
+            if q is not None:
+                q.put_nowait(ValueError(msg["message"]))
+        elif kind == "reply":
+            fut = self._calls.pop(msg["id"], None)
+            if fut is not None and not fut.done():
+                if msg["error"]:
+                    fut.set_exception(RuntimeError(msg["error"]))
+                else:
+                    fut.set_result(msg["result"])
+
+    def _fail_all(self, why: str) -> None:
+        for q in self._queues.values():
+            q.put_nowait(BackendUnavailable(why))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(BackendUnavailable(why))
+        self._calls.clear()
+
+    # ---- GenerateBackend ------------------------------------------------------------------------
+
+    def _send(self, msg: dict) -> None:
+        if not self._alive:
+            raise BackendUnavailable("engine core is not running")
+        self._writer.write(encode(msg))  # buffered by the transport: never blocks the loop
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenOutput]:
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        try:
+            self._send(
+                {"type": "add", "request_id": request_id, "prompt": list(prompt_token_ids),
+                 "params": params.to_dict()}
+            )  # fmt: skip
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            del self._queues[request_id]
+
+    async def abort(self, request_id: str) -> None:
+        if self._alive:
+            self._send({"type": "abort", "request_id": request_id})
+
+    async def call(self, method: str, timeout_s: float = 30.0):
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send({"type": "call", "id": call_id, "method": method})
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def healthy(self) -> bool:
+        return self._alive
+
+    async def metrics_text(self) -> str:
+        if not self._alive:
+            return ""
+        return format_core_stats(await self.call("stats"), self.info)
+
+
+_STAT_HELP = {
+    "running": ("gauge", "Requests running in the engine"),
+    "waiting": ("gauge", "Requests waiting for admission"),
+    "kv_pages_total": ("gauge", "KV pages in the pool"),
+    "kv_pages_free": ("gauge", "KV pages free"),
+    "kv_pages_cached": ("gauge", "KV pages held only by the prefix cache (reusable)"),
+    "kv_pages_used": ("gauge", "KV pages held by running requests"),
+    "kv_pages_pinned": ("gauge", "KV pages pinned in the prefix cache"),
+    "preemptions": ("counter", "Requests preempted for lack of KV pages"),
+    "prompt_tokens": ("counter", "Prompt tokens of finished requests"),
+    "cached_prompt_tokens": ("counter", "Prompt tokens served from the prefix cache"),
+    "generation_tokens": ("counter", "Tokens generated by finished requests"),
+}
+
+
+def format_core_stats(stats: dict, info: dict) -> str:
+    lines = []
+    for key, (kind, help_text) in _STAT_HELP.items():
+        name = f"microserve_engine_{key}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {stats[key]}"]
+    cap = info.get("kv_capacity_tokens", 0)
+    lines += [
+        "# HELP microserve_engine_kv_capacity_tokens KV cache capacity in tokens",
+        "# TYPE microserve_engine_kv_capacity_tokens gauge",
+        f"microserve_engine_kv_capacity_tokens {cap}",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,74 @@
+"""The engine daemon: an OpenAI-compatible HTTP frontend in front of one engine-core process.
+
+    microserve engine --model DIR_OR_NAME --host 127.0.0.1 --port 8000
+
+Two processes (see engine/core_proc.py for why): this one (asyncio, no torch) parses HTTP,
+tokenizes, detokenizes and streams; the core process owns the model and runs the step loop. If
+the core process dies, this daemon exits too, so a supervisor sees one failure, not a server
+that answers /health with 503 forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from engine.config import EngineConfig
+from engine.core_client import CoreClient
+from microserve.openai_app import build_openai_app, listen_socket
+from microserve.tokenizer import Tokenizer
+
+log = logging.getLogger("microserve.engine")
+
+
+def build_engine_app(client: CoreClient, tokenizer: Tokenizer) -> FastAPI:
+    app = build_openai_app(client, tokenizer)
+
+    @app.get("/microserving/stats")
+    async def stats(request: Request) -> JSONResponse:
+        """Load and KV accounting; `?check=1` also runs the KV integrity check."""
+        body = {"stats": await client.call("stats"), "info": client.info}
+        if request.query_params.get("check"):
+            try:
+                await client.call("check_integrity")
+                body["integrity"] = "ok"
+            except RuntimeError as e:
+                body["integrity"] = str(e)
+        return JSONResponse(body)
+
+    return app
+
+
+async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
+                log_level: str = "info") -> None:
+    tokenizer = Tokenizer.from_dir(config.model)
+    client = CoreClient(config, served_model_name)
+    await client.start()
+    info = client.info
+    log.info(
+        "engine ready: model %s (%s, %s), KV %d pages x %d = %d tokens, max_model_len %d",
+        served_model_name, info["device"], info["dtype"], info["num_pages"], info["page_size"],
+        info["kv_capacity_tokens"], info["max_model_len"],
+    )  # fmt: skip
+    app = build_engine_app(client, tokenizer)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+    sock = listen_socket(host, port)
+
+    async def stop_when_core_exits():
+        await client.exited.wait()
+        server.should_exit = True
+
+    watcher = asyncio.create_task(stop_when_core_exits())
+    print(f"microserve engine serving {served_model_name!r} on http://{host}:{port}/v1",
+          flush=True)  # fmt: skip
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+        await client.close()
+    if client.exited.is_set() and not server.started:
+        raise SystemExit(1)

@@ -1,0 +1,121 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+400 invalid_request_error  a bad field (also malformed JSON, which FastAPI would answer with 422)
+404 invalid_request_error  unknown model (code model_not_found, as OpenAI answers) or route
+503 server_error           the backend cannot take the request now (BackendUnavailable)
+500 server_error           anything else; details go to the log, not to the client
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from microserve.backend import BackendUnavailable
+
+
+class OpenAIError(Exception):
+    """An error a handler raises to answer with OpenAI's error JSON."""
+
+    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message, self.type, self.param, self.code = message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+def invalid_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model '{model}' does not exist", param="model",
+                       code="model_not_found")
+
+
+def backend_unavailable(exc: BaseException) -> OpenAIError:
+    return OpenAIError(503, f"Service unavailable: {exc}", type="server_error",
+                       code="service_unavailable")
+
+
+def internal_error(exc: BaseException) -> OpenAIError:
+    return OpenAIError(500, f"Internal server error ({type(exc).__name__})", type="server_error")
+
+
+def _param_path(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path or None
+
+
+def _shown(value: Any, limit: int = 100) -> str:
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def from_validation_errors(errors: Sequence[dict]) -> OpenAIError:
+    """The first of pydantic's errors as a 400 naming the field and the value received."""
+    error = errors[0]
+    kind, loc = error.get("type"), tuple(error.get("loc", ()))
+    if kind == "json_invalid":
+        where = f" at position {loc[1]}" if len(loc) > 1 else ""
+        detail = error.get("ctx", {}).get("error", "not JSON")
+        return invalid_request(f"Malformed JSON body{where}: {detail}")
+    param = _param_path(loc)
+    if kind == "missing":
+        return invalid_request(f"Missing required field '{param}'" if param
+                               else "The request body is missing", param)
+    reason = error.get("msg", "invalid value").removeprefix("Value error, ")
+    if param is None:
+        return invalid_request(f"Invalid request body: {reason}")
+    return invalid_request(
+        f"Invalid value for '{param}': {reason} (got {_shown(error.get('input'))})", param)
+
+
+async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return from_validation_errors(exc.errors()).response()
+
+
+async def _backend_unavailable(request: Request, exc: BackendUnavailable) -> JSONResponse:
+    return backend_unavailable(exc).response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # Starlette's own 404 (unknown route) and 405 (wrong method), in OpenAI's shape.
+    return OpenAIError(exc.status_code, str(exc.detail)).response()
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # No logging here: Starlette re-raises after sending this, and the server logs the traceback.
+    return internal_error(exc).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error `app` returns an OpenAI error JSON."""
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(BackendUnavailable, _backend_unavailable)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,452 @@
+"""The OpenAI-compatible HTTP frontend over a GenerateBackend.
+
+    app = build_openai_app(backend, Tokenizer.from_dir(model_dir))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Per request: validate (protocol.py), tokenize (through the chat template for chat), fit the
+context, iterate `backend.generate`, detokenize incrementally, cut at stop strings, and answer
+with JSON or server-sent events. All text and JSON work happens here, in the frontend's event
+loop; the backend sees token ids only. Whenever a request ends before the backend finished it
+(a stop string, a client that went away, an error), the backend is told to `abort` it.
+
+TCP_NODELAY (each SSE chunk must leave at once): uvicorn never sets it; asyncio sets it on a
+transport's socket only when that socket's `proto` is IPPROTO_TCP. `uvicorn.run(app, host=,
+port=)` binds through asyncio and gets it; a socket bound by `socket.socket(family)` has proto 0
+and does not: that is uvicorn's own path with --workers, --reload or --fd, and any `sockets=`
+you pass. Serve through `listen_socket()` to have it either way (tests check both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from microserve.backend import BackendUnavailable, GenerateBackend
+from microserve.errors import (backend_unavailable, from_validation_errors,
+                               install_error_handlers, internal_error, invalid_request,
+                               model_not_found)
+from microserve.metrics import CONTENT_TYPE, Counter, Registry
+from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
+                                 CompletionWire, GenerationRequest, model_list, usage)
+from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
+from microserve.types import FinishReason, SamplingParams, TokenLogprob, TokenOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first.
+
+    uvicorn never cancels a handler whose client went away; it only answers the next
+    `receive()` (the body has been read by now) with http.disconnect. So we wait for that
+    alongside the work.
+
+    Raises:
+        ClientDisconnected: the client went away; `work` was cancelled and finished its cleanup.
+    """
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.wait((work_task,))  # its cleanup sends the backend abort
+    if work_task.cancelled():
+        raise ClientDisconnected()
+    return work_task.result()
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that stops, and closes its event generator, when the client goes away.
+
+    Closing the generator deterministically (not at garbage collection) is what runs the
+    generation's cleanup, which aborts the request in the backend.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        try:
+            await _unless_disconnected(receive, self._send_events(send))
+        except ClientDisconnected:
+            pass
+        finally:
+            await self.body_iterator.aclose()
+
+    async def _send_events(self, send: Send) -> None:
+        async for event in self.body_iterator:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(
+        payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class _CountRequests:
+    """ASGI middleware: counts responses by endpoint and status (500 if none was sent)."""
+
+    def __init__(self, app: ASGIApp, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.counter.inc(endpoint=endpoint, status=str(status))
+
+
+@dataclass
+class _Delta:
+    """What one backend output added to the response."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass
+class _Run:
+    """One generation in flight; the counters are written by OpenAIFrontend._note_output."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    arrival: float  # time.perf_counter() when the handler started
+    num_generated: int = 0
+    num_cached: int = 0
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+
+
+async def _parse_body(raw: Request, model: type[BodyT]) -> BodyT:
+    """Validate the JSON body whatever its content type (`curl -d` sends form-urlencoded)."""
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as e:
+        raise from_validation_errors(e.errors()) from None
+
+
+async def _collect(deltas: AsyncIterator[_Delta]) -> tuple[str, list[TokenLogprob], str | None]:
+    texts, logprobs, finish_reason = [], [], None
+    async for delta in deltas:
+        texts.append(delta.text)
+        logprobs.extend(delta.logprobs)
+        finish_reason = delta.finish_reason
+    return "".join(texts), logprobs, finish_reason
+
+
+class OpenAIFrontend:
+    """The OpenAI endpoints over one backend and its tokenizer; see `build_openai_app`."""
+
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, registry: Registry):
+        self.backend, self.tokenizer, self.registry = backend, tokenizer, registry
+        self.started = int(time.time())
+        self.requests = registry.counter(
+            "microserve_requests_total", "HTTP requests by endpoint and status.",
+            ["endpoint", "status"])
+        self._running = registry.gauge(
+            "microserve_requests_running", "Generations in flight in this frontend.")
+        self._ttft = registry.histogram(
+            "microserve_time_to_first_token_seconds",
+            "From request arrival to its first generated token.", TTFT_BUCKETS)
+        self._tpot = registry.histogram(
+            "microserve_time_per_output_token_seconds",
+            "Per request: mean time per output token after the first.", TPOT_BUCKETS)
+        self._prompt_tokens = registry.counter(
+            "microserve_prompt_tokens_total", "Prompt tokens of requests that started generating.")
+        self._generation_tokens = registry.counter(
+            "microserve_generation_tokens_total", "Generated tokens.")
+        self._cached_tokens = registry.counter(
+            "microserve_prefix_cache_hit_tokens_total", "Prompt tokens served from a prefix cache.")
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    async def completions(self, raw: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await _parse_body(raw, CompletionRequest)
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = await self.tokenizer.encode_async(body.prompt)
+        else:
+            prompt_ids = self._checked_token_ids(body.prompt)
+        max_tokens = self._fit_context(len(prompt_ids), body.max_tokens, "max_tokens", "prompt")
+        run = self._new_run("cmpl", body, prompt_ids, max_tokens, body.logprobs, arrival)
+        token_text = self.tokenizer.token_text if body.logprobs is not None else None
+        wire = CompletionWire(run.request_id, self.backend.model_name, int(time.time()), token_text)
+        return await self._respond(raw, body, run, wire)
+
+    async def chat_completions(self, raw: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await _parse_body(raw, ChatCompletionRequest)
+        self._check_model(body.model)
+        try:
+            text = self.tokenizer.apply_chat_template([m.template_dict() for m in body.messages])
+        except ChatTemplateError as e:
+            raise invalid_request(str(e), "messages") from e
+        # The template writes the BOS itself.
+        prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
+        max_tokens = self._fit_context(len(prompt_ids), body.requested_max_tokens,
+                                       body.max_tokens_field, "messages")
+        run = self._new_run("chatcmpl", body, prompt_ids, max_tokens, body.requested_logprobs,
+                            arrival)
+        token_bytes = self.tokenizer.token_bytes if body.logprobs else None
+        wire = ChatWire(run.request_id, self.backend.model_name, int(time.time()), token_bytes)
+        return await self._respond(raw, body, run, wire)
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse(model_list(self.backend.model_name, self.started,
+                                       self.backend.max_model_len))
+
+    async def health(self) -> JSONResponse:
+        if await self.backend.healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def metrics(self) -> Response:
+        text = self.registry.render() + await self.backend.metrics_text()
+        return Response(text, media_type=CONTENT_TYPE)
+
+    # -- request preparation --------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        # An absent or empty model means the served one, as in vLLM.
+        if model and model != self.backend.model_name:
+            raise model_not_found(model)
+
+    def _checked_token_ids(self, ids: list[int]) -> list[int]:
+        vocab_size = self.tokenizer.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+            raise invalid_request(f"Token id {ids[bad]} at prompt position {bad} is out of range "
+                                  f"for a vocabulary of {vocab_size} tokens", "prompt")
+        return ids
+
+    def _fit_context(self, prompt_len: int, max_tokens: int | None, max_tokens_field: str,
+                     prompt_field: str) -> int:
+        """The completion budget: `max_tokens` if prompt + completion fit, else a 400.
+
+        Without max_tokens the budget is what is left of the context.
+        """
+        limit = self.backend.max_model_len
+        if prompt_len == 0:
+            raise invalid_request(f"The {prompt_field} is empty after tokenization", prompt_field)
+        where = "in the messages" if prompt_field == "messages" else "in the prompt"
+        if max_tokens is None:
+            if prompt_len < limit:
+                return limit - prompt_len
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {prompt_len} tokens {where}, which leaves no room for the completion. "
+                f"Please reduce the length of the {prompt_field}.", prompt_field)
+        if prompt_len + max_tokens > limit:
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} {where}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {prompt_field} or completion.",
+                max_tokens_field if prompt_len < limit else prompt_field)
+        return max_tokens
+
+    def _new_run(self, id_prefix: str, body: GenerationRequest, prompt_ids: list[int],
+                 max_tokens: int, logprobs: int | None, arrival: float) -> _Run:
+        return _Run(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_ids=prompt_ids,
+                    params=body.sampling_params(max_tokens, logprobs), stop=body.stop,
+                    arrival=arrival)
+
+    # -- generation -----------------------------------------------------------------------
+
+    async def _respond(self, raw: Request, body: GenerationRequest, run: _Run,
+                       wire: CompletionWire | ChatWire) -> Response:
+        deltas = self._deltas(run)
+        try:
+            if not body.stream:
+                text, logprobs, finish = await _unless_disconnected(raw.receive, _collect(deltas))
+                return JSONResponse(wire.body(text, logprobs, finish, self._usage(run)))
+            # Wait for the first output before answering, so that a backend that cannot take
+            # the request still gets a 503 status rather than an error event inside a 200.
+            first = await _unless_disconnected(raw.receive, anext(deltas))
+        except ClientDisconnected:
+            return Response(status_code=499)  # nginx's "client closed request", for the metrics
+        return _EventStream(self._events(run, wire, first, deltas, body.include_usage),
+                            headers={"Cache-Control": "no-cache"})
+
+    async def _events(self, run: _Run, wire: CompletionWire | ChatWire, first: _Delta,
+                      deltas: AsyncGenerator[_Delta, None], include_usage: bool
+                      ) -> AsyncGenerator[bytes, None]:
+        """The SSE body: opening chunks, a chunk per delta, usage if asked for, then [DONE]."""
+        try:
+            for chunk in wire.opening_chunks():
+                yield _sse(chunk)
+            delta: _Delta | None = first
+            while delta is not None:
+                if delta.text or delta.logprobs or delta.finish_reason:
+                    yield _sse(wire.chunk(delta.text, delta.logprobs, delta.finish_reason))
+                delta = await anext(deltas, None)
+            if include_usage:
+                yield _sse(wire.usage_chunk(self._usage(run)))
+        except Exception as e:  # the backend failed mid-stream: the status line is gone already
+            if not isinstance(e, BackendUnavailable):  # a bug or a crash: worth a traceback
+                log.exception("request %s failed while streaming", run.request_id)
+            unavailable = isinstance(e, BackendUnavailable)
+            yield _sse((backend_unavailable(e) if unavailable else internal_error(e)).body())
+        finally:
+            await deltas.aclose()
+        yield _sse("[DONE]")
+
+    async def _deltas(self, run: _Run) -> AsyncGenerator[_Delta, None]:
+        """The request's new text per backend output, cut at the first stop string.
+
+        Aborts the request in the backend unless the backend finished it: on a stop string,
+        and when the consumer stops early or is cancelled (a client that went away).
+        """
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=run.prompt_ids)
+        stop = StopChecker(run.stop)
+        outputs = self.backend.generate(run.request_id, run.prompt_ids, run.params)
+        backend_finished = False
+        self._running.inc()
+        try:
+            async for out in outputs:
+                self._note_output(run, out)
+                backend_finished = out.finish_reason is not None
+                text = detokenizer.step(self._text_ids(run, out))
+                if backend_finished:
+                    text += detokenizer.flush()
+                text = stop.feed(text)
+                if stop.stopped:
+                    yield _Delta(text, out.logprobs or [], FinishReason.STOP)
+                    return
+                if backend_finished:
+                    text += stop.flush()
+                yield _Delta(text, out.logprobs or [], out.finish_reason)
+                if backend_finished:
+                    return
+        finally:
+            self._running.dec()
+            self._note_finished(run)
+            if not backend_finished:
+                # Shielded: a cancelled request must still be released by the backend.
+                await asyncio.shield(self.backend.abort(run.request_id))
+            if hasattr(outputs, "aclose"):  # an async generator left at a yield: run its cleanup
+                await outputs.aclose()
+
+    def _text_ids(self, run: _Run, out: TokenOutput) -> list[int]:
+        """The tokens that become text: a final stop token's or eos's text is left out."""
+        ids = out.token_ids
+        if out.finish_reason != FinishReason.STOP or not ids:
+            return ids
+        last = ids[-1]
+        if last in run.params.stop_token_ids or last == self.tokenizer.eos_token_id:
+            return ids[:-1]
+        return ids
+
+    def _note_output(self, run: _Run, out: TokenOutput) -> None:
+        now = time.perf_counter()
+        run.num_cached = out.num_cached_tokens
+        if not out.token_ids:
+            return
+        if run.first_token_at is None:
+            run.first_token_at = now
+            self._ttft.observe(now - run.arrival)
+            self._prompt_tokens.inc(len(run.prompt_ids))
+            self._cached_tokens.inc(out.num_cached_tokens)
+        run.last_token_at = now
+        run.num_generated += len(out.token_ids)
+        self._generation_tokens.inc(len(out.token_ids))
+
+    def _note_finished(self, run: _Run) -> None:
+        if run.first_token_at is not None and run.num_generated > 1:
+            elapsed = run.last_token_at - run.first_token_at
+            self._tpot.observe(elapsed / (run.num_generated - 1))
+
+    def _usage(self, run: _Run) -> dict:
+        return usage(len(run.prompt_ids), run.num_generated, run.num_cached)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket whose accepted connections have TCP_NODELAY, for uvicorn:
+
+        await uvicorn.Server(uvicorn.Config(app)).serve(sockets=[listen_socket(host, port)])
+
+    proto=IPPROTO_TCP makes asyncio set TCP_NODELAY on each accepted socket; the listener's own
+    TCP_NODELAY is also inherited by accepted sockets on Linux.
+    """
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(address)
+    return sock
+
+
+def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
+                     registry: Registry | None = None) -> FastAPI:
+    """A FastAPI app serving the OpenAI API, /health and /metrics over `backend`.
+
+    Args:
+        backend: produces token ids; `model_name` and `max_model_len` are what the app serves.
+        tokenizer: the model's tokenizer (chat template, detokenization).
+        registry: where the frontend's metrics go; pass one to add your own metrics to the
+            same /metrics page (the backend's `metrics_text()` is appended there too).
+
+    Returns:
+        The app; add more routes (`app.include_router(...)`) before serving it. Every error it
+        returns is OpenAI's error JSON.
+    """
+    frontend = OpenAIFrontend(backend, tokenizer, registry or Registry())
+    app = FastAPI(title="microserve")
+    install_error_handlers(app)
+    app.add_middleware(_CountRequests, counter=frontend.requests)
+    app.add_api_route("/v1/completions", frontend.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", frontend.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", frontend.models, methods=["GET"])
+    app.add_api_route("/health", frontend.health, methods=["GET"])
+    app.add_api_route("/metrics", frontend.metrics, methods=["GET"])
+    return app

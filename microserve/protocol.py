@@ -1,0 +1,320 @@
+"""OpenAI request bodies we accept, and the JSON we answer with.
+
+Field validation lives here, so a bad field becomes a 400 that names the field and the value
+(errors.py formats pydantic's errors). Defaults that need the model, such as max_tokens (what
+is left of the context), are resolved by the frontend. Unknown fields are ignored, as OpenAI does.
+
+Choices: `temperature` is any value >= 0, as in vLLM (OpenAI caps it at 2; we have no reason
+to refuse more). `model` may be absent or empty, meaning the served model (as in vLLM).
+Options we do not implement are refused rather than ignored when ignoring them would silently
+change the output: n > 1, best_of > 1, echo, suffix, non-zero penalties, logit_bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+
+from microserve.types import SamplingParams, TokenLogprob
+
+MAX_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)  # None: 1.0; 0: greedy
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM extension; -1 and 0 disable it
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: list[str] = []  # a single string is accepted too
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    seed: int | None = None
+    ignore_eos: bool = False  # vLLM / SGLang extension
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("must be a string or a list of strings")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0):
+            raise ValueError("penalties are not supported; only 0 is accepted")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 1):
+            raise ValueError("repetition_penalty is not supported; only 1 is accepted")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict | None) -> dict | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int]  # also [str] or [[int]] of one prompt; batches are refused
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+            if len(value) > 1:
+                raise ValueError(f"a batch of {len(value)} prompts is not supported; "
+                                 "send one prompt per request")
+            value = value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("the prompt is empty")
+        # Checked here rather than by the union type, whose errors would name its members.
+        if not (isinstance(value, str) or isinstance(value, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value)):
+            raise ValueError("must be a string, a list of token ids, or a list of one of those")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str = ""  # text parts of a list content are joined with newlines (as vLLM does)
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_content(cls, value: Any) -> Any:
+        if value is None:  # an assistant turn that only called tools
+            return ""
+        if not isinstance(value, list):
+            return value
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"content parts of type {kind!r} are not supported, only 'text'")
+        return "\n".join(str(part.get("text", "")) for part in value)
+
+    def template_dict(self) -> dict:
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return value
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the client set the completion budget with (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def model_list(model: str, created: int, max_model_len: int) -> dict:
+    card = {"id": model, "object": "model", "created": created, "owned_by": "microserve",
+            "root": model, "max_model_len": max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+def _finite(logprob: float) -> float:
+    # -inf is not JSON; vLLM reports impossible tokens as -9999.0 too.
+    return max(logprob, -9999.0)
+
+
+class _ResponseWire:
+    """Builds one request's response JSON: stream chunks and the non-streaming body."""
+
+    object = ""  # set by subclasses
+    chunk_object = ""
+
+    def __init__(self, request_id: str, model: str, created: int):
+        self.request_id, self.model, self.created = request_id, model, created
+
+    def _envelope(self, object_name: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.request_id, "object": object_name, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The extra last chunk that `stream_options.include_usage` asks for."""
+        return self._envelope(self.chunk_object, [], usage=usage)
+
+
+class CompletionWire(_ResponseWire):
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, request_id: str, model: str, created: int,
+                 token_text: Callable[[int], str] | None):
+        super().__init__(request_id, model, created)
+        self._token_text = token_text  # None: the client did not ask for logprobs
+        self._text_offset = 0  # where the next token's text starts; advanced by _logprobs
+
+    def chunk(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
+                  "finish_reason": finish_reason}
+        return self._envelope(self.chunk_object, [choice])
+
+    def body(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
+             usage: dict) -> dict:
+        return {**self.chunk(text, logprobs, finish_reason), "usage": usage}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        """The legacy completions format: parallel lists, top alternatives keyed by text."""
+        if self._token_text is None:
+            return None
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for entry in entries:
+            text = self._token_text(entry.token_id)
+            tokens.append(text)
+            token_logprobs.append(_finite(entry.logprob))
+            top = {self._token_text(t): _finite(p) for t, p in entry.top}
+            top.setdefault(text, _finite(entry.logprob))  # as vLLM: the sampled token is listed
+            top_logprobs.append(top)
+            text_offset.append(self._text_offset)
+            self._text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+class ChatWire(_ResponseWire):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, created: int,
+                 token_bytes: Callable[[int], bytes] | None):
+        super().__init__(request_id, model, created)
+        self._token_bytes = token_bytes  # None: the client did not ask for logprobs
+
+    def opening_chunks(self) -> list[dict]:
+        """Chat streams announce the role first, with empty content."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        return [self._envelope(self.chunk_object, [choice])]
+
+    def chunk(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None) -> dict:
+        delta = {"content": text} if text or finish_reason is None else {}
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+                  "finish_reason": finish_reason}
+        return self._envelope(self.chunk_object, [choice])
+
+    def body(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
+             usage: dict) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+        return self._envelope(self.object, [choice], usage=usage)
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        raw = self._token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob),
+                "bytes": list(raw)}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if self._token_bytes is None:
+            return None
+        content = [{**self._token(e.token_id, e.logprob),
+                    "top_logprobs": [self._token(t, p) for t, p in e.top]} for e in entries]
+        return {"content": content}

@@ -1,0 +1,517 @@
+"""The OpenAI frontend alone, over a scripted fake backend (no engine, no model).
+
+In-process through httpx's ASGI transport; the disconnect, TCP_NODELAY and `openai` client
+tests run a real uvicorn server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from test_tokenizer import byte_token_ids, make_tokenizer_dir
+
+from microserve.backend import BackendUnavailable, GenerateBackend
+from microserve.metrics import Registry
+from microserve.openai_app import build_openai_app, listen_socket
+from microserve.tokenizer import Tokenizer
+from microserve.types import SamplingParams, TokenLogprob, TokenOutput
+
+MODEL = "tiny-chat"
+MAX_MODEL_LEN = 64
+
+
+class ScriptedBackend(GenerateBackend):
+    """Yields one TokenOutput per scripted step, then finishes with `finish_reason`.
+
+    `hang`: after the script, wait until aborted instead of finishing (a long generation).
+    `fail`: raise this after the script instead of finishing.
+    """
+
+    model_name = MODEL
+    max_model_len = MAX_MODEL_LEN
+
+    def __init__(self, steps: list[list[int]], finish_reason: str = "length", *,
+                 logprobs: bool = False, cached: int = 0, hang: bool = False,
+                 fail: Exception | None = None):
+        self.steps, self.finish_reason, self.logprobs = steps, finish_reason, logprobs
+        self.cached, self.hang, self.fail = cached, hang, fail
+        self.calls: list[tuple[str, list[int], SamplingParams]] = []
+        self.aborted: list[str] = []
+        self.is_healthy = True
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        self.calls.append((request_id, list(prompt_token_ids), params))
+        for i, ids in enumerate(self.steps):
+            last = i == len(self.steps) - 1 and not (self.hang or self.fail)
+            logprobs = [TokenLogprob(t, -0.25 * t, [(t, -0.25 * t)]) for t in ids]
+            yield TokenOutput(request_id, ids, self.finish_reason if last else None,
+                              logprobs if self.logprobs else None, len(prompt_token_ids),
+                              self.cached)
+            await asyncio.sleep(0)
+        if self.fail:
+            raise self.fail
+        if self.hang:
+            await asyncio.Event().wait()
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    async def healthy(self):
+        return self.is_healthy
+
+    async def metrics_text(self):
+        return "# TYPE microserve_engine_pages gauge\nmicroserve_engine_pages 7.0\n"
+
+
+class Unavailable(ScriptedBackend):
+    async def generate(self, request_id, prompt_token_ids, params):
+        raise BackendUnavailable("all engines are down")
+        yield  # an async generator, like a real backend
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+def steps(tok: Tokenizer, *pieces: str) -> list[list[int]]:
+    """One scripted backend output per piece of text."""
+    return [tok.encode(p) for p in pieces]
+
+
+@contextlib.asynccontextmanager
+async def client_for(backend: GenerateBackend, tok: Tokenizer):
+    transport = httpx.ASGITransport(app=build_openai_app(backend, tok), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        yield client
+
+
+def events(response: httpx.Response) -> list:
+    """The SSE body as parsed JSON payloads (and the final "[DONE]")."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    blocks = response.text.split("\n\n")
+    assert blocks[-1] == "" and all(b.startswith("data: ") for b in blocks[:-1])
+    return [b[6:] if b == "data: [DONE]" else json.loads(b[6:]) for b in blocks[:-1]]
+
+
+def texts(chunks: list) -> list:
+    """(text, finish_reason) of each completion chunk."""
+    return [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks]
+
+
+async def eventually(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+# -- completions and chat --------------------------------------------------------------------
+
+async def test_completion(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"), cached=3)
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": "the quick", "max_tokens": 5, "temperature": 0, "seed": 1,
+            "stop_token_ids": [3], "ignore_eos": True, "user": "u", "unknown": 1})
+    body = response.json()
+    prompt_ids = tok.encode("the quick")
+    assert response.status_code == 200
+    assert body["id"].startswith("cmpl-") and len(body["id"]) == 5 + 32
+    assert (body["object"], body["model"]) == ("text_completion", MODEL)
+    assert body["choices"] == [{"index": 0, "text": "hello world", "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 2,
+                             "total_tokens": len(prompt_ids) + 2,
+                             "prompt_tokens_details": {"cached_tokens": 3}}
+    assert backend.calls == [(body["id"], prompt_ids, SamplingParams(
+        max_tokens=5, temperature=0.0, seed=1, stop_token_ids=(3,), ignore_eos=True))]
+    assert backend.aborted == []  # the backend finished the request itself
+
+
+async def test_max_tokens_defaults_to_the_rest_of_the_context(tok):
+    backend = ScriptedBackend(steps(tok, "hello"))
+    async with client_for(backend, tok) as client:
+        await client.post("/v1/completions", json={"prompt": [5, 6, 7]})  # no model: served one
+    assert backend.calls[0][2].max_tokens == MAX_MODEL_LEN - 3
+
+
+async def test_completion_stream_with_usage(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"))
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions", json={
+            "prompt": "the quick", "stream": True, "stream_options": {"include_usage": True}})
+    chunks = events(response)
+    assert texts(chunks[:2]) == [("hello", None), (" world", "length")]
+    assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 2
+    assert chunks[3] == "[DONE]" and len(chunks) == 4
+    assert {c["id"] for c in chunks[:3]} == {backend.calls[0][0]}
+
+
+async def test_chat_stream(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"))
+    messages = [{"role": "user", "content": "hi"}]
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/chat/completions",
+                                     json={"model": MODEL, "messages": messages, "stream": True})
+    chunks = events(response)
+    assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in chunks[:3]] == [
+        ({"role": "assistant", "content": ""}, None), ({"content": "hello"}, None),
+        ({"content": " world"}, "length")]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[3:] == ["[DONE]"]
+    prompt = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert backend.calls[0][1] == prompt
+    assert prompt[0] == tok.bos_token_id != prompt[1]  # one BOS: the template's
+
+
+async def test_chat_completion(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"), finish_reason="stop")
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 4})
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0,
+                                "message": {"role": "assistant", "content": "hello world"},
+                                "logprobs": None, "finish_reason": "stop"}]
+    assert body["usage"]["completion_tokens"] == 2 and backend.calls[0][2].max_tokens == 4
+
+
+# -- text: stop strings, stop tokens, multi-byte characters ---------------------------------
+
+async def test_stop_string_split_across_outputs_streaming(tok):
+    backend = ScriptedBackend(steps(tok, "xa", "b", "cd"))
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions",
+                                     json={"prompt": "hi", "stop": "ab", "stream": True})
+    chunks = events(response)
+    assert texts(chunks[:-1]) == [("x", None), ("", "stop")]  # "a" was held back, then dropped
+    assert chunks[-1] == "[DONE]"
+    assert backend.aborted == [backend.calls[0][0]]  # the backend knows no stop strings
+
+
+async def test_stop_string_non_streaming(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world", " fox"))
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "stop": ["zz", "wor"]})
+    body = response.json()
+    assert body["choices"][0]["message"]["content"] == "hello "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len(steps(tok, "hello")[0]) + len(
+        steps(tok, " world")[0])  # tokens up to the one that completed the stop string
+    assert backend.aborted == [body["id"]]
+
+
+async def test_held_back_text_is_released_when_no_stop_follows(tok):
+    backend = ScriptedBackend(steps(tok, "xa", "c"))
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions",
+                                     json={"prompt": "hi", "stop": ["ab"], "stream": True})
+    assert texts(events(response)[:-1]) == [("x", None), ("ac", "length")]
+    assert backend.aborted == []
+
+
+async def test_multibyte_characters_split_across_tokens(tok):
+    backend = ScriptedBackend([[t] for t in byte_token_ids(tok, "é😀")])
+    async with client_for(backend, tok) as client:
+        streamed = await client.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        whole = await client.post("/v1/completions", json={"prompt": "hi"})
+    assert texts(events(streamed)[:-1]) == [("é", None), ("😀", "length")]
+    assert whole.json()["choices"][0]["text"] == "é😀"
+    assert whole.json()["usage"]["completion_tokens"] == 6
+
+
+async def test_unfinished_character_at_the_end_is_a_replacement_char(tok):
+    backend = ScriptedBackend([[t] for t in byte_token_ids(tok, "😀")[:2]])
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.json()["choices"][0]["text"] == "\ufffd"
+
+
+async def test_stop_token_and_eos_text_are_left_out(tok):
+    x = tok.encode("x")[0]
+    async with client_for(ScriptedBackend([*steps(tok, "hello"), [x]], "stop"), tok) as client:
+        by_stop_token = await client.post("/v1/completions",
+                                          json={"prompt": "hi", "stop_token_ids": [x]})
+    async with client_for(ScriptedBackend([*steps(tok, "hello"), [2]], "stop"), tok) as client:
+        by_eos = await client.post("/v1/completions", json={"prompt": "hi"})
+    assert by_stop_token.json()["choices"][0]["text"] == "hello"
+    assert by_eos.json()["choices"][0]["text"] == "hello"
+    assert by_eos.json()["usage"]["completion_tokens"] == len(steps(tok, "hello")[0]) + 1
+
+
+# -- logprobs --------------------------------------------------------------------------------
+
+async def test_completion_logprobs(tok):
+    ids = [t for step in steps(tok, "hello", " world") for t in step]
+    backend = ScriptedBackend([[t] for t in ids], logprobs=True)
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions", json={"prompt": "hi", "logprobs": 1})
+    logprobs = response.json()["choices"][0]["logprobs"]
+    names = [tok.token_text(t) for t in ids]
+    assert "".join(names) == "hello world"
+    assert logprobs["tokens"] == names
+    assert logprobs["token_logprobs"] == [-0.25 * t for t in ids]
+    assert logprobs["top_logprobs"] == [{n: -0.25 * t} for n, t in zip(names, ids)]
+    assert logprobs["text_offset"] == [sum(map(len, names[:i])) for i in range(len(ids))]
+    assert backend.calls[0][2].logprobs == 1
+
+
+async def test_chat_logprobs(tok):
+    ids = steps(tok, "é")[0]
+    backend = ScriptedBackend([ids], logprobs=True)
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1})
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(entry["bytes"]) for entry in content) == "é".encode()
+    assert [e["logprob"] for e in content] == [-0.25 * t for t in ids]
+    assert [len(e["top_logprobs"]) for e in content] == [1] * len(ids)
+    assert backend.calls[0][2].logprobs == 1
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def context_error(total: int, prompt: int, completion: int, where: str, field: str) -> str:
+    return (f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you "
+            f"requested {total} tokens ({prompt} in the {where}, {completion} in the completion)."
+            f" Please reduce the length of the {field} or completion.")
+
+
+async def test_errors(tok):
+    backend = ScriptedBackend(steps(tok, "hello"))
+    n_prompt = len(tok.encode("the quick"))
+    n_chat = len(tok.encode(tok.apply_chat_template(HI), add_special_tokens=False))
+    cases = [  # (path, body, status, param, message or a part of it)
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model",
+         "The model 'nope' does not exist"),
+        ("/v1/completions", {"prompt": "the quick", "max_tokens": 63}, 400, "max_tokens",
+         context_error(n_prompt + 63, n_prompt, 63, "prompt", "prompt")),
+        (CHAT, {"messages": HI, "max_completion_tokens": 50}, 400, "max_completion_tokens",
+         context_error(n_chat + 50, n_chat, 50, "messages", "messages")),
+        ("/v1/completions", {"prompt": [5] * 64}, 400, "prompt",
+         "maximum context length is 64 tokens. However, your request has 64 tokens in the prompt"),
+        ("/v1/completions", {"prompt": [5] * 64, "max_tokens": 1}, 400, "prompt",
+         "you requested 65 tokens (64 in the prompt, 1 in the completion)"),
+        ("/v1/completions", {"prompt": [5, tok.vocab_size]}, 400, "prompt",
+         f"Token id {tok.vocab_size} at prompt position 1 is out of range for a vocabulary of "
+         f"{tok.vocab_size} tokens"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt",
+         "The prompt is empty after tokenization"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "a batch of 2 prompts"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature",
+         "Invalid value for 'temperature': Input should be greater than or equal to 0 (got -1)"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "only n=1 is supported (got 2)"),
+        (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages",
+         "chat template error: Unknown role: robot"),
+        (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+         "(got 21)"),
+    ]
+    async with client_for(backend, tok) as client:
+        for path, body, status, param, message in cases:
+            response = await client.post(path, json=body)
+            error = response.json()["error"]
+            assert (response.status_code, error["param"]) == (status, param), (body, error)
+            assert message in error["message"], (message, error["message"])
+            assert error["type"] == "invalid_request_error"
+        malformed = await client.post("/v1/completions", content=b'{"prompt": "hi",}')
+    assert malformed.status_code == 400 and malformed.json()["error"]["param"] is None
+    assert malformed.json()["error"]["message"].startswith("Malformed JSON body: ")
+    assert backend.calls == []
+
+
+async def test_model_not_found_code(tok):
+    async with client_for(ScriptedBackend([]), tok) as client:
+        response = await client.post(CHAT, json={"model": "gpt-4", "messages": HI})
+    assert response.json() == {"error": {"message": "The model 'gpt-4' does not exist",
+                                         "type": "invalid_request_error", "param": "model",
+                                         "code": "model_not_found"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_backend_unavailable_is_503(tok, stream):
+    async with client_for(Unavailable([]), tok) as client:
+        response = await client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+    assert response.status_code == 503
+    assert response.json()["error"] == {"message": "Service unavailable: all engines are down",
+                                        "type": "server_error", "param": None,
+                                        "code": "service_unavailable"}
+
+
+async def test_backend_failure_mid_stream_is_an_error_event(tok):
+    backend = ScriptedBackend(steps(tok, "hello"), fail=RuntimeError("engine died"))
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions", json={"prompt": "hi", "stream": True})
+    chunks = events(response)
+    assert texts(chunks[:1]) == [("hello", None)]
+    assert chunks[1:] == [{"error": {"message": "Internal server error (RuntimeError)",
+                                     "type": "server_error", "param": None, "code": None}},
+                          "[DONE]"]
+    assert backend.aborted == [backend.calls[0][0]]
+
+
+async def test_unknown_route_and_method_are_openai_errors(tok):
+    async with client_for(ScriptedBackend([]), tok) as client:
+        missing = await client.get("/v1/nothing")
+        wrong_method = await client.get("/v1/completions")
+    assert (missing.status_code, missing.json()["error"]["message"]) == (404, "Not Found")
+    assert (wrong_method.status_code, wrong_method.json()["error"]["message"]) == (
+        405, "Method Not Allowed")
+
+
+# -- models, health, metrics -----------------------------------------------------------------
+
+async def test_models_and_health(tok):
+    backend = ScriptedBackend([])
+    async with client_for(backend, tok) as client:
+        models = (await client.get("/v1/models")).json()
+        healthy = await client.get("/health")
+        backend.is_healthy = False
+        unhealthy = await client.get("/health")
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [
+        (MODEL, "model", MAX_MODEL_LEN)]
+    assert (healthy.status_code, unhealthy.status_code) == (200, 503)
+
+
+async def test_metrics(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"), cached=3)
+    n_generated = len(steps(tok, "hello")[0]) + len(steps(tok, " world")[0])
+    async with client_for(backend, tok) as client:
+        await client.post("/v1/completions", json={"prompt": "the quick"})
+        await client.post("/v1/completions", json={"prompt": "hi", "model": "nope"})
+        response = await client.get("/metrics")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    lines = set(response.text.splitlines())
+    assert {
+        'microserve_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+        'microserve_requests_total{endpoint="/v1/completions",status="404"} 1.0',
+        f"microserve_prompt_tokens_total {float(len(tok.encode('the quick')))}",
+        f"microserve_generation_tokens_total {float(n_generated)}",
+        "microserve_prefix_cache_hit_tokens_total 3.0",
+        "microserve_time_to_first_token_seconds_count 1",
+        "microserve_time_per_output_token_seconds_count 1",
+        "microserve_requests_running 0.0",
+        "microserve_engine_pages 7.0",  # the backend's own metrics follow the frontend's
+    } <= lines
+
+
+def test_metrics_exposition_format():
+    registry = Registry()
+    requests = registry.counter("microserve_x_total", "Things.", ["path"])
+    requests.inc(path='a"b\\c')
+    requests.inc(2, path='a"b\\c')
+    registry.gauge("microserve_y", "Level.").dec(0.5)
+    latency = registry.histogram("microserve_z_seconds", "Latency.", [0.1, 1.0])
+    for value in (0.1, 0.5, 3.0):
+        latency.observe(value)
+    assert registry.render() == (
+        '# HELP microserve_x_total Things.\n# TYPE microserve_x_total counter\n'
+        'microserve_x_total{path="a\\"b\\\\c"} 3.0\n'
+        '# HELP microserve_y Level.\n# TYPE microserve_y gauge\nmicroserve_y -0.5\n'
+        '# HELP microserve_z_seconds Latency.\n# TYPE microserve_z_seconds histogram\n'
+        'microserve_z_seconds_bucket{le="0.1"} 1\nmicroserve_z_seconds_bucket{le="1.0"} 2\n'
+        'microserve_z_seconds_bucket{le="+Inf"} 3\nmicroserve_z_seconds_sum 3.6\n'
+        'microserve_z_seconds_count 3\n')
+    with pytest.raises(ValueError, match="must start with 'microserve_'"):
+        registry.counter("x_total", "No prefix.")
+    with pytest.raises(ValueError, match=r"takes labels \['path'\], got \['route'\]"):
+        requests.inc(route="/")
+
+
+# -- a live uvicorn server: the openai client, disconnects, TCP_NODELAY ----------------------
+
+@contextlib.asynccontextmanager
+async def live_server(backend: GenerateBackend, tok: Tokenizer, bind: str = "listen_socket"):
+    """Serve the app on a free 127.0.0.1 port in this event loop; yields (base_url, server).
+
+    bind: "listen_socket" (ours) or "uvicorn" (uvicorn binds host and port itself).
+    """
+    config = uvicorn.Config(build_openai_app(backend, tok), host="127.0.0.1", port=0,
+                            log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    sockets = [listen_socket("127.0.0.1", 0)] if bind == "listen_socket" else None
+    task = asyncio.create_task(server.serve(sockets=sockets))
+    await eventually(lambda: server.started or task.done())
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", server
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_openai_client_parses_our_responses(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"), cached=1)
+    async with live_server(backend, tok) as (url, _), openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        completion = await client.completions.create(model=MODEL, prompt="the quick", max_tokens=5)
+        chat = await client.chat.completions.create(model=MODEL, messages=HI)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=HI, stream=True, stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        models = await client.models.list()
+        with pytest.raises(openai.NotFoundError) as not_found:
+            await client.completions.create(model="nope", prompt="hi")
+        with pytest.raises(openai.BadRequestError) as bad_request:
+            await client.completions.create(model=MODEL, prompt="hi", max_tokens=100)
+    assert completion.choices[0].text == "hello world"
+    assert completion.choices[0].finish_reason == "length"
+    assert (completion.usage.completion_tokens, completion.usage.prompt_tokens) == (2, 2)
+    assert completion.usage.prompt_tokens_details.cached_tokens == 1
+    assert (chat.choices[0].message.role, chat.choices[0].message.content) == (
+        "assistant", "hello world")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "hello world"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 21 + 2
+    assert [m.id for m in models.data] == [MODEL]
+    assert (not_found.value.status_code, not_found.value.code) == (404, "model_not_found")
+    assert (bad_request.value.status_code, bad_request.value.param) == (400, "max_tokens")
+
+
+async def test_client_disconnect_mid_stream_aborts(tok):
+    backend = ScriptedBackend(steps(tok, "hello"), hang=True)
+    async with live_server(backend, tok) as (url, _), httpx.AsyncClient() as client:
+        body = {"prompt": "hi", "stream": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    assert json.loads(line[6:])["choices"][0]["text"] == "hello"
+                    break  # leaving the block closes the connection mid-stream
+        await eventually(lambda: backend.aborted == [backend.calls[0][0]])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_disconnect_before_the_first_token_aborts(tok, stream):
+    backend = ScriptedBackend([], hang=True)  # e.g. a long queue or prefill
+    async with live_server(backend, tok) as (url, _), httpx.AsyncClient() as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(f"{url}/v1/completions", json={"prompt": "hi", "stream": stream},
+                              timeout=0.3)
+        await eventually(lambda: backend.aborted == [backend.calls[0][0]])
+
+
+@pytest.mark.parametrize("bind", ["listen_socket", "uvicorn"])
+async def test_served_sockets_have_tcp_nodelay(tok, bind):
+    backend = ScriptedBackend(steps(tok, "hello"))
+    async with live_server(backend, tok, bind) as (url, server), httpx.AsyncClient() as client:
+        await client.post(f"{url}/v1/completions", json={"prompt": "hi", "stream": True})
+        # The keep-alive connection is still open on the server side.
+        sockets = [c.transport.get_extra_info("socket") for c in server.server_state.connections]
+        assert len(sockets) == 1
+        assert sockets[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0

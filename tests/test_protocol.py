@@ -1,0 +1,184 @@
+"""OpenAI request validation (through the 400 it becomes) and the response JSON builders."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from microserve.errors import from_validation_errors
+from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
+                                 CompletionWire, usage)
+from microserve.types import SamplingParams, TokenLogprob
+
+
+def error_of(model, body: dict):
+    """The OpenAI error a bad body becomes: (status, param, message)."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    error = from_validation_errors(info.value.errors())
+    return error.status_code, error.param, error.message
+
+
+# -- requests --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("hi", "hi"), ([5, 6], [5, 6]), (["hi"], "hi"), ([[5, 6]], [5, 6]),
+])
+def test_prompt_forms(prompt, expected):
+    assert CompletionRequest(prompt=prompt).prompt == expected
+
+
+def test_defaults_become_sampling_params():
+    request = CompletionRequest.model_validate({"prompt": "hi", "unknown_field": 1})
+    assert request.max_tokens is None and request.stop == [] and not request.include_usage
+    assert request.sampling_params(max_tokens=7, logprobs=None) == SamplingParams(max_tokens=7)
+
+
+def test_sampling_fields_map_to_params():
+    request = CompletionRequest(prompt="hi", temperature=0, top_p=0.5, top_k=-1, seed=3,
+                                stop="x", stop_token_ids=[9], ignore_eos=True, logprobs=2)
+    params = request.sampling_params(max_tokens=4, logprobs=request.logprobs)
+    assert params == SamplingParams(max_tokens=4, temperature=0.0, top_p=0.5, top_k=0, seed=3,
+                                    stop_token_ids=(9,), ignore_eos=True, logprobs=2)
+    assert params.greedy and request.stop == ["x"]
+
+
+def test_temperature_above_two_is_accepted():
+    assert CompletionRequest(prompt="hi", temperature=3.5).temperature == 3.5
+
+
+def test_include_usage_only_when_streaming():
+    options = {"include_usage": True}
+    assert CompletionRequest(prompt="hi", stream=True, stream_options=options).include_usage
+    assert not CompletionRequest(prompt="hi", stream_options=options).include_usage
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("max_tokens", 0, "greater than or equal to 1"),
+    ("temperature", -0.5, "greater than or equal to 0"),
+    ("top_p", 0, "greater than 0"),
+    ("top_p", 1.5, "less than or equal to 1"),
+    ("top_k", -2, "greater than or equal to -1"),
+    ("logprobs", 21, "less than or equal to 20"),
+    ("n", 2, "only n=1"),
+    ("echo", True, "echo is not supported"),
+    ("suffix", "end", "suffix is not supported"),
+    ("best_of", 3, "only best_of=1"),
+    ("presence_penalty", 0.5, "penalties are not supported"),
+    ("frequency_penalty", -1, "penalties are not supported"),
+    ("repetition_penalty", 1.2, "repetition_penalty is not supported"),
+    ("logit_bias", {"5": 1.0}, "logit_bias is not supported"),
+    ("stop", 5, "must be a string or a list of strings"),
+    ("stop", ["a", 1], "must be a string or a list of strings"),
+])
+def test_bad_completion_field_is_a_400_naming_field_and_value(field, value, says):
+    status, param, message = error_of(CompletionRequest, {"prompt": "hi", field: value})
+    assert (status, param) == (400, field)
+    assert message.startswith(f"Invalid value for '{field}': ") and says in message
+    assert message.endswith(f"(got {value!r})".replace("True", "true").replace("'", '"'))
+
+
+def test_batched_and_empty_prompts_are_refused():
+    assert error_of(CompletionRequest, {"prompt": ["a", "b"]})[1:] == (
+        "prompt", 'Invalid value for \'prompt\': a batch of 2 prompts is not supported; '
+                  'send one prompt per request (got ["a", "b"])')
+    assert error_of(CompletionRequest, {"prompt": []})[1] == "prompt"
+    assert error_of(CompletionRequest, {"prompt": {"text": "hi"}})[1:] == (
+        "prompt", "Invalid value for 'prompt': must be a string, a list of token ids, or a list "
+                  'of one of those (got {"text": "hi"})')
+    assert error_of(CompletionRequest, {"prompt": [1, "a"]})[1] == "prompt"
+
+
+def test_missing_field_and_malformed_json():
+    assert error_of(CompletionRequest, {}) == (400, "prompt", "Missing required field 'prompt'")
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate_json(b'{"prompt": ')
+    error = from_validation_errors(info.value.errors())
+    assert (error.status_code, error.param) == (400, None)
+    assert error.message.startswith("Malformed JSON body: EOF while parsing")
+
+
+def test_chat_content_parts_are_joined():
+    request = ChatCompletionRequest(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "name": "bot"},
+    ])
+    assert [m.template_dict() for m in request.messages] == [
+        {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "", "name": "bot"}]
+
+
+def test_chat_errors_name_nested_fields():
+    image = {"type": "image_url", "image_url": {"url": "x"}}
+    status, param, message = error_of(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": [image]}]})
+    assert (status, param) == (400, "messages[0].content")
+    assert "content parts of type 'image_url' are not supported" in message
+    assert error_of(ChatCompletionRequest, {"messages": []})[1] == "messages"
+    assert error_of(ChatCompletionRequest, {"messages": [{"content": "x"}]})[1:] == (
+        "messages[0].role", "Missing required field 'messages[0].role'")
+
+
+def test_chat_logprobs_and_max_tokens_fields():
+    messages = [{"role": "user", "content": "hi"}]
+    assert error_of(ChatCompletionRequest, {"messages": messages, "top_logprobs": 2})[1:] == (
+        "top_logprobs",
+        "Invalid value for 'top_logprobs': top_logprobs needs logprobs=true (got 2)")
+    request = ChatCompletionRequest(messages=messages, logprobs=True, top_logprobs=3,
+                                    max_tokens=5, max_completion_tokens=9)
+    assert (request.requested_logprobs, request.requested_max_tokens) == (3, 9)
+    assert request.max_tokens_field == "max_completion_tokens"
+    plain = ChatCompletionRequest(messages=messages, max_tokens=5)
+    assert (plain.requested_logprobs, plain.requested_max_tokens) == (None, 5)
+    assert ChatCompletionRequest(messages=messages, logprobs=True).requested_logprobs == 0
+
+
+# -- responses -------------------------------------------------------------------------------
+
+TOKENS = {5: "he", 6: "llo", 7: " x"}
+LOGPROBS = [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.5)]),
+            TokenLogprob(6, float("-inf"), [(7, -0.1)])]
+
+
+def test_usage_counts_cached_prompt_tokens():
+    assert usage(10, 3, 4) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                               "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_completion_wire():
+    wire = CompletionWire("cmpl-1", "m", 100, TOKENS.__getitem__)
+    assert wire.chunk("hello", LOGPROBS, None) == {
+        "id": "cmpl-1", "object": "text_completion", "created": 100, "model": "m",
+        "choices": [{"index": 0, "text": "hello", "finish_reason": None, "logprobs": {
+            "tokens": ["he", "llo"], "token_logprobs": [-0.5, -9999.0],
+            "top_logprobs": [{"he": -0.5, " x": -1.5}, {" x": -0.1, "llo": -9999.0}],
+            "text_offset": [0, 2]}}]}
+    assert wire.chunk("", [TokenLogprob(7, -1.0)], "stop")["choices"][0]["logprobs"][
+        "text_offset"] == [5]  # offsets continue across chunks
+    assert wire.usage_chunk({"total_tokens": 1}) == {
+        "id": "cmpl-1", "object": "text_completion", "created": 100, "model": "m",
+        "choices": [], "usage": {"total_tokens": 1}}
+    body = CompletionWire("cmpl-1", "m", 100, None).body("hello", [], "length", {"u": 1})
+    assert body["choices"] == [{"index": 0, "text": "hello", "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"] == {"u": 1} and body["object"] == "text_completion"
+
+
+def test_chat_wire():
+    wire = ChatWire("chatcmpl-1", "m", 100, lambda t: TOKENS[t].encode())
+    (opening,) = wire.opening_chunks()
+    assert opening["object"] == "chat.completion.chunk"
+    assert opening["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}]
+    chunk = wire.chunk("he", LOGPROBS[:1], None)
+    assert chunk["choices"] == [{"index": 0, "delta": {"content": "he"}, "finish_reason": None,
+                                 "logprobs": {"content": [{
+                                     "token": "he", "logprob": -0.5, "bytes": [104, 101],
+                                     "top_logprobs": [
+                                         {"token": "he", "logprob": -0.5, "bytes": [104, 101]},
+                                         {"token": " x", "logprob": -1.5, "bytes": [32, 120]}]}]}}]
+    assert wire.chunk("", [], "stop")["choices"][0]["delta"] == {}
+    body = ChatWire("chatcmpl-1", "m", 100, None).body("hello", [], "stop", {"u": 1})
+    assert body == {"id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "m",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                                 "logprobs": None, "finish_reason": "stop"}],
+                    "usage": {"u": 1}}
