@@ -19,6 +19,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from kvcache.forward import ForwardBatch, SeqForward
 from kvcache.manager import KVCacheManager
+from microserve.backend import RequestRejected
 from microserve.types import FinishReason, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,9 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError (naming the field and numbers) on bad input."""
+        """Queue a request. Raises RequestRejected (naming the field and numbers) on bad input."""
         if request_id in self.seqs:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
         self._validate(prompt, params)
         seq = Sequence(request_id, list(prompt), params, next(self._arrivals))
         self.seqs[request_id] = seq
@@ -83,23 +84,25 @@ class EngineCore:
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise RequestRejected("prompt is empty: at least one token is needed", "prompt")
         vocab = self.info.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} out of range [0, {vocab})")
+            raise RequestRejected(f"prompt token id {bad} out of range [0, {vocab})", "prompt")
         if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+            raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the maximum context length of {self.max_model_len} tokens"
+                f"exceeds the maximum context length of {self.max_model_len} tokens",
+                "max_tokens",
             )
         if total > self.info.kv_capacity_tokens:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the KV cache capacity of {self.info.kv_capacity_tokens} tokens"
+                f"exceeds the KV cache capacity of {self.info.kv_capacity_tokens} tokens",
+                "max_tokens",
             )
 
     def abort_request(self, request_id: str) -> TokenOutput | None:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from engine.config import EngineConfig
-from microserve.backend import BackendUnavailable, GenerateBackend
+from microserve.backend import BackendUnavailable, GenerateBackend, RequestRejected
 from microserve.types import SamplingParams, TokenOutput
 from microserve.wire import FrameDecoder, encode
 
@@ -127,7 +127,7 @@ class CoreClient(GenerateBackend):
         elif kind == "rejected":
             q = self._queues.get(msg["request_id"])
             if q is not None:
-                q.put_nowait(ValueError(msg["message"]))
+                q.put_nowait(RequestRejected(msg["message"], msg.get("param")))
         elif kind == "reply":
             fut = self._calls.pop(msg["id"], None)
             if fut is not None and not fut.done():
@@ -155,7 +155,7 @@ class CoreClient(GenerateBackend):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenOutput]:
         if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestRejected(f"request_id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         try:

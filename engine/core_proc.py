@@ -25,6 +25,7 @@ import traceback
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from microserve.backend import RequestRejected
 from microserve.types import SamplingParams
 from microserve.wire import FrameDecoder, encode
 
@@ -71,8 +72,9 @@ class CoreLoop:
             try:
                 params = SamplingParams.from_dict(msg["params"])
                 self.core.add_request(msg["request_id"], msg["prompt"], params)
-            except ValueError as e:
-                self.send({"type": "rejected", "request_id": msg["request_id"], "message": str(e)})
+            except RequestRejected as e:
+                self.send({"type": "rejected", "request_id": msg["request_id"],
+                           "message": str(e), "param": e.param})  # fmt: skip
         elif kind == "abort":
             out = self.core.abort_request(msg["request_id"])
             if out is not None:

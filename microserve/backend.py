@@ -17,6 +17,18 @@ class BackendUnavailable(Exception):
     """The backend cannot take the request now (engine down, KV full): maps to HTTP 503."""
 
 
+class RequestRejected(ValueError):
+    """The backend refused the request as invalid (e.g. longer than its KV pool): HTTP 400.
+
+    The message names the field and the numbers, like every 400 we send; `param` is the
+    request field to blame, when there is one.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class GenerateBackend(ABC):
     model_name: str  # the name /v1/models reports and requests must use
     max_model_len: int  # prompt + completion tokens must fit in this
@@ -27,7 +39,8 @@ class GenerateBackend(ABC):
     ) -> AsyncIterator[TokenOutput]:
         """Stream the request's outputs; the last one carries a finish_reason.
 
-        Raises BackendUnavailable before the first output if the request cannot be served.
+        Raises BackendUnavailable before the first output if the request cannot be served now,
+        RequestRejected if it can never be served as asked.
         Closing the iterator early does not abort the request: call `abort`.
         """
 

@@ -1,6 +1,7 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
 
-400 invalid_request_error  a bad field (also malformed JSON, which FastAPI would answer with 422)
+400 invalid_request_error  a bad field (also malformed JSON, which FastAPI would answer with 422),
+                           or a request the backend refused (RequestRejected)
 404 invalid_request_error  unknown model (code model_not_found, as OpenAI answers) or route
 503 server_error           the backend cannot take the request now (BackendUnavailable)
 500 server_error           anything else; details go to the log, not to the client
@@ -17,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from microserve.backend import BackendUnavailable
+from microserve.backend import BackendUnavailable, RequestRejected
 
 
 class OpenAIError(Exception):
@@ -102,6 +103,10 @@ async def _backend_unavailable(request: Request, exc: BackendUnavailable) -> JSO
     return backend_unavailable(exc).response()
 
 
+async def _request_rejected(request: Request, exc: RequestRejected) -> JSONResponse:
+    return invalid_request(str(exc), exc.param).response()
+
+
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     # Starlette's own 404 (unknown route) and 405 (wrong method), in OpenAI's shape.
     return OpenAIError(exc.status_code, str(exc.detail)).response()
@@ -117,5 +122,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BackendUnavailable, _backend_unavailable)
+    app.add_exception_handler(RequestRejected, _request_rejected)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
