@@ -33,6 +33,9 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from microserve.random_models import (RANDOM_MODELS, RANDOM_PREFIX, RANDOM_WEIGHTS_MARKER,
+                                      is_random_spec, materialize)
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -78,20 +81,24 @@ def resolve_model(spec: str | None) -> Path:
     """Return the HF directory `spec` names, converting the embedded default on first use.
 
     Args:
-        spec: None, "default" or "smollm2-135m-instruct" for the embedded default; otherwise a
-            path to a directory holding config.json and safetensors weights.
+        spec: None, "default" or "smollm2-135m-instruct" for the embedded default;
+            "random:llama-3.1-8b" (or another name in `random_models.RANDOM_MODELS`) for a
+            synthetic model; otherwise a path to a directory holding config.json and
+            safetensors weights.
     """
     if spec in _DEFAULT_ALIASES:
         return ensure_converted(default_gguf_path(), models_cache_dir(), _DEFAULT_DIR_PREFIX)
+    if is_random_spec(spec):
+        return materialize(spec, models_cache_dir())
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ValueError(
             f"--model {spec!r}: not a directory and not a known model name "
-            f"(known: {DEFAULT_MODEL})"
+            f"(known: {DEFAULT_MODEL}, {', '.join(RANDOM_PREFIX + n for n in RANDOM_MODELS)})"
         )
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {spec!r}: directory has no config.json")
-    if not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")) and not (path / RANDOM_WEIGHTS_MARKER).is_file():
         raise ValueError(f"--model {spec!r}: directory has no *.safetensors weights")
     return path.resolve()
 

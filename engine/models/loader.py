@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from engine.models.llama import LlamaForCausalLM
 from microserve.model_config import ModelConfig
+from microserve.random_models import RANDOM_WEIGHTS_MARKER
 
 # checkpoint names that are not weights (old HF Llama checkpoints saved the RoPE inv_freq)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,11 +37,27 @@ def load_model(
         model = LlamaForCausalLM(config)
     model.to(dtype=dtype)
     model.to_empty(device=device)
-    _load_weights(model, _safetensors_files(model_dir))
+    marker = model_dir / RANDOM_WEIGHTS_MARKER
+    if marker.is_file():
+        _random_weights(model, seed=int(marker.read_text().strip() or 0))
+    else:
+        _load_weights(model, _safetensors_files(model_dir))
     model.reset_cache()
     model.eval()
     model.requires_grad_(False)
     return model, config
+
+
+@torch.no_grad()
+def _random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Synthetic models (microserve/random_models.py): N(0, 0.02) matrices, unit norms, drawn
+    on the model's device so an 8B model fills in seconds."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
