@@ -12,6 +12,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     page_size: int = 16
     kv_cache_memory_gb: float = 1.0  # KV pool size on CPU
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory the engine may use
     num_pages: int | None = None  # overrides kv_cache_memory_gb when set (tests)
     max_num_batched_tokens: int = 512  # per-step token budget (prefill chunk + decodes)
     max_num_seqs: int = 256
@@ -25,6 +26,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

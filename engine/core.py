@@ -32,9 +32,7 @@ class EngineCore:
         self.runner = ModelRunner(config.model, config.device, dtype, config.seed)
         mc = self.runner.config
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
-        num_pages = config.num_pages or int(
-            config.kv_cache_memory_gb * 2**30 // self.runner.kv_bytes_per_page(config.page_size)
-        )
+        num_pages = self.runner.num_pages_for(config)
         self.runner.allocate_kv(num_pages, config.page_size)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)

@@ -12,7 +12,7 @@ import torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.loader import load_model
 from engine.sampler import SampleResult, Sampler
-from kvcache.forward import ForwardBatch
+from kvcache.forward import ForwardBatch, SeqForward
 from kvcache.manager import PageCopy
 from kvcache.paged import PagedKVCache
 from microserve.types import SamplingParams
@@ -41,6 +41,45 @@ class ModelRunner:
         return PagedKVCache.bytes_per_page(
             c.num_layers, page_size, c.num_kv_heads, c.head_dim, self.dtype
         )
+
+    def num_pages_for(self, config) -> int:
+        """KV pool size: given, or from memory (CPU: kv_cache_memory_gb; CUDA: what is left of
+        gpu_memory_utilization x the GPU's memory after weights and a worst-case step)."""
+        if config.num_pages is not None:
+            return config.num_pages
+        per_page = self.kv_bytes_per_page(config.page_size)
+        if self.device.type != "cuda":
+            return max(1, int(config.kv_cache_memory_gb * 2**30 // per_page))
+        budget = config.gpu_memory_utilization * torch.cuda.get_device_properties(
+            self.device
+        ).total_memory
+        peak = self._profile_peak_memory(config)
+        if budget - peak < per_page * 2:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: weights and activations peak at "
+                f"{peak / 2**30:.1f} GiB of the {budget / 2**30:.1f} GiB allowed "
+                f"(gpu_memory_utilization {config.gpu_memory_utilization})"
+            )
+        return int((budget - peak) // per_page)
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self, config) -> int:
+        """Peak bytes of a step with the full token budget (one long prefill chunk) and a full
+        sampling batch, run on a scratch KV pool just large enough for it."""
+        n = config.max_num_batched_tokens
+        pages = -(-n // config.page_size)
+        self.allocate_kv(pages, config.page_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        batch = ForwardBatch([SeqForward("profile", 0, n, list(range(pages)))], config.page_size)
+        rows = min(n, config.max_num_seqs)
+        params = [SamplingParams(max_tokens=1, top_p=0.9, logprobs=5)] * rows
+        self.execute(batch, [0] * n, list(range(n - rows, n)), params, [None] * rows)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv = None
+        torch.cuda.empty_cache()
+        return peak - pages * self.kv_bytes_per_page(config.page_size)
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         c = self.config

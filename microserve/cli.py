@@ -26,6 +26,8 @@ def _engine_args(sub) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
                    help="size of the KV pool (CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, activations and KV (CUDA)")
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages "
                                                                "(overrides the memory size)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -50,6 +52,7 @@ def _run_engine(args) -> None:
         dtype=args.dtype,
         page_size=args.page_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         num_pages=args.num_pages,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
