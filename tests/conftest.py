@@ -58,24 +58,26 @@ def smollm2_dir():
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Hugging Face transformers' greedy continuation of each prompt, one prompt at a time."""
+    """Hugging Face transformers' greedy continuation of each prompt, one prompt at a time.
+
+    A plain greedy loop over the HF model with its own KV cache, never stopping at eos: what
+    `generate(do_sample=False)` computes, and what our `ignore_eos=True` means. (`generate`'s
+    `min_new_tokens` would instead mask eos out of the distribution.)
+    """
     import torch
-    from transformers import AutoModelForCausalLM
 
     model = _hf_model(model_dir)
     out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,  # ignore eos, like ignore_eos=True
-                do_sample=False,
-                pad_token_id=0,
-            )
-        out.append(gen[0, len(prompt) :].tolist())
+    with torch.no_grad():
+        for prompt in prompts:
+            step = model(torch.tensor([prompt]), use_cache=True)
+            tokens = []
+            for _ in range(max_new_tokens):
+                token = int(step.logits[0, -1].argmax())
+                tokens.append(token)
+                step = model(torch.tensor([[token]]), past_key_values=step.past_key_values,
+                             use_cache=True)  # fmt: skip
+            out.append(tokens)
     return out
 
 
@@ -91,3 +93,21 @@ def _hf_model(model_dir: str):
             model_dir, dtype=torch.float32
         ).eval()
     return _HF_MODELS[model_dir]
+
+
+# ---- daemon logs in failure reports (tests/test_engine_server.py) ---------------------------
+
+# Log files of the `microserve engine` processes a test talked to; a failed test's report shows
+# their tails (the daemons write to files, which pytest does not capture).
+DAEMON_LOGS = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for path in item.stash.get(DAEMON_LOGS, []):
+            with open(path, errors="replace") as f:
+                lines = f.read().splitlines()[-60:]
+            report.sections.append((f"daemon log {path} (last 60 lines)", "\n".join(lines)))
