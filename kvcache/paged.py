@@ -31,11 +31,18 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        kv_layer: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
     ) -> torch.Tensor:
-        """Write k, v [T, kv_heads, head_dim] into their slots of `kv_layer`
-        [2, pages, page_size, kv_heads, head_dim], then return causal attention of
-        q [T, heads, head_dim] over each sequence's whole KV, as [T, heads, head_dim]."""
+        """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] by `positions` (RoPE
+        with the fp32 `cos_sin` table), write k, v into their slots of `kv_layer`
+        [2, pages, page_size, kv_heads, head_dim], then return causal attention of q over each
+        sequence's whole KV, as [T, heads, head_dim]. May modify q, k in place."""
 
 
 class PagedKVCache:
@@ -68,8 +75,13 @@ class PagedKVCache:
         self._batch = batch
         self.backend.plan(batch)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        return self.backend.forward(self.kv[layer], q, k, v)
+    def begin_forward_static(self) -> None:
+        """Open a step whose metadata the backend already holds (a CUDA graph capture)."""
+        assert self._batch is None, "begin_forward while a step is open"
+        self._batch = ForwardBatch([], self.page_size)
+
+    def attention(self, layer: int, q, k, v, positions, cos_sin):
+        return self.backend.forward(self.kv[layer], q, k, v, positions, cos_sin)
 
     def end_forward(self) -> None:
         assert self._batch is not None, "end_forward without begin_forward"

@@ -11,6 +11,7 @@ import transformers
 from safetensors.torch import save_file
 
 from engine.models.llama import LlamaForCausalLM as OurLlama
+from engine.models.llama import apply_rope
 from engine.models.loader import load_model
 
 PROMPTS = [[5, 17, 99, 3, 250], [7] * 3 + list(range(40, 48)), [201, 2, 64]]
@@ -38,7 +39,8 @@ class ContiguousAttention:
     def begin(self, seq_ids: list[int], num_new: list[int]) -> None:
         self.seq_ids, self.num_new = seq_ids, num_new
 
-    def attention(self, layer_idx, q, k, v):
+    def attention(self, layer_idx, q, k, v, positions, cos_sin):
+        q, k = apply_rope(q, k, positions, cos_sin)
         outs, start = [], 0
         for seq_id, n in zip(self.seq_ids, self.num_new):
             rows = slice(start, start + n)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.models.llama import apply_rope
 from kvcache.forward import ForwardBatch
 from kvcache.paged import AttentionBackend
 
@@ -77,7 +78,8 @@ class TorchAttentionBackend(AttentionBackend):
             mask[:, None, None, :].to(dev),
         )
 
-    def forward(self, kv_layer, q, k, v):
+    def forward(self, kv_layer, q, k, v, positions, cos_sin):
+        q, k = apply_rope(q, k, positions, cos_sin)
         heads_dim = kv_layer.shape[-2:]
         k_cache, v_cache = kv_layer[0], kv_layer[1]  # [pages, page_size, kv_heads, head_dim]
         k_cache.view(-1, *heads_dim).index_copy_(0, self._slot_mapping, k.to(k_cache.dtype))

@@ -24,22 +24,53 @@ from microserve.model_config import ModelConfig
 
 class Attention(Protocol):
     def attention(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
     ) -> torch.Tensor:
-        """Store this layer's k/v for the packed tokens and attend.
+        """Rotate q and k by `positions` (RoPE, `apply_rope`), store this layer's k/v for the
+        packed tokens, and attend. RoPE lives here so a GPU backend can fuse it with the
+        KV-cache write; q, k, v may be modified in place.
 
-        q: [T, num_heads, head_dim], k and v: [T, num_kv_heads, head_dim], q and k rotated.
-        Returns [T, num_heads, head_dim].
+        q: [T, num_heads, head_dim], k and v: [T, num_kv_heads, head_dim], not yet rotated;
+        positions [T]; cos_sin the fp32 table of `RotaryEmbedding`. Returns [T, heads, head_dim].
         """
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally fused with the residual add before it (vLLM's pattern):
+
+        norm(x)              -> normed
+        norm(x, residual)    -> (normed(x + residual), x + residual)
+
+    `use_triton` (set by `LlamaForCausalLM.use_triton_kernels`) runs the Triton kernel, which
+    works in place on x and residual; the torch path allocates.
+    """
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_triton = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.use_triton:
+            from engine.kernels.fused import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -110,9 +141,17 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, KV, D] by their tokens' positions [T]."""
-        cos_sin = self.cos_sin[positions].to(q.dtype)
-        cos, sin = cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return apply_rope(q, k, positions, self.cos_sin)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of RoPE (transformers' arithmetic): rotate_half layout, cos/sin
+    looked up in the fp32 table and cast to q's dtype."""
+    rows = cos_sin[positions].to(q.dtype)
+    cos, sin = rows[:, 0, None, :], rows[:, 1, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,8 +179,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = attn.attention(self.layer_idx, q, k, v)
+        out = attn.attention(self.layer_idx, q, k, v, positions, rotary.cos_sin)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -151,9 +189,15 @@ class LlamaMLP(nn.Module):
         # rows: [ gate (intermediate) | up (intermediate) ]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.use_triton = False  # set by LlamaForCausalLM.use_triton_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_triton:
+            from engine.kernels.fused import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -166,10 +210,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attn: Attention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's MLP output (or the embeddings, residual None); returns
+        this layer's MLP output and the residual stream before it."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -185,10 +241,11 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary_emb, attn)
+        x, _ = self.norm(x, residual)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -217,6 +274,13 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [N, vocab] for the hidden rows [N, hidden] the runner samples from."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def use_triton_kernels(self, enabled: bool = True) -> None:
+        """Run norms and SiLU*mul as the fused Triton kernels (CUDA); attention and RoPE are
+        the attention backend's choice."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.use_triton = enabled
 
     def reset_cache(self) -> None:
         """Recompute non-weight buffers (the RoPE table) after `to_empty()`."""
