@@ -1,0 +1,149 @@
+"""Attention on CUDA with the Triton kernels of engine/kernels.
+
+Per step, `plan` writes the batch's metadata into device buffers allocated once at start-up
+(sized for the largest step), so a CUDA graph captured over slices of them stays valid: a replay
+only needs `plan_graph` to refill the same buffers.
+
+    packed rows:  [ decode seqs: 1 token each | extend seqs: prefill chunks (and late 1-token) ]
+                    paged_decode_attention      paged_extend_attention
+                    (split-KV, GQA-grouped)     (causal over cached prefix + new tokens)
+
+The scheduler puts decoding sequences first, so the decode rows are a prefix of the packed
+tokens and both kernels work on plain slices. RoPE and the KV-cache write are one fused kernel
+(`rope_and_store_kv`) per layer, run before attention reads the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.fused import rope_and_store_kv
+from engine.kernels.paged_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+    paged_extend_attention,
+)
+from kvcache.forward import ForwardBatch
+from kvcache.paged import AttentionBackend
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(
+        self,
+        device: torch.device | str,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        page_size: int,
+    ):
+        self.device = torch.device(device)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.max_pages_per_seq = max_pages_per_seq
+        self.page_size = page_size
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
+        self.page_table = torch.zeros(max_seqs, max_pages_per_seq, **i32)
+        self.kv_lens = torch.ones(max_seqs, **i32)
+        self.cu_seqlens = torch.zeros(max_seqs + 1, **i32)
+        # Split-KV workspace: splits shrink as the batch grows, so batch x splits stays small.
+        rows = max(b * self._splits(b, max_pages_per_seq) for b in range(1, max_seqs + 1))
+        self.workspace = torch.empty(rows * num_heads * (head_dim + 1), dtype=torch.float32,
+                                     device=self.device)  # fmt: skip
+        # per step, set by plan / plan_graph
+        self.num_tokens = 0
+        self.num_decode = 0  # leading sequences with one new token
+        self.num_extend = 0
+        self.max_q_len = 0
+        self.num_splits = 1
+
+    def _splits(self, batch: int, pages: int) -> int:
+        return choose_num_splits(batch, pages * self.page_size, self.num_kv_heads, self.num_sms)
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    def plan(self, batch: ForwardBatch) -> None:
+        seqs, ps = batch.seqs, batch.page_size
+        assert ps == self.page_size
+        n_dec = 0
+        while n_dec < len(seqs) and seqs[n_dec].num_new_tokens == 1:
+            n_dec += 1
+        ext = seqs[n_dec:]
+        width = max(-(-s.kv_len // ps) for s in seqs)
+        tables = [self._row(s.page_table, s.kv_len, width) for s in seqs]
+        lens = [s.kv_len for s in seqs]
+        cu = [0]
+        for s in ext:
+            cu.append(cu[-1] + s.num_new_tokens)
+        slots = batch.slot_mapping()
+        # Decode rows first, then extend rows: the table rows follow the same order.
+        self._copy(self.slot_mapping, slots, torch.long)
+        self._copy_table(tables)
+        self._copy(self.kv_lens, lens, torch.int32)
+        if ext:
+            self._copy(self.cu_seqlens, cu, torch.int32)
+        self.num_tokens = len(slots)
+        self.num_decode, self.num_extend = n_dec, len(ext)
+        self.max_q_len = max((s.num_new_tokens for s in ext), default=0)
+        max_pages = max((-(-s.kv_len // ps) for s in seqs[:n_dec]), default=1)
+        self.num_splits = self._splits(n_dec, max_pages) if n_dec else 1
+
+    def plan_graph(self, batch: ForwardBatch | None, graph_batch: int) -> None:
+        """Decode-only step padded to `graph_batch` rows for a captured graph. Padding rows
+        attend one key of page 0 and store nothing (slot -1). With batch None, pads all rows
+        (used while capturing)."""
+        seqs = batch.seqs if batch is not None else []
+        pad = graph_batch - len(seqs)
+        width = max((-(-s.kv_len // self.page_size) for s in seqs), default=1)
+        tables = [self._row(s.page_table, s.kv_len, width) for s in seqs] + [[0] * width] * pad
+        self._copy_table(tables)
+        self._copy(self.kv_lens, [s.kv_len for s in seqs] + [1] * pad, torch.int32)
+        slots = batch.slot_mapping() if batch is not None else []
+        self._copy(self.slot_mapping, slots + [-1] * pad, torch.long)
+        self.num_tokens = self.num_decode = graph_batch
+        self.num_extend, self.max_q_len = 0, 0
+        self.num_splits = self._splits(graph_batch, self.max_pages_per_seq)
+
+    def _row(self, page_table: list[int], kv_len: int, width: int) -> list[int]:
+        n = -(-kv_len // self.page_size)
+        return page_table[:n] + [0] * (width - n)
+
+    def _copy_table(self, rows: list[list[int]]) -> None:
+        """Only the used [rows, width] corner: kernels never read a row past its kv_len."""
+        src = torch.tensor(rows, dtype=torch.int32, pin_memory=True)
+        self.page_table[: src.shape[0], : src.shape[1]].copy_(src, non_blocking=True)
+
+    def _copy(self, dest: torch.Tensor, values: list, dtype: torch.dtype) -> None:
+        src = torch.tensor(values, dtype=dtype, pin_memory=True)
+        dest.view(-1)[: src.numel()].copy_(src.view(-1), non_blocking=True)
+
+    # ---- per layer -------------------------------------------------------------------------
+
+    def forward(self, kv_layer, q, k, v, positions, cos_sin):
+        k_cache, v_cache = kv_layer[0], kv_layer[1]
+        t = self.num_tokens
+        rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, self.slot_mapping[:t])
+        out = torch.empty_like(q)
+        nd = self.num_decode
+        if nd:
+            ws = None
+            if self.num_splits > 1:
+                size = nd * self.num_heads * self.num_splits * (self.head_dim + 1)
+                ws = self.workspace[:size].view(nd, self.num_heads, self.num_splits,
+                                                self.head_dim + 1)  # fmt: skip
+            paged_decode_attention(
+                q[:nd], k_cache, v_cache, self.page_table[:nd], self.kv_lens[:nd], self.scale,
+                out[:nd], ws, self.num_splits,
+            )  # fmt: skip
+        if self.num_extend:
+            ne = self.num_extend
+            paged_extend_attention(
+                q[nd:t], k_cache, v_cache, self.page_table[nd : nd + ne],
+                self.cu_seqlens[: ne + 1], self.kv_lens[nd : nd + ne], self.max_q_len,
+                self.scale, out[nd:t],
+            )  # fmt: skip
+        return out
