@@ -18,12 +18,19 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    # auto: triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1 (tests)
+    attention_backend: str = "auto"
     seed: int = 0  # engine-wide generator for requests without a seed
 
     def __post_init__(self):
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
+            )
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if not 0 < self.gpu_memory_utilization <= 1:

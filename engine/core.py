@@ -29,11 +29,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         dtype = resolve_dtype(config.dtype, config.device)
-        self.runner = ModelRunner(config.model, config.device, dtype, config.seed)
+        self.runner = ModelRunner(config, dtype)
         mc = self.runner.config
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
-        num_pages = self.runner.num_pages_for(config)
-        self.runner.allocate_kv(num_pages, config.page_size)
+        num_pages = self.runner.num_pages_for(self.max_model_len)
+        self.runner.allocate_kv(num_pages, self.max_model_len)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.eos_token_ids = frozenset(mc.eos_token_ids)

@@ -7,15 +7,22 @@ the part a GPU runner (CUDA graphs, overlap) replaces.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import EngineConfig
 from engine.models.loader import load_model
 from engine.sampler import SampleResult, Sampler
 from kvcache.forward import ForwardBatch, SeqForward
 from kvcache.manager import PageCopy
 from kvcache.paged import PagedKVCache
 from microserve.types import SamplingParams
+
+if TYPE_CHECKING:  # CUDA-only modules import triton; load them only on CUDA
+    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.cuda_graphs import DecodeGraphs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,12 +36,22 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, device: str, dtype: torch.dtype, seed: int = 0):
-        self.device = torch.device(device)
+    """Args: config (sizes, device), dtype. On CUDA the model runs its Triton kernels, attention
+    is the Triton backend, and decode steps replay CUDA graphs unless config.enforce_eager."""
+
+    def __init__(self, config: EngineConfig, dtype: torch.dtype):
+        self.engine_config = config
+        self.device = torch.device(config.device)
         self.dtype = dtype
-        self.model, self.config = load_model(model_dir, dtype=dtype, device=device)
-        self.sampler = Sampler(self.config.vocab_size, self.device, seed=seed)
+        self.model, self.config = load_model(config.model, dtype=dtype, device=self.device)
+        self.cuda = self.device.type == "cuda"
+        backend = config.attention_backend
+        self.triton = backend == "triton" or (backend == "auto" and self.cuda)
+        if self.triton:
+            self.model.use_triton_kernels(True)
+        self.sampler = Sampler(self.config.vocab_size, self.device, seed=config.seed)
         self.kv: PagedKVCache | None = None  # set by allocate_kv
+        self.graphs: DecodeGraphs | None = None  # set by allocate_kv on CUDA
 
     def kv_bytes_per_page(self, page_size: int) -> int:
         c = self.config
@@ -42,18 +59,19 @@ class ModelRunner:
             c.num_layers, page_size, c.num_kv_heads, c.head_dim, self.dtype
         )
 
-    def num_pages_for(self, config) -> int:
+    def num_pages_for(self, max_model_len: int) -> int:
         """KV pool size: given, or from memory (CPU: kv_cache_memory_gb; CUDA: what is left of
         gpu_memory_utilization x the GPU's memory after weights and a worst-case step)."""
+        config = self.engine_config
         if config.num_pages is not None:
             return config.num_pages
         per_page = self.kv_bytes_per_page(config.page_size)
-        if self.device.type != "cuda":
+        if not self.cuda:
             return max(1, int(config.kv_cache_memory_gb * 2**30 // per_page))
         budget = config.gpu_memory_utilization * torch.cuda.get_device_properties(
             self.device
         ).total_memory
-        peak = self._profile_peak_memory(config)
+        peak = self._profile_peak_memory(max_model_len)
         if budget - peak < per_page * 2:
             raise ValueError(
                 f"no GPU memory left for the KV cache: weights and activations peak at "
@@ -63,12 +81,13 @@ class ModelRunner:
         return int((budget - peak) // per_page)
 
     @torch.inference_mode()
-    def _profile_peak_memory(self, config) -> int:
+    def _profile_peak_memory(self, max_model_len: int) -> int:
         """Peak bytes of a step with the full token budget (one long prefill chunk) and a full
         sampling batch, run on a scratch KV pool just large enough for it."""
+        config = self.engine_config
         n = config.max_num_batched_tokens
         pages = -(-n // config.page_size)
-        self.allocate_kv(pages, config.page_size)
+        self.allocate_kv(pages, max_model_len, capture_graphs=False)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         batch = ForwardBatch([SeqForward("profile", 0, n, list(range(pages)))], config.page_size)
@@ -81,12 +100,30 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak - pages * self.kv_bytes_per_page(config.page_size)
 
-    def allocate_kv(self, num_pages: int, page_size: int) -> None:
-        c = self.config
+    def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True):
+        c, config = self.config, self.engine_config
+        if self.triton:
+            from engine.attention.triton_backend import TritonAttentionBackend
+
+            backend = TritonAttentionBackend(
+                self.device, c.num_heads, c.num_kv_heads, c.head_dim,
+                max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                max_seqs=config.max_num_seqs,
+                max_pages_per_seq=-(-max_model_len // config.page_size),
+                page_size=config.page_size,
+            )  # fmt: skip
+        else:
+            backend = TorchAttentionBackend(self.device)
         self.kv = PagedKVCache(
-            c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim,
-            self.dtype, self.device, TorchAttentionBackend(self.device),
+            c.num_layers, num_pages, config.page_size, c.num_kv_heads, c.head_dim,
+            self.dtype, self.device, backend,
         )  # fmt: skip
+        self.graphs = None
+        if self.cuda and self.triton and capture_graphs and not config.enforce_eager:
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(
@@ -102,16 +139,22 @@ class ModelRunner:
         the logits at each of `sample_rows` (packed row indices)."""
         if copies:
             self.kv.copy_pages(copies)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch, input_ids)
+        else:
+            hidden = self._forward_eager(batch, input_ids)
+        if not sample_rows:
+            return None
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        return self.sampler.sample(logits, params, generators)
+
+    def _forward_eager(self, batch: ForwardBatch, input_ids: list[int]) -> torch.Tensor:
         dev = self.device
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions(), dtype=torch.long, device=dev)
         self.kv.begin_forward(batch)
         try:
-            hidden = self.model(ids, positions, self.kv)
+            return self.model(ids, positions, self.kv)
         finally:
             self.kv.end_forward()
-        if not sample_rows:
-            return None
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden[rows])
-        return self.sampler.sample(logits, params, generators)

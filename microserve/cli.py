@@ -35,6 +35,7 @@ def _engine_args(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
 
@@ -58,6 +59,7 @@ def _run_engine(args) -> None:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_cache=not args.no_prefix_cache,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
     )
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME

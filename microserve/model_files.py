@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -178,6 +177,8 @@ def _remove_stale_temp_dirs(models_dir: Path) -> None:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write an HF Llama directory (float32 weights, configs, tokenizer) from a llama GGUF."""
+    import gguf  # only conversion needs it (a GPU host serving an HF directory may lack it)
+
     reader = gguf.GGUFReader(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     weights = _hf_weights(reader, meta, gguf_path)
@@ -249,8 +250,10 @@ def _hf_config(meta: dict, tied: bool, gguf_path: Path) -> dict:
     }
 
 
-def _hf_weights(reader: gguf.GGUFReader, meta: dict, gguf_path: Path) -> dict[str, np.ndarray]:
+def _hf_weights(reader: "gguf.GGUFReader", meta: dict, gguf_path: Path) -> dict[str, np.ndarray]:
     """Dequantize every tensor to float32 under its HF name, undoing llama.cpp's Q/K row order."""
+    import gguf
+
     heads = _meta(meta, "llama.attention.head_count", gguf_path)
     kv_heads = meta.get("llama.attention.head_count_kv", heads)
     weights = {}

@@ -1,0 +1,216 @@
+"""Engine-level GPU figures (issue 5's table), driving EngineCore in-process.
+
+    python -m bench.engine_gpu --model random:llama-3.1-8b [--only decode1,prefill,decode128]
+        [--json out.json]
+
+Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
+  decode1    batch 1, context 1,024: median wall time per decode step (the TPOT a user sees,
+             scheduling and sampling included)
+  prefill    8 prompts x 4,096 tokens: prompt tokens / wall time of the prefill steps
+  decode128  128 sequences at context ~1,024: output tokens/s over decode-only steps, and the
+             host overhead of a step: wall time minus the GPU's busy span, over wall time
+  offline    1,000 requests, inputs 128-2,048, outputs 128-1,024: total and output tokens/s
+  hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from microserve.model_files import resolve_model
+from microserve.types import SamplingParams
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, length: int | tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = length if isinstance(length, int) else rng.randint(*length)
+        out.append([rng.randrange(vocab) for _ in range(k)])
+    return out
+
+
+def drain(core: EngineCore) -> None:
+    while core.has_work():
+        core.step()
+
+
+def timed_steps(core: EngineCore, stop) -> list[float]:
+    times = []
+    while core.has_work() and not stop():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t)  # step() ends in a .tolist(): synchronized
+    return times
+
+
+def decode1(core: EngineCore, vocab: int) -> dict:
+    core.add_request("d1", prompts(1, 1024, vocab, 1)[0], params(257))
+    core.step()  # prefill (one chunk if the budget allows)
+    while core.seqs["d1"].num_computed_tokens < 1024:
+        core.step()
+    times = timed_steps(core, lambda: False)
+    return {"tpot_ms_median": statistics.median(times) * 1e3,
+            "tpot_ms_p90": sorted(times)[int(len(times) * 0.9)] * 1e3, "steps": len(times)}
+
+
+def prefill(core: EngineCore, vocab: int) -> dict:
+    for i, p in enumerate(prompts(8, 4096, vocab, 2)):
+        core.add_request(f"p{i}", p, params(1))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    drain(core)
+    wall = time.perf_counter() - t
+    return {"tokens_per_s": 8 * 4096 / wall, "wall_s": wall}
+
+
+def decode128(core: EngineCore, vocab: int) -> dict:
+    for i, p in enumerate(prompts(128, 1024, vocab, 3)):
+        core.add_request(f"b{i}", p, params(129))
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in core.seqs.values()):
+        core.step()
+    walls, gpus = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    while core.has_work() and len(core.seqs) == 128:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        start.record()
+        core.step()
+        end.record()
+        walls.append(time.perf_counter() - t)
+        end.synchronize()
+        gpus.append(start.elapsed_time(end) / 1e3)
+    wall = statistics.median(walls)
+    drain(core)
+    return {
+        "output_tokens_per_s": 128 / wall,
+        "step_ms_median": wall * 1e3,
+        "gpu_span_ms_median": statistics.median(gpus) * 1e3,
+        "note": "gpu span = events around step(); host overhead = 1 - busy/wall, see profile",
+        "steps": len(walls),
+    }
+
+
+def host_overhead(core: EngineCore, vocab: int) -> dict:
+    """Share of a batch-128 decode step the GPU sits idle, from the profiler's kernel times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, p in enumerate(prompts(128, 1024, vocab, 4)):
+        core.add_request(f"h{i}", p, params(40))
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in core.seqs.values()):
+        core.step()
+    for _ in range(3):
+        core.step()
+    torch.cuda.synchronize()
+    steps = 10
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages()) / steps
+    drain(core)
+    busy = busy_us / 1e6
+    return {"step_ms": wall * 1e3, "gpu_busy_ms": busy * 1e3,
+            "host_overhead_pct": max(0.0, 1 - busy / wall) * 100}
+
+
+def offline(core: EngineCore, vocab: int) -> dict:
+    rng = random.Random(5)
+    n_out = [rng.randint(128, 1024) for _ in range(1000)]
+    ps = prompts(1000, (128, 2048), vocab, 6)
+    for i, (p, o) in enumerate(zip(ps, n_out)):
+        core.add_request(f"o{i}", p, params(o))
+    t = time.perf_counter()
+    drain(core)
+    wall = time.perf_counter() - t
+    total_in, total_out = sum(map(len, ps)), sum(n_out)
+    return {"wall_s": wall, "output_tokens_per_s": total_out / wall,
+            "total_tokens_per_s": (total_in + total_out) / wall}
+
+
+def hf_baseline(model_dir: str, vocab: int) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.to_empty(device="cuda")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    model.eval()
+    ids = torch.tensor(prompts(1, 1024, vocab, 7), device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=129, min_new_tokens=129, do_sample=False)
+        torch.cuda.synchronize()
+        long = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+    del model
+    torch.cuda.empty_cache()
+    return {"tpot_ms": (long - first) / 128 * 1e3}
+
+
+FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
+           "overhead": host_overhead, "offline": offline}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="random:llama-3.1-8b")
+    ap.add_argument("--only", default="decode1,prefill,decode128,overhead")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    model_dir = str(resolve_model(args.model))
+    wanted = args.only.split(",")
+    results = {"model": args.model, "device": torch.cuda.get_device_name(),
+               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}  # fmt: skip
+    t = time.perf_counter()
+    core = EngineCore(EngineConfig(
+        model=model_dir, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+    ))  # fmt: skip
+    results["startup_s"] = time.perf_counter() - t
+    results["kv_capacity_tokens"] = core.info.kv_capacity_tokens
+    vocab = core.info.vocab_size
+    print(json.dumps(results), flush=True)
+    for name in wanted:
+        if name == "hf":
+            continue
+        results[name] = FIGURES[name](core, vocab)
+        core.check_integrity()
+        print(name, json.dumps(results[name]), flush=True)
+    if "hf" in wanted:
+        del core
+        torch.cuda.empty_cache()
+        results["hf"] = hf_baseline(model_dir, vocab)
+        print("hf", json.dumps(results["hf"]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The Triton attention backend and fused kernels inside the real engine, on CPU under the
+Triton interpreter: the tiny model's greedy tokens equal Hugging Face's, as with the torch
+backend. (On a GPU, tests/test_gpu_engine.py runs the same path compiled, with CUDA graphs.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if torch.cuda.is_available():
+    pytest.skip("covered compiled by test_gpu_engine.py", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from conftest import hf_greedy  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from test_engine_core import greedy, random_prompts, run_all  # noqa: E402
+
+
+def test_triton_backend_engine_equals_hf(tiny_model_dir):
+    prompts = random_prompts([1, 9, 17, 40], seed=11)
+    ref = hf_greedy(tiny_model_dir, prompts, 12)
+    core = EngineCore(EngineConfig(model=tiny_model_dir, attention_backend="triton",
+                                   page_size=4, num_pages=64, max_num_batched_tokens=24,
+                                   max_num_seqs=8))  # fmt: skip
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(12))
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"][0] == expected, f"prompt {i}"
+    got = run_all(core, {f"again{i}": p for i, p in enumerate(prompts)}, greedy(12))
+    for i, expected in enumerate(ref):
+        assert got[f"again{i}"] == (expected, (len(prompts[i]) - 1) // 4 * 4)
+
