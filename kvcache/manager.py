@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache.page_pool import PagePool
-from kvcache.prefix_cache import PrefixCache
+from kvcache.prefix_cache import CachedPrefix, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self._tables: dict[str, list[int]] = {}  # seq id -> page table; written only here
         self._num_cached: dict[str, int] = {}  # seq id -> leading pages already inserted in the tree
+        self._cached_at: dict[str, CachedPrefix] = {}  # seq id -> where its cached pages end
 
     # ---- sequences ----------------------------------------------------------------------------
 
@@ -112,15 +113,22 @@ class KVCacheManager:
         """
         if not self.enable_prefix_cache:
             return
-        table = self._tables[seq_id]
-        n_full = min(len(tokens) // self.page_size, len(table))
-        if n_full <= self._num_cached[seq_id]:
+        table, ps = self._tables[seq_id], self.page_size
+        n_full = min(len(tokens) // ps, len(table))
+        done = self._num_cached[seq_id]
+        if n_full <= done:
             return
-        canonical = self.cache.insert(tokens[: n_full * self.page_size], table[:n_full])
-        dup = [mine for mine, kept in zip(table, canonical) if mine != kept]
+        # Continue from the last insert: O(new pages), not O(context), per page boundary.
+        after = self._cached_at.get(seq_id)
+        start = done if after else 0
+        canonical, self._cached_at[seq_id] = self.cache.insert(
+            tokens[start * ps : n_full * ps], table[start:n_full], after
+        )
+        mine = table[start:n_full]
+        dup = [m for m, kept in zip(mine, canonical) if m != kept]
         if dup:
-            self.pool.retain([kept for mine, kept in zip(table, canonical) if mine != kept])
-            table[:n_full] = canonical
+            self.pool.retain([kept for m, kept in zip(mine, canonical) if m != kept])
+            table[start:n_full] = canonical
             self.pool.release(dup)
         self._num_cached[seq_id] = n_full
 
@@ -128,6 +136,7 @@ class KVCacheManager:
         """Drop the sequence's page table; cached pages stay in the prefix cache."""
         table = self._tables.pop(seq_id)
         del self._num_cached[seq_id]
+        self._cached_at.pop(seq_id, None)
         self.pool.release(table)
 
     def fork_sequence(self, parent: str, child: str, num_tokens: int) -> PageCopy | None | bool:

@@ -36,6 +36,16 @@ class _Node:
 
 
 @dataclass(frozen=True)
+class CachedPrefix:
+    """Where a sequence's cached prefix ends in the tree (see `PrefixCache.insert`).
+
+    Splits keep it valid: splitting an edge creates a new upper node and the original node
+    keeps the lower end, which is where the sequence's prefix ends."""
+
+    node: _Node
+
+
+@dataclass(frozen=True)
 class PrefixMatch:
     matched_len: int  # tokens matched, a multiple of page_size
     pages: list[int]  # the cached pages covering them (no references taken)
@@ -58,11 +68,12 @@ class PrefixCache:
         self._touch(node)
         return PrefixMatch(len(pages) * self.page_size, pages)
 
-    def _walk(self, tokens: list[int]) -> tuple[_Node, list[int]]:
-        """Follow `tokens` down the tree page by page, splitting the last edge where the match
-        ends inside it, so the returned node ends exactly at the match."""
+    def _walk(self, tokens: list[int], node: "_Node | None" = None) -> tuple[_Node, list[int]]:
+        """Follow `tokens` down the tree page by page from `node` (the root by default),
+        splitting the last edge where the match ends inside it, so the returned node ends
+        exactly at the match."""
         ps = self.page_size
-        node, pos, pages = self._root, 0, []
+        node, pos, pages = node or self._root, 0, []
         while pos + ps <= len(tokens):
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
@@ -102,17 +113,24 @@ class PrefixCache:
 
     # ---- insertion ----------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+    def insert(
+        self, tokens: list[int], pages: list[int], after: "CachedPrefix | None" = None
+    ) -> tuple[list[int], "CachedPrefix"]:
         """Cache the whole pages of `tokens` whose KV is in `pages`.
 
         Where a prefix is already cached, the tree keeps its own pages and ignores the caller's;
-        the tree takes a reference on each page it adopts. Returns the tree's pages for the
-        inserted range, so a caller can switch its page table to them and release duplicates.
+        the tree takes a reference on each page it adopts. `after`, the handle a previous insert
+        of the same sequence returned, continues from where that one ended: `tokens` and
+        `pages` are then only what follows it, and the walk does not start at the root.
+
+        Returns the tree's pages for the inserted range (a caller switches its page table to
+        them and releases duplicates), and a handle for the next insert. A handle stays valid
+        while its owner holds references on the pages up to it (so they cannot be evicted).
         """
         ps = self.page_size
         n_full = min(len(tokens) // ps, len(pages))
         tokens = tokens[: n_full * ps]
-        node, cached = self._walk(tokens)
+        node, cached = self._walk(tokens, after.node if after else None)
         pos = len(cached) * ps
         if pos < len(tokens):
             new_pages = pages[len(cached) : n_full]
@@ -123,7 +141,7 @@ class PrefixCache:
             cached = cached + new_pages
             node = leaf
         self._touch(node)
-        return cached
+        return cached, CachedPrefix(node)
 
     # ---- pins -----------------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ def make_cache(num_pages=16):
 def insert_seq(pool, cache, tokens):
     """A sequence computes `tokens`, caches them, then finishes."""
     pages = pool.alloc(-(-len(tokens) // PS))
-    kept = cache.insert(tokens, pages)
+    kept, _ = cache.insert(tokens, pages)
     pool.release(pages)
     return kept
 
@@ -70,7 +70,7 @@ def test_insert_shares_prefix_and_splits_edges():
     # duplicates, page 5 is new.
     pages = pool.alloc(3)
     assert pages == [3, 4, 5]
-    assert cache.insert(b, pages) == [0, 1, 5]
+    assert cache.insert(b, pages)[0] == [0, 1, 5]
     pool.release(pages)
     assert pool.num_free == 16 - 4  # 0,1,2 and 5 cached; 3,4 free again
     assert cache.match(b).pages == [0, 1, 5]
@@ -242,3 +242,30 @@ def test_prefix_cache_can_be_disabled():
     m.free("a")
     assert m.open("b", toks(8)) == 0
     assert m.stats().free_pages == 4
+
+
+def test_insert_continues_from_a_handle_after_a_split():
+    pool, cache = make_cache()
+    pages = pool.alloc(2)
+    kept, handle = cache.insert(toks(8), pages)  # a running sequence caches 2 pages
+    # Another sequence shares page 0 then diverges: the edge [0, 1] splits; the handle's node
+    # keeps the lower half, which is still where the first sequence's prefix ends.
+    other = pool.alloc(2)
+    assert cache.insert(toks(4) + [60, 61, 62, 63], other)[0] == [0, other[1]]
+    more = pool.alloc(1)
+    assert cache.insert(toks(4, start=8), more, after=handle)[0] == more
+    assert cache.match(toks(12)).pages == pages + more
+    cache.check_integrity()
+
+
+def test_manager_cache_tokens_incrementally_equals_at_once():
+    a = KVCacheManager(num_pages=16, page_size=PS)
+    b = KVCacheManager(num_pages=16, page_size=PS)
+    for m in (a, b):
+        m.open("s", [])
+        m.allocate("s", 22)
+    for n in range(1, 23):  # one token at a time, like decode
+        a.cache_tokens("s", toks(n))
+    b.cache_tokens("s", toks(22))
+    assert a.cache.match(toks(22)).pages == b.cache.match(toks(22)).pages == [0, 1, 2, 3, 4]
+    a.check_integrity()
