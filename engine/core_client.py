@@ -112,10 +112,17 @@ class CoreClient(GenerateBackend):
                     self._dispatch(msg)
         finally:
             if self._alive:
-                log.error("engine core process exited (code %s)", self._proc.poll())
+                code = await asyncio.to_thread(self._wait_exit_code)
+                log.error("engine core process exited (code %s)", code)
             self._alive = False
             self._fail_all("engine core process exited")
             self.exited.set()
+
+    def _wait_exit_code(self) -> int | None:
+        try:
+            return self._proc.wait(5)  # the socket closes just before the process is reaped
+        except subprocess.TimeoutExpired:
+            return None
 
     def _dispatch(self, msg: dict) -> None:
         kind = msg["type"]

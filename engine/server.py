@@ -11,6 +11,7 @@ that answers /health with 503 forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import uvicorn
@@ -23,6 +24,17 @@ from microserve.openai_app import build_openai_app, listen_socket
 from microserve.tokenizer import Tokenizer
 
 log = logging.getLogger("microserve.engine")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM once it has shut down, which would kill this process
+    before `serve` stops the engine core. Swallow them: `serve` cleans up, then returns."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # uvicorn's private list of signals to re-raise
 
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer) -> FastAPI:
@@ -55,7 +67,7 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
         info["kv_capacity_tokens"], info["max_model_len"],
     )  # fmt: skip
     app = build_engine_app(client, tokenizer)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+    server = _Server(uvicorn.Config(app, log_level=log_level, access_log=False))
     sock = listen_socket(host, port)
 
     async def stop_when_core_exits():
@@ -69,6 +81,7 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
         await server.serve(sockets=[sock])
     finally:
         watcher.cancel()
+        core_died = client.exited.is_set()  # before close(), which sets it too
         await client.close()
-    if client.exited.is_set() and not server.started:
-        raise SystemExit(1)
+    if core_died:
+        raise SystemExit(1)  # a supervisor should see the failure
