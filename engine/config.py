@@ -19,6 +19,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    # launch step N before reading step N-1's tokens back; None: on for CUDA, off for CPU
+    # (where the host is not waiting on a device and overlap would only delay each token)
+    async_scheduling: bool | None = None
     # auto: triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1 (tests)
     attention_backend: str = "auto"
     seed: int = 0  # engine-wide generator for requests without a seed

@@ -9,20 +9,32 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig, EngineInfo
 from engine.model_runner import ModelRunner, resolve_dtype
-from engine.sampler import make_generator
+from engine.sampler import PendingSample, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import PENDING, Sequence, SeqStatus
 from kvcache.forward import ForwardBatch, SeqForward
 from kvcache.manager import KVCacheManager
 from microserve.backend import RequestRejected
 from microserve.types import FinishReason, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step on its way: what ran, and the tokens it is sampling (slot = the placeholder's
+    index in the sequence's output_token_ids)."""
+
+    scheduled: list[Sequence]
+    sampled: list[tuple[Sequence, int]]
+    pending: PendingSample | None
+    length_done: list[Sequence]  # reach max_tokens / max_model_len with this step's token
 
 
 class EngineCore:
@@ -40,6 +52,12 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._arrivals = itertools.count()
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None
+            else self.runner.cuda
+        )  # fmt: skip
+        self._in_flight: _Launched | None = None  # async: the step launched, not yet resolved
+        self._pending_rows: dict[str, int] = {}  # seq id -> its row in the last launch's sample
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
         self.info = EngineInfo(
             model_name=mc.name,
@@ -110,68 +128,109 @@ class EngineCore:
             return None
         seq.finish_reason = FinishReason.ABORT
         self._finish(seq)
-        return self._output(seq, [], None)
+        return self._output(seq, [], None, final=True)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- the step ---------------------------------------------------------------------------
+    #
+    # A step launches work on the device and resolves sampled tokens into outputs. With async
+    # scheduling (CUDA), step N is launched before step N-1's tokens are read back, so the host
+    # prepares N while the GPU still runs N-1:
+    #
+    #   host:  launch N-1 | resolve N-2 | launch N | resolve N-1 | launch N+1 | ...
+    #   GPU:        [ step N-1 ......... ][ step N ............ ][ step N+1 ...
+    #
+    # A token sampled by the step in flight is a placeholder (PENDING) in output_token_ids; the
+    # next step's input for it is filled on the device from the sampled ids. Stopping on eos
+    # is learned one step late: that step's extra token for the sequence is dropped.
 
     def step(self) -> list[TokenOutput]:
+        launched = self._launch()
+        if not self.async_scheduling:
+            return self._resolve(launched) if launched else []
+        previous, self._in_flight = self._in_flight, launched
+        return self._resolve(previous) if previous else []
+
+    def _launch(self) -> "_Launched | None":
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
-        batch, input_ids, sample_rows = self._build_batch(sched)
-        sampled = [e for e in sched.scheduled if e.sample]
-        result = self.runner.execute(
+            return None
+        batch, input_ids, sample_rows, from_last = self._build_batch(sched)
+        sampled = [e.seq for e in sched.scheduled if e.sample]
+        pending = self.runner.execute(
             batch,
             input_ids,
             sample_rows,
-            [e.seq.params for e in sampled],
-            [self._generators[e.seq.request_id] for e in sampled],
+            [seq.params for seq in sampled],
+            [self._generators[seq.request_id] for seq in sampled],
+            from_last=from_last,
         )
-        outputs = []
-        k = 0
         for entry in sched.scheduled:
-            seq = entry.seq
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens += entry.num_new_tokens
-            if entry.sample:
-                token, logprob = result.token_ids[k], result.logprobs[k]
-                k += 1
-                seq.output_token_ids.append(token)
-                self._check_finish(seq, token)
-                outputs.append(self._output(seq, [token], logprob))
-            self._cache_new_pages(seq, before)
-            if seq.finish_reason is not None:
-                self._finish(seq)
-        return outputs
+            entry.seq.num_computed_tokens += entry.num_new_tokens
+        slots, length_done = [], []
+        self._pending_rows = {}
+        for row, seq in enumerate(sampled):
+            seq.output_token_ids.append(PENDING)
+            slots.append(len(seq.output_token_ids) - 1)
+            self._pending_rows[seq.request_id] = row
+            p = seq.params
+            if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH  # known now; the scheduler skips it
+                length_done.append(seq)
+        scheduled = [e.seq for e in sched.scheduled]
+        return _Launched(scheduled, list(zip(sampled, slots)), pending, length_done)
 
-    def _build_batch(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[int], list[int]]:
+    def _build_batch(self, sched: SchedulerOutput):
+        """The step's ForwardBatch, packed input ids, rows to sample, and (input index,
+        previous sample row) for inputs still pending on the device."""
         ps = self.kv.page_size
-        seqs, input_ids, sample_rows = [], [], []
+        seqs, input_ids, sample_rows, from_last = [], [], [], []
         for entry in sched.scheduled:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
             table = self.kv.page_table(seq.request_id)[: -(-(start + n) // ps)]
             seqs.append(SeqForward(seq.request_id, start, n, table))
             input_ids.extend(seq.token_at(start, start + n))
+            if input_ids[-1] == PENDING:  # only a sequence's newest token can be pending
+                from_last.append((len(input_ids) - 1, self._pending_rows[seq.request_id]))
             if entry.sample:
                 sample_rows.append(len(input_ids) - 1)
-        return ForwardBatch(seqs, ps), input_ids, sample_rows
+        return ForwardBatch(seqs, ps), input_ids, sample_rows, from_last
 
-    def _check_finish(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            seq.finish_reason = FinishReason.STOP
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = FinishReason.LENGTH
+    def _resolve(self, launched: "_Launched") -> list[TokenOutput]:
+        """Read a launched step's tokens back; emit outputs, finish and free sequences."""
+        result = launched.pending.result() if launched.pending is not None else None
+        outputs, done = [], list(launched.length_done)
+        for k, (seq, slot) in enumerate(launched.sampled):
+            if seq.status is SeqStatus.FINISHED:  # aborted, or stopped at an earlier token
+                continue
+            token = result.token_ids[k]
+            seq.output_token_ids[slot] = token
+            p = seq.params
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                seq.finish_reason = FinishReason.STOP
+                del seq.output_token_ids[slot + 1 :]  # a token launched after it is dropped
+                done.append(seq)
+            final = seq in done  # a LENGTH decided by a later launch is not reported yet
+            outputs.append(self._output(seq, [token], result.logprobs[k], final))
+        for seq in launched.scheduled:
+            if seq.status is not SeqStatus.FINISHED:
+                self._cache_new_pages(seq)
+        for seq in done:
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq)
+        return outputs
 
-    def _cache_new_pages(self, seq: Sequence, computed_before: int) -> None:
-        """Offer newly completed whole pages to the prefix cache (cheap check first)."""
-        ps = self.kv.page_size
-        if seq.num_computed_tokens // ps > computed_before // ps:
-            self.kv.cache_tokens(seq.request_id, seq.token_at(0, seq.num_computed_tokens))
+    def _cache_new_pages(self, seq: Sequence) -> None:
+        """Offer newly completed whole pages to the prefix cache (cheap check first). Every
+        token whose KV is written is known on the host by now."""
+        rid = seq.request_id
+        if self.kv.has(rid) and seq.num_computed_tokens // self.kv.page_size > (
+            self.kv.num_cached_pages(rid)
+        ):
+            self.kv.cache_tokens(rid, seq.token_at(0, seq.num_computed_tokens))
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -179,13 +238,13 @@ class EngineCore:
         del self._generators[seq.request_id]
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
         self.counters["cached_prompt_tokens"] += seq.num_cached_tokens or 0
-        self.counters["generation_tokens"] += len(seq.output_token_ids)
+        self.counters["generation_tokens"] += sum(t != PENDING for t in seq.output_token_ids)
 
-    def _output(self, seq: Sequence, tokens: list[int], logprob) -> TokenOutput:
+    def _output(self, seq: Sequence, tokens: list[int], logprob, final: bool) -> TokenOutput:
         return TokenOutput(
             request_id=seq.request_id,
             token_ids=tokens,
-            finish_reason=seq.finish_reason,
+            finish_reason=seq.finish_reason if final else None,
             logprobs=[logprob] if logprob is not None else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,

@@ -76,8 +76,9 @@ class DecodeGraphs:
             s.num_new_tokens == 1 for s in batch.seqs
         )
 
-    def run(self, batch: ForwardBatch, input_ids: list[int]) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode-only step."""
+    def run(self, batch: ForwardBatch, input_ids: list[int], fill=None) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode-only step. `fill` = (rows, device ids)
+        overrides inputs whose value is still on the device (ModelRunner.execute)."""
         n = len(batch.seqs)
         bucket = next(b for b in self.buckets if b >= n)
         self.backend.plan_graph(batch, bucket)
@@ -86,5 +87,7 @@ class DecodeGraphs:
         pos = torch.tensor(batch.positions() + [0] * pad, dtype=torch.long, pin_memory=True)
         self.input_ids[:bucket].copy_(ids, non_blocking=True)
         self.positions[:bucket].copy_(pos, non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]

@@ -14,7 +14,7 @@ import torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.models.loader import load_model
-from engine.sampler import SampleResult, Sampler
+from engine.sampler import PendingSample, Sampler
 from kvcache.forward import ForwardBatch, SeqForward
 from kvcache.manager import PageCopy
 from kvcache.paged import PagedKVCache
@@ -52,6 +52,7 @@ class ModelRunner:
         self.sampler = Sampler(self.config.vocab_size, self.device, seed=config.seed)
         self.kv: PagedKVCache | None = None  # set by allocate_kv
         self.graphs: DecodeGraphs | None = None  # set by allocate_kv on CUDA
+        self._last_tokens: torch.Tensor | None = None  # the previous step's sampled ids (device)
 
     def kv_bytes_per_page(self, page_size: int) -> int:
         c = self.config
@@ -93,7 +94,7 @@ class ModelRunner:
         batch = ForwardBatch([SeqForward("profile", 0, n, list(range(pages)))], config.page_size)
         rows = min(n, config.max_num_seqs)
         params = [SamplingParams(max_tokens=1, top_p=0.9, logprobs=5)] * rows
-        self.execute(batch, [0] * n, list(range(n - rows, n)), params, [None] * rows)
+        self.execute(batch, [0] * n, list(range(n - rows, n)), params, [None] * rows).result()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv = None
@@ -134,24 +135,40 @@ class ModelRunner:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         copies: list[PageCopy] = (),
-    ) -> SampleResult | None:
-        """Run one step: append KV for `input_ids` (packed per `batch`) and sample a token from
-        the logits at each of `sample_rows` (packed row indices)."""
+        from_last: list[tuple[int, int]] = (),
+    ) -> PendingSample | None:
+        """Launch one step: append KV for `input_ids` (packed per `batch`) and sample a token
+        from the logits at each of `sample_rows` (packed row indices).
+
+        `from_last` lists (input index, sampled row of the previous step): inputs whose value
+        is the previous step's sampled token, which may not have reached the host yet (async
+        scheduling); they are filled on the device. Returns without waiting for the GPU.
+        """
         if copies:
             self.kv.copy_pages(copies)
+        fill = None
+        if from_last:
+            dst, src = zip(*from_last)
+            fill = (torch.tensor(dst, device=self.device),
+                    self._last_tokens[torch.tensor(src, device=self.device)])  # fmt: skip
         if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch, input_ids)
+            hidden = self.graphs.run(batch, input_ids, fill)
         else:
-            hidden = self._forward_eager(batch, input_ids)
+            hidden = self._forward_eager(batch, input_ids, fill)
+        self._last_tokens = None
         if not sample_rows:
             return None
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        return self.sampler.sample(logits, params, generators)
+        pending = self.sampler.sample_async(logits, params, generators)
+        self._last_tokens = pending.token_ids
+        return pending
 
-    def _forward_eager(self, batch: ForwardBatch, input_ids: list[int]) -> torch.Tensor:
+    def _forward_eager(self, batch: ForwardBatch, input_ids: list[int], fill=None):
         dev = self.device
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        if fill is not None:
+            ids[fill[0]] = fill[1]
         positions = torch.tensor(batch.positions(), dtype=torch.long, device=dev)
         self.kv.begin_forward(batch)
         try:

@@ -35,6 +35,39 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]  # one per row; None where params.logprobs is None
 
 
+class PendingSample:
+    """A step's sampled tokens while they are still on their way to the host.
+
+    `token_ids` (device) can feed the next step's input at once; `result()` waits for the
+    copies started at creation and returns plain lists. On CPU there is nothing to wait for.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, wanted: list[int], n_rows: int,
+                 logprob_parts: tuple[torch.Tensor, ...] | None, num_top: list[int]):
+        self.token_ids = token_ids  # [B] long, on the logits' device
+        self._wanted, self._n_rows, self._num_top = wanted, n_rows, num_top
+        cuda = token_ids.is_cuda
+        parts = (token_ids,) + (logprob_parts or ())
+        self._host = [p.to("cpu", non_blocking=cuda) for p in parts]
+        self._event = None
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SampleResult:
+        if self._event is not None:
+            self._event.synchronize()
+        ids = self._host[0].tolist()
+        logprobs: list[TokenLogprob | None] = [None] * self._n_rows
+        if self._wanted:
+            chosen, top_values, top_ids = (h.tolist() for h in self._host[1:])
+            for j, i in enumerate(self._wanted):
+                n = self._num_top[j]
+                top = list(zip(top_ids[j][:n], top_values[j][:n]))
+                logprobs[i] = TokenLogprob(token_id=ids[i], logprob=chosen[j], top=top)
+        return SampleResult(ids, logprobs)
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """The per-request generator for `SamplingParams.seed`, or None when the request has no seed.
 
@@ -74,7 +107,16 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> SampleResult:
-        """Sample one token per row.
+        """`sample_async(...).result()`: sample and wait for the host copy."""
+        return self.sample_async(logits, params, generators).result()
+
+    def sample_async(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> PendingSample:
+        """Sample one token per row, without waiting for the result to reach the host.
 
         Args:
             logits: [B, V'] float32, V' >= vocab_size. Not modified.
@@ -83,7 +125,8 @@ class Sampler:
                 params have a seed (advanced by this call if the row is not greedy), else None.
 
         Returns:
-            The token id of each row, and its logprobs where the row asked for them.
+            The token ids on the device, and (on `.result()`) each row's id and its logprobs
+            where the row asked for them.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
         assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
@@ -105,8 +148,10 @@ class Sampler:
             )
             token_ids.index_copy_(0, rows, sampled)
 
-        ids = token_ids.tolist()
-        return SampleResult(ids, self._logprobs(logits, token_ids, ids, params))
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        parts = self._logprobs(logits, token_ids, wanted, params) if wanted else None
+        num_top = [params[i].logprobs for i in wanted]
+        return PendingSample(token_ids, wanted, len(params), parts, num_top)
 
     def _sample_rows(
         self,
@@ -176,22 +221,14 @@ class Sampler:
         self,
         logits: torch.Tensor,
         token_ids: torch.Tensor,
-        ids: list[int],
+        wanted: list[int],
         params: list[SamplingParams],
-    ) -> list[TokenLogprob | None]:
-        """Raw-distribution logprobs of the chosen token and the top n, for rows that ask."""
-        result: list[TokenLogprob | None] = [None] * len(params)
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not wanted:
-            return result
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw-distribution logprobs, on the device, for the `wanted` rows: the chosen token's
+        [n], and the top-k values and ids [n, k] (k = the largest count asked, best first)."""
         rows = torch.tensor(wanted, device=logits.device)
         logprobs = logits.index_select(0, rows).log_softmax(dim=-1)
-        chosen = logprobs.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1).tolist()
+        chosen = logprobs.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1)
         num_top = min(max(params[i].logprobs for i in wanted), self.vocab_size)
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)  # best first
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for j, i in enumerate(wanted):
-            n = params[i].logprobs
-            top = list(zip(top_ids[j][:n], top_values[j][:n]))
-            result[i] = TokenLogprob(token_id=ids[i], logprob=chosen[j], top=top)
-        return result
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        return chosen, top_values, top_ids

@@ -94,8 +94,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        active = [s for s in self.running if s.finish_reason is None]  # see Sequence
+        decoding = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -116,7 +117,8 @@ class Scheduler:
         """Find pages for `seq` to hold `num_tokens`, preempting others as needed.
         Returns False if `seq` itself had to be preempted."""
         while not self.kv.allocate(seq.request_id, num_tokens):
-            victim = self.policy.preemption_victim(self.running)
+            candidates = [s for s in self.running if s.finish_reason is None]
+            victim = self.policy.preemption_victim(candidates)
             self._preempt(victim, out)
             if victim is seq:
                 return False

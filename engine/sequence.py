@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from microserve.types import SamplingParams
 
 
+PENDING = -1  # an output token sampled on the device whose value the host has not read yet
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # no KV pages held (new, or preempted and to be recomputed)
     RUNNING = "running"  # holds pages; prefilling (maybe in chunks) or decoding
@@ -20,11 +23,14 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int  # admission order; FCFS sorts on it
-    output_token_ids: list[int] = field(default_factory=list)  # appended by EngineCore
+    # appended by EngineCore; the newest may be PENDING while its step is in flight
+    output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING  # set by the Scheduler
     num_computed_tokens: int = 0  # KV positions written; set by the Scheduler and EngineCore
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission; Scheduler
-    finish_reason: str | None = None  # set by EngineCore
+    # set by EngineCore; a sequence with a finish reason still in `running` is waiting for its
+    # last step to be resolved, and the scheduler gives it no more work
+    finish_reason: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -54,6 +54,10 @@ class KVCacheManager:
     def has(self, seq_id: str) -> bool:
         return seq_id in self._tables
 
+    def num_cached_pages(self, seq_id: str) -> int:
+        """Leading pages of the sequence already offered to the prefix cache."""
+        return self._num_cached[seq_id]
+
     def seq_ids(self) -> set[str]:
         return set(self._tables)
 

@@ -36,6 +36,8 @@ def _engine_args(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
 
@@ -60,6 +62,7 @@ def _run_engine(args) -> None:
         max_model_len=args.max_model_len,
         enable_prefix_cache=not args.no_prefix_cache,
         enforce_eager=args.enforce_eager,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         seed=args.seed,
     )
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME

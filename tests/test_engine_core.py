@@ -25,11 +25,15 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]], params=None) -> dic
     for rid, prompt in prompts.items():
         core.add_request(rid, prompt, params or greedy())
     tokens = {rid: [] for rid in prompts}
-    cached = {}
+    cached, finished = {}, set()
     while core.has_work():
         for out in core.step():
+            assert out.request_id not in finished, "output after the finishing one"
             tokens[out.request_id] += out.token_ids
             cached[out.request_id] = out.num_cached_tokens
+            if out.finish_reason is not None:
+                finished.add(out.request_id)
+    assert finished == set(prompts), "a request ended without a finish reason"
     core.check_integrity()
     assert core.kv.stats().used_pages == 0, "a finished request still holds pages"
     return {rid: (tokens[rid], cached[rid]) for rid in prompts}
@@ -55,28 +59,32 @@ def tiny_ref(tiny_model_dir):
     return prompts, hf_greedy(tiny_model_dir, prompts, N_NEW)
 
 
-def test_tiny_mixed_batch_equals_hf(tiny_model_dir, tiny_ref):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_tiny_mixed_batch_equals_hf(tiny_model_dir, tiny_ref, overlap):
     prompts, ref = tiny_ref
-    core = make_core(tiny_model_dir)
+    core = make_core(tiny_model_dir, async_scheduling=overlap)
     got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
     for i, expected in enumerate(ref):
         assert got[f"r{i}"][0] == expected, f"prompt {i} (len {len(prompts[i])})"
 
 
-def test_tiny_chunked_prefill_equals_hf(tiny_model_dir, tiny_ref):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_tiny_chunked_prefill_equals_hf(tiny_model_dir, tiny_ref, overlap):
     prompts, ref = tiny_ref
-    core = make_core(tiny_model_dir, max_num_batched_tokens=7)  # splits every long prompt
+    # a budget of 7 splits every long prompt
+    core = make_core(tiny_model_dir, max_num_batched_tokens=7, async_scheduling=overlap)
     got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
     for i, expected in enumerate(ref):
         assert got[f"r{i}"][0] == expected, f"prompt {i} (len {len(prompts[i])})"
 
 
-def test_tiny_prefix_cache_hits_equal_hf(tiny_model_dir):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_tiny_prefix_cache_hits_equal_hf(tiny_model_dir, overlap):
     (shared,) = random_prompts([37], seed=1)
     tails = random_prompts([3, 11, 1], seed=2)
     prompts = [shared + t for t in tails]
     ref = hf_greedy(tiny_model_dir, prompts, N_NEW)
-    core = make_core(tiny_model_dir)
+    core = make_core(tiny_model_dir, async_scheduling=overlap)
     first = run_all(core, {"warm": prompts[0]})
     assert first["warm"] == (ref[0], 0)
     # The shared 37 tokens are cached in whole pages of 4: 36 tokens are reused by each.
@@ -90,19 +98,22 @@ def test_tiny_prefix_cache_hits_equal_hf(tiny_model_dir):
     assert got["again"] == (ref_again, (len(again) - 1) // 4 * 4)
 
 
-def test_tiny_preemption_equals_hf(tiny_model_dir, tiny_ref):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_tiny_preemption_equals_hf(tiny_model_dir, tiny_ref, overlap):
     prompts, ref = tiny_ref
     # 40 pages of 4 = 160 slots for 6 sequences that grow to 32..122 tokens: decodes run out of
     # pages, newer sequences are preempted and recomputed, outputs must not change.
-    core = make_core(tiny_model_dir, num_pages=40, enable_prefix_cache=False)
+    core = make_core(tiny_model_dir, num_pages=40, enable_prefix_cache=False,
+                     async_scheduling=overlap)
     got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
     assert core.scheduler.num_preemptions > 0
     for i, expected in enumerate(ref):
         assert got[f"r{i}"][0] == expected, f"prompt {i}"
 
 
-def test_tiny_abort_frees_pages(tiny_model_dir):
-    core = make_core(tiny_model_dir)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_tiny_abort_frees_pages(tiny_model_dir, overlap):
+    core = make_core(tiny_model_dir, async_scheduling=overlap)
     for i, p in enumerate(random_prompts([30, 50, 9], seed=3)):
         core.add_request(f"r{i}", p, greedy())
     core.step()
@@ -131,9 +142,10 @@ def test_bad_requests_are_refused_with_numbers(tiny_model_dir):
         core.add_request("e", [5, 6], greedy(2))
 
 
-def test_stop_token_ids_and_eos(tiny_model_dir, tiny_ref):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_stop_token_ids_and_eos(tiny_model_dir, tiny_ref, overlap):
     prompts, ref = tiny_ref
-    core = make_core(tiny_model_dir)
+    core = make_core(tiny_model_dir, async_scheduling=overlap)
     stop_at = ref[3][5]
     first = ref[3].index(stop_at)
     params = SamplingParams(max_tokens=N_NEW, temperature=0.0, stop_token_ids=(stop_at,),
