@@ -1,0 +1,130 @@
+"""Load generator for any OpenAI-compatible completions endpoint (microserve, vLLM, SGLang).
+
+    python -m bench.serve --base-url http://127.0.0.1:8000/v1 --num-requests 200 \\
+        --request-rate 4 --input-len 128:2048 --output-len 128:1024 [--concurrency 1]
+
+Prompts are random token ids (sent as `prompt: [ids]`, which vLLM, SGLang and microserve
+accept), so no tokenizer or dataset is needed and lengths are exact; `ignore_eos` makes every
+request produce exactly its output length. Arrivals are Poisson at --request-rate requests/s
+(or all at once with `inf`), optionally capped at --concurrency requests in flight. Streams
+every request and reports, over all requests: TTFT, TPOT (per request: time after the first
+token / (tokens - 1)), ITL (every gap between chunks), end-to-end latency — p50/p90/p99 and
+mean — and request and token throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+async def one(client: httpx.AsyncClient, model: str, prompt: list[int], n_out: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": n_out, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    times, usage = [], None
+    async with client.stream("POST", "/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return {"error": f"{resp.status_code} {(await resp.aread())[:200]!r}"}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    end = time.perf_counter()
+    n = usage["completion_tokens"] if usage else len(times)
+    return {
+        "ttft": times[0] - start if times else float("nan"),
+        "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 and times else float("nan"),
+        "itl": [b - a for a, b in zip(times, times[1:])],
+        "e2e": end - start,
+        "prompt_tokens": len(prompt),
+        "output_tokens": n,
+    }
+
+
+def pct(values: list[float]) -> dict:
+    v = sorted(x for x in values if x == x)
+    if not v:
+        return {}
+    at = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    return {"mean_ms": statistics.fmean(v) * 1e3, "p50_ms": at(0.5) * 1e3,
+            "p90_ms": at(0.9) * 1e3, "p99_ms": at(0.99) * 1e3}
+
+
+async def run(args) -> dict:
+    rng = random.Random(args.seed)
+    lo_in, hi_in = span(args.input_len)
+    lo_out, hi_out = span(args.output_len)
+    work = [([rng.randrange(args.vocab) for _ in range(rng.randint(lo_in, hi_in))],
+             rng.randint(lo_out, hi_out)) for _ in range(args.num_requests)]  # fmt: skip
+    limit = asyncio.Semaphore(args.concurrency or args.num_requests)
+    limits = httpx.Limits(max_connections=args.concurrency or args.num_requests)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=3600, limits=limits) as client:
+        model = args.model or (await client.get("/models")).json()["data"][0]["id"]
+        await one(client, model, work[0][0][:16], 4)  # warm-up
+
+        async def guarded(prompt, n_out):
+            async with limit:
+                return await one(client, model, prompt, n_out)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, n_out in work:
+            tasks.append(asyncio.create_task(guarded(prompt, n_out)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    in_tokens = sum(r["prompt_tokens"] for r in ok)
+    return {
+        "requests": len(results), "failed": len(results) - len(ok),
+        "errors": [r["error"] for r in results if "error" in r][:3],
+        "wall_s": wall, "request_throughput": len(ok) / wall,
+        "output_tokens_per_s": out_tokens / wall,
+        "total_tokens_per_s": (in_tokens + out_tokens) / wall,
+        "ttft": pct([r["ttft"] for r in ok]), "tpot": pct([r["tpot"] for r in ok]),
+        "itl": pct([x for r in ok for x in r["itl"]]), "e2e": pct([r["e2e"] for r in ok]),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--model", default=None, help="default: the first of /v1/models")
+    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second; inf sends all at once")
+    ap.add_argument("--concurrency", type=int, default=0, help="max in flight (0: no cap)")
+    ap.add_argument("--input-len", default="1024", help="N or LO:HI (uniform)")
+    ap.add_argument("--output-len", default="128", help="N or LO:HI (uniform)")
+    ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are < this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    result = asyncio.run(run(args))
+    result["args"] = vars(args) | {"request_rate": str(args.request_rate)}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
