@@ -19,6 +19,7 @@ import time
 import torch
 
 from engine.attention.triton_backend import TritonAttentionBackend
+from engine.device import to_device
 from kvcache.forward import ForwardBatch
 from kvcache.paged import PagedKVCache
 
@@ -83,10 +84,9 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= n)
         self.backend.plan_graph(batch, bucket)
         pad = bucket - n
-        ids = torch.tensor(input_ids + [0] * pad, dtype=torch.long, pin_memory=True)
-        pos = torch.tensor(batch.positions() + [0] * pad, dtype=torch.long, pin_memory=True)
-        self.input_ids[:bucket].copy_(ids, non_blocking=True)
-        self.positions[:bucket].copy_(pos, non_blocking=True)
+        dev = self.backend.device
+        self.input_ids[:bucket].copy_(to_device(input_ids + [0] * pad, torch.long, dev))
+        self.positions[:bucket].copy_(to_device(batch.positions() + [0] * pad, torch.long, dev))
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[bucket].replay()

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
+from engine.device import to_device
 from engine.models.loader import load_model
 from engine.sampler import PendingSample, Sampler
 from kvcache.forward import ForwardBatch, SeqForward
@@ -149,8 +150,8 @@ class ModelRunner:
         fill = None
         if from_last:
             dst, src = zip(*from_last)
-            fill = (torch.tensor(dst, device=self.device),
-                    self._last_tokens[torch.tensor(src, device=self.device)])  # fmt: skip
+            fill = (to_device(dst, torch.long, self.device),
+                    self._last_tokens[to_device(src, torch.long, self.device)])  # fmt: skip
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch, input_ids, fill)
         else:
@@ -158,7 +159,7 @@ class ModelRunner:
         self._last_tokens = None
         if not sample_rows:
             return None
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        rows = to_device(sample_rows, torch.long, self.device)
         logits = self.model.compute_logits(hidden[rows])
         pending = self.sampler.sample_async(logits, params, generators)
         self._last_tokens = pending.token_ids
@@ -166,10 +167,10 @@ class ModelRunner:
 
     def _forward_eager(self, batch: ForwardBatch, input_ids: list[int], fill=None):
         dev = self.device
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        ids = to_device(input_ids, torch.long, dev)
         if fill is not None:
             ids[fill[0]] = fill[1]
-        positions = torch.tensor(batch.positions(), dtype=torch.long, device=dev)
+        positions = to_device(batch.positions(), torch.long, dev)
         self.kv.begin_forward(batch)
         try:
             return self.model(ids, positions, self.kv)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.device import to_device
 from microserve.types import SamplingParams, TokenLogprob
 
 # Slack for "the nucleus's mass reaches top_p": a set whose true mass equals top_p (0.4 + 0.2 + 0.2
@@ -48,7 +49,10 @@ class PendingSample:
         self._wanted, self._n_rows, self._num_top = wanted, n_rows, num_top
         cuda = token_ids.is_cuda
         parts = (token_ids,) + (logprob_parts or ())
-        self._host = [p.to("cpu", non_blocking=cuda) for p in parts]
+        # Pinned destinations: a copy into pageable memory would make the host wait here.
+        self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda) for p in parts]
+        for host, part in zip(self._host, parts):
+            host.copy_(part, non_blocking=cuda)
         self._event = None
         if cuda:
             self._event = torch.cuda.Event()
@@ -140,7 +144,7 @@ class Sampler:
             token_ids = self._sample_rows(logits, params, generators)
         else:
             token_ids = logits.argmax(dim=-1)
-            rows = torch.tensor(sampled_rows, device=logits.device)
+            rows = to_device(sampled_rows, torch.long, logits.device)
             sampled = self._sample_rows(
                 logits.index_select(0, rows),
                 [params[i] for i in sampled_rows],
@@ -160,7 +164,7 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:
         """Token ids [n] for rows that are all non-greedy (temperature > 0, top_k != 1)."""
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        temperature = to_device([p.temperature for p in params], torch.float32, logits.device)
         logits = logits / temperature[:, None]
         logits = self._apply_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)  # dropped tokens are exactly 0
@@ -188,12 +192,12 @@ class Sampler:
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         if use_top_k:
             k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-            k = torch.tensor(k, device=logits.device)
+            k = to_device(k, torch.long, logits.device)
             sorted_logits.masked_fill_(self._positions >= k[:, None], float("-inf"))
         if use_top_p:
             sorted_probs = sorted_logits.softmax(dim=-1)
             mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # 0 for the top token
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            top_p = to_device([p.top_p for p in params], torch.float32, logits.device)
             sorted_logits.masked_fill_(mass_before >= top_p[:, None] - _TOP_P_SLACK, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
@@ -209,7 +213,7 @@ class Sampler:
         elif shared_rows:
             shared = torch.empty(len(shared_rows), vocab, device=self.device)
             shared.exponential_(generator=self.generator)
-            noise[torch.tensor(shared_rows, device=self.device)] = shared
+            noise[to_device(shared_rows, torch.long, self.device)] = shared
         for j, generator in enumerate(generators):
             if generator is not None:
                 # A standalone [V] draw: the same stream whatever the batch's shape.
@@ -226,7 +230,7 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw-distribution logprobs, on the device, for the `wanted` rows: the chosen token's
         [n], and the top-k values and ids [n, k] (k = the largest count asked, best first)."""
-        rows = torch.tensor(wanted, device=logits.device)
+        rows = to_device(wanted, torch.long, logits.device)
         logprobs = logits.index_select(0, rows).log_softmax(dim=-1)
         chosen = logprobs.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1)
         num_top = min(max(params[i].logprobs for i in wanted), self.vocab_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.device import to_device
 from engine.kernels.fused import rope_and_store_kv
 from engine.kernels.paged_attention import (
     choose_num_splits,
@@ -48,7 +49,6 @@ class TritonAttentionBackend(AttentionBackend):
         # (on CPU, only under TRITON_INTERPRET=1 in tests: any SM count will do)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if (
             cuda) else 132
-        self.pin = cuda  # pinned staging buffers make the metadata copies asynchronous
         i32 = dict(dtype=torch.int32, device=self.device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
         self.page_table = torch.zeros(max_seqs, max_pages_per_seq, **i32)
@@ -118,12 +118,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _copy_table(self, rows: list[list[int]]) -> None:
         """Only the used [rows, width] corner: kernels never read a row past its kv_len."""
-        src = torch.tensor(rows, dtype=torch.int32, pin_memory=self.pin)
-        self.page_table[: src.shape[0], : src.shape[1]].copy_(src, non_blocking=True)
+        src = to_device(rows, torch.int32, self.device)
+        self.page_table[: src.shape[0], : src.shape[1]].copy_(src)
 
     def _copy(self, dest: torch.Tensor, values: list, dtype: torch.dtype) -> None:
-        src = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
-        dest.view(-1)[: src.numel()].copy_(src.view(-1), non_blocking=True)
+        src = to_device(values, dtype, self.device)
+        dest.view(-1)[: src.numel()].copy_(src.view(-1))
 
     # ---- per layer -------------------------------------------------------------------------
 
