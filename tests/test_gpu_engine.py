@@ -50,7 +50,9 @@ def test_bf16_graph_replay_matches_eager(tiny_model_dir):
 
     from kvcache.forward import ForwardBatch, SeqForward
 
-    core = make_core(tiny_model_dir, dtype="bfloat16")
+    # Sync scheduling: after step() every output token is known on the host (async would
+    # leave the newest one pending, on the device).
+    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False)
     runner = core.runner
     for i, p in enumerate(random_prompts([20, 50, 7], seed=5)):
         core.add_request(f"r{i}", p, greedy(8))
