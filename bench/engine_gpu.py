@@ -87,11 +87,12 @@ def decode128(core: EngineCore, vocab: int) -> dict:
     return {"output_tokens_per_s": 128 / ms * 1e3, "step_ms": ms, "steps": n}
 
 
-def host_overhead(core: EngineCore, vocab: int) -> dict:
-    """Share of a batch-128 decode step the GPU sits idle, from the profiler's kernel times."""
+def host_overhead(core: EngineCore, vocab: int, batch: int = 128) -> dict:
+    """Share of a decode step (`batch` sequences at context 1,024) the GPU sits idle, from the
+    profiler's kernel times, with the kernels that take the time."""
     from torch.profiler import ProfilerActivity, profile
 
-    for i, p in enumerate(prompts(128, 1024, vocab, 4)):
+    for i, p in enumerate(prompts(batch, 1024, vocab, 4)):
         core.add_request(f"h{i}", p, params(40))
     while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in core.seqs.values()):
         core.step()
@@ -106,7 +107,7 @@ def host_overhead(core: EngineCore, vocab: int) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / steps
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=18)
-    print("batch-128 decode, 10 steps, by kernel:\n" + table, flush=True)
+    print(f"batch-{batch} decode, 10 steps, by kernel:\n" + table, flush=True)
     busy_us = sum(e.self_device_time_total for e in prof.key_averages()) / steps
     drain(core)
     busy = busy_us / 1e6
@@ -156,7 +157,8 @@ def hf_baseline(model_dir: str, vocab: int) -> dict:
 
 
 FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
-           "overhead": host_overhead, "offline": offline}  # fmt: skip
+           "overhead": host_overhead, "offline": offline,
+           "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1)}  # fmt: skip
 
 
 def main() -> None:
