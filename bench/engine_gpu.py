@@ -115,18 +115,27 @@ def host_overhead(core: EngineCore, vocab: int, batch: int = 128) -> dict:
             "host_overhead_pct": max(0.0, 1 - busy / wall) * 100}
 
 
-def offline(core: EngineCore, vocab: int) -> dict:
+def offline(core: EngineCore, vocab: int, n: int = 1000) -> dict:
     rng = random.Random(5)
-    n_out = [rng.randint(128, 1024) for _ in range(1000)]
-    ps = prompts(1000, (128, 2048), vocab, 6)
+    n_out = [rng.randint(128, 1024) for _ in range(n)]
+    ps = prompts(n, (128, 2048), vocab, 6)
     for i, (p, o) in enumerate(zip(ps, n_out)):
         core.add_request(f"o{i}", p, params(o))
+    before = core.stats()["preemptions"]
+    steps = decode_only = 0
     t = time.perf_counter()
-    drain(core)
+    while core.has_work():
+        running = core.scheduler.running
+        decode_only += all(s.num_tokens - s.num_computed_tokens <= 1 for s in running) and not (
+            core.scheduler.waiting and len(running) < core.config.max_num_seqs)
+        core.step()
+        steps += 1
     wall = time.perf_counter() - t
     total_in, total_out = sum(map(len, ps)), sum(n_out)
-    return {"wall_s": wall, "output_tokens_per_s": total_out / wall,
-            "total_tokens_per_s": (total_in + total_out) / wall}
+    return {"requests": n, "wall_s": wall, "output_tokens_per_s": total_out / wall,
+            "total_tokens_per_s": (total_in + total_out) / wall, "steps": steps,
+            "mean_step_ms": wall / steps * 1e3, "decode_only_steps": decode_only,
+            "preemptions": core.stats()["preemptions"] - before}
 
 
 def hf_baseline(model_dir: str, vocab: int) -> dict:
@@ -158,7 +167,8 @@ def hf_baseline(model_dir: str, vocab: int) -> dict:
 
 FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "overhead": host_overhead, "offline": offline,
-           "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1)}  # fmt: skip
+           "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1),
+           "offline300": lambda core, vocab: offline(core, vocab, n=300)}  # fmt: skip
 
 
 def main() -> None:
