@@ -27,6 +27,8 @@ import time
 
 import httpx
 
+from bench.serve import sse_chunks
+
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -89,10 +91,7 @@ async def one_request(client: httpx.AsyncClient, question: str, max_tokens: int)
     token_times, usage = [], None
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):

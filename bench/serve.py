@@ -24,6 +24,13 @@ import time
 import httpx
 
 
+async def sse_chunks(resp: httpx.Response):
+    """The JSON chunks of an OpenAI server-sent-events stream, up to `data: [DONE]`."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def span(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     return int(lo), int(hi or lo)
@@ -37,10 +44,7 @@ async def one(client: httpx.AsyncClient, model: str, prompt: list[int], n_out: i
     async with client.stream("POST", "/completions", json=body) as resp:
         if resp.status_code != 200:
             return {"error": f"{resp.status_code} {(await resp.aread())[:200]!r}"}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):
