@@ -22,7 +22,6 @@ from kvcache.paged import PagedKVCache
 from microserve.types import SamplingParams
 
 if TYPE_CHECKING:  # CUDA-only modules import triton; load them only on CUDA
-    from engine.attention.triton_backend import TritonAttentionBackend
     from engine.cuda_graphs import DecodeGraphs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

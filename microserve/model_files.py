@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -34,6 +35,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from microserve.random_models import (RANDOM_MODELS, RANDOM_PREFIX, RANDOM_WEIGHTS_MARKER,
                                       is_random_spec, materialize)
+
+if TYPE_CHECKING:
+    import gguf
 
 logger = logging.getLogger(__name__)
 

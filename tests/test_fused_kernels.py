@@ -25,7 +25,7 @@ if INTERPRET:
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from engine.kernels import fused  # noqa: E402
-from engine.models.llama import RMSNorm, RotaryEmbedding, _rotate_half  # noqa: E402
+from engine.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
 from microserve.model_config import ModelConfig  # noqa: E402
 
 if INTERPRET and not isinstance(fused._rms_norm_kernel, InterpretedFunction):
