@@ -1,0 +1,153 @@
+"""The transfer interface: one-sided writes of KV into another engine's pool (DESIGN §5).
+
+A receiver exports its pool and hands out write *windows*; a sender opens the receiver as a
+peer from its descriptor and writes layer slices into it while its own forward pass continues:
+
+    receiver (engine D)                          sender (engine P)
+    ───────────────────                          ─────────────────
+    backend = make_backend(kind, layout, ...)
+    backend.descriptor()  ──── kv_addr ────────▶ peer = open_peer(descriptor, local_kv, layout)
+    w = backend.open_window()  ─ kv_addr ──────▶ peer.write(w, layer, src_slots, dst_slots)
+                                                 ... one call per layer, on the transfer stream
+                                                 peer.flush(w): every byte is in D's pool
+    backend.close_window(w)   (adopted, aborted or lease expired: later writes are refused)
+
+Slots are flat: slot = page * page_size + offset, so `kv[layer, kv_index].view(-1, heads, dim)`
+is indexed by slot. A window is the receiver's promise that the slots it reserved for one
+request stay reserved while the window is open; `close_window` returns only when no write into
+the window is in progress, so pages freed after it can be reused safely.
+
+Backends: `shm` (kvcache/transfer/shm.py: same host, the sender maps the receiver's pool and
+writes it; no receiver work on the data path) and `tcp` (kvcache/transfer/tcp.py: any two hosts;
+the receiver's listener thread writes what arrives). GPU backends (`cuda_ipc`, `nvshmem`) fit the
+same shape: the descriptor is an IPC handle or a PE number, `write` launches one copy kernel per
+layer on a transfer stream, `flush` waits for it and fences.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+import torch
+
+
+class TransferError(Exception):
+    """A write or flush could not complete: the receiver is gone, the connection broke, or the
+    receiver closed the window (the request was aborted or its lease expired there)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What must be equal for two engines to exchange KV pages."""
+
+    model: str
+    dtype: str  # "float32", "bfloat16", ...
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def pool_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVLayout:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+    def mismatch(self, peer: KVLayout) -> str | None:
+        """None if the layouts agree, else a message naming both layouts and what differs."""
+        diff = [f.name for f in fields(self) if getattr(self, f.name) != getattr(peer, f.name)]
+        if not diff:
+            return None
+        return (
+            f"KV layout mismatch in {', '.join(diff)}: this engine has {self.to_dict()}, "
+            f"the peer has {peer.to_dict()}"
+        )
+
+
+@dataclass(frozen=True)
+class Window:
+    """A receiver-side write window: `index` names its entry in the receiver's window table,
+    `tag` makes it unique over time (an index is reused, a tag never)."""
+
+    index: int
+    tag: int
+
+
+class TransferBackend(ABC):
+    """The receiving side of one engine: its KV pool and the windows writes may land in.
+
+    Owns the pool tensor (`kv`, shape `layout.pool_shape(num_pages)`), because some backends
+    must allocate it themselves (shared memory, the NVSHMEM symmetric heap).
+    """
+
+    kind: ClassVar[str]
+    kv: torch.Tensor
+
+    @abstractmethod
+    def descriptor(self) -> dict:
+        """Plain data (msgpack/JSON-safe) a peer needs to open this pool. Has "kind"."""
+
+    @abstractmethod
+    def open_window(self) -> Window | None:
+        """A fresh window, or None when the window table is full (the caller answers 503)."""
+
+    @abstractmethod
+    def close_window(self, window: Window) -> None:
+        """Refuse later writes into `window`. Returns once no write into it is in progress,
+        so the caller may then free or reuse the window's pages. Closing twice is a no-op."""
+
+    def close(self) -> None:
+        """Stop listeners and release the pool's export. The tensor stays valid."""
+
+
+class Peer(ABC):
+    """The sending side's handle on one receiver. Methods run on the sender's transfer thread
+    (or stream), never concurrently with each other."""
+
+    @abstractmethod
+    def write(
+        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """Copy K and V of `layer` at the local flat slots `src_slots` into the receiver's flat
+        slots `dst_slots` (int64 tensors of equal length). May return before the bytes arrive.
+        Raises TransferError if the receiver is gone or `window` was closed."""
+
+    @abstractmethod
+    def flush(self, window: Window) -> None:
+        """Return once every write into `window` so far is in the receiver's pool and visible
+        to it, and the window is still open; raise TransferError otherwise."""
+
+    def alive(self) -> bool:
+        """False once the receiver is known to be gone, so every later call would fail. Cheap
+        (no round trip) and safe to call from any thread, also while a write runs: the sender
+        uses it to drop cached peers, which would otherwise keep a dead receiver's connection
+        or memory."""
+        return True
+
+    def close(self) -> None:
+        """Release the connection or mapping."""
+
+
+class NoTransferBackend(TransferBackend):
+    """An engine that cannot receive KV (started with `--kv-transfer none`): a plain pool."""
+
+    kind = "none"
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str):
+        dtype = getattr(torch, layout.dtype)
+        self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=dtype, device=device)
+
+    def descriptor(self) -> dict:
+        return {"kind": self.kind}
+
+    def open_window(self) -> Window | None:
+        raise TransferError("this engine was started with --kv-transfer none and cannot receive KV")
+
+    def close_window(self, window: Window) -> None:
+        pass

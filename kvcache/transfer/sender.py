@@ -1,0 +1,255 @@
+"""The sender's transfer stream: one background thread that runs KV writes in submission order.
+
+The engine's forward pass computes layer L, enqueues its writes here and goes on with layer
+L+1 while this thread copies layer L out. That overlap is real on CPU because the work here is
+torch copies and socket sends, which release the GIL; a GPU backend would issue the same work
+on a CUDA stream instead of a thread. (On CPU the copies also use torch's intra-op threads,
+which the forward pass wants too: an engine that overlaps heavily may leave this thread a core.)
+
+    engine thread                         transfer thread (this module)
+    ─────────────                         ─────────────────────────────
+    start(job, descriptor, window)        opens/reuses the Peer (on the engine thread)
+    write(job, layer 0, src, dst)  ─────▶ peer.write(window, 0, src, dst)
+    write(job, layer 1, src, dst)  ─────▶ peer.write(window, 1, src, dst)
+    finish(job)                    ─────▶ peer.flush(window); completed += (job, None | error)
+                                          notify()
+    completed()  ◀──────────────────────
+
+A job's source slots must keep their KV until the job is reported in `completed()` or
+`cancel()` has returned: this thread reads them from the local pool when it gets to them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvcache.transfer import open_peer
+from kvcache.transfer.base import KVLayout, Peer, TransferError, Window
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Job:
+    job_id: str
+    peer: Peer
+    peer_key: tuple
+    window: Window
+    error: str | None = None  # set by the transfer thread at the first failed write or flush
+    finished: bool = False  # set by finish()
+    cancelled: bool = False  # set by cancel() and close()
+
+
+class _Op(NamedTuple):
+    job: _Job
+    layer: int | None  # None: the job's flush
+    src_slots: torch.Tensor | None = None
+    dst_slots: torch.Tensor | None = None
+
+
+class KVSender:
+    """Runs writes to peers on one thread, in submission order.
+
+    All methods but `close` may be called from any thread; `notify` is called on the transfer
+    thread after a job's completion is added, so it must be thread-safe and quick (e.g.
+    `loop.call_soon_threadsafe(event.set)`).
+    """
+
+    def __init__(
+        self, local_kv: torch.Tensor, layout: KVLayout, notify: Callable[[], None] = lambda: None
+    ):
+        self.local_kv = local_kv
+        self.layout = layout
+        self._notify = notify
+        self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()  # None stops the thread
+        # Guards everything below. Peers are used only on the transfer thread, opened only in
+        # start() (under _open_lock, so two starts never open the same peer twice).
+        self._lock = threading.Condition()
+        self._open_lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}  # started, not yet completed or cancelled
+        self._peers: dict[tuple, Peer] = {}  # descriptor key -> open peer, shared by jobs
+        self._retired: list[Peer] = []  # dropped from _peers after an error; closed when unused
+        self._completed: list[tuple[str, str | None]] = []
+        self._writing: _Job | None = None  # the job whose write runs now on the transfer thread
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+        _open_senders.add(self)
+
+    def start(self, job_id: str, descriptor: dict, window: Window) -> None:
+        """Begin a job that writes into `window` of the receiver `descriptor` names. Opens the
+        peer (or reuses the open one) on this thread; raises TransferError if that fails and
+        ValueError if `job_id` is already running."""
+        key = tuple(sorted(descriptor.items()))
+        with self._open_lock:
+            with self._lock:
+                if job_id in self._jobs:
+                    raise ValueError(f"KV transfer job {job_id!r} is already running")
+                peer = self._peers.get(key)
+                if peer is not None and not peer.alive():  # e.g. a tcp receiver restarted
+                    self._retire(key, peer)
+                    peer = None
+            if peer is None:
+                peer = open_peer(descriptor, self.local_kv, self.layout)
+            with self._lock:
+                self._peers[key] = peer
+                self._jobs[job_id] = _Job(job_id, peer, key, window)
+
+    def write(
+        self, job_id: str, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """Enqueue K and V of `layer` at local slots `src_slots` into the receiver's slots
+        `dst_slots` (int64, equal lengths; not modified after this call). No-op if the job
+        already failed."""
+        if len(src_slots) != len(dst_slots):
+            raise ValueError(f"{len(src_slots)} source slots but {len(dst_slots)} destinations")
+        job = self._job(job_id)
+        if job.error is None:
+            self._queue.put(_Op(job, layer, src_slots, dst_slots))
+
+    def write_all_layers(
+        self, job_id: str, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """Enqueue `write` for every layer (KV computed before this step, e.g. a cached prefix)."""
+        for layer in range(self.layout.num_layers):
+            self.write(job_id, layer, src_slots, dst_slots)
+
+    def finish(self, job_id: str) -> None:
+        """Enqueue the job's flush. Once it ran, `completed()` reports (job_id, None) or
+        (job_id, error message) and `notify()` is called. The job takes no writes after this."""
+        job = self._job(job_id)
+        job.finished = True
+        self._queue.put(_Op(job, None))
+
+    def cancel(self, job_id: str) -> None:
+        """Drop the job: its queued writes and flush are skipped and nothing is reported. Returns
+        once no write of the job runs, so its source pages may be freed. Unknown ids are ignored
+        (the job may have completed meanwhile)."""
+        with self._lock:
+            job = self._jobs.pop(job_id, None)
+            if job is None:
+                return
+            job.cancelled = True
+            while self._writing is job:
+                self._lock.wait()
+
+    def failed(self) -> list[tuple[str, str]]:
+        """Running, unfinished jobs that already failed, with the error: their owner may stop
+        producing KV for them early and cancel them."""
+        with self._lock:
+            return [(j.job_id, j.error) for j in self._jobs.values()
+                    if j.error is not None and not j.finished]  # fmt: skip
+
+    def completed(self) -> list[tuple[str, str | None]]:
+        """Jobs whose flush ran since the last call: (job_id, None if every byte arrived, else
+        the error message)."""
+        with self._lock:
+            done, self._completed = self._completed, []
+        return done
+
+    def close(self) -> None:
+        """Drop every job, stop the transfer thread and close all peers."""
+        _open_senders.discard(self)
+        with self._lock:
+            for job in self._jobs.values():
+                job.cancelled = True
+            self._jobs.clear()
+        self._queue.put(None)
+        self._thread.join()
+        for peer in [*self._peers.values(), *self._retired]:
+            peer.close()
+        self._peers.clear()
+        self._retired.clear()
+
+    def _job(self, job_id: str) -> _Job:
+        """The running job `job_id`, which still takes writes."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None or job.finished:
+            state = "finished" if job else "not running (never started, or cancelled)"
+            raise ValueError(f"KV transfer job {job_id!r} is {state}")
+        return job
+
+    # ---- transfer thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (op := self._queue.get()) is not None:
+            job, is_write = op.job, op.layer is not None
+            with self._lock:
+                if job.cancelled:
+                    continue
+                if is_write:
+                    self._writing = job  # cancel() waits until this write is over
+            if job.error is None:  # a failed job skips its later writes and its flush
+                self._execute(op)
+            if is_write:
+                with self._lock:
+                    self._writing = None
+                    self._lock.notify_all()
+            else:
+                self._complete(job)
+
+    def _execute(self, op: _Op) -> None:
+        """Run one write or flush; a failure is recorded in the job, never raised."""
+        job = op.job
+        try:
+            if op.layer is None:
+                job.peer.flush(job.window)
+            else:
+                job.peer.write(job.window, op.layer, op.src_slots, op.dst_slots)
+        except TransferError as e:
+            job.error = str(e)
+        except Exception as e:  # a bug must fail the job, not kill the transfer thread
+            log.exception("KV transfer job %s failed", job.job_id)
+            job.error = f"{type(e).__name__}: {e}"
+        else:
+            return
+        if op.layer is not None:
+            self._notify()  # the owner can stop computing for this job (see failed())
+        if not job.peer.alive():  # not just a closed window: later jobs open a fresh peer
+            with self._lock:
+                self._retire(job.peer_key, job.peer)
+
+    def _retire(self, key: tuple, peer: Peer) -> None:
+        """Drop `peer` from the cache (lock held); the transfer thread closes it once no running
+        job uses it."""
+        if self._peers.get(key) is peer:
+            del self._peers[key]
+            self._retired.append(peer)
+
+    def _complete(self, job: _Job) -> None:
+        with self._lock:
+            if job.cancelled:
+                return
+            del self._jobs[job.job_id]
+            self._completed.append((job.job_id, job.error))
+            for key, peer in list(self._peers.items()):
+                if not peer.alive():
+                    self._retire(key, peer)
+            # Close the retired peers no running job uses (queued ops of cancelled jobs are
+            # skipped, so they cannot touch them).
+            in_use = {id(j.peer) for j in self._jobs.values()}
+            unused = [p for p in self._retired if id(p) not in in_use]
+            self._retired = [p for p in self._retired if id(p) in in_use]
+        for peer in unused:
+            peer.close()
+        self._notify()
+
+
+# A daemon thread still inside torch ops while the interpreter finalizes aborts the process
+# ("terminate called without an active exception"), so senders left open are closed at exit.
+_open_senders: weakref.WeakSet[KVSender] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_senders() -> None:
+    for sender in list(_open_senders):
+        sender.close()

@@ -1,0 +1,296 @@
+"""Shared-memory transfer for CPU engines on one host: the sender writes the receiver's pool.
+
+The receiver's pool lives in a memfd. A sender opens it through `/proc/<pid>/fd/<fd>`, maps it,
+and copies layer slices straight into it: the receiver does no work on the data path.
+
+    memfd (one per receiving engine)
+    ┌───────────────────────────────┬───────────────────────────────────────────────────────┐
+    │ window table: int64[N]        │ KV pool: layout.pool_shape(num_pages)                 │
+    │ entry i = open tag, 0 = free  │                                                       │
+    └───────────────────────────────┴───────────────────────────────────────────────────────┘
+    0                               kv_offset (8 * N rounded up to a memory page)      nbytes
+
+Windows are guarded by open-file-description locks (`F_OFD_SETLKW`) on each entry's 8 bytes:
+a sender holds a shared lock on the entry while it checks the tag and copies; the receiver
+takes an exclusive lock to open or close a window, so `close_window` waits for a copy in
+progress. OFD locks (unlike `lockf`, whose locks belong to the process) also exclude each other
+when both engines live in one process, and closing some other descriptor of the file does not
+drop them. A process that dies releases its locks with its descriptors.
+
+The memfd is freed by the kernel when the last process unmaps it, so nothing leaks even when an
+engine is killed; a sender that still maps a dead receiver's pool writes into memory nobody
+reads, and finds out at its next write or flush (the receiver's pidfd polls readable).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import mmap
+import os
+import select
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from kvcache.transfer.base import KVLayout, Peer, TransferBackend, TransferError, Window
+
+DEFAULT_NUM_WINDOWS = 4096
+
+_ENTRY = struct.Struct("<q")  # one window table entry: the open window's tag, 0 when free
+# struct flock on Linux (x86-64, aarch64): l_type, l_whence, l_start, l_len, l_pid, padding.
+_FLOCK = struct.Struct("@hhqqi4x")
+
+
+def _lock(fd: int, lock_type: int, start: int, length: int) -> None:
+    """Take (blocking) or release an OFD lock on bytes [start, start + length) of `fd`.
+    `lock_type` is fcntl.F_RDLCK (shared), F_WRLCK (exclusive) or F_UNLCK."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(lock_type, os.SEEK_SET, start, length, 0))
+
+
+@contextmanager
+def _entry_locked(fd: int, index: int, lock_type: int) -> Iterator[None]:
+    _lock(fd, lock_type, index * _ENTRY.size, _ENTRY.size)
+    try:
+        yield
+    finally:
+        _lock(fd, fcntl.F_UNLCK, index * _ENTRY.size, _ENTRY.size)
+
+
+def _process_exited(pidfd: int) -> bool:
+    # A pidfd polls readable once its process has exited; unlike kill(pid, 0) this also catches
+    # a zombie, and a recycled pid cannot pass for it. A fresh poll object per call, because
+    # alive() may run on two threads at once.
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
+def _check_window_index(window: Window, num_windows: int) -> None:
+    if not 0 <= window.index < num_windows:
+        raise ValueError(f"window index {window.index} out of range for {num_windows} windows")
+
+
+class ShmBackend(TransferBackend):
+    """A CPU pool in shared memory that same-host peers write directly.
+
+    `open_window` and `close_window` may be called from any thread of the receiving process.
+    """
+
+    kind = "shm"
+
+    def __init__(self, layout: KVLayout, num_pages: int, num_windows: int = DEFAULT_NUM_WINDOWS):
+        if num_pages < 1 or num_windows < 1:
+            raise ValueError(
+                f"num_pages ({num_pages}) and num_windows ({num_windows}) must be >= 1"
+            )
+        dtype = getattr(torch, layout.dtype)
+        shape = layout.pool_shape(num_pages)
+        count = math.prod(shape)
+        kv_offset = -(-num_windows * _ENTRY.size // mmap.PAGESIZE) * mmap.PAGESIZE
+        nbytes = kv_offset + count * dtype.itemsize
+
+        fd = os.memfd_create("microserve-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            # Commit the memory now, as torch.zeros would: running out fails here, at startup,
+            # not as a SIGBUS in the middle of a transfer.
+            os.posix_fallocate(fd, 0, nbytes)
+            # A sealed size means no process can shrink the file under a peer's mapping.
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+            self._mmap = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        # Never unmapped: torch.frombuffer does not pin the mapping, and the engine uses `kv`
+        # until it exits. The file starts zero-filled, so the table is empty and the pool zeros.
+        flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=kv_offset)
+        self.kv = flat.view(shape)
+
+        self.num_windows = num_windows
+        self._descriptor = {
+            "kind": self.kind,
+            "pid": os.getpid(),
+            "fd": fd,
+            "inode": os.fstat(fd).st_ino,
+            "boot_id": _boot_id(),
+            "hostname": socket.gethostname(),
+            "nbytes": nbytes,
+            "kv_offset": kv_offset,
+            "num_pages": num_pages,
+            "num_windows": num_windows,
+        }
+        # OFD locks taken through one descriptor do not exclude each other, so threads of this
+        # process serialize table updates on this lock; it is held across the entry lock.
+        self._lock = threading.Lock()
+        self._fd = fd  # -1 once closed
+        self._free = list(range(num_windows - 1, -1, -1))  # stack; pop() gives the lowest index
+        self._next_tag = 1
+
+    def descriptor(self) -> dict:
+        return dict(self._descriptor)
+
+    def open_window(self) -> Window | None:
+        """A fresh window; None when all `num_windows` are open or the backend is closed."""
+        with self._lock:
+            if not self._free:
+                return None
+            window = Window(self._free.pop(), self._next_tag)
+            self._next_tag += 1
+            with _entry_locked(self._fd, window.index, fcntl.F_WRLCK):
+                _ENTRY.pack_into(self._mmap, window.index * _ENTRY.size, window.tag)
+        return window
+
+    def close_window(self, window: Window) -> None:
+        _check_window_index(window, self.num_windows)
+        offset = window.index * _ENTRY.size
+        with self._lock:
+            if self._fd < 0:
+                return  # close() closed every window
+            # The exclusive lock waits for a sender's copy into this window to finish.
+            with _entry_locked(self._fd, window.index, fcntl.F_WRLCK):
+                if _ENTRY.unpack_from(self._mmap, offset)[0] != window.tag:
+                    return  # closed before
+                _ENTRY.pack_into(self._mmap, offset, 0)
+            self._free.append(window.index)
+
+    def close(self) -> None:
+        """Close every window (waiting for copies in progress) and the memfd, so no peer writes
+        or opens the pool after this. `kv` stays valid; later `open_window` calls return None."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            table_bytes = self.num_windows * _ENTRY.size
+            _lock(self._fd, fcntl.F_WRLCK, 0, table_bytes)
+            self._mmap[:table_bytes] = bytes(table_bytes)
+            _lock(self._fd, fcntl.F_UNLCK, 0, table_bytes)
+            os.close(self._fd)
+            self._fd = -1
+            self._free.clear()
+
+
+class ShmPeer(Peer):
+    """A mapping of a same-host receiver's pool.
+
+    `local_kv` (this engine's pool, `layout.pool_shape(local_pages)`) may live on a GPU: rows
+    are gathered there on the calling thread's current stream, so the engine must have written
+    them on that stream (the default one) or synced.
+    """
+
+    def __init__(self, descriptor: dict, local_kv: torch.Tensor, layout: KVLayout):
+        pid = descriptor["pid"]
+        if descriptor["boot_id"] != _boot_id():
+            raise TransferError(
+                f"shm needs both engines on one host: the receiver runs on "
+                f"{descriptor['hostname']!r}, this engine on {socket.gethostname()!r} "
+                f"(different boot ids); use --kv-transfer tcp"
+            )
+        dtype = getattr(torch, layout.dtype)
+        expected = layout.pool_shape(local_kv.shape[2])
+        assert local_kv.shape == expected and local_kv.dtype == dtype, (
+            f"local pool {tuple(local_kv.shape)} {local_kv.dtype} does not match {layout}"
+        )
+        shape = layout.pool_shape(descriptor["num_pages"])
+        count = math.prod(shape)
+        if descriptor["kv_offset"] + count * dtype.itemsize > descriptor["nbytes"]:
+            raise TransferError(
+                f"shm descriptor of pid {pid} is inconsistent: {descriptor['num_pages']} pages "
+                f"of {layout} do not fit in {descriptor['nbytes']} bytes"
+            )
+
+        # Taken before the pool is opened: it names the process that owned the pool's pid then.
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise TransferError(f"shm receiver pid {pid} is not running") from None
+        try:
+            self._fd, self._mmap = self._map(descriptor)
+        except BaseException:
+            os.close(self._pidfd)
+            raise
+
+        self._pid = pid
+        self._num_windows = descriptor["num_windows"]
+        self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
+        self._local = local_kv
+        self._remote: torch.Tensor | None = torch.frombuffer(
+            self._mmap, dtype=dtype, count=count, offset=descriptor["kv_offset"]
+        ).view(shape)
+
+    @staticmethod
+    def _map(descriptor: dict) -> tuple[int, mmap.mmap]:
+        pid, fd = descriptor["pid"], descriptor["fd"]
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            own_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise TransferError(
+                f"cannot open the KV pool of shm receiver pid {pid} ({path}): {e.strerror}; it "
+                f"exited, or runs as another user or in another container: use --kv-transfer tcp"
+            ) from None
+        try:
+            st = os.fstat(own_fd)
+            if st.st_ino != descriptor["inode"] or st.st_size != descriptor["nbytes"]:
+                raise TransferError(
+                    f"{path} is not the KV pool of shm receiver pid {pid} (inode {st.st_ino}, "
+                    f"{st.st_size} bytes; expected inode {descriptor['inode']}, "
+                    f"{descriptor['nbytes']} bytes): the receiver closed its pool, or exited "
+                    f"and its pid was reused"
+                )
+            return own_fd, mmap.mmap(own_fd, descriptor["nbytes"])
+        except BaseException:
+            os.close(own_fd)
+            raise
+
+    @contextmanager
+    def _window_open(self, window: Window) -> Iterator[None]:
+        """Hold a shared lock on the window's entry: the receiver cannot close the window until
+        the block ends. Raises TransferError if the receiver exited or closed the window."""
+        if self._remote is None:
+            raise TransferError(f"the shm peer for receiver pid {self._pid} is closed")
+        _check_window_index(window, self._num_windows)
+        if _process_exited(self._pidfd):
+            raise TransferError(f"shm receiver pid {self._pid} exited")
+        with _entry_locked(self._fd, window.index, fcntl.F_RDLCK):
+            current = _ENTRY.unpack_from(self._mmap, window.index * _ENTRY.size)[0]
+            if current != window.tag:
+                raise TransferError(
+                    f"receiver pid {self._pid} closed window {window.index} (tag {window.tag}): "
+                    f"the request was aborted there, its lease expired or the engine stopped"
+                )
+            yield
+
+    def write(
+        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """Copy synchronously: the bytes are in the receiver's pool when this returns."""
+        with self._window_open(window):
+            local = self._local[layer].view(self._rows)
+            rows = local.index_select(1, src_slots.to(local.device)).cpu()
+            self._remote[layer].view(self._rows).index_copy_(1, dst_slots, rows)
+
+    def flush(self, window: Window) -> None:
+        """Writes are synchronous: only check the receiver is alive and the window open."""
+        with self._window_open(window):
+            pass
+
+    def alive(self) -> bool:
+        return self._remote is not None and not _process_exited(self._pidfd)
+
+    def close(self) -> None:
+        if self._remote is None:
+            return
+        self._remote = None  # drop the view first: the mapping must not be used once unmapped
+        self._mmap.close()
+        os.close(self._fd)
+        os.close(self._pidfd)

@@ -1,0 +1,401 @@
+"""TCP transfer between any two hosts: the receiver's listener threads write what arrives.
+
+A sender holds one connection per receiver. After a handshake that compares KV layouts, it
+streams frames; the receiver applies them in order, one thread per connection:
+
+    handshake   sender → u32 length, msgpack(layout dict)
+                sender ← u32 length, msgpack({"error": None | message})
+    WRITE       header │ dst slots: int64[n] │ K rows, V rows: dtype[2, n, kv_heads, head_dim]
+    FLUSH       header                      → answered with u32 length, msgpack({"error": ...})
+                                              once every earlier frame of the connection is applied
+
+    header = <u8 op, 3 pad, u32 window index, i64 window tag, i32 layer, u32 n>   (24 bytes)
+
+Everything is little-endian. The header is a multiple of 8 bytes, so one buffer holds a whole
+frame and the slots and rows in it are aligned views: the sender gathers rows straight into its
+send buffer and the receiver reads a frame with `recv_into`, both without extra copies.
+
+Writes are one-way: a write into a window the receiver already closed is dropped there and the
+sender learns it at the next flush.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import select
+import socket
+import struct
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgpack
+import torch
+
+from kvcache.transfer.base import KVLayout, Peer, TransferBackend, TransferError, Window
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NUM_WINDOWS = 4096
+DEFAULT_TIMEOUT_S = 60.0
+
+_HEADER = struct.Struct("<B3xIqiI")  # op, window index, window tag, layer, number of slots
+_LENGTH = struct.Struct("<I")  # prefix of a msgpack message
+_MAX_MESSAGE = 1 << 20
+_WRITE, _FLUSH = 1, 2
+
+
+class _Buffer:
+    """A growable byte buffer that is both a torch tensor (for views) and a memoryview (for
+    socket I/O). Grows to the largest frame seen and is reused after that."""
+
+    def __init__(self) -> None:
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        self.view = memoryview(self.bytes.numpy())
+
+    def reserve(self, nbytes: int) -> None:
+        if self.bytes.numel() < nbytes:
+            self.bytes = torch.empty(nbytes, dtype=torch.uint8)
+            self.view = memoryview(self.bytes.numpy())
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("connection closed by the other side")
+        got += n
+
+
+def _send_message(sock: socket.socket, obj: object) -> None:
+    data = msgpack.packb(obj)
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def _recv_message(sock: socket.socket) -> dict:
+    """One length-prefixed msgpack map. Raises ConnectionError for anything else, e.g. when the
+    other side is not a KV transfer endpoint."""
+    length = bytearray(_LENGTH.size)
+    _recv_exactly(sock, memoryview(length))
+    (n,) = _LENGTH.unpack(length)
+    if n > _MAX_MESSAGE:
+        raise ConnectionError(f"message of {n} bytes exceeds the limit of {_MAX_MESSAGE}")
+    data = bytearray(n)
+    _recv_exactly(sock, memoryview(data))
+    try:
+        message = msgpack.unpackb(data)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ConnectionError(f"malformed message: {e}") from None
+    if not isinstance(message, dict):
+        raise ConnectionError(f"malformed message: expected a map, got {message!r}")
+    return message
+
+
+class TcpBackend(TransferBackend):
+    """A pool on `device` fed by a TCP listener on (host, port); port 0 picks a free port.
+
+    The descriptor advertises `advertise_host`, else `host`, else (bound to every interface)
+    this machine's hostname. `open_window` and `close_window` may be called from any thread.
+    """
+
+    kind = "tcp"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: torch.device | str = "cpu",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        num_windows: int = DEFAULT_NUM_WINDOWS,
+    ):
+        if num_pages < 1 or num_windows < 1:
+            raise ValueError(
+                f"num_pages ({num_pages}) and num_windows ({num_windows}) must be >= 1"
+            )
+        self.layout = layout
+        dtype = getattr(torch, layout.dtype)
+        self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=dtype, device=device)
+        self.num_windows = num_windows
+        self._num_slots = num_pages * layout.page_size
+        self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
+        self._row_bytes = layout.num_kv_heads * layout.head_dim * self.kv.element_size()
+        # Received rows are copied on a stream of their own, so waiting for a copy does not
+        # wait for the engine's queued work.
+        self._stream = torch.cuda.Stream(self.kv.device) if self.kv.is_cuda else None
+
+        # Guards the window table; a connection thread holds it while it copies into the pool,
+        # so close_window returns only when no write into the window is in progress.
+        self._lock = threading.Lock()
+        self._windows: dict[int, int] = {}  # index -> tag of each open window
+        self._free = list(range(num_windows - 1, -1, -1))  # stack; pop() gives the lowest index
+        self._next_tag = 1
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family)
+        self.port = self._listener.getsockname()[1]
+        if advertise_host is None:
+            advertise_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+        self._descriptor = {
+            "kind": self.kind,
+            "host": advertise_host,
+            "port": self.port,
+            "num_pages": num_pages,
+        }
+
+        self._conns_lock = threading.Lock()  # guards _conns and _closing
+        self._conns: dict[socket.socket, threading.Thread] = {}  # live connection -> its thread
+        self._closing = False
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"kv-tcp-accept-{self.port}", daemon=True
+        )
+        self._accept_thread.start()
+        _open_backends.add(self)
+
+    def descriptor(self) -> dict:
+        return dict(self._descriptor)
+
+    def open_window(self) -> Window | None:
+        with self._lock:
+            if not self._free:
+                return None
+            window = Window(self._free.pop(), self._next_tag)
+            self._next_tag += 1
+            self._windows[window.index] = window.tag
+        return window
+
+    def close_window(self, window: Window) -> None:
+        if not 0 <= window.index < self.num_windows:
+            raise ValueError(f"window index {window.index} out of range for {self.num_windows}")
+        with self._lock:
+            if self._windows.get(window.index) == window.tag:
+                del self._windows[window.index]
+                self._free.append(window.index)
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection and join the listener's threads."""
+        with self._conns_lock:
+            if self._closing:
+                return
+            self._closing = True
+            conns = dict(self._conns)
+        _open_backends.discard(self)
+        # shutdown (not close) wakes a thread blocked in accept() or recv() on Linux.
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._accept_thread.join()
+        self._listener.close()
+        for conn, thread in conns.items():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # the peer already hung up
+            thread.join()
+
+    # ---- listener threads --------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError as e:
+                with self._conns_lock:
+                    if self._closing:
+                        return
+                log.warning("kv transfer listener on port %d: accept failed: %s", self.port, e)
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sender = f"{addr[0]}:{addr[1]}"
+            thread = threading.Thread(
+                target=self._serve, args=(conn, sender), name=f"kv-tcp-conn-{sender}", daemon=True
+            )
+            with self._conns_lock:
+                if self._closing:
+                    conn.close()
+                    return
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket, sender: str) -> None:
+        """One connection: handshake, then apply frames in order until the sender hangs up."""
+        try:
+            if self._handshake(conn, sender):
+                self._apply_frames(conn, sender)
+        except OSError as e:
+            log.debug("kv transfer connection from %s ended: %s", sender, e)
+        except Exception:
+            log.exception("kv transfer connection from %s failed", sender)
+        finally:
+            with self._conns_lock:
+                del self._conns[conn]
+            conn.close()
+
+    def _handshake(self, conn: socket.socket, sender: str) -> bool:
+        hello = _recv_message(conn)
+        try:
+            error = self.layout.mismatch(KVLayout.from_dict(hello))
+        except (KeyError, TypeError, AttributeError):
+            error = f"malformed handshake {hello!r}: expected a KV layout"
+        _send_message(conn, {"error": error})
+        if error is not None:
+            log.warning("refused kv transfer connection from %s: %s", sender, error)
+        return error is None
+
+    def _apply_frames(self, conn: socket.socket, sender: str) -> None:
+        header = bytearray(_HEADER.size)
+        buf = _Buffer()
+        errors: dict[tuple[int, int], str] = {}  # (index, tag) -> first failed write's message
+        while True:
+            _recv_exactly(conn, memoryview(header))
+            op, index, tag, layer, n = _HEADER.unpack(header)
+            if op == _WRITE:
+                slots_end = 8 * n
+                frame_end = slots_end + 2 * n * self._row_bytes
+                buf.reserve(frame_end)
+                _recv_exactly(conn, buf.view[:frame_end])
+                slots = buf.bytes[:slots_end].view(torch.int64)
+                rows = buf.bytes[slots_end:frame_end].view(self.kv.dtype).view(self._rows)
+                error = self._write(index, tag, layer, slots, rows)
+                if error is not None:
+                    errors.setdefault((index, tag), error)
+            elif op == _FLUSH:
+                error = errors.pop((index, tag), None)
+                with self._lock:
+                    if self._windows.get(index) != tag:
+                        error = f"window {index} (tag {tag}) is closed: the request was aborted "
+                        error += "here, its lease expired or the engine stopped"
+                _send_message(conn, {"error": error})
+            else:
+                log.warning(
+                    "kv transfer connection from %s sent unknown frame op %d; closing it",
+                    sender,
+                    op,
+                )
+                return
+
+    def _write(
+        self, index: int, tag: int, layer: int, slots: torch.Tensor, rows: torch.Tensor
+    ) -> str | None:
+        """Copy one WRITE frame into the pool if its window is open. Returns an error message
+        for a frame that names a layer or slot out of range (the sender's bug)."""
+        if not 0 <= layer < self.layout.num_layers:
+            return f"layer {layer} out of range for {self.layout.num_layers} layers"
+        if len(slots):
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0 or hi >= self._num_slots:
+                return f"slots {lo}..{hi} out of range for {self._num_slots} slots"
+        with self._lock:
+            if self._windows.get(index) != tag:
+                return None  # closed: dropped; the next flush of this window reports it
+            layer_kv = self.kv[layer].view(self._rows)
+            if self._stream is None:
+                layer_kv.index_copy_(1, slots, rows)
+            else:
+                with torch.cuda.stream(self._stream):
+                    layer_kv.index_copy_(1, slots.to(self.kv.device), rows.to(self.kv.device))
+                self._stream.synchronize()  # done, not just queued, when the lock is released
+        return None
+
+
+# A daemon thread still inside torch ops while the interpreter finalizes aborts the process
+# ("terminate called without an active exception"), so backends left open are closed, their
+# threads joined, at exit.
+_open_backends: weakref.WeakSet[TcpBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_backends() -> None:
+    for backend in list(_open_backends):
+        backend.close()
+
+
+class TcpPeer(Peer):
+    """One connection to a receiver's listener.
+
+    `local_kv` may live on a GPU: rows are gathered there on the calling thread's current
+    stream, so the engine must have written them on that stream (the default one) or synced.
+
+    Every socket operation times out after `timeout_s`. The first I/O error breaks the peer for
+    good (a frame may be half sent): every later call raises the same TransferError.
+    """
+
+    def __init__(
+        self,
+        descriptor: dict,
+        local_kv: torch.Tensor,
+        layout: KVLayout,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        self._address = f"{descriptor['host']}:{descriptor['port']}"
+        self._local = local_kv
+        self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
+        self._row_bytes = layout.num_kv_heads * layout.head_dim * local_kv.element_size()
+        self._buf = _Buffer()
+        self._broken: str | None = None
+        try:
+            self._sock = socket.create_connection(
+                (descriptor["host"], descriptor["port"]), timeout=timeout_s
+            )
+        except OSError as e:
+            raise TransferError(f"cannot connect to receiver {self._address}: {e}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._io():
+            _send_message(self._sock, layout.to_dict())
+            error = _recv_message(self._sock)["error"]
+        if error is not None:
+            self.close()
+            raise TransferError(f"receiver {self._address} refused the connection: {error}")
+
+    @contextmanager
+    def _io(self) -> Iterator[None]:
+        """Turn an I/O error into a TransferError and break the peer."""
+        if self._broken is not None:
+            raise TransferError(self._broken)
+        try:
+            yield
+        except OSError as e:  # includes timeouts and the other side hanging up
+            self._broken = f"connection to receiver {self._address} lost: {e}"
+            self._sock.close()
+            raise TransferError(self._broken) from None
+
+    def write(
+        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """Send one WRITE frame. Returns once the kernel has the bytes, not the receiver."""
+        n = len(src_slots)
+        slots_end = _HEADER.size + 8 * n
+        frame_end = slots_end + 2 * n * self._row_bytes
+        self._buf.reserve(frame_end)
+        frame = self._buf.bytes
+        _HEADER.pack_into(self._buf.view, 0, _WRITE, window.index, window.tag, layer, n)
+        frame[_HEADER.size : slots_end].view(torch.int64).copy_(dst_slots)
+        rows = frame[slots_end:frame_end].view(self._local.dtype).view(self._rows)
+        local = self._local[layer].view(self._rows)
+        if local.is_cpu:
+            torch.index_select(local, 1, src_slots, out=rows)
+        else:
+            rows.copy_(local.index_select(1, src_slots.to(local.device)))
+        with self._io():
+            self._sock.sendall(self._buf.view[:frame_end])
+
+    def flush(self, window: Window) -> None:
+        with self._io():
+            self._sock.sendall(_HEADER.pack(_FLUSH, window.index, window.tag, 0, 0))
+            error = _recv_message(self._sock)["error"]
+        if error is not None:
+            raise TransferError(f"receiver {self._address}: {error}")
+
+    def alive(self) -> bool:
+        if self._broken is not None:
+            return False
+        # The receiver's kernel closes the connection when it exits (FIN, or RST if bytes were
+        # unread): poll sees that without reading, so a flush reply in flight stays unread.
+        poller = select.poll()
+        poller.register(self._sock, select.POLLRDHUP)
+        return not poller.poll(0)
+
+    def close(self) -> None:
+        self._sock.close()
