@@ -29,6 +29,17 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+class MicroservingError(Exception):
+    """A microserving call failed; `status` is the HTTP status the engine answers with:
+    400 bad field (named in `param`), 404 unknown request_id, 409 request_id in use,
+    502 the KV transfer to the peer failed, 503 no KV pages or windows free now."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
 class GenerateBackend(ABC):
     model_name: str  # the name /v1/models reports and requests must use
     max_model_len: int  # prompt + completion tokens must fit in this

@@ -1,0 +1,321 @@
+"""The engine's microserving API (DESIGN §4): HTTP routes over its engine-core client.
+
+    add_microserving_routes(app, client, api_key=key)
+
+    POST /microserving/{prep_recv, remote_send, start_generate, commit, abort, pin, unpin}
+    GET  /microserving/stats[?check=1]
+
+Bodies are JSON, or msgpack with `Content-Type: application/msgpack` (token lists are the bulk);
+the answer comes in kind, or as msgpack whenever `Accept` names it. Errors are always OpenAI
+error JSON with the engine's status (microserve.backend.MicroservingError says which).
+
+start_generate streams one GenerateChunk per engine output, each sent as soon as it exists:
+
+    JSON     application/x-ndjson   one JSON object per line
+    msgpack  application/msgpack    length-prefixed msgpack frames (microserve.wire)
+
+The last chunk has finish_reason and usage. A failure after the status line went out ends the
+stream with `{"status": s, "error": {...}}` instead: the status and error JSON the call would
+have been answered with. A client that goes away before a call carrying a request_id finished
+(start_generate mid-stream included) gets that request aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgpack
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from microserve import wire
+from microserve.backend import BackendUnavailable, MicroservingError
+from microserve.errors import (
+    OpenAIError,
+    backend_unavailable,
+    from_validation_errors,
+    internal_error,
+    invalid_request,
+)
+from microserve.microserving import (
+    AbortRequest,
+    AbortResponse,
+    CommitRequest,
+    CommitResponse,
+    GenerateChunk,
+    PinRequest,
+    PinResponse,
+    PrepRecvRequest,
+    PrepRecvResponse,
+    RemoteSendRequest,
+    RemoteSendResponse,
+    StartGenerateRequest,
+    Usage,
+)
+from microserve.openai_app import ClientDisconnected, _EventStream, _unless_disconnected
+from microserve.types import TokenOutput
+
+log = logging.getLogger("microserve.engine")
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+MSGPACK = "application/msgpack"
+OPEN_PATHS = ("/health", "/metrics")  # everything else needs the bearer token, when one is set
+
+
+# -- body formats ------------------------------------------------------------------------------
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class _Codec:
+    """How one call's answer is encoded: a whole body, or the items of a stream."""
+
+    media_type: str
+    stream_media_type: str
+    body: Callable[[Any], bytes]
+    item: Callable[[Any], bytes]
+
+
+_JSON = _Codec("application/json", "application/x-ndjson", _json, lambda obj: _json(obj) + b"\n")
+_MSGPACK = _Codec(MSGPACK, MSGPACK, lambda obj: msgpack.packb(obj, use_bin_type=True),
+                  wire.encode)
+
+
+def _is_msgpack(content_type: str) -> bool:
+    return content_type.partition(";")[0].strip().lower() == MSGPACK
+
+
+def _answer_codec(request: Request) -> _Codec:
+    """msgpack for a msgpack body or an `Accept` that names it; JSON otherwise."""
+    if _is_msgpack(request.headers.get("content-type", "")):
+        return _MSGPACK
+    return _MSGPACK if MSGPACK in request.headers.get("accept", "") else _JSON
+
+
+def _answer(codec: _Codec, obj: Any) -> Response:
+    return Response(codec.body(obj), media_type=codec.media_type)
+
+
+async def _read_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The body validated as `model`; a 400 naming the field (or the malformed byte) if not."""
+    raw = await request.body()
+    try:
+        if _is_msgpack(request.headers.get("content-type", "")):
+            return model.model_validate(_unpack(raw))
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise from_validation_errors(e.errors()) from None
+
+
+def _unpack(raw: bytes) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False)
+    except ValueError as e:  # every msgpack unpacking error is one
+        raise invalid_request(f"Malformed msgpack body: {str(e) or type(e).__name__}") from None
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def _as_openai_error(exc: Exception) -> OpenAIError:
+    if isinstance(exc, MicroservingError):
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return OpenAIError(exc.status, str(exc), type=kind, param=exc.param)
+    if isinstance(exc, BackendUnavailable):
+        return backend_unavailable(exc)
+    return internal_error(exc)
+
+
+async def _microserving_error(request: Request, exc: MicroservingError) -> Response:
+    return _as_openai_error(exc).response()
+
+
+class _RequireBearer:
+    """ASGI middleware: every path but OPEN_PATHS needs `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self._key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        token = _bearer_token(scope)
+        if token is not None and hmac.compare_digest(token, self._key):
+            return await self.app(scope, receive, send)
+        message = ("Missing API key: send 'Authorization: Bearer <key>'" if token is None
+                   else "Incorrect API key provided")
+        response = OpenAIError(401, message, code="invalid_api_key").response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+def _bearer_token(scope: Scope) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Call:
+    """A request/response call forwarded to the engine core's method of the same name."""
+
+    request: type[BaseModel]
+    response: type[BaseModel]
+    timeout_s: float | None = 30.0  # None: as long as it takes
+
+
+_CALLS = {
+    "prep_recv": _Call(PrepRecvRequest, PrepRecvResponse),
+    # Prefills and transfers: it answers when every write landed, however long that takes.
+    "remote_send": _Call(RemoteSendRequest, RemoteSendResponse, timeout_s=None),
+    "commit": _Call(CommitRequest, CommitResponse),
+    "abort": _Call(AbortRequest, AbortResponse),
+    "pin": _Call(PinRequest, PinResponse),
+    "unpin": _Call(PinRequest, PinResponse),
+}
+
+
+def _chunk(out: TokenOutput, num_generated: int) -> GenerateChunk:
+    """The wire form of one output; `num_generated` counts the request's tokens so far."""
+    logprobs = None if out.logprobs is None else [
+        {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+        for lp in out.logprobs]
+    usage = None if out.finish_reason is None else Usage(
+        prompt_tokens=out.num_prompt_tokens, completion_tokens=num_generated,
+        cached_tokens=out.num_cached_tokens)
+    return GenerateChunk(token_ids=out.token_ids, logprobs=logprobs,
+                         finish_reason=out.finish_reason, usage=usage)
+
+
+async def _merged(chunks: AsyncGenerator[GenerateChunk, None], logprobs: bool) -> GenerateChunk:
+    """All of a request's chunks as one (stream=false)."""
+    token_ids, token_logprobs = [], []
+    async for last in chunks:
+        token_ids += last.token_ids
+        token_logprobs += last.logprobs or []
+    return GenerateChunk(token_ids=token_ids, logprobs=token_logprobs if logprobs else None,
+                         finish_reason=last.finish_reason, usage=last.usage)
+
+
+class _MicroservingAPI:
+    """The route handlers. A client that goes away before its answer gets the request_id it
+    named aborted: a reservation, a running prefill or transfer, or a generation."""
+
+    def __init__(self, client):
+        self.client = client  # engine.core_client.CoreClient, or anything with its contract
+
+    def call_route(self, method: str, call: _Call) -> Callable:
+        """The handler that validates `call.request`, forwards it, and checks the answer."""
+        async def route(request: Request) -> Response:
+            body = await _read_body(request, call.request)
+            work = self.client.call(method, body.model_dump(), timeout_s=call.timeout_s)
+            try:
+                result = await _unless_disconnected(request.receive, work)
+            except ClientDisconnected:
+                if request_id := getattr(body, "request_id", None):
+                    await self.client.abort(request_id)
+                return Response(status_code=499)  # nginx's "client closed request"
+            answer = call.response.model_validate(result)
+            return _answer(_answer_codec(request), answer.model_dump())
+
+        return route
+
+    async def start_generate(self, request: Request) -> Response:
+        body = await _read_body(request, StartGenerateRequest)
+        codec = _answer_codec(request)
+        chunks = self._chunks(body)
+        # Streaming, the first chunk comes before the status line: a call the engine refuses
+        # still gets its status rather than an error item inside a 200.
+        work = anext(chunks) if body.stream else _merged(chunks, body.sampling.logprobs is not None)
+        try:
+            chunk = await _unless_disconnected(request.receive, work)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        if not body.stream:
+            return _answer(codec, chunk.model_dump())
+        return _EventStream(self._stream(body.request_id, codec, chunk, chunks),
+                            media_type=codec.stream_media_type)
+
+    async def _chunks(self, body: StartGenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        """The request's outputs as chunks. Closed or cancelled before the engine finished the
+        request (a client that went away), it aborts the request in the engine."""
+        outputs = self.client.start_generate(body.request_id, body.prompt, body.begin,
+                                             body.sampling.to_params())
+        num_generated, settled = 0, False
+        try:
+            async for out in outputs:
+                num_generated += len(out.token_ids)
+                settled = out.finish_reason is not None
+                yield _chunk(out, num_generated)
+        except (MicroservingError, BackendUnavailable):
+            # The engine holds nothing for a call it failed; and a 409's request_id belongs to
+            # another call, which an abort would kill.
+            settled = True
+            raise
+        finally:
+            if not settled:
+                await asyncio.shield(self.client.abort(body.request_id))
+            await outputs.aclose()
+
+    @staticmethod
+    async def _stream(request_id: str, codec: _Codec, first: GenerateChunk,
+                      chunks: AsyncGenerator[GenerateChunk, None]) -> AsyncGenerator[bytes, None]:
+        try:
+            yield codec.item(first.model_dump())
+            async for chunk in chunks:
+                yield codec.item(chunk.model_dump())
+        except Exception as e:  # the status line is gone: the error becomes the last item
+            if not isinstance(e, (MicroservingError, BackendUnavailable)):
+                log.exception("start_generate %s failed while streaming", request_id)
+            error = _as_openai_error(e)
+            yield codec.item({"status": error.status_code, **error.body()})
+        finally:
+            await chunks.aclose()
+
+    async def stats(self, request: Request) -> Response:
+        """Load and KV accounting; `?check=1` also runs the KV integrity check."""
+        body = {"stats": await self.client.call("stats"), "info": self.client.info}
+        if request.query_params.get("check"):
+            try:
+                await self.client.call("check_integrity")
+                body["integrity"] = "ok"
+            except RuntimeError as e:
+                body["integrity"] = str(e)
+        return _answer(_answer_codec(request), body)
+
+
+def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None) -> None:
+    """Serve the microserving API on `app` over the engine-core client `client`.
+
+    Args:
+        app: the engine's app (build_openai_app's, whose error handlers answer OpenAI JSON);
+            gets the /microserving/* routes and a MicroservingError handler.
+        client: the CoreClient contract: `call(method, args, timeout_s)`, `start_generate`,
+            `abort` and `info`.
+        api_key: when set, every route of `app` but /health and /metrics (so /v1/* and
+            /microserving/* among them) answers 401 without `Authorization: Bearer <api_key>`.
+    """
+    if api_key == "":
+        raise ValueError("api_key must not be empty (None serves without authentication)")
+    api = _MicroservingAPI(client)
+    for method, call in _CALLS.items():
+        app.add_api_route(f"/microserving/{method}", api.call_route(method, call),
+                          methods=["POST"], name=method)
+    app.add_api_route("/microserving/start_generate", api.start_generate, methods=["POST"])
+    app.add_api_route("/microserving/stats", api.stats, methods=["GET"])
+    app.add_exception_handler(MicroservingError, _microserving_error)
+    if api_key is not None:
+        app.add_middleware(_RequireBearer, api_key=api_key)

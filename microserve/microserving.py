@@ -1,0 +1,150 @@
+"""The microserving API's messages (DESIGN §4), shared by the engine and the router. No torch.
+
+Three sub-request calls split one request across engines (paper §3.1):
+
+    D.prep_recv(prompt, end)            -> matched, kv_addr   reserve D's slots for [matched, end)
+    P.remote_send(prompt, begin, end, kv_addr)               make KV of [begin, end) land there
+    D.start_generate(prompt, begin)     -> token ids          KV of [0, begin) is on D already
+
+plus `commit` (adopt received KV without generating: context migration), `abort`, `pin`/`unpin`
+and `stats`. `begin`/`end` index the prompt Python-style (negative counts from the end).
+Bodies are JSON or msgpack; these models validate both (field errors become a 400 that names
+the field). Checks that need the prompt length or the engine's state are the engine's.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from microserve.protocol import MAX_LOGPROBS
+from microserve.types import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class KVAddr(_Body):
+    """Where a receiver wants KV written: run-length ranges of its flat slots
+    (slot = page * page_size + offset) covering prompt positions [begin, end) in order,
+    its KV layout, its transfer descriptor, and the write window the slots belong to.
+
+        positions:  begin ............................................ end
+        ranges:     [(s0, n0),              (s1, n1),        (s2, n2)]   n0 + n1 + n2 = end - begin
+    """
+
+    begin: int = Field(ge=0)
+    end: int = Field(ge=0)
+    ranges: list[tuple[int, int]]
+    layout: dict
+    transfer: dict
+    window: tuple[int, int]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    def slots(self) -> list[int]:
+        return [s for start, n in self.ranges for s in range(start, start + n)]
+
+
+def slot_ranges(slots: list[int]) -> list[tuple[int, int]]:
+    """Run-length form of a slot list: [5, 6, 7, 20, 21] -> [(5, 3), (20, 2)]."""
+    out: list[list[int]] = []
+    for s in slots:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1][1] += 1
+        else:
+            out.append([s, 1])
+    return [(a, n) for a, n in out]
+
+
+class PrepRecvRequest(_Body):
+    request_id: str = Field(min_length=1)
+    prompt: list[int] = Field(min_length=1)
+    end: int = -1
+    lease_s: float | None = Field(None, gt=0)  # default: the engine's --kv-lease-s
+
+
+class PrepRecvResponse(_Body):
+    matched: int  # prompt tokens already in this engine's prefix cache (a page multiple)
+    kv_addr: KVAddr
+
+
+class RemoteSendRequest(_Body):
+    request_id: str = Field(min_length=1)
+    prompt: list[int] = Field(min_length=1)
+    begin: int = 0
+    end: int = -1
+    kv_addr: KVAddr
+
+
+class RemoteSendResponse(_Body):
+    sent: int  # tokens whose KV now sits in the receiver's slots (= end - begin)
+    computed: int  # tokens this engine prefilled to produce them (may start before begin)
+    reused: int  # tokens of [begin, end) copied from this engine's prefix cache
+
+
+class Sampling(_Body):
+    """Token-level sampling (the router resolves OpenAI defaults before it calls)."""
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams.from_dict(self.model_dump())
+
+
+class StartGenerateRequest(_Body):
+    request_id: str = Field(min_length=1)
+    prompt: list[int] = Field(min_length=1)
+    begin: int = 0
+    sampling: Sampling = Field(default_factory=Sampling)
+    stream: bool = True
+
+
+class CommitRequest(_Body):
+    request_id: str = Field(min_length=1)
+    pin: bool = False
+
+
+class CommitResponse(_Body):
+    cached: int  # leading tokens of the received context now in the prefix cache (page multiple)
+    pinned: bool
+
+
+class AbortRequest(_Body):
+    request_id: str = Field(min_length=1)
+
+
+class AbortResponse(_Body):
+    aborted: bool  # False: the engine held nothing under this request_id
+
+
+class PinRequest(_Body):
+    prompt: list[int] = Field(min_length=1)
+
+
+class PinResponse(_Body):
+    tokens: int  # leading tokens of the prompt (a page multiple) now pinned / unpinned
+
+
+class Usage(_Body):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was already on this engine (received or cached)
+
+
+class GenerateChunk(_Body):
+    """One item of start_generate's stream. The last one has finish_reason and usage."""
+
+    token_ids: list[int]
+    logprobs: list[dict] | None = None  # [{"token_id", "logprob", "top": [[id, logprob]]}]
+    finish_reason: str | None = None
+    usage: Usage | None = None

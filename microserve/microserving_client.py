@@ -1,0 +1,230 @@
+"""The router's handle on one engine's microserving API (DESIGN §4), over pooled HTTP.
+
+    engine = EngineClient("http://10.0.0.7:8000", api_key=key)
+    recv = await engine.prep_recv(request_id, prompt, end=-1)
+    await prefill_engine.remote_send(request_id, prompt, recv.matched, -1, recv.kv_addr)
+    async for chunk in engine.start_generate(request_id, prompt, begin=len(prompt) - 1):
+        ...
+
+Bodies go as msgpack by default (token lists are the bulk), JSON with `use_msgpack=False`.
+Failures: an answer with an error status raises MicroservingError(status, message, param) from
+the engine's OpenAI error JSON; an engine that cannot be reached, stops answering within
+`timeout_s`, or drops the connection raises BackendUnavailable naming its URL.
+No torch, no fastapi.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import httpx
+import msgpack
+from pydantic import BaseModel
+
+from microserve.backend import BackendUnavailable, MicroservingError
+from microserve.microserving import (
+    AbortRequest,
+    AbortResponse,
+    CommitRequest,
+    CommitResponse,
+    GenerateChunk,
+    KVAddr,
+    PinRequest,
+    PinResponse,
+    PrepRecvRequest,
+    PrepRecvResponse,
+    RemoteSendRequest,
+    RemoteSendResponse,
+    Sampling,
+    StartGenerateRequest,
+)
+from microserve.wire import FrameDecoder
+
+MSGPACK = "application/msgpack"
+ResponseT = TypeVar("ResponseT", bound=BaseModel)
+
+# A generation holds its connection until it finishes: the pool must not cap concurrency.
+_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+
+class _LineDecoder:
+    """NDJSON: feed bytes as they arrive; get the whole lines' objects out."""
+
+    def __init__(self):
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list:
+        *lines, self._buf = (self._buf + data).split(b"\n")
+        return [json.loads(line) for line in lines if line]
+
+
+def _is_msgpack(response: httpx.Response) -> bool:
+    content_type = response.headers.get("content-type", "")
+    return content_type.partition(";")[0].strip().lower() == MSGPACK
+
+
+def _error(status: int, body: Any) -> MicroservingError:
+    """The MicroservingError an OpenAI error JSON (or any other error body) stands for."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return MicroservingError(status, f"HTTP {status}: {str(body)[:200]}")
+    return MicroservingError(status, error.get("message", ""), error.get("param"))
+
+
+def _response_error(response: httpx.Response) -> MicroservingError:
+    try:
+        return _error(response.status_code, response.json())
+    except ValueError:  # not JSON: a proxy's page, say
+        return _error(response.status_code, response.text)
+
+
+def _generate_chunk(item: dict) -> GenerateChunk:
+    if "error" in item:  # the engine failed after its 200: the status it would have sent
+        raise _error(item["status"], item)
+    return GenerateChunk.model_validate(item)
+
+
+class EngineClient:
+    """Async client of one engine's /microserving/* routes; safe to share between tasks."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, use_msgpack: bool = True,
+                 http: httpx.AsyncClient | None = None, timeout_s: float = 30.0):
+        """
+        Args:
+            base_url: the engine's root, e.g. "http://10.0.0.7:8000".
+            api_key: sent as `Authorization: Bearer <api_key>` when set.
+            use_msgpack: send and ask for msgpack bodies; JSON otherwise.
+            http: a client to share (its pool, its transport); this one then does not close it.
+            timeout_s: the limit on connecting, and on waiting for an answer, except for
+                remote_send's answer and start_generate's chunks, which wait as long as the
+                engine works (a long prefill, a long queue).
+        """
+        self.base_url = base_url.rstrip("/")
+        self._http = http or httpx.AsyncClient(limits=_LIMITS)
+        self._owns_http = http is None
+        self._timeout = httpx.Timeout(timeout_s)
+        self._timeout_no_read = httpx.Timeout(timeout_s, read=None)
+        self._use_msgpack = use_msgpack
+        media_type = MSGPACK if use_msgpack else "application/json"
+        self._headers = {"Content-Type": media_type, "Accept": media_type}
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    async def prep_recv(self, request_id: str, prompt: list[int], end: int = -1,
+                        lease_s: float | None = None) -> PrepRecvResponse:
+        """Reserve this engine's slots for `prompt[matched:end]`, held for `lease_s`."""
+        body = PrepRecvRequest(request_id=request_id, prompt=prompt, end=end, lease_s=lease_s)
+        return await self._post("prep_recv", body, PrepRecvResponse)
+
+    async def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
+                          kv_addr: KVAddr) -> RemoteSendResponse:
+        """Make the KV of `prompt[begin:end]` land at `kv_addr`; returns once it all landed."""
+        body = RemoteSendRequest(request_id=request_id, prompt=prompt, begin=begin, end=end,
+                                 kv_addr=kv_addr)
+        return await self._post("remote_send", body, RemoteSendResponse, self._timeout_no_read)
+
+    async def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
+                             sampling: Sampling | None = None) -> AsyncIterator[GenerateChunk]:
+        """Generate from `prompt`, whose KV of `prompt[:begin]` is on the engine already.
+
+        Yields the engine's chunks as they come; the last has finish_reason and usage.
+        Raises MicroservingError / BackendUnavailable, before the first chunk or after (the
+        engine failed, or the connection dropped, mid-stream). The request is sent when the
+        first chunk is awaited. Closing the iterator early closes the HTTP response, which
+        makes the engine abort the request.
+        """
+        body = StartGenerateRequest(request_id=request_id, prompt=prompt, begin=begin,
+                                    sampling=sampling or Sampling())
+        response = await self._open_stream("start_generate", body)
+        decoder = FrameDecoder() if _is_msgpack(response) else _LineDecoder()
+        finished = False
+        try:
+            # Read on past the last chunk to the end of the stream (it ends right there), so
+            # that the connection goes back to the pool.
+            async for data in response.aiter_bytes():
+                for item in decoder.feed(data):
+                    chunk = _generate_chunk(item)
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+        except httpx.TransportError as e:
+            raise self._unavailable(e) from e
+        finally:
+            await response.aclose()
+        if not finished:
+            raise BackendUnavailable(
+                f"engine {self.base_url}: the stream of {request_id} ended before it finished")
+
+    async def commit(self, request_id: str, pin: bool = False) -> CommitResponse:
+        """Adopt the KV received under `request_id` into the prefix cache (pinned if `pin`)."""
+        return await self._post("commit", CommitRequest(request_id=request_id, pin=pin),
+                                CommitResponse)
+
+    async def abort(self, request_id: str) -> AbortResponse:
+        """Drop whatever the engine holds under `request_id`."""
+        return await self._post("abort", AbortRequest(request_id=request_id), AbortResponse)
+
+    async def pin(self, prompt: list[int]) -> PinResponse:
+        """Keep the cached prefix of `prompt` from eviction."""
+        return await self._post("pin", PinRequest(prompt=prompt), PinResponse)
+
+    async def unpin(self, prompt: list[int]) -> PinResponse:
+        """Let the cached prefix of `prompt` be evicted again."""
+        return await self._post("unpin", PinRequest(prompt=prompt), PinResponse)
+
+    async def stats(self, check: bool = False) -> dict:
+        """{"stats": load and KV accounting, "info": the engine's EngineInfo}, plus
+        "integrity" ("ok" or what is wrong) when `check` runs the KV integrity check."""
+        params = {"check": 1} if check else None
+        return await self._send("GET", "stats", params=params, timeout=self._timeout)
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _url(self, name: str) -> str:
+        return f"{self.base_url}/microserving/{name}"
+
+    def _encode(self, body: BaseModel) -> bytes:
+        if self._use_msgpack:
+            return msgpack.packb(body.model_dump(), use_bin_type=True)
+        return body.model_dump_json().encode()
+
+    def _unavailable(self, exc: httpx.TransportError) -> BackendUnavailable:
+        return BackendUnavailable(f"engine {self.base_url}: {exc!r}")
+
+    async def _post(self, name: str, body: BaseModel, response_model: type[ResponseT],
+                    timeout: httpx.Timeout | None = None) -> ResponseT:
+        answer = await self._send("POST", name, content=self._encode(body),
+                                  timeout=timeout or self._timeout)
+        return response_model.model_validate(answer)
+
+    async def _open_stream(self, name: str, body: BaseModel) -> httpx.Response:
+        """The response to POSTing `body`, its body still to read; raises on an error status
+        or no connection."""
+        request = self._http.build_request("POST", self._url(name), content=self._encode(body),
+                                           headers=self._headers, timeout=self._timeout_no_read)
+        try:
+            response = await self._http.send(request, stream=True)
+            if not response.is_success:
+                await response.aread()  # which also closes it
+                raise _response_error(response)
+        except httpx.TransportError as e:
+            raise self._unavailable(e) from e
+        return response
+
+    async def _send(self, method: str, name: str, **kwargs) -> Any:
+        """The decoded answer of one request; raises on an error status or no connection."""
+        try:
+            response = await self._http.request(method, self._url(name), headers=self._headers,
+                                                **kwargs)
+        except httpx.TransportError as e:
+            raise self._unavailable(e) from e
+        if not response.is_success:
+            raise _response_error(response)
+        if _is_msgpack(response):
+            return msgpack.unpackb(response.content, raw=False)
+        return response.json()

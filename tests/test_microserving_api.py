@@ -1,0 +1,593 @@
+"""The microserving HTTP layer (engine/microserving_api.py) and its client (EngineClient).
+
+Over a scripted fake of the engine-core client's contract: these tests are about bodies,
+formats, statuses, auth and disconnects; the real engine behind them is tested elsewhere.
+In-process through httpx's ASGI transport, which buffers whole responses; the disconnect and
+early-close tests run a real uvicorn server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import httpx
+import msgpack
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from test_tokenizer import make_tokenizer_dir
+
+from engine.microserving_api import add_microserving_routes
+from microserve import wire
+from microserve.backend import BackendUnavailable, GenerateBackend, MicroservingError
+from microserve.errors import install_error_handlers
+from microserve.microserving import (
+    KVAddr,
+    PrepRecvResponse,
+    RemoteSendResponse,
+    Sampling,
+)
+from microserve.microserving_client import EngineClient
+from microserve.openai_app import build_openai_app, listen_socket
+from microserve.tokenizer import Tokenizer
+from microserve.types import SamplingParams, TokenLogprob, TokenOutput
+
+MSGPACK = "application/msgpack"
+KEY = "sk-engine-test"
+PROMPT = list(range(100, 111))
+KV_ADDR = {"begin": 4, "end": 10, "ranges": [[40, 4], [9, 2]],
+           "layout": {"page_size": 4, "dtype": "bfloat16"}, "transfer": {"kind": "test", "rank": 1},
+           "window": [0, 2]}
+# What the core receives for KV_ADDR: the request's model_dump(), tuples included.
+KV_ADDR_ARGS = {**KV_ADDR, "ranges": [(40, 4), (9, 2)], "window": (0, 2)}
+
+# route: (body, core result, the core's args, the core call's timeout)
+CALLS = {
+    "prep_recv": ({"request_id": "r1", "prompt": PROMPT, "end": 10},
+                  {"matched": 4, "kv_addr": KV_ADDR},
+                  {"request_id": "r1", "prompt": PROMPT, "end": 10, "lease_s": None}, 30.0),
+    "remote_send": ({"request_id": "r1", "prompt": PROMPT, "begin": 4, "end": 10,
+                     "kv_addr": KV_ADDR},
+                    {"sent": 6, "computed": 10, "reused": 0},
+                    {"request_id": "r1", "prompt": PROMPT, "begin": 4, "end": 10,
+                     "kv_addr": KV_ADDR_ARGS}, None),
+    "commit": ({"request_id": "r1", "pin": True}, {"cached": 8, "pinned": True},
+               {"request_id": "r1", "pin": True}, 30.0),
+    "abort": ({"request_id": "r1"}, {"aborted": True}, {"request_id": "r1"}, 30.0),
+    "pin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
+    "unpin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
+}
+STATS = {"running": 1, "waiting": 0, "kv_pages_free": 12}
+INFO = {"model_name": "tiny", "page_size": 4, "num_pages": 16}
+
+
+class FakeCore(GenerateBackend):
+    """engine.core_client.CoreClient's contract, scripted.
+
+    `call(method)` returns `results[method]`, or raises it if it is an exception.
+    `start_generate` raises `error` before any output if set; else yields one TokenOutput per
+    entry of `steps` (the last one finished, unless `hang` or `fail`), then waits until closed
+    (`hang`) or raises `fail`.
+    """
+
+    model_name = "tiny"
+    max_model_len = 64
+
+    def __init__(self, steps=((11,), (12, 13), (14,)), *, logprobs: bool = False,
+                 hang: bool = False, fail: Exception | None = None,
+                 error: Exception | None = None):
+        self.steps, self.logprobs, self.hang, self.fail, self.error = (
+            steps, logprobs, hang, fail, error)
+        self.info = INFO
+        self.results = {name: result for name, (_, result, _, _) in CALLS.items()}
+        self.results |= {"stats": STATS, "check_integrity": True}
+        self.calls: list[tuple] = []  # (method, args, timeout_s)
+        self.generate_calls: list[tuple] = []  # (request_id, prompt, begin, params)
+        self.aborted: list[str] = []
+
+    async def call(self, method, args=None, timeout_s=30.0):
+        self.calls.append((method, args, timeout_s))
+        result = self.results[method]
+        if isinstance(result, Exception):
+            raise result
+        if result == "hang":
+            await asyncio.Event().wait()
+        return result
+
+    async def start_generate(self, request_id, prompt, begin, params):
+        self.generate_calls.append((request_id, prompt, begin, params))
+        if self.error:
+            raise self.error
+        for i, ids in enumerate(self.steps):
+            last = i == len(self.steps) - 1 and not (self.hang or self.fail)
+            logprobs = [TokenLogprob(t, -0.5, [(t, -0.5), (7, -1.5)]) for t in ids]
+            yield TokenOutput(request_id, list(ids), "stop" if last else None,
+                              logprobs if self.logprobs else None, len(prompt), 2)
+            await asyncio.sleep(0)
+        if self.fail:
+            raise self.fail
+        if self.hang:
+            await asyncio.Event().wait()
+
+    def generate(self, request_id, prompt_token_ids, params):
+        return self.start_generate(request_id, prompt_token_ids, 0, params)
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def engine_app(core: FakeCore, api_key: str | None = None) -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+    add_microserving_routes(app, core, api_key=api_key)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def http_for(app: FastAPI):
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
+        yield http
+
+
+@contextlib.asynccontextmanager
+async def live_server(app):
+    """Serve `app` on a free 127.0.0.1 port in this event loop; yields its base URL."""
+    config = uvicorn.Config(app, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    sock = listen_socket("127.0.0.1", 0)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    await eventually(lambda: server.started or task.done())
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def eventually(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def post(http: httpx.AsyncClient, route: str, body, fmt: str = "json") -> httpx.Response:
+    if fmt == "json":
+        return await http.post(f"/microserving/{route}", json=body)
+    return await http.post(f"/microserving/{route}", content=msgpack.packb(body),
+                           headers={"Content-Type": MSGPACK})
+
+
+def decoded(response: httpx.Response):
+    if response.headers["content-type"] == MSGPACK:
+        return msgpack.unpackb(response.content)
+    assert response.headers["content-type"] == "application/json"
+    return response.json()
+
+
+def error(message: str, param: str | None = None, type: str = "invalid_request_error",
+          code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def chunk(token_ids, finish_reason=None, completion_tokens=0, logprobs=None) -> dict:
+    usage = None if finish_reason is None else {
+        "prompt_tokens": len(PROMPT), "completion_tokens": completion_tokens, "cached_tokens": 2}
+    return {"token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish_reason,
+            "usage": usage}
+
+
+def logprobs(*ids) -> list[dict]:
+    return [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5], [7, -1.5]]} for t in ids]
+
+
+CHUNKS = [chunk([11]), chunk([12, 13]), chunk([14], "stop", 4)]
+GENERATE = {"request_id": "g1", "prompt": PROMPT, "begin": 3,
+            "sampling": {"max_tokens": 4, "temperature": 0, "stop_token_ids": [2]}}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+# -- request/response calls ----------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+@pytest.mark.parametrize("route", list(CALLS))
+async def test_call_round_trip(route, fmt):
+    body, result, args, timeout_s = CALLS[route]
+    core = FakeCore()
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, route, body, fmt)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == (MSGPACK if fmt == "msgpack" else
+                                                "application/json")
+    assert decoded(response) == result
+    assert core.calls == [(route, args, timeout_s)]
+
+
+async def test_accept_msgpack_answers_a_json_body_in_msgpack():
+    async with http_for(engine_app(FakeCore())) as http:
+        response = await http.post("/microserving/commit", json={"request_id": "r1"},
+                                   headers={"Accept": MSGPACK})
+    assert response.headers["content-type"] == MSGPACK
+    assert msgpack.unpackb(response.content) == {"cached": 8, "pinned": True}
+
+
+@pytest.mark.parametrize("accept", ["application/json", MSGPACK])
+async def test_stats(accept):
+    core = FakeCore()
+    async with http_for(engine_app(core)) as http:
+        plain = await http.get("/microserving/stats", headers={"Accept": accept})
+        checked = await http.get("/microserving/stats?check=1", headers={"Accept": accept})
+        core.results["check_integrity"] = RuntimeError("page 3 is both free and cached")
+        broken = await http.get("/microserving/stats?check=1", headers={"Accept": accept})
+    assert decoded(plain) == {"stats": STATS, "info": INFO}
+    assert decoded(checked) == {"stats": STATS, "info": INFO, "integrity": "ok"}
+    assert decoded(broken)["integrity"] == "page 3 is both free and cached"
+    assert [c[0] for c in core.calls] == ["stats", "stats", "check_integrity", "stats",
+                                          "check_integrity"]
+
+
+@pytest.mark.parametrize(("exc", "status", "type", "code"), [
+    (MicroservingError(404, "unknown request_id 'r1'", "request_id"), 404,
+     "invalid_request_error", None),
+    (MicroservingError(409, "request_id 'r1' is in use", "request_id"), 409,
+     "invalid_request_error", None),
+    (MicroservingError(502, "KV transfer to 10.0.0.2 failed", "kv_addr"), 502, "server_error",
+     None),
+    (MicroservingError(503, "no free KV pages: 6 needed, 2 free", "prompt"), 503, "server_error",
+     None),
+])
+async def test_call_errors_keep_status_and_param(exc, status, type, code):
+    core = FakeCore()
+    core.results["remote_send"] = exc
+    body = CALLS["remote_send"][0]
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, "remote_send", body, "msgpack")
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json"
+    assert response.json() == error(str(exc), exc.param, type, code)
+
+
+async def test_engine_core_gone_is_503():
+    core = FakeCore()
+    core.results["prep_recv"] = BackendUnavailable("engine core process exited")
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, "prep_recv", CALLS["prep_recv"][0])
+    assert response.status_code == 503
+    assert response.json() == error("Service unavailable: engine core process exited",
+                                    type="server_error", code="service_unavailable")
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+@pytest.mark.parametrize(("route", "body", "param", "message"), [
+    ("prep_recv", {"request_id": "r1", "prompt": []}, "prompt",
+     ("Invalid value for 'prompt': List should have at least 1 item after validation, "
+      "not 0 (got [])")),
+    ("remote_send", {**CALLS["remote_send"][0], "kv_addr": {**KV_ADDR, "ranges": [["a", 4]]}},
+     "kv_addr.ranges[0][0]",
+     ("Invalid value for 'kv_addr.ranges[0][0]': Input should be a valid integer, unable to "
+      "parse string as an integer (got \"a\")")),
+    ("start_generate", {**GENERATE, "sampling": {"top_p": 0}}, "sampling.top_p",
+     "Invalid value for 'sampling.top_p': Input should be greater than 0 (got 0)"),
+    ("commit", {}, "request_id", "Missing required field 'request_id'"),
+])
+async def test_validation_error_names_the_field(route, body, param, message, fmt):
+    core = FakeCore()
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, route, body, fmt)
+    assert response.status_code == 400
+    assert response.json() == error(message, param)
+    assert core.calls == core.generate_calls == []
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"\x92\x01", "Malformed msgpack body: Unpack failed: incomplete input"),
+    (b"\xc1", "Malformed msgpack body: FormatError"),  # a byte msgpack never uses
+    (msgpack.packb({"request_id": "r1"}) + b"\x01",
+     "Malformed msgpack body: unpack(b) received extra data."),
+])
+async def test_malformed_msgpack_is_400(content, message):
+    async with http_for(engine_app(FakeCore())) as http:
+        response = await http.post("/microserving/abort", content=content,
+                                   headers={"Content-Type": MSGPACK})
+    assert response.status_code == 400
+    assert response.json() == error(message)
+
+
+async def test_malformed_json_is_400():
+    async with http_for(engine_app(FakeCore())) as http:
+        response = await http.post("/microserving/abort", content=b'{"request_id": ')
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("Malformed JSON body")
+
+
+# -- start_generate --------------------------------------------------------------------------
+
+async def test_start_generate_streams_ndjson():
+    core = FakeCore()
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, "start_generate", GENERATE)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/x-ndjson"
+    lines = [json.dumps(c, separators=(",", ":")) for c in CHUNKS]
+    assert response.text == "\n".join(lines) + "\n"
+    params = SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(2,))
+    assert core.generate_calls == [("g1", PROMPT, 3, params)]
+    assert core.aborted == []
+
+
+async def test_start_generate_streams_msgpack_frames():
+    core = FakeCore(logprobs=True)
+    body = {**GENERATE, "sampling": {"logprobs": 1}}
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, "start_generate", body, "msgpack")
+    expected = [chunk([11], logprobs=logprobs(11)), chunk([12, 13], logprobs=logprobs(12, 13)),
+                chunk([14], "stop", 4, logprobs(14))]
+    assert response.headers["content-type"] == MSGPACK
+    assert response.content == b"".join(wire.encode(c) for c in expected)
+    assert wire.FrameDecoder().feed(response.content) == expected
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+@pytest.mark.parametrize("with_logprobs", [False, True])
+async def test_start_generate_without_streaming(fmt, with_logprobs):
+    core = FakeCore(logprobs=with_logprobs)
+    sampling = {"logprobs": 0} if with_logprobs else {}
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, "start_generate",
+                              {**GENERATE, "sampling": sampling, "stream": False}, fmt)
+    assert response.status_code == 200
+    assert decoded(response) == chunk([11, 12, 13, 14], "stop", 4,
+                                      logprobs(11, 12, 13, 14) if with_logprobs else None)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(("exc", "status", "expected"), [
+    (MicroservingError(409, "request_id 'g1' is in use", "request_id"), 409,
+     error("request_id 'g1' is in use", "request_id")),
+    (MicroservingError(404, "no KV received under request_id 'g1'", "begin"), 404,
+     error("no KV received under request_id 'g1'", "begin")),
+    (BackendUnavailable("engine core process exited"), 503,
+     error("Service unavailable: engine core process exited", None, "server_error",
+           "service_unavailable")),
+])
+async def test_start_generate_refused_gets_its_status(exc, status, expected, stream):
+    core = FakeCore(error=exc)
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, "start_generate", {**GENERATE, "stream": stream}, "msgpack")
+    assert response.status_code == status
+    assert response.json() == expected
+    assert core.aborted == []  # a 409's request_id belongs to another call: left alone
+
+
+@pytest.mark.parametrize(("fail", "last", "aborted"), [
+    (BackendUnavailable("engine core process exited"),
+     {"status": 503, **error("Service unavailable: engine core process exited", None,
+                             "server_error", "service_unavailable")}, []),
+    # Not the engine's failure: whatever the engine holds for the request is released.
+    (ValueError("a bug"),
+     {"status": 500, **error("Internal server error (ValueError)", type="server_error")},
+     ["g1"]),
+])
+async def test_failure_mid_stream_ends_it_with_an_error_item(fail, last, aborted):
+    core = FakeCore(steps=[[11]], fail=fail)
+    async with http_for(engine_app(core)) as http:
+        response = await post(http, "start_generate", GENERATE)
+    assert response.status_code == 200
+    assert [json.loads(line) for line in response.text.splitlines()] == [chunk([11]), last]
+    assert core.aborted == aborted
+
+
+# -- bearer token ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("authorization", "message"), [
+    (None, "Missing API key: send 'Authorization: Bearer <key>'"),
+    (f"Basic {KEY}", "Missing API key: send 'Authorization: Bearer <key>'"),
+    ("Bearer sk-wrong", "Incorrect API key provided"),
+    (f"Bearer {KEY}x", "Incorrect API key provided"),
+])
+async def test_api_key_required(tok, authorization, message):
+    core = FakeCore()
+    app = build_openai_app(core, tok)
+    add_microserving_routes(app, core, api_key=KEY)
+    headers = {"Authorization": authorization} if authorization else {}
+    async with http_for(app) as http:
+        refused = [await http.get("/v1/models", headers=headers),
+                   await http.get("/microserving/stats", headers=headers),
+                   await http.post("/microserving/abort", json={"request_id": "r1"},
+                                   headers=headers),
+                   await http.post("/microserving/start_generate", json=GENERATE,
+                                   headers=headers)]
+        health = await http.get("/health", headers=headers)
+        metrics = await http.get("/metrics", headers=headers)
+    for response in refused:
+        assert response.status_code == 401
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert response.json() == error(message, code="invalid_api_key")
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert metrics.status_code == 200
+    assert core.calls == core.generate_calls == []
+
+
+async def test_api_key_accepted(tok):
+    core = FakeCore()
+    app = build_openai_app(core, tok)
+    add_microserving_routes(app, core, api_key=KEY)
+    async with http_for(app) as http:
+        http.headers["Authorization"] = f"Bearer {KEY}"
+        models = await http.get("/v1/models")
+        aborted = await http.post("/microserving/abort", json={"request_id": "r1"})
+    assert models.json()["data"][0]["id"] == "tiny"
+    assert aborted.json() == {"aborted": True}
+
+
+def test_empty_api_key_is_refused():
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        add_microserving_routes(FastAPI(), FakeCore(), api_key="")
+
+
+# -- client disconnects (a live server) ------------------------------------------------------
+
+async def test_client_disconnect_mid_stream_aborts():
+    core = FakeCore(steps=[[11]], hang=True)
+    async with live_server(engine_app(core)) as url, httpx.AsyncClient() as http:
+        async with http.stream("POST", f"{url}/microserving/start_generate",
+                               json=GENERATE) as response:
+            async for line in response.aiter_lines():
+                # Received while the generation still runs: each chunk is sent as it comes.
+                assert json.loads(line) == chunk([11])
+                break  # leaving the block closes the connection mid-stream
+        await eventually(lambda: core.aborted == ["g1"])
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("start_generate", GENERATE), ("start_generate", {**GENERATE, "stream": False}),
+    ("remote_send", CALLS["remote_send"][0]),
+])
+async def test_client_disconnect_before_the_answer_aborts(route, body):
+    core = FakeCore(steps=[], hang=True)  # a long queue or prefill
+    core.results["remote_send"] = "hang"  # a long prefill and transfer
+    async with live_server(engine_app(core)) as url, httpx.AsyncClient() as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"{url}/microserving/{route}", json=body, timeout=0.3)
+        await eventually(lambda: core.aborted == [body["request_id"]])
+
+
+# -- EngineClient ----------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def engine_client(core: FakeCore, **kwargs):
+    async with http_for(engine_app(core, kwargs.pop("server_key", None))) as http:
+        yield EngineClient("http://engine", http=http, **kwargs)
+
+
+@pytest.mark.parametrize("use_msgpack", [True, False])
+async def test_engine_client_calls(use_msgpack):
+    core = FakeCore()
+    async with engine_client(core, use_msgpack=use_msgpack) as engine:
+        kv_addr = KVAddr.model_validate(KV_ADDR)
+        assert await engine.prep_recv("r1", PROMPT, end=10) == PrepRecvResponse(
+            matched=4, kv_addr=kv_addr)
+        assert await engine.remote_send("r1", PROMPT, 4, 10, kv_addr) == RemoteSendResponse(
+            sent=6, computed=10, reused=0)
+        assert (await engine.commit("r1", pin=True)).model_dump() == {"cached": 8, "pinned": True}
+        assert (await engine.abort("r1")).aborted is True
+        assert (await engine.pin(PROMPT)).tokens == (await engine.unpin(PROMPT)).tokens == 8
+        assert await engine.stats(check=True) == {"stats": STATS, "info": INFO,
+                                                  "integrity": "ok"}
+    assert core.calls == [(route, args, timeout_s) for route, (_, _, args, timeout_s)
+                          in CALLS.items()] + [("stats", None, 30.0),
+                                               ("check_integrity", None, 30.0)]
+
+
+@pytest.mark.parametrize("use_msgpack", [True, False])
+async def test_engine_client_start_generate(use_msgpack):
+    core = FakeCore(logprobs=True)
+    sampling = Sampling(max_tokens=4, temperature=0, logprobs=1)
+    async with engine_client(core, use_msgpack=use_msgpack) as engine:
+        chunks = [c async for c in engine.start_generate("g1", PROMPT, 3, sampling)]
+    assert [c.model_dump() for c in chunks] == [
+        chunk([11], logprobs=logprobs(11)), chunk([12, 13], logprobs=logprobs(12, 13)),
+        chunk([14], "stop", 4, logprobs(14))]
+    assert core.generate_calls == [("g1", PROMPT, 3, sampling.to_params())]
+
+
+async def test_engine_client_errors():
+    core = FakeCore(error=MicroservingError(409, "request_id 'g1' is in use", "request_id"))
+    core.results["prep_recv"] = MicroservingError(503, "no free KV pages", "prompt")
+    async with engine_client(core) as engine:
+        with pytest.raises(MicroservingError) as refused:
+            await anext(engine.start_generate("g1", PROMPT))
+        with pytest.raises(MicroservingError) as full:
+            await engine.prep_recv("r1", PROMPT)
+    assert (refused.value.status, str(refused.value), refused.value.param) == (
+        409, "request_id 'g1' is in use", "request_id")
+    assert (full.value.status, str(full.value), full.value.param) == (
+        503, "no free KV pages", "prompt")
+
+
+@pytest.mark.parametrize("use_msgpack", [True, False])
+async def test_engine_client_failure_mid_stream(use_msgpack):
+    core = FakeCore(steps=[[11]], fail=BackendUnavailable("engine core process exited"))
+    received = []
+    async with engine_client(core, use_msgpack=use_msgpack) as engine:
+        with pytest.raises(MicroservingError) as failed:
+            async for c in engine.start_generate("g1", PROMPT):
+                received.append(c.model_dump())
+    assert received == [chunk([11])]
+    assert (failed.value.status, str(failed.value)) == (
+        503, "Service unavailable: engine core process exited")
+
+
+async def test_engine_client_auth():
+    async with engine_client(FakeCore(), server_key=KEY, api_key=KEY) as engine:
+        assert (await engine.abort("r1")).aborted is True
+    async with engine_client(FakeCore(), server_key=KEY, api_key="sk-wrong") as engine:
+        with pytest.raises(MicroservingError) as refused:
+            await engine.abort("r1")
+    assert (refused.value.status, str(refused.value)) == (401, "Incorrect API key provided")
+
+
+async def test_engine_client_unreachable_engine():
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    engine = EngineClient(url)
+    with pytest.raises(BackendUnavailable, match=f"engine {url}: ConnectError"):
+        await engine.abort("r1")
+    with pytest.raises(BackendUnavailable, match=f"engine {url}: ConnectError"):
+        await anext(engine.start_generate("g1", PROMPT))
+    await engine.aclose()
+
+
+@pytest.mark.parametrize(("status", "content", "exc", "message"), [
+    (200, b'{"token_ids":[11]}\n', BackendUnavailable,
+     "engine http://engine: the stream of g1 ended before it finished"),
+    (502, b"<html>Bad Gateway</html>", MicroservingError, "HTTP 502: <html>Bad Gateway</html>"),
+])
+async def test_engine_client_bad_answers(status, content, exc, message):
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=content,
+                              headers={"Content-Type": "application/x-ndjson"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        engine = EngineClient("http://engine", http=http, use_msgpack=False)
+        with pytest.raises(exc) as raised:
+            _ = [c async for c in engine.start_generate("g1", PROMPT)]
+    assert str(raised.value) == message
+
+
+async def test_engine_client_early_close_aborts_in_the_engine():
+    core = FakeCore(steps=[[11], [12]], hang=True)
+    async with live_server(engine_app(core)) as url:
+        engine = EngineClient(url)
+        chunks = engine.start_generate("g1", PROMPT)
+        assert (await anext(chunks)).token_ids == [11]
+        await chunks.aclose()
+        await eventually(lambda: core.aborted == ["g1"])
+        await engine.aclose()
+
+
+async def test_engine_client_keeps_its_connection():
+    app, client_ports = engine_app(FakeCore()), []
+
+    async def noting_client_ports(scope, receive, send):
+        client_ports.append(scope["client"][1])
+        await app(scope, receive, send)
+
+    async with live_server(noting_client_ports) as url:
+        engine = EngineClient(url)
+        for _ in range(3):
+            chunks = [c.token_ids async for c in engine.start_generate("g1", PROMPT)]
+            assert chunks == [[11], [12, 13], [14]]
+        await engine.abort("g1")
+        await engine.aclose()
+    assert len(client_ports) == 4 and len(set(client_ports)) == 1
