@@ -25,6 +25,18 @@ class EngineConfig:
     # auto: triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1 (tests)
     attention_backend: str = "auto"
     seed: int = 0  # engine-wide generator for requests without a seed
+    # How this engine receives KV from peers: shm (CPU, same host), tcp (any host), none;
+    # auto: shm on CPU, none on CUDA. Sending works toward any kind a peer offers.
+    kv_transfer: str = "auto"
+    kv_transfer_host: str = "127.0.0.1"  # tcp: where the transfer listener binds
+    kv_transfer_port: int = 0  # tcp: 0 picks a free port
+    kv_transfer_advertise_host: str | None = None  # tcp: the address peers dial, if not host
+    kv_lease_s: float = 60.0  # a prep_recv reservation not consumed by then is freed
+
+    def resolved_kv_transfer(self) -> str:
+        if self.kv_transfer == "auto":
+            return "none" if self.device.startswith("cuda") else "shm"
+        return self.kv_transfer
 
     def __post_init__(self):
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -40,6 +52,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.kv_transfer not in ("auto", "shm", "tcp", "none"):
+            raise ValueError(f"kv_transfer must be auto, shm, tcp or none; got {self.kv_transfer!r}")
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
@@ -60,6 +76,7 @@ class EngineInfo:
     kv_capacity_tokens: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    kv_transfer: str  # how this engine receives KV: shm, tcp or none
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig, EngineInfo
+from engine.kv_exchange import KVExchange, resolve_index
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.sampler import PendingSample, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import PENDING, Sequence, SeqStatus
+from engine.sequence import PENDING, SeqStatus, Sequence
 from kvcache.forward import ForwardBatch, SeqForward
 from kvcache.manager import KVCacheManager
-from microserve.backend import RequestRejected
+from kvcache.transfer import KVLayout, make_backend
+from kvcache.transfer.sender import KVSender
+from microserve.backend import MicroservingError, RequestRejected
 from microserve.types import FinishReason, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -45,9 +49,22 @@ class EngineCore:
         mc = self.runner.config
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
         num_pages = self.runner.num_pages_for(self.max_model_len)
-        self.runner.allocate_kv(num_pages, self.max_model_len)
+        layout = KVLayout(mc.name, str(dtype).removeprefix("torch."), config.page_size,
+                          mc.num_layers, mc.num_kv_heads, mc.head_dim)  # fmt: skip
+        self.transfer = make_backend(
+            config.resolved_kv_transfer(), layout, num_pages, self.runner.device,
+            host=config.kv_transfer_host, port=config.kv_transfer_port,
+            advertise_host=config.kv_transfer_advertise_host,
+        )  # fmt: skip
+        self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        # The transfer thread wakes the step loop through this pipe when a send completes.
+        self.wakeup_fd, self._wakeup_w = os.pipe()
+        os.set_blocking(self._wakeup_w, False)
+        sender = KVSender(self.transfer.kv, layout, notify=self._wake)
+        self.runner.kv.sender = sender
+        self.exchange = KVExchange(self, self.transfer, sender, layout, config.kv_lease_s)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator | None] = {}
@@ -72,6 +89,7 @@ class EngineCore:
             kv_capacity_tokens=num_pages * config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
+            kv_transfer=self.transfer.kind,
         )
         log.info("engine core ready: %s", self.info)
 
@@ -88,23 +106,46 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises RequestRejected (naming the field and numbers) on bad input."""
-        if request_id in self.seqs:
-            raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    begin: int = 0) -> None:  # fmt: skip
+        """Queue a request. Raises RequestRejected (naming the field and numbers) on bad input.
+
+        `begin` > 0 (microserving start_generate): the KV of prompt[:begin] is already on this
+        engine, received under request_id after a prep_recv or in the prefix cache; a
+        MicroservingError says why not. A prep_recv reservation is consumed even at begin 0.
+        """
+        if request_id in self.seqs or request_id in self.exchange.jobs:
+            raise MicroservingError(409, f"request_id {request_id!r} is already in use",
+                                    "request_id")  # fmt: skip
         self._validate(prompt, params)
-        seq = Sequence(request_id, list(prompt), params, next(self._arrivals))
-        self.seqs[request_id] = seq
-        self._generators[request_id] = make_generator(params.seed, self.runner.device)
+        begin = resolve_index(begin, len(prompt), "begin")
+        if begin >= len(prompt):
+            raise MicroservingError(
+                400, f"begin {begin} leaves no prompt token to prefill: it must be below the "
+                f"prompt length {len(prompt)}", "begin")  # fmt: skip
+        seq = Sequence(request_id, list(prompt), params, self.next_arrival())
+        if begin or request_id in self.exchange.reservations:
+            self.exchange.adopt_for_generate(seq, begin)
+        self.register(seq, make_generator(params.seed, self.runner.device))
+
+    def next_arrival(self) -> int:
+        return next(self._arrivals)
+
+    def register(self, seq: Sequence, generator: torch.Generator | None) -> None:
+        self.seqs[seq.request_id] = seq
+        self._generators[seq.request_id] = generator
         self.scheduler.add(seq)
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise RequestRejected("prompt is empty: at least one token is needed", "prompt")
         vocab = self.info.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad} out of range [0, {vocab})", "prompt")
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        self.check_prompt(prompt)
         if params.max_tokens < 1:
             raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
         total = len(prompt) + params.max_tokens
@@ -123,15 +164,29 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> TokenOutput | None:
         """Drop a request wherever it is and release its pages. None if it is unknown."""
+        if self.exchange.abort(request_id):  # a reservation or a send: no token stream
+            return None
         seq = self.seqs.get(request_id)
         if seq is None:
             return None
         seq.finish_reason = FinishReason.ABORT
-        self._finish(seq)
+        self.unregister(seq)
         return self._output(seq, [], None, final=True)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wakeup_w, b"x")
+        except BlockingIOError:  # the pipe is full: the loop is woken anyway
+            pass
+
+    def close(self) -> None:
+        self.exchange.sender.close()
+        self.transfer.close()
+        os.close(self._wakeup_w)
+        os.close(self.wakeup_fd)
 
     # ---- the step ---------------------------------------------------------------------------
     #
@@ -157,7 +212,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
-        batch, input_ids, sample_rows, from_last = self._build_batch(sched)
+        batch, input_ids, sample_rows, from_last, sends = self._build_batch(sched)
         sampled = [e.seq for e in sched.scheduled if e.sample]
         pending = self.runner.execute(
             batch,
@@ -166,9 +221,13 @@ class EngineCore:
             [seq.params for seq in sampled],
             [self._generators[seq.request_id] for seq in sampled],
             from_last=from_last,
+            sends=sends,
         )
         for entry in sched.scheduled:
-            entry.seq.num_computed_tokens += entry.num_new_tokens
+            seq = entry.seq
+            seq.num_computed_tokens += entry.num_new_tokens
+            if seq.send_only and seq.num_computed_tokens == seq.num_tokens:
+                self.exchange.computed(seq)
         slots, length_done = [], []
         self._pending_rows = {}
         for row, seq in enumerate(sampled):
@@ -183,10 +242,10 @@ class EngineCore:
         return _Launched(scheduled, list(zip(sampled, slots)), pending, length_done)
 
     def _build_batch(self, sched: SchedulerOutput):
-        """The step's ForwardBatch, packed input ids, rows to sample, and (input index,
-        previous sample row) for inputs still pending on the device."""
+        """The step's ForwardBatch, packed input ids, rows to sample, (input index, previous
+        sample row) for inputs still pending on the device, and the KV sends to mark."""
         ps = self.kv.page_size
-        seqs, input_ids, sample_rows, from_last = [], [], [], []
+        seqs, input_ids, sample_rows, from_last, sends = [], [], [], [], []
         for entry in sched.scheduled:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
@@ -197,7 +256,9 @@ class EngineCore:
                 from_last.append((len(input_ids) - 1, self._pending_rows[seq.request_id]))
             if entry.sample:
                 sample_rows.append(len(input_ids) - 1)
-        return ForwardBatch(seqs, ps), input_ids, sample_rows, from_last
+            if seq.send_only and (send := self.exchange.sends_for(seq, start, n)) is not None:
+                sends.append(send)
+        return ForwardBatch(seqs, ps), input_ids, sample_rows, from_last, sends
 
     def _resolve(self, launched: "_Launched") -> list[TokenOutput]:
         """Read a launched step's tokens back; emit outputs, finish and free sequences."""
@@ -220,7 +281,7 @@ class EngineCore:
                 self._cache_new_pages(seq)
         for seq in done:
             if seq.status is not SeqStatus.FINISHED:
-                self._finish(seq)
+                self.unregister(seq)
         return outputs
 
     def _cache_new_pages(self, seq: Sequence) -> None:
@@ -232,10 +293,13 @@ class EngineCore:
         ):
             self.kv.cache_tokens(rid, seq.token_at(0, seq.num_computed_tokens))
 
-    def _finish(self, seq: Sequence) -> None:
-        self.scheduler.remove(seq)
+    def unregister(self, seq: Sequence, keep_pages: bool = False) -> None:
+        """Take a finished or aborted sequence out; its pages are freed unless `keep_pages`."""
+        self.scheduler.remove(seq, keep_pages)
         del self.seqs[seq.request_id]
         del self._generators[seq.request_id]
+        if seq.send_only:
+            return
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
         self.counters["cached_prompt_tokens"] += seq.num_cached_tokens or 0
         self.counters["generation_tokens"] += sum(t != PENDING for t in seq.output_token_ids)
@@ -264,12 +328,18 @@ class EngineCore:
             "kv_pages_pinned": s.pinned_pages,
             "preemptions": self.scheduler.num_preemptions,
             **self.counters,
+            **self.exchange.stats(),
         }
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         running = {s.request_id for s in self.scheduler.running}
-        # Only running sequences hold pages: a finished, aborted or waiting one holds none.
-        assert self.kv.seq_ids() == running, f"pages held by {self.kv.seq_ids() - running}"
-        queued = running | {s.request_id for s in self.scheduler.waiting}
-        assert queued == set(self.seqs), f"lost or stale requests: {queued ^ set(self.seqs)}"
+        waiting = {s.request_id for s in self.scheduler.waiting}
+        # Pages are held by running sequences, waiting ones whose KV was prepared before
+        # admission, reservations and sends being flushed; never by a finished request.
+        holders = running | (waiting & self.kv.seq_ids()) | self.exchange.holders()
+        assert self.kv.seq_ids() == holders, f"pages held by {self.kv.seq_ids() ^ holders}"
+        assert running | waiting == set(self.seqs), (
+            f"lost or stale requests: {(running | waiting) ^ set(self.seqs)}"
+        )
+        assert set(self.exchange.jobs) >= self.exchange.flushing

@@ -5,11 +5,15 @@ detokenization (vLLM once spent 62% of an H100 decode step outside the GPU). The
 (engine/core_client.py, an asyncio process) does all of that and talks to this loop over one
 Unix socket of length-prefixed msgpack frames (microserve/wire.py):
 
-    frontend -> core: add, abort, call (stats, check_integrity), shutdown
-    core -> frontend: ready | error (once), outputs (one frame per step, all requests), reply
+    frontend -> core: add, abort, call (stats, check_integrity, prep_recv, remote_send,
+                      commit, abort, pin, unpin), shutdown
+    core -> frontend: ready | error (once), outputs (one frame per step, all requests),
+                      rejected, reply
 
 Between steps the loop drains whatever messages have arrived without blocking; when it has no
-work it blocks on the socket. When the frontend goes away (EOF), the core exits.
+work it blocks on the socket, the KV sender's wake-up pipe and the next lease deadline. A
+remote_send call is answered when its transfer completes, several steps later. When the
+frontend goes away (EOF), the core exits.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import os
 import select
 import socket
 import sys
+import time
 import traceback
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from microserve.backend import RequestRejected
+from microserve.backend import MicroservingError, RequestRejected
 from microserve.types import SamplingParams
 from microserve.wire import FrameDecoder, encode
 
@@ -38,6 +43,7 @@ class CoreLoop:
         self.sock = sock
         self.decoder = FrameDecoder()
         self.running = True
+        self.sends: dict[str, int] = {}  # request id -> id of the remote_send call to answer
 
     def send(self, msg) -> None:
         self.sock.sendall(encode(msg))
@@ -49,15 +55,26 @@ class CoreLoop:
             if was_busy and not busy:
                 self.core.check_integrity()  # cheap, and catches leaks right where they start
             was_busy = busy
-            self._receive(block=not busy)
+            self._receive(timeout=0 if busy else self._idle_timeout())
+            self._answer_sends()
+            deadline = self.core.exchange.next_deadline()
+            if deadline is not None and deadline <= time.monotonic():
+                self.core.exchange.expire_leases(time.monotonic())
             if self.running and self.core.has_work():
                 outputs = self.core.step()
                 if outputs:
                     self.send({"type": "outputs", "items": [o.to_wire() for o in outputs]})
 
-    def _receive(self, block: bool) -> None:
-        ready, _, _ = select.select([self.sock], [], [], None if block else 0)
-        if not ready:
+    def _idle_timeout(self) -> float | None:
+        deadline = self.core.exchange.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _receive(self, timeout: float | None) -> None:
+        wakeup = self.core.wakeup_fd
+        ready, _, _ = select.select([self.sock, wakeup], [], [], timeout)
+        if wakeup in ready:
+            os.read(wakeup, 4096)  # a send finished; _answer_sends picks it up
+        if self.sock not in ready:
             return
         data = self.sock.recv(1 << 20)
         if not data:  # the frontend is gone: nobody to serve
@@ -71,10 +88,12 @@ class CoreLoop:
         if kind == "add":
             try:
                 params = SamplingParams.from_dict(msg["params"])
-                self.core.add_request(msg["request_id"], msg["prompt"], params)
-            except RequestRejected as e:
+                self.core.add_request(msg["request_id"], msg["prompt"], params,
+                                      msg.get("begin", 0))  # fmt: skip
+            except (RequestRejected, MicroservingError) as e:
                 self.send({"type": "rejected", "request_id": msg["request_id"],
-                           "message": str(e), "param": e.param})  # fmt: skip
+                           "message": str(e), "param": e.param,
+                           "status": getattr(e, "status", 400)})  # fmt: skip
         elif kind == "abort":
             out = self.core.abort_request(msg["request_id"])
             if out is not None:
@@ -87,18 +106,64 @@ class CoreLoop:
             log.error("unknown message type %r", kind)
 
     def _call(self, msg: dict) -> None:
-        reply = {"type": "reply", "id": msg["id"], "result": None, "error": None}
+        method, args = msg["method"], msg.get("args") or {}
         try:
-            if msg["method"] == "stats":
-                reply["result"] = self.core.stats()
-            elif msg["method"] == "check_integrity":
-                self.core.check_integrity()
-                reply["result"] = True
-            else:
-                reply["error"] = f"unknown method {msg['method']!r}"
+            result = self._dispatch_call(method, args)
+        except (RequestRejected, MicroservingError) as e:
+            self._reply(msg["id"], error=e)
+            return
         except AssertionError as e:
-            reply["error"] = f"integrity check failed: {e}"
+            self._reply(msg["id"], error=RuntimeError(f"integrity check failed: {e}"))
+            return
+        if method == "remote_send":  # answered when the transfer completes
+            self.sends[args["request_id"]] = msg["id"]
+        else:
+            self._reply(msg["id"], result)
+
+    def _dispatch_call(self, method: str, a: dict):
+        core, exchange = self.core, self.core.exchange
+        if method == "stats":
+            return core.stats()
+        if method == "check_integrity":
+            core.check_integrity()
+            return True
+        if method == "prep_recv":
+            return exchange.prep_recv(a["request_id"], a["prompt"], a["end"], a.get("lease_s"))
+        if method == "remote_send":
+            return exchange.remote_send(a["request_id"], a["prompt"], a["begin"], a["end"],
+                                        a["kv_addr"])  # fmt: skip
+        if method == "commit":
+            return exchange.commit(a["request_id"], a.get("pin", False))
+        if method == "abort":
+            rid = a["request_id"]
+            aborted = rid in core.seqs or exchange.in_use(rid)
+            self._handle({"type": "abort", "request_id": rid})
+            return {"aborted": aborted}
+        if method in ("pin", "unpin"):
+            try:
+                return {"tokens": getattr(core.kv, method)(a["prompt"])}
+            except ValueError as e:  # unpin of a prefix that is not pinned
+                raise MicroservingError(400, str(e), "prompt") from None
+        raise MicroservingError(404, f"unknown method {method!r}")
+
+    def _reply(self, call_id: int, result=None, error: Exception | None = None) -> None:
+        reply = {"type": "reply", "id": call_id, "result": result, "error": None}
+        if error is not None:
+            reply.update(error=str(error), status=getattr(error, "status", 400),
+                         param=getattr(error, "param", None))
+            if not isinstance(error, (RequestRejected, MicroservingError)):
+                reply["status"] = 500
         self.send(reply)
+
+    def _answer_sends(self) -> None:
+        for rid, outcome in self.core.exchange.poll():
+            call_id = self.sends.pop(rid, None)
+            if call_id is None:
+                continue
+            if isinstance(outcome, Exception):
+                self._reply(call_id, error=outcome)
+            else:
+                self._reply(call_id, outcome)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         sock.sendall(encode({"type": "error", "message": f"{type(e).__name__}: {e}"}))
         return 1
     sock.sendall(encode({"type": "ready", "info": core.info.to_dict()}))
-    CoreLoop(core, sock).run()
+    try:
+        CoreLoop(core, sock).run()
+    finally:
+        core.close()
     return 0
 
 

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.device import to_device
 from engine.models.loader import load_model
 from engine.sampler import PendingSample, Sampler
-from kvcache.forward import ForwardBatch, SeqForward
+from kvcache.forward import ForwardBatch, KVSend, SeqForward
 from kvcache.manager import PageCopy
 from kvcache.paged import PagedKVCache
 from microserve.types import SamplingParams
@@ -101,7 +101,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak - pages * self.kv_bytes_per_page(config.page_size)
 
-    def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True):
+    def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True,
+                    pool: torch.Tensor | None = None):
+        """Build the paged KV cache (on `pool` when given: a transfer backend's memory)."""
         c, config = self.config, self.engine_config
         if self.triton:
             from engine.attention.triton_backend import TritonAttentionBackend
@@ -117,7 +119,7 @@ class ModelRunner:
             backend = TorchAttentionBackend(self.device)
         self.kv = PagedKVCache(
             c.num_layers, num_pages, config.page_size, c.num_kv_heads, c.head_dim,
-            self.dtype, self.device, backend,
+            self.dtype, self.device, backend, pool,
         )  # fmt: skip
         self.graphs = None
         if self.cuda and self.triton and capture_graphs and not config.enforce_eager:
@@ -136,22 +138,26 @@ class ModelRunner:
         generators: list[torch.Generator | None],
         copies: list[PageCopy] = (),
         from_last: list[tuple[int, int]] = (),
+        sends: list[KVSend] = (),
     ) -> PendingSample | None:
         """Launch one step: append KV for `input_ids` (packed per `batch`) and sample a token
         from the logits at each of `sample_rows` (packed row indices).
 
         `from_last` lists (input index, sampled row of the previous step): inputs whose value
         is the previous step's sampled token, which may not have reached the host yet (async
-        scheduling); they are filled on the device. Returns without waiting for the GPU.
+        scheduling); they are filled on the device. `sends` are KV transfers to start layer
+        by layer during this step (`PagedKVCache.mark_send`). Returns without waiting for the GPU.
         """
         if copies:
             self.kv.copy_pages(copies)
+        if sends:
+            self.kv.mark_send(list(sends))
         fill = None
         if from_last:
             dst, src = zip(*from_last)
             fill = (to_device(dst, torch.long, self.device),
                     self._last_tokens[to_device(src, torch.long, self.device)])  # fmt: skip
-        if self.graphs is not None and self.graphs.can_run(batch):
+        if self.graphs is not None and not sends and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch, input_ids, fill)
         else:
             hidden = self._forward_eager(batch, input_ids, fill)

@@ -82,13 +82,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out (finished or aborted) and release its pages."""
+    def remove(self, seq: Sequence, keep_pages: bool = False) -> None:
+        """Take a sequence out (finished or aborted) and release its pages, unless
+        `keep_pages` (a finished send whose transfer still reads them; the caller frees them).
+        A waiting sequence may hold pages too (KV prepared before admission)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            self.kv.free(seq.request_id)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        if not keep_pages and self.kv.has(seq.request_id):
+            self.kv.free(seq.request_id)
         seq.status = SeqStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
@@ -111,7 +114,8 @@ class Scheduler:
         return out
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
-        return ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens)
+        last = seq.num_computed_tokens + n == seq.num_tokens
+        return ScheduledSeq(seq, n, last and not seq.send_only)
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Find pages for `seq` to hold `num_tokens`, preempting others as needed.
@@ -138,11 +142,15 @@ class Scheduler:
         for seq in self.policy.admit_order(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            # Reuse cached KV for all but the last token: its logits are needed to sample.
-            reused = self.kv.open(seq.request_id, seq.token_at(0, seq.num_tokens - 1))
+            prepared = self.kv.has(seq.request_id)  # KV received or held since the call came
+            if prepared:
+                reused = seq.num_computed_tokens
+            else:  # reuse cached KV for all but the last token: its logits are needed
+                reused = self.kv.open(seq.request_id, seq.token_at(0, seq.num_tokens - 1))
             n = min(seq.num_tokens - reused, budget)
             if not self.kv.allocate(seq.request_id, reused + n):
-                self.kv.free(seq.request_id)
+                if not prepared:
+                    self.kv.free(seq.request_id)
                 break  # FCFS: nobody overtakes the head of the queue
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)

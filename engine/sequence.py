@@ -31,6 +31,8 @@ class Sequence:
     # set by EngineCore; a sequence with a finish reason still in `running` is waiting for its
     # last step to be resolved, and the scheduler gives it no more work
     finish_reason: str | None = None
+    # a remote_send job: computes KV for its tokens and sends it; never samples
+    send_only: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -15,11 +15,11 @@ import contextlib
 import logging
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from engine.config import EngineConfig
 from engine.core_client import CoreClient
+from engine.microserving_api import add_microserving_routes
 from microserve.openai_app import build_openai_app, listen_socket
 from microserve.tokenizer import Tokenizer
 
@@ -37,36 +37,27 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()  # uvicorn's private list of signals to re-raise
 
 
-def build_engine_app(client: CoreClient, tokenizer: Tokenizer) -> FastAPI:
+def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
+                     api_key: str | None = None) -> FastAPI:
+    """The OpenAI API over the engine, plus the microserving API (engine/microserving_api.py)."""
     app = build_openai_app(client, tokenizer)
-
-    @app.get("/microserving/stats")
-    async def stats(request: Request) -> JSONResponse:
-        """Load and KV accounting; `?check=1` also runs the KV integrity check."""
-        body = {"stats": await client.call("stats"), "info": client.info}
-        if request.query_params.get("check"):
-            try:
-                await client.call("check_integrity")
-                body["integrity"] = "ok"
-            except RuntimeError as e:
-                body["integrity"] = str(e)
-        return JSONResponse(body)
-
+    add_microserving_routes(app, client, api_key=api_key)
     return app
 
 
 async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
-                log_level: str = "info") -> None:
+                log_level: str = "info", api_key: str | None = None) -> None:
     tokenizer = Tokenizer.from_dir(config.model)
     client = CoreClient(config, served_model_name)
     await client.start()
     info = client.info
     log.info(
-        "engine ready: model %s (%s, %s), KV %d pages x %d = %d tokens, max_model_len %d",
+        "engine ready: model %s (%s, %s), KV %d pages x %d = %d tokens, max_model_len %d, "
+        "KV transfer %s",
         served_model_name, info["device"], info["dtype"], info["num_pages"], info["page_size"],
-        info["kv_capacity_tokens"], info["max_model_len"],
+        info["kv_capacity_tokens"], info["max_model_len"], info["kv_transfer"],
     )  # fmt: skip
-    app = build_engine_app(client, tokenizer)
+    app = build_engine_app(client, tokenizer, api_key)
     server = _Server(uvicorn.Config(app, log_level=log_level, access_log=False))
     sock = listen_socket(host, port)
 

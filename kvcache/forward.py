@@ -30,6 +30,17 @@ class SeqForward:
 
 
 @dataclass(frozen=True)
+class KVSend:
+    """A transfer declared for the next step (`PagedKVCache.mark_send`): once a layer has
+    appended this step's KV, its K and V at local `src_slots` go to the receiver's `dst_slots`
+    (flat slots, equal lengths) under transfer job `job_id`."""
+
+    job_id: str
+    src_slots: list[int]
+    dst_slots: list[int]
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     seqs: list[SeqForward]
     page_size: int

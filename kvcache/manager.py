@@ -86,6 +86,26 @@ class KVCacheManager:
         self._num_cached[seq_id] = len(pages)
         return len(pages) * self.page_size
 
+    def prep_recv(self, seq_id: str, tokens: list[int]) -> int | None:
+        """Reserve KV for receiving `tokens` (paper Table 2): reuse the longest cached prefix
+        and allocate pages for the rest, so a peer can write positions [matched, len(tokens)).
+        Returns `matched` (a page multiple), or None, changing nothing, if pages are short.
+
+            tokens:  [ matched: cached pages, held | reserved: the peer writes here ]
+        """
+        matched = self.open(seq_id, tokens)
+        if not self.allocate(seq_id, len(tokens)):
+            self.free(seq_id)
+            return None
+        return matched
+
+    def slots(self, seq_id: str, begin: int, end: int) -> list[int]:
+        """Flat slots (page * page_size + offset) of positions [begin, end) of a sequence."""
+        table, ps = self._tables[seq_id], self.page_size
+        if end > len(table) * ps:
+            raise ValueError(f"positions up to {end} beyond the {len(table) * ps} held")
+        return [table[i // ps] * ps + i % ps for i in range(begin, end)]
+
     def can_allocate(self, num_pages: int) -> bool:
         free = self.pool.num_free
         return num_pages <= free or num_pages <= free + self.cache.num_evictable()
@@ -135,6 +155,16 @@ class KVCacheManager:
             table[start:n_full] = canonical
             self.pool.release(dup)
         self._num_cached[seq_id] = n_full
+
+    def truncate(self, seq_id: str, num_pages: int) -> None:
+        """Release the sequence's pages from index `num_pages` on (shared ones stay cached)."""
+        table = self._tables[seq_id]
+        dropped = table[num_pages:]
+        del table[num_pages:]
+        self.pool.release(dropped)
+        if self._num_cached[seq_id] > num_pages:
+            self._num_cached[seq_id] = num_pages
+            self._cached_at.pop(seq_id, None)  # re-inserts from the root next time
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's page table; cached pages stay in the prefix cache."""

@@ -11,11 +11,15 @@ One allocation is what CUDA IPC and NVSHMEM export need (DESIGN §5). Attention 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvcache.forward import ForwardBatch
+from kvcache.forward import ForwardBatch, KVSend
 from kvcache.manager import PageCopy
+
+if TYPE_CHECKING:
+    from kvcache.transfer.sender import KVSender
 
 
 class AttentionBackend(ABC):
@@ -56,12 +60,21 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         backend: AttentionBackend,
+        pool: torch.Tensor | None = None,
     ):
+        """`pool`: an allocated KV tensor of the shape below to use instead of a fresh one
+        (a transfer backend's shared or exported memory)."""
         self.page_size = page_size
         self.backend = backend
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        if pool is None:
+            pool = torch.zeros(shape, dtype=dtype, device=device)
+        assert pool.shape == shape and pool.dtype == dtype, (pool.shape, shape, pool.dtype)
+        self.kv = pool
+        self.sender: KVSender | None = None  # set by the owner when this engine sends KV
         self._batch: ForwardBatch | None = None
+        self._marked: list[KVSend] = []  # declared by mark_send for the next step
+        self._sends: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # the open step's
 
     @staticmethod
     def bytes_per_page(
@@ -70,10 +83,28 @@ class PagedKVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * page_size * num_kv_heads * head_dim * elem
 
+    def mark_send(self, sends: list[KVSend]) -> None:
+        """Declare that the next step's attention sends these slots to peers (paper Table 2).
+        Each layer's share is handed to `sender` right after the layer appends its KV, so the
+        transfer of layer L runs while layers L+1.. compute."""
+        assert self._batch is None, "mark_send must come before begin_forward"
+        assert self.sender is not None or not sends, "mark_send without a sender"
+        self._marked.extend(sends)
+
+    @property
+    def has_marked_sends(self) -> bool:
+        return bool(self._marked)
+
     def begin_forward(self, batch: ForwardBatch) -> None:
         assert self._batch is None, "begin_forward while a step is open"
         self._batch = batch
         self.backend.plan(batch)
+        dev = self.kv.device
+        self._sends = [
+            (s.job_id, torch.tensor(s.src_slots, device=dev), torch.tensor(s.dst_slots, device=dev))
+            for s in self._marked
+        ]
+        self._marked = []
 
     def begin_forward_static(self) -> None:
         """Open a step whose metadata the backend already holds (a CUDA graph capture)."""
@@ -81,11 +112,15 @@ class PagedKVCache:
         self._batch = ForwardBatch([], self.page_size)
 
     def attention(self, layer: int, q, k, v, positions, cos_sin):
-        return self.backend.forward(self.kv[layer], q, k, v, positions, cos_sin)
+        out = self.backend.forward(self.kv[layer], q, k, v, positions, cos_sin)
+        for job_id, src, dst in self._sends:  # this layer's KV is in the pool now
+            self.sender.write(job_id, layer, src, dst)
+        return out
 
     def end_forward(self) -> None:
         assert self._batch is not None, "end_forward without begin_forward"
         self._batch = None
+        self._sends = []
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Execute fork copies (partial pages) for all layers before the next forward."""

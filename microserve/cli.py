@@ -39,6 +39,18 @@ def _engine_args(sub) -> None:
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 and /microserving "
+                        "(default: $MICROSERVE_API_KEY; unset: no check)")
+    p.add_argument("--kv-transfer", choices=("auto", "shm", "tcp", "none"), default="auto",
+                   help="how this engine receives KV from peers (auto: shm on CPU, none on CUDA)")
+    p.add_argument("--kv-transfer-host", default="127.0.0.1",
+                   help="tcp: address the KV transfer listener binds")
+    p.add_argument("--kv-transfer-port", type=int, default=0, help="tcp: 0 picks a free port")
+    p.add_argument("--kv-transfer-advertise-host", default=None,
+                   help="tcp: address peers dial (default: the bind address)")
+    p.add_argument("--kv-lease-s", type=float, default=60.0,
+                   help="seconds a prep_recv reservation lives if nothing consumes it")
     p.add_argument("--log-level", default="info")
 
 
@@ -64,9 +76,14 @@ def _run_engine(args) -> None:
         enforce_eager=args.enforce_eager,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         seed=args.seed,
+        kv_transfer=args.kv_transfer,
+        kv_transfer_host=args.kv_transfer_host,
+        kv_transfer_port=args.kv_transfer_port,
+        kv_transfer_advertise_host=args.kv_transfer_advertise_host,
+        kv_lease_s=args.kv_lease_s,
     )
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    asyncio.run(serve(config, name, args.host, args.port, args.log_level))
+    asyncio.run(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ import pytest
 from conftest import TINY_VOCAB, hf_greedy
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from microserve.backend import MicroservingError
 from microserve.types import SamplingParams
 
 N_NEW = 32
@@ -138,8 +139,9 @@ def test_bad_requests_are_refused_with_numbers(tiny_model_dir):
     with pytest.raises(ValueError, match="prompt is empty"):
         core.add_request("d", [], greedy(2))
     core.add_request("e", [5, 6], greedy(2))
-    with pytest.raises(ValueError, match="request_id 'e' is already in use"):
+    with pytest.raises(MicroservingError, match="request_id 'e' is already in use") as e:
         core.add_request("e", [5, 6], greedy(2))
+    assert e.value.status == 409
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])

@@ -13,19 +13,16 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-
 from conftest import DAEMON_LOGS, _hf_model, hf_greedy
+from daemons import IDLE_KEYS, LIVE, Daemon, gone_within, serve
+
 from microserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -36,142 +33,28 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 CAPITAL_ANSWER = "The capital of France is Paris."  # then eos: 7 tokens + eos
 FOX = "The quick brown fox"  # greedy: " with a quick brown bear.\n\nThe original ..." (no eos soon)
 FIB = "def fibonacci(n):"
-STARTUP_TIMEOUT_S = 180
-IDLE_KEYS = ("running", "waiting", "kv_pages_used")
-
-
-# ---- daemons ------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Daemon:
-    """One `microserve engine` process on a free port; its stdout and stderr go to `log_path`."""
-
-    def __init__(self, model_dir: str, log_path: Path, name: str, *args: str):
-        self.name, self.log_path, self.port = name, log_path, _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model_dir,
-               "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
-               *args]  # fmt: skip
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"daemon {self.name!r} exited with {self.proc.returncode} while "
-                            f"starting:\n{self.log()}")
-            try:
-                if self.http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"daemon {self.name!r} not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
-
-    def core_pid(self) -> int:
-        """The engine-core child process (no psutil here: /proc lists each thread's children)."""
-        children = []
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            children += (task / "children").read_text().split()
-        assert len(children) == 1, f"expected one engine-core child, found {children}"
-        return int(children[0])
-
-    def stats(self, check: bool = True) -> dict:
-        r = self.http.get("/microserving/stats", params={"check": 1} if check else None)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def wait_idle(self, timeout_s: float) -> dict:
-        """Poll the stats until nothing runs, waits or holds a page (or the time is up)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            body = self.stats()
-            if all(body["stats"][k] == 0 for k in IDLE_KEYS) or time.monotonic() > deadline:
-                return body
-            time.sleep(0.05)
-
-    def metrics(self) -> str:
-        r = self.http.get("/metrics")
-        assert r.status_code == 200, r.text
-        return r.text
-
-    def stop(self) -> int:
-        """SIGTERM (what a supervisor sends), then wait; returns the exit code."""
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-
-
-def _gone_within(pid: int, timeout_s: float) -> bool:
-    """Whether process `pid` exits (or is a zombie) within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-_LIVE: list[Daemon] = []  # daemons the idle check runs on after every test
-
-
-def _serve(daemon: Daemon) -> Iterator[Daemon]:
-    """Fixture body: wait until `daemon` is ready, share it, then stop it and check it stopped
-    cleanly and took its engine core with it."""
-    try:
-        daemon.wait_ready()
-        core = daemon.core_pid()
-        _LIVE.append(daemon)
-        yield daemon
-    finally:
-        if daemon in _LIVE:
-            _LIVE.remove(daemon)
-        code = daemon.stop()
-    # SIGTERM: graceful shutdown, the core is stopped by serve()'s cleanup, exit code 0.
-    assert code == 0, f"{daemon.name!r} exited with {code}:\n{daemon.log()}"
-    assert _gone_within(core, 10), "the engine core outlived its daemon"
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir, tmp_path_factory) -> Iterator[Daemon]:
     log = tmp_path_factory.mktemp("engine") / "daemon.log"
-    yield from _serve(Daemon(smollm2_dir, log, MODEL, "--num-pages", "256",
+    yield from serve(Daemon(smollm2_dir, log, MODEL, "--num-pages", "256",
                              "--max-model-len", str(MAX_MODEL_LEN)))
 
 
 @pytest.fixture(scope="module")
 def small_engine(smollm2_dir, tmp_path_factory) -> Iterator[Daemon]:
     log = tmp_path_factory.mktemp("small-engine") / "daemon.log"
-    yield from _serve(Daemon(smollm2_dir, log, "small", "--num-pages", "24", "--page-size", "16"))
+    yield from serve(Daemon(smollm2_dir, log, "small", "--num-pages", "24", "--page-size", "16"))
 
 
 @pytest.fixture(autouse=True)
 def engines_idle_and_intact(request):
     """After every test: each live daemon is up, goes idle, passes the KV integrity check and
     holds no page (a leak shows up right after the scenario that caused it)."""
-    request.node.stash[DAEMON_LOGS] = [d.log_path for d in _LIVE]
+    request.node.stash[DAEMON_LOGS] = [d.log_path for d in LIVE]
     yield
-    for daemon in _LIVE:
+    for daemon in LIVE:
         assert daemon.proc.poll() is None, f"daemon {daemon.name!r} died"
         body = daemon.wait_idle(timeout_s=30)
         assert body["integrity"] == "ok", f"daemon {daemon.name!r}: {body['integrity']}"
@@ -633,6 +516,6 @@ def test_core_death_ends_open_streams_and_the_daemon(smollm2_dir, tmp_path, requ
         # The daemon exits on its own, with 1: a supervisor sees the failure.
         assert code == 1
         assert "ERROR microserve.engine: engine core process exited (code -9)" in daemon.log()
-        assert _gone_within(core, 1)
+        assert gone_within(core, 1)
     finally:
         daemon.stop()

@@ -269,3 +269,41 @@ def test_manager_cache_tokens_incrementally_equals_at_once():
     b.cache_tokens("s", toks(22))
     assert a.cache.match(toks(22)).pages == b.cache.match(toks(22)).pages == [0, 1, 2, 3, 4]
     a.check_integrity()
+
+
+def test_prep_recv_reserves_after_the_cached_prefix_and_gives_slots():
+    m = KVCacheManager(num_pages=8, page_size=PS)
+    m.open("warm", toks(9))
+    m.allocate("warm", 9)  # pages [0, 1, 2]
+    m.cache_tokens("warm", toks(9))  # pages 0, 1 cached
+    m.free("warm")
+    # Receive 14 tokens: 8 are cached (pages 0, 1), the rest get fresh pages (LIFO: 2, 3).
+    assert m.prep_recv("r", toks(14)) == 8
+    assert m.page_table("r") == [0, 1, 2, 3]
+    assert m.slots("r", 8, 14) == [8, 9, 10, 11, 12, 13]
+    with pytest.raises(ValueError, match="positions up to 17 beyond the 16 held"):
+        m.slots("r", 8, 17)
+    m.check_integrity()
+    # Not enough pages: None, and nothing is held.
+    assert m.prep_recv("big", toks(40, start=100)) is None
+    assert not m.has("big")
+    m.free("r")
+    m.check_integrity()
+    assert m.stats().used_pages == 0
+
+
+def test_truncate_releases_trailing_pages_and_restarts_caching():
+    m = KVCacheManager(num_pages=8, page_size=PS)
+    m.open("a", toks(12))
+    m.allocate("a", 12)
+    m.cache_tokens("a", toks(12))  # 3 pages cached
+    m.free("a")
+    assert m.prep_recv("b", toks(12)) == 12
+    m.truncate("b", 2)  # the shared last page goes back to the cache only
+    assert m.page_table("b") == [0, 1] and m.num_cached_pages("b") == 2
+    assert m.allocate("b", 12)
+    m.cache_tokens("b", toks(12))  # the duplicate of the cached third page is swapped back
+    assert m.page_table("b") == [0, 1, 2]
+    m.free("b")
+    m.check_integrity()
+    assert m.stats().used_pages == 0

@@ -1,0 +1,329 @@
+"""The engine side of the microserving calls that move KV between engines (paper §3.4–3.5).
+
+Receiver (engine D):
+    prep_recv      match prompt[:end] in the prefix cache, hold it, reserve pages for the rest,
+                   open a transfer window over them; answer `matched` and the kv_addr
+    start_generate the reservation becomes a sequence whose first `begin` tokens are computed
+    commit         the reservation's pages join the prefix cache; nothing is generated
+    (lease)        a reservation nobody consumes within its lease is freed and counted
+
+Sender (engine P), for remote_send(prompt, begin, end, kv_addr):
+
+    positions:   0 ........ begin ................................ end
+    P's cache:   [ matched_p ──────────────▶ ]                      (case 1: matched_p > begin)
+                            [ copy from cache ][ compute and send  ]
+    P's cache:   [ matched_p ▶ ]                                    (case 2: matched_p < begin)
+                 [ compute, don't send ][ compute and send         ]
+
+Cached KV is written to the receiver at once; computed KV is marked for sending
+(`PagedKVCache.mark_send`) and written layer by layer as each step's forward pass runs.
+When the last chunk is computed, the job's pages stay held until the transfer stream has
+flushed every write; only then does the remote_send call answer.
+
+Every request_id lives in one place at a time: `core.seqs` (a sequence, including the
+computing part of a send), `reservations`, or `flushing` (a send whose pages the transfer
+thread still reads).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sequence import Sequence
+from kvcache.forward import KVSend
+from kvcache.transfer import KVLayout, TransferBackend, TransferError, Window
+from kvcache.transfer.sender import KVSender
+from microserve.backend import MicroservingError
+from microserve.microserving import KVAddr, slot_ranges
+from microserve.types import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
+
+log = logging.getLogger(__name__)
+
+
+def resolve_index(value: int, n: int, name: str) -> int:
+    """A Python-style index into an n-token prompt (negative counts from the end)."""
+    if not -n <= value <= n:
+        raise MicroservingError(400, f"{name} {value} out of range for a {n}-token prompt", name)
+    return value + n if value < 0 else value
+
+
+@dataclass
+class Reservation:
+    tokens: list[int]  # prompt[:end]: the KV this engine will hold when the peer is done
+    matched: int  # leading tokens found in the prefix cache; the peer writes [matched, end)
+    window: Window
+    deadline: float  # time.monotonic() after which the lease expires
+
+
+@dataclass
+class SendJob:
+    begin: int
+    end: int
+    dst_slots: list[int]  # the receiver's slots for positions [begin, end)
+    reused: int  # tokens of [begin, end) copied from this engine's prefix cache
+    computed: int  # tokens this engine prefills for the job
+
+
+class KVExchange:
+    def __init__(self, core: EngineCore, backend: TransferBackend, sender: KVSender,
+                 layout: KVLayout, lease_s: float):  # fmt: skip
+        self.core = core
+        self.kv = core.kv
+        self.backend = backend
+        self.sender = sender
+        self.layout = layout
+        self.lease_s = lease_s
+        self.reservations: dict[str, Reservation] = {}
+        self.jobs: dict[str, SendJob] = {}  # every remote_send not yet answered
+        self.flushing: set[str] = set()  # jobs whose compute is done; pages held until flushed
+        self._failed: list[tuple[str, MicroservingError]] = []  # answered by the next poll()
+        self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0}
+
+    def in_use(self, request_id: str) -> bool:
+        return request_id in self.reservations or request_id in self.jobs
+
+    def holders(self) -> set[str]:
+        """Request ids holding KV pages outside the scheduler."""
+        return set(self.reservations) | self.flushing
+
+    # ---- receiver ------------------------------------------------------------------------------
+
+    def prep_recv(self, request_id: str, prompt: list[int], end: int,
+                  lease_s: float | None) -> dict:  # fmt: skip
+        self.core.check_prompt(prompt)
+        end = resolve_index(end, len(prompt), "end")
+        self._check_free(request_id)
+        tokens = prompt[:end]
+        matched = self.kv.prep_recv(request_id, tokens)
+        if matched is None:
+            raise MicroservingError(
+                503, f"no KV pages free to receive {end} tokens "
+                f"({self.kv.pages_needed(None, end)} pages; {self.kv.pool.num_free} free)")  # fmt: skip
+        window = self.backend.open_window()
+        if window is None:
+            self.kv.free(request_id)
+            raise MicroservingError(503, "every transfer window is in use; retry later")
+        deadline = time.monotonic() + (lease_s or self.lease_s)
+        self.reservations[request_id] = Reservation(tokens, matched, window, deadline)
+        addr = KVAddr(
+            begin=matched, end=end, ranges=slot_ranges(self.kv.slots(request_id, matched, end)),
+            layout=self.layout.to_dict(), transfer=self.backend.descriptor(),
+            window=(window.index, window.tag),
+        )  # fmt: skip
+        return {"matched": matched, "kv_addr": addr.model_dump()}
+
+    def adopt_for_generate(self, seq: Sequence, begin: int) -> None:
+        """Give a new sequence the KV of prompt[:begin]: received under its request_id, or
+        already in the prefix cache. Raises MicroservingError (nothing held) if it is not here.
+        """
+        rid, prompt, ps = seq.request_id, seq.prompt_token_ids, self.kv.page_size
+        res = self.reservations.get(rid)
+        if res is None:  # no transfer: the prefix must be cached here
+            held = self.kv.open(rid, prompt[: len(prompt) - 1])
+            if held < begin:
+                self.kv.free(rid)
+                raise MicroservingError(
+                    400, f"begin {begin} beyond the {held} tokens of this prompt cached on this "
+                    f"engine, and no prep_recv was made for request_id {rid!r}", "begin")  # fmt: skip
+            seq.num_computed_tokens = held
+        else:
+            self._check_same_prompt(res, prompt, begin)
+            self._close(rid, res)
+            # At least the last prompt token is computed here (its logits are sampled). If the
+            # reservation's cached part reaches it, drop the pages from there on: they are shared.
+            start = min(max(begin, res.matched), len(prompt) - 1)
+            if start < res.matched:
+                start = start // ps * ps
+                self.kv.truncate(rid, start // ps)
+            seq.num_computed_tokens = start
+            self.counters["kv_tokens_received"] += max(0, min(begin, len(res.tokens)) - res.matched)
+            self.kv.cache_tokens(rid, prompt[:start])
+        seq.num_cached_tokens = seq.num_computed_tokens
+
+    def commit(self, request_id: str, pin: bool) -> dict:
+        """Adopt received KV into the prefix cache without generating (context migration)."""
+        res = self.reservations.get(request_id)
+        if res is None:
+            raise MicroservingError(404, f"no prep_recv reservation for request_id {request_id!r}",
+                                    "request_id")  # fmt: skip
+        self._close(request_id, res)
+        self.kv.cache_tokens(request_id, res.tokens)
+        cached = self.kv.num_cached_pages(request_id) * self.kv.page_size
+        cached = cached if self.kv.enable_prefix_cache else 0
+        if pin and cached:
+            self.kv.pin(res.tokens[:cached])
+        self.kv.free(request_id)
+        self.counters["kv_tokens_received"] += len(res.tokens) - res.matched
+        return {"cached": cached, "pinned": bool(pin and cached)}
+
+    def expire_leases(self, now: float) -> int:
+        """Free reservations whose lease has passed. Returns how many."""
+        expired = [rid for rid, r in self.reservations.items() if r.deadline <= now]
+        for rid in expired:
+            log.warning("KV reservation %r expired after its lease; pages freed", rid)
+            self._close(rid, self.reservations[rid])
+            self.kv.free(rid)
+        self.counters["kv_leases_expired"] += len(expired)
+        return len(expired)
+
+    def next_deadline(self) -> float | None:
+        return min((r.deadline for r in self.reservations.values()), default=None)
+
+    def _check_same_prompt(self, res: Reservation, prompt: list[int], begin: int) -> None:
+        held = len(res.tokens)
+        if begin > held:
+            raise MicroservingError(
+                400, f"begin {begin} beyond the {held} tokens prep_recv reserved for this "
+                f"request", "begin")  # fmt: skip
+        if prompt[:begin] != res.tokens[:begin]:
+            at = next(i for i, (a, b) in enumerate(zip(prompt, res.tokens)) if a != b)
+            raise MicroservingError(
+                400, f"prompt differs at position {at} from the one prep_recv reserved for "
+                f"this request", "prompt")  # fmt: skip
+
+    def _close(self, request_id: str, res: Reservation) -> None:
+        """Stop accepting writes for the reservation (the pages stay with request_id)."""
+        del self.reservations[request_id]
+        self.backend.close_window(res.window)
+
+    # ---- sender --------------------------------------------------------------------------------
+
+    def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
+                    kv_addr: dict) -> None:  # fmt: skip
+        """Start sending KV of prompt[begin:end]; the answer comes from poll()."""
+        self.core.check_prompt(prompt)
+        n = len(prompt)
+        begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
+        if begin > end:
+            raise MicroservingError(400, f"begin {begin} is after end {end}", "begin")
+        addr = KVAddr.model_validate(kv_addr)
+        self._check_addr(addr, begin, end)
+        self._check_free(request_id)
+        dst = addr.slots()
+        matched = self.kv.open(request_id, prompt[:end])
+        try:
+            self.sender.start(request_id, addr.transfer, Window(*addr.window))
+        except TransferError as e:
+            self.kv.free(request_id)
+            raise MicroservingError(502, f"cannot reach the receiver: {e}") from None
+        copy_end = min(matched, end)
+        reused = max(0, copy_end - begin)
+        if reused:
+            src = torch.tensor(self.kv.slots(request_id, begin, copy_end))
+            self.sender.write_all_layers(request_id, src, torch.tensor(dst[:reused]))
+        job = SendJob(begin, end, dst, reused, computed=end - matched if matched < end else 0)
+        self.jobs[request_id] = job
+        if matched >= end:
+            self._flush(request_id)
+            return
+        seq = Sequence(request_id, prompt[:end], SamplingParams(max_tokens=1),
+                       self.core.next_arrival(), send_only=True)  # fmt: skip
+        seq.num_computed_tokens = seq.num_cached_tokens = matched
+        self.core.register(seq, generator=None)
+
+    def sends_for(self, seq: Sequence, start: int, num_new: int) -> KVSend | None:
+        """The share of a step's chunk [start, start + num_new) that goes to the receiver."""
+        job = self.jobs[seq.request_id]
+        lo, hi = max(start, job.begin), min(start + num_new, job.end)
+        if lo >= hi:
+            return None
+        src = self.kv.slots(seq.request_id, lo, hi)
+        return KVSend(seq.request_id, src, job.dst_slots[lo - job.begin : hi - job.begin])
+
+    def computed(self, seq: Sequence) -> None:
+        """A send's last chunk is computed: keep its pages until the transfer is flushed."""
+        self.core.unregister(seq, keep_pages=True)
+        self.kv.cache_tokens(seq.request_id, seq.prompt_token_ids)
+        self._flush(seq.request_id)
+
+    def _flush(self, request_id: str) -> None:
+        self.flushing.add(request_id)
+        self.sender.finish(request_id)
+
+    def poll(self) -> list[tuple[str, dict | MicroservingError]]:
+        """Answers for remote_send calls whose transfer has completed, failed or was aborted."""
+        for rid, error in self.sender.failed():  # e.g. the receiver died: stop computing
+            if rid not in self.flushing:
+                self._drop_send(rid)
+                self._failed.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
+        out: list[tuple[str, dict | MicroservingError]] = list(self._failed)
+        self._failed.clear()
+        for rid, error in self.sender.completed():
+            job = self.jobs.pop(rid, None)
+            if job is None:  # aborted while its flush was queued
+                continue
+            self.flushing.discard(rid)
+            self.kv.free(rid)
+            if error is not None:
+                out.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
+            else:
+                sent = job.end - job.begin
+                self.counters["kv_tokens_sent"] += sent
+                out.append((rid, {"sent": sent, "computed": job.computed, "reused": job.reused}))
+        return out
+
+    def _check_addr(self, addr: KVAddr, begin: int, end: int) -> None:
+        if addr.num_slots != end - begin:
+            raise MicroservingError(
+                400, f"kv_addr holds {addr.num_slots} slots but end - begin = {end - begin} "
+                f"(begin {begin}, end {end})", "kv_addr")  # fmt: skip
+        try:
+            peer = KVLayout.from_dict(addr.layout)
+        except (KeyError, TypeError) as e:
+            raise MicroservingError(400, f"kv_addr.layout is incomplete: {e}", "kv_addr") from None
+        if (why := self.layout.mismatch(peer)) is not None:
+            raise MicroservingError(400, f"refusing to send: {why}", "kv_addr.layout")
+        capacity = int(addr.transfer.get("num_pages", 0)) * self.layout.page_size
+        bad = next(((s, n) for s, n in addr.ranges if s < 0 or n < 1 or s + n > capacity), None)
+        if bad is not None:
+            raise MicroservingError(
+                400, f"kv_addr range {list(bad)} outside the receiver's {capacity} slots",
+                "kv_addr.ranges")  # fmt: skip
+
+    # ---- both ----------------------------------------------------------------------------------
+
+    def _check_free(self, request_id: str) -> None:
+        if request_id in self.core.seqs or self.in_use(request_id):
+            raise MicroservingError(409, f"request_id {request_id!r} is already in use",
+                                    "request_id")  # fmt: skip
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a reservation or a send in flight under request_id. False if there is none.
+        (A generating sequence is the core's to abort.)"""
+        res = self.reservations.get(request_id)
+        if res is not None:
+            self._close(request_id, res)
+            self.kv.free(request_id)
+            return True
+        if request_id not in self.jobs:
+            return False
+        self._drop_send(request_id)
+        self._failed.append(
+            (request_id, MicroservingError(409, f"request {request_id!r} was aborted"))
+        )
+        return True
+
+    def _drop_send(self, request_id: str) -> None:
+        """End a send job wherever it is and free its pages."""
+        del self.jobs[request_id]
+        self.sender.cancel(request_id)  # returns once no write reads the pages
+        if request_id in self.flushing:
+            self.flushing.discard(request_id)
+            self.kv.free(request_id)
+        else:
+            self.core.unregister(self.core.seqs[request_id])
+
+    def stats(self) -> dict:
+        return {
+            "kv_reservations": len(self.reservations),
+            "kv_send_jobs": len(self.jobs),
+            **self.counters,
+        }

@@ -1,0 +1,277 @@
+"""prep_recv / remote_send / start_generate / commit between two engine cores in one process.
+
+Two EngineCores on the tiny random Llama exchange KV through the real transfer backends (shm
+maps the receiver's memfd pool, tcp goes through its listener thread). Every split of a request
+gives exactly the greedy tokens one engine alone gives (Hugging Face's); both prefix cases of
+paper §3.5 are covered; every fault leaves both engines with no held, reserved or leaked page.
+The live-process version of these flows, over HTTP, is tests/test_microserving_engines.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import hf_greedy
+from test_engine_core import greedy, random_prompts
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from microserve.backend import MicroservingError, RequestRejected
+
+N_NEW = 12
+PAGE = 4
+
+
+def make_core(model_dir, kind, **kw):
+    kw.setdefault("page_size", PAGE)
+    kw.setdefault("num_pages", 128)
+    return EngineCore(EngineConfig(model=model_dir, kv_transfer=kind, **kw))
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def pair(request, tiny_model_dir):
+    p = make_core(tiny_model_dir, request.param)
+    d = make_core(tiny_model_dir, request.param)
+    yield p, d
+    p.close()
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([45, 30, 61, 23], seed=7)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir, prompts):
+    return hf_greedy(tiny_model_dir, prompts, N_NEW)
+
+
+def send(p: EngineCore, rid, prompt, begin, end, kv_addr, timeout_s=30.0):
+    """remote_send on P, stepping P until the call is answered (as its core loop would)."""
+    p.exchange.remote_send(rid, prompt, begin, end, kv_addr)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if p.has_work():
+            p.step()
+        for got_rid, outcome in p.exchange.poll():
+            assert got_rid == rid
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        time.sleep(0.001)
+    raise AssertionError("remote_send did not complete")
+
+
+def generate(core: EngineCore, rid, prompt, begin=0):
+    core.add_request(rid, prompt, greedy(N_NEW), begin)
+    tokens, cached = [], None
+    while core.has_work():
+        for out in core.step():
+            assert out.request_id == rid
+            tokens += out.token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached
+
+
+def assert_clean(*cores):
+    for core in cores:
+        core.check_integrity()
+        assert core.kv.stats().used_pages == 0, "pages still held"
+        assert not core.exchange.reservations and not core.exchange.jobs
+        assert not core.seqs
+
+
+def reset(*cores):
+    """Forget cached prefixes so each test starts from an empty cache."""
+    for core in cores:
+        core.kv.cache.evict(core.kv.cache.num_evictable())
+
+
+def test_pd_no_cache(pair, prompts, ref):
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]
+    r = d.exchange.prep_recv("a", prompt, -1, None)
+    assert r["matched"] == 0 and r["kv_addr"]["begin"] == 0
+    assert r["kv_addr"]["end"] == len(prompt) - 1
+    out = send(p, "a", prompt, 0, -1, r["kv_addr"])
+    assert out == {"sent": len(prompt) - 1, "computed": len(prompt) - 1, "reused": 0}
+    tokens, cached = generate(d, "a", prompt, begin=len(prompt) - 1)
+    assert tokens == ref[0]
+    assert cached == len(prompt) - 1  # only the last prompt token was computed on D
+    assert_clean(p, d)
+
+
+def test_pd_prefix_on_d_sends_only_the_rest(pair, prompts, ref):
+    """Case 2 of §3.5: D holds a prefix P does not; P computes from 0 but sends [matched, end)."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[1]
+    generate(d, "warm", prompt[:20] + [5, 6, 7])  # D caches prompt[:20] (five pages)
+    r = d.exchange.prep_recv("b", prompt, -1, None)
+    assert r["matched"] == 20
+    out = send(p, "b", prompt, r["matched"], -1, r["kv_addr"])
+    assert out == {"sent": len(prompt) - 1 - 20, "computed": len(prompt) - 1, "reused": 0}
+    tokens, _ = generate(d, "b", prompt, begin=len(prompt) - 1)
+    assert tokens == ref[1]
+    assert_clean(p, d)
+
+
+def test_pd_longer_prefix_on_p_is_copied(pair, prompts, ref):
+    """Case 1 of §3.5: P holds more than D; its cached pages are copied, the rest computed."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]
+    generate(p, "warm", prompt[:40] + [9])  # P caches prompt[:40]
+    generate(d, "warm", prompt[:8] + [9])  # D caches prompt[:8]
+    r = d.exchange.prep_recv("c", prompt, -1, None)
+    assert r["matched"] == 8
+    out = send(p, "c", prompt, 8, -1, r["kv_addr"])
+    assert out == {"sent": len(prompt) - 1 - 8, "computed": len(prompt) - 1 - 40, "reused": 32}
+    tokens, _ = generate(d, "c", prompt, begin=len(prompt) - 1)
+    assert tokens == ref[2]
+    assert_clean(p, d)
+
+
+def test_pd_skips_p_when_d_holds_the_prefix(pair, prompts, ref):
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]
+    generate(d, "warm", prompt[:-1] + [3])
+    r = d.exchange.prep_recv("s", prompt, -1, None)
+    assert r["matched"] == (len(prompt) - 1) // PAGE * PAGE
+    tokens, cached = generate(d, "s", prompt, begin=r["matched"])
+    assert tokens == ref[0] and cached == r["matched"]
+    assert_clean(p, d)
+
+
+def test_balanced_pd(pair, prompts, ref):
+    """The last 20% of the prompt is prefilled on D (paper §3.3)."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]
+    split = int(len(prompt) * 0.8)
+    r = d.exchange.prep_recv("bal", prompt, split, None)
+    out = send(p, "bal", prompt, 0, split, r["kv_addr"])
+    assert out["sent"] == split
+    tokens, cached = generate(d, "bal", prompt, begin=split)
+    assert tokens == ref[2] and cached == split
+    assert_clean(p, d)
+
+
+def test_context_migration(pair, tiny_model_dir):
+    """prep_recv + remote_send + commit moves a context; a later request on the receiver finds
+    it cached, computes only the rest, and gives the tokens the sender would."""
+    p, d = pair
+    reset(p, d)
+    context, question = random_prompts([70, 9], seed=3)
+    want, _ = generate(p, "on-p", context + question)
+    r = d.exchange.prep_recv("mig", context, len(context), None)
+    send(p, "mig", context, 0, len(context), r["kv_addr"])
+    assert d.exchange.commit("mig", pin=False) == {"cached": 68, "pinned": False}
+    tokens, cached = generate(d, "after", context + question)
+    assert cached == 68 and tokens == want
+    assert_clean(p, d)
+
+
+def test_commit_pins(pair):
+    p, d = pair
+    reset(p, d)
+    (context,) = random_prompts([24], seed=4)
+    r = d.exchange.prep_recv("pin", context, len(context), None)
+    send(p, "pin", context, 0, len(context), r["kv_addr"])
+    assert d.exchange.commit("pin", pin=True) == {"cached": 24, "pinned": True}
+    assert d.kv.stats().pinned_pages == 6
+    assert d.kv.cache.num_evictable() == 0
+    assert d.kv.unpin(context) == 24
+    assert_clean(p, d)
+
+
+# ---- bad input and faults ----------------------------------------------------------------------
+
+
+def test_bad_indices_and_addresses(pair, prompts):
+    p, d = pair
+    prompt = prompts[3]  # 23 tokens
+    with pytest.raises(MicroservingError, match="end 24 out of range for a 23-token prompt"):
+        d.exchange.prep_recv("x", prompt, 24, None)
+    r = d.exchange.prep_recv("x", prompt, -1, None)
+    addr = r["kv_addr"]
+    with pytest.raises(MicroservingError, match="begin -30 out of range"):
+        p.exchange.remote_send("x", prompt, -30, -1, addr)
+    with pytest.raises(MicroservingError, match="begin 10 is after end 5"):
+        p.exchange.remote_send("x", prompt, 10, 5, addr)
+    with pytest.raises(MicroservingError, match=r"kv_addr holds 22 slots but end - begin = 12"):
+        p.exchange.remote_send("x", prompt, 10, -1, addr)
+    bad_ranges = dict(addr, ranges=[[10_000, 22]])
+    with pytest.raises(MicroservingError, match=r"kv_addr range \[10000, 22\] outside"):
+        p.exchange.remote_send("x", prompt, 0, -1, bad_ranges)
+    with pytest.raises(MicroservingError, match="already in use") as e:
+        d.exchange.prep_recv("x", prompt, -1, None)
+    assert e.value.status == 409
+    with pytest.raises(RequestRejected, match="prompt token id 99999 out of range"):
+        d.exchange.prep_recv("y", [1, 99999], -1, None)
+    with pytest.raises(MicroservingError, match="no prep_recv reservation") as e:
+        d.exchange.commit("nope", False)
+    assert e.value.status == 404
+    with pytest.raises(MicroservingError, match="begin 23 leaves no prompt token"):
+        d.add_request("x", prompt, greedy(), begin=23)
+    with pytest.raises(MicroservingError, match="begin 22 beyond the 0 tokens of this prompt"):
+        d.add_request("z", prompt, greedy(), begin=22)
+    with pytest.raises(MicroservingError, match="prompt differs at position 0"):
+        d.add_request("x", [prompt[0] + 1] + prompt[1:], greedy(), begin=5)
+    assert d.abort_request("x") is None  # the reservation is dropped, no token stream
+    assert_clean(p, d)
+
+
+def test_layout_mismatch_names_both_layouts(tiny_model_dir, pair, prompts):
+    p, _ = pair
+    other = make_core(tiny_model_dir, "shm", page_size=8, num_pages=32)
+    try:
+        r = other.exchange.prep_recv("m", prompts[0], -1, None)
+        with pytest.raises(MicroservingError, match="KV layout mismatch in page_size") as e:
+            p.exchange.remote_send("m", prompts[0], 0, -1, r["kv_addr"])
+        assert "'page_size': 4" in str(e.value) and "'page_size': 8" in str(e.value)
+        other.abort_request("m")
+        assert_clean(p, other)
+    finally:
+        other.close()
+
+
+def test_abort_during_send_and_after_prep_recv(pair, prompts):
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]
+    r = d.exchange.prep_recv("ab", prompt, -1, None)
+    p.exchange.remote_send("ab", prompt, 0, -1, r["kv_addr"])
+    assert p.abort_request("ab") is None
+    (rid, outcome), = p.exchange.poll()
+    assert rid == "ab" and isinstance(outcome, MicroservingError) and outcome.status == 409
+    assert d.abort_request("ab") is None
+    assert_clean(p, d)
+
+
+def test_lease_expiry_frees_and_counts(pair, prompts):
+    p, d = pair
+    before = d.stats()["kv_leases_expired"]
+    d.exchange.prep_recv("lease", prompts[0], -1, 0.05)
+    assert d.exchange.expire_leases(time.monotonic()) == 0
+    assert d.exchange.expire_leases(time.monotonic() + 0.1) == 1
+    assert d.stats()["kv_leases_expired"] == before + 1
+    assert_clean(p, d)
+
+
+def test_send_into_a_closed_window_fails(pair, prompts):
+    """The receiver aborted (or its lease ran out) before the sender wrote: the one-sided
+    write is refused, remote_send answers 502, and the sender holds nothing."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]
+    r = d.exchange.prep_recv("late", prompt, -1, None)
+    d.abort_request("late")
+    with pytest.raises(MicroservingError, match="KV transfer failed") as e:
+        send(p, "late", prompt, 0, -1, r["kv_addr"])
+    assert e.value.status == 502
+    assert_clean(p, d)

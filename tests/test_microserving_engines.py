@@ -1,0 +1,313 @@
+"""The microserving API between real engine daemons: SmolLM2-135M, real HTTP, real KV transfer.
+
+Engines: `p` (a prefill engine), `d_shm` and `d_tcp` (decode engines that receive KV through
+shared memory and through their TCP listener). Each split of a request (1P1D with and without
+cached prefixes on either side, balanced P/D, context migration) must give exactly Hugging
+Face's greedy tokens, which one engine alone gives (tests/test_engine_server.py). Faults are
+driven over HTTP, including killing the receiver's process during a remote_send. After every
+test each live engine is idle with its KV cache intact and no page held or reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import DAEMON_LOGS, hf_greedy
+from daemons import LIVE, Daemon, serve
+
+from microserve.backend import MicroservingError
+from microserve.microserving import Sampling
+from microserve.microserving_client import EngineClient
+from microserve.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 16
+GREEDY = Sampling(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
+TEXT = (
+    "Paged attention stores the key and value cache of each sequence in fixed-size pages, so "
+    "memory is allocated on demand and shared between requests that start with the same "
+    "prefix. A radix tree over token ids finds the longest cached prefix of a new prompt. "
+    "Prefill computes the cache for the whole prompt at once and is bound by arithmetic; "
+    "decode adds one token per step and is bound by memory bandwidth. Disaggregation runs the "
+    "two phases on different engines and moves the cache between them. "
+)
+ENGINE_ARGS = ("--num-pages", "256", "--max-model-len", "4096")
+QUIET_KEYS = ("running", "waiting", "kv_pages_used", "kv_reservations", "kv_send_jobs")
+
+
+def start(smollm2_dir, tmp_path_factory, name: str, *args: str) -> Iterator[Daemon]:
+    log = tmp_path_factory.mktemp(name) / "daemon.log"
+    yield from serve(Daemon(smollm2_dir, log, name, *ENGINE_ARGS, *args))
+
+
+@pytest.fixture(scope="module")
+def p(smollm2_dir, tmp_path_factory):
+    # A small step budget makes a long remote_send take many steps (see the kill test).
+    yield from start(smollm2_dir, tmp_path_factory, "p", "--max-num-batched-tokens", "128")
+
+
+@pytest.fixture(scope="module")
+def d_shm(smollm2_dir, tmp_path_factory):
+    yield from start(smollm2_dir, tmp_path_factory, "d-shm", "--kv-transfer", "shm")
+
+
+@pytest.fixture(scope="module")
+def d_tcp(smollm2_dir, tmp_path_factory):
+    yield from start(smollm2_dir, tmp_path_factory, "d-tcp", "--kv-transfer", "tcp")
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def d(request, d_shm, d_tcp):
+    return d_shm if request.param == "shm" else d_tcp
+
+
+@pytest.fixture(autouse=True)
+def engines_quiet_and_intact(request):
+    request.node.stash[DAEMON_LOGS] = [e.log_path for e in LIVE]
+    yield
+    for engine in LIVE:
+        assert engine.proc.poll() is None, f"engine {engine.name!r} died"
+        deadline = time.monotonic() + 30
+        while True:
+            body = engine.stats()
+            quiet = {k: body["stats"][k] for k in QUIET_KEYS}
+            if not any(quiet.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert body["integrity"] == "ok", f"engine {engine.name!r}: {body['integrity']}"
+        assert quiet == dict.fromkeys(QUIET_KEYS, 0), (engine.name, body["stats"])
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir) -> Tokenizer:
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+def ids(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+async def collect(engine: EngineClient, rid: str, prompt: list[int], begin: int = 0):
+    tokens, usage = [], None
+    async for chunk in engine.start_generate(rid, prompt, begin, GREEDY):
+        tokens += chunk.token_ids
+        usage = chunk.usage or usage
+    return tokens, usage
+
+
+def client(daemon: Daemon) -> EngineClient:
+    return EngineClient(daemon.url)
+
+
+# ---- 1P1D, balanced, migration ---------------------------------------------------------------
+
+
+async def test_pd_splits_give_single_engine_tokens(p, d, tok, smollm2_dir):
+    """For one receiver kind: no cache; a prefix already on D (P computes it, sends the rest);
+    D holding the whole prefix (P skipped); P holding a longer prefix than D (copied from
+    P's cache); balanced (the last 20% prefilled on D)."""
+    kind = d.name
+    base = ids(tok, f"[{kind}] " + TEXT)  # ~130 tokens, unique per receiver kind
+    prompts = {
+        "nocache": ids(tok, f"Case one on {kind}. ") + base,
+        "d-prefix": base + ids(tok, " What does decode do?"),
+        "d-all": base + ids(tok, " What does prefill do?"),
+        "p-longer": base + base[:40] + ids(tok, " Explain the radix tree."),
+        "balanced": ids(tok, f"Case five on {kind}. ") + base + base,
+    }
+    want = dict(zip(prompts, hf_greedy(smollm2_dir, list(prompts.values()), N_NEW)))
+    P, D = client(p), client(d)
+    try:
+        rid = f"{kind}-nocache"
+        prompt = prompts["nocache"]
+        r = await D.prep_recv(rid, prompt, end=-1)
+        assert r.matched == 0 and r.kv_addr.num_slots == len(prompt) - 1
+        sent = await P.remote_send(rid, prompt, 0, -1, r.kv_addr)
+        n = len(prompt) - 1
+        assert (sent.sent, sent.computed, sent.reused) == (n, n, 0)
+        tokens, usage = await collect(D, rid, prompt, begin=n)
+        assert tokens == want["nocache"]
+        assert (usage.prompt_tokens, usage.cached_tokens) == (len(prompt), n)
+
+        # D caches `base` by serving a request on it alone.
+        await collect(D, f"{kind}-warm-d", base + ids(tok, " Anything else?"))
+        matched_base = len(base) // 16 * 16
+
+        rid, prompt = f"{kind}-d-prefix", prompts["d-prefix"]
+        r = await D.prep_recv(rid, prompt)
+        assert r.matched == matched_base
+        sent = await P.remote_send(rid, prompt, r.matched, -1, r.kv_addr)
+        n = len(prompt) - 1
+        assert (sent.sent, sent.reused) == (n - r.matched, 0)
+        assert (await collect(D, rid, prompt, begin=n))[0] == want["d-prefix"]
+
+        rid, prompt = f"{kind}-d-all", prompts["d-all"]
+        r = await D.prep_recv(rid, prompt)
+        assert r.matched == matched_base
+        tokens, usage = await collect(D, rid, prompt, begin=r.matched)  # no remote_send
+        assert tokens == want["d-all"] and usage.cached_tokens == r.matched
+
+        rid, prompt = f"{kind}-p-longer", prompts["p-longer"]
+        # P caches base + base[:40]; D holds only base (matched_base tokens).
+        await collect(P, f"{kind}-warm-p", base + base[:40] + ids(tok, " Why?"))
+        r = await D.prep_recv(rid, prompt)
+        assert r.matched == matched_base
+        sent = await P.remote_send(rid, prompt, r.matched, -1, r.kv_addr)
+        p_cached = (len(base) + 40) // 16 * 16
+        n = len(prompt) - 1
+        assert (sent.sent, sent.reused, sent.computed) == (
+            n - r.matched, p_cached - r.matched, n - p_cached)
+        assert (await collect(D, rid, prompt, begin=n))[0] == want["p-longer"]
+
+        rid, prompt = f"{kind}-balanced", prompts["balanced"]
+        split = int(len(prompt) * 0.8)
+        r = await D.prep_recv(rid, prompt, end=split)
+        sent = await P.remote_send(rid, prompt, r.matched, split, r.kv_addr)
+        assert sent.sent == split - r.matched
+        tokens, usage = await collect(D, rid, prompt, begin=split)
+        assert tokens == want["balanced"] and usage.cached_tokens == split
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
+async def test_context_migration_of_1000_tokens(p, d, tok):
+    """prep_recv + remote_send + commit move a 1,000-token context from P to D; the next
+    request on D finds it cached, computes only the rest, and gives P's tokens."""
+    context = (ids(tok, f"Migration to {d.name}. ") + ids(tok, TEXT) * 12)[:1000]
+    assert len(context) == 1000
+    question = ids(tok, " Summarize the text above in one sentence.")
+    P, D = client(p), client(d)
+    try:
+        want, _ = await collect(P, f"{d.name}-mig-ref", context + question)
+        rid = f"{d.name}-mig"
+        r = await D.prep_recv(rid, context, end=len(context))
+        sent = await P.remote_send(rid, context, r.matched, len(context), r.kv_addr)
+        # P's cache holds the context's 62 whole pages; the 8 tokens after them are recomputed.
+        assert (sent.sent, sent.reused, sent.computed) == (1000 - r.matched, 992 - r.matched, 8)
+        committed = await D.commit(rid)
+        assert committed.cached == 992  # whole 16-token pages of the 1,000
+        tokens, usage = await collect(D, f"{d.name}-mig-after", context + question)
+        assert usage.cached_tokens == 992 and tokens == want
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
+# ---- bad input and faults --------------------------------------------------------------------
+
+
+async def test_bad_calls_get_specific_errors(p, d_shm, tok):
+    P, D = client(p), client(d_shm)
+    prompt = ids(tok, TEXT)[:100]
+    try:
+        with pytest.raises(MicroservingError, match="end 101 out of range for a 100-token"):
+            await D.prep_recv("bad", prompt, end=101)
+        r = await D.prep_recv("bad", prompt, end=-1)
+        with pytest.raises(MicroservingError) as e:
+            await D.prep_recv("bad", prompt)
+        assert e.value.status == 409 and e.value.param == "request_id"
+        with pytest.raises(MicroservingError, match="kv_addr holds 99 slots but end - begin = 49"):
+            await P.remote_send("bad", prompt, 50, -1, r.kv_addr)
+        with pytest.raises(MicroservingError, match="begin 99 beyond the 0 tokens") as e:
+            await collect(P, "other", prompt, begin=99)
+        assert e.value.status == 400 and e.value.param == "begin"
+        with pytest.raises(MicroservingError) as e:
+            await D.commit("no-such-request")
+        assert e.value.status == 404
+        assert (await D.abort("bad")).aborted  # after prep_recv: the reservation is freed
+        assert not (await D.abort("bad")).aborted
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
+async def test_layout_mismatch_is_refused_with_both_layouts(p, smollm2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("other-layout") / "daemon.log"
+    gen = serve(Daemon(smollm2_dir, log, "other-layout", "--num-pages", "64",
+                       "--page-size", "32", "--dtype", "bfloat16"))  # fmt: skip
+    other = next(gen)
+    O, P = client(other), client(p)
+    try:
+        r = await O.prep_recv("layout", [5] * 40)
+        with pytest.raises(MicroservingError, match="KV layout mismatch in dtype, page_size") as e:
+            await P.remote_send("layout", [5] * 40, 0, -1, r.kv_addr)
+        assert e.value.status == 400 and e.value.param == "kv_addr.layout"
+        assert "'page_size': 16" in str(e.value) and "'page_size': 32" in str(e.value)
+        assert (await O.abort("layout")).aborted
+    finally:
+        await O.aclose()
+        await P.aclose()
+        next(gen, None)  # stop the daemon
+
+
+async def test_abort_during_remote_send(p, d_tcp, tok):
+    P, D = client(p), client(d_tcp)
+    prompt = (ids(tok, "Abort me. ") + ids(tok, TEXT) * 12)[:1000]
+    try:
+        r = await D.prep_recv("ab", prompt)
+        send = asyncio.create_task(P.remote_send("ab", prompt, 0, -1, r.kv_addr))
+        await asyncio.sleep(0.2)
+        assert (await P.abort("ab")).aborted
+        with pytest.raises(MicroservingError, match="was aborted") as e:
+            await send
+        assert e.value.status == 409
+        assert (await D.abort("ab")).aborted
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+async def test_receiver_killed_during_remote_send(p, tok, kind, smollm2_dir, tmp_path_factory):
+    """The receiver's engine core dies while P computes and writes: remote_send answers 502,
+    and P holds nothing afterwards (the autouse check)."""
+    log = tmp_path_factory.mktemp(f"victim-{kind}") / "daemon.log"
+    victim = Daemon(smollm2_dir, log, f"victim-{kind}", *ENGINE_ARGS, "--kv-transfer", kind)
+    try:
+        victim.wait_ready()
+        P, V = client(p), client(victim)
+        prompt = (ids(tok, f"Kill {kind}. ") + ids(tok, TEXT) * 24)[:2000]
+        r = await V.prep_recv("victim", prompt)
+        send = asyncio.create_task(P.remote_send("victim", prompt, 0, -1, r.kv_addr))
+        deadline = time.monotonic() + 30
+        while (await P.stats())["stats"]["kv_send_jobs"] == 0:  # the send has started
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        os.kill(victim.core_pid(), signal.SIGKILL)
+        with pytest.raises(MicroservingError, match="KV transfer failed") as e:
+            await asyncio.wait_for(send, 60)
+        assert e.value.status == 502
+        await P.aclose()
+        await V.aclose()
+    finally:
+        victim.stop()
+
+
+async def test_bearer_token_guards_the_api(smollm2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("guarded") / "daemon.log"
+    gen = serve(Daemon(smollm2_dir, log, "guarded", "--num-pages", "32", "--api-key", "s3cret"))
+    guarded = next(gen)
+    try:
+        for path in ("/microserving/stats", "/v1/models"):
+            assert httpx.get(guarded.url + path).status_code == 401
+        assert httpx.get(guarded.url + "/health").status_code == 200
+        G = EngineClient(guarded.url, api_key="s3cret")
+        r = await G.prep_recv("t", [5, 6, 7])
+        assert r.matched == 0
+        assert (await G.abort("t")).aborted
+        await G.aclose()
+        bad = EngineClient(guarded.url, api_key="wrong")
+        with pytest.raises(MicroservingError) as e:
+            await bad.prep_recv("t", [5, 6, 7])
+        assert e.value.status == 401
+        await bad.aclose()
+    finally:
+        next(gen, None)
