@@ -53,7 +53,9 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.kv_transfer not in ("auto", "shm", "tcp", "none"):
-            raise ValueError(f"kv_transfer must be auto, shm, tcp or none; got {self.kv_transfer!r}")
+            raise ValueError(
+                f"kv_transfer must be auto, shm, tcp or none; got {self.kv_transfer!r}"
+            )
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.kv_cache_memory_gb <= 0:

@@ -104,9 +104,9 @@ class KVExchange:
         tokens = prompt[:end]
         matched = self.kv.prep_recv(request_id, tokens)
         if matched is None:
-            raise MicroservingError(
-                503, f"no KV pages free to receive {end} tokens "
-                f"({self.kv.pages_needed(None, end)} pages; {self.kv.pool.num_free} free)")  # fmt: skip
+            need = self.kv.pages_needed(None, end)
+            raise MicroservingError(503, f"no KV pages free to receive {end} tokens ({need} "
+                                    f"pages; {self.kv.pool.num_free} free)")  # fmt: skip
         window = self.backend.open_window()
         if window is None:
             self.kv.free(request_id)
@@ -131,8 +131,9 @@ class KVExchange:
             if held < begin:
                 self.kv.free(rid)
                 raise MicroservingError(
-                    400, f"begin {begin} beyond the {held} tokens of this prompt cached on this "
-                    f"engine, and no prep_recv was made for request_id {rid!r}", "begin")  # fmt: skip
+                    400, f"begin {begin} beyond the {held} tokens of this prompt cached on "
+                    f"this engine, and no prep_recv was made for request_id {rid!r}", "begin",
+                )  # fmt: skip
             seq.num_computed_tokens = held
         else:
             self._check_same_prompt(res, prompt, begin)
