@@ -55,8 +55,8 @@ class CoreLoop:
             if was_busy and not busy:
                 self.core.check_integrity()  # cheap, and catches leaks right where they start
             was_busy = busy
-            self._receive(timeout=0 if busy else self._idle_timeout())
-            self._answer_sends()
+            if self._receive(timeout=0 if busy else self._idle_timeout()):
+                self._answer_sends()
             deadline = self.core.exchange.next_deadline()
             if deadline is not None and deadline <= time.monotonic():
                 self.core.exchange.expire_leases(time.monotonic())
@@ -69,19 +69,20 @@ class CoreLoop:
         deadline = self.core.exchange.next_deadline()
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    def _receive(self, timeout: float | None) -> None:
+    def _receive(self, timeout: float | None) -> bool:
+        """Handle what arrived within `timeout`. True if anything did: a message, or a wake-up
+        from the KV sender (a send completed or failed), so remote_send answers may be due."""
         wakeup = self.core.wakeup_fd
         ready, _, _ = select.select([self.sock, wakeup], [], [], timeout)
         if wakeup in ready:
-            os.read(wakeup, 4096)  # a send finished; _answer_sends picks it up
-        if self.sock not in ready:
-            return
-        data = self.sock.recv(1 << 20)
-        if not data:  # the frontend is gone: nobody to serve
-            self.running = False
-            return
-        for msg in self.decoder.feed(data):
-            self._handle(msg)
+            os.read(wakeup, 4096)
+        if self.sock in ready:
+            data = self.sock.recv(1 << 20)
+            if not data:  # the frontend is gone: nobody to serve
+                self.running = False
+            for msg in self.decoder.feed(data):
+                self._handle(msg)
+        return bool(ready)
 
     def _handle(self, msg: dict) -> None:
         kind = msg["type"]

@@ -158,7 +158,6 @@ class KVExchange:
         self._close(request_id, res)
         self.kv.cache_tokens(request_id, res.tokens)
         cached = self.kv.num_cached_pages(request_id) * self.kv.page_size
-        cached = cached if self.kv.enable_prefix_cache else 0
         if pin and cached:
             self.kv.pin(res.tokens[:cached])
         self.kv.free(request_id)

@@ -79,6 +79,37 @@ class Window:
     tag: int
 
 
+class WindowIds:
+    """Hands out window indices (lowest free first) and tags that are never reused, for a
+    receiver's table of `num_windows` entries. Not thread-safe: the backend's lock guards it."""
+
+    def __init__(self, num_windows: int):
+        self.num_windows = num_windows
+        self._free = list(range(num_windows - 1, -1, -1))  # stack; pop() gives the lowest index
+        self._next_tag = 1
+
+    def take(self) -> Window | None:
+        """A fresh window, or None when every index is in use."""
+        if not self._free:
+            return None
+        window = Window(self._free.pop(), self._next_tag)
+        self._next_tag += 1
+        return window
+
+    def release(self, index: int) -> None:
+        self._free.append(index)
+
+    def clear(self) -> None:
+        """Hand out nothing more (the backend is closed)."""
+        self._free.clear()
+
+    def check(self, window: Window) -> None:
+        if not 0 <= window.index < self.num_windows:
+            raise ValueError(
+                f"window index {window.index} out of range for {self.num_windows} windows"
+            )
+
+
 class TransferBackend(ABC):
     """The receiving side of one engine: its KV pool and the windows writes may land in.
 

@@ -37,7 +37,14 @@ from contextlib import contextmanager
 
 import torch
 
-from kvcache.transfer.base import KVLayout, Peer, TransferBackend, TransferError, Window
+from kvcache.transfer.base import (
+    KVLayout,
+    Peer,
+    TransferBackend,
+    TransferError,
+    Window,
+    WindowIds,
+)
 
 DEFAULT_NUM_WINDOWS = 4096
 
@@ -134,8 +141,7 @@ class ShmBackend(TransferBackend):
         # process serialize table updates on this lock; it is held across the entry lock.
         self._lock = threading.Lock()
         self._fd = fd  # -1 once closed
-        self._free = list(range(num_windows - 1, -1, -1))  # stack; pop() gives the lowest index
-        self._next_tag = 1
+        self._ids = WindowIds(num_windows)
 
     def descriptor(self) -> dict:
         return dict(self._descriptor)
@@ -143,16 +149,15 @@ class ShmBackend(TransferBackend):
     def open_window(self) -> Window | None:
         """A fresh window; None when all `num_windows` are open or the backend is closed."""
         with self._lock:
-            if not self._free:
+            window = self._ids.take()
+            if window is None:
                 return None
-            window = Window(self._free.pop(), self._next_tag)
-            self._next_tag += 1
             with _entry_locked(self._fd, window.index, fcntl.F_WRLCK):
                 _ENTRY.pack_into(self._mmap, window.index * _ENTRY.size, window.tag)
         return window
 
     def close_window(self, window: Window) -> None:
-        _check_window_index(window, self.num_windows)
+        self._ids.check(window)
         offset = window.index * _ENTRY.size
         with self._lock:
             if self._fd < 0:
@@ -162,7 +167,7 @@ class ShmBackend(TransferBackend):
                 if _ENTRY.unpack_from(self._mmap, offset)[0] != window.tag:
                     return  # closed before
                 _ENTRY.pack_into(self._mmap, offset, 0)
-            self._free.append(window.index)
+            self._ids.release(window.index)
 
     def close(self) -> None:
         """Close every window (waiting for copies in progress) and the memfd, so no peer writes
@@ -176,7 +181,7 @@ class ShmBackend(TransferBackend):
             _lock(self._fd, fcntl.F_UNLCK, 0, table_bytes)
             os.close(self._fd)
             self._fd = -1
-            self._free.clear()
+            self._ids.clear()
 
 
 class ShmPeer(Peer):

@@ -34,7 +34,14 @@ from contextlib import contextmanager
 import msgpack
 import torch
 
-from kvcache.transfer.base import KVLayout, Peer, TransferBackend, TransferError, Window
+from kvcache.transfer.base import (
+    KVLayout,
+    Peer,
+    TransferBackend,
+    TransferError,
+    Window,
+    WindowIds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +139,7 @@ class TcpBackend(TransferBackend):
         # so close_window returns only when no write into the window is in progress.
         self._lock = threading.Lock()
         self._windows: dict[int, int] = {}  # index -> tag of each open window
-        self._free = list(range(num_windows - 1, -1, -1))  # stack; pop() gives the lowest index
-        self._next_tag = 1
+        self._ids = WindowIds(num_windows)
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family)
@@ -161,20 +167,17 @@ class TcpBackend(TransferBackend):
 
     def open_window(self) -> Window | None:
         with self._lock:
-            if not self._free:
-                return None
-            window = Window(self._free.pop(), self._next_tag)
-            self._next_tag += 1
-            self._windows[window.index] = window.tag
+            window = self._ids.take()
+            if window is not None:
+                self._windows[window.index] = window.tag
         return window
 
     def close_window(self, window: Window) -> None:
-        if not 0 <= window.index < self.num_windows:
-            raise ValueError(f"window index {window.index} out of range for {self.num_windows}")
+        self._ids.check(window)
         with self._lock:
             if self._windows.get(window.index) == window.tag:
                 del self._windows[window.index]
-                self._free.append(window.index)
+                self._ids.release(window.index)
 
     def close(self) -> None:
         """Stop accepting, drop every connection and join the listener's threads."""
