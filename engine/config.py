@@ -25,6 +25,9 @@ class EngineConfig:
     # auto: triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1 (tests)
     attention_backend: str = "auto"
     seed: int = 0  # engine-wide generator for requests without a seed
+    # torch's CPU threads; None: torch's default (every core). Engines sharing a host must
+    # split the cores: two engines each spinning on every core run ~10x slower (measured).
+    cpu_threads: int | None = None
     # How this engine receives KV from peers: shm (CPU, same host), tcp (any host), none;
     # auto: shm on CPU, none on CUDA. Sending works toward any kind a peer offers.
     kv_transfer: str = "auto"
@@ -46,6 +49,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
             )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if not 0 < self.gpu_memory_utilization <= 1:

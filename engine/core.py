@@ -44,6 +44,8 @@ class _Launched:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         dtype = resolve_dtype(config.dtype, config.device)
         self.runner = ModelRunner(config, dtype)
         mc = self.runner.config

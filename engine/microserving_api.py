@@ -23,7 +23,6 @@ have been answered with. A client that goes away before a call carrying a reques
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -34,17 +33,11 @@ import msgpack
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from microserve import wire
+from microserve.auth import RequireBearer
 from microserve.backend import BackendUnavailable, MicroservingError
-from microserve.errors import (
-    OpenAIError,
-    backend_unavailable,
-    from_validation_errors,
-    internal_error,
-    invalid_request,
-)
+from microserve.errors import as_openai_error, from_validation_errors, invalid_request
 from microserve.microserving import (
     AbortRequest,
     AbortResponse,
@@ -67,7 +60,6 @@ log = logging.getLogger("microserve.engine")
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 MSGPACK = "application/msgpack"
-OPEN_PATHS = ("/health", "/metrics")  # everything else needs the bearer token, when one is set
 
 
 # -- body formats ------------------------------------------------------------------------------
@@ -122,48 +114,6 @@ def _unpack(raw: bytes) -> Any:
         return msgpack.unpackb(raw, raw=False)
     except ValueError as e:  # every msgpack unpacking error is one
         raise invalid_request(f"Malformed msgpack body: {str(e) or type(e).__name__}") from None
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-def _as_openai_error(exc: Exception) -> OpenAIError:
-    if isinstance(exc, MicroservingError):
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return OpenAIError(exc.status, str(exc), type=kind, param=exc.param)
-    if isinstance(exc, BackendUnavailable):
-        return backend_unavailable(exc)
-    return internal_error(exc)
-
-
-async def _microserving_error(request: Request, exc: MicroservingError) -> Response:
-    return _as_openai_error(exc).response()
-
-
-class _RequireBearer:
-    """ASGI middleware: every path but OPEN_PATHS needs `Authorization: Bearer <api_key>`."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self._key = app, api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        token = _bearer_token(scope)
-        if token is not None and hmac.compare_digest(token, self._key):
-            return await self.app(scope, receive, send)
-        message = ("Missing API key: send 'Authorization: Bearer <key>'" if token is None
-                   else "Incorrect API key provided")
-        response = OpenAIError(401, message, code="invalid_api_key").response()
-        response.headers["WWW-Authenticate"] = "Bearer"
-        await response(scope, receive, send)
-
-
-def _bearer_token(scope: Scope) -> bytes | None:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else None
-    return None
 
 
 # -- routes ------------------------------------------------------------------------------------
@@ -280,7 +230,7 @@ class _MicroservingAPI:
         except Exception as e:  # the status line is gone: the error becomes the last item
             if not isinstance(e, (MicroservingError, BackendUnavailable)):
                 log.exception("start_generate %s failed while streaming", request_id)
-            error = _as_openai_error(e)
+            error = as_openai_error(e)
             yield codec.item({"status": error.status_code, **error.body()})
         finally:
             await chunks.aclose()
@@ -316,6 +266,5 @@ def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None)
                           methods=["POST"], name=method)
     app.add_api_route("/microserving/start_generate", api.start_generate, methods=["POST"])
     app.add_api_route("/microserving/stats", api.stats, methods=["GET"])
-    app.add_exception_handler(MicroservingError, _microserving_error)
     if api_key is not None:
-        app.add_middleware(_RequireBearer, api_key=api_key)
+        app.add_middleware(RequireBearer, guards=[("/", api_key)])

@@ -11,7 +11,6 @@ that answers /health with 503 forever.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import uvicorn
@@ -20,21 +19,10 @@ from fastapi import FastAPI
 from engine.config import EngineConfig
 from engine.core_client import CoreClient
 from engine.microserving_api import add_microserving_routes
-from microserve.openai_app import build_openai_app, listen_socket
+from microserve.openai_app import QuietServer, build_openai_app, listen_socket
 from microserve.tokenizer import Tokenizer
 
 log = logging.getLogger("microserve.engine")
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGINT/SIGTERM once it has shut down, which would kill this process
-    before `serve` stops the engine core. Swallow them: `serve` cleans up, then returns."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()  # uvicorn's private list of signals to re-raise
 
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
@@ -58,7 +46,7 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
         info["kv_capacity_tokens"], info["max_model_len"], info["kv_transfer"],
     )  # fmt: skip
     app = build_engine_app(client, tokenizer, api_key)
-    server = _Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+    server = QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False))
     sock = listen_socket(host, port)
 
     async def stop_when_core_exits():

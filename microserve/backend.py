@@ -29,6 +29,11 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+class BackendError(Exception):
+    """A failure of the serving side whose message is safe and useful to show the client (a 500
+    that says what failed, e.g. which router strategy raised); details go to the log."""
+
+
 class MicroservingError(Exception):
     """A microserving call failed; `status` is the HTTP status the engine answers with:
     400 bad field (named in `param`), 404 unknown request_id, 409 request_id in use,

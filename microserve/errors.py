@@ -4,7 +4,10 @@
                            or a request the backend refused (RequestRejected)
 404 invalid_request_error  unknown model (code model_not_found, as OpenAI answers) or route
 503 server_error           the backend cannot take the request now (BackendUnavailable)
-500 server_error           anything else; details go to the log, not to the client
+4xx/5xx                    a microserving call's own status and message (MicroservingError), so
+                           an engine's refusal reaches a router's client unchanged
+500 server_error           anything else; details go to the log, not to the client (a
+                           BackendError's message is shown: it says what failed)
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from microserve.backend import BackendUnavailable, RequestRejected
+from microserve.backend import BackendError, BackendUnavailable, MicroservingError, RequestRejected
 
 
 class OpenAIError(Exception):
@@ -56,6 +59,22 @@ def internal_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"Internal server error ({type(exc).__name__})", type="server_error")
 
 
+def as_openai_error(exc: BaseException) -> OpenAIError:
+    """The error a client gets for `exc`, wherever it was raised (handler or mid-stream)."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, MicroservingError):
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return OpenAIError(exc.status, str(exc), type=kind, param=exc.param)
+    if isinstance(exc, BackendUnavailable):
+        return backend_unavailable(exc)
+    if isinstance(exc, RequestRejected):
+        return invalid_request(str(exc), exc.param)
+    if isinstance(exc, BackendError):
+        return OpenAIError(500, f"Internal server error: {exc}", type="server_error")
+    return internal_error(exc)
+
+
 def _param_path(loc: tuple) -> str | None:
     """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
     path = ""
@@ -91,20 +110,12 @@ def from_validation_errors(errors: Sequence[dict]) -> OpenAIError:
         f"Invalid value for '{param}': {reason} (got {_shown(error.get('input'))})", param)
 
 
-async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return exc.response()
+async def _known_error(request: Request, exc: Exception) -> JSONResponse:
+    return as_openai_error(exc).response()
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     return from_validation_errors(exc.errors()).response()
-
-
-async def _backend_unavailable(request: Request, exc: BackendUnavailable) -> JSONResponse:
-    return backend_unavailable(exc).response()
-
-
-async def _request_rejected(request: Request, exc: RequestRejected) -> JSONResponse:
-    return invalid_request(str(exc), exc.param).response()
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -119,9 +130,9 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error `app` returns an OpenAI error JSON."""
-    app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(BackendUnavailable, _backend_unavailable)
-    app.add_exception_handler(RequestRejected, _request_rejected)
+    for known in (OpenAIError, MicroservingError, BackendUnavailable, RequestRejected,
+                  BackendError):
+        app.add_exception_handler(known, _known_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)

@@ -19,6 +19,7 @@ you pass. Serve through `listen_socket()` to have it either way (tests check bot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -28,15 +29,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from microserve.backend import BackendUnavailable, GenerateBackend
-from microserve.errors import (backend_unavailable, from_validation_errors,
-                               install_error_handlers, internal_error, invalid_request,
-                               model_not_found)
+from microserve.backend import BackendError, GenerateBackend
+from microserve.errors import (as_openai_error, from_validation_errors, install_error_handlers,
+                               invalid_request, model_not_found)
 from microserve.metrics import CONTENT_TYPE, Counter, Registry
 from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
                                  CompletionWire, GenerationRequest, model_list, usage)
@@ -332,10 +333,10 @@ class OpenAIFrontend:
             if include_usage:
                 yield _sse(wire.usage_chunk(self._usage(run)))
         except Exception as e:  # the backend failed mid-stream: the status line is gone already
-            if not isinstance(e, BackendUnavailable):  # a bug or a crash: worth a traceback
+            error = as_openai_error(e)
+            if error.status_code == 500 and not isinstance(e, BackendError):  # a bug or a crash
                 log.exception("request %s failed while streaming", run.request_id)
-            unavailable = isinstance(e, BackendUnavailable)
-            yield _sse((backend_unavailable(e) if unavailable else internal_error(e)).body())
+            yield _sse(error.body())
         finally:
             await deltas.aclose()
         yield _sse("[DONE]")
@@ -388,25 +389,39 @@ class OpenAIFrontend:
 
     def _note_output(self, run: _Run, out: TokenOutput) -> None:
         now = time.perf_counter()
-        run.num_cached = out.num_cached_tokens
+        # A router's backend reports the cached count with the last output only.
+        run.num_cached = max(run.num_cached, out.num_cached_tokens)
         if not out.token_ids:
             return
         if run.first_token_at is None:
             run.first_token_at = now
             self._ttft.observe(now - run.arrival)
             self._prompt_tokens.inc(len(run.prompt_ids))
-            self._cached_tokens.inc(out.num_cached_tokens)
         run.last_token_at = now
         run.num_generated += len(out.token_ids)
         self._generation_tokens.inc(len(out.token_ids))
 
     def _note_finished(self, run: _Run) -> None:
+        if run.first_token_at is not None:
+            self._cached_tokens.inc(run.num_cached)
         if run.first_token_at is not None and run.num_generated > 1:
             elapsed = run.last_token_at - run.first_token_at
             self._tpot.observe(elapsed / (run.num_generated - 1))
 
     def _usage(self, run: _Run) -> dict:
         return usage(len(run.prompt_ids), run.num_generated, run.num_cached)
+
+
+class QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves signals to its caller's cleanup: uvicorn re-raises
+    SIGINT/SIGTERM once it has shut down, which would end the process before the caller
+    stops what it started (an engine core, engine processes)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # uvicorn's private list of signals to re-raise
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -211,6 +211,12 @@ def test_bad_indices_and_addresses(pair, prompts):
     with pytest.raises(MicroservingError, match="already in use") as e:
         d.exchange.prep_recv("x", prompt, -1, None)
     assert e.value.status == 409
+    too_long = [5] * (128 * PAGE + 2)  # more than the whole pool: never fits, so not a 503
+    with pytest.raises(MicroservingError, match=rf"end {128 * PAGE + 1}: receiving "
+                       rf"{128 * PAGE + 1} tokens needs 129 KV pages, but this engine's pool "
+                       r"has 128 pages") as e:
+        d.exchange.prep_recv("big", too_long, -1, None)
+    assert e.value.status == 400
     with pytest.raises(RequestRejected, match="prompt token id 99999 out of range"):
         d.exchange.prep_recv("y", [1, 99999], -1, None)
     with pytest.raises(MicroservingError, match="no prep_recv reservation") as e:

@@ -1,0 +1,54 @@
+"""Bearer-token checks as ASGI middleware (engine and router). No torch.
+
+    app.add_middleware(RequireBearer, guards=[("/admin/", admin_token), ("/", api_key)],
+                       open_paths=("/health", "/metrics"))
+
+A request whose path starts with a guarded prefix (the first that matches) needs
+`Authorization: Bearer <that token>`; otherwise it gets OpenAI's 401 error JSON. Paths in
+`open_paths` and paths no prefix matches pass. Tokens are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from microserve.errors import OpenAIError
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class RequireBearer:
+    def __init__(self, app: ASGIApp, guards: Sequence[tuple[str, str]],
+                 open_paths: Sequence[str] = OPEN_PATHS):
+        for prefix, token in guards:
+            if not token:
+                raise ValueError(f"the token guarding {prefix!r} must not be empty")
+        self.app = app
+        self._guards = [(prefix, token.encode()) for prefix, token in guards]
+        self._open = tuple(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open:
+            return await self.app(scope, receive, send)
+        key = next((k for prefix, k in self._guards if scope["path"].startswith(prefix)), None)
+        if key is None:
+            return await self.app(scope, receive, send)
+        token = bearer_token(scope)
+        if token is not None and hmac.compare_digest(token, key):
+            return await self.app(scope, receive, send)
+        message = ("Missing API key: send 'Authorization: Bearer <key>'" if token is None
+                   else "Incorrect API key provided")
+        response = OpenAIError(401, message, code="invalid_api_key").response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
