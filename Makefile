@@ -5,7 +5,6 @@
 
 PY ?= python3
 VENV := .venv
-HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
@@ -22,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/microserve engine --host $(HOST) --port $(PORT)
+	$(VENV)/bin/microserve up deploy/local-cpu.toml --port $(PORT)
 
 test: install
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

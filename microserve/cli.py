@@ -1,4 +1,9 @@
-"""`microserve` command line: `microserve engine ...` (the router and `up` come later)."""
+"""`microserve` command line.
+
+    microserve up CONFIG          a deployment: engines + router from one file (deploy/*.toml)
+    microserve engine ...         one engine (OpenAI API + microserving API)
+    microserve router ...         the router in front of engines already running
+"""
 
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ def _engine_args(sub) -> None:
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch CPU threads (default: every core); engines sharing a host "
+                        "should split the cores (microserve up does)")
     p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /microserving "
                         "(default: $MICROSERVE_API_KEY; unset: no check)")
@@ -76,6 +84,7 @@ def _run_engine(args) -> None:
         enforce_eager=args.enforce_eager,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         seed=args.seed,
+        cpu_threads=args.cpu_threads,
         kv_transfer=args.kv_transfer,
         kv_transfer_host=args.kv_transfer_host,
         kv_transfer_port=args.kv_transfer_port,
@@ -86,18 +95,111 @@ def _run_engine(args) -> None:
     asyncio.run(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key))
 
 
+def _engine_spec(value: str):
+    """NAME=URL[,ROLE] -> EngineSpec."""
+    from router.engines import EngineSpec
+
+    name, sep, rest = value.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAME=URL[,ROLE]")
+    url, _, role = rest.partition(",")
+    try:
+        return EngineSpec(name, url, role or "any")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _json_object(value: str) -> dict:
+    import json
+
+    try:
+        obj = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return obj
+
+
+def _secret_args(p, *, engine_key: bool = True) -> None:
+    p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the router's /v1 "
+                        "(default: $MICROSERVE_API_KEY)")
+    p.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"),
+                   help="require it on /admin; uploading strategy source needs it "
+                        "(default: $MICROSERVE_ADMIN_TOKEN)")
+    p.add_argument("--engine-api-key", default=os.environ.get("MICROSERVE_ENGINE_API_KEY"),
+                   help="the engines' --api-key, sent on every call to them "
+                        "(default: $MICROSERVE_ENGINE_API_KEY)")
+    p.add_argument("--log-level", default="info")
+
+
+def _router_args(sub) -> None:
+    p = sub.add_parser("router", help="one OpenAI endpoint over running engines, by a strategy")
+    p.add_argument("--engine", type=_engine_spec, action="append", required=True,
+                   metavar="NAME=URL[,ROLE]",
+                   help="an engine (repeat); ROLE: prefill, decode or any (default)")
+    p.add_argument("--model", default=None,
+                   help="the model directory (or the embedded default's name) to take the "
+                        "tokenizer and chat template from")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--strategy", default="data_parallel",
+                   help="a built-in strategy (data_parallel, pd, balanced_pd, "
+                        "context_migration) or a path to a .py file")
+    p.add_argument("--strategy-args", type=_json_object, default={},
+                   help='the strategy\'s constructor arguments as JSON: \'{"ratio": 0.2}\'')
+    p.add_argument("--watch-strategy", action="store_true",
+                   help="reload the strategy's file whenever it changes")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    _secret_args(p)
+
+
+def _up_args(sub) -> None:
+    p = sub.add_parser("up", help="start a deployment (engines + router) from a TOML file")
+    p.add_argument("config", help="a deployment file, e.g. deploy/local-cpu.toml")
+    p.add_argument("--port", type=int, default=None, help="the router's port (overrides the "
+                                                          "file; engines follow it)")
+    _secret_args(p)
+
+
+def _run_router(args) -> None:
+    from microserve.model_files import resolve_model
+    from router.server import RouterConfig, serve
+
+    config = RouterConfig(
+        tokenizer_dir=str(resolve_model(args.model)),
+        served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        engines=tuple(args.engine), strategy=args.strategy, strategy_args=args.strategy_args,
+        host=args.host, port=args.port, api_key=args.api_key, admin_token=args.admin_token,
+        engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy)
+    asyncio.run(serve(config, args.log_level))
+
+
+def _run_up(args) -> None:
+    from microserve.up import load_deployment, up
+
+    deployment = load_deployment(args.config, port=args.port)
+    code = asyncio.run(up(deployment, log_level=args.log_level, api_key=args.api_key,
+                          admin_token=args.admin_token, engine_api_key=args.engine_api_key))
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="microserve", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
+    _up_args(sub)
     _engine_args(sub)
+    _router_args(sub)
     args = ap.parse_args(argv)
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: that would be a line per engine call on the hot path.
+    logging.getLogger("httpx").setLevel(max(logging.getLevelName(level), logging.WARNING))
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
-        if args.command == "engine":
-            _run_engine(args)
-    except (ValueError, RuntimeError) as e:
+        {"engine": _run_engine, "router": _run_router, "up": _run_up}[args.command](args)
+    except (ValueError, RuntimeError, OSError) as e:
         # Start-up problems the user can fix (bad --model, bad sizes, core failed to start).
         print(f"microserve: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -51,6 +51,24 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_served_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a word-level tokenizer (token i is `<i>`) and a chat template, so
+    the engine and the router can serve it over the OpenAI API."""
+    import json
+    import shutil
+
+    from microserve.random_models import _CHAT_TEMPLATE, _placeholder_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-served")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    _placeholder_tokenizer(TINY_VOCAB).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": _CHAT_TEMPLATE, "bos_token": "<1>", "eos_token": "<2>",
+        "add_bos_token": False}))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir():
     from microserve.model_files import resolve_model
 

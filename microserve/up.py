@@ -1,0 +1,314 @@
+"""`microserve up CONFIG`: a whole deployment from one file (DESIGN §8).
+
+Starts every engine of the config as a `microserve engine` process, waits until each answers
+/health, starts the router (in this process) over them with the config's strategy, prints the
+endpoint, and then watches: Ctrl-C (or SIGTERM) stops the router and then the engines, and if
+any engine dies the rest is stopped too, with exit status 1. Engines run in their own process
+group (a terminal's Ctrl-C reaches only this process, which stops things in order) and get
+SIGTERM if this process dies. Their output is shown with `[name]` in front.
+
+Config (TOML; see deploy/local-cpu.toml):
+
+    model = "smollm2-135m-instruct"      # or a Hugging Face directory; what every engine loads
+    served_model_name = "..."            # optional: the name clients use
+
+    [router]
+    host = "127.0.0.1"                   # 127.0.0.1 unless you mean it
+    port = 8000
+    strategy = "pd"                      # a built-in (strategies/) or a .py path
+    strategy_args = { }                  # the strategy's constructor arguments
+    watch_strategy = false               # reload the strategy file when it changes
+
+    [[engines]]
+    name = "prefill-0"
+    role = "prefill"                     # prefill, decode or any
+    port = 8001                          # default: the router's port + 1 + its index
+    args = ["--kv-cache-memory-gb", "1"] # more `microserve engine` options
+    env = { CUDA_VISIBLE_DEVICES = "0" } # more environment
+
+Secrets stay out of the file: --api-key / MICROSERVE_API_KEY guards the router's /v1,
+--admin-token / MICROSERVE_ADMIN_TOKEN its /admin, --engine-api-key /
+MICROSERVE_ENGINE_API_KEY the engines' APIs (the router sends it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from microserve.openai_app import QuietServer, listen_socket
+from router.engines import ROLES, EngineSpec
+from router.server import Router, RouterConfig
+
+log = logging.getLogger("microserve.up")
+
+ENGINE_START_TIMEOUT_S = 900  # a large model loads for minutes
+STOP_TIMEOUT_S = 30
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    name: str
+    port: int
+    role: str = "any"
+    host: str = "127.0.0.1"
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: str | None
+    served_model_name: str
+    engines: tuple[EngineLaunch, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    strategy: str = "data_parallel"
+    strategy_args: dict = field(default_factory=dict)
+    watch_strategy: bool = False
+
+
+_TOP_KEYS = {"model", "served_model_name", "router", "engines"}
+_ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy"}
+_ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
+
+
+def load_deployment(path: str | Path, port: int | None = None) -> Deployment:
+    """Read and check a config file. Raises ValueError naming the key and the file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path} is not valid TOML: {e}") from e
+    _no_unknown(raw, _TOP_KEYS, str(path))
+    router = raw.get("router", {})
+    _no_unknown(router, _ROUTER_KEYS, f"{path} [router]")
+    router_port = port if port is not None else int(router.get("port", 8000))
+    engines = raw.get("engines", [])
+    if not engines:
+        raise ValueError(f"{path} has no [[engines]]")
+    launches = []
+    for i, engine in enumerate(engines):
+        where = f"{path} engines[{i}]"
+        _no_unknown(engine, _ENGINE_KEYS, where)
+        if "name" not in engine:
+            raise ValueError(f"{where} has no name")
+        role = engine.get("role", "any")
+        if role not in ROLES:
+            raise ValueError(f"{where}: role {role!r} is not one of {ROLES}")
+        args = engine.get("args", [])
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ValueError(f"{where}: args must be a list of strings, got {args!r}")
+        for reserved in ("--model", "--port", "--host", "--served-model-name"):
+            if reserved in args:
+                raise ValueError(f"{where}: set {reserved} through the config's keys, not args")
+        launches.append(EngineLaunch(
+            name=engine["name"], port=int(engine.get("port", router_port + 1 + i)), role=role,
+            host=engine.get("host", "127.0.0.1"), args=tuple(args),
+            env={str(k): str(v) for k, v in engine.get("env", {}).items()}))
+    ports = [router_port] + [e.port for e in launches]
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"{path}: the router and engines need distinct ports, got {ports}")
+    model = raw.get("model")
+    return Deployment(
+        model=model, served_model_name=raw.get("served_model_name") or model or DEFAULT_MODEL_NAME,
+        engines=tuple(launches), host=router.get("host", "127.0.0.1"), port=router_port,
+        strategy=router.get("strategy", "data_parallel"),
+        strategy_args=dict(router.get("strategy_args", {})),
+        watch_strategy=bool(router.get("watch_strategy", False)))
+
+
+def _no_unknown(table: dict, known: set[str], where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(known))})")
+
+
+def _on_cpu(launch: EngineLaunch) -> bool:
+    args = list(launch.args)
+    device = args[args.index("--device") + 1] if "--device" in args[:-1] else "cpu"
+    return device == "cpu"
+
+
+def with_cpu_threads(launches: tuple[EngineLaunch, ...]) -> list[EngineLaunch]:
+    """CPU engines on one host split its cores (each gets cores // CPU engines, at least one)
+    unless their args say --cpu-threads: engines that each spin threads on every core slow
+    each other down about tenfold."""
+    on_cpu = [launch for launch in launches if _on_cpu(launch)]
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(on_cpu)))
+    return [replace(launch, args=(*launch.args, "--cpu-threads", str(threads)))
+            if launch in on_cpu and "--cpu-threads" not in launch.args else launch
+            for launch in launches]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class EngineProcess:
+    """One `microserve engine` child and the task that relays its output."""
+
+    def __init__(self, launch: EngineLaunch):
+        self.launch = launch
+        self.proc: asyncio.subprocess.Process | None = None
+        self._relay: asyncio.Task | None = None
+        self.tail: list[str] = []  # its last lines of output, for error messages
+
+    async def start(self, model_dir: str, served_name: str, log_level: str,
+                    api_key: str | None) -> None:
+        launch = self.launch
+        cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model_dir,
+               "--served-model-name", served_name, "--host", launch.host,
+               "--port", str(launch.port), "--log-level", log_level, *launch.args]
+        env = {**os.environ, **launch.env, "PYTHONUNBUFFERED": "1"}
+        env.pop("MICROSERVE_API_KEY", None)  # the router's client key, not the engines'
+        if api_key is not None:
+            env["MICROSERVE_API_KEY"] = api_key  # not on the command line: ps shows that
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+            start_new_session=True, preexec_fn=_die_with_parent)
+        self._relay = asyncio.create_task(self._relay_output())
+
+    async def _relay_output(self) -> None:
+        prefix = f"[{self.launch.name}] "
+        async for line in self.proc.stdout:
+            text = line.decode(errors="replace").rstrip("\n")
+            self.tail = (self.tail + [text])[-30:]
+            print(prefix + text, flush=True)
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=5) as http:
+            while True:
+                if self.proc.returncode is not None:
+                    raise RuntimeError(f"engine {self.launch.name} exited with "
+                                       f"{self.proc.returncode} while starting:\n"
+                                       + "\n".join(self.tail))
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get(self.launch.url + "/health")).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"engine {self.launch.name} not healthy after "
+                                       f"{timeout_s:.0f} s")
+                await asyncio.sleep(0.2)
+
+    async def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; returns its exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.error("engine %s ignored SIGTERM for %d s; killing it", self.launch.name,
+                          STOP_TIMEOUT_S)
+                self.proc.kill()
+                await self.proc.wait()
+        if self._relay is not None:
+            await asyncio.gather(self._relay, return_exceptions=True)
+        return self.proc.returncode
+
+
+async def up(deployment: Deployment, *, log_level: str = "info", api_key: str | None = None,
+             admin_token: str | None = None, engine_api_key: str | None = None) -> int:
+    """Run the deployment until Ctrl-C/SIGTERM (0) or until a part dies (1)."""
+    from microserve.model_files import resolve_model
+
+    model_dir = str(resolve_model(deployment.model))  # converted once, before the engines start
+    engines = [EngineProcess(launch) for launch in with_cpu_threads(deployment.engines)]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    router: Router | None = None
+    try:
+        for engine in engines:
+            await engine.start(model_dir, deployment.served_model_name, log_level,
+                               engine_api_key)
+        starting = asyncio.gather(*(e.wait_healthy(ENGINE_START_TIMEOUT_S) for e in engines))
+        if not await _unless(stop, starting):
+            return 0
+        router = Router(RouterConfig(
+            tokenizer_dir=model_dir, served_model_name=deployment.served_model_name,
+            engines=tuple(EngineSpec(e.name, e.url, e.role) for e in deployment.engines),
+            strategy=deployment.strategy, strategy_args=deployment.strategy_args,
+            host=deployment.host, port=deployment.port, api_key=api_key,
+            admin_token=admin_token, engine_api_key=engine_api_key,
+            watch_strategy=deployment.watch_strategy))
+        await router.start()
+        return await _serve(router, deployment, engines, stop, log_level)
+    finally:
+        if router is not None:
+            await router.close()
+        codes = await asyncio.gather(*(e.stop() for e in engines))
+        log.info("engines stopped: %s", dict(zip((e.launch.name for e in engines), codes)))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _unless(stop: asyncio.Event, work) -> bool:
+    """Await `work` unless `stop` is set first (then cancel it). True if it finished."""
+    work = asyncio.ensure_future(work)
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait((work, stopper), return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return False
+    work.result()  # raises what it raised
+    return True
+
+
+async def _serve(router: Router, deployment: Deployment, engines: list[EngineProcess],
+                 stop: asyncio.Event, log_level: str) -> int:
+    server = QuietServer(uvicorn.Config(router.app(), log_level=log_level, access_log=False))
+    serving = asyncio.create_task(server.serve(sockets=[listen_socket(deployment.host,
+                                                                      deployment.port)]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if serving.done():
+        serving.result()  # raises why it could not start
+        raise RuntimeError("the router stopped while starting")
+    active = router.host.active
+    print(f"microserve up: {deployment.served_model_name!r} on "
+          f"http://{deployment.host}:{deployment.port}/v1 — strategy {active.name}, engines "
+          + ", ".join(f"{e.launch.name} ({e.launch.role}) {e.launch.url}" for e in engines)
+          + "; Ctrl-C stops all", flush=True)
+    watchers = {asyncio.create_task(e.proc.wait()): e for e in engines}
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({serving, stopper, *watchers},
+                                 return_when=asyncio.FIRST_COMPLETED)
+    died = [watchers[t] for t in done if t in watchers]
+    for engine in died:
+        log.error("engine %s exited with %s; stopping the deployment", engine.launch.name,
+                  engine.proc.returncode)
+    server.should_exit = True
+    await asyncio.gather(serving, return_exceptions=True)
+    for task in (stopper, *watchers):
+        task.cancel()
+    return 1 if died else 0

@@ -1,0 +1,238 @@
+"""The router's ops API (DESIGN §7): strategy, engines, migration, pinning.
+
+    GET    /admin/strategy                 the active strategy, its version, and retired ones
+    PUT    /admin/strategy                 {"builtin" | "path" | "source", "class"?, "args"?}
+    GET    /admin/engines                  every engine: state, role, open calls, polled load
+    POST   /admin/engines                  {"name", "url", "role"?}: add one (it must answer)
+    POST   /admin/engines/{name}/drain     no new requests; the ones it has finish
+    POST   /admin/engines/{name}/undrain
+    DELETE /admin/engines/{name}           out of the pool (its requests in flight finish)
+    POST   /admin/migrate                  {"prompt" | "text", "source", "destination", "pin"?}
+    POST   /admin/pin, /admin/unpin        {"prompt" | "text", "engines"?}
+
+Every answer is JSON; every error OpenAI's error JSON: 400 a bad field or a strategy that did not
+load (with why), 401 no or wrong admin token, 403 uploading source without an admin token
+configured, 404 unknown engine, 409 a strategy load already running, 503 an engine unreachable.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from microserve.errors import OpenAIError, from_validation_errors, invalid_request
+from microserve.microserving import Sampling
+from microserve.tokenizer import Tokenizer
+from router.engines import EnginePool, EngineSpec, UnknownEngine
+from router.host import StrategyHost, StrategyLoadError, StrategySource, SwapInProgress
+from router.strategy import Request as StrategyRequest
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _exactly_one(body: BaseModel, fields: tuple[str, ...]) -> None:
+    given = [f for f in fields if getattr(body, f) is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of {', '.join(fields)} (got "
+                         f"{', '.join(given) or 'none'})")
+
+
+class StrategyBody(_Body):
+    builtin: str | None = None  # a module of strategies/: "pd"
+    path: str | None = None  # a .py file on the router's host
+    source: str | None = None  # the module's text (needs an admin token)
+    filename: str = "upload.py"  # shown in tracebacks of uploaded source
+    class_: str | None = Field(None, alias="class")
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        _exactly_one(self, ("builtin", "path", "source"))
+        return self
+
+
+class EngineBody(_Body):
+    name: str = Field(min_length=1)
+    url: str = Field(min_length=1)
+    role: str = "any"
+
+
+class _Tokens(_Body):
+    prompt: list[int] | None = Field(None, min_length=1)  # token ids
+    text: str | None = Field(None, min_length=1)  # tokenized without special tokens
+
+    @model_validator(mode="after")
+    def _one_context(self):
+        _exactly_one(self, ("prompt", "text"))
+        return self
+
+
+class MigrateBody(_Tokens):
+    source: str
+    destination: str
+    pin: bool = False
+
+
+class PinBody(_Tokens):
+    engines: list[str] | None = None  # default: every engine in the pool
+
+
+async def _body(raw: Request, model: type[_Body]) -> Any:
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as e:
+        raise from_validation_errors(e.errors()) from None
+
+
+class AdminAPI:
+    def __init__(self, pool: EnginePool, host: StrategyHost, tokenizer: Tokenizer,
+                 upload_allowed: bool):
+        self.pool, self.host, self.tokenizer = pool, host, tokenizer
+        self.upload_allowed = upload_allowed
+
+    async def get_strategy(self) -> JSONResponse:
+        return JSONResponse(self.host.describe())
+
+    async def put_strategy(self, raw: Request) -> JSONResponse:
+        body: StrategyBody = await _body(raw, StrategyBody)
+        if body.source is not None and not self.upload_allowed:
+            raise OpenAIError(403, "Uploading strategy source is off: it is code the router "
+                              "runs. Start the router with an admin token (--admin-token) to "
+                              "allow it, or load a file with 'path'.", param="source")
+        try:
+            if body.builtin is not None:
+                source = StrategySource.builtin(body.builtin)
+            elif body.path is not None:
+                source = StrategySource.file(body.path)
+            else:
+                source = StrategySource.upload(body.source, body.filename)
+            loaded = await self.host.load(source, body.args, body.class_)
+        except StrategyLoadError as e:
+            raise invalid_request(str(e), "source" if body.source is not None else
+                                  "path" if body.path is not None else "builtin") from None
+        except SwapInProgress as e:
+            raise OpenAIError(409, str(e)) from None
+        return JSONResponse(loaded.describe())
+
+    async def list_engines(self) -> JSONResponse:
+        return JSONResponse({"engines": self.pool.describe()})
+
+    async def add_engine(self, raw: Request) -> JSONResponse:
+        body: EngineBody = await _body(raw, EngineBody)
+        try:
+            spec = EngineSpec(body.name, body.url, body.role)
+            await self.pool.add(spec)
+        except ValueError as e:
+            raise invalid_request(str(e)) from None
+        return JSONResponse(self._engine(body.name), status_code=201)
+
+    async def drain_engine(self, name: str) -> JSONResponse:
+        self._known(name)
+        self.pool.drain(name)
+        return JSONResponse(self._engine(name))
+
+    async def undrain_engine(self, name: str) -> JSONResponse:
+        self._known(name)
+        self.pool.undrain(name)
+        return JSONResponse(self._engine(name))
+
+    async def remove_engine(self, name: str) -> JSONResponse:
+        self._known(name)
+        handle = self.pool.remove(name)
+        return JSONResponse({"removed": name, "open_calls": handle.open_calls})
+
+    async def migrate(self, raw: Request) -> JSONResponse:
+        """Move a context: prep_recv on the destination, remote_send from the source, commit."""
+        body: MigrateBody = await _body(raw, MigrateBody)
+        source, destination = self._known(body.source), self._known(body.destination)
+        if source is destination:
+            raise invalid_request(f"source and destination are both {source.name!r}",
+                                  "destination")
+        prompt = self._tokens(body)
+        request = StrategyRequest(f"migrate-{uuid.uuid4().hex}", prompt, Sampling(max_tokens=1))
+        try:
+            recv = await destination.prep_recv(request, end=len(prompt))
+            sent = None
+            if recv.matched < len(prompt):
+                sent = await source.remote_send(request, recv.matched, len(prompt), recv.kv_addr)
+            committed = await destination.commit(request, body.pin)
+        except BaseException:
+            for engine in (destination, source):
+                if engine.name in request.touched and engine.up:
+                    await _ignore_errors(engine.abort(request))
+            raise
+        return JSONResponse({
+            "tokens": len(prompt), "already_cached": recv.matched,
+            "sent": sent.sent if sent else 0, "computed": sent.computed if sent else 0,
+            "reused": sent.reused if sent else 0, "cached": committed.cached,
+            "pinned": committed.pinned})
+
+    async def pin(self, raw: Request) -> JSONResponse:
+        return await self._pin(raw, unpin=False)
+
+    async def unpin(self, raw: Request) -> JSONResponse:
+        return await self._pin(raw, unpin=True)
+
+    async def _pin(self, raw: Request, unpin: bool) -> JSONResponse:
+        body: PinBody = await _body(raw, PinBody)
+        engines = [self._known(n) for n in body.engines] if body.engines else list(self.pool)
+        prompt = self._tokens(body)
+        out = {}
+        for engine in engines:
+            answer = await (engine.unpin(prompt) if unpin else engine.pin(prompt))
+            out[engine.name] = answer.tokens
+        return JSONResponse({"tokens": out})
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _known(self, name: str):
+        try:
+            return self.pool[name]
+        except UnknownEngine as e:
+            raise OpenAIError(404, str(e), param="name") from None
+
+    def _engine(self, name: str) -> dict:
+        return next(e for e in self.pool.describe() if e["name"] == name)
+
+    def _tokens(self, body: _Tokens) -> list[int]:
+        if body.prompt is not None:
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in body.prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise invalid_request(f"token id {bad} out of range for a vocabulary of {vocab}",
+                                      "prompt")
+            return body.prompt
+        ids = self.tokenizer.encode(body.text, add_special_tokens=False)
+        if not ids:
+            raise invalid_request("text is empty after tokenization", "text")
+        return ids
+
+
+async def _ignore_errors(work) -> None:
+    try:
+        await work
+    except Exception:
+        pass
+
+
+def add_admin_routes(app: FastAPI, api: AdminAPI) -> None:
+    routes = [
+        ("/admin/strategy", api.get_strategy, "GET"),
+        ("/admin/strategy", api.put_strategy, "PUT"),
+        ("/admin/engines", api.list_engines, "GET"),
+        ("/admin/engines", api.add_engine, "POST"),
+        ("/admin/engines/{name}/drain", api.drain_engine, "POST"),
+        ("/admin/engines/{name}/undrain", api.undrain_engine, "POST"),
+        ("/admin/engines/{name}", api.remove_engine, "DELETE"),
+        ("/admin/migrate", api.migrate, "POST"),
+        ("/admin/pin", api.pin, "POST"),
+        ("/admin/unpin", api.unpin, "POST"),
+    ]
+    for path, handler, method in routes:
+        app.add_api_route(path, handler, methods=[method])

@@ -1,0 +1,152 @@
+"""The router as a GenerateBackend: the OpenAI frontend (microserve/openai_app.py) over strategies.
+
+For each client request the frontend tokenizes, then iterates `generate`, which runs the active
+strategy's `generate(request, engines)` and relays its chunks as TokenOutputs:
+
+    client ─▶ frontend ─▶ RouterBackend.generate ─▶ strategy.generate ─▶ engine handles ─▶ engines
+                    ◀── text ◀── TokenOutput ◀── GenerateChunk ◀──┘
+
+Cleanup is the router's, not the strategy's: whenever a request ends without a finish reason
+(the strategy raised, an engine failed, the client went away, a stop string matched), every
+engine the request touched is told to abort it. A request that fails before its first token
+because an engine is unreachable or out of KV space is tried again (up to `max_retries`
+times) if some engine is still up; the strategy then picks again, and an engine that could not
+be reached is marked down, so it is not picked.
+
+Errors reach the client as: the engine's own status and message (MicroservingError: a 400 the
+engine refused stays that 400), 503 for engines that cannot be reached, 500 naming the strategy
+for a bug in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from microserve.backend import BackendError, BackendUnavailable, GenerateBackend, MicroservingError
+from microserve.metrics import Registry
+from microserve.microserving import GenerateChunk, Sampling
+from microserve.types import SamplingParams, TokenLogprob, TokenOutput
+from router.engines import EnginePool
+from router.host import LoadedStrategy, StrategyHost
+from router.strategy import Request
+
+log = logging.getLogger("microserve.router")
+
+RETRY_STATUSES = (502, 503)  # transfer failed / no KV space now: another engine may do
+
+
+class StrategyError(BackendError):
+    """A strategy raised something that is not an engine's answer: a bug (a 500)."""
+
+
+class RouterBackend(GenerateBackend):
+    def __init__(self, pool: EnginePool, host: StrategyHost, model_name: str,
+                 registry: Registry, *, max_retries: int = 2):
+        self.pool, self.host, self.model_name = pool, host, model_name
+        self.max_retries = max_retries
+        self._live: dict[str, Request] = {}  # requests being served, by request_id
+        self._requests = registry.counter(
+            "microserve_router_requests_total", "Requests by strategy and how they ended.",
+            ["strategy", "outcome"])
+        self._retries = registry.counter(
+            "microserve_router_retries_total", "Requests tried again after an engine failed.")
+        self._aborts = registry.counter(
+            "microserve_router_engine_aborts_total", "Abort calls sent to engines.")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.pool.max_model_len
+
+    async def healthy(self) -> bool:
+        return bool(self.pool.routable())
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        sampling = Sampling.model_validate(params.to_dict())
+        for attempt in range(self.max_retries + 1):
+            request = Request(request_id, prompt_token_ids, sampling)
+            loaded = self.host.acquire()
+            self._live[request_id] = request
+            chunks = loaded.instance.generate(request, self.pool)
+            finished = produced = False
+            try:
+                async for chunk in chunks:
+                    produced = True
+                    if chunk.finish_reason is not None:
+                        await _no_more(chunks, loaded)  # run the strategy to its end first
+                        finished = True
+                    yield _token_output(request_id, len(prompt_token_ids), chunk)
+                    if finished:
+                        return
+                raise StrategyError(f"strategy {_who(loaded)} ended request {request_id} "
+                                    "without a finish reason")
+            except (BackendUnavailable, MicroservingError) as e:
+                if produced or not self._retryable(e, attempt):
+                    raise
+                self._retries.inc()
+                log.warning("request %s: %s; trying again (attempt %d)", request_id, e,
+                            attempt + 2)
+            except StrategyError:
+                raise
+            except Exception as e:
+                log.exception("request %s: strategy %s raised", request_id, _who(loaded))
+                raise StrategyError(f"strategy {_who(loaded)} raised "
+                                    f"{type(e).__name__}") from e
+            finally:
+                await chunks.aclose()
+                if not finished:
+                    await asyncio.shield(self._abort_touched(request))
+                self._live.pop(request_id, None)
+                self.host.release(loaded, finished)
+                self._requests.inc(strategy=loaded.name,
+                                   outcome="finished" if finished else "failed")
+
+    def _retryable(self, error: Exception, attempt: int) -> bool:
+        if attempt >= self.max_retries or not self.pool.routable():
+            return False
+        return isinstance(error, BackendUnavailable) or error.status in RETRY_STATUSES
+
+    async def abort(self, request_id: str) -> None:
+        request = self._live.get(request_id)
+        if request is not None:
+            await self._abort_touched(request)
+
+    async def _abort_touched(self, request: Request) -> None:
+        """Abort the request on every engine it touched that is still in the pool and up."""
+        engines = [self.pool.get(name) for name in sorted(request.touched)]
+        engines = [e for e in engines if e is not None and e.up]
+        self._aborts.inc(len(engines))
+        results = await asyncio.gather(*(e.abort(request) for e in engines),
+                                       return_exceptions=True)
+        for engine, result in zip(engines, results):
+            if isinstance(result, Exception):
+                log.warning("abort of %s on engine %s failed: %s", request.request_id,
+                            engine.name, result)
+
+    async def metrics_text(self) -> str:
+        return self.pool.metrics_text() + self.host.metrics_text()
+
+
+async def _no_more(chunks: AsyncIterator[GenerateChunk], loaded: LoadedStrategy) -> None:
+    async for _ in chunks:
+        raise StrategyError(f"strategy {_who(loaded)} yielded a chunk after the finishing one")
+
+
+def _who(loaded: LoadedStrategy) -> str:
+    return f"{loaded.name!r} v{loaded.version}"
+
+
+def _token_output(request_id: str, num_prompt_tokens: int, chunk: GenerateChunk) -> TokenOutput:
+    logprobs = None
+    if chunk.logprobs is not None:
+        logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], [(t, p) for t, p in lp["top"]])
+                    for lp in chunk.logprobs]
+    usage = chunk.usage
+    return TokenOutput(
+        request_id=request_id, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
+        logprobs=logprobs,
+        num_prompt_tokens=usage.prompt_tokens if usage else num_prompt_tokens,
+        num_cached_tokens=usage.cached_tokens if usage else 0,
+    )

@@ -1,0 +1,416 @@
+"""The router's engines: one handle per engine, and the pool strategies pick them from.
+
+    engine = engines.round_robin()                 # any role, skipping engines down or draining
+    d = engines.least_loaded("decode")             # fewest calls open from this router, then
+                                                   # the engine's own running + waiting
+    p = engines["p0"]                              # by name
+    engines.prefix_index.match(request.prompt)     # which engine holds how much of the prompt
+
+An engine handle wraps the microserving client (microserve/microserving_client.py) with what
+the router needs around each call: it records the engine in `request.touched` (so a failed
+request is aborted everywhere it went), counts the calls open on the engine (the load
+`least_loaded` reads), keeps the prefix index up to date, and marks the engine down when it
+cannot be reached. The pool's poller reads every engine's /microserving/stats each
+`poll_interval_s`: that is the health check (an engine marked down comes back when it answers)
+and the polled load (`handle.load`).
+
+Roles: "prefill", "decode", or "any" (both). Asking for a role gives the engines of that role
+and the "any" ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import httpx
+
+from microserve.backend import BackendUnavailable
+from microserve.metrics import Registry
+from microserve.microserving import (
+    CommitResponse,
+    GenerateChunk,
+    KVAddr,
+    PinResponse,
+    PrepRecvResponse,
+    RemoteSendResponse,
+)
+from microserve.microserving_client import EngineClient
+from router.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from router.strategy import Request
+
+log = logging.getLogger("microserve.router")
+
+ROLES = ("any", "prefill", "decode")
+# Facts every engine of one pool must share: one model, one token space, one KV page size.
+SAME_IN_POOL = ("model_name", "vocab_size", "page_size", "dtype")
+
+
+class UnknownEngine(KeyError):
+    """No engine of that name in the pool: a 404 in the admin API."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    url: str
+    role: str = "any"
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name:
+            raise ValueError(f"engine name {self.name!r} must be non-empty and have no '/'")
+        if self.role not in ROLES:
+            raise ValueError(f"engine {self.name!r}: role {self.role!r} is not one of {ROLES}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine {self.name!r}: url {self.url!r} must start with http://")
+
+
+class EngineHandle:
+    """One engine as strategies use it. Safe to share between requests."""
+
+    def __init__(self, spec: EngineSpec, client: EngineClient, pool: EnginePool):
+        self.spec = spec
+        self.client = client
+        self._pool = pool
+        self.info: dict = {}  # the engine's EngineInfo; set by the pool when it first answers
+        self.load: dict = {}  # its last /microserving/stats "stats"; set by the pool's poller
+        self.up = False  # set by the pool: answered its last poll, no call failed since
+        self.draining = False  # set by the admin API: finishes its requests, gets no new ones
+        self.down_reason = "not polled yet"  # set with up = False
+        # Open calls from this router, by kind; written by this handle's methods only.
+        self.open_sends = 0
+        self.open_generations = 0
+        self.pending_prefill_tokens = 0  # prompt tokens of open calls not yet computed here
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def open_calls(self) -> int:
+        return self.open_sends + self.open_generations
+
+    @property
+    def routable(self) -> bool:
+        return self.up and not self.draining
+
+    def serves(self, role: str | None) -> bool:
+        return role is None or self.role in (role, "any")
+
+    def __repr__(self) -> str:
+        return f"<engine {self.name} {self.role} {self.url}>"
+
+    # -- microserving calls ---------------------------------------------------------------------
+
+    async def prep_recv(self, request: Request, end: int = -1,
+                        lease_s: float | None = None) -> PrepRecvResponse:
+        """Reserve this engine's slots for `request.prompt[matched:end]` (see EngineClient)."""
+        request.touched.add(self.name)
+        answer = await self._call(self.client.prep_recv(request.request_id, request.prompt, end,
+                                                        lease_s))
+        self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
+        return answer
+
+    async def remote_send(self, request: Request, begin: int, end: int,
+                          kv_addr: KVAddr) -> RemoteSendResponse:
+        """Make this engine put the KV of `prompt[begin:end]` into `kv_addr` (another engine's
+        reservation); returns once every byte landed there."""
+        request.touched.add(self.name)
+        tokens = _span(len(request.prompt), begin, end)
+        self.open_sends += 1
+        self.pending_prefill_tokens += tokens
+        try:
+            answer = await self._call(self.client.remote_send(
+                request.request_id, request.prompt, begin, end, kv_addr))
+        finally:
+            self.open_sends -= 1
+            self.pending_prefill_tokens -= tokens
+        self._pool.prefix_index.insert(request.prompt[:end], self.name)
+        return answer
+
+    async def start_generate(self, request: Request, begin: int = 0
+                             ) -> AsyncIterator[GenerateChunk]:
+        """Prefill `prompt[begin:]` here and decode: the engine's chunks as they come."""
+        request.touched.add(self.name)
+        prefill = _span(len(request.prompt), begin, len(request.prompt))
+        self.open_generations += 1
+        self.pending_prefill_tokens += prefill
+        try:
+            async for chunk in self._stream(self.client.start_generate(
+                    request.request_id, request.prompt, begin, request.sampling)):
+                self.pending_prefill_tokens -= prefill
+                prefill = 0
+                if chunk.finish_reason is not None:
+                    self._pool.prefix_index.insert(request.prompt, self.name)
+                yield chunk
+        finally:
+            self.open_generations -= 1
+            self.pending_prefill_tokens -= prefill
+
+    async def commit(self, request: Request, pin: bool = False) -> CommitResponse:
+        """Adopt the KV received for `request` into this engine's prefix cache."""
+        request.touched.add(self.name)
+        answer = await self._call(self.client.commit(request.request_id, pin))
+        self._pool.prefix_index.insert(request.prompt[:answer.cached], self.name)
+        return answer
+
+    async def abort(self, request: Request) -> bool:
+        """Drop whatever this engine holds for `request`. False if it held nothing."""
+        return (await self._call(self.client.abort(request.request_id))).aborted
+
+    async def pin(self, prompt: list[int]) -> PinResponse:
+        return await self._call(self.client.pin(prompt))
+
+    async def unpin(self, prompt: list[int]) -> PinResponse:
+        return await self._call(self.client.unpin(prompt))
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def _call(self, call):
+        try:
+            return await call
+        except BackendUnavailable as e:
+            self._pool.mark_down(self, str(e))
+            raise
+
+    async def _stream(self, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except BackendUnavailable as e:
+            self._pool.mark_down(self, str(e))
+            raise
+        finally:
+            await chunks.aclose()
+
+
+def _span(n: int, begin: int, end: int) -> int:
+    """len(range(n)[begin:end]) without building it."""
+    return len(range(*slice(begin, end).indices(n)))
+
+
+class EnginePool:
+    """The engines a router routes to; what `Strategy.generate` gets as `engines`."""
+
+    def __init__(self, *, api_key: str | None = None, poll_interval_s: float = 0.5,
+                 timeout_s: float = 30.0):
+        """
+        Args:
+            api_key: the engines' bearer token (their --api-key), sent on every call.
+            poll_interval_s: how often each engine's stats are read (health and load).
+            timeout_s: limit on connecting to an engine and on its short answers.
+        """
+        self.api_key = api_key
+        self.poll_interval_s = poll_interval_s
+        self.timeout_s = timeout_s
+        self.prefix_index = PrefixIndex()  # page size set from the first engine's info
+        self._engines: dict[str, EngineHandle] = {}
+        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
+                                                           max_keepalive_connections=None))
+        self._rr = itertools.count()
+        self._poller: asyncio.Task | None = None
+        self.marked_down = 0  # times an engine went down (poll or failed call)
+
+    # -- lookup and picking ---------------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> EngineHandle:
+        try:
+            return self._engines[name]
+        except KeyError:
+            raise UnknownEngine(f"no engine named {name!r} (engines: "
+                                f"{', '.join(self._engines) or 'none'})") from None
+
+    def get(self, name: str) -> EngineHandle | None:
+        return self._engines.get(name)
+
+    def __iter__(self) -> Iterator[EngineHandle]:
+        return iter(list(self._engines.values()))
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def routable(self, role: str | None = None) -> list[EngineHandle]:
+        """Engines up, not draining, serving `role` (None: any role), in the order added."""
+        return [e for e in self._engines.values() if e.routable and e.serves(role)]
+
+    def round_robin(self, role: str | None = None) -> EngineHandle:
+        """The next routable engine of `role` in turn. Raises BackendUnavailable if none."""
+        engines = self._need(role)
+        return engines[next(self._rr) % len(engines)]
+
+    def least_loaded(self, role: str | None = None, exclude: tuple[str, ...] = ()
+                     ) -> EngineHandle:
+        """The routable engine of `role` with the fewest calls open from this router (then the
+        fewest requests running and waiting when last polled; then the first added)."""
+        engines = [e for e in self._need(role) if e.name not in exclude] or self._need(role)
+        return min(engines, key=lambda e: (e.open_calls, _queued(e)))
+
+    def _need(self, role: str | None) -> list[EngineHandle]:
+        engines = self.routable(role)
+        if not engines:
+            what = f"engine with role {role!r}" if role else "engine"
+            raise BackendUnavailable(f"no {what} is up ({self._states()})")
+        return engines
+
+    def _states(self) -> str:
+        return ", ".join(f"{e.name}: {_state(e)}" for e in self._engines.values()) or "no engines"
+
+    @property
+    def max_model_len(self) -> int:
+        lens = [e.info["max_model_len"] for e in self._engines.values() if e.info]
+        return min(lens) if lens else 0
+
+    # -- membership -----------------------------------------------------------------------------
+
+    async def add(self, spec: EngineSpec) -> EngineHandle:
+        """Add an engine; it must answer and serve the same model as the engines already here.
+
+        Raises ValueError (a 400) on a duplicate name or a different model/layout, and
+        BackendUnavailable if it does not answer."""
+        if spec.name in self._engines:
+            raise ValueError(f"an engine named {spec.name!r} is already in the pool")
+        client = EngineClient(spec.url, api_key=self.api_key, http=self._http,
+                              timeout_s=self.timeout_s)
+        handle = EngineHandle(spec, client, self)
+        body = await client.stats()
+        self._check_same_model(spec.name, body["info"])
+        if spec.name in self._engines:  # added by someone else while we waited
+            raise ValueError(f"an engine named {spec.name!r} is already in the pool")
+        if not self._engines:
+            self.prefix_index = PrefixIndex(page_size=body["info"]["page_size"])
+        handle.info, handle.load = body["info"], body["stats"]
+        handle.up, handle.down_reason = True, ""
+        self._engines[spec.name] = handle
+        log.info("engine %s added: %s, role %s", spec.name, spec.url, spec.role)
+        return handle
+
+    def _check_same_model(self, name: str, info: dict) -> None:
+        other = next((e for e in self._engines.values() if e.name != name and e.info), None)
+        if other is None:
+            return
+        theirs = {k: other.info.get(k) for k in SAME_IN_POOL}
+        ours = {k: info.get(k) for k in SAME_IN_POOL}
+        if theirs != ours:
+            raise ValueError(f"engine {name!r} serves {ours}, but engine {other.name!r} serves "
+                             f"{theirs}: one pool serves one model")
+
+    def drain(self, name: str) -> EngineHandle:
+        """Stop routing new requests to the engine; the ones it has finish."""
+        handle = self[name]
+        handle.draining = True
+        return handle
+
+    def undrain(self, name: str) -> EngineHandle:
+        handle = self[name]
+        handle.draining = False
+        return handle
+
+    def remove(self, name: str) -> EngineHandle:
+        """Take the engine out of the pool. Requests on it go on (their calls hold the handle);
+        strategies can no longer pick it."""
+        handle = self[name]
+        del self._engines[name]
+        self.prefix_index.remove_engine(name)
+        log.info("engine %s removed", name)
+        return handle
+
+    # -- health ---------------------------------------------------------------------------------
+
+    def mark_down(self, handle: EngineHandle, reason: str) -> None:
+        if handle.up:
+            log.warning("engine %s is down: %s", handle.name, reason)
+            self.marked_down += 1
+            # Its cache is gone if it restarts: forget what it held.
+            self.prefix_index.remove_engine(handle.name)
+        handle.up, handle.down_reason = False, reason
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(e) for e in self))
+
+    async def _poll(self, handle: EngineHandle) -> None:
+        try:
+            body = await handle.client.stats()
+        except Exception as e:  # down, or answering garbage: either way not routable
+            self.mark_down(handle, str(e) or type(e).__name__)
+            return
+        handle.load = body["stats"]
+        if not handle.up:
+            try:  # it may have come back as another model
+                self._check_same_model(handle.name, body["info"])
+            except ValueError as e:
+                handle.down_reason = str(e)
+                return
+            log.info("engine %s is up", handle.name)
+            handle.info, handle.up, handle.down_reason = body["info"], True, ""
+
+    async def start(self) -> None:
+        """Begin polling (call once the event loop runs)."""
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.poll_once()
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+        await self._http.aclose()
+
+    def metrics_text(self) -> str:
+        """Prometheus text of the pool's state, rendered when /metrics is read."""
+        registry = Registry()
+        up = registry.gauge("microserve_router_engine_up",
+                            "1 if the engine is routable (up and not draining).", ["engine"])
+        sends = registry.gauge("microserve_router_engine_open_sends",
+                               "remote_send calls open on the engine.", ["engine"])
+        gens = registry.gauge("microserve_router_engine_open_generations",
+                              "start_generate streams open on the engine.", ["engine"])
+        for e in self:
+            up.set(float(e.routable), engine=e.name)
+            sends.set(e.open_sends, engine=e.name)
+            gens.set(e.open_generations, engine=e.name)
+        down = registry.counter("microserve_router_engine_down_total",
+                                "Times an engine was found down (poll or failed call).")
+        down.inc(self.marked_down)
+        return registry.render()
+
+    def describe(self) -> list[dict]:
+        """What GET /admin/engines shows."""
+        return [{"name": e.name, "url": e.url, "role": e.role, "state": _state(e),
+                 "down_reason": e.down_reason or None, "open_sends": e.open_sends,
+                 "open_generations": e.open_generations,
+                 "pending_prefill_tokens": e.pending_prefill_tokens, "load": e.load,
+                 "kv_capacity_tokens": e.info.get("kv_capacity_tokens")} for e in self]
+
+
+def _queued(engine: EngineHandle) -> int:
+    return engine.load.get("running", 0) + engine.load.get("waiting", 0)
+
+
+def _state(engine: EngineHandle) -> str:
+    if not engine.up:
+        return "down"
+    return "draining" if engine.draining else "up"

@@ -1,0 +1,129 @@
+"""The router daemon: one OpenAI endpoint in front of several engines, driven by a strategy.
+
+    microserve router --model smollm2-135m-instruct --strategy pd \\
+        --engine p0=http://127.0.0.1:8001,prefill --engine d0=http://127.0.0.1:8002,decode
+
+It tokenizes (chat template included) and detokenizes once, here, with the same OpenAI frontend
+an engine serves (microserve/openai_app.py) over a RouterBackend; engines see token ids only.
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health (200 while an engine is
+routable), /metrics, and the ops API under /admin (router/admin.py). Binds 127.0.0.1 unless
+told otherwise. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI
+
+from microserve.auth import RequireBearer
+from microserve.backend import BackendUnavailable
+from microserve.metrics import Registry
+from microserve.openai_app import QuietServer, build_openai_app, listen_socket
+from microserve.tokenizer import Tokenizer
+from router.admin import AdminAPI, add_admin_routes
+from router.backend import RouterBackend
+from router.engines import EnginePool, EngineSpec
+from router.host import StrategyHost, StrategySource
+
+log = logging.getLogger("microserve.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    tokenizer_dir: str  # a model directory with tokenizer.json (resolved by the caller)
+    served_model_name: str
+    engines: tuple[EngineSpec, ...]
+    strategy: str = "data_parallel"  # a built-in name or a .py path
+    strategy_args: dict = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # guards /v1 when set
+    admin_token: str | None = None  # guards /admin when set; uploading source needs it
+    engine_api_key: str | None = None  # the engines' --api-key
+    watch_strategy: bool = False  # reload the strategy file when it changes
+    poll_interval_s: float = 0.5
+    max_retries: int = 2
+    engine_wait_s: float = 120.0  # how long start-up waits for each engine to answer
+
+    def __post_init__(self):
+        if not self.engines:
+            raise ValueError("a router needs at least one engine (--engine NAME=URL)")
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        for key in ("api_key", "admin_token", "engine_api_key"):
+            if getattr(self, key) == "":
+                raise ValueError(f"{key} must not be empty (leave it unset for no check)")
+
+
+class Router:
+    """The router's parts, started and stopped together (see `running`)."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.pool = EnginePool(api_key=config.engine_api_key,
+                               poll_interval_s=config.poll_interval_s)
+        self.host = StrategyHost(self.pool)
+        self.registry = Registry()
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
+        self.backend = RouterBackend(self.pool, self.host, config.served_model_name,
+                                     self.registry, max_retries=config.max_retries)
+
+    async def start(self) -> None:
+        for spec in self.config.engines:
+            await self._add_when_up(spec)
+        await self.host.load(StrategySource.parse(self.config.strategy),
+                             self.config.strategy_args)
+        await self.pool.start()
+        if self.config.watch_strategy:
+            self.host.watch()
+
+    async def _add_when_up(self, spec: EngineSpec) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.engine_wait_s
+        while True:
+            try:
+                await self.pool.add(spec)
+                return
+            except BackendUnavailable as e:
+                if loop.time() > deadline:
+                    raise RuntimeError(f"engine {spec.name} at {spec.url} did not answer within "
+                                       f"{self.config.engine_wait_s:.0f} s: {e}") from e
+                await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        await self.host.close()
+        await self.pool.close()
+
+    def app(self) -> FastAPI:
+        app = build_openai_app(self.backend, self.tokenizer, registry=self.registry)
+        add_admin_routes(app, AdminAPI(self.pool, self.host, self.tokenizer,
+                                       upload_allowed=self.config.admin_token is not None))
+        guards = []
+        if self.config.admin_token is not None:
+            guards.append(("/admin/", self.config.admin_token))
+        if self.config.api_key is not None:
+            guards.append(("/v1/", self.config.api_key))
+        if guards:
+            app.add_middleware(RequireBearer, guards=guards)
+        return app
+
+
+async def serve(config: RouterConfig, log_level: str = "info") -> None:
+    """Run the router until SIGINT/SIGTERM (or until cancelled)."""
+    router = Router(config)
+    await router.start()
+    server = QuietServer(uvicorn.Config(router.app(), log_level=log_level, access_log=False))
+    sock = listen_socket(config.host, config.port)
+    active = router.host.active
+    print(f"microserve router serving {config.served_model_name!r} on "
+          f"http://{config.host}:{config.port}/v1 over {len(router.pool)} engines, strategy "
+          f"{active.name} ({active.source.origin})", flush=True)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await router.close()

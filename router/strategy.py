@@ -1,0 +1,76 @@
+"""What a strategy is: an async generator that turns one client request into microserving calls.
+
+    from router.strategy import Strategy
+
+    class DataParallel(Strategy):
+        async def generate(self, request, engines):
+            engine = engines.round_robin()
+            async for out in engine.start_generate(request, begin=0):
+                yield out
+
+`request` carries the prompt's token ids (the router tokenized it once) and the sampling
+parameters; `engines` is the router's EnginePool (router/engines.py): engines by name and role,
+`round_robin()`, `least_loaded()`, their live load, and the router's prefix index. Each engine
+handle has async `prep_recv`, `remote_send`, `start_generate`, `commit`, `abort` and `pin`, all
+taking the request first, so the router knows which engines a request touched.
+
+What the router guarantees around `generate` (router/backend.py):
+- the chunks it yields go to the client as they come; the last one has a finish_reason;
+- if it raises, or the client goes away, or an engine fails, the request is aborted on every
+  engine it touched: a strategy never needs try/finally to clean up engines;
+- a request runs start to end on the instance it started with, even if the strategy is swapped
+  meanwhile (router/host.py); `start()` runs before the first request, `stop()` after the last.
+
+A strategy must be safe to run for many requests at once (it is one object) and must not block
+the event loop: it is on every token's path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from microserve.microserving import GenerateChunk, Sampling
+
+if TYPE_CHECKING:
+    from router.engines import EnginePool
+
+
+@dataclass
+class Request:
+    """One client request as strategies see it. The router makes one per client request and
+    uses `request_id` for every engine call of it."""
+
+    request_id: str
+    prompt: list[int]  # token ids (chat template applied, special tokens added)
+    sampling: Sampling
+    # Names of the engines called for this request so far; written by the engine handles.
+    touched: set[str] = field(default_factory=set, compare=False)
+
+
+class Strategy(ABC):
+    """Base of every strategy. Subclasses take their settings as keyword arguments to
+    `__init__` (the admin API passes them as JSON) and raise ValueError on a bad one, naming
+    the argument and the value."""
+
+    @abstractmethod
+    def generate(self, request: Request, engines: EnginePool) -> AsyncIterator[GenerateChunk]:
+        """Yield the request's output chunks (usually by relaying one engine's start_generate).
+
+        Raises whatever the engine calls raise (MicroservingError, BackendUnavailable); the
+        router turns that into the client's error and cleans up.
+        """
+
+    async def start(self, engines: EnginePool) -> None:
+        """Called once before the instance serves its first request: start background tasks
+        here (and keep them). The default does nothing."""
+
+    async def stop(self) -> None:
+        """Called once after the instance was swapped out and its last request finished:
+        cancel and await what `start` began. The default does nothing."""
+
+    def describe(self) -> dict:
+        """Settings and state shown by GET /admin/strategy. The default shows nothing."""
+        return {}

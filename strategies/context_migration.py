@@ -1,0 +1,60 @@
+"""Context migration (paper §3.2, example 4; §4.2): follow the context, move it when it pays.
+
+The router's prefix index says which engine holds how much of each prompt. A request goes to
+the engine holding the longest prefix of it, so its context is reused. When that holder is
+busier than the least loaded engine by more than `max_imbalance` open calls, the request goes
+to the least loaded engine instead, and the context moves with it:
+
+    target.prep_recv(end=-1)                      target reserves what it lacks of prompt[:-1]
+    holder.remote_send(matched, -1, kv_addr)      holder copies its cached pages, computes the rest
+    target.start_generate(begin=-1)               target decodes; it now holds the context too
+
+so a hot context spreads to where its traffic goes instead of queueing on one engine. A
+draining engine gets no new requests but still sends what it holds: draining it moves its
+contexts away as their traffic arrives. Contexts shorter than `min_tokens` are not worth
+moving: those requests go to the least loaded engine.
+"""
+
+from router.strategy import Strategy
+
+
+class ContextMigration(Strategy):
+    def __init__(self, min_tokens: int = 256, max_imbalance: int = 2):
+        """
+        Args:
+            min_tokens: the shortest held prefix worth following or moving.
+            max_imbalance: open calls the holder may have beyond the least loaded engine's.
+        """
+        if min_tokens < 1 or max_imbalance < 0:
+            raise ValueError(f"need min_tokens >= 1 and max_imbalance >= 0, got min_tokens "
+                             f"{min_tokens}, max_imbalance {max_imbalance}")
+        self.min_tokens, self.max_imbalance = min_tokens, max_imbalance
+        self.followed = self.migrated = 0  # requests that went to a holder / moved a context
+
+    async def generate(self, request, engines):
+        idle = engines.least_loaded()
+        up = {e.name for e in engines if e.up}  # draining engines still send
+        held = {name: n for name, n in engines.prefix_index.match(request.prompt).items()
+                if n >= self.min_tokens and name in up}
+        holder = engines[max(held, key=held.get)] if held else None
+        last = len(request.prompt) - 1
+        if holder is None or held.get(idle.name, 0) >= held[holder.name]:
+            target, source = idle, None
+        elif holder.routable and holder.open_calls <= idle.open_calls + self.max_imbalance:
+            target, source = holder, None
+            self.followed += 1
+        else:
+            target, source = idle, holder
+        begin = 0
+        if source is not None and last > 0:
+            recv = await target.prep_recv(request, end=last)
+            if recv.matched < last:
+                await source.remote_send(request, recv.matched, last, recv.kv_addr)
+            self.migrated += 1
+            begin = last
+        async for chunk in target.start_generate(request, begin=begin):
+            yield chunk
+
+    def describe(self) -> dict:
+        return {"min_tokens": self.min_tokens, "max_imbalance": self.max_imbalance,
+                "followed": self.followed, "migrated": self.migrated}

@@ -1,0 +1,153 @@
+"""Live `microserve up` and `microserve router` processes for the router suites: write a
+deployment file, start it, wait until the router routes to every engine, and at the end stop it
+the way an operator does (Ctrl-C) and check that no process of it is left."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from daemons import free_port, gone_within
+
+QUIET_KEYS = ("running", "waiting", "kv_pages_used", "kv_reservations", "kv_send_jobs")
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def toml_value(value) -> str:
+    return json.dumps(value)  # strings, numbers, booleans and lists of them read the same in TOML
+
+
+def write_config(path: Path, model_dir: str, strategy: str,
+                 engines: list[tuple[str, str, list[str]]]) -> tuple[Path, int, dict[str, str]]:
+    """A deployment file; returns it, the router's port and each engine's URL."""
+    port = free_port()
+    lines = [f"model = {toml_value(model_dir)}", 'served_model_name = "test-model"', "",
+             "[router]", f"port = {port}", f"strategy = {toml_value(strategy)}", ""]
+    urls = {}
+    for name, role, args in engines:
+        engine_port = free_port()
+        urls[name] = f"http://127.0.0.1:{engine_port}"
+        lines += ["[[engines]]", f"name = {toml_value(name)}", f"role = {toml_value(role)}",
+                  f"port = {engine_port}", f"args = {toml_value(args)}", ""]
+    path.write_text("\n".join(lines))
+    return path, port, urls
+
+
+class Up:
+    """`microserve up CONFIG` in a child process; output to `log_path`."""
+
+    def __init__(self, config: Path, port: int, engine_urls: dict[str, str], log_path: Path,
+                 *args: str, env: dict | None = None):
+        self.url = f"http://127.0.0.1:{port}"
+        self.engine_urls = engine_urls
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "microserve.cli", "up", str(config), *args],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"microserve up exited with {self.proc.returncode}:\n{self.log()}")
+            if "microserve up:" in self.log():
+                return
+            time.sleep(0.2)
+        pytest.fail(f"microserve up not serving after {timeout_s} s:\n{self.log()}")
+
+    def tree(self) -> list[int]:
+        """Engine daemons and their engine cores."""
+        engines = children(self.proc.pid)
+        return engines + [c for e in engines for c in children(e)]
+
+    def interrupt(self, timeout_s: float = 60) -> int:
+        """Ctrl-C; returns the exit code."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def engine_stats(url: str, check: bool = True) -> dict:
+    r = httpx.get(url + "/microserving/stats", params={"check": 1} if check else None, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_quiet(name: str, url: str, timeout_s: float = 30) -> dict:
+    """The engine has nothing running, waiting, reserved or sent, and its KV cache is intact."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = engine_stats(url)
+        quiet = {k: body["stats"][k] for k in QUIET_KEYS}
+        if not any(quiet.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert body["integrity"] == "ok", f"engine {name}: {body['integrity']}"
+    assert quiet == dict.fromkeys(QUIET_KEYS, 0), (name, body["stats"])
+    return body["stats"]
+
+
+def stop_and_check(up: Up) -> None:
+    """Ctrl-C the deployment: exit 0, and every engine process and core gone."""
+    tree = up.tree()
+    assert len(tree) == 2 * len(up.engine_urls), f"expected engines and cores, got {tree}"
+    code = up.interrupt()
+    assert code == 0, f"microserve up exited with {code}:\n{up.log()}"
+    left = [pid for pid in tree if not gone_within(pid, 15)]
+    assert not left, f"processes outlived microserve up: {left}"
+
+
+class RouterProcess:
+    """`microserve router` over engines already running; output to `log_path`."""
+
+    def __init__(self, model_dir: str, engines: dict[str, str], log_path: Path, *args: str,
+                 env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "microserve.cli", "router", "--model", model_dir,
+               "--served-model-name", "test-model", "--port", str(self.port),
+               *[f"--engine={name}={url}" for name, url in engines.items()], *args]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"router exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"router not healthy after {timeout_s} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(30)
+        assert code == 0, f"router exited with {code}:\n{self.log()}"

@@ -1,0 +1,257 @@
+"""The router when things go wrong, on real processes serving the tiny model: two `microserve
+engine` daemons and a `microserve router` in front of them.
+
+An engine's refusal reaches the client as the same OpenAI error; a strategy that raises is a
+500 naming it; a client that goes away and a strategy that fails leave nothing on any engine;
+killing one engine of two under load leaves the router serving from the other; `microserve up`
+stops the whole deployment when one engine dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import textwrap
+import time
+
+import httpx
+import pytest
+from conftest import DAEMON_LOGS, hf_greedy
+from daemons import Daemon, gone_within, serve
+from deployments import RouterProcess, Up, assert_quiet, engine_stats, write_config
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "faults-admin"
+ENGINE_ARGS = ("--num-pages", "16", "--max-model-len", "512")  # 256 tokens of KV
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def engine(model_dir, tmp_path_factory, name, args=ENGINE_ARGS):
+    log = tmp_path_factory.mktemp(name) / "daemon.log"
+    return Daemon(model_dir, log, name, *args)
+
+
+@pytest.fixture(scope="module")
+def e1(tiny_served_dir, tmp_path_factory):
+    yield from serve(engine(tiny_served_dir, tmp_path_factory, "e1"))
+
+
+@pytest.fixture(scope="module")
+def e2(tiny_served_dir, tmp_path_factory):
+    yield from serve(engine(tiny_served_dir, tmp_path_factory, "e2"))
+
+
+@pytest.fixture(scope="module")
+def router(e1, e2, tiny_served_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    process = RouterProcess(tiny_served_dir, {"e1": e1.url, "e2": e2.url}, log,
+                            "--admin-token", ADMIN)
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(autouse=True)
+def engines_quiet(request):
+    names = [n for n in ("e1", "e2") if n in request.fixturenames]
+    engines = [request.getfixturevalue(n) for n in names]
+    logs = [e.log_path for e in engines]
+    if "router" in request.fixturenames:
+        logs.append(request.getfixturevalue("router").log_path)
+    request.node.stash[DAEMON_LOGS] = logs
+    yield
+    for e in engines:
+        assert_quiet(e.name, e.url)
+
+
+def use(router, **body) -> dict:
+    r = httpx.put(router.url + "/admin/strategy", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def completion(url: str, prompt: list[int], max_tokens: int = 8, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        **extra})
+
+
+def test_tiny_model_through_the_router_gives_hf_greedy_tokens(router, e1, tiny_served_dir):
+    use(router, builtin="pd")
+    prompt = [(7 * i + 3) % 256 for i in range(40)]
+    want = hf_greedy(tiny_served_dir, [prompt], 8)[0]
+    r = completion(router.url, prompt, logprobs=0)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+    assert tokens == [f"<{t}>" for t in want]
+
+
+def test_an_engine_refusal_reaches_the_client_unchanged(router, e1, e2):
+    prompt = [5] * 300  # within max_model_len (512), beyond the engines' 256 tokens of KV
+    direct = completion(e1.url, prompt)
+    assert direct.status_code == 400
+    assert "exceeds the KV cache capacity of 256 tokens" in direct.json()["error"]["message"]
+    use(router, builtin="data_parallel")
+    routed = completion(router.url, prompt)
+    assert (routed.status_code, routed.json()) == (400, direct.json())
+    # Under P/D the decode engine's prep_recv refuses first, with its own 400.
+    use(router, builtin="pd")
+    direct = httpx.post(e2.url + "/microserving/prep_recv",
+                        json={"request_id": "refused", "prompt": prompt, "end": -1})
+    assert direct.status_code == 400, direct.text
+    routed = completion(router.url, prompt)
+    assert (routed.status_code, routed.json()) == (400, direct.json())
+    assert "needs 19 KV pages, but this engine's pool has 16 pages" in routed.text
+
+
+RAISING = """
+from router.strategy import Strategy
+
+class Raising(Strategy):
+    def __init__(self, after_first_chunk=False):
+        self.after_first_chunk = after_first_chunk
+
+    async def generate(self, request, engines):
+        d, p = engines["e1"], engines["e2"]
+        recv = await d.prep_recv(request, end=-1)
+        await p.remote_send(request, recv.matched, len(request.prompt) - 1, recv.kv_addr)
+        async for chunk in d.start_generate(request, begin=len(request.prompt) - 1):
+            yield chunk
+            if self.after_first_chunk:
+                raise ZeroDivisionError("a bug after the first chunk")
+        raise ZeroDivisionError("a bug at the end")
+"""
+
+
+def test_a_strategy_that_raises_is_a_500_and_nothing_leaks(router, e1, e2):
+    loaded = use(router, source=RAISING, args={"after_first_chunk": True}, filename="raising.py")
+    prompt = [(3 * i + 1) % 256 for i in range(40)]
+    r = completion(router.url, prompt)
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["message"] == (f"Internal server error: strategy 'Raising' v{loaded['version']} "
+                                "raised ZeroDivisionError")
+    assert error["type"] == "server_error"
+    # Streaming: the status line went out with the first chunk; the error is the last event.
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}) as s:
+        assert s.status_code == 200
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert "raised ZeroDivisionError" in events[-2]
+    state = httpx.get(router.url + "/admin/strategy", headers=AUTH).json()
+    assert state["active"]["failed"] == 2 and state["active"]["finished"] == 0
+
+
+def test_a_client_that_goes_away_is_aborted_on_every_engine(router, e1, e2):
+    use(router, builtin="pd")  # e2 prefills and sends, e1 decodes
+    prompt = [(5 * i + 2) % 256 for i in range(60)]
+    before = engine_stats(e1.url, check=False)["stats"]["generation_tokens"]
+    failed_before = failed_requests(router)
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 180, "temperature": 0, "ignore_eos": True,
+            "stream": True}) as s:
+        for i, _ in enumerate(s.iter_lines()):
+            if i == 8:
+                break  # leaves the block: the connection closes mid-stream
+    deadline = time.monotonic() + 20
+    while failed_requests(router) != failed_before + 1:
+        assert time.monotonic() < deadline, "the router did not end the request"
+        time.sleep(0.05)
+    assert_quiet("e1", e1.url)
+    assert engine_stats(e1.url, check=False)["stats"]["generation_tokens"] - before < 180
+
+
+def failed_requests(router) -> float:
+    prefix = 'microserve_router_requests_total{strategy="PrefillDecode",outcome="failed"} '
+    lines = httpx.get(router.url + "/metrics").text.splitlines()
+    return next((float(line[len(prefix):]) for line in lines if line.startswith(prefix)), 0.0)
+
+
+def test_killing_one_engine_under_load_leaves_the_router_serving(tiny_served_dir,
+                                                                   tmp_path_factory):
+    args = ("--num-pages", "256", "--max-model-len", "512")
+    victim = engine(tiny_served_dir, tmp_path_factory, "victim", args)
+    survivor_gen = serve(engine(tiny_served_dir, tmp_path_factory, "survivor", args))
+    survivor = next(survivor_gen)
+    victim.wait_ready()
+    log = tmp_path_factory.mktemp("router-kill") / "router.log"
+    router = RouterProcess(tiny_served_dir, {"victim": victim.url, "survivor": survivor.url},
+                           log, "--strategy", "data_parallel")
+    prompts = [[(11 * i + k) % 256 for k in range(24)] for i in range(4)]
+    want = hf_greedy(tiny_served_dir, prompts, 200)
+    try:
+        router.wait_ready()
+
+        async def one(http, i: int):
+            r = await http.post("/v1/completions", json={
+                "prompt": prompts[i % 4], "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0})
+            if r.status_code != 200:
+                return r.status_code
+            tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+            return "ok" if tokens == [f"<{t}>" for t in want[i % 4]] else "wrong"
+
+        async def load_and_kill():
+            async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+                during = [asyncio.create_task(one(http, i)) for i in range(24)]
+                while not engine_stats(victim.url, check=False)["stats"]["running"]:
+                    await asyncio.sleep(0.01)
+                os.kill(victim.proc.pid, signal.SIGKILL)  # the whole engine: daemon first
+                os.kill(victim.core_pid(), signal.SIGKILL)
+                first = await asyncio.gather(*during)
+                after = await asyncio.gather(*(one(http, i) for i in range(12)))
+                return first, after
+
+        first, after = asyncio.run(load_and_kill())
+        assert after == ["ok"] * 12  # every later request went to the survivor
+        assert set(first) <= {"ok", 503}, first  # cut off mid-generation: a clear 503
+        assert first.count("ok") >= 12, first  # the survivor's share, and retried ones
+        engines = {e["name"]: e["state"] for e in httpx.get(
+            router.url + "/admin/engines").json()["engines"]}
+        assert engines == {"victim": "down", "survivor": "up"}
+        assert httpx.get(router.url + "/health").status_code == 200
+        assert_quiet("survivor", survivor.url)
+    finally:
+        router.stop()
+        victim.stop()
+        next(survivor_gen, None)
+
+
+def test_up_stops_the_deployment_when_an_engine_dies(tiny_served_dir, tmp_path):
+    config, port, urls = write_config(tmp_path / "deploy.toml", tiny_served_dir, "pd", [
+        ("a", "prefill", list(ENGINE_ARGS)), ("b", "decode", list(ENGINE_ARGS))])
+    up = Up(config, port, urls, tmp_path / "up.log")
+    try:
+        up.wait_ready()
+        r = completion(up.url, [3, 4, 5, 6, 7, 8, 9, 10] * 5)
+        assert r.status_code == 200, r.text
+        tree = up.tree()
+        engine_a = next(pid for pid in tree if f"{urls['a'].rsplit(':', 1)[1]}" in
+                        open(f"/proc/{pid}/cmdline").read().replace("\0", " "))
+        os.kill(engine_a, signal.SIGKILL)
+        assert up.proc.wait(60) == 1, up.log()
+        assert "engine a exited" in up.log()
+        assert all(gone_within(pid, 15) for pid in tree if pid != engine_a)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+def test_the_deployment_file_is_checked(tiny_served_dir, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(textwrap.dedent("""
+        model = "x"
+        [router]
+        strategy = "pd"
+        colour = "blue"
+        [[engines]]
+        name = "a"
+    """))
+    up = Up(bad, 1, {}, tmp_path / "up.log")
+    assert up.proc.wait(60) == 2
+    assert "[router]: unknown key(s) colour" in up.log()

@@ -1,0 +1,325 @@
+"""The router end to end: `microserve up` with two SmolLM2-135M engines (a prefill and a decode
+engine, KV through shared memory), driven through the official `openai` client.
+
+Every built-in strategy must give exactly Hugging Face's greedy text (which one engine alone
+gives: tests/test_engine_server.py), streaming and not, chat and completions; strategies swap
+under load without a request failing; broken uploads leave the old strategy; the admin API
+needs its token; a context migrates. After every test both engines are idle with their KV
+cache intact; at the end Ctrl-C stops the whole deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+
+import httpx
+import pytest
+from conftest import DAEMON_LOGS, hf_greedy
+from deployments import (RouterProcess, Up, assert_quiet, engine_stats, stop_and_check,
+                         write_config)
+from openai import AsyncOpenAI
+
+from microserve.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "admin-s3cret"
+N_NEW = 12
+ENGINE_ARGS = ["--num-pages", "512", "--max-model-len", "4096"]
+TEXT = ("Paged attention keeps the key and value cache of each sequence in fixed-size pages, "
+        "so memory is allocated on demand and shared between requests that start alike. ")
+GREEDY = {"temperature": 0, "max_tokens": N_NEW, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def up(smollm2_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("up")
+    config, port, urls = write_config(tmp / "deploy.toml", smollm2_dir, "data_parallel", [
+        ("p", "prefill", ENGINE_ARGS), ("d", "decode", [*ENGINE_ARGS, "--kv-transfer", "shm"])])
+    env = {**os.environ, "MICROSERVE_ADMIN_TOKEN": ADMIN}
+    deployment = Up(config, port, urls, tmp / "up.log", env=env)
+    try:
+        deployment.wait_ready()
+        yield deployment
+    finally:
+        if deployment.proc.poll() is None:
+            stop_and_check(deployment)
+
+
+@pytest.fixture
+def admin(up):
+    with httpx.Client(base_url=up.url, headers={"Authorization": f"Bearer {ADMIN}"},
+                      timeout=60) as http:
+        yield http
+
+
+@pytest.fixture(autouse=True)
+def engines_quiet(request):
+    if "up" not in request.fixturenames:
+        yield
+        return
+    up = request.getfixturevalue("up")
+    request.node.stash[DAEMON_LOGS] = [up.log_path]
+    yield
+    for name, url in up.engine_urls.items():
+        assert_quiet(name, url)
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir) -> Tokenizer:
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+def client(up) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0)
+
+
+def use(admin, **body) -> dict:
+    r = admin.put("/admin/strategy", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat_ids(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]),
+                      add_special_tokens=False)
+
+
+async def complete(c: AsyncOpenAI, prompt, stream: bool) -> tuple[str, object]:
+    if not stream:
+        r = await c.completions.create(model="test-model", prompt=prompt, **GREEDY)
+        return r.choices[0].text, r.usage
+    text, usage = "", None
+    async for chunk in await c.completions.create(
+            model="test-model", prompt=prompt, stream=True,
+            stream_options={"include_usage": True}, **GREEDY):
+        text += "".join(ch.text for ch in chunk.choices)
+        usage = chunk.usage or usage
+    return text, usage
+
+
+async def chat(c: AsyncOpenAI, text: str, stream: bool) -> tuple[str, object]:
+    messages = [{"role": "user", "content": text}]
+    if not stream:
+        r = await c.chat.completions.create(model="test-model", messages=messages, **GREEDY)
+        return r.choices[0].message.content, r.usage
+    out, usage = "", None
+    async for chunk in await c.chat.completions.create(
+            model="test-model", messages=messages, stream=True,
+            stream_options={"include_usage": True}, **GREEDY):
+        out += "".join(ch.delta.content or "" for ch in chunk.choices)
+        usage = chunk.usage or usage
+    return out, usage
+
+
+STRATEGIES = {
+    "data_parallel": {"builtin": "data_parallel"},
+    "pd": {"builtin": "pd"},
+    "balanced_fixed": {"builtin": "balanced_pd", "args": {"ratio": 0.2}},
+    "balanced_adaptive": {"builtin": "balanced_pd", "args": {"adaptive": True}},
+    "context_migration": {"builtin": "context_migration", "args": {"min_tokens": 16}},
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+async def test_each_strategy_gives_the_greedy_tokens_of_one_engine(up, admin, tok, smollm2_dir,
+                                                                   strategy):
+    use(admin, **STRATEGIES[strategy])
+    tag = f"[{strategy}] "
+    ids_prompt = tok.encode(tag + "Token ids: " + TEXT, add_special_tokens=False)
+    text_prompt = tag + "Completion: " + TEXT
+    chat_text = tag + "Chat: explain paged attention in one sentence."
+    chat_stream_text = tag + "Chat, streamed: what is a radix tree?"
+    prompts = [ids_prompt, tok.encode(text_prompt), chat_ids(tok, chat_text),
+               chat_ids(tok, chat_stream_text)]
+    want = [tok.decode(t) for t in hf_greedy(smollm2_dir, prompts, N_NEW)]
+    sent_before = engine_stats(up.engine_urls["p"], check=False)["stats"]["kv_tokens_sent"]
+    c = client(up)
+    got = [await complete(c, ids_prompt, stream=False)]
+    sent = engine_stats(up.engine_urls["p"], check=False)["stats"]["kv_tokens_sent"]
+    got += [await complete(c, text_prompt, stream=True), await chat(c, chat_text, stream=False),
+            await chat(c, chat_stream_text, stream=True)]
+    await c.close()
+    assert [text for text, _ in got] == want
+    for (_, usage), prompt in zip(got, prompts):
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), N_NEW)
+    # The token-id prompt is new to both engines: what P sent is exactly the strategy's split.
+    n = len(ids_prompt)
+    expected_sent = {"data_parallel": 0, "pd": n - 1, "balanced_fixed": n - math.ceil(0.2 * n),
+                     "context_migration": 0}
+    if strategy in expected_sent:
+        assert sent - sent_before == expected_sent[strategy]
+    else:  # adaptive with both engines idle: half the prompt, capped at D's maximum share
+        assert sent - sent_before == n - math.ceil(0.5 * n)
+
+
+async def test_hot_swap_under_load(up, admin, tok, smollm2_dir):
+    """50 concurrent streams while the strategy is swapped back and forth: none fails, each
+    gives the greedy text, and each finished on the instance it started on."""
+    use(admin, builtin="data_parallel")
+    prompts = [f"Request {i}: the capital of country number {i} is" for i in range(5)]
+    want = [tok.decode(t) for t in hf_greedy(smollm2_dir, [tok.encode(p) for p in prompts], 8)]
+    c = client(up)
+
+    async def one(i: int) -> str:
+        text = ""
+        async for chunk in await c.completions.create(
+                model="test-model", prompt=prompts[i % 5], stream=True, temperature=0,
+                max_tokens=8, extra_body={"ignore_eos": True}):
+            text += "".join(ch.text for ch in chunk.choices)
+        return text
+
+    async def swap_back_and_forth() -> list[int]:
+        retired_inflight = []
+        for builtin in ["pd", "data_parallel", "balanced_pd", "pd", "data_parallel", "pd"]:
+            await asyncio.sleep(0.4)
+            loaded = await asyncio.to_thread(use, admin, builtin=builtin)
+            state = (await asyncio.to_thread(admin.get, "/admin/strategy")).json()
+            retired_inflight += [r["inflight"] for r in state["retired"]]
+            assert state["active"]["version"] == loaded["version"]
+        return retired_inflight
+
+    first_version = admin.get("/admin/strategy").json()["active"]["version"]
+    results = await asyncio.gather(*(one(i) for i in range(50)), swap_back_and_forth())
+    await c.close()
+    texts, retired_inflight = results[:50], results[50]
+    assert texts == [want[i % 5] for i in range(50)]
+    assert any(retired_inflight), "no swap happened while requests were in flight"
+    history = [h for h in admin.get("/admin/strategy").json()["history"]
+               if h["version"] >= first_version]
+    assert len(history) == 7
+    assert sum(h["started"] for h in history) == 50
+    assert all(h["finished"] == h["started"] and h["failed"] == 0 for h in history), history
+
+
+BROKEN = {
+    "syntax": ("from router.strategy import Strategy\nclass X(Strategy:\n", "SyntaxError"),
+    "init": ("from router.strategy import Strategy\n"
+             "class X(Strategy):\n"
+             "    def __init__(self):\n"
+             "        raise RuntimeError('refusing to start')\n"
+             "    async def generate(self, request, engines):\n"
+             "        yield None\n", "RuntimeError: refusing to start"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+async def test_a_broken_upload_leaves_the_old_strategy_serving(up, admin, tok, case):
+    active = use(admin, builtin="pd")
+    source, why = BROKEN[case]
+    r = admin.put("/admin/strategy", json={"source": source, "filename": f"{case}.py"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert why in error["message"] and error["param"] == "source"
+    assert admin.get("/admin/strategy").json()["active"]["version"] == active["version"]
+    c = client(up)
+    text, usage = await complete(c, "Still serving after a broken upload?", stream=False)
+    await c.close()
+    assert usage.completion_tokens == N_NEW and text
+
+
+async def test_admin_api_needs_the_token(up, smollm2_dir, tmp_path):
+    for method, path in [("GET", "/admin/strategy"), ("PUT", "/admin/strategy"),
+                         ("GET", "/admin/engines"), ("POST", "/admin/migrate")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, up.url + path, headers=headers, json={})
+            assert r.status_code == 401, (method, path, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(up.url + "/v1/models").status_code == 200  # no client key configured
+    # A router without an admin token refuses uploaded source (it is code it would run).
+    env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_ADMIN_TOKEN"}
+    router = RouterProcess(smollm2_dir, up.engine_urls, tmp_path / "router.log", env=env)
+    try:
+        router.wait_ready()
+        r = httpx.put(router.url + "/admin/strategy", json={"source": "x = 1"})
+        assert r.status_code == 403 and r.json()["error"]["param"] == "source"
+        r = httpx.put(router.url + "/admin/strategy", json={"builtin": "pd"})
+        assert r.status_code == 200 and r.json()["class"] == "PrefillDecode"
+    finally:
+        router.stop()
+
+
+async def test_migrate_moves_a_context_and_the_destination_shows_it_cached(up, admin, tok,
+                                                                           smollm2_dir):
+    context = tok.encode("Migrated context. " + TEXT * 6, add_special_tokens=False)
+    question = tok.encode(" In one word, what is kept in pages?", add_special_tokens=False)
+    p, d = up.engine_urls["p"], up.engine_urls["d"]
+    # The context is on P (served there once), then moved to D.
+    r = httpx.post(p + "/v1/completions", json={"prompt": context, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = admin.post("/admin/migrate", json={"prompt": context, "source": "p",
+                                           "destination": "d"})
+    assert r.status_code == 200, r.text
+    moved = r.json()
+    whole = len(context) // 16 * 16
+    assert moved["cached"] == whole and moved["already_cached"] == 0
+    assert moved["sent"] == len(context) and moved["reused"] == whole
+    # The next request on D computes only what follows the cached pages.
+    r = httpx.post(d + "/v1/completions", json={"prompt": context + question, "temperature": 0,
+                                                "max_tokens": N_NEW, "ignore_eos": True},
+                   timeout=60)
+    body = r.json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
+    want = tok.decode(hf_greedy(smollm2_dir, [context + question], N_NEW)[0])
+    assert body["choices"][0]["text"] == want
+    # Unknown engines and bad fields are named.
+    r = admin.post("/admin/migrate", json={"prompt": context, "source": "nope",
+                                           "destination": "d"})
+    assert r.status_code == 404 and "no engine named 'nope'" in r.json()["error"]["message"]
+    r = admin.post("/admin/migrate", json={"source": "p", "destination": "d"})
+    assert r.status_code == 400 and "exactly one of prompt, text" in r.json()["error"]["message"]
+
+
+async def test_engines_list_drain_and_undrain(up, admin):
+    engines = {e["name"]: e for e in admin.get("/admin/engines").json()["engines"]}
+    assert {n: (e["role"], e["state"]) for n, e in engines.items()} == {
+        "p": ("prefill", "up"), "d": ("decode", "up")}
+    r = admin.post("/admin/engines/d/drain")
+    assert r.status_code == 200 and r.json()["state"] == "draining"
+    use(admin, builtin="data_parallel")
+    before = {n: engine_stats(u, check=False)["stats"]["generation_tokens"]
+              for n, u in up.engine_urls.items()}
+    c = client(up)
+    for i in range(2):
+        await complete(c, f"Served by p alone while d drains ({i}).", stream=False)
+    await c.close()
+    after = {n: engine_stats(u, check=False)["stats"]["generation_tokens"]
+             for n, u in up.engine_urls.items()}
+    assert {n: after[n] - before[n] for n in after} == {"p": 2 * N_NEW, "d": 0}
+    assert admin.post("/admin/engines/d/undrain").json()["state"] == "up"
+    assert admin.post("/admin/engines/nope/drain").status_code == 404
+    r = admin.post("/admin/engines", json={"name": "p", "url": up.engine_urls["p"]})
+    assert r.status_code == 400 and "already in the pool" in r.json()["error"]["message"]
+
+
+async def test_context_migration_moves_a_context_off_a_draining_engine(up, admin, tok,
+                                                                       smollm2_dir):
+    """context_migration: a request goes where its context is; when that engine drains, the
+    next request on the context moves it (copied from the holder's cache) to the other."""
+    use(admin, builtin="context_migration", args={"min_tokens": 16})
+    context = tok.encode("A context that moves. " + TEXT * 3, add_special_tokens=False)
+    first = context + tok.encode(" First question?", add_special_tokens=False)
+    second = context + tok.encode(" Second question?", add_special_tokens=False)
+    want = [tok.decode(t) for t in hf_greedy(smollm2_dir, [first, second], N_NEW)]
+    p = up.engine_urls["p"]
+    c = client(up)
+    try:
+        admin.post("/admin/engines/d/drain")
+        assert (await complete(c, first, stream=False))[0] == want[0]  # served by p
+        admin.post("/admin/engines/d/undrain")
+        admin.post("/admin/engines/p/drain")
+        sent_before = engine_stats(p, check=False)["stats"]["kv_tokens_sent"]
+        text, usage = await complete(c, second, stream=False)
+        assert text == want[1]
+        # p sent all of second[:-1] to d: its cached pages of the context, and the rest.
+        assert engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent_before == (
+            len(second) - 1)
+        assert usage.prompt_tokens_details.cached_tokens == len(second) - 1
+        settings = admin.get("/admin/strategy").json()["active"]["settings"]
+        assert settings["migrated"] == 1
+    finally:
+        await c.close()
+        admin.post("/admin/engines/p/undrain")
+        admin.post("/admin/engines/d/undrain")

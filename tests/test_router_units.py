@@ -1,0 +1,262 @@
+"""The router's parts on their own, to the exact value: prefix index, engine picking, strategy
+host (load, swap, failures, in-flight accounting), and the balanced P/D split. No engines
+here: tests/test_router_live.py runs the same parts against real engine processes."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+
+import pytest
+
+from microserve.backend import BackendUnavailable
+from router.engines import EngineHandle, EnginePool, EngineSpec, UnknownEngine
+from router.host import (MODULE_PREFIX, StrategyHost, StrategyLoadError, StrategySource,
+                         SwapInProgress, builtin_names)
+from router.prefix_index import PrefixIndex
+
+# ---- prefix index ----------------------------------------------------------------------------
+
+
+def test_prefix_index_matches_whole_pages_per_engine():
+    index = PrefixIndex(page_size=4)
+    a = list(range(10))  # two whole pages and a partial one
+    assert index.insert(a, "e1") == 8
+    assert len(index) == 2
+    b = list(range(8)) + [50, 51, 52, 53, 54]
+    assert index.insert(b, "e2") == 12
+    assert len(index) == 3  # the two shared pages and e2's own third page
+    assert index.match(b) == {"e1": 8, "e2": 12}
+    assert index.match(a[:7]) == {"e1": 4, "e2": 4}
+    assert index.match([9, 9, 9, 9]) == {}
+    assert index.engines_of(list(range(8))) == {"e1", "e2"}
+    assert index.engines_of(b) == {"e2"}
+
+
+def test_prefix_index_forget_and_remove_engine_prune_empty_nodes():
+    index = PrefixIndex(page_size=2)
+    index.insert([1, 2, 3, 4, 5, 6], "e1")
+    index.insert([1, 2, 3, 4, 7, 8], "e2")
+    assert len(index) == 4
+    index.forget([1, 2, 3, 4, 5, 6], "e1", held=2)  # e1 said it holds only [1, 2]
+    assert index.match([1, 2, 3, 4, 5, 6]) == {"e1": 2, "e2": 4}
+    assert len(index) == 3  # [5, 6] held by nobody now
+    index.remove_engine("e2")
+    assert index.match([1, 2, 3, 4, 7, 8]) == {"e1": 2}
+    assert len(index) == 1
+
+
+def test_prefix_index_evicts_least_recently_used_leaves():
+    index = PrefixIndex(page_size=1, max_pages=10)
+    for i in range(10):
+        index.insert([100 + i], "e1")  # ten one-page contexts, oldest first
+    index.match([100])  # touch the oldest
+    index.insert([200], "e1")  # 11 nodes: evict down to 10 - 10 // 10 = 9
+    assert len(index) == 9
+    kept = {t for t in [100 + i for i in range(10)] + [200] if index.match([t])}
+    assert kept == {100, 200, 104, 105, 106, 107, 108, 109, 103}
+
+
+def test_prefix_index_handles_deep_contexts_without_recursion():
+    index = PrefixIndex(page_size=1)
+    long = list(range(5000))
+    index.insert(long, "e1")
+    index.remove_engine("e1")
+    assert len(index) == 0
+
+
+# ---- picking engines -------------------------------------------------------------------------
+
+
+def make_pool(*specs: tuple[str, str]) -> EnginePool:
+    pool = EnginePool()
+    for name, role in specs:
+        handle = EngineHandle(EngineSpec(name, f"http://127.0.0.1:1/{name}", role), None, pool)
+        handle.info, handle.up = {"max_model_len": 100}, True
+        pool._engines[name] = handle
+    return pool
+
+
+def test_round_robin_and_least_loaded_respect_roles_and_state():
+    pool = make_pool(("p", "prefill"), ("d1", "decode"), ("d2", "decode"), ("a", "any"))
+    assert [pool.round_robin("decode").name for _ in range(6)] == ["d1", "d2", "a"] * 2
+    pool["d1"].open_generations = 2
+    pool["d2"].open_generations = 1
+    pool["a"].open_sends = 1
+    pool["a"].load = {"running": 3, "waiting": 1}
+    pool["d2"].load = {"running": 0, "waiting": 0}
+    assert pool.least_loaded("decode").name == "d2"  # ties on open calls: fewer queued wins
+    assert pool.least_loaded("prefill").name == "p"
+    assert pool.least_loaded("prefill", exclude=("p",)).name == "a"
+    pool.drain("d2")
+    pool.mark_down(pool["a"], "gone")
+    assert [e.name for e in pool.routable("decode")] == ["d1"]
+    pool.mark_down(pool["d1"], "gone")
+    with pytest.raises(BackendUnavailable, match="no engine with role 'decode' is up"):
+        pool.least_loaded("decode")
+    with pytest.raises(UnknownEngine, match="no engine named 'x'"):
+        pool["x"]
+
+
+def test_engine_spec_refuses_bad_fields():
+    with pytest.raises(ValueError, match="role 'both' is not one of"):
+        EngineSpec("e", "http://h:1", "both")
+    with pytest.raises(ValueError, match="must start with http://"):
+        EngineSpec("e", "h:1")
+
+
+# ---- strategy host ---------------------------------------------------------------------------
+
+COUNTING = """
+from router.strategy import Strategy
+
+STOPPED = []
+
+class Counting(Strategy):
+    def __init__(self, label="a"):
+        if not label:
+            raise ValueError("label must not be empty")
+        self.label = label
+
+    async def generate(self, request, engines):
+        yield None
+
+    async def stop(self):
+        STOPPED.append(self.label)
+"""
+
+
+async def test_host_loads_builtins_files_and_uploads_into_fresh_modules(tmp_path):
+    host = StrategyHost(make_pool(("e", "any")))
+    assert builtin_names() == ["balanced_pd", "context_migration", "data_parallel", "pd"]
+    first = await host.load(StrategySource.builtin("pd"))
+    assert (first.version, first.name, first.source.origin) == (1, "PrefillDecode", "builtin:pd")
+    path = tmp_path / "mine.py"
+    path.write_text(COUNTING)
+    second = await host.load(StrategySource.parse(str(path)), {"label": "b"})
+    assert host.active is second and second.version == 2 and second.instance.label == "b"
+    second_module = sys.modules[second.module]
+    third = await host.load(StrategySource.upload(COUNTING), {"label": "c"})
+    # Two loads of the same code are two modules: no shared globals.
+    assert type(third.instance) is not type(second.instance)
+    assert sys.modules[third.module] is not second_module
+    await asyncio.sleep(0)  # retired instances with nothing in flight stop at once
+    assert second_module.STOPPED == ["b"]
+    assert second.module not in sys.modules
+    await host.close()
+    assert not any(m.startswith(MODULE_PREFIX) for m in sys.modules)
+
+
+@pytest.mark.parametrize("code, args, message", [
+    ("def broken(:\n", {}, r"failed to load: SyntaxError: .* line 1"),
+    ("raise RuntimeError('boom at import')\n", {}, r"RuntimeError: boom at import"),
+    (COUNTING, {"label": ""}, r"Counting\(\*\*\{'label': ''\}\) failed: ValueError: label must"),
+    (COUNTING, {"colour": "red"}, r"unexpected keyword argument 'colour'"),
+    ("x = 1\n", {}, r"must define exactly one Strategy subclass.*found: none"),
+    (COUNTING + "\nclass Other(Counting):\n    pass\n", {}, r"found: Counting, Other"),
+])
+async def test_a_strategy_that_fails_to_load_leaves_the_active_one(code, args, message):
+    host = StrategyHost(make_pool(("e", "any")))
+    active = await host.load(StrategySource.builtin("data_parallel"))
+    with pytest.raises(StrategyLoadError, match=message):
+        await host.load(StrategySource.upload(code), args)
+    assert host.active is active and host.failed_loads == 1
+    assert [m for m in sys.modules if m.startswith(MODULE_PREFIX)] == [active.module]
+    await host.close()
+
+
+async def test_a_failing_start_stops_the_instance_and_keeps_the_old_one():
+    code = COUNTING + textwrap.dedent("""
+        class Starting(Counting):
+            async def start(self, engines):
+                raise OSError("no such thing")
+    """)
+    host = StrategyHost(make_pool(("e", "any")))
+    active = await host.load(StrategySource.builtin("data_parallel"))
+    with pytest.raises(StrategyLoadError, match=r"Starting.start\(\) failed: OSError: no such"):
+        await host.load(StrategySource.upload(code), {"label": "s"}, class_name="Starting")
+    assert host.active is active
+    await host.close()
+
+
+async def test_swap_waits_for_in_flight_requests_before_stopping_the_old_instance():
+    host = StrategyHost(make_pool(("e", "any")))
+    old = await host.load(StrategySource.upload(COUNTING), {"label": "old"})
+    held = [host.acquire(), host.acquire()]
+    new = await host.load(StrategySource.upload(COUNTING), {"label": "new"})
+    assert host.acquire() is new
+    assert host.retired == [old] and old.inflight == 2
+    stopped = sys.modules[old.module].STOPPED  # the list the old instance's stop() appends to
+    host.release(held[0], finished=True)
+    await asyncio.sleep(0)
+    assert stopped == [] and old.inflight == 1
+    host.release(held[1], finished=False)
+    await asyncio.sleep(0)
+    assert stopped == ["old"] and host.retired == []
+    assert (old.started, old.finished, old.failed) == (2, 1, 1)
+    await host.close()
+
+
+async def test_a_second_load_while_one_is_loading_is_refused():
+    release = asyncio.Event()
+    code = COUNTING + textwrap.dedent("""
+        class Slow(Counting):
+            async def start(self, engines):
+                await engines.release.wait()
+    """)
+    pool = make_pool(("e", "any"))
+    pool.release = release  # what the slow start waits for
+    host = StrategyHost(pool)
+    loading = asyncio.create_task(host.load(StrategySource.upload(code), class_name="Slow"))
+    await asyncio.sleep(0.01)
+    with pytest.raises(SwapInProgress):
+        await host.load(StrategySource.builtin("pd"))
+    release.set()
+    loaded = await loading
+    assert host.active is loaded and loaded.name == "Slow"
+    await host.close()
+
+
+async def test_watch_reloads_a_changed_file_with_the_same_args(tmp_path):
+    path = tmp_path / "watched.py"
+    path.write_text(COUNTING)
+    host = StrategyHost(make_pool(("e", "any")))
+    first = await host.load(StrategySource.file(path), {"label": "w"})
+    host.watch(interval_s=0.05)
+    path.write_text(COUNTING.replace("STOPPED = []", "STOPPED = []\nEDITED = True"))
+    import os
+    os.utime(path, (first.mtime + 5, first.mtime + 5))
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if host.active is not first:
+            break
+    assert host.active.version == 2 and host.active.instance.label == "w"
+    assert sys.modules[host.active.module].EDITED is True
+    await host.close()
+
+
+# ---- balanced P/D split ----------------------------------------------------------------------
+
+
+def test_balanced_split_fixed_and_adaptive():
+    from strategies.balanced_pd import BalancedPD
+
+    pool = make_pool(("p", "prefill"), ("d", "decode"))
+    p, d = pool["p"], pool["d"]
+    fixed = BalancedPD(ratio=0.2)
+    assert fixed.split(1000, p, d) == 800  # D prefills the last 200 tokens
+    assert fixed.split(3, p, d) == 2  # at least the last token is D's
+    adaptive = BalancedPD(adaptive=True, min_ratio=0.1, max_ratio=0.4, decode_cost=10)
+    assert adaptive.split(1000, p, d) == 600  # idle engines: half each, capped at 40% on D
+    p.pending_prefill_tokens = 3000  # P is backed up: D takes its maximum
+    assert adaptive.split(1000, p, d) == 600
+    p.pending_prefill_tokens = 0
+    d.pending_prefill_tokens, d.open_generations = 500, 30  # D is busy: 500 + 300 queued
+    assert adaptive.split(1000, p, d) == 900  # (1000 + 800) / 2 = 900: 10%, the minimum
+    d.pending_prefill_tokens, d.open_generations = 100, 30  # D's work 400: s = 1400 / 2
+    assert adaptive.split(1000, p, d) == 700
+    p.pending_prefill_tokens = 200  # s = (1000 + 400 - 200) / 2
+    assert adaptive.split(1000, p, d) == 600
+    with pytest.raises(ValueError, match="min_ratio 0.5, max_ratio 0.2"):
+        BalancedPD(min_ratio=0.5, max_ratio=0.2)
