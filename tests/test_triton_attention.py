@@ -112,6 +112,7 @@ def assert_close(actual, expected, tol):
 # ---- tiny shapes (interpreter on CPU) ---------------------------------------------------------
 
 CONTEXTS = [1, 5, 16, 17, 70, 200]
+TILES16 = pa.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
 SHAPES = [  # heads, kv_heads, head_dim, page_size
     (4, 2, 16, 1),
     (4, 1, 32, 4),
@@ -127,7 +128,7 @@ def test_decode_tiny(num_heads, num_kv_heads, head_dim, page_size, num_splits):
     expected = case.reference()
     assert_close(case.decode(num_splits), expected, 1e-5)
     # 16-key tiles: several tiles per split and splits that end mid-page
-    assert_close(case.decode(num_splits, block_n=16), expected, 1e-5)
+    assert_close(case.decode(num_splits, config=TILES16), expected, 1e-5)
 
 
 def test_decode_splits_from_workspace_and_fp16():
@@ -135,7 +136,7 @@ def test_decode_splits_from_workspace_and_fp16():
     ws = pa.decode_workspace(len(CONTEXTS), 4, 16, 5, DEVICE)
     out = pa.paged_decode_attention(
         case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.scale,
-        torch.empty_like(case.q), ws, block_n=16,
+        torch.empty_like(case.q), ws, config=TILES16,
     )
     assert out.dtype == torch.float16
     assert_close(out, case.reference(), 2e-3)
@@ -147,10 +148,10 @@ EXTEND_SPECS = [(0, 1), (0, 5), (0, 17), (3, 1), (16, 16), (17, 5), (30, 20), (6
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size", SHAPES)
-@pytest.mark.parametrize("blocks", [(None, None), (16, 16)], ids=["default", "tiles16"])
-def test_extend_tiny(num_heads, num_kv_heads, head_dim, page_size, blocks):
+@pytest.mark.parametrize("config", [None, TILES16], ids=["default", "tiles16"])
+def test_extend_tiny(num_heads, num_kv_heads, head_dim, page_size, config):
     case = PagedCase(EXTEND_SPECS, num_heads, num_kv_heads, head_dim, page_size, torch.float32)
-    out = case.extend(block_m=blocks[0], block_n=blocks[1])
+    out = case.extend(config=config)
     assert_close(out, case.reference(), 1e-5)
 
 
@@ -208,6 +209,16 @@ def test_choose_num_splits():
     assert pa.choose_num_splits(64, 4096, 8) == 1
 
 
+def test_tile_configs():
+    assert pa.extend_config(128, 4096) == pa.TileConfig(block_n=64, num_warps=8, num_stages=3,
+                                                        block_m=128)  # fmt: skip
+    assert pa.extend_config(128, 9).block_m == 16
+    assert pa.decode_config(256).block_n == 32
+    assert pa.TileConfig(64, 4, 3).launch_options() == {"num_warps": 4, "num_stages": 3}
+    capped = pa.TileConfig(64, 8, 3, block_m=64, maxnreg=128).launch_options()
+    assert capped == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+
+
 def test_rejects_bad_arguments():
     case = PagedCase([(4, 1)], 4, 2, 16, 4, torch.float32)
     with pytest.raises(ValueError, match="workspace must be fp32"):
@@ -257,6 +268,33 @@ def test_extend_llama8b(compiled, prefix):
     assert_close(case.extend(), case.reference(), BF16_TOL)
     single = PagedCase([(prefix, 17)], **L8B)
     assert_close(single.extend(), single.reference(), BF16_TOL)
+
+
+# Launch configurations other than the defaults that `bench.kernel_sweep` times on a GPU:
+# 64-row tiles with 4 warps, 8 warps under a 128-register cap, 128-key tiles.
+ALT_EXTEND = [
+    pa.TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    pa.TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=3, maxnreg=128),
+    pa.TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
+]
+ALT_DECODE = [pa.TileConfig(block_n=32, num_warps=4, num_stages=3),
+              pa.TileConfig(block_n=128, num_warps=4, num_stages=2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ALT_EXTEND, ids=str)
+def test_extend_llama8b_tile_configs(compiled, config):
+    case = PagedCase([(100, n) for n in (1, 17, 512, 1000)], **L8B, seed=6)
+    assert_close(case.extend(config=config), case.reference(), BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ALT_DECODE, ids=str)
+def test_decode_llama8b_tile_configs(compiled, config):
+    case = PagedCase([(n - 1, 1) for n in _decode_lens(64)], **L8B, seed=7)
+    expected = case.reference()
+    for num_splits in (1, 3):
+        assert_close(case.decode(num_splits, config=config), expected, BF16_TOL)
 
 
 @pytest.mark.gpu

@@ -59,6 +59,16 @@ accumulators, the running max/sum rescaled per tile. With num_stages=3 Triton so
 the gather (checked by compiling for sm_90 with triton 3.9: page ids are loaded a stage ahead,
 K/V tiles double-buffered through cp.async, wgmma for BLOCK_M >= 64, no register spills).
 
+Launch parameters
+-----------------
+`TileConfig` holds a kernel's tiles, warps, pipeline depth and optional register cap;
+`decode_config` / `extend_config` give the defaults, and every wrapper takes a `config` to
+override them (`python -m bench.kernel_sweep` times candidates on a GPU). How many programs
+share an SM decides how much of one program's softmax overlaps another's matrix work. Compiled
+for sm_90 with triton 3.6 at head_dim 128, the extend kernel with BLOCK_M 128, BLOCK_N 64 and
+8 warps takes 173 registers a thread: one program per SM. 64-row tiles fit two, with 4 warps
+(190 registers) or with 8 warps capped at 128 registers (`maxnreg`, no spills).
+
 CUDA-graph safety
 -----------------
 The wrappers read only shapes, strides and Python arguments on the host; kv_lens, page tables
@@ -71,6 +81,8 @@ capture so that Triton compiles outside the graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -78,6 +90,42 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64  # one decode tile: a split shorter than that is all overhead
 MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of one paged-attention kernel.
+
+    block_n: keys per tile; block_m: query rows per program (extend only; decode's rows are the
+    GQA group); num_warps, num_stages: Triton's; maxnreg: a register cap per thread (None: the
+    compiler's choice), which trades spills for more programs per SM. All powers of two >= 16
+    for the blocks.
+    """
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_m: int = 0
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
+
+
+def decode_config(head_dim: int) -> TileConfig:
+    """Default decode launch: 64-key tiles (32 above head_dim 128), 4 warps, 3 stages."""
+    return TileConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)
+
+
+def extend_config(head_dim: int, max_q_len: int) -> TileConfig:
+    """Default extend launch: query tiles no taller than the longest chunk needs (16/64/128
+    rows), 64-key tiles (32 above head_dim 128), 8 warps for 128-row tiles, 3 stages."""
+    block_m = 16 if max_q_len <= 16 else 64 if max_q_len <= 64 else 128
+    return TileConfig(block_n=64 if head_dim <= 128 else 32, num_warps=8 if block_m >= 128 else 4,
+                      num_stages=3, block_m=block_m)  # fmt: skip
 
 
 @triton.jit
@@ -108,21 +156,25 @@ def _attend_tiles(
             k = tl.load(k_ptr + k_offs)
         else:
             k = tl.load(k_ptr + k_offs, mask=in_range[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # unscaled scores
         if CAUSAL:
             s = tl.where((offs_n[None, :] <= pos_m[:, None]) & in_range[None, :], s, float("-inf"))
         elif not EVEN:
             s = tl.where(in_range[None, :], s, float("-inf"))
         # Every row has a finite score in the first tile it meets, so m_new is finite here.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # The scale is applied to the row max and inside exp2's argument (one FMA per score,
+        # not a multiply and a subtract); qk_scale > 0, so max(s) * qk_scale = max(s * qk_scale).
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if EVEN:
             v = tl.load(v_ptr + v_offs)
         else:
             v = tl.load(v_ptr + v_offs, mask=in_range[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        # P V accumulates into the rescaled acc (the tensor cores' accumulator), not into a
+        # fresh zero tile added afterwards: one [rows, head_dim] fp32 tile fewer in registers.
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -316,7 +368,7 @@ def paged_decode_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     *,
-    block_n: int | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV (the token's own K/V
     included, already written).
@@ -330,11 +382,12 @@ def paged_decode_attention(
             when num_splits > 1, allocated here when None.
         num_splits: splits per sequence; None takes workspace.shape[2], else
             `choose_num_splits` over the page table's capacity.
-        block_n: keys per tile (a power of two >= 16); None picks the GPU default.
+        config: tiles and launch options (block_m unused); None: `decode_config(head_dim)`.
     Returns:
         out.
     """
     group, head_dim, page_size = _check_common(q, k_cache, v_cache, page_table, kv_lens, out)
+    config = config or decode_config(head_dim)
     batch, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_splits is None:
@@ -349,14 +402,13 @@ def paged_decode_attention(
                              f"{workspace.dtype}")
     ws = workspace if num_splits > 1 else out  # unused by the kernel when DIRECT_OUT
     ws_strides = ws.stride()[:3] if num_splits > 1 else (0, 0, 0)
-    block_n = block_n or (64 if head_dim <= 128 else 32)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, ws, out, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         page_table.stride(0), *ws_strides, out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, DIRECT_OUT=num_splits == 1,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=3,
+        PAGE_SIZE=page_size, BLOCK_N=config.block_n, DIRECT_OUT=num_splits == 1,
+        DOT_PRECISION=_dot_precision(q.dtype), **config.launch_options(),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -377,8 +429,7 @@ def paged_extend_attention(
     scale: float,
     out: torch.Tensor,
     *,
-    block_m: int | None = None,
-    block_n: int | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over each sequence's cached prefix plus themselves.
 
@@ -391,7 +442,7 @@ def paged_extend_attention(
         kv_lens: int32 [seqs], prefix + new tokens; new token i of s sits at position
             kv_lens[s] - q_len_s + i.
         max_q_len: a bound on the new tokens of any sequence (sizes the grid; host int).
-        block_m, block_n: tile sizes (powers of two >= 16); None picks the GPU defaults.
+        config: tiles and launch options; None: `extend_config(head_dim, max_q_len)`.
     Returns:
         out.
     """
@@ -402,15 +453,13 @@ def paged_extend_attention(
     num_seqs, num_heads = kv_lens.shape[0], q.shape[1]
     if num_seqs == 0 or max_q_len <= 0:
         return out
-    block_m = block_m or (16 if max_q_len <= 16 else 64 if max_q_len <= 64 else 128)
-    block_n = block_n or (64 if head_dim <= 128 else 32)
-    grid = (num_heads, triton.cdiv(max_q_len, block_m), num_seqs)
+    config = config or extend_config(head_dim, max_q_len)
+    grid = (num_heads, triton.cdiv(max_q_len, config.block_m), num_seqs)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, cu_seqlens_q, kv_lens, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), page_table.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=8 if block_m >= 128 else 4,
-        num_stages=3,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, DOT_PRECISION=_dot_precision(q.dtype), **config.launch_options(),
     )
     return out
