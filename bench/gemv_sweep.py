@@ -1,0 +1,212 @@
+"""Batch-1 decode GEMMs (M = 1) of Llama-3.1-8B: cuBLAS paths against a Triton GEMV (issue 5).
+
+    python -m bench.gemv_sweep [--json out.json]
+
+At batch 1 every projection is a matrix-vector product that reads its whole weight once: the
+step is bound by memory (on 2026-11-22 cuBLAS read the 16 GB of weights in ~5.6 of the 6.2 ms
+per token, its split-K kernel for the down projection the slowest at ~2.1 TB/s). For each
+projection this times, as
+CUDA-graph replays over enough weight copies that L2 holds none of them:
+
+  linear         x @ W^T through torch.mm, as F.linear runs it (torch's default BLAS choice,
+                 as the engine runs today)
+  linear-cublas  the same under torch.backends.cuda.preferred_blas_library("cublas")
+  linear-lt      the same under "cublaslt"
+  mv             torch.mv(W, x)
+  triton         `gemv` below over a grid of tile shapes and K splits
+
+and prints TB/s of weight read, the relative error against an fp32 product, and per
+projection the fastest path; last, what a decode step's 32 layers + LM head would take with
+the fastest exact path of each projection against F.linear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from bench.kernel_sweep import graph_ms, rel_err
+
+# (name, out features N, in features K, times per decode step)
+PROJECTIONS = [
+    ("qkv", 6144, 4096, 32),
+    ("o", 4096, 4096, 32),
+    ("gate_up", 28672, 4096, 32),
+    ("down", 4096, 14336, 32),
+    ("lm_head", 128256, 4096, 1),
+]
+# (BLOCK_N rows, BLOCK_K columns, warps, stages) per program
+TILES = [(4, 512, 4, 1), (4, 1024, 4, 1), (4, 1024, 8, 1), (8, 512, 4, 1), (8, 512, 8, 1),
+         (8, 1024, 8, 1), (16, 256, 4, 1), (16, 512, 4, 1), (16, 512, 8, 1), (32, 256, 8, 1),
+         (32, 128, 4, 1), (2, 1024, 4, 1), (4, 1024, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3)]
+DEVICE = "cuda"
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, k_per_split, stride_wn, stride_os,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """out[split, n] = sum over this split's K range of w[n, k] * x[k] (fp32 accumulate).
+
+    Grid (N / BLOCK_N, splits). Each program streams BLOCK_N rows of W, BLOCK_K columns at a
+    time, into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the end.
+    """
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * k_per_split
+    cols = k0 + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + cols[None, :]
+    x_ptrs = x_ptr + cols
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        w = tl.load(w_ptrs, eviction_policy="evict_first")  # read once: keep L2 for x
+        x = tl.load(x_ptrs)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, 1)
+    tl.store(out_ptr + tl.program_id(1) * stride_os + rows, y.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, n, num_splits, SPLITS: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    splits = tl.arange(0, SPLITS)
+    mask = (splits[:, None] < num_splits) & (offs[None, :] < n)
+    part = tl.load(part_ptr + splits[:, None] * n + offs[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + offs, tl.sum(part, 0).to(out_ptr.dtype.element_ty), mask=offs < n)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int,
+         num_warps: int, num_stages: int = 1, splits: int = 1,
+         partials: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """out [1, N] = x [1, K] @ w[N, K]^T. N % block_n == 0 and K % (splits * block_k) == 0;
+    with splits > 1, `partials` is an fp32 [splits, N] buffer (summed by a second kernel)."""
+    n, k = w.shape
+    if n % block_n or k % (splits * block_k):
+        raise ValueError(f"N={n} must divide by block_n={block_n} and K={k} by "
+                         f"splits*block_k={splits * block_k}")  # fmt: skip
+    target = out if splits == 1 else partials
+    _gemv_kernel[(n // block_n, splits)](
+        x, w, target, k // splits, w.stride(0), target.stride(0) if splits > 1 else 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(n, 1024),)](
+            partials, out, n, splits, SPLITS=triton.next_power_of_2(splits), BLOCK=1024,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _linear(x, weights, out, i=0):
+    torch.mm(x, weights[i % len(weights)].t(), out=out)  # what F.linear runs for 2-D x
+
+
+def _mv(x, weights, out, i=0):
+    torch.mv(weights[i % len(weights)], x[0], out=out[0])
+
+
+def _triton(x, weights, out, tile, splits, partials, i=0):
+    gemv(x, weights[i % len(weights)], out, *tile, splits=splits, partials=partials)
+
+
+def sweep_projection(name: str, n: int, k: int, rows: list[dict]) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    nbytes = n * k * 2
+    copies = max(2, min(16, math.ceil((512 << 20) / nbytes)))  # together well past L2
+    weights = [torch.randn(n, k, generator=gen, device=DEVICE, dtype=torch.bfloat16) * 0.02
+               for _ in range(copies)]  # fmt: skip
+    x = torch.randn(1, k, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    ref = (x.double() @ weights[0].double().t()).float()
+    out = torch.empty(1, n, device=DEVICE, dtype=torch.bfloat16)
+    partials = torch.empty(4, n, device=DEVICE, dtype=torch.float32)
+    paths = [("linear", None, 1, functools.partial(_linear, x, weights, out), None),
+             ("linear-cublas", None, 1, functools.partial(_linear, x, weights, out), "cublas"),
+             ("linear-lt", None, 1, functools.partial(_linear, x, weights, out), "cublaslt"),
+             ("mv", None, 1, functools.partial(_mv, x, weights, out), None)]  # fmt: skip
+    for tile in TILES:
+        for splits in (1, 2, 4) if n <= 6144 else (1,):
+            if n % tile[0] == 0 and k % (splits * tile[1]) == 0:
+                run = functools.partial(_triton, x, weights, out, tile, splits,
+                                        partials[:splits])  # fmt: skip
+                paths.append(("triton", tile, splits, run, None))
+    for method, tile, splits, run, blas in paths:
+        before = torch.backends.cuda.preferred_blas_library()
+        if blas:
+            torch.backends.cuda.preferred_blas_library(blas)
+        try:
+            out.fill_(float("nan"))
+            run()
+            err = rel_err(out, ref)
+            ms = graph_ms(run, copies)
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+        rows.append({"projection": name, "n": n, "k": k, "method": method, "tile": tile,
+                     "splits": splits, "rel_err": err, "us": ms * 1e3,
+                     "tb_s": nbytes / ms / 1e9})  # fmt: skip
+        _print_row(rows[-1])
+
+
+def _print_row(r: dict) -> None:
+    tile = "n{}:k{}:w{}:s{}".format(*r["tile"]) if r["tile"] else "-"
+    print(f"{r['projection']:8} {r['method']:14} {tile:14} splits {r['splits']}  "
+          f"err {r['rel_err']:.1e}  {r['us']:8.1f} us  {r['tb_s']:5.2f} TB/s", flush=True)
+
+
+def summary(rows: list[dict]) -> dict:
+    """Fastest path per projection (relative error within 1.5x of F.linear's, and < 1e-2; the
+    fastest Triton tile is shown whatever its error), and one decode step's GEMM time with
+    those paths against F.linear everywhere."""
+    print("\nfastest per projection:")
+    step_linear = step_best = 0.0
+    best_paths = {}
+    for name, _, _, per_step in PROJECTIONS:
+        mine = [r for r in rows if r["projection"] == name]
+        if not mine:
+            continue
+        linear = next(r for r in mine if r["method"] == "linear")
+        ok = [r for r in mine if r["rel_err"] < min(1e-2, 1.5 * linear["rel_err"] + 1e-4)]
+        best = min(ok, key=lambda r: r["us"])
+        best_paths[name] = best
+        step_linear += per_step * linear["us"]
+        step_best += per_step * best["us"]
+        print("  linear: ", end="")
+        _print_row(linear)
+        triton_rows = [r for r in mine if r["method"] == "triton"]
+        if triton_rows:
+            print("  triton: ", end="")
+            _print_row(min(triton_rows, key=lambda r: r["us"]))
+        print("  best:   ", end="")
+        _print_row(best)
+    print(f"\ndecode step, GEMMs only: F.linear {step_linear / 1e3:.3f} ms, "
+          f"fastest paths {step_best / 1e3:.3f} ms")
+    return {"step_ms_linear": step_linear / 1e3, "step_ms_best": step_best / 1e3,
+            "best": best_paths}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--only", default=",".join(p[0] for p in PROJECTIONS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows: list[dict] = []
+    for name, n, k, _ in PROJECTIONS:
+        if name in args.only.split(","):
+            sweep_projection(name, n, k, rows)
+            torch.cuda.empty_cache()
+    result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "rows": rows, "summary": summary(rows)}  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
