@@ -10,16 +10,21 @@ Bodies go as msgpack by default (token lists are the bulk), JSON with `use_msgpa
 Failures: an answer with an error status raises MicroservingError(status, message, param) from
 the engine's OpenAI error JSON; an engine that cannot be reached, stops answering within
 `timeout_s`, or drops the connection raises BackendUnavailable naming its URL.
+
+HTTP is aiohttp's: the router makes several calls per client request and reads every token
+through this client, and aiohttp's C parser costs a quarter of the CPU httpx does per call
+(measured here: 0.35 vs 1.66 ms of CPU per streamed call, 0.39 vs 1.49 ms per plain one).
 No torch, no fastapi.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 import msgpack
 from pydantic import BaseModel
 
@@ -44,9 +49,16 @@ from microserve.wire import FrameDecoder
 
 MSGPACK = "application/msgpack"
 ResponseT = TypeVar("ResponseT", bound=BaseModel)
+# What a call that cannot reach the engine raises (or times out with).
+_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
-# A generation holds its connection until it finishes: the pool must not cap concurrency.
-_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+def new_session() -> aiohttp.ClientSession:
+    """A session for engine calls: a generation holds its connection until it finishes, so
+    the pool must not cap concurrency; no cookies, no proxies from the environment."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+        cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
 
 
 class _LineDecoder:
@@ -60,9 +72,8 @@ class _LineDecoder:
         return [json.loads(line) for line in lines if line]
 
 
-def _is_msgpack(response: httpx.Response) -> bool:
-    content_type = response.headers.get("content-type", "")
-    return content_type.partition(";")[0].strip().lower() == MSGPACK
+def _is_msgpack(response: aiohttp.ClientResponse) -> bool:
+    return response.content_type == MSGPACK
 
 
 def _error(status: int, body: Any) -> MicroservingError:
@@ -73,11 +84,12 @@ def _error(status: int, body: Any) -> MicroservingError:
     return MicroservingError(status, error.get("message", ""), error.get("param"))
 
 
-def _response_error(response: httpx.Response) -> MicroservingError:
+async def _response_error(response: aiohttp.ClientResponse) -> MicroservingError:
+    text = await response.text(errors="replace")
     try:
-        return _error(response.status_code, response.json())
+        return _error(response.status, json.loads(text))
     except ValueError:  # not JSON: a proxy's page, say
-        return _error(response.status_code, response.text)
+        return _error(response.status, text)
 
 
 def _generate_chunk(item: dict) -> GenerateChunk:
@@ -90,22 +102,24 @@ class EngineClient:
     """Async client of one engine's /microserving/* routes; safe to share between tasks."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, use_msgpack: bool = True,
-                 http: httpx.AsyncClient | None = None, timeout_s: float = 30.0):
+                 session: aiohttp.ClientSession | None = None, timeout_s: float = 30.0):
         """
         Args:
             base_url: the engine's root, e.g. "http://10.0.0.7:8000".
             api_key: sent as `Authorization: Bearer <api_key>` when set.
             use_msgpack: send and ask for msgpack bodies; JSON otherwise.
-            http: a client to share (its pool, its transport); this one then does not close it.
+            session: an aiohttp session to share (its connection pool); this client then does
+                not close it. Without one, the client makes its own on first use.
             timeout_s: the limit on connecting, and on waiting for an answer, except for
                 remote_send's answer and start_generate's chunks, which wait as long as the
                 engine works (a long prefill, a long queue).
         """
         self.base_url = base_url.rstrip("/")
-        self._http = http or httpx.AsyncClient(limits=_LIMITS)
-        self._owns_http = http is None
-        self._timeout = httpx.Timeout(timeout_s)
-        self._timeout_no_read = httpx.Timeout(timeout_s, read=None)
+        self._session = session
+        self._owns_session = session is None
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s,
+                                              sock_read=timeout_s)
+        self._timeout_no_read = aiohttp.ClientTimeout(total=None, connect=timeout_s)
         self._use_msgpack = use_msgpack
         media_type = MSGPACK if use_msgpack else "application/json"
         self._headers = {"Content-Type": media_type, "Accept": media_type}
@@ -132,26 +146,30 @@ class EngineClient:
         Yields the engine's chunks as they come; the last has finish_reason and usage.
         Raises MicroservingError / BackendUnavailable, before the first chunk or after (the
         engine failed, or the connection dropped, mid-stream). The request is sent when the
-        first chunk is awaited. Closing the iterator early closes the HTTP response, which
+        first chunk is awaited. Closing the iterator early closes the HTTP connection, which
         makes the engine abort the request.
         """
         body = StartGenerateRequest(request_id=request_id, prompt=prompt, begin=begin,
                                     sampling=sampling or Sampling())
-        response = await self._open_stream("start_generate", body)
+        response = await self._open("POST", "start_generate", self._encode(body),
+                                    self._timeout_no_read)
         decoder = FrameDecoder() if _is_msgpack(response) else _LineDecoder()
         finished = False
         try:
             # Read on past the last chunk to the end of the stream (it ends right there), so
             # that the connection goes back to the pool.
-            async for data in response.aiter_bytes():
+            async for data in response.content.iter_any():
                 for item in decoder.feed(data):
                     chunk = _generate_chunk(item)
                     finished = chunk.finish_reason is not None
                     yield chunk
-        except httpx.TransportError as e:
+        except _TRANSPORT_ERRORS as e:
             raise self._unavailable(e) from e
         finally:
-            await response.aclose()
+            if finished and response.content.at_eof():
+                response.release()  # the connection is reused
+            else:
+                response.close()  # mid-stream: the engine sees the client go
         if not finished:
             raise BackendUnavailable(
                 f"engine {self.base_url}: the stream of {request_id} ended before it finished")
@@ -176,55 +194,52 @@ class EngineClient:
     async def stats(self, check: bool = False) -> dict:
         """{"stats": load and KV accounting, "info": the engine's EngineInfo}, plus
         "integrity" ("ok" or what is wrong) when `check` runs the KV integrity check."""
-        params = {"check": 1} if check else None
-        return await self._send("GET", "stats", params=params, timeout=self._timeout)
+        path = "stats?check=1" if check else "stats"
+        return await self._answer(await self._open("GET", path, None, self._timeout))
 
     async def aclose(self) -> None:
-        if self._owns_http:
-            await self._http.aclose()
+        if self._owns_session and self._session is not None:
+            await self._session.close()
 
     # -- plumbing ------------------------------------------------------------------------------
-
-    def _url(self, name: str) -> str:
-        return f"{self.base_url}/microserving/{name}"
 
     def _encode(self, body: BaseModel) -> bytes:
         if self._use_msgpack:
             return msgpack.packb(body.model_dump(), use_bin_type=True)
         return body.model_dump_json().encode()
 
-    def _unavailable(self, exc: httpx.TransportError) -> BackendUnavailable:
-        return BackendUnavailable(f"engine {self.base_url}: {exc!r}")
+    def _unavailable(self, exc: BaseException) -> BackendUnavailable:
+        return BackendUnavailable(f"engine {self.base_url}: {type(exc).__name__}: {exc}")
 
     async def _post(self, name: str, body: BaseModel, response_model: type[ResponseT],
-                    timeout: httpx.Timeout | None = None) -> ResponseT:
-        answer = await self._send("POST", name, content=self._encode(body),
-                                  timeout=timeout or self._timeout)
-        return response_model.model_validate(answer)
+                    timeout: aiohttp.ClientTimeout | None = None) -> ResponseT:
+        response = await self._open("POST", name, self._encode(body), timeout or self._timeout)
+        return response_model.model_validate(await self._answer(response))
 
-    async def _open_stream(self, name: str, body: BaseModel) -> httpx.Response:
-        """The response to POSTing `body`, its body still to read; raises on an error status
-        or no connection."""
-        request = self._http.build_request("POST", self._url(name), content=self._encode(body),
-                                           headers=self._headers, timeout=self._timeout_no_read)
+    async def _open(self, method: str, name: str, data: bytes | None,
+                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """The response to one call, its body still to read; raises on an error status or
+        no connection."""
+        if self._session is None:
+            self._session = new_session()
         try:
-            response = await self._http.send(request, stream=True)
-            if not response.is_success:
-                await response.aread()  # which also closes it
-                raise _response_error(response)
-        except httpx.TransportError as e:
+            response = await self._session.request(
+                method, f"{self.base_url}/microserving/{name}", data=data,
+                headers=self._headers, timeout=timeout)
+            if response.status >= 400:
+                async with response:
+                    raise await _response_error(response)
+        except _TRANSPORT_ERRORS as e:
             raise self._unavailable(e) from e
         return response
 
-    async def _send(self, method: str, name: str, **kwargs) -> Any:
-        """The decoded answer of one request; raises on an error status or no connection."""
+    async def _answer(self, response: aiohttp.ClientResponse) -> Any:
+        """The decoded body of a successful answer."""
         try:
-            response = await self._http.request(method, self._url(name), headers=self._headers,
-                                                **kwargs)
-        except httpx.TransportError as e:
+            async with response:
+                raw = await response.read()
+        except _TRANSPORT_ERRORS as e:
             raise self._unavailable(e) from e
-        if not response.is_success:
-            raise _response_error(response)
         if _is_msgpack(response):
-            return msgpack.unpackb(response.content, raw=False)
-        return response.json()
+            return msgpack.unpackb(raw, raw=False)
+        return json.loads(raw)

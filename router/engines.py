@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import httpx
+import aiohttp
 
 from microserve.backend import BackendUnavailable
 from microserve.metrics import Registry
@@ -40,7 +40,7 @@ from microserve.microserving import (
     PrepRecvResponse,
     RemoteSendResponse,
 )
-from microserve.microserving_client import EngineClient
+from microserve.microserving_client import EngineClient, new_session
 from router.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
@@ -223,8 +223,7 @@ class EnginePool:
         self.timeout_s = timeout_s
         self.prefix_index = PrefixIndex()  # page size set from the first engine's info
         self._engines: dict[str, EngineHandle] = {}
-        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
-                                                           max_keepalive_connections=None))
+        self._session: aiohttp.ClientSession | None = None  # made on first use, in the loop
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None
         self.marked_down = 0  # times an engine went down (poll or failed call)
@@ -287,7 +286,9 @@ class EnginePool:
         BackendUnavailable if it does not answer."""
         if spec.name in self._engines:
             raise ValueError(f"an engine named {spec.name!r} is already in the pool")
-        client = EngineClient(spec.url, api_key=self.api_key, http=self._http,
+        if self._session is None:
+            self._session = new_session()
+        client = EngineClient(spec.url, api_key=self.api_key, session=self._session,
                               timeout_s=self.timeout_s)
         handle = EngineHandle(spec, client, self)
         body = await client.stats()
@@ -377,7 +378,8 @@ class EnginePool:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     def metrics_text(self) -> str:
         """Prometheus text of the pool's state, rendered when /metrics is read."""

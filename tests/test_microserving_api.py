@@ -465,8 +465,12 @@ async def test_client_disconnect_before_the_answer_aborts(route, body):
 
 @contextlib.asynccontextmanager
 async def engine_client(core: FakeCore, **kwargs):
-    async with http_for(engine_app(core, kwargs.pop("server_key", None))) as http:
-        yield EngineClient("http://engine", http=http, **kwargs)
+    async with live_server(engine_app(core, kwargs.pop("server_key", None))) as url:
+        engine = EngineClient(url, **kwargs)
+        try:
+            yield engine
+        finally:
+            await engine.aclose()
 
 
 @pytest.mark.parametrize("use_msgpack", [True, False])
@@ -541,9 +545,9 @@ async def test_engine_client_unreachable_engine():
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     engine = EngineClient(url)
-    with pytest.raises(BackendUnavailable, match=f"engine {url}: ConnectError"):
+    with pytest.raises(BackendUnavailable, match=f"engine {url}: ClientConnectorError"):
         await engine.abort("r1")
-    with pytest.raises(BackendUnavailable, match=f"engine {url}: ConnectError"):
+    with pytest.raises(BackendUnavailable, match=f"engine {url}: ClientConnectorError"):
         await anext(engine.start_generate("g1", PROMPT))
     await engine.aclose()
 
@@ -554,15 +558,17 @@ async def test_engine_client_unreachable_engine():
     (502, b"<html>Bad Gateway</html>", MicroservingError, "HTTP 502: <html>Bad Gateway</html>"),
 ])
 async def test_engine_client_bad_answers(status, content, exc, message):
-    def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=content,
-                              headers={"Content-Type": "application/x-ndjson"})
+    async def answer(scope, receive, send):
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/x-ndjson")]})
+        await send({"type": "http.response.body", "body": content})
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-        engine = EngineClient("http://engine", http=http, use_msgpack=False)
+    async with live_server(answer) as url:
+        engine = EngineClient(url, use_msgpack=False)
         with pytest.raises(exc) as raised:
             _ = [c async for c in engine.start_generate("g1", PROMPT)]
-    assert str(raised.value) == message
+        await engine.aclose()
+    assert str(raised.value) == message.replace("http://engine", url)
 
 
 async def test_engine_client_early_close_aborts_in_the_engine():
