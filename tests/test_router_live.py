@@ -264,6 +264,13 @@ async def test_migrate_moves_a_context_and_the_destination_shows_it_cached(up, a
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
     want = tok.decode(hf_greedy(smollm2_dir, [context + question], N_NEW)[0])
     assert body["choices"][0]["text"] == want
+    # The router's global policy can keep it there: pin it on d.
+    r = admin.post("/admin/pin", json={"prompt": context, "engines": ["d"]})
+    assert r.json() == {"tokens": {"d": whole}}
+    assert engine_stats(d, check=False)["stats"]["kv_pages_pinned"] == whole // 16
+    r = admin.post("/admin/unpin", json={"prompt": context, "engines": ["d"]})
+    assert r.json() == {"tokens": {"d": whole}}
+    assert engine_stats(d, check=False)["stats"]["kv_pages_pinned"] == 0
     # Unknown engines and bad fields are named.
     r = admin.post("/admin/migrate", json={"prompt": context, "source": "nope",
                                            "destination": "d"})
@@ -292,6 +299,16 @@ async def test_engines_list_drain_and_undrain(up, admin):
     assert admin.post("/admin/engines/nope/drain").status_code == 404
     r = admin.post("/admin/engines", json={"name": "p", "url": up.engine_urls["p"]})
     assert r.status_code == 400 and "already in the pool" in r.json()["error"]["message"]
+    # Out of the pool and back in.
+    assert admin.delete("/admin/engines/d").json() == {"removed": "d", "open_calls": 0}
+    assert [e["name"] for e in admin.get("/admin/engines").json()["engines"]] == ["p"]
+    assert admin.delete("/admin/engines/d").status_code == 404
+    r = admin.post("/admin/engines", json={"name": "d", "url": up.engine_urls["d"],
+                                           "role": "decode"})
+    assert r.status_code == 201 and (r.json()["role"], r.json()["state"]) == ("decode", "up")
+    r = admin.post("/admin/engines", json={"name": "x", "url": up.engine_urls["d"],
+                                           "role": "both"})
+    assert r.status_code == 400 and "role 'both' is not one of" in r.json()["error"]["message"]
 
 
 async def test_context_migration_moves_a_context_off_a_draining_engine(up, admin, tok,

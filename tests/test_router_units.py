@@ -260,3 +260,16 @@ def test_balanced_split_fixed_and_adaptive():
     assert adaptive.split(1000, p, d) == 600
     with pytest.raises(ValueError, match="min_ratio 0.5, max_ratio 0.2"):
         BalancedPD(min_ratio=0.5, max_ratio=0.2)
+
+
+def test_the_router_imports_no_torch():
+    """DESIGN §2: a router host may have no GPU stack."""
+    import subprocess
+
+    code = ("import sys, router.server, router.admin, microserve.up, strategies.pd, "
+            "strategies.balanced_pd, strategies.context_migration, strategies.data_parallel; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', "
+            "'kvcache')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
