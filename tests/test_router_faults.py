@@ -201,8 +201,9 @@ def test_killing_one_engine_under_load_leaves_the_router_serving(tiny_served_dir
                 during = [asyncio.create_task(one(http, i)) for i in range(24)]
                 while not engine_stats(victim.url, check=False)["stats"]["running"]:
                     await asyncio.sleep(0.01)
+                core = victim.core_pid()
                 os.kill(victim.proc.pid, signal.SIGKILL)  # the whole engine: daemon first
-                os.kill(victim.core_pid(), signal.SIGKILL)
+                os.kill(core, signal.SIGKILL)
                 first = await asyncio.gather(*during)
                 after = await asyncio.gather(*(one(http, i) for i in range(12)))
                 return first, after
