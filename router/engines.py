@@ -153,15 +153,20 @@ class EngineHandle:
         prefill = _span(len(request.prompt), begin, len(request.prompt))
         self.open_generations += 1
         self.pending_prefill_tokens += prefill
+        chunks = self.client.start_generate(request.request_id, request.prompt, begin,
+                                            request.sampling)
         try:
-            async for chunk in self._stream(self.client.start_generate(
-                    request.request_id, request.prompt, begin, request.sampling)):
+            async for chunk in chunks:
                 self.pending_prefill_tokens -= prefill
                 prefill = 0
                 if chunk.finish_reason is not None:
                     self._pool.prefix_index.insert(request.prompt, self.name)
                 yield chunk
+        except BackendUnavailable as e:
+            self._pool.mark_down(self, str(e))
+            raise
         finally:
+            await chunks.aclose()
             self.open_generations -= 1
             self.pending_prefill_tokens -= prefill
 
@@ -190,16 +195,6 @@ class EngineHandle:
         except BackendUnavailable as e:
             self._pool.mark_down(self, str(e))
             raise
-
-    async def _stream(self, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
-        try:
-            async for chunk in chunks:
-                yield chunk
-        except BackendUnavailable as e:
-            self._pool.mark_down(self, str(e))
-            raise
-        finally:
-            await chunks.aclose()
 
 
 def _span(n: int, begin: int, end: int) -> int:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
 from daemons import LIVE, Daemon, serve
+from deployments import assert_quiet
 
 from microserve.backend import MicroservingError
 from microserve.microserving import Sampling
@@ -39,7 +40,6 @@ TEXT = (
     "two phases on different engines and moves the cache between them. "
 )
 ENGINE_ARGS = ("--num-pages", "256", "--max-model-len", "4096")
-QUIET_KEYS = ("running", "waiting", "kv_pages_used", "kv_reservations", "kv_send_jobs")
 
 
 def start(smollm2_dir, tmp_path_factory, name: str, *args: str) -> Iterator[Daemon]:
@@ -74,15 +74,7 @@ def engines_quiet_and_intact(request):
     yield
     for engine in LIVE:
         assert engine.proc.poll() is None, f"engine {engine.name!r} died"
-        deadline = time.monotonic() + 30
-        while True:
-            body = engine.stats()
-            quiet = {k: body["stats"][k] for k in QUIET_KEYS}
-            if not any(quiet.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert body["integrity"] == "ok", f"engine {engine.name!r}: {body['integrity']}"
-        assert quiet == dict.fromkeys(QUIET_KEYS, 0), (engine.name, body["stats"])
+        assert_quiet(engine.name, engine.url)
 
 
 @pytest.fixture(scope="module")
