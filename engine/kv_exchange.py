@@ -102,14 +102,13 @@ class KVExchange:
         end = resolve_index(end, len(prompt), "end")
         self._check_free(request_id)
         tokens = prompt[:end]
-        total = self.kv.pool.num_pages
-        if self.kv.pages_needed(None, end) > total:  # never fits: a 400, not a retry-later 503
+        need, total = self.kv.pages_needed(None, end), self.kv.pool.num_pages
+        if need > total:  # never fits: a 400, not a retry-later 503
             raise MicroservingError(
-                400, f"end {end}: receiving {end} tokens needs {self.kv.pages_needed(None, end)} "
-                f"KV pages, but this engine's pool has {total} pages", "end")  # fmt: skip
+                400, f"end {end}: receiving {end} tokens needs {need} KV pages, but this "
+                f"engine's pool has {total} pages", "end")  # fmt: skip
         matched = self.kv.prep_recv(request_id, tokens)
         if matched is None:
-            need = self.kv.pages_needed(None, end)
             raise MicroservingError(503, f"no KV pages free to receive {end} tokens ({need} "
                                     f"pages; {self.kv.pool.num_free} free)")  # fmt: skip
         window = self.backend.open_window()
