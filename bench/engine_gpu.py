@@ -178,16 +178,33 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-gemv", action="store_true",
+                    help="batch-1 projections through cuBLAS, not the Triton GEMV")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch the GEMV without programmatic dependent launch")
+    ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
+                    help="torch's GEMM library (default: the engine's, cublaslt)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.blas:
+        import engine.model_runner
+
+        engine.model_runner.BLAS_LIBRARY = args.blas
     model_dir = str(resolve_model(args.model))
     wanted = args.only.split(",")
     results = {"model": args.model, "device": torch.cuda.get_device_name(),
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}  # fmt: skip
+    if args.no_pdl:
+        import engine.kernels.pdl
+
+        engine.kernels.pdl.ENABLED = False
+    results["blas"] = args.blas or "cublaslt"
+    results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
     t = time.perf_counter()
     core = EngineCore(EngineConfig(
         model=model_dir, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+        decode_gemv=not args.no_gemv,
     ))  # fmt: skip
     results["startup_s"] = time.perf_counter() - t
     results["kv_capacity_tokens"] = core.info.kv_capacity_tokens

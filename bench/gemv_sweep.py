@@ -117,21 +117,23 @@ def _triton(x, weights, out, tile, splits, partials, i=0):
     gemv(x, weights[i % len(weights)], out, *tile, splits=splits, partials=partials)
 
 
-def sweep_projection(name: str, n: int, k: int, rows: list[dict]) -> None:
+def sweep_projection(name: str, n: int, k: int, rows: list[dict], m: int = 1) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
     nbytes = n * k * 2
     copies = max(2, min(16, math.ceil((512 << 20) / nbytes)))  # together well past L2
     weights = [torch.randn(n, k, generator=gen, device=DEVICE, dtype=torch.bfloat16) * 0.02
                for _ in range(copies)]  # fmt: skip
-    x = torch.randn(1, k, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(m, k, generator=gen, device=DEVICE, dtype=torch.bfloat16)
     ref = (x.double() @ weights[0].double().t()).float()
-    out = torch.empty(1, n, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
     partials = torch.empty(4, n, device=DEVICE, dtype=torch.float32)
     paths = [("linear", None, 1, functools.partial(_linear, x, weights, out), None),
              ("linear-cublas", None, 1, functools.partial(_linear, x, weights, out), "cublas"),
              ("linear-lt", None, 1, functools.partial(_linear, x, weights, out), "cublaslt"),
              ("mv", None, 1, functools.partial(_mv, x, weights, out), None)]  # fmt: skip
-    for tile in TILES:
+    if m > 1:  # the GEMV paths are for one row
+        del paths[-1]
+    for tile in TILES if m == 1 else []:
         for splits in (1, 2, 4) if n <= 6144 else (1,):
             if n % tile[0] == 0 and k % (splits * tile[1]) == 0:
                 run = functools.partial(_triton, x, weights, out, tile, splits,
@@ -194,12 +196,14 @@ def summary(rows: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--only", default=",".join(p[0] for p in PROJECTIONS))
+    ap.add_argument("--m", type=int, default=1,
+                    help="rows of x (batch); above 1 only the cuBLAS paths run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows: list[dict] = []
     for name, n, k, _ in PROJECTIONS:
         if name in args.only.split(","):
-            sweep_projection(name, n, k, rows)
+            sweep_projection(name, n, k, rows, args.m)
             torch.cuda.empty_cache()
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "rows": rows, "summary": summary(rows)}  # fmt: skip

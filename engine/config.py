@@ -24,6 +24,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # auto: triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1 (tests)
     attention_backend: str = "auto"
+    # CUDA, 16-bit weights: batch-1 decode projections through the Triton GEMV (not cuBLAS)
+    decode_gemv: bool = True
     seed: int = 0  # engine-wide generator for requests without a seed
     # torch's CPU threads; None: torch's default (every core). Engines sharing a host must
     # split the cores: two engines each spinning on every core run ~10x slower (measured).

@@ -69,3 +69,30 @@ def test_bf16_graph_replay_matches_eager(tiny_model_dir):
         graph = runner.graphs.run(batch, ids).clone()
         eager = runner._forward_eager(batch, ids)
     torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_batch1_gemv_matches_cublas(tiny_model_dir):
+    """Batch-1 decode runs its projections through the Triton GEMV (PDL launches inside the
+    CUDA graph): the replayed step must match an eager step with cuBLAS projections."""
+    import torch
+
+    from kvcache.forward import ForwardBatch, SeqForward
+
+    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False)
+    runner = core.runner
+    assert runner.model.model.layers[0].mlp.down_proj.use_gemv
+    core.add_request("r", random_prompts([37], seed=9)[0], greedy(8))
+    for _ in range(3):
+        core.step()
+    (s,) = core.scheduler.running
+    batch = ForwardBatch([SeqForward(s.request_id, s.num_computed_tokens, 1,
+                                     core.kv.page_table(s.request_id))], core.kv.page_size)
+    ids = [s.output_token_ids[-1]]
+    with torch.inference_mode():
+        graph = runner.graphs.run(batch, ids).clone()
+        runner.model.use_triton_kernels(True, gemv=False)
+        try:
+            eager = runner._forward_eager(batch, ids)
+        finally:
+            runner.model.use_triton_kernels(True, gemv=True)
+    torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)

@@ -211,8 +211,10 @@ def test_choose_num_splits():
 
 def test_tile_configs():
     assert pa.extend_config(128, 4096) == pa.TileConfig(block_n=64, num_warps=8, num_stages=3,
-                                                        block_m=128)  # fmt: skip
+                                                        block_m=128, maxnreg=128)  # fmt: skip
+    assert pa.extend_config(256, 4096).maxnreg is None  # capping wider heads would spill
     assert pa.extend_config(128, 9).block_m == 16
+    assert pa.extend_config(128, 9).maxnreg is None
     assert pa.decode_config(256).block_n == 32
     assert pa.TileConfig(64, 4, 3).launch_options() == {"num_warps": 4, "num_stages": 3}
     capped = pa.TileConfig(64, 8, 3, block_m=64, maxnreg=128).launch_options()

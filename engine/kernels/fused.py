@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import launch_options as pdl_options
+from engine.kernels.pdl import use_pdl
+
 # RMSNorm rows up to this many elements stay in registers (one read, one write; 16 warps keep
 # an 8192 row at 64 registers a thread). Longer rows are read twice in chunks of _NORM_LOOP_BLOCK
 # (a whole 8192-element accumulator in the loop would spill).
@@ -62,8 +65,12 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row. With HAS_RESIDUAL: residual += x, then normalize residual."""
+    if PDL:  # wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     res_row = residual_ptr + row * residual_row_stride
@@ -134,7 +141,9 @@ def _launch_rms_norm(x, residual, weight, eps, out) -> None:
         HAS_RESIDUAL=residual is not x,
         BLOCK=block,
         NUM_CHUNKS=triton.cdiv(hidden, block),
+        PDL=use_pdl(x),
         num_warps=_num_warps(block, max_warps=16),
+        **pdl_options(use_pdl(x)),
     )  # fmt: skip
 
 
@@ -237,6 +246,7 @@ def _rope_store_kv_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: rotate its q and k heads in place, copy rotated k and v into the
     cache slot `slot_mapping[token]` unless that slot is negative.
@@ -246,6 +256,9 @@ def _rope_store_kv_kernel(
         cache.view(-1, NUM_KV_HEADS, 2 * HALF)[slot] <- rotated k / v,
           slot = page * page_size + offset in page (chosen by the runner)
     """
+    if PDL:  # wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -369,7 +382,9 @@ def rope_and_store_kv(
         BLOCK_HEADS=block_heads,
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
+        PDL=use_pdl(q),
         num_warps=_num_warps(block_heads * block_half),
+        **pdl_options(use_pdl(q)),
     )  # fmt: skip
 
 
@@ -385,8 +400,12 @@ def _silu_and_mul_kernel(
     out_row_stride,
     intermediate,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, block): out[row, cols] = silu(gate) * up, x[row] = [ gate | up ]."""
+    if PDL:  # wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
@@ -420,6 +439,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = min(triton.next_power_of_2(intermediate), _MAX_SILU_BLOCK)
     grid = (num_rows, triton.cdiv(intermediate, block))
     _silu_and_mul_kernel[grid](
-        x, x.stride(0), out, out.stride(0), intermediate, BLOCK=block, num_warps=4
+        x, x.stride(0), out, out.stride(0), intermediate, BLOCK=block, PDL=use_pdl(x),
+        num_warps=4, **pdl_options(use_pdl(x)),
     )
     return out

@@ -66,8 +66,8 @@ Launch parameters
 override them (`python -m bench.kernel_sweep` times candidates on a GPU). How many programs
 share an SM decides how much of one program's softmax overlaps another's matrix work. Compiled
 for sm_90 with triton 3.6 at head_dim 128, the extend kernel with BLOCK_M 128, BLOCK_N 64 and
-8 warps takes 173 registers a thread: one program per SM. 64-row tiles fit two, with 4 warps
-(190 registers) or with 8 warps capped at 128 registers (`maxnreg`, no spills).
+8 warps takes 173 registers a thread: one program per SM; capped at 128 (`maxnreg`, the
+default since it measured 29% faster) two fit.
 
 CUDA-graph safety
 -----------------
@@ -86,6 +86,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.pdl import launch_options as pdl_options
+from engine.kernels.pdl import use_pdl
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64  # one decode tile: a split shorter than that is all overhead
@@ -122,10 +125,17 @@ def decode_config(head_dim: int) -> TileConfig:
 
 def extend_config(head_dim: int, max_q_len: int) -> TileConfig:
     """Default extend launch: query tiles no taller than the longest chunk needs (16/64/128
-    rows), 64-key tiles (32 above head_dim 128), 8 warps for 128-row tiles, 3 stages."""
+    rows), 64-key tiles (32 above head_dim 128), 8 warps for 128-row tiles, 3 stages.
+
+    128-row tiles at head_dim <= 128 cap registers at 128 a thread, so two programs share an
+    SM (uncapped: 173 registers, one): on an H100 at head_dim 128 (`bench.kernel_sweep`,
+    2026-11-23) 8 x 4,096 tokens took 2.63 ms against 3.39 ms uncapped (SDPA on contiguous KV:
+    2.01 ms); the compiler spills 16 bytes for it, and it was the fastest launch at every
+    extend shape swept."""
     block_m = 16 if max_q_len <= 16 else 64 if max_q_len <= 64 else 128
+    capped = block_m >= 128 and head_dim <= 128
     return TileConfig(block_n=64 if head_dim <= 128 else 32, num_warps=8 if block_m >= 128 else 4,
-                      num_stages=3, block_m=block_m)  # fmt: skip
+                      num_stages=3, block_m=block_m, maxnreg=128 if capped else None)  # fmt: skip
 
 
 @triton.jit
@@ -186,8 +196,11 @@ def _decode_split_kernel(
     stride_tb, stride_wb, stride_wh, stride_ws, stride_ob, stride_oh, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -227,8 +240,11 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     ws_ptr, out_ptr, stride_wb, stride_wh, stride_ws, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -401,6 +417,7 @@ def paged_decode_attention(
             raise ValueError(f"workspace must be fp32 {expected}, got {tuple(workspace.shape)} "
                              f"{workspace.dtype}")
     ws = workspace if num_splits > 1 else out  # unused by the kernel when DIRECT_OUT
+    pdl = use_pdl(q)
     ws_strides = ws.stride()[:3] if num_splits > 1 else (0, 0, 0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, ws, out, scale * LOG2E,
@@ -408,12 +425,14 @@ def paged_decode_attention(
         page_table.stride(0), *ws_strides, out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, DIRECT_OUT=num_splits == 1,
-        DOT_PRECISION=_dot_precision(q.dtype), **config.launch_options(),
+        DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, **config.launch_options(),
+        **pdl_options(pdl),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             workspace, out, *ws_strides, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=pdl,
+            num_warps=4, **pdl_options(pdl),
         )
     return out
 

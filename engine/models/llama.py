@@ -159,6 +159,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (no bias) whose one-row calls run the Triton GEMV when `use_gemv` is set
+    (CUDA, 16-bit weights: batch-1 decode, where cuBLAS reads the weights slower; see
+    engine/kernels/gemv.py)."""
+
+    use_gemv = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_gemv and x.shape[0] == 1:
+            from engine.kernels.gemv import gemv
+
+            return gemv(x, self.weight)
+        return F.linear(x, self.weight)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -169,8 +184,8 @@ class LlamaAttention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         # rows: [ q (heads * head_dim) | k (kv_heads * head_dim) | v (kv_heads * head_dim) ]
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
@@ -187,12 +202,16 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         # rows: [ gate (intermediate) | up (intermediate) ]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.use_triton = False  # set by LlamaForCausalLM.use_triton_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.down_proj.use_gemv and x.shape[0] == 1:
+            from engine.kernels.gemv import gemv
+
+            return gemv(gate_up, self.down_proj.weight, gated=True)  # SiLU·mul fused in
         if self.use_triton:
             from engine.kernels.fused import silu_and_mul
 
@@ -260,8 +279,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.gemv_logits = False  # one-row logits through the Triton GEMV (use_triton_kernels)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
@@ -273,14 +293,25 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the hidden rows [N, hidden] the runner samples from."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.gemv_logits and hidden.shape[0] == 1:
+            from engine.kernels.gemv import gemv
+
+            return gemv(hidden, weight, torch.empty(1, weight.shape[0], dtype=torch.float32,
+                                                    device=hidden.device))
         return F.linear(hidden, weight).float()
 
-    def use_triton_kernels(self, enabled: bool = True) -> None:
+    def use_triton_kernels(self, enabled: bool = True, gemv: bool = False) -> None:
         """Run norms and SiLU*mul as the fused Triton kernels (CUDA); attention and RoPE are
-        the attention backend's choice."""
+        the attention backend's choice. `gemv`: one-row projections (batch-1 decode) through
+        the Triton GEMV, for 16-bit weights (fp32 keeps cuBLAS and its exact greedy tokens)."""
+        gemv = enabled and gemv and self.model.embed_tokens.weight.dtype in (
+            torch.bfloat16, torch.float16)
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.use_triton = enabled
+            elif isinstance(module, Linear):
+                module.use_gemv = gemv
+        self.gemv_logits = gemv
 
     def reset_cache(self) -> None:
         """Recompute non-weight buffers (the RoPE table) after `to_empty()`."""

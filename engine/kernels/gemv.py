@@ -1,0 +1,145 @@
+"""Single-token projections (M = 1) as a Triton GEMV: the batch-1 decode path (issue 5).
+
+At batch 1 every projection reads its whole weight once to produce one row, so a decode step is
+bound by how fast the weights stream from memory. cuBLAS's kernels for M = 1 (measured with
+`python -m bench.gemv_sweep` on an H100, 2026-11-23) read Llama-3.1-8B's projections at
+1.97-2.76 TB/s, the split-K kernel it picks for the down projection among the slowest; this
+kernel reads them at 2.32-3.04 TB/s:
+
+- each program owns BLOCK_N output rows and walks the whole K once, BLOCK_K columns at a time,
+  into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced at the end (no split-K, no second kernel);
+- weights load with `evict_first` (read once), so L2 keeps the input row every program reads;
+- `gated=True` computes `silu(gate) * up` from a [1, 2K] input on the fly (the MLP's down
+  projection), one kernel instead of SiLU·mul and the GEMV;
+- programmatic dependent launch (`engine/kernels/pdl.py`): the kernel launches while the
+  previous one drains, loads its first weight tile, and only then waits for the previous
+  kernel's output: the launch and the first HBM round trip overlap the kernel before it.
+
+Numerics: fp32 accumulation over bf16/fp16 inputs, cast once: within bf16 rounding of
+`F.linear`, not bit-identical to it (the summation order differs). The gated input rounds
+silu(gate) * up to the input dtype first, as `silu_and_mul` does before the down projection.
+
+CUDA-graph safety: the wrapper reads only shapes and dtypes; the grid depends only on shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import pdl as _pdl
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """4 rows x 1,024 columns per program: the fastest tile for every Llama-3.1-8B projection
+    in the 2026-11-23 H100 sweep (within 1% of the best tile on each); 8 warps where a row is
+    long or the matrix small (down, o), 4 elsewhere. Short rows get a narrower tile."""
+    block_k = min(1024, triton.next_power_of_2(k))
+    warps = 8 if (k >= 8192 or n <= 4096) and block_k >= 1024 else 4
+    return GemvConfig(block_n=4, block_k=block_k, num_warps=warps)
+
+
+@triton.jit
+def _weight_tile(w_ptrs, k0, row_ok, cols, K, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(w_ptrs + k0, eviction_policy="evict_first")  # read once: L2 keeps x
+    return tl.load(w_ptrs + k0, mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")  # fmt: skip
+
+
+@triton.jit
+def _input_tile(x_ptr, c, K, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[c] as fp32; GATED: silu(gate[c]) * up[c], rounded to x's dtype like `silu_and_mul`."""
+    if EVEN_K:
+        x = tl.load(x_ptr + c)
+    else:
+        x = tl.load(x_ptr + c, mask=c < K, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        if EVEN_K:
+            up = tl.load(x_ptr + K + c).to(tl.float32)
+        else:
+            up = tl.load(x_ptr + K + c, mask=c < K, other=0.0).to(tl.float32)
+        x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, N, K, stride_wn,
+    GATED: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """out[n] = sum_k w[n, k] * x[k] for this program's BLOCK_N rows n (x: see _input_tile)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows < N
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    # the first tile is peeled: its weights do not depend on the kernel before, so under PDL
+    # they are in flight before the wait for that kernel's output (x)
+    w = _weight_tile(w_ptrs, 0, row_ok, cols, K, EVEN_N and EVEN_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        # once every program has started, the next kernel may launch: its programs fill the
+        # SMs this kernel's last wave leaves idle and fetch their own first tiles
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = w.to(tl.float32) * _input_tile(x_ptr, cols, K, GATED, EVEN_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _weight_tile(w_ptrs, k0, row_ok, cols, K, EVEN_N and EVEN_K)
+        acc += w.to(tl.float32) * _input_tile(x_ptr, k0 + cols, K, GATED, EVEN_K)[None, :]
+    y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty)
+    if EVEN_N:
+        tl.store(out_ptr + rows, y)
+    else:
+        tl.store(out_ptr + rows, y, mask=row_ok)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    gated: bool = False,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight)` for one row x.
+
+    Args:
+        x: [1, K] (gated: [1, 2K] = [gate | up]), contiguous.
+        weight: [N, K], last dim contiguous, x's dtype.
+        out: [1, N], x's dtype or float32 (allocated in x's dtype if None).
+        gated: the input is silu(gate) * up (the MLP's down projection).
+        config: launch parameters; default `gemv_config(N, K)`.
+    Returns:
+        out.
+    """
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * k if gated else k):
+        want = f"[1, {2 * k if gated else k}]"
+        raise ValueError(f"x must be {want} for weight [{n}, {k}], got {tuple(x.shape)}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype:
+        raise ValueError("x and weight must share a dtype and be contiguous in their last dim")
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    config = config or gemv_config(n, k)
+    pdl = _pdl.use_pdl(x)
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, out, n, k, weight.stride(0),
+        GATED=gated, PDL=pdl,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **_pdl.launch_options(pdl),
+    )  # fmt: skip
+    return out
