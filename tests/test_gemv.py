@@ -21,6 +21,7 @@ if INTERPRET:
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from engine.kernels import gemv as gemv_mod  # noqa: E402
+from engine.models.llama import RMSNorm  # noqa: E402
 
 if INTERPRET and not isinstance(gemv_mod._gemv_kernel, InterpretedFunction):
     gemv_mod = importlib.reload(gemv_mod)  # imported by an earlier test module before the env var
@@ -74,6 +75,51 @@ def test_gemv_float32_out_from_bf16():
 def test_gemv_small_tiles_walk_k():
     check(40, 300, torch.float32, False, gemv_mod.GemvConfig(block_n=8, block_k=64, num_warps=4))
     check(40, 300, torch.float32, True, gemv_mod.GemvConfig(block_n=8, block_k=64, num_warps=4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("n,k", [(64, 1024), (50, 576)])
+def test_rms_norm_gemv_matches_norm_then_linear(n, k, dtype, with_residual):
+    """One kernel = RMSNorm (llama.py's, residual add first) then the projection; the summed
+    residual comes back (program 0 writes it) and the inputs are left alone."""
+    g = torch.Generator(device=DEVICE).manual_seed(n + k)
+    x = torch.randn(1, k, generator=g, device=DEVICE).to(dtype)
+    residual = (torch.randn(1, k, generator=g, device=DEVICE) * 3).to(dtype)
+    norm = RMSNorm(k, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=g, device=DEVICE))
+    norm = norm.to(dtype)
+    w = (torch.randn(n, k, generator=g, device=DEVICE) * 0.05).to(dtype)
+    x_before, r_before = x.clone(), residual.clone()
+    with torch.no_grad():
+        if with_residual:
+            normed, summed = norm(x, residual)
+        else:
+            normed, summed = norm(x), x
+        out, res_out = gemv_mod.rms_norm_gemv(x, residual if with_residual else None,
+                                              norm.weight, norm.eps, w)  # fmt: skip
+    assert torch.equal(x, x_before) and torch.equal(residual, r_before)
+    if not with_residual:
+        assert res_out is x
+    ref = normed.double() @ w.double().t()
+    if dtype == torch.float32:
+        torch.testing.assert_close(res_out, summed, rtol=0, atol=0)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    else:  # one bf16 rounding apart per step (the interpreter truncates where torch rounds)
+        torch.testing.assert_close(res_out.float(), summed.float(), rtol=2**-7, atol=1e-6)
+        bound = 2.0**-7 * (normed.double().abs() @ w.double().abs().t()) + 2.0**-7 * ref.abs()
+        assert ((out.double() - ref).abs() <= bound).all()
+
+
+def test_rms_norm_gemv_rejects_bad_shapes():
+    w = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"norm_weight \[16\]"):
+        gemv_mod.rms_norm_gemv(torch.zeros(1, 16, device=DEVICE), None,
+                               torch.ones(15, device=DEVICE), 1e-5, w)  # fmt: skip
+    with pytest.raises(ValueError, match="residual must be"):
+        gemv_mod.rms_norm_gemv(torch.zeros(1, 16, device=DEVICE), torch.zeros(1, 8, device=DEVICE),
+                               torch.ones(16, device=DEVICE), 1e-5, w)  # fmt: skip
 
 
 def test_gemv_default_tiles():

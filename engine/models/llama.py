@@ -190,12 +190,18 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, rotary, attn))
+
+    def attend(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
+    ) -> torch.Tensor:
+        """Attention output [T, heads * head_dim] (before o_proj) of the projected qkv [T, .]."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = attn.attention(self.layer_idx, q, k, v, positions, rotary.cos_sin)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return out.reshape(-1, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -208,10 +214,6 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.down_proj.use_gemv and x.shape[0] == 1:
-            from engine.kernels.gemv import gemv
-
-            return gemv(gate_up, self.down_proj.weight, gated=True)  # SiLU·mul fused in
         if self.use_triton:
             from engine.kernels.fused import silu_and_mul
 
@@ -238,6 +240,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's MLP output (or the embeddings, residual None); returns
         this layer's MLP output and the residual stream before it."""
+        if self.mlp.down_proj.use_gemv and x.shape[0] == 1:
+            return self._forward_one_row(x, residual, positions, rotary, attn)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -245,6 +249,19 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(x, positions, rotary, attn)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_one_row(self, x, residual, positions, rotary, attn):
+        """The same layer for one token (batch-1 decode) in four GEMV kernels: each norm runs
+        inside the projection after it, SiLU·mul inside the down projection."""
+        from engine.kernels.gemv import gemv, rms_norm_gemv
+
+        sa, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = rms_norm_gemv(x, residual, norm1.weight, norm1.eps, sa.qkv_proj.weight)
+        x = gemv(sa.attend(qkv, positions, rotary, attn), sa.o_proj.weight)
+        gate_up, residual = rms_norm_gemv(x, residual, norm2.weight, norm2.eps,
+                                          mlp.gate_up_proj.weight)  # fmt: skip
+        return gemv(gate_up, mlp.down_proj.weight, gated=True), residual
 
 
 class LlamaModel(nn.Module):
