@@ -133,6 +133,7 @@ def _launch_rms_norm(x, residual, weight, eps, out) -> None:
     block = triton.next_power_of_2(hidden)
     if block > _MAX_NORM_BLOCK:
         block = _NORM_LOOP_BLOCK
+    pdl = use_pdl(x)
     _rms_norm_kernel[(num_rows,)](
         x, x.stride(0),
         residual, residual.stride(0),
@@ -141,9 +142,9 @@ def _launch_rms_norm(x, residual, weight, eps, out) -> None:
         HAS_RESIDUAL=residual is not x,
         BLOCK=block,
         NUM_CHUNKS=triton.cdiv(hidden, block),
-        PDL=use_pdl(x),
+        PDL=pdl,
         num_warps=_num_warps(block, max_warps=16),
-        **pdl_options(use_pdl(x)),
+        **pdl_options(pdl),
     )  # fmt: skip
 
 
@@ -367,6 +368,7 @@ def rope_and_store_kv(
     half = head_dim // 2
     block_heads = triton.next_power_of_2(num_heads)
     block_half = triton.next_power_of_2(half)
+    pdl = use_pdl(q)
     _rope_store_kv_kernel[(num_tokens,)](
         q, q.stride(0), q.stride(1),
         k, k.stride(0), k.stride(1),
@@ -382,9 +384,9 @@ def rope_and_store_kv(
         BLOCK_HEADS=block_heads,
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
-        PDL=use_pdl(q),
+        PDL=pdl,
         num_warps=_num_warps(block_heads * block_half),
-        **pdl_options(use_pdl(q)),
+        **pdl_options(pdl),
     )  # fmt: skip
 
 
@@ -438,8 +440,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(triton.next_power_of_2(intermediate), _MAX_SILU_BLOCK)
     grid = (num_rows, triton.cdiv(intermediate, block))
+    pdl = use_pdl(x)
     _silu_and_mul_kernel[grid](
-        x, x.stride(0), out, out.stride(0), intermediate, BLOCK=block, PDL=use_pdl(x),
-        num_warps=4, **pdl_options(use_pdl(x)),
+        x, x.stride(0), out, out.stride(0), intermediate, BLOCK=block, PDL=pdl, num_warps=4,
+        **pdl_options(pdl),
     )
     return out

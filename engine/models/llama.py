@@ -159,21 +159,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Linear(nn.Linear):
-    """nn.Linear (no bias) whose one-row calls run the Triton GEMV when `use_gemv` is set
-    (CUDA, 16-bit weights: batch-1 decode, where cuBLAS reads the weights slower; see
-    engine/kernels/gemv.py)."""
-
-    use_gemv = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_gemv and x.shape[0] == 1:
-            from engine.kernels.gemv import gemv
-
-            return gemv(x, self.weight)
-        return F.linear(x, self.weight)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -184,8 +169,8 @@ class LlamaAttention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         # rows: [ q (heads * head_dim) | k (kv_heads * head_dim) | v (kv_heads * head_dim) ]
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
@@ -208,8 +193,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         # rows: [ gate (intermediate) | up (intermediate) ]
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.use_triton = False  # set by LlamaForCausalLM.use_triton_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,6 +214,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # one-token steps through the Triton GEMV kernels (set by use_triton_kernels)
+        self.use_gemv = False
 
     def forward(
         self,
@@ -240,7 +227,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's MLP output (or the embeddings, residual None); returns
         this layer's MLP output and the residual stream before it."""
-        if self.mlp.down_proj.use_gemv and x.shape[0] == 1:
+        if self.use_gemv and x.shape[0] == 1:
             return self._forward_one_row(x, residual, positions, rotary, attn)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -296,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.gemv_logits = False  # one-row logits through the Triton GEMV (use_triton_kernels)
 
@@ -326,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.use_triton = enabled
-            elif isinstance(module, Linear):
+            elif isinstance(module, LlamaDecoderLayer):
                 module.use_gemv = gemv
         self.gemv_logits = gemv
 
