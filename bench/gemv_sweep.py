@@ -18,6 +18,13 @@ CUDA-graph replays over enough weight copies that L2 holds none of them:
 and prints TB/s of weight read, the relative error against an fp32 product, and per
 projection the fastest path; last, what a decode step's 32 layers + LM head would take with
 the fastest exact path of each projection against F.linear.
+
+    python -m bench.gemv_sweep --engine [--only gate_up,down]
+
+times instead the engine's own kernel (`engine/kernels/gemv.py`) in the variant the decode
+layer runs for each projection (qkv and gate_up with the RMSNorm folded in, down gated, the LM
+head writing fp32, with PDL) over a wider grid of tiles (`ENGINE_TILES`, up to whole rows per
+load), against its default `gemv_config`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import time
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from bench.kernel_sweep import graph_ms, rel_err
 
@@ -47,6 +56,12 @@ TILES = [(4, 512, 4, 1), (4, 1024, 4, 1), (4, 1024, 8, 1), (8, 512, 4, 1), (8, 5
          (8, 1024, 8, 1), (16, 256, 4, 1), (16, 512, 4, 1), (16, 512, 8, 1), (32, 256, 8, 1),
          (32, 128, 4, 1), (2, 1024, 4, 1), (4, 1024, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3)]
 DEVICE = "cuda"
+# The --engine grid: (BLOCK_N, BLOCK_K) with 2K-16K weights per tile, 4/8/16 warps keeping the
+# fp32 accumulator at <= 64 values a thread, 1 or 2 stages.
+ENGINE_TILES = [(bn, bk, w, s) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096)
+                for w in (4, 8, 16) for s in (1, 2)
+                if 2048 <= bn * bk <= 16384 and bn * bk // (32 * w) <= 64
+                and (w < 16 or bn * bk >= 8192)]  # fmt: skip
 
 
 @triton.jit
@@ -156,6 +171,52 @@ def sweep_projection(name: str, n: int, k: int, rows: list[dict], m: int = 1) ->
         _print_row(rows[-1])
 
 
+def sweep_engine_kernel(name: str, n: int, k: int, rows: list[dict]) -> None:
+    """The engine's GEMV as the decode layer calls it for `name`, per tile of ENGINE_TILES."""
+    from engine.kernels.gemv import GemvConfig, gemv_config, rms_norm_gemv
+    from engine.kernels.gemv import gemv as engine_gemv
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    nbytes = n * k * 2
+    copies = max(2, min(16, math.ceil((512 << 20) / nbytes)))
+    weights = [torch.randn(n, k, generator=gen, device=DEVICE, dtype=torch.bfloat16) * 0.02
+               for _ in range(copies)]  # fmt: skip
+    x = torch.randn(1, 2 * k if name == "down" else k, generator=gen, device=DEVICE,
+                    dtype=torch.bfloat16)  # fmt: skip
+    residual = torch.randn(1, k, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    norm_w = torch.rand(k, generator=gen, device=DEVICE, dtype=torch.bfloat16) + 0.5
+    out = torch.empty(1, n, device=DEVICE,
+                      dtype=torch.float32 if name == "lm_head" else torch.bfloat16)
+
+    def call(config, i=0):
+        w = weights[i % len(weights)]
+        if name in ("qkv", "gate_up"):
+            return rms_norm_gemv(x, residual, norm_w, 1e-5, w, config)[0]
+        return engine_gemv(x, w, out, gated=name == "down", config=config)
+
+    ref = call(GemvConfig(4, 256, 4)).double()
+    default = gemv_config(n, k)
+    configs = [default] + [GemvConfig(*t) for t in ENGINE_TILES if GemvConfig(*t) != default]
+    for config in configs:
+        if config.block_k > triton.next_power_of_2(k):
+            continue
+        try:
+            err = rel_err(call(config), ref)
+            ms = graph_ms(functools.partial(call, config), copies)
+        except (RuntimeError, OutOfResources, CompilationError) as e:  # a tile that won't build
+            print(f"{name} {config}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        tile = (config.block_n, config.block_k, config.num_warps, config.num_stages)
+        rows.append({"projection": name, "n": n, "k": k,
+                     "method": "default" if config == default else "engine", "tile": tile,
+                     "splits": 1, "rel_err": err, "us": ms * 1e3, "tb_s": nbytes / ms / 1e9})
+        _print_row(rows[-1])
+    mine = [r for r in rows if r["projection"] == name]
+    best = min(mine, key=lambda r: r["us"])
+    print(f"{name}: default {mine[0]['us']:.1f} us, best ", end="")
+    _print_row(best)
+
+
 def _print_row(r: dict) -> None:
     tile = "n{}:k{}:w{}:s{}".format(*r["tile"]) if r["tile"] else "-"
     print(f"{r['projection']:8} {r['method']:14} {tile:14} splits {r['splits']}  "
@@ -198,13 +259,23 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(p[0] for p in PROJECTIONS))
     ap.add_argument("--m", type=int, default=1,
                     help="rows of x (batch); above 1 only the cuBLAS paths run")
+    ap.add_argument("--engine", action="store_true",
+                    help="time the engine's kernel over ENGINE_TILES instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows: list[dict] = []
     for name, n, k, _ in PROJECTIONS:
         if name in args.only.split(","):
-            sweep_projection(name, n, k, rows, args.m)
+            if args.engine:
+                sweep_engine_kernel(name, n, k, rows)
+            else:
+                sweep_projection(name, n, k, rows, args.m)
             torch.cuda.empty_cache()
+    if args.engine:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
+        return
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "rows": rows, "summary": summary(rows)}  # fmt: skip
     if args.json:

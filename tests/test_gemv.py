@@ -123,10 +123,11 @@ def test_rms_norm_gemv_rejects_bad_shapes():
 
 
 def test_gemv_default_tiles():
-    assert gemv_mod.gemv_config(6144, 4096) == gemv_mod.GemvConfig(4, 1024, 4)  # qkv
-    assert gemv_mod.gemv_config(4096, 4096) == gemv_mod.GemvConfig(4, 1024, 8)  # o
-    assert gemv_mod.gemv_config(4096, 14336) == gemv_mod.GemvConfig(4, 1024, 8)  # down
-    assert gemv_mod.gemv_config(49152, 576).block_k == 1024  # masked past column 576
+    assert gemv_mod.gemv_config(6144, 4096) == gemv_mod.GemvConfig(2, 4096, 8)  # qkv
+    assert gemv_mod.gemv_config(28672, 4096) == gemv_mod.GemvConfig(2, 4096, 8)  # gate_up
+    assert gemv_mod.gemv_config(4096, 14336) == gemv_mod.GemvConfig(4, 2048, 8)  # down
+    assert gemv_mod.gemv_config(128256, 4096) == gemv_mod.GemvConfig(1, 4096, 8)  # LM head
+    assert gemv_mod.gemv_config(49152, 576) == gemv_mod.GemvConfig(2, 1024, 4)  # masked past 576
 
 
 def test_gemv_rejects_bad_shapes():

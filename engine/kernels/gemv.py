@@ -4,7 +4,7 @@ At batch 1 every projection reads its whole weight once to produce one row, so a
 bound by how fast the weights stream from memory. cuBLAS's kernels for M = 1 (measured with
 `python -m bench.gemv_sweep` on an H100, 2026-11-23) read Llama-3.1-8B's projections at
 1.97-2.76 TB/s, the split-K kernel it picks for the down projection among the slowest; this
-kernel reads them at 2.32-3.04 TB/s:
+kernel reads them at 2.6-3.1 TB/s (`--engine` sweep, tiles as `gemv_config`):
 
 - each program owns BLOCK_N output rows and walks the whole K once, BLOCK_K columns at a time,
   into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced at the end (no split-K, no second kernel);
@@ -48,12 +48,18 @@ class GemvConfig:
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
-    """4 rows x 1,024 columns per program: the fastest tile for every Llama-3.1-8B projection
-    in the 2026-11-23 H100 sweep (within 1% of the best tile on each); 8 warps where a row is
-    long or the matrix small (down, o), 4 elsewhere. Short rows get a narrower tile."""
-    block_k = min(1024, triton.next_power_of_2(k))
-    warps = 8 if (k >= 8192 or n <= 4096) and block_k >= 1024 else 4
-    return GemvConfig(block_n=4, block_k=block_k, num_warps=warps)
+    """The tile from the 2026-11-23 H100 sweep of this kernel (`python -m bench.gemv_sweep
+    --engine`): a row of up to 4,096 columns loads whole, 2 rows a program (1 for a vocabulary-
+    sized N), 8 warps; longer rows (the down projection) go 2,048 columns at a time, 4 rows a
+    program. Against the 4 x 1,024 tile before, per Llama-3.1-8B projection: qkv 21.3 -> 19.5
+    us, o 13.5 -> 13.0, gate_up 86.4 -> 79.6 (2.95 TB/s), down 44.9 -> 43.7, LM head 356.8 ->
+    338.9 (3.10 TB/s); each within 0.4 us of the fastest tile of 54 (the LM head's is this
+    one), and 1 or 2 pipeline stages made no difference."""
+    if k <= 4096:
+        block_k = triton.next_power_of_2(k)
+        return GemvConfig(block_n=1 if n >= 65536 else 2, block_k=block_k,
+                          num_warps=8 if block_k >= 2048 else 4)
+    return GemvConfig(block_n=4, block_k=2048, num_warps=8)
 
 
 @triton.jit
