@@ -60,7 +60,8 @@ class ModelRunner:
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
             self.model.use_triton_kernels(True, gemv=self.cuda and config.decode_gemv)
-        self.sampler = Sampler(self.config.vocab_size, self.device, seed=config.seed)
+        self.sampler = Sampler(self.config.vocab_size, self.device, seed=config.seed,
+                               triton_argmax=self.cuda and self.triton)
         self.kv: PagedKVCache | None = None  # set by allocate_kv
         self.graphs: DecodeGraphs | None = None  # set by allocate_kv on CUDA
         self._last_tokens: torch.Tensor | None = None  # the previous step's sampled ids (device)
