@@ -55,6 +55,24 @@ RANDOM_MODELS = {
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     },
+    # Not a real model: 2 small layers, a 2,048-token vocabulary, fp32. For measuring what
+    # surrounds the model (the router's overhead, HTTP, scheduling) on a CPU, where a real
+    # model's step time and its variation would hide it.
+    "tiny": {
+        **_LLAMA3_COMMON,
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    },
 }  # fmt: skip
 
 _CHAT_TEMPLATE = (
@@ -83,8 +101,10 @@ def materialize(spec: str, models_dir: Path) -> Path:
     config = RANDOM_MODELS[name]
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     _placeholder_tokenizer(config["vocab_size"]).save(str(tmp / "tokenizer.json"))
+    eos = config["eos_token_id"]
+    eos = eos[-1] if isinstance(eos, list) else eos  # Llama 3's end-of-turn token
     (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": _CHAT_TEMPLATE, "bos_token": None, "eos_token": "<128009>",
+        "chat_template": _CHAT_TEMPLATE, "bos_token": None, "eos_token": f"<{eos}>",
         "add_bos_token": False,
     }))  # fmt: skip
     (tmp / RANDOM_WEIGHTS_MARKER).write_text("0\n")

@@ -37,6 +37,14 @@ def test_llama_32_1b_is_tied(cache):
     assert (c.hidden_size, c.num_layers, c.head_dim, c.tie_word_embeddings) == (2048, 16, 64, True)
 
 
+def test_tiny_is_fp32_with_its_own_eos(cache):
+    d = resolve_model("random:tiny")
+    c = ModelConfig.from_dir(d)
+    assert (c.vocab_size, c.hidden_size, c.num_layers, c.head_dim) == (2048, 128, 2, 32)
+    assert c.eos_token_ids == (2,)
+    assert Tokenizer.from_dir(d).eos_token_id == 2
+
+
 def test_unknown_synthetic_model(cache):
     with pytest.raises(ValueError, match="unknown synthetic model .*random:llama-3.1-8b"):
         resolve_model("random:gpt-5")
