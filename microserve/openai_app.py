@@ -367,6 +367,10 @@ class OpenAIFrontend:
                     text += stop.flush()
                 yield _Delta(text, out.logprobs or [], out.finish_reason)
                 if backend_finished:
+                    # Let the backend finish its own work after the last output (the router:
+                    # the strategy's end) before the response ends.
+                    async for _ in outputs:
+                        pass
                     return
         finally:
             self._running.dec()

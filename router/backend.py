@@ -74,11 +74,14 @@ class RouterBackend(GenerateBackend):
             try:
                 async for chunk in chunks:
                     produced = True
-                    if chunk.finish_reason is not None:
-                        await _no_more(chunks, loaded)  # run the strategy to its end first
-                        finished = True
+                    finished = chunk.finish_reason is not None
                     yield _token_output(request_id, len(prompt_token_ids), chunk)
                     if finished:
+                        # Then run the strategy to its end (a consumer that reads on after
+                        # the finishing output waits for it; one that closes here cuts it
+                        # short): the client has its last token without waiting for the
+                        # engine's stream to end.
+                        await _no_more(chunks, loaded)
                         return
                 raise StrategyError(f"strategy {_who(loaded)} ended request {request_id} "
                                     "without a finish reason")
