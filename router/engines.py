@@ -28,8 +28,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import aiohttp
-
 from microserve.backend import BackendUnavailable
 from microserve.metrics import Registry
 from microserve.microserving import (
@@ -40,7 +38,7 @@ from microserve.microserving import (
     PrepRecvResponse,
     RemoteSendResponse,
 )
-from microserve.microserving_client import EngineClient, new_session
+from microserve.microserving_client import EngineClient
 from router.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
@@ -218,7 +216,6 @@ class EnginePool:
         self.timeout_s = timeout_s
         self.prefix_index = PrefixIndex()  # page size set from the first engine's info
         self._engines: dict[str, EngineHandle] = {}
-        self._session: aiohttp.ClientSession | None = None  # made on first use, in the loop
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None
         self.marked_down = 0  # times an engine went down (poll or failed call)
@@ -281,15 +278,16 @@ class EnginePool:
         BackendUnavailable if it does not answer."""
         if spec.name in self._engines:
             raise ValueError(f"an engine named {spec.name!r} is already in the pool")
-        if self._session is None:
-            self._session = new_session()
-        client = EngineClient(spec.url, api_key=self.api_key, session=self._session,
-                              timeout_s=self.timeout_s)
+        client = EngineClient(spec.url, api_key=self.api_key, timeout_s=self.timeout_s)
         handle = EngineHandle(spec, client, self)
-        body = await client.stats()
-        self._check_same_model(spec.name, body["info"])
-        if spec.name in self._engines:  # added by someone else while we waited
-            raise ValueError(f"an engine named {spec.name!r} is already in the pool")
+        try:
+            body = await client.stats()
+            self._check_same_model(spec.name, body["info"])
+            if spec.name in self._engines:  # added by someone else while we waited
+                raise ValueError(f"an engine named {spec.name!r} is already in the pool")
+        except BaseException:
+            client.close()
+            raise
         if not self._engines:
             self.prefix_index = PrefixIndex(page_size=body["info"]["page_size"])
         handle.info, handle.load = body["info"], body["stats"]
@@ -324,6 +322,7 @@ class EnginePool:
         strategies can no longer pick it."""
         handle = self[name]
         del self._engines[name]
+        handle.client.close()  # calls in flight finish; their connections then close
         self.prefix_index.remove_engine(name)
         log.info("engine %s removed", name)
         return handle
@@ -373,8 +372,8 @@ class EnginePool:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
-        if self._session is not None:
-            await self._session.close()
+        for handle in self:
+            handle.client.close()
 
     def metrics_text(self) -> str:
         """Prometheus text of the pool's state, rendered when /metrics is read."""
