@@ -95,6 +95,8 @@ async def main() -> None:
     ap.add_argument("--tokens", default="1000,3000")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--base-port", type=int, default=18100)
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="each engine's --cpu-threads (default: torch's own, all cores)")
     args = ap.parse_args()
     model = str(resolve_model(args.model))
     mc = ModelConfig.from_dir(model)
@@ -102,6 +104,8 @@ async def main() -> None:
     lengths = [int(x) for x in args.tokens.split(",")]
     common = ("--num-pages", str(4 * max(lengths) // 16 + 64), "--max-model-len",
               str(max(lengths) + 64), "--max-num-batched-tokens", "512")  # fmt: skip
+    if args.engine_threads is not None:
+        common += ("--cpu-threads", str(args.engine_threads))
     ports = {"p": args.base_port, "shm": args.base_port + 1, "tcp": args.base_port + 2}
     procs = {
         "p": start_engine(model, ports["p"], *common),
