@@ -1,6 +1,8 @@
 """What the router adds: the same requests to one engine directly and through the router.
 
     python -m bench.router [--model smollm2-135m-instruct] [--pairs 200] [--output-len 8]
+    python -m bench.router --model random:tiny    # a 2-layer synthetic model: the engine's own
+                                                  # time and noise out of the comparison
 
 Starts one `microserve engine` and a `microserve router` (data parallel) over it, on this host.
 

@@ -30,20 +30,14 @@ from pydantic import BaseModel
 from microserve.backend import BackendUnavailable, MicroservingError
 from microserve.http_client import ConnectionPool, Response
 from microserve.microserving import (
-    AbortRequest,
     AbortResponse,
-    CommitRequest,
     CommitResponse,
     GenerateChunk,
     KVAddr,
-    PinRequest,
     PinResponse,
-    PrepRecvRequest,
     PrepRecvResponse,
-    RemoteSendRequest,
     RemoteSendResponse,
     Sampling,
-    StartGenerateRequest,
 )
 from microserve.wire import FrameDecoder
 
@@ -118,14 +112,14 @@ class EngineClient:
     async def prep_recv(self, request_id: str, prompt: list[int], end: int = -1,
                         lease_s: float | None = None) -> PrepRecvResponse:
         """Reserve this engine's slots for `prompt[matched:end]`, held for `lease_s`."""
-        body = PrepRecvRequest(request_id=request_id, prompt=prompt, end=end, lease_s=lease_s)
+        body = {"request_id": request_id, "prompt": prompt, "end": end, "lease_s": lease_s}
         return await self._post("prep_recv", body, PrepRecvResponse)
 
     async def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
                           kv_addr: KVAddr) -> RemoteSendResponse:
         """Make the KV of `prompt[begin:end]` land at `kv_addr`; returns once it all landed."""
-        body = RemoteSendRequest(request_id=request_id, prompt=prompt, begin=begin, end=end,
-                                 kv_addr=kv_addr)
+        body = {"request_id": request_id, "prompt": prompt, "begin": begin, "end": end,
+                "kv_addr": kv_addr.model_dump()}
         return await self._post("remote_send", body, RemoteSendResponse, unbounded=True)
 
     async def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
@@ -138,8 +132,8 @@ class EngineClient:
         first chunk is awaited. Closing the iterator early closes the HTTP connection, which
         makes the engine abort the request.
         """
-        body = StartGenerateRequest(request_id=request_id, prompt=prompt, begin=begin,
-                                    sampling=sampling or Sampling())
+        body = {"request_id": request_id, "prompt": prompt, "begin": begin,
+                "sampling": (sampling or Sampling()).model_dump()}
         response = await self._open(b"POST", "start_generate", self._encode(body), None)
         decoder = FrameDecoder() if _is_msgpack(response) else _LineDecoder()
         finished = False
@@ -163,20 +157,20 @@ class EngineClient:
 
     async def commit(self, request_id: str, pin: bool = False) -> CommitResponse:
         """Adopt the KV received under `request_id` into the prefix cache (pinned if `pin`)."""
-        return await self._post("commit", CommitRequest(request_id=request_id, pin=pin),
+        return await self._post("commit", {"request_id": request_id, "pin": pin},
                                 CommitResponse)
 
     async def abort(self, request_id: str) -> AbortResponse:
         """Drop whatever the engine holds under `request_id`."""
-        return await self._post("abort", AbortRequest(request_id=request_id), AbortResponse)
+        return await self._post("abort", {"request_id": request_id}, AbortResponse)
 
     async def pin(self, prompt: list[int]) -> PinResponse:
         """Keep the cached prefix of `prompt` from eviction."""
-        return await self._post("pin", PinRequest(prompt=prompt), PinResponse)
+        return await self._post("pin", {"prompt": prompt}, PinResponse)
 
     async def unpin(self, prompt: list[int]) -> PinResponse:
         """Let the cached prefix of `prompt` be evicted again."""
-        return await self._post("unpin", PinRequest(prompt=prompt), PinResponse)
+        return await self._post("unpin", {"prompt": prompt}, PinResponse)
 
     async def stats(self, check: bool = False) -> dict:
         """{"stats": load and KV accounting, "info": the engine's EngineInfo}, plus
@@ -194,15 +188,18 @@ class EngineClient:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _encode(self, body: BaseModel) -> bytes:
+    def _encode(self, body: dict) -> bytes:
+        """A request body: the fields of the engine's request model (microserving.py), which
+        validates them there; built as a dict here, because validating and dumping a model
+        costs O(prompt) twice more on the router (2,000 tokens: 163 vs 66 us per call)."""
         if self._use_msgpack:
-            return msgpack.packb(body.model_dump(), use_bin_type=True)
-        return body.model_dump_json().encode()
+            return msgpack.packb(body, use_bin_type=True)
+        return json.dumps(body, separators=(",", ":")).encode()
 
     def _unavailable(self, exc: BaseException) -> BackendUnavailable:
         return BackendUnavailable(f"engine {self.base_url}: {type(exc).__name__}: {exc}")
 
-    async def _post(self, name: str, body: BaseModel, response_model: type[ResponseT],
+    async def _post(self, name: str, body: dict, response_model: type[ResponseT],
                     unbounded: bool = False) -> ResponseT:
         """One call and its validated answer; `unbounded`: wait for it as long as the engine
         works (no read timeout)."""
