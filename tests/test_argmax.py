@@ -6,24 +6,11 @@ Without CUDA the kernels run under the Triton interpreter on CPU; with CUDA comp
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
+from triton_kernels import DEVICE, load
 
-INTERPRET = not torch.cuda.is_available()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from engine.kernels import argmax as argmax_mod  # noqa: E402
-
-if INTERPRET and not isinstance(argmax_mod._chunk_max_kernel, InterpretedFunction):
-    argmax_mod = importlib.reload(argmax_mod)  # imported by an earlier test module before the env var
-
-DEVICE = "cpu" if INTERPRET else "cuda"
+argmax_mod = load("engine.kernels.argmax")
 CHUNK = argmax_mod.CHUNK
 
 

@@ -10,28 +10,15 @@ truncation where the GPU rounds to nearest, so each rounding step may land one u
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_kernels import DEVICE, load
 
-INTERPRET = not torch.cuda.is_available()
-if INTERPRET:
-    # read when a kernel is decorated and again when it runs: kept for the whole session
-    os.environ["TRITON_INTERPRET"] = "1"
+from engine.models.llama import RMSNorm, RotaryEmbedding
+from microserve.model_config import ModelConfig
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from engine.kernels import fused  # noqa: E402
-from engine.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
-from microserve.model_config import ModelConfig  # noqa: E402
-
-if INTERPRET and not isinstance(fused._rms_norm_kernel, InterpretedFunction):
-    fused = importlib.reload(fused)  # imported by an earlier test module before the env var
-
-DEVICE = "cpu" if INTERPRET else "cuda"
+fused = load("engine.kernels.fused")
 DTYPES = [torch.float32, torch.bfloat16]
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 

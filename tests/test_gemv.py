@@ -7,26 +7,14 @@ a CUDA-graph chain whose kernels launch programmatically dependent (PDL) on the 
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_kernels import DEVICE, load
 
-INTERPRET = not torch.cuda.is_available()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
+from engine.models.llama import RMSNorm
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from engine.kernels import gemv as gemv_mod  # noqa: E402
-from engine.models.llama import RMSNorm  # noqa: E402
-
-if INTERPRET and not isinstance(gemv_mod._gemv_kernel, InterpretedFunction):
-    gemv_mod = importlib.reload(gemv_mod)  # imported by an earlier test module before the env var
-
-DEVICE = "cpu" if INTERPRET else "cuda"
+gemv_mod = load("engine.kernels.gemv")
 
 
 def gated_input(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Triton paged attention (engine/kernels/paged_attention.py) against dense torch references.
 
 Without CUDA the kernels run under the Triton interpreter on tiny fp32/fp16 shapes. That needs
-TRITON_INTERPRET=1 before `triton.jit` decorates them, so it is set here at import (and the kernel
-module reloaded if something imported it first). With CUDA the same tiny cases compile for the
+TRITON_INTERPRET=1 before `triton.jit` decorates them (tests/triton_kernels.py sets it, and
+reloads the kernel module if something imported it first). With CUDA the same tiny cases compile for the
 GPU, and the `gpu` tests below run Llama-3.1-8B shapes in bf16 with timings (printed).
 
 Caches are filled with NaN before the real tokens are written, and padded page-table entries
@@ -11,27 +11,17 @@ point at an all-NaN poison page: a kernel that reads one key past kv_len returns
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_kernels import DEVICE, load  # noqa: E402  (before triton is first imported)
+
 pytest.importorskip("triton")
-
-import engine.kernels.paged_attention as pa  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1" and type(pa._extend_kernel).__name__ != (
-    "InterpretedFunction"
-):
-    pa = importlib.reload(pa)
 
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kvcache.forward import ForwardBatch, SeqForward  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pa = load("engine.kernels.paged_attention")
 
 
 def cdiv(a: int, b: int) -> int:
