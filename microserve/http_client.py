@@ -261,6 +261,14 @@ class ConnectionPool:
         else:
             conn.close()
 
+    def retire(self) -> None:
+        """Close the idle connections and keep none from now on; requests still go out (an
+        engine taken out of the router's pool: the calls of requests on it finish)."""
+        self.max_idle = 0
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
     def close(self) -> None:
         """Close the idle connections; connections in use close when released."""
         self._closed = True

@@ -322,7 +322,7 @@ class EnginePool:
         strategies can no longer pick it."""
         handle = self[name]
         del self._engines[name]
-        handle.client.close()  # calls in flight finish; their connections then close
+        handle.client.retire()  # its requests' calls go on; their connections then close
         self.prefix_index.remove_engine(name)
         log.info("engine %s removed", name)
         return handle

@@ -73,7 +73,7 @@ async def test_content_length_body_and_keep_alive():
             response.release()
         pool.close()
     assert server.connections == 1  # reused
-    conn_no, head, body = server.requests[2]
+    _, head, body = server.requests[2]
     assert head.startswith(b"POST /x?i=2 HTTP/1.1\r\nHost: 127.0.0.1:") and body == b"body!"
     assert b"\r\nContent-Length: 5\r\nAccept: a/b\r\n\r\n" in head
 
@@ -215,6 +215,23 @@ async def test_large_body_with_flow_control():
         assert await response.read(1.0) == body
         response.release()
         assert len(pool._idle) == 1
+
+
+async def test_retired_pool_still_sends_but_keeps_no_connection():
+    server = Server(answer_ok)
+    async with server.running() as url:
+        pool = ConnectionPool(url)
+        response = await pool.request(b"GET", "/", b"", None)
+        assert await response.read(1.0) == b"hello"
+        response.release()
+        assert len(pool._idle) == 1
+        pool.retire()
+        assert pool._idle == []
+        response = await pool.request(b"GET", "/", b"", None)
+        assert await response.read(1.0) == b"hello"
+        response.release()
+        assert pool._idle == []
+    assert server.connections == 2
 
 
 async def test_refused_and_bad_urls():
