@@ -14,14 +14,23 @@ the field). Checks that need the prompt length or the engine's state are the eng
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
+from microserve.bounds import INT32_MAX, INT64_MAX, INT64_MIN, Count, Index, Seed, TokenId
 from microserve.protocol import MAX_LOGPROBS
 from microserve.types import SamplingParams
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+Slot = Annotated[int, Field(ge=0, le=INT64_MAX)]  # checked against the receiver's pool
+Position = Annotated[int, Field(ge=0, le=INT32_MAX)]
+WindowIndex = Annotated[int, Field(ge=0, le=INT32_MAX)]
+WindowTag = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # the window's secret
 
 
 class KVAddr(_Body):
@@ -33,12 +42,12 @@ class KVAddr(_Body):
         ranges:     [(s0, n0),              (s1, n1),        (s2, n2)]   n0 + n1 + n2 = end - begin
     """
 
-    begin: int = Field(ge=0)
-    end: int = Field(ge=0)
-    ranges: list[tuple[int, int]]
+    begin: Position
+    end: Position
+    ranges: list[tuple[Slot, Count]]
     layout: dict
-    transfer: dict
-    window: tuple[int, int]
+    transfer: dict  # signed by the receiver (microserve/transfer_auth.py); the sender verifies it
+    window: tuple[WindowIndex, WindowTag]
 
     @property
     def num_slots(self) -> int:
@@ -60,10 +69,10 @@ def slot_ranges(slots: list[int]) -> list[tuple[int, int]]:
 
 
 class PrepRecvRequest(_Body):
-    request_id: str = Field(min_length=1)
-    prompt: list[int] = Field(min_length=1)
-    end: int = -1
-    lease_s: float | None = Field(None, gt=0)  # default: the engine's --kv-lease-s
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt: list[TokenId] = Field(min_length=1)
+    end: Index = -1
+    lease_s: float | None = Field(None, gt=0)  # default --kv-lease-s; at most --kv-lease-max-s
 
 
 class PrepRecvResponse(_Body):
@@ -72,10 +81,10 @@ class PrepRecvResponse(_Body):
 
 
 class RemoteSendRequest(_Body):
-    request_id: str = Field(min_length=1)
-    prompt: list[int] = Field(min_length=1)
-    begin: int = 0
-    end: int = -1
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt: list[TokenId] = Field(min_length=1)
+    begin: Index = 0
+    end: Index = -1
     kv_addr: KVAddr
 
 
@@ -88,12 +97,12 @@ class RemoteSendResponse(_Body):
 class Sampling(_Body):
     """Token-level sampling (the router resolves OpenAI defaults before it calls)."""
 
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: Count = 16
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    top_k: int = Field(0, ge=0, le=INT32_MAX)  # the engine checks it against its vocabulary
+    seed: Seed | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -102,15 +111,15 @@ class Sampling(_Body):
 
 
 class StartGenerateRequest(_Body):
-    request_id: str = Field(min_length=1)
-    prompt: list[int] = Field(min_length=1)
-    begin: int = 0
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt: list[TokenId] = Field(min_length=1)
+    begin: Index = 0
     sampling: Sampling = Field(default_factory=Sampling)
     stream: bool = True
 
 
 class CommitRequest(_Body):
-    request_id: str = Field(min_length=1)
+    request_id: str = Field(min_length=1, max_length=256)
     pin: bool = False
 
 
@@ -120,7 +129,7 @@ class CommitResponse(_Body):
 
 
 class AbortRequest(_Body):
-    request_id: str = Field(min_length=1)
+    request_id: str = Field(min_length=1, max_length=256)
 
 
 class AbortResponse(_Body):
@@ -128,7 +137,7 @@ class AbortResponse(_Body):
 
 
 class PinRequest(_Body):
-    prompt: list[int] = Field(min_length=1)
+    prompt: list[TokenId] = Field(min_length=1)
 
 
 class PinResponse(_Body):

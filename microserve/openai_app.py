@@ -36,8 +36,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from microserve.backend import BackendError, GenerateBackend
-from microserve.errors import (as_openai_error, from_validation_errors, install_error_handlers,
-                               invalid_request, model_not_found)
+from microserve.errors import (OpenAIError, as_openai_error, from_validation_errors,
+                               install_error_handlers, invalid_request, model_not_found)
 from microserve.metrics import CONTENT_TYPE, Counter, Registry
 from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
                                  CompletionWire, GenerationRequest, model_list, usage)
@@ -141,6 +141,40 @@ class _CountRequests:
         finally:
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
             self.counter.inc(endpoint=endpoint, status=str(status))
+
+
+MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt is about 1 MB of JSON; anything far past it is not
+
+
+class _LimitBody:
+    """ASGI middleware: a request body larger than `max_bytes` gets a 413 instead of being read
+    into memory (checked on Content-Length first, then as the body streams in)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            error = self._too_large(length.decode(errors="replace"))
+            return await error.response()(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # raised where the handler reads: answered as a 413
+                raise self._too_large(f"more than {self.max_bytes}")
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self, length: str) -> OpenAIError:
+        return OpenAIError(413, f"The request body ({length} bytes) is larger than the "
+                           f"{self.max_bytes} bytes this server accepts", code="body_too_large")
 
 
 @dataclass
@@ -295,8 +329,20 @@ class OpenAIFrontend:
                 max_tokens_field if prompt_len < limit else prompt_field)
         return max_tokens
 
+    def _check_vocab_fields(self, body: GenerationRequest) -> None:
+        """Fields bounded by the vocabulary (pydantic bounded them by what an int can hold)."""
+        vocab_size = self.tokenizer.vocab_size
+        if body.top_k is not None and body.top_k > vocab_size:
+            raise invalid_request(f"top_k {body.top_k} exceeds the vocabulary of {vocab_size} "
+                                  "tokens (-1 or 0 disables top-k)", "top_k")
+        bad = next((t for t in body.stop_token_ids or () if t >= vocab_size), None)
+        if bad is not None:
+            raise invalid_request(f"stop token id {bad} is out of range for a vocabulary of "
+                                  f"{vocab_size} tokens", "stop_token_ids")
+
     def _new_run(self, id_prefix: str, body: GenerationRequest, prompt_ids: list[int],
                  max_tokens: int, logprobs: int | None, arrival: float) -> _Run:
+        self._check_vocab_fields(body)
         return _Run(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_ids=prompt_ids,
                     params=body.sampling_params(max_tokens, logprobs), stop=body.stop,
                     arrival=arrival)
@@ -462,6 +508,7 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
     frontend = OpenAIFrontend(backend, tokenizer, registry or Registry())
     app = FastAPI(title="microserve")
     install_error_handlers(app)
+    app.add_middleware(_LimitBody)
     app.add_middleware(_CountRequests, counter=frontend.requests)
     app.add_api_route("/v1/completions", frontend.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", frontend.chat_completions, methods=["POST"])

@@ -17,29 +17,32 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
+from microserve.bounds import FINITE, Count, Seed, TokenId, TopK
 from microserve.types import SamplingParams, TokenLogprob
 
 MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
+    model_config = FINITE
     include_usage: bool = False
 
 
 class GenerationRequest(BaseModel):
     """Fields /v1/completions and /v1/chat/completions share."""
 
+    model_config = FINITE  # no Infinity or NaN in any float field
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0)  # None: 1.0; 0: greedy
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM extension; -1 and 0 disable it
+    top_k: TopK | None = None  # vLLM extension; -1 and 0 disable it; <= the vocabulary
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: list[str] = []  # a single string is accepted too
-    stop_token_ids: list[int] | None = None  # vLLM extension
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None  # vLLM extension; < the vocabulary
+    seed: Seed | None = None
     ignore_eos: bool = False  # vLLM / SGLang extension
     user: str | None = None
     presence_penalty: float | None = None
@@ -175,7 +178,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

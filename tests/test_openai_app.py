@@ -321,6 +321,23 @@ async def test_errors(tok):
          "chat template error: Unknown role: robot"),
         (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
          "(got 21)"),
+        # Numbers past what the code can hold (the probe's crashes) and past the vocabulary.
+        ("/v1/completions", {"prompt": "hi", "top_k": 2**63}, 400, "top_k",
+         "Input should be less than or equal to 2147483647 (got 9223372036854775808)"),
+        ("/v1/completions", {"prompt": "hi", "top_k": tok.vocab_size + 1}, 400, "top_k",
+         f"top_k {tok.vocab_size + 1} exceeds the vocabulary of {tok.vocab_size} tokens"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed",
+         "Input should be less than or equal to 9223372036854775807 (got 18446744073709551616)"),
+        ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed",
+         "Input should be greater than or equal to -9223372036854775808"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1, 2**64]}, 400,
+         "stop_token_ids[1]", "Input should be less than or equal to 2147483647"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [tok.vocab_size]}, 400,
+         "stop_token_ids", f"stop token id {tok.vocab_size} is out of range for a vocabulary"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, 400, "max_tokens",
+         "Input should be less than or equal to 2147483647"),
+        ("/v1/completions", {"prompt": [5, 2**64]}, 400, "prompt",
+         "Token id 18446744073709551616 at prompt position 1 is out of range"),
     ]
     async with client_for(backend, tok) as client:
         for path, body, status, param, message in cases:
@@ -329,6 +346,13 @@ async def test_errors(tok):
             assert (response.status_code, error["param"]) == (status, param), (body, error)
             assert message in error["message"], (message, error["message"])
             assert error["type"] == "invalid_request_error"
+        for field in ("temperature", "top_p"):  # JSON's Infinity and NaN, as Python writes them
+            for value in ("Infinity", "NaN", "-Infinity"):
+                response = await client.post("/v1/completions",
+                                             content=f'{{"prompt": "hi", "{field}": {value}}}')
+                error = response.json()["error"]
+                assert (response.status_code, error["param"]) == (400, field), error
+                assert "Input should be a finite number" in error["message"], error
         malformed = await client.post("/v1/completions", content=b'{"prompt": "hi",}')
     assert malformed.status_code == 400 and malformed.json()["error"]["param"] is None
     assert malformed.json()["error"]["message"].startswith("Malformed JSON body: ")
@@ -515,3 +539,29 @@ async def test_served_sockets_have_tcp_nodelay(tok, bind):
         sockets = [c.transport.get_extra_info("socket") for c in server.server_state.connections]
         assert len(sockets) == 1
         assert sockets[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+async def test_a_body_past_the_limit_gets_413_without_being_read(tok):
+    from microserve.openai_app import MAX_BODY_BYTES
+
+    backend = ScriptedBackend(steps(tok, "hello"))
+    async with client_for(backend, tok) as client:
+        big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+        r = await client.post("/v1/completions", content=big)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"] == {
+            "message": f"The request body ({len(big)} bytes) is larger than the "
+                       f"{MAX_BODY_BYTES} bytes this server accepts",
+            "type": "invalid_request_error", "param": None, "code": "body_too_large"}
+
+        async def chunks():  # no Content-Length: counted as it streams in
+            yield b'{"prompt": "'
+            for _ in range(33):
+                yield b"a" * (1 << 20)
+            yield b'"}'
+
+        r = await client.post("/v1/completions", content=chunks())
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200
+    assert len(backend.calls) == 1

@@ -1,0 +1,28 @@
+"""Bounds on every number a request can carry, where it enters (OpenAI, microserving and admin
+bodies, JSON and msgpack alike). No torch.
+
+A number past these bounds gets a 400 naming the field and the bound, from pydantic, before it
+reaches code that could not hold it: msgpack packs integers of at most 64 bits, torch's
+generators take 64-bit seeds, `select` takes timeouts that fit a C time_t. Bounds that need the
+model (a token id below the vocabulary, `top_k` at most the vocabulary, begin/end within the
+prompt) are checked by the frontend and the engine against the real numbers.
+
+Floats are finite everywhere (`FINITE`: JSON's `Infinity` and `NaN` are refused).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import ConfigDict, Field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+
+FINITE = ConfigDict(allow_inf_nan=False)
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the engine checks it is < its vocabulary
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what torch.Generator.manual_seed takes
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # max_tokens and other counts of tokens
+Index = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # begin/end; the engine checks the prompt
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1 and 0 disable it; at most the vocabulary
