@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -37,10 +39,17 @@ from microserve.model_config import ModelConfig
 from microserve.model_files import resolve_model
 
 
-def start_engine(model: str, port: int, *args: str) -> subprocess.Popen:
+ENGINE_KEY = secrets.token_urlsafe(32)  # KV moves only between engines sharing a key
+
+
+def start_engine(model: str, port: int, *args: str, api_key: str | None = None
+                 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model, "--port",
            str(port), "--log-level", "warning", *args]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_API_KEY"}
+    if api_key is not None:
+        env["MICROSERVE_API_KEY"] = api_key
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
 
 
 async def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -108,15 +117,17 @@ async def main() -> None:
         common += ("--cpu-threads", str(args.engine_threads))
     ports = {"p": args.base_port, "shm": args.base_port + 1, "tcp": args.base_port + 2}
     procs = {
-        "p": start_engine(model, ports["p"], *common),
-        "shm": start_engine(model, ports["shm"], *common, "--kv-transfer", "shm"),
-        "tcp": start_engine(model, ports["tcp"], *common, "--kv-transfer", "tcp"),
+        "p": start_engine(model, ports["p"], *common, api_key=ENGINE_KEY),
+        "shm": start_engine(model, ports["shm"], *common, "--kv-transfer", "shm",
+                            api_key=ENGINE_KEY),
+        "tcp": start_engine(model, ports["tcp"], *common, "--kv-transfer", "tcp",
+                            api_key=ENGINE_KEY),
     }
     urls = {k: f"http://127.0.0.1:{port}" for k, port in ports.items()}
     try:
         for k in procs:
             await wait_healthy(urls[k], procs[k])
-        clients = {k: EngineClient(u) for k, u in urls.items()}
+        clients = {k: EngineClient(u, api_key=ENGINE_KEY) for k, u in urls.items()}
         rng = random.Random(0)
         print(f"model {mc.name}, KV {kv_bytes_per_token} B/token (fp32), median of "
               f"{args.repeat} runs after one warm-up\n")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will consume
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -37,10 +39,13 @@ class EngineConfig:
     kv_transfer_port: int = 0  # tcp: 0 picks a free port
     kv_transfer_advertise_host: str | None = None  # tcp: the address peers dial, if not host
     kv_lease_s: float = 60.0  # a prep_recv reservation not consumed by then is freed
+    kv_lease_max_s: float = 600.0  # the longest lease a prep_recv may ask for
 
-    def resolved_kv_transfer(self) -> str:
+    def resolved_kv_transfer(self, has_key: bool = True) -> str:
+        """The backend to receive with. auto: shm on CPU, but only with an engine key (KV
+        transfer is authenticated by it), none on CUDA."""
         if self.kv_transfer == "auto":
-            return "none" if self.device.startswith("cuda") else "shm"
+            return "shm" if has_key and not self.device.startswith("cuda") else "none"
         return self.kv_transfer
 
     def __post_init__(self):
@@ -63,8 +68,9 @@ class EngineConfig:
             raise ValueError(
                 f"kv_transfer must be auto, shm, tcp or none; got {self.kv_transfer!r}"
             )
-        if self.kv_lease_s <= 0:
-            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        if not 0 < self.kv_lease_s <= self.kv_lease_max_s <= MAX_LEASE_S:
+            raise ValueError(f"need 0 < kv_lease_s ({self.kv_lease_s}) <= kv_lease_max_s "
+                             f"({self.kv_lease_max_s}) <= {MAX_LEASE_S:.0f}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

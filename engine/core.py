@@ -25,6 +25,7 @@ from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError, RequestRejected
+from microserve.bounds import INT64_MAX, INT64_MIN
 from microserve.types import FinishReason, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,13 @@ class _Launched:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    """Args:
+        config: what to run.
+        transfer_key: the deployment's KV transfer key (microserve/transfer_auth.py). Without
+            it this engine neither receives KV (`--kv-transfer auto` means none) nor sends it.
+    """
+
+    def __init__(self, config: EngineConfig, transfer_key: bytes | None = None):
         self.config = config
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
@@ -53,10 +60,13 @@ class EngineCore:
         num_pages = self.runner.num_pages_for(self.max_model_len)
         layout = KVLayout(mc.name, str(dtype).removeprefix("torch."), config.page_size,
                           mc.num_layers, mc.num_kv_heads, mc.head_dim)  # fmt: skip
+        kind = config.resolved_kv_transfer(has_key=transfer_key is not None)
+        if kind != config.kv_transfer and config.kv_transfer == "auto" and kind == "none":
+            log.info("KV transfer off: no engine key (--api-key) to authenticate it with")
         self.transfer = make_backend(
-            config.resolved_kv_transfer(), layout, num_pages, self.runner.device,
+            kind, layout, num_pages, self.runner.device,
             host=config.kv_transfer_host, port=config.kv_transfer_port,
-            advertise_host=config.kv_transfer_advertise_host,
+            advertise_host=config.kv_transfer_advertise_host, key=transfer_key,
         )  # fmt: skip
         self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
@@ -64,9 +74,10 @@ class EngineCore:
         # The transfer thread wakes the step loop through this pipe when a send completes.
         self.wakeup_fd, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
-        sender = KVSender(self.transfer.kv, layout, notify=self._wake)
+        sender = KVSender(self.transfer.kv, layout, notify=self._wake, key=transfer_key)
         self.runner.kv.sender = sender
-        self.exchange = KVExchange(self, self.transfer, sender, layout, config.kv_lease_s)
+        self.exchange = KVExchange(self, self.transfer, sender, layout, config.kv_lease_s,
+                                   config.kv_lease_max_s)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator | None] = {}
@@ -157,6 +168,16 @@ class EngineCore:
                 f"exceeds the maximum context length of {self.max_model_len} tokens",
                 "max_tokens",
             )
+        vocab = self.info.vocab_size
+        if params.top_k > vocab:
+            raise RequestRejected(f"top_k {params.top_k} exceeds the vocabulary of {vocab} "
+                                  "tokens", "top_k")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"stop token id {bad} out of range [0, {vocab})",
+                                  "stop_token_ids")
+        if params.seed is not None and not INT64_MIN <= params.seed <= INT64_MAX:
+            raise RequestRejected(f"seed {params.seed} does not fit in 64 bits", "seed")
         if total > self.info.kv_capacity_tokens:
             raise RequestRejected(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
@@ -174,6 +195,22 @@ class EngineCore:
         seq.finish_reason = FinishReason.ABORT
         self.unregister(seq)
         return self._output(seq, [], None, final=True)
+
+    def fail_requests(self, why: str) -> list[str]:
+        """After a step raised: drop every request the step may have touched, so the engine
+        goes on with a consistent state. Generations are removed and their ids returned (the
+        caller tells their clients); sends in flight fail with `why` (answered by the
+        exchange's poll). Reservations are untouched: no step works on them."""
+        self._in_flight, self._pending_rows = None, {}
+        dropped = []
+        for request_id, seq in list(self.seqs.items()):
+            if seq.send_only:
+                self.exchange.fail_send(request_id, MicroservingError(500, why))
+            else:
+                seq.finish_reason = FinishReason.ABORT
+                self.unregister(seq)
+                dropped.append(request_id)
+        return dropped
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None

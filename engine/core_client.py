@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from microserve.backend import (
     MicroservingError,
     RequestRejected,
 )
+from microserve.transfer_auth import KEY_ENV, transfer_key
 from microserve.types import SamplingParams, TokenOutput
 from microserve.wire import FrameDecoder, encode
 
@@ -37,8 +39,17 @@ class CoreStartError(RuntimeError):
 
 
 class CoreClient(GenerateBackend):
-    def __init__(self, config: EngineConfig, served_model_name: str):
+    """Args:
+        config: the core's configuration (sent on its command line: no secrets in it).
+        served_model_name: what /v1/models reports.
+        engine_key: the engine's API key, shared by the deployment's engines; the core derives
+            the KV transfer key from it (given through its environment). None: no KV transfer.
+    """
+
+    def __init__(self, config: EngineConfig, served_model_name: str,
+                 engine_key: str | None = None):
         self.config = config
+        self._engine_key = engine_key
         self.model_name = served_model_name
         self.info: dict = {}  # EngineInfo as sent by the core; set by start()
         self.max_model_len = 0
@@ -59,7 +70,10 @@ class CoreClient(GenerateBackend):
             sys.executable, "-m", "engine.core_proc",
             "--fd", str(theirs.fileno()), "--config", json.dumps(asdict(self.config)),
         ]  # fmt: skip
-        self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
+        env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
+        if self._engine_key is not None:
+            env[KEY_ENV] = transfer_key(self._engine_key).hex()
+        self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         reader, self._writer = await asyncio.open_connection(sock=ours)
         decoder = FrameDecoder()

@@ -30,11 +30,15 @@ import traceback
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from microserve.transfer_auth import KEY_ENV
 from microserve.backend import MicroservingError, RequestRejected
 from microserve.types import SamplingParams
 from microserve.wire import FrameDecoder, encode
 
 log = logging.getLogger("microserve.core")
+
+MAX_FAILED_STEPS = 3  # steps in a row that may raise before the engine gives up (and exits)
+MAX_IDLE_WAIT_S = 3600.0  # select() needs a timeout a C time_t holds; leases are shorter anyway
 
 
 class CoreLoop:
@@ -44,6 +48,7 @@ class CoreLoop:
         self.decoder = FrameDecoder()
         self.running = True
         self.sends: dict[str, int] = {}  # request id -> id of the remote_send call to answer
+        self.failed_steps = 0  # steps in a row that raised
 
     def send(self, msg) -> None:
         self.sock.sendall(encode(msg))
@@ -61,13 +66,34 @@ class CoreLoop:
             if deadline is not None and deadline <= time.monotonic():
                 self.core.exchange.expire_leases(time.monotonic())
             if self.running and self.core.has_work():
-                outputs = self.core.step()
+                try:
+                    outputs = self.core.step()
+                except Exception as e:  # our bug: it fails the step's requests, not the engine
+                    self._fail_step(e)
+                    continue
+                self.failed_steps = 0
                 if outputs:
                     self.send({"type": "outputs", "items": [o.to_wire() for o in outputs]})
 
+    def _fail_step(self, error: Exception) -> None:
+        """Fail every request in the engine (which of them made the step raise is unknown),
+        then check that nothing leaked; if the state is broken after all, the engine exits."""
+        log.exception("engine step failed; failing the requests in the engine")
+        self.failed_steps += 1
+        if self.failed_steps >= MAX_FAILED_STEPS:  # e.g. a sticky CUDA error: let it restart
+            raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps in a row failed") from error
+        why = f"internal error in the engine step: {type(error).__name__}"
+        for request_id in self.core.fail_requests(why):
+            self.send({"type": "rejected", "request_id": request_id, "message": why,
+                       "param": None, "status": 500})
+        self._answer_sends()
+        self.core.check_integrity()
+
     def _idle_timeout(self) -> float | None:
         deadline = self.core.exchange.next_deadline()
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+        if deadline is None:
+            return None
+        return min(max(0.0, deadline - time.monotonic()), MAX_IDLE_WAIT_S)
 
     def _receive(self, timeout: float | None) -> bool:
         """Handle what arrived within `timeout`. True if anything did: a message, or a wake-up
@@ -95,6 +121,12 @@ class CoreLoop:
                 self.send({"type": "rejected", "request_id": msg["request_id"],
                            "message": str(e), "param": e.param,
                            "status": getattr(e, "status", 400)})  # fmt: skip
+            except Exception as e:  # our bug: it fails this request, never the engine
+                log.exception("request %s failed to start", msg["request_id"])
+                self.core.abort_request(msg["request_id"])
+                self.send({"type": "rejected", "request_id": msg["request_id"],
+                           "message": f"internal error: {type(e).__name__}", "param": None,
+                           "status": 500})  # fmt: skip
         elif kind == "abort":
             out = self.core.abort_request(msg["request_id"])
             if out is not None:
@@ -115,6 +147,10 @@ class CoreLoop:
             return
         except AssertionError as e:
             self._reply(msg["id"], error=RuntimeError(f"integrity check failed: {e}"))
+            return
+        except Exception as e:  # our bug: it fails this call, never the engine
+            log.exception("%s failed", method)
+            self._reply(msg["id"], error=RuntimeError(f"internal error: {type(e).__name__}"))
             return
         if method == "remote_send":  # answered when the transfer completes
             self.sends[args["request_id"]] = msg["id"]
@@ -177,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s core: %(message)s",
     )
     sock = socket.socket(fileno=args.fd)
+    # The key comes through the environment, not the command line (which ps shows to all).
+    key = os.environ.pop(KEY_ENV, None)
     try:
-        core = EngineCore(EngineConfig(**json.loads(args.config)))
+        core = EngineCore(EngineConfig(**json.loads(args.config)),
+                          transfer_key=bytes.fromhex(key) if key else None)
     except Exception as e:  # report why start-up failed, then exit non-zero
         traceback.print_exc()
         sock.sendall(encode({"type": "error", "message": f"{type(e).__name__}: {e}"}))

@@ -40,6 +40,7 @@ from kvcache.transfer import KVLayout, TransferBackend, TransferError, Window
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError
 from microserve.microserving import KVAddr, slot_ranges
+from microserve.transfer_auth import TransferAuthError, verify
 from microserve.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,13 +75,14 @@ class SendJob:
 
 class KVExchange:
     def __init__(self, core: EngineCore, backend: TransferBackend, sender: KVSender,
-                 layout: KVLayout, lease_s: float):  # fmt: skip
+                 layout: KVLayout, lease_s: float, max_lease_s: float):  # fmt: skip
         self.core = core
         self.kv = core.kv
         self.backend = backend
         self.sender = sender
         self.layout = layout
-        self.lease_s = lease_s
+        self.lease_s = lease_s  # when prep_recv names none
+        self.max_lease_s = max_lease_s  # the longest prep_recv may name
         self.reservations: dict[str, Reservation] = {}
         self.jobs: dict[str, SendJob] = {}  # every remote_send not yet answered
         self.flushing: set[str] = set()  # jobs whose compute is done; pages held until flushed
@@ -100,6 +102,12 @@ class KVExchange:
                   lease_s: float | None) -> dict:  # fmt: skip
         self.core.check_prompt(prompt)
         end = resolve_index(end, len(prompt), "end")
+        if lease_s is not None and not 0 < lease_s <= self.max_lease_s:
+            raise MicroservingError(400, f"lease_s {lease_s} must be in (0, {self.max_lease_s}] "
+                                    "(this engine's --kv-lease-max-s)", "lease_s")
+        if self.backend.kind == "none":
+            raise MicroservingError(400, "this engine cannot receive KV: it runs with "
+                                    "--kv-transfer none, or without an engine key (--api-key)")
         self._check_free(request_id)
         tokens = prompt[:end]
         need, total = self.kv.pages_needed(None, end), self.kv.pool.num_pages
@@ -275,6 +283,10 @@ class KVExchange:
         return out
 
     def _check_addr(self, addr: KVAddr, begin: int, end: int) -> None:
+        try:  # first: nothing of an unsigned descriptor is looked at
+            transfer = verify(addr.transfer, self.sender.key)
+        except TransferAuthError as e:
+            raise MicroservingError(400, f"refusing to send: {e}", "kv_addr.transfer") from None
         if addr.num_slots != end - begin:
             raise MicroservingError(
                 400, f"kv_addr holds {addr.num_slots} slots but end - begin = {end - begin} "
@@ -285,7 +297,7 @@ class KVExchange:
             raise MicroservingError(400, f"kv_addr.layout is incomplete: {e}", "kv_addr") from None
         if (why := self.layout.mismatch(peer)) is not None:
             raise MicroservingError(400, f"refusing to send: {why}", "kv_addr.layout")
-        capacity = int(addr.transfer.get("num_pages", 0)) * self.layout.page_size
+        capacity = transfer["num_pages"] * self.layout.page_size
         bad = next(((s, n) for s, n in addr.ranges if s < 0 or n < 1 or s + n > capacity), None)
         if bad is not None:
             raise MicroservingError(
@@ -314,6 +326,12 @@ class KVExchange:
             (request_id, MicroservingError(409, f"request {request_id!r} was aborted"))
         )
         return True
+
+    def fail_send(self, request_id: str, error: MicroservingError) -> None:
+        """End a send in flight with `error` (its remote_send answer, at the next poll)."""
+        if request_id in self.jobs:
+            self._drop_send(request_id)
+            self._failed.append((request_id, error))
 
     def _drop_send(self, request_id: str) -> None:
         """End a send job wherever it is and free its pages."""

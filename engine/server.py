@@ -36,7 +36,7 @@ def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
 async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
                 log_level: str = "info", api_key: str | None = None) -> None:
     tokenizer = Tokenizer.from_dir(config.model)
-    client = CoreClient(config, served_model_name)
+    client = CoreClient(config, served_model_name, engine_key=api_key)
     await client.start()
     info = client.info
     log.info(

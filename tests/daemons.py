@@ -17,6 +17,9 @@ import pytest
 
 STARTUP_TIMEOUT_S = 180
 IDLE_KEYS = ("running", "waiting", "kv_pages_used")
+# The engine key the suites' deployments share: KV transfer between engines needs one.
+ENGINE_KEY = "test-engine-key"
+ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 
 
 def free_port() -> int:
@@ -36,8 +39,9 @@ class Daemon:
                *args]  # fmt: skip
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
-        headers = {"Authorization": f"Bearer {key}"} if key else None
+        keys = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--api-key"]
+        self.key = keys[-1] if keys else None  # the last one given is the one argparse keeps
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else None
         self.http = httpx.Client(base_url=self.url, timeout=30, headers=headers)
 
     def log(self) -> str:

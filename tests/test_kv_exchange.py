@@ -9,6 +9,7 @@ The live-process version of these flows, over HTTP, is tests/test_microserving_e
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -18,15 +19,17 @@ from test_engine_core import greedy, random_prompts
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from microserve.backend import MicroservingError, RequestRejected
+from microserve.transfer_auth import sign, transfer_key
 
 N_NEW = 12
+KEY = transfer_key("test-engine-key")
 PAGE = 4
 
 
 def make_core(model_dir, kind, **kw):
     kw.setdefault("page_size", PAGE)
     kw.setdefault("num_pages", 128)
-    return EngineCore(EngineConfig(model=model_dir, kv_transfer=kind, **kw))
+    return EngineCore(EngineConfig(model=model_dir, kv_transfer=kind, **kw), transfer_key=KEY)
 
 
 @pytest.fixture(scope="module", params=["shm", "tcp"])
@@ -281,3 +284,58 @@ def test_send_into_a_closed_window_fails(pair, prompts):
         send(p, "late", prompt, 0, -1, r["kv_addr"])
     assert e.value.status == 502
     assert_clean(p, d)
+
+
+# ---- what a caller cannot make an engine do ----------------------------------------------------
+
+
+def test_leases_are_finite_and_bounded(pair, prompts):
+    p, d = pair
+    for lease_s in (math.inf, 1e308, 601.0, 0.0, -1.0):
+        with pytest.raises(MicroservingError) as e:
+            d.exchange.prep_recv("lease", prompts[0], -1, lease_s)
+        assert (e.value.status, e.value.param) == (400, "lease_s")
+        assert str(e.value) == (f"lease_s {lease_s} must be in (0, 600.0] (this engine's "
+                                "--kv-lease-max-s)")
+    r = d.exchange.prep_recv("lease", prompts[0], -1, 600.0)  # the maximum is fine
+    assert d.exchange.reservations["lease"].deadline <= time.monotonic() + 600.0
+    d.exchange.abort("lease")
+    assert_clean(p, d)
+
+
+def test_remote_send_refuses_a_transfer_descriptor_not_signed_by_the_deployment(pair, prompts):
+    p, d = pair
+    prompt = prompts[1]
+    r = d.exchange.prep_recv("forged", prompt, -1, None)
+    addr = r["kv_addr"]
+    real = addr["transfer"]
+    stranger = transfer_key("another deployment")
+    peers = dict(p.exchange.sender._peers)  # those of earlier tests
+    unsigned = {k: v for k, v in real.items() if k != "mac"}
+    for transfer in (unsigned, {**real, "pid": 1}, {**real, "port": 1},
+                     sign(unsigned, stranger), {"kind": "tcp", "host": "10.0.0.1", "port": 22}):
+        with pytest.raises(MicroservingError) as e:
+            p.exchange.remote_send("forged", prompt, 0, -1, {**addr, "transfer": transfer})
+        assert (e.value.status, e.value.param) == (400, "kv_addr.transfer")
+        assert str(e.value).startswith("refusing to send: the transfer descriptor is not signed")
+    assert not p.exchange.jobs and p.exchange.sender._peers == peers  # nothing opened
+    d.exchange.abort("forged")
+    assert_clean(p, d)
+
+
+def test_an_engine_without_a_key_neither_receives_nor_sends(tiny_model_dir, prompts):
+    lone = EngineCore(EngineConfig(model=tiny_model_dir, page_size=PAGE, num_pages=64))
+    assert lone.info.kv_transfer == "none"  # auto: no key, no transfer
+    with pytest.raises(MicroservingError, match="this engine cannot receive KV") as e:
+        lone.exchange.prep_recv("x", prompts[0], -1, None)
+    assert e.value.status == 400
+    keyed = make_core(tiny_model_dir, "shm")
+    addr = keyed.exchange.prep_recv("x", prompts[0], -1, None)["kv_addr"]
+    with pytest.raises(MicroservingError, match="no engine key .--api-key. to verify"):
+        lone.exchange.remote_send("x", prompts[0], 0, -1, addr)
+    keyed.exchange.abort("x")
+    assert_clean(lone, keyed)
+    lone.close()
+    keyed.close()
+    with pytest.raises(ValueError, match="--kv-transfer tcp needs an engine key"):
+        EngineCore(EngineConfig(model=tiny_model_dir, kv_transfer="tcp", num_pages=8))

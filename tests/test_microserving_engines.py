@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
-from daemons import LIVE, Daemon, serve
+from daemons import ENGINE_KEY, LIVE, Daemon, serve
 from deployments import assert_quiet
 
 from microserve.backend import MicroservingError
@@ -39,7 +39,7 @@ TEXT = (
     "decode adds one token per step and is bound by memory bandwidth. Disaggregation runs the "
     "two phases on different engines and moves the cache between them. "
 )
-ENGINE_ARGS = ("--num-pages", "256", "--max-model-len", "4096")
+ENGINE_ARGS = ("--num-pages", "256", "--max-model-len", "4096", "--api-key", ENGINE_KEY)
 
 
 def start(smollm2_dir, tmp_path_factory, name: str, *args: str) -> Iterator[Daemon]:
@@ -95,7 +95,7 @@ async def collect(engine: EngineClient, rid: str, prompt: list[int], begin: int 
 
 
 def client(daemon: Daemon) -> EngineClient:
-    return EngineClient(daemon.url)
+    return EngineClient(daemon.url, api_key=daemon.key)
 
 
 # ---- 1P1D, balanced, migration ---------------------------------------------------------------
@@ -224,7 +224,7 @@ async def test_bad_calls_get_specific_errors(p, d_shm, tok):
 async def test_layout_mismatch_is_refused_with_both_layouts(p, smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("other-layout") / "daemon.log"
     gen = serve(Daemon(smollm2_dir, log, "other-layout", "--num-pages", "64",
-                       "--page-size", "32", "--dtype", "bfloat16"))  # fmt: skip
+                       "--page-size", "32", "--dtype", "bfloat16", "--api-key", ENGINE_KEY))
     other = next(gen)
     O, P = client(other), client(p)
     try:

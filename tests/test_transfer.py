@@ -15,6 +15,7 @@ import re
 import resource
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +35,9 @@ from kvcache.transfer import (
 )
 from kvcache.transfer.sender import KVSender
 from kvcache.transfer.shm import ShmBackend, ShmPeer
+from kvcache.transfer import tcp
 from kvcache.transfer.tcp import TcpBackend, TcpPeer
+from microserve.transfer_auth import sign, transfer_key
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = KVLayout("test-model", "bfloat16", page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
@@ -44,13 +47,15 @@ ROWS = (2, -1, LAYOUT.num_kv_heads, LAYOUT.head_dim)  # a layer as [K/V, slot, h
 # Scattered, unsorted slots across pages, with page-internal offsets that differ on each side.
 SRC = torch.tensor([3, 17, 5, 22, 9])
 DST = torch.tensor([12, 1, 27, 6, 20])
+KEY = transfer_key("test-engine-key")  # the deployment's transfer key, shared by both sides
+FAKE = sign({"kind": "fake"}, KEY)  # a receiver descriptor for the sender's fake peers
 
 RECEIVER = """
 import json, sys, torch
 from kvcache.transfer import KVLayout, Window, make_backend
 
 kind, layout, num_pages = sys.argv[1], KVLayout.from_dict(json.loads(sys.argv[2])), sys.argv[3]
-backend = make_backend(kind, layout, int(num_pages), "cpu")
+backend = make_backend(kind, layout, int(num_pages), "cpu", key=bytes.fromhex(sys.argv[4]))
 print(json.dumps(backend.descriptor()), flush=True)
 windows = []
 for line in sys.stdin:
@@ -77,7 +82,7 @@ class Receiver:
     """A receiving engine's backend in a child process, driven over its stdin and stdout."""
 
     def __init__(self, kind: str):
-        args = [kind, json.dumps(LAYOUT.to_dict()), str(RECV_PAGES)]
+        args = [kind, json.dumps(LAYOUT.to_dict()), str(RECV_PAGES), KEY.hex()]
         self.proc = subprocess.Popen(
             [sys.executable, "-c", RECEIVER, *args],
             stdin=subprocess.PIPE,
@@ -178,7 +183,7 @@ def expected_pool(local: torch.Tensor, layers: list[int]) -> torch.Tensor:
 def test_writes_land_exactly_at_destination_slots(kind, receiver, tmp_path):
     rx = receiver(kind)
     local = sender_pool()
-    peer = open_peer(rx.descriptor, local, LAYOUT)
+    peer = open_peer(rx.descriptor, local, LAYOUT, KEY)
     w = rx.open_window()
     for layer in (0, 2):
         peer.write(w, layer, SRC, DST)
@@ -190,7 +195,7 @@ def test_writes_land_exactly_at_destination_slots(kind, receiver, tmp_path):
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
 def test_closed_window_refuses_writes_and_flush(kind, receiver, tmp_path):
     rx = receiver(kind)
-    peer = open_peer(rx.descriptor, sender_pool(), LAYOUT)
+    peer = open_peer(rx.descriptor, sender_pool(), LAYOUT, KEY)
     w = rx.open_window()
     rx.close_window(w)
     if kind == "shm":
@@ -210,7 +215,7 @@ def test_closed_window_refuses_writes_and_flush(kind, receiver, tmp_path):
 def test_killed_receiver_fails_fast(kind, start_receiver):
     rx = start_receiver(kind)
     local = sender_pool()
-    peer = open_peer(rx.descriptor, local, LAYOUT)
+    peer = open_peer(rx.descriptor, local, LAYOUT, KEY)
     w = rx.open_window()
     peer.write(w, 0, SRC, DST)
     peer.flush(w)
@@ -227,7 +232,7 @@ def test_killed_receiver_fails_fast(kind, start_receiver):
         peer.flush(w)
     assert time.monotonic() - start < 5
     with pytest.raises(TransferError, match="not running" if kind == "shm" else "cannot connect"):
-        open_peer(rx.descriptor, local, LAYOUT)
+        open_peer(rx.descriptor, local, LAYOUT, KEY)
     peer.close()
 
 
@@ -235,17 +240,18 @@ def test_tcp_handshake_refuses_another_layout(receiver):
     rx = receiver("tcp")
     other = dataclasses.replace(LAYOUT, head_dim=16)
     with pytest.raises(TransferError, match="head_dim") as e:
-        open_peer(rx.descriptor, torch.zeros(other.pool_shape(2), dtype=torch.bfloat16), other)
+        open_peer(rx.descriptor, torch.zeros(other.pool_shape(2), dtype=torch.bfloat16), other,
+                  KEY)
     assert str(LAYOUT.to_dict()) in str(e.value) and str(other.to_dict()) in str(e.value)
-    open_peer(rx.descriptor, sender_pool(), LAYOUT).close()  # the listener still serves
+    open_peer(rx.descriptor, sender_pool(), LAYOUT, KEY).close()  # the listener still serves
 
 
 # ---- backends in this process ----------------------------------------------------------------
 
 
 def test_tcp_close_ends_live_connections():
-    backend = TcpBackend(LAYOUT, RECV_PAGES)
-    peer = TcpPeer(backend.descriptor(), sender_pool(), LAYOUT)
+    backend = TcpBackend(LAYOUT, RECV_PAGES, key=KEY)
+    peer = TcpPeer(backend.descriptor(), sender_pool(), LAYOUT, KEY)
     w = backend.open_window()
     peer.write(w, 0, SRC, DST)
     peer.flush(w)
@@ -257,8 +263,8 @@ def test_tcp_close_ends_live_connections():
 
 
 def test_tcp_receiver_reports_out_of_range_writes_at_flush():
-    backend = TcpBackend(LAYOUT, RECV_PAGES)
-    peer = TcpPeer(backend.descriptor(), sender_pool(), LAYOUT)
+    backend = TcpBackend(LAYOUT, RECV_PAGES, key=KEY)
+    peer = TcpPeer(backend.descriptor(), sender_pool(), LAYOUT, KEY)
     w = backend.open_window()
     peer.write(w, 0, SRC[:2], torch.tensor([1, 32]))
     with pytest.raises(TransferError, match="slots 1..32 out of range for 32 slots"):
@@ -270,23 +276,28 @@ def test_tcp_receiver_reports_out_of_range_writes_at_flush():
 
 
 @pytest.mark.parametrize("backend_cls", [ShmBackend, TcpBackend])
-def test_window_table_fills_and_tags_are_never_reused(backend_cls):
-    backend = backend_cls(LAYOUT, 2, num_windows=4)
+def test_window_table_fills_and_tags_are_secret_and_fresh(backend_cls):
+    backend = backend_cls(LAYOUT, 2, num_windows=4, key=KEY)
     windows = [backend.open_window() for _ in range(4)]
-    assert windows == [Window(0, 1), Window(1, 2), Window(2, 3), Window(3, 4)]
+    assert [w.index for w in windows] == [0, 1, 2, 3]
+    # Tags are random 63-bit secrets (odd, so never the shm table's 0 = free): not a counter.
+    tags = [w.tag for w in windows]
+    assert all(0 < t < 2**63 and t % 2 == 1 for t in tags) and len(set(tags)) == 4
+    assert max(tags) > 2**40
     assert backend.open_window() is None
     backend.close_window(windows[2])
     backend.close_window(windows[2])  # closing twice is a no-op
     backend.close_window(windows[0])
-    assert backend.open_window() == Window(0, 5)
-    assert backend.open_window() == Window(2, 6)
+    reopened = [backend.open_window(), backend.open_window()]
+    assert [w.index for w in reopened] == [0, 2]
+    assert not {w.tag for w in reopened} & set(tags)
     backend.close_window(windows[2])  # a stale window must not close its index's new tenant
     assert backend.open_window() is None
     backend.close()
 
 
 def test_shm_close_window_waits_for_a_write_in_progress():
-    backend = ShmBackend(LAYOUT, RECV_PAGES)
+    backend = ShmBackend(LAYOUT, RECV_PAGES, key=KEY)
     peer = ShmPeer(backend.descriptor(), sender_pool(), LAYOUT)
     w = backend.open_window()
     closed = threading.Event()
@@ -310,7 +321,7 @@ def test_shm_close_window_waits_for_a_write_in_progress():
     ],
 )
 def test_shm_refuses_a_pool_it_cannot_trust(field, value, message):
-    backend = ShmBackend(LAYOUT, RECV_PAGES)
+    backend = ShmBackend(LAYOUT, RECV_PAGES, key=KEY)
     descriptor = {**backend.descriptor(), field: value}
     with pytest.raises(TransferError, match=message):
         ShmPeer(descriptor, sender_pool(), LAYOUT)
@@ -318,14 +329,16 @@ def test_shm_refuses_a_pool_it_cannot_trust(field, value, message):
 
 
 def test_shm_backend_close_refuses_later_writes_and_peers():
-    backend = ShmBackend(LAYOUT, RECV_PAGES)
+    backend = ShmBackend(LAYOUT, RECV_PAGES, key=KEY)
     peer = ShmPeer(backend.descriptor(), sender_pool(), LAYOUT)
     w = backend.open_window()
     backend.close()
     with pytest.raises(TransferError, match="closed window"):
         peer.write(w, 0, SRC, DST)
     assert backend.open_window() is None
-    with pytest.raises(TransferError, match="KV pool of shm receiver pid"):
+    # Its memfd is closed: /proc/PID/fd/N is gone, or already another file of that process.
+    with pytest.raises(TransferError, match="cannot open the KV pool of shm receiver pid|"
+                                            "is not a microserve KV pool"):
         ShmPeer(backend.descriptor(), sender_pool(), LAYOUT)
     assert torch.equal(backend.kv, expected_pool(sender_pool(), []))  # still mapped
     peer.close()
@@ -333,7 +346,7 @@ def test_shm_backend_close_refuses_later_writes_and_peers():
 
 def test_shm_peer_prefaults_the_receivers_pool():
     """The peer maps the pool's pages on its own thread, so the copies do not fault them in."""
-    backend = ShmBackend(LAYOUT, 4096)  # 3 MB: 768 pages of 4 KB
+    backend = ShmBackend(LAYOUT, 4096, key=KEY)  # 3 MB: 768 pages of 4 KB
     peer = ShmPeer(backend.descriptor(), sender_pool(), LAYOUT)
     peer._prefault._thread.join(10)
     if not peer._prefault.supported:
@@ -354,9 +367,10 @@ def test_factories_name_the_choices():
     with pytest.raises(ValueError, match="choose one of shm, tcp, none"):
         make_backend("rdma", LAYOUT, 2, "cpu")
     with pytest.raises(ValueError, match="shm needs the KV pool in CPU memory"):
-        make_backend("shm", LAYOUT, 2, "cuda")
+        make_backend("shm", LAYOUT, 2, "cuda", key=KEY)
     with pytest.raises(TransferError, match="--kv-transfer none"):
-        open_peer(make_backend("none", LAYOUT, 2, "cpu").descriptor(), sender_pool(), LAYOUT)
+        open_peer(make_backend("none", LAYOUT, 2, "cpu").descriptor(), sender_pool(), LAYOUT,
+                  KEY)
 
 
 # ---- KVSender ---------------------------------------------------------------------------------
@@ -402,7 +416,7 @@ def fake_peers(monkeypatch):
     """Every peer KVSender opens, in order."""
     peers: list[FakePeer] = []
 
-    def open_fake(descriptor, local_kv, layout):
+    def open_fake(descriptor, local_kv, layout, key):
         peers.append(FakePeer())
         return peers[-1]
 
@@ -416,9 +430,9 @@ def write_call(window: Window, layer: int) -> tuple:
 
 def test_sender_runs_writes_behind_the_caller_and_reports_completion(fake_peers):
     done = threading.Event()
-    sender = KVSender(sender_pool(), LAYOUT, notify=done.set)
+    sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
     w = Window(0, 1)
-    sender.start("a", {"kind": "fake"}, w)
+    sender.start("a", FAKE, w)
     peer = fake_peers[0]
     peer.gate.clear()
     sender.write_all_layers("a", SRC, DST)
@@ -437,9 +451,9 @@ def test_sender_runs_writes_behind_the_caller_and_reports_completion(fake_peers)
 
 def test_sender_cancel_waits_for_the_running_write_and_skips_the_rest(fake_peers):
     done = threading.Event()
-    sender = KVSender(sender_pool(), LAYOUT, notify=done.set)
+    sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
     wa, wb = Window(0, 1), Window(1, 2)
-    sender.start("a", {"kind": "fake"}, wa)
+    sender.start("a", FAKE, wa)
     peer = fake_peers[0]
     peer.gate.clear()
     sender.write_all_layers("a", SRC, DST)
@@ -454,7 +468,7 @@ def test_sender_cancel_waits_for_the_running_write_and_skips_the_rest(fake_peers
     assert cancelled.wait(5)
     canceller.join()
 
-    sender.start("b", {"kind": "fake"}, wb)  # the same receiver: the open peer is reused
+    sender.start("b", FAKE, wb)  # the same receiver: the open peer is reused
     sender.finish("b")
     assert done.wait(5)
     assert sender.completed() == [("b", None)]
@@ -465,9 +479,9 @@ def test_sender_cancel_waits_for_the_running_write_and_skips_the_rest(fake_peers
 
 def test_sender_failed_job_reports_its_error_and_the_next_job_reconnects(fake_peers):
     done = threading.Event()
-    sender = KVSender(sender_pool(), LAYOUT, notify=done.set)
+    sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
     w = Window(0, 1)
-    sender.start("a", {"kind": "fake"}, w)
+    sender.start("a", FAKE, w)
     fake_peers[0].fail_layer = 1
     sender.write_all_layers("a", SRC, DST)
     sender.finish("a")
@@ -476,34 +490,34 @@ def test_sender_failed_job_reports_its_error_and_the_next_job_reconnects(fake_pe
     assert fake_peers[0].calls == [write_call(w, 0), write_call(w, 1)]  # no layer 2, no flush
     assert fake_peers[0].closed
 
-    sender.start("b", {"kind": "fake"}, w)
+    sender.start("b", FAKE, w)
     assert len(fake_peers) == 2
     sender.close()
 
 
 def test_sender_keeps_the_peer_when_only_the_window_was_closed(fake_peers):
     done = threading.Event()
-    sender = KVSender(sender_pool(), LAYOUT, notify=done.set)
-    sender.start("a", {"kind": "fake"}, Window(0, 1))
+    sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
+    sender.start("a", FAKE, Window(0, 1))
     peer = fake_peers[0]
     peer.flush_error = "receiver closed window 0"
     sender.finish("a")
     assert done.wait(5)
     assert sender.completed() == [("a", "receiver closed window 0")]
-    sender.start("b", {"kind": "fake"}, Window(1, 2))
+    sender.start("b", FAKE, Window(1, 2))
     assert len(fake_peers) == 1 and not peer.closed
     sender.close()
 
 
 def test_sender_drops_a_cached_peer_whose_receiver_is_gone(fake_peers):
     done = threading.Event()
-    sender = KVSender(sender_pool(), LAYOUT, notify=done.set)
-    sender.start("a", {"kind": "fake"}, Window(0, 1))
+    sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
+    sender.start("a", FAKE, Window(0, 1))
     sender.finish("a")
     assert done.wait(5)
     done.clear()
     fake_peers[0].receiver_alive = False  # e.g. the receiver restarted on the same port
-    sender.start("b", {"kind": "fake"}, Window(0, 1))
+    sender.start("b", FAKE, Window(0, 1))
     assert len(fake_peers) == 2
     sender.finish("b")
     assert done.wait(5)
@@ -513,10 +527,10 @@ def test_sender_drops_a_cached_peer_whose_receiver_is_gone(fake_peers):
 
 
 def test_sender_refuses_misuse(fake_peers):
-    sender = KVSender(sender_pool(), LAYOUT)
-    sender.start("a", {"kind": "fake"}, Window(0, 1))
+    sender = KVSender(sender_pool(), LAYOUT, key=KEY)
+    sender.start("a", FAKE, Window(0, 1))
     with pytest.raises(ValueError, match="'a' is already running"):
-        sender.start("a", {"kind": "fake"}, Window(1, 2))
+        sender.start("a", FAKE, Window(1, 2))
     with pytest.raises(ValueError, match="5 source slots but 2 destinations"):
         sender.write("a", 0, SRC, DST[:2])
     sender.finish("a")
@@ -532,7 +546,7 @@ def test_sender_moves_every_layer_to_a_receiver_process(kind, receiver, tmp_path
     rx = receiver(kind)
     local = sender_pool()
     done = threading.Event()
-    sender = KVSender(local, LAYOUT, notify=done.set)
+    sender = KVSender(local, LAYOUT, notify=done.set, key=KEY)
     sender.start("a", rx.descriptor, rx.open_window())
     sender.write_all_layers("a", SRC, DST)
     sender.finish("a")
@@ -549,8 +563,8 @@ from kvcache.transfer.sender import KVSender
 from kvcache.transfer.tcp import TcpBackend
 
 layout = KVLayout("m", "float32", 16, 4, 3, 64)
-backend = TcpBackend(layout, 256)
-sender = KVSender(torch.zeros(layout.pool_shape(256)), layout)
+backend = TcpBackend(layout, 256, key=b"k")
+sender = KVSender(torch.zeros(layout.pool_shape(256)), layout, key=b"k")
 slots = torch.arange(256 * 16)
 for job in map(str, range(50)):
     sender.start(job, backend.descriptor(), backend.open_window())
@@ -573,3 +587,130 @@ def test_exit_mid_transfer_is_clean():
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+# ---- who may transfer (microserve/transfer_auth.py) -------------------------------------------
+
+
+def _counting_listener() -> tuple[socket.socket, list]:
+    """A plain TCP listener that records every connection made to it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list = []
+
+    def accept():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, accepted
+
+
+def test_a_sender_dials_nothing_from_a_descriptor_it_cannot_verify():
+    listener, accepted = _counting_listener()
+    port = listener.getsockname()[1]
+    crafted = {"kind": "tcp", "host": "127.0.0.1", "port": port, "num_pages": 8}
+    cases = [
+        (crafted, "not signed"),
+        ({**crafted, "mac": "00" * 32}, "not signed by an engine of this deployment"),
+        (sign(crafted, transfer_key("another deployment")), "not signed by an engine of this"),
+    ]
+    for descriptor, message in cases:
+        with pytest.raises(TransferError, match=message):
+            open_peer(descriptor, sender_pool(), LAYOUT, KEY)
+    with pytest.raises(TransferError, match="no engine key"):
+        open_peer(sign(crafted, KEY), sender_pool(), LAYOUT, None)
+    time.sleep(0.2)
+    assert accepted == []  # not even a connect: no port scanning through remote_send
+    listener.close()
+
+
+def test_a_signed_descriptor_altered_in_one_field_is_refused():
+    backend = TcpBackend(LAYOUT, RECV_PAGES, key=KEY)
+    descriptor = backend.descriptor()
+    for field, value in [("port", descriptor["port"] + 1), ("host", "10.0.0.1"),
+                         ("num_pages", 10**6)]:
+        with pytest.raises(TransferError, match="not signed by an engine of this deployment"):
+            open_peer({**descriptor, field: value}, sender_pool(), LAYOUT, KEY)
+    open_peer(descriptor, sender_pool(), LAYOUT, KEY).close()  # the real one opens
+    backend.close()
+
+
+def test_shm_sender_refuses_a_file_that_is_not_a_kv_pool(tmp_path):
+    """The probe's attack: a descriptor naming an ordinary file another process holds open. Even
+    signed with the right key (which a caller does not have), it is not a microserve memfd."""
+    target = tmp_path / "victim.txt"
+    target.write_bytes(b"precious" * 1000)
+    holder = subprocess.Popen([sys.executable, "-c",
+                               f"import sys, time; f = open({str(target)!r}, 'r+b'); "
+                               "print(f.fileno(), flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    fd = int(holder.stdout.readline())
+    backend = ShmBackend(LAYOUT, RECV_PAGES, key=KEY)
+    real = backend.descriptor()
+    crafted = {**{k: v for k, v in real.items() if k != "mac"}, "pid": holder.pid, "fd": fd,
+               "inode": target.stat().st_ino, "nbytes": target.stat().st_size, "kv_offset": 0,
+               "num_pages": 1}
+    with pytest.raises(TransferError, match="not signed"):
+        open_peer(crafted, sender_pool(), LAYOUT, KEY)
+    with pytest.raises(TransferError, match="is not a microserve KV pool"):
+        open_peer(sign(crafted, KEY), sender_pool(), LAYOUT, KEY)
+    holder.kill()
+    holder.wait()
+    assert target.read_bytes() == b"precious" * 1000
+    backend.close()
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the other side closed the connection (FIN, or RST when bytes were left unread)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _raw_hello(port: int) -> tuple[socket.socket, bytes]:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    challenge = tcp._recv_message(sock)["nonce"]
+    return sock, challenge
+
+
+def test_tcp_listener_refuses_a_sender_without_the_key_before_any_frame():
+    backend = TcpBackend(LAYOUT, RECV_PAGES, key=KEY)
+    port = backend.port
+    # A peer holding another key: refused with a reason, at the handshake.
+    with pytest.raises(TransferError, match="not authenticated"):
+        TcpPeer(backend.descriptor(), sender_pool(), LAYOUT, transfer_key("not ours"))
+    # A stranger that skips the handshake and sends a WRITE frame: the listener takes its first
+    # bytes for a hello, finds no proof in it and hangs up without reading the payload.
+    sock, _ = _raw_hello(port)
+    w = backend.open_window()
+    frame = tcp._HEADER.pack(tcp._WRITE, w.index, w.tag, 0, len(DST)) + bytes(8 * len(DST))
+    sock.sendall(frame)
+    assert _hung_up(sock)
+    # A stranger with a forged proof: told why, then hung up on.
+    sock, challenge = _raw_hello(port)
+    tcp._send_message(sock, {"nonce": b"x" * 16, "proof": b"y" * 32, "layout": LAYOUT.to_dict()})
+    assert "not authenticated" in tcp._recv_message(sock)["error"]
+    assert _hung_up(sock)
+    assert torch.count_nonzero(backend.kv) == 0  # nothing was written
+    # The deployment's own sender still gets in, and writes.
+    peer = TcpPeer(backend.descriptor(), sender_pool(), LAYOUT, KEY)
+    peer.write(w, 0, SRC, DST)
+    peer.flush(w)
+    assert torch.count_nonzero(backend.kv) > 0
+    peer.close()
+    backend.close()
+
+
+def test_tcp_peer_refuses_a_listener_that_cannot_prove_the_key():
+    """The sender authenticates the receiver too: something else listening on the advertised
+    port (a restarted engine of another deployment, say) gets no KV."""
+    impostor = TcpBackend(LAYOUT, RECV_PAGES, key=transfer_key("another deployment"))
+    descriptor = sign({k: v for k, v in impostor.descriptor().items() if k != "mac"}, KEY)
+    with pytest.raises(TransferError, match="not authenticated|did not prove"):
+        TcpPeer(descriptor, sender_pool(), LAYOUT, KEY)
+    impostor.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from microserve.transfer_auth import TransferAuthError, verify
 from kvcache.transfer.base import (
     KVLayout,
     NoTransferBackend,
@@ -40,10 +41,17 @@ def make_backend(
     host: str = "127.0.0.1",
     port: int = 0,
     advertise_host: str | None = None,
+    key: bytes | None = None,
 ) -> TransferBackend:
     """The receiving side of `--kv-transfer kind`, owning a zeroed pool of `num_pages` pages on
     `device`. `host`, `port` and `advertise_host` configure the tcp listener (port 0: any free
-    port). Raises ValueError for an unknown kind or shm with a pool outside CPU memory."""
+    port). `key` is the deployment's transfer key (microserve.transfer_auth): shm and tcp sign their
+    descriptor with it and tcp admits only senders that hold it. Raises ValueError for an
+    unknown kind, shm with a pool outside CPU memory, or shm/tcp without a key."""
+    if kind in ("shm", "tcp") and key is None:
+        raise ValueError(f"--kv-transfer {kind} needs an engine key (--api-key, shared by the "
+                         "deployment's engines; microserve up makes one): without it anyone "
+                         "could write into this engine's KV pool")
     if kind == "shm":
         if torch.device(device).type != "cpu":
             raise ValueError(
@@ -51,20 +59,28 @@ def make_backend(
             )
         from kvcache.transfer.shm import ShmBackend
 
-        return ShmBackend(layout, num_pages)
+        return ShmBackend(layout, num_pages, key=key)
     if kind == "tcp":
         from kvcache.transfer.tcp import TcpBackend
 
-        return TcpBackend(layout, num_pages, device, host, port, advertise_host)
+        return TcpBackend(layout, num_pages, device, host, port, advertise_host, key=key)
     if kind == "none":
         return NoTransferBackend(layout, num_pages, device)
     raise ValueError(f"unknown --kv-transfer {kind!r}; choose one of {', '.join(BACKEND_KINDS)}")
 
 
-def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout) -> Peer:
+def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout,
+              key: bytes | None) -> Peer:
     """Open the receiver `descriptor` names for writing from `local_kv` (this engine's pool).
-    The caller has checked that both engines share `layout`. Raises TransferError if the
-    receiver cannot take KV or cannot be reached."""
+    The caller has checked that both engines share `layout`. Nothing is opened, mapped or
+    dialed unless the descriptor is signed with `key` (transfer_auth.verify). Raises TransferError if
+    the descriptor is not signed, or the receiver cannot take KV or cannot be reached."""
+    if descriptor.get("kind") == "none":
+        raise TransferError("the receiving engine was started with --kv-transfer none")
+    try:
+        descriptor = verify(descriptor, key)
+    except TransferAuthError as e:
+        raise TransferError(str(e)) from None
     kind = descriptor.get("kind")
     if kind == "shm":
         from kvcache.transfer.shm import ShmPeer
@@ -73,7 +89,5 @@ def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout) -> Pee
     if kind == "tcp":
         from kvcache.transfer.tcp import TcpPeer
 
-        return TcpPeer(descriptor, local_kv, layout)
-    if kind == "none":
-        raise TransferError("the receiving engine was started with --kv-transfer none")
+        return TcpPeer(descriptor, local_kv, layout, key)
     raise TransferError(f"unknown transfer kind {kind!r} in the receiver's descriptor")

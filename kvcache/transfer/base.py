@@ -32,6 +32,8 @@ from typing import ClassVar
 
 import torch
 
+from microserve.transfer_auth import new_window_tag
+
 
 class TransferError(Exception):
     """A write or flush could not complete: the receiver is gone, the connection broke, or the
@@ -73,28 +75,26 @@ class KVLayout:
 @dataclass(frozen=True)
 class Window:
     """A receiver-side write window: `index` names its entry in the receiver's window table,
-    `tag` makes it unique over time (an index is reused, a tag never)."""
+    `tag` is the window's secret: random (transfer_auth.new_window_tag), so it also tells this window
+    from earlier ones at the same index, and only whoever got the prep_recv answer can write."""
 
     index: int
     tag: int
 
 
 class WindowIds:
-    """Hands out window indices (lowest free first) and tags that are never reused, for a
-    receiver's table of `num_windows` entries. Not thread-safe: the backend's lock guards it."""
+    """Hands out window indices (lowest free first) with fresh random tags, for a receiver's
+    table of `num_windows` entries. Not thread-safe: the backend's lock guards it."""
 
     def __init__(self, num_windows: int):
         self.num_windows = num_windows
         self._free = list(range(num_windows - 1, -1, -1))  # stack; pop() gives the lowest index
-        self._next_tag = 1
 
     def take(self) -> Window | None:
         """A fresh window, or None when every index is in use."""
         if not self._free:
             return None
-        window = Window(self._free.pop(), self._next_tag)
-        self._next_tag += 1
-        return window
+        return Window(self._free.pop(), new_window_tag())
 
     def release(self, index: int) -> None:
         self._free.append(index)

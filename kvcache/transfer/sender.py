@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from kvcache.transfer import open_peer
+from microserve.transfer_auth import TransferAuthError, verify
 from kvcache.transfer.base import KVLayout, Peer, TransferError, Window
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,12 @@ class KVSender:
     """
 
     def __init__(
-        self, local_kv: torch.Tensor, layout: KVLayout, notify: Callable[[], None] = lambda: None
+        self, local_kv: torch.Tensor, layout: KVLayout, notify: Callable[[], None] = lambda: None,
+        key: bytes | None = None,
     ):
         self.local_kv = local_kv
         self.layout = layout
+        self.key = key  # the deployment's transfer key: receivers' descriptors must be signed
         self._notify = notify
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()  # None stops the thread
         # Guards everything below. Peers are used only on the transfer thread, opened only in
@@ -86,8 +89,13 @@ class KVSender:
 
     def start(self, job_id: str, descriptor: dict, window: Window) -> None:
         """Begin a job that writes into `window` of the receiver `descriptor` names. Opens the
-        peer (or reuses the open one) on this thread; raises TransferError if that fails and
-        ValueError if `job_id` is already running."""
+        peer (or reuses the open one) on this thread; raises TransferError if the descriptor is
+        not signed with the deployment's key or opening fails, and ValueError if `job_id` is
+        already running."""
+        try:
+            verify(descriptor, self.key)  # before anything is looked up, opened or dialed
+        except TransferAuthError as e:
+            raise TransferError(str(e)) from None
         key = tuple(sorted(descriptor.items()))
         with self._open_lock:
             with self._lock:
@@ -98,7 +106,7 @@ class KVSender:
                     self._retire(key, peer)
                     peer = None
             if peer is None:
-                peer = open_peer(descriptor, self.local_kv, self.layout)
+                peer = open_peer(descriptor, self.local_kv, self.layout, self.key)
             with self._lock:
                 self._peers[key] = peer
                 self._jobs[job_id] = _Job(job_id, peer, key, window)

@@ -47,6 +47,7 @@ from contextlib import contextmanager
 
 import torch
 
+from microserve.transfer_auth import sign
 from kvcache.transfer.base import (
     KVLayout,
     Peer,
@@ -59,6 +60,7 @@ from kvcache.transfer.base import (
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_WINDOWS = 4096
+MEMFD_NAME = "microserve-kv"
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, 5.14+
 _POPULATE_STEP = 4 << 20
 
@@ -144,7 +146,8 @@ class ShmBackend(TransferBackend):
 
     kind = "shm"
 
-    def __init__(self, layout: KVLayout, num_pages: int, num_windows: int = DEFAULT_NUM_WINDOWS):
+    def __init__(self, layout: KVLayout, num_pages: int, num_windows: int = DEFAULT_NUM_WINDOWS,
+                 *, key: bytes):
         if num_pages < 1 or num_windows < 1:
             raise ValueError(
                 f"num_pages ({num_pages}) and num_windows ({num_windows}) must be >= 1"
@@ -155,7 +158,7 @@ class ShmBackend(TransferBackend):
         kv_offset = -(-num_windows * _ENTRY.size // mmap.PAGESIZE) * mmap.PAGESIZE
         nbytes = kv_offset + count * dtype.itemsize
 
-        fd = os.memfd_create("microserve-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
             # Commit the memory now, as torch.zeros would: running out fails here, at startup,
@@ -174,7 +177,7 @@ class ShmBackend(TransferBackend):
         self.kv = flat.view(shape)
 
         self.num_windows = num_windows
-        self._descriptor = {
+        self._descriptor = sign({
             "kind": self.kind,
             "pid": os.getpid(),
             "fd": fd,
@@ -185,7 +188,7 @@ class ShmBackend(TransferBackend):
             "kv_offset": kv_offset,
             "num_pages": num_pages,
             "num_windows": num_windows,
-        }
+        }, key)
         # OFD locks taken through one descriptor do not exclude each other, so threads of this
         # process serialize table updates on this lock; it is held across the entry lock.
         self._lock = threading.Lock()
@@ -294,6 +297,11 @@ class ShmPeer(Peer):
                 f"exited, or runs as another user or in another container: use --kv-transfer tcp"
             ) from None
         try:
+            # The descriptor is signed, so pid, fd and inode are an engine's; this also refuses
+            # anything but one of our pools should the pid and fd have been reused since.
+            target = os.readlink(f"/proc/self/fd/{own_fd}")
+            if not target.startswith(f"/memfd:{MEMFD_NAME} "):
+                raise TransferError(f"{path} is not a microserve KV pool")
             st = os.fstat(own_fd)
             if st.st_ino != descriptor["inode"] or st.st_size != descriptor["nbytes"]:
                 raise TransferError(

@@ -1,10 +1,14 @@
 """TCP transfer between any two hosts: the receiver's listener threads write what arrives.
 
-A sender holds one connection per receiver. After a handshake that compares KV layouts, it
-streams frames; the receiver applies them in order, one thread per connection:
+A sender holds one connection per receiver. After a handshake in which each side proves it
+holds the deployment's transfer key (microserve/transfer_auth.py) and the KV layouts are
+compared, it streams frames; the receiver applies them in order, one thread per connection:
 
-    handshake   sender → u32 length, msgpack(layout dict)
-                sender ← u32 length, msgpack({"error": None | message})
+    handshake   sender ← u32 length, msgpack({"nonce": r})
+                sender → u32 length, msgpack({"nonce": s, "proof": P("sender", s, r),
+                                              "layout": layout dict})
+                sender ← u32 length, msgpack({"error": None | message,
+                                              "proof": P("receiver", r, s)})
     WRITE       header │ dst slots: int64[n] │ K rows, V rows: dtype[2, n, kv_heads, head_dim]
     FLUSH       header                      → answered with u32 length, msgpack({"error": ...})
                                               once every earlier frame of the connection is applied
@@ -17,11 +21,15 @@ send buffer and the receiver reads a frame with `recv_into`, both without extra 
 
 Writes are one-way: a write into a window the receiver already closed is dropped there and the
 sender learns it at the next flush.
+
+The listener reads nothing but the small hello (at most 4 KiB, within 10 s) from a connection
+that has not proved it holds the key, and answers a failed proof with an error and a hang-up.
 """
 
 from __future__ import annotations
 
 import atexit
+import hmac
 import logging
 import select
 import socket
@@ -34,6 +42,8 @@ from contextlib import contextmanager
 import msgpack
 import torch
 
+from microserve import transfer_auth as auth
+from microserve.transfer_auth import sign
 from kvcache.transfer.base import (
     KVLayout,
     Peer,
@@ -51,6 +61,8 @@ DEFAULT_TIMEOUT_S = 60.0
 _HEADER = struct.Struct("<B3xIqiI")  # op, window index, window tag, layer, number of slots
 _LENGTH = struct.Struct("<I")  # prefix of a msgpack message
 _MAX_MESSAGE = 1 << 20
+_MAX_HELLO = 4096  # what the listener reads from a connection before it is authenticated
+HANDSHAKE_TIMEOUT_S = 10.0
 _WRITE, _FLUSH = 1, 2
 
 
@@ -82,14 +94,14 @@ def _send_message(sock: socket.socket, obj: object) -> None:
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def _recv_message(sock: socket.socket) -> dict:
-    """One length-prefixed msgpack map. Raises ConnectionError for anything else, e.g. when the
-    other side is not a KV transfer endpoint."""
+def _recv_message(sock: socket.socket, limit: int = _MAX_MESSAGE) -> dict:
+    """One length-prefixed msgpack map of at most `limit` bytes. Raises ConnectionError for
+    anything else, e.g. when the other side is not a KV transfer endpoint."""
     length = bytearray(_LENGTH.size)
     _recv_exactly(sock, memoryview(length))
     (n,) = _LENGTH.unpack(length)
-    if n > _MAX_MESSAGE:
-        raise ConnectionError(f"message of {n} bytes exceeds the limit of {_MAX_MESSAGE}")
+    if n > limit:
+        raise ConnectionError(f"message of {n} bytes exceeds the limit of {limit}")
     data = bytearray(n)
     _recv_exactly(sock, memoryview(data))
     try:
@@ -119,12 +131,15 @@ class TcpBackend(TransferBackend):
         port: int = 0,
         advertise_host: str | None = None,
         num_windows: int = DEFAULT_NUM_WINDOWS,
+        *,
+        key: bytes,
     ):
         if num_pages < 1 or num_windows < 1:
             raise ValueError(
                 f"num_pages ({num_pages}) and num_windows ({num_windows}) must be >= 1"
             )
         self.layout = layout
+        self._key = key
         dtype = getattr(torch, layout.dtype)
         self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=dtype, device=device)
         self.num_windows = num_windows
@@ -146,12 +161,12 @@ class TcpBackend(TransferBackend):
         self.port = self._listener.getsockname()[1]
         if advertise_host is None:
             advertise_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-        self._descriptor = {
+        self._descriptor = sign({
             "kind": self.kind,
             "host": advertise_host,
             "port": self.port,
             "num_pages": num_pages,
-        }
+        }, key)
 
         self._conns_lock = threading.Lock()  # guards _conns and _closing
         self._conns: dict[socket.socket, threading.Thread] = {}  # live connection -> its thread
@@ -237,15 +252,31 @@ class TcpBackend(TransferBackend):
             conn.close()
 
     def _handshake(self, conn: socket.socket, sender: str) -> bool:
-        hello = _recv_message(conn)
+        """Authenticate the sender, then compare layouts. True if frames may follow."""
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        challenge = auth.nonce()
+        _send_message(conn, {"nonce": challenge})
+        hello = _recv_message(conn, _MAX_HELLO)
+        theirs, their_proof = hello.get("nonce"), hello.get("proof")
+        if not (isinstance(theirs, bytes) and isinstance(their_proof, bytes) and
+                hmac.compare_digest(their_proof,
+                                    auth.proof(self._key, b"sender", theirs, challenge))):
+            log.warning("refused kv transfer connection from %s: it did not prove it holds "
+                        "the deployment's transfer key", sender)
+            _send_message(conn, {"error": "not authenticated: the sender does not hold this "
+                                          "deployment's engine key"})
+            return False
         try:
-            error = self.layout.mismatch(KVLayout.from_dict(hello))
+            error = self.layout.mismatch(KVLayout.from_dict(hello.get("layout")))
         except (KeyError, TypeError, AttributeError):
-            error = f"malformed handshake {hello!r}: expected a KV layout"
-        _send_message(conn, {"error": error})
+            error = "malformed handshake: expected a KV layout"
+        _send_message(conn, {"error": error,
+                             "proof": auth.proof(self._key, b"receiver", challenge, theirs)})
         if error is not None:
             log.warning("refused kv transfer connection from %s: %s", sender, error)
-        return error is None
+            return False
+        conn.settimeout(None)
+        return True
 
     def _apply_frames(self, conn: socket.socket, sender: str) -> None:
         header = bytearray(_HEADER.size)
@@ -254,6 +285,10 @@ class TcpBackend(TransferBackend):
         while True:
             _recv_exactly(conn, memoryview(header))
             op, index, tag, layer, n = _HEADER.unpack(header)
+            if op == _WRITE and n > self._num_slots:
+                log.warning("kv transfer connection from %s sent a write of %d slots into a "
+                            "pool of %d; closing it", sender, n, self._num_slots)
+                return
             if op == _WRITE:
                 slots_end = 8 * n
                 frame_end = slots_end + 2 * n * self._row_bytes
@@ -330,6 +365,7 @@ class TcpPeer(Peer):
         descriptor: dict,
         local_kv: torch.Tensor,
         layout: KVLayout,
+        key: bytes,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self._address = f"{descriptor['host']}:{descriptor['port']}"
@@ -346,11 +382,23 @@ class TcpPeer(Peer):
             raise TransferError(f"cannot connect to receiver {self._address}: {e}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._io():
-            _send_message(self._sock, layout.to_dict())
-            error = _recv_message(self._sock)["error"]
+            challenge = _recv_message(self._sock, _MAX_HELLO).get("nonce")
+            if not isinstance(challenge, bytes):
+                raise OSError("not a KV transfer listener (no challenge)")
+            mine = auth.nonce()
+            _send_message(self._sock, {"nonce": mine, "layout": layout.to_dict(),
+                                       "proof": auth.proof(key, b"sender", mine, challenge)})
+            answer = _recv_message(self._sock, _MAX_HELLO)
+        error = answer.get("error")
         if error is not None:
             self.close()
             raise TransferError(f"receiver {self._address} refused the connection: {error}")
+        their_proof = answer.get("proof")
+        if not (isinstance(their_proof, bytes) and hmac.compare_digest(
+                their_proof, auth.proof(key, b"receiver", challenge, mine))):
+            self.close()
+            raise TransferError(f"receiver {self._address} did not prove it holds this "
+                                "deployment's transfer key")
 
     @contextmanager
     def _io(self) -> Iterator[None]:
