@@ -4,8 +4,9 @@
                        open_paths=("/health", "/metrics"))
 
 A request whose path starts with a guarded prefix (the first that matches) needs
-`Authorization: Bearer <that token>`; otherwise it gets OpenAI's 401 error JSON. Paths in
-`open_paths` and paths no prefix matches pass. Tokens are compared in constant time.
+`Authorization: Bearer <that token>`; otherwise it gets OpenAI's 401 error JSON. A prefix whose
+token is None is closed: every request under it gets a 403. Paths in `open_paths` and paths no
+prefix matches pass. Tokens are compared in constant time.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from microserve.errors import OpenAIError
 
 OPEN_PATHS = ("/health", "/metrics")
+_CLOSED = object()  # the key of a prefix no token opens
 
 
 class RequireBearer:
-    def __init__(self, app: ASGIApp, guards: Sequence[tuple[str, str]],
+    def __init__(self, app: ASGIApp, guards: Sequence[tuple[str, str | None]],
                  open_paths: Sequence[str] = OPEN_PATHS):
         for prefix, token in guards:
-            if not token:
+            if token == "":
                 raise ValueError(f"the token guarding {prefix!r} must not be empty")
         self.app = app
-        self._guards = [(prefix, token.encode()) for prefix, token in guards]
+        self._guards = [(prefix, token.encode() if token is not None else _CLOSED)
+                        for prefix, token in guards]
         self._open = tuple(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -36,6 +39,10 @@ class RequireBearer:
         key = next((k for prefix, k in self._guards if scope["path"].startswith(prefix)), None)
         if key is None:
             return await self.app(scope, receive, send)
+        if key is _CLOSED:
+            message = ("This API is closed: no token is configured for it (start the router "
+                       "with --admin-token or MICROSERVE_ADMIN_TOKEN)")
+            return await OpenAIError(403, message, code="closed").response()(scope, receive, send)
         token = bearer_token(scope)
         if token is not None and hmac.compare_digest(token, key):
             return await self.app(scope, receive, send)

@@ -59,6 +59,8 @@ def _engine_args(sub) -> None:
                    help="tcp: address peers dial (default: the bind address)")
     p.add_argument("--kv-lease-s", type=float, default=60.0,
                    help="seconds a prep_recv reservation lives if nothing consumes it")
+    p.add_argument("--kv-lease-max-s", type=float, default=600.0,
+                   help="the longest lease a prep_recv may ask for (lease_s)")
     p.add_argument("--log-level", default="info")
 
 
@@ -90,6 +92,7 @@ def _run_engine(args) -> None:
         kv_transfer_port=args.kv_transfer_port,
         kv_transfer_advertise_host=args.kv_transfer_advertise_host,
         kv_lease_s=args.kv_lease_s,
+        kv_lease_max_s=args.kv_lease_max_s,
     )
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key))
@@ -131,16 +134,20 @@ def _json_object(value: str) -> dict:
     return obj
 
 
-def _secret_args(p, *, engine_key: bool = True) -> None:
+def _secret_args(p, *, up: bool = False) -> None:
     p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on the router's /v1 "
                         "(default: $MICROSERVE_API_KEY)")
     p.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"),
-                   help="require it on /admin; uploading strategy source needs it "
-                        "(default: $MICROSERVE_ADMIN_TOKEN)")
+                   help="the bearer token /admin requires (default: $MICROSERVE_ADMIN_TOKEN; "
+                        "unset: a new one, printed once and saved in a file only you can read)")
     p.add_argument("--engine-api-key", default=os.environ.get("MICROSERVE_ENGINE_API_KEY"),
                    help="the engines' --api-key, sent on every call to them "
-                        "(default: $MICROSERVE_ENGINE_API_KEY)")
+                        "(default: $MICROSERVE_ENGINE_API_KEY" + (
+                            "; unset: a new one for this deployment's engines)" if up else ")"))
+    p.add_argument("--strategies-dir", default=None,
+                   help="the directory PUT /admin/strategy {\"path\": ...} may load .py files "
+                        "from (default: none; built-ins and uploads only)")
     p.add_argument("--log-level", default="info")
 
 
@@ -170,7 +177,20 @@ def _up_args(sub) -> None:
     p.add_argument("config", help="a deployment file, e.g. deploy/local-cpu.toml")
     p.add_argument("--port", type=int, default=None, help="the router's port (overrides the "
                                                           "file; engines follow it)")
-    _secret_args(p)
+    _secret_args(p, up=True)
+
+
+def _admin_token(given: str | None, port: int) -> str:
+    """The admin token asked for, or a new one: printed once, saved where only this user reads."""
+    if given is not None:
+        return given
+    from microserve.credentials import generated_admin_token
+
+    token, path = generated_admin_token(port)
+    print(f"microserve: no admin token given; /admin takes this one: {token}\n"
+          f"microserve: (saved in {path}, readable only by you; set --admin-token or "
+          f"MICROSERVE_ADMIN_TOKEN to choose it)", flush=True)
+    return token
 
 
 def _run_router(args) -> None:
@@ -181,17 +201,24 @@ def _run_router(args) -> None:
         tokenizer_dir=str(resolve_model(args.model)),
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
         engines=tuple(args.engine), strategy=args.strategy, strategy_args=args.strategy_args,
-        host=args.host, port=args.port, api_key=args.api_key, admin_token=args.admin_token,
-        engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy)
+        host=args.host, port=args.port, api_key=args.api_key,
+        admin_token=_admin_token(args.admin_token, args.port),
+        engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
+        strategies_dir=args.strategies_dir)
     _run_loop(serve(config, args.log_level))
 
 
 def _run_up(args) -> None:
+    from microserve.credentials import new_token
     from microserve.up import load_deployment, up
 
-    deployment = load_deployment(args.config, port=args.port)
+    deployment = load_deployment(args.config, port=args.port,
+                                 strategies_dir=args.strategies_dir)
+    # The engines always take a key: their microserving API moves KV and runs prefills, and
+    # KV transfer between them is authenticated by it (microserve/transfer_auth.py).
     code = _run_loop(up(deployment, log_level=args.log_level, api_key=args.api_key,
-                          admin_token=args.admin_token, engine_api_key=args.engine_api_key))
+                          admin_token=_admin_token(args.admin_token, deployment.port),
+                          engine_api_key=args.engine_api_key or new_token()))
     sys.exit(code)
 
 

@@ -124,12 +124,17 @@ def default_gguf_path() -> Path:
     )
 
 
-def models_cache_dir() -> Path:
+def cache_dir() -> Path:
+    """${MICROSERVE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/microserve}"""
     root = os.environ.get("MICROSERVE_CACHE_DIR")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         root = Path(xdg) / "microserve"
-    return Path(root) / "models"
+    return Path(root)
+
+
+def models_cache_dir() -> Path:
+    return cache_dir() / "models"
 
 
 def ensure_converted(gguf_path: Path, models_dir: Path, prefix: str) -> Path:

@@ -2,10 +2,14 @@
 
 Starts every engine of the config as a `microserve engine` process, waits until each answers
 /health, starts the router (in this process) over them with the config's strategy, prints the
-endpoint, and then watches: Ctrl-C (or SIGTERM) stops the router and then the engines, and if
-any engine dies the rest is stopped too, with exit status 1. Engines run in their own process
-group (a terminal's Ctrl-C reaches only this process, which stops things in order) and get
-SIGTERM if this process dies. Their output is shown with `[name]` in front.
+endpoint, and then watches. Ctrl-C (or SIGTERM) stops the router and then the engines (exit
+status 0). An engine that exits is logged with its exit status and last lines of output and
+restarted after a backoff (1, 2, 4, 8, 16 s, then every 30 s) while the router routes around
+it and takes it back once it answers again; the deployment stops (exit status 1) only when one
+engine fails MAX_RESTARTS times in a row, each time exiting before it had served healthily for
+STABLE_S. Engines run in their own process group (a terminal's Ctrl-C reaches only this
+process, which stops things in order) and get SIGTERM if this process dies. Their output is
+shown with `[name]` in front.
 
 Config (TOML; see deploy/local-cpu.toml):
 
@@ -18,6 +22,7 @@ Config (TOML; see deploy/local-cpu.toml):
     strategy = "pd"                      # a built-in (strategies/) or a .py path
     strategy_args = { }                  # the strategy's constructor arguments
     watch_strategy = false               # reload the strategy file when it changes
+    strategies_dir = "strategies/"       # PUT /admin/strategy {"path"} loads .py files from here
 
     [[engines]]
     name = "prefill-0"
@@ -27,8 +32,9 @@ Config (TOML; see deploy/local-cpu.toml):
     env = { CUDA_VISIBLE_DEVICES = "0" } # more environment
 
 Secrets stay out of the file: --api-key / MICROSERVE_API_KEY guards the router's /v1,
---admin-token / MICROSERVE_ADMIN_TOKEN its /admin, --engine-api-key /
-MICROSERVE_ENGINE_API_KEY the engines' APIs (the router sends it).
+--admin-token / MICROSERVE_ADMIN_TOKEN its /admin (generated when not given), --engine-api-key /
+MICROSERVE_ENGINE_API_KEY the engines' APIs and the KV transfer between them (generated when not
+given; the router sends it).
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ log = logging.getLogger("microserve.up")
 
 ENGINE_START_TIMEOUT_S = 900  # a large model loads for minutes
 STOP_TIMEOUT_S = 30
+MAX_RESTARTS = 5  # an engine failing this many times in a row stops the deployment
+STABLE_S = 60.0  # an engine healthy this long before it exits starts a fresh count
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # then 30 s each time
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -83,15 +92,18 @@ class Deployment:
     strategy: str = "data_parallel"
     strategy_args: dict = field(default_factory=dict)
     watch_strategy: bool = False
+    strategies_dir: str | None = None
 
 
 _TOP_KEYS = {"model", "served_model_name", "router", "engines"}
-_ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy"}
+_ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy", "strategies_dir"}
 _ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
 
 
-def load_deployment(path: str | Path, port: int | None = None) -> Deployment:
-    """Read and check a config file. Raises ValueError naming the key and the file."""
+def load_deployment(path: str | Path, port: int | None = None,
+                    strategies_dir: str | None = None) -> Deployment:
+    """Read and check a config file; `port` and `strategies_dir` override its values. Raises
+    ValueError naming the key and the file."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -134,7 +146,8 @@ def load_deployment(path: str | Path, port: int | None = None) -> Deployment:
         engines=tuple(launches), host=router.get("host", "127.0.0.1"), port=router_port,
         strategy=router.get("strategy", "data_parallel"),
         strategy_args=dict(router.get("strategy_args", {})),
-        watch_strategy=bool(router.get("watch_strategy", False)))
+        watch_strategy=bool(router.get("watch_strategy", False)),
+        strategies_dir=strategies_dir or router.get("strategies_dir"))
 
 
 def _no_unknown(table: dict, known: set[str], where: str) -> None:
@@ -168,16 +181,20 @@ def _die_with_parent() -> None:
 
 
 class EngineProcess:
-    """One `microserve engine` child and the task that relays its output."""
+    """One `microserve engine` child (started again after it exits, by `supervise`) and the
+    task that relays its output."""
 
-    def __init__(self, launch: EngineLaunch):
+    def __init__(self, launch: EngineLaunch, model_dir: str, served_name: str, log_level: str,
+                 api_key: str | None):
         self.launch = launch
+        self._start_args = (model_dir, served_name, log_level, api_key)
         self.proc: asyncio.subprocess.Process | None = None
         self._relay: asyncio.Task | None = None
         self.tail: list[str] = []  # its last lines of output, for error messages
+        self.restarts = 0  # times it was started again after exiting
 
-    async def start(self, model_dir: str, served_name: str, log_level: str,
-                    api_key: str | None) -> None:
+    async def start(self) -> None:
+        model_dir, served_name, log_level, api_key = self._start_args
         launch = self.launch
         cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model_dir,
                "--served-model-name", served_name, "--host", launch.host,
@@ -186,6 +203,9 @@ class EngineProcess:
         env.pop("MICROSERVE_API_KEY", None)  # the router's client key, not the engines'
         if api_key is not None:
             env["MICROSERVE_API_KEY"] = api_key  # not on the command line: ps shows that
+        if self._relay is not None:  # the previous run's output is all relayed
+            await asyncio.gather(self._relay, return_exceptions=True)
+        self.tail = []
         self.proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True, preexec_fn=_die_with_parent)
@@ -203,7 +223,7 @@ class EngineProcess:
         async with httpx.AsyncClient(timeout=5) as http:
             while True:
                 if self.proc.returncode is not None:
-                    raise RuntimeError(f"engine {self.launch.name} exited with "
+                    raise EngineExited(f"engine {self.launch.name} exited with "
                                        f"{self.proc.returncode} while starting:\n"
                                        + "\n".join(self.tail))
                 with contextlib.suppress(httpx.TransportError):
@@ -213,6 +233,49 @@ class EngineProcess:
                     raise RuntimeError(f"engine {self.launch.name} not healthy after "
                                        f"{timeout_s:.0f} s")
                 await asyncio.sleep(0.2)
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set: whenever the engine exits, log why and start it again after
+        a backoff. Returns (without restarting) when it failed MAX_RESTARTS times in a row."""
+        failures = 0
+        healthy_since = time.monotonic()
+        while not stop.is_set():
+            code = await self.proc.wait()
+            if stop.is_set():  # stopped on purpose
+                return
+            if self._relay is not None:
+                await asyncio.gather(self._relay, return_exceptions=True)
+            stable = time.monotonic() - healthy_since >= STABLE_S
+            failures = 1 if stable else failures + 1
+            name = self.launch.name
+            log.error("engine %s exited with status %s; its last output:\n%s", name, code,
+                      "\n".join(self.tail[-10:]) or "(none)")
+            if failures >= MAX_RESTARTS:
+                log.error("engine %s failed %d times in a row; giving up", name, failures)
+                return
+            delay = RESTART_BACKOFF_S[min(failures - 1, len(RESTART_BACKOFF_S) - 1)]
+            log.warning("restarting engine %s in %.0f s (failure %d of %d allowed in a row); "
+                        "the router routes around it meanwhile", name, delay, failures,
+                        MAX_RESTARTS - 1)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            if stop.is_set():
+                return
+            await self.start()
+            self.restarts += 1
+            try:
+                await self.wait_healthy(ENGINE_START_TIMEOUT_S)
+            except EngineExited:
+                healthy_since = time.monotonic()  # not stable: counts as one more failure
+                continue
+            except RuntimeError as e:  # hung while starting: kill it, which counts as a failure
+                log.error("%s", e)
+                self.proc.kill()
+                healthy_since = time.monotonic()
+                continue
+            healthy_since = time.monotonic()
+            log.info("engine %s is back (restart %d); the router takes it again when its "
+                     "next health poll answers", name, self.restarts)
 
     async def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; returns its exit code."""
@@ -233,13 +296,19 @@ class EngineProcess:
         return self.proc.returncode
 
 
+class EngineExited(RuntimeError):
+    """An engine process exited before it answered /health."""
+
+
 async def up(deployment: Deployment, *, log_level: str = "info", api_key: str | None = None,
              admin_token: str | None = None, engine_api_key: str | None = None) -> int:
-    """Run the deployment until Ctrl-C/SIGTERM (0) or until a part dies (1)."""
+    """Run the deployment until Ctrl-C/SIGTERM (0) or until an engine keeps failing (1)."""
     from microserve.model_files import resolve_model
 
     model_dir = str(resolve_model(deployment.model))  # converted once, before the engines start
-    engines = [EngineProcess(launch) for launch in with_cpu_threads(deployment.engines)]
+    engines = [EngineProcess(launch, model_dir, deployment.served_model_name, log_level,
+                             engine_api_key)
+               for launch in with_cpu_threads(deployment.engines)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -247,8 +316,7 @@ async def up(deployment: Deployment, *, log_level: str = "info", api_key: str | 
     router: Router | None = None
     try:
         for engine in engines:
-            await engine.start(model_dir, deployment.served_model_name, log_level,
-                               engine_api_key)
+            await engine.start()
         starting = asyncio.gather(*(e.wait_healthy(ENGINE_START_TIMEOUT_S) for e in engines))
         if not await _unless(stop, starting):
             return 0
@@ -258,10 +326,12 @@ async def up(deployment: Deployment, *, log_level: str = "info", api_key: str | 
             strategy=deployment.strategy, strategy_args=deployment.strategy_args,
             host=deployment.host, port=deployment.port, api_key=api_key,
             admin_token=admin_token, engine_api_key=engine_api_key,
-            watch_strategy=deployment.watch_strategy))
+            watch_strategy=deployment.watch_strategy,
+            strategies_dir=deployment.strategies_dir))
         await router.start()
         return await _serve(router, deployment, engines, stop, log_level)
     finally:
+        stop.set()  # ends the supervisors' waits
         if router is not None:
             await router.close()
         codes = await asyncio.gather(*(e.stop() for e in engines))
@@ -299,16 +369,19 @@ async def _serve(router: Router, deployment: Deployment, engines: list[EnginePro
           f"http://{deployment.host}:{deployment.port}/v1 — strategy {active.name}, engines "
           + ", ".join(f"{e.launch.name} ({e.launch.role}) {e.launch.url}" for e in engines)
           + "; Ctrl-C stops all", flush=True)
-    watchers = {asyncio.create_task(e.proc.wait()): e for e in engines}
+    supervisors = {asyncio.create_task(e.supervise(stop)): e for e in engines}
     stopper = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({serving, stopper, *watchers},
+    done, _ = await asyncio.wait({serving, stopper, *supervisors},
                                  return_when=asyncio.FIRST_COMPLETED)
-    died = [watchers[t] for t in done if t in watchers]
-    for engine in died:
-        log.error("engine %s exited with %s; stopping the deployment", engine.launch.name,
-                  engine.proc.returncode)
+    gave_up = [supervisors[t] for t in done if t in supervisors and not stop.is_set()]
+    for task in done & supervisors.keys():
+        task.result()  # a supervisor's own bug surfaces here
+    for engine in gave_up:
+        log.error("engine %s keeps failing; stopping the deployment", engine.launch.name)
     server.should_exit = True
+    stop.set()
     await asyncio.gather(serving, return_exceptions=True)
-    for task in (stopper, *watchers):
+    for task in (stopper, *supervisors):
         task.cancel()
-    return 1 if died else 0
+    await asyncio.gather(stopper, *supervisors, return_exceptions=True)
+    return 1 if gave_up else 0

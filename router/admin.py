@@ -10,20 +10,28 @@
     POST   /admin/migrate                  {"prompt" | "text", "source", "destination", "pin"?}
     POST   /admin/pin, /admin/unpin        {"prompt" | "text", "engines"?}
 
+Every route needs the admin token (`Authorization: Bearer TOKEN`), GETs included: they show
+engine URLs and strategy arguments, which are the deployment's business. Without an admin token
+configured the whole API is closed (`microserve router` and `up` generate one when none is
+given). `path` loads only .py files inside the router's strategies directory (--strategies-dir).
+
 Every answer is JSON; every error OpenAI's error JSON: 400 a bad field or a strategy that did not
-load (with why), 401 no or wrong admin token, 403 uploading source without an admin token
-configured, 404 unknown engine, 409 a strategy load already running, 503 an engine unreachable.
+load (with why), 401 no or wrong admin token, 403 the admin API closed or a path given with no
+strategies directory configured, 404 unknown engine, 409 a strategy load already running, 503 an
+engine unreachable.
 """
 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from microserve.bounds import TokenId
 from microserve.errors import OpenAIError, from_validation_errors, invalid_request
 from microserve.microserving import Sampling
 from microserve.tokenizer import Tokenizer
@@ -33,7 +41,7 @@ from router.strategy import Request as StrategyRequest
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _exactly_one(body: BaseModel, fields: tuple[str, ...]) -> None:
@@ -45,8 +53,8 @@ def _exactly_one(body: BaseModel, fields: tuple[str, ...]) -> None:
 
 class StrategyBody(_Body):
     builtin: str | None = None  # a module of strategies/: "pd"
-    path: str | None = None  # a .py file on the router's host
-    source: str | None = None  # the module's text (needs an admin token)
+    path: str | None = None  # a .py file in the router's strategies directory
+    source: str | None = None  # the module's text
     filename: str = "upload.py"  # shown in tracebacks of uploaded source
     class_: str | None = Field(None, alias="class")
     args: dict[str, Any] = Field(default_factory=dict)
@@ -64,7 +72,7 @@ class EngineBody(_Body):
 
 
 class _Tokens(_Body):
-    prompt: list[int] | None = Field(None, min_length=1)  # token ids
+    prompt: list[TokenId] | None = Field(None, min_length=1)  # token ids
     text: str | None = Field(None, min_length=1)  # tokenized without special tokens
 
     @model_validator(mode="after")
@@ -92,24 +100,24 @@ async def _body(raw: Request, model: type[_Body]) -> Any:
 
 class AdminAPI:
     def __init__(self, pool: EnginePool, host: StrategyHost, tokenizer: Tokenizer,
-                 upload_allowed: bool):
+                 strategies_dir: Path | None = None):
         self.pool, self.host, self.tokenizer = pool, host, tokenizer
-        self.upload_allowed = upload_allowed
+        self.strategies_dir = strategies_dir  # where `path` may point; None: nowhere
 
     async def get_strategy(self) -> JSONResponse:
         return JSONResponse(self.host.describe())
 
     async def put_strategy(self, raw: Request) -> JSONResponse:
         body: StrategyBody = await _body(raw, StrategyBody)
-        if body.source is not None and not self.upload_allowed:
-            raise OpenAIError(403, "Uploading strategy source is off: it is code the router "
-                              "runs. Start the router with an admin token (--admin-token) to "
-                              "allow it, or load a file with 'path'.", param="source")
+        if body.path is not None and self.strategies_dir is None:
+            raise OpenAIError(403, "Loading strategy files is off: start the router with "
+                              "--strategies-dir DIR to load .py files from DIR, or upload the "
+                              "module's text as 'source'.", param="path")
         try:
             if body.builtin is not None:
                 source = StrategySource.builtin(body.builtin)
             elif body.path is not None:
-                source = StrategySource.file(body.path)
+                source = StrategySource.file(body.path, root=self.strategies_dir)
             else:
                 source = StrategySource.upload(body.source, body.filename)
             loaded = await self.host.load(source, body.args, body.class_)

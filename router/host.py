@@ -23,6 +23,8 @@ import asyncio
 import inspect
 import itertools
 import logging
+import os
+import stat
 import sys
 import time
 import traceback
@@ -41,6 +43,7 @@ log = logging.getLogger("microserve.router")
 BUILTIN_DIR = Path(strategies.__file__).parent
 MODULE_PREFIX = "microserve_strategy_v"  # + version: each load's module name in sys.modules
 HISTORY = 16  # loads GET /admin/strategy lists, with their request counts
+MAX_SOURCE_BYTES = 1 << 20  # a strategy is tens of lines; refuse reading anything huge
 
 
 class StrategyLoadError(ValueError):
@@ -72,9 +75,22 @@ class StrategySource:
         return cls(f"builtin:{name}", path=BUILTIN_DIR / f"{name}.py")
 
     @classmethod
-    def file(cls, path: str | Path) -> StrategySource:
-        path = Path(path).resolve()
-        return cls(f"file:{path}", path=path)
+    def file(cls, path: str | Path, root: Path | None = None) -> StrategySource:
+        """A .py file. With `root` (the admin API's strategies directory), a relative `path` is
+        taken inside it and the file, symlinks resolved, must lie in it: the same refusal
+        whether or not such a file exists, before anything is read."""
+        given = Path(path)
+        if root is not None:
+            root = root.resolve()
+            resolved = (root / given).resolve()
+            if not resolved.is_relative_to(root):
+                raise StrategyLoadError(f"strategy path {str(path)!r} is outside the strategies "
+                                        f"directory {root}")
+        else:
+            resolved = given.resolve()
+        if resolved.suffix != ".py":
+            raise StrategyLoadError(f"strategy path {str(path)!r} does not name a .py file")
+        return cls(f"file:{resolved}", path=resolved)
 
     @classmethod
     def upload(cls, code: str, filename: str = "upload.py") -> StrategySource:
@@ -88,13 +104,32 @@ class StrategySource:
         return cls.builtin(spec)
 
     def read(self) -> tuple[str, str]:
-        """(source text, file name for tracebacks)."""
+        """(source text, file name for tracebacks). A file is read only if it is a regular
+        file of at most MAX_SOURCE_BYTES (a FIFO or a device would block or never end);
+        errors name the file and why, never what it holds. Blocking: run it in a thread."""
         if self.code is not None:
             return self.code, f"<{self.origin}>"
         try:
-            return self.path.read_text(), str(self.path)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             raise StrategyLoadError(f"cannot read strategy file {self.path}: {e.strerror}") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StrategyLoadError(f"strategy file {self.path} is not a regular file")
+            if st.st_size > MAX_SOURCE_BYTES:
+                raise StrategyLoadError(f"strategy file {self.path} has {st.st_size} bytes, "
+                                        f"more than the {MAX_SOURCE_BYTES} a strategy may have")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(MAX_SOURCE_BYTES + 1)
+        except OSError as e:
+            raise StrategyLoadError(f"cannot read strategy file {self.path}: {e.strerror}") from e
+        finally:
+            os.close(fd)
+        try:
+            return data.decode(), str(self.path)
+        except UnicodeDecodeError:
+            raise StrategyLoadError(f"strategy file {self.path} is not UTF-8 text") from None
 
     def mtime(self) -> float | None:
         try:
@@ -173,7 +208,7 @@ class StrategyHost:
 
     async def _build(self, source: StrategySource, args: dict,
                      class_name: str | None) -> LoadedStrategy:
-        code, filename = source.read()
+        code, filename = await asyncio.to_thread(source.read)
         version = next(self._versions)
         module = types.ModuleType(f"{MODULE_PREFIX}{version}")
         module.__file__ = filename

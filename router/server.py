@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -42,7 +43,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # guards /v1 when set
-    admin_token: str | None = None  # guards /admin when set; uploading source needs it
+    admin_token: str | None = None  # opens /admin to its bearer; None: /admin is closed
+    strategies_dir: str | None = None  # where PUT /admin/strategy {"path"} may load files from
     engine_api_key: str | None = None  # the engines' --api-key
     watch_strategy: bool = False  # reload the strategy file when it changes
     poll_interval_s: float = 0.5
@@ -101,15 +103,13 @@ class Router:
 
     def app(self) -> FastAPI:
         app = build_openai_app(self.backend, self.tokenizer, registry=self.registry)
+        strategies_dir = self.config.strategies_dir
         add_admin_routes(app, AdminAPI(self.pool, self.host, self.tokenizer,
-                                       upload_allowed=self.config.admin_token is not None))
-        guards = []
-        if self.config.admin_token is not None:
-            guards.append(("/admin/", self.config.admin_token))
+                                       Path(strategies_dir) if strategies_dir else None))
+        guards = [("/admin/", self.config.admin_token)]  # None: closed
         if self.config.api_key is not None:
             guards.append(("/v1/", self.config.api_key))
-        if guards:
-            app.add_middleware(RequireBearer, guards=guards)
+        app.add_middleware(RequireBearer, guards=guards)
         return app
 
 

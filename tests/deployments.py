@@ -5,6 +5,7 @@ the way an operator does (Ctrl-C) and check that no process of it is left."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemons import free_port, gone_within
+from daemons import ENGINE_AUTH, ENGINE_KEY, free_port, gone_within
 
 QUIET_KEYS = ("running", "waiting", "kv_pages_used", "kv_reservations", "kv_send_jobs")
 
@@ -56,7 +57,7 @@ class Up:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "microserve.cli", "up", str(config), *args],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
+                stdout=log, stderr=subprocess.STDOUT, env=with_engine_key(env))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -86,8 +87,14 @@ class Up:
             raise
 
 
+def with_engine_key(env: dict | None) -> dict:
+    """The environment for `up` or `router`: the suites' engine key unless `env` names one."""
+    return {"MICROSERVE_ENGINE_API_KEY": ENGINE_KEY, **(env or os.environ)}
+
+
 def engine_stats(url: str, check: bool = True) -> dict:
-    r = httpx.get(url + "/microserving/stats", params={"check": 1} if check else None, timeout=30)
+    r = httpx.get(url + "/microserving/stats", params={"check": 1} if check else None, timeout=30,
+                  headers=ENGINE_AUTH)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -128,7 +135,8 @@ class RouterProcess:
                "--served-model-name", "test-model", "--port", str(self.port),
                *[f"--engine={name}={url}" for name, url in engines.items()], *args]
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env=with_engine_key(env))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

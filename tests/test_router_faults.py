@@ -12,19 +12,24 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import textwrap
 import time
 
 import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
-from daemons import Daemon, gone_within, serve
-from deployments import RouterProcess, Up, assert_quiet, engine_stats, write_config
+from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, gone_within, serve
+from deployments import (RouterProcess, Up, assert_quiet, children, engine_stats,
+                         write_config)
+
+from microserve.up import MAX_RESTARTS
 
 pytestmark = pytest.mark.slow
 
 ADMIN = "faults-admin"
-ENGINE_ARGS = ("--num-pages", "16", "--max-model-len", "512")  # 256 tokens of KV
+ENGINE_ARGS = ("--num-pages", "16", "--max-model-len", "512",  # 256 tokens of KV
+               "--api-key", ENGINE_KEY)
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
@@ -75,7 +80,8 @@ def use(router, **body) -> dict:
 
 
 def completion(url: str, prompt: list[int], max_tokens: int = 8, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=60, json={
+    # The engines' key too: engines answer only to it (the router ignores it).
+    return httpx.post(url + "/v1/completions", timeout=60, headers=ENGINE_AUTH, json={
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         **extra})
 
@@ -100,7 +106,7 @@ def test_an_engine_refusal_reaches_the_client_unchanged(router, e1, e2):
     assert (routed.status_code, routed.json()) == (400, direct.json())
     # Under P/D the decode engine's prep_recv refuses first, with its own 400.
     use(router, builtin="pd")
-    direct = httpx.post(e2.url + "/microserving/prep_recv",
+    direct = httpx.post(e2.url + "/microserving/prep_recv", headers=ENGINE_AUTH,
                         json={"request_id": "refused", "prompt": prompt, "end": -1})
     assert direct.status_code == 400, direct.text
     routed = completion(router.url, prompt)
@@ -181,7 +187,7 @@ def test_killing_one_engine_under_load_leaves_the_router_serving(tiny_served_dir
     victim.wait_ready()
     log = tmp_path_factory.mktemp("router-kill") / "router.log"
     router = RouterProcess(tiny_served_dir, {"victim": victim.url, "survivor": survivor.url},
-                           log, "--strategy", "data_parallel")
+                           log, "--strategy", "data_parallel", "--admin-token", ADMIN)
     prompts = [[(11 * i + k) % 256 for k in range(24)] for i in range(4)]
     want = hf_greedy(tiny_served_dir, prompts, 200)
     try:
@@ -213,7 +219,7 @@ def test_killing_one_engine_under_load_leaves_the_router_serving(tiny_served_dir
         assert set(first) <= {"ok", 503}, first  # cut off mid-generation: a clear 503
         assert first.count("ok") >= 12, first  # the survivor's share, and retried ones
         engines = {e["name"]: e["state"] for e in httpx.get(
-            router.url + "/admin/engines").json()["engines"]}
+            router.url + "/admin/engines", headers=AUTH).json()["engines"]}
         assert engines == {"victim": "down", "survivor": "up"}
         assert httpx.get(router.url + "/health").status_code == 200
         assert_quiet("survivor", survivor.url)
@@ -223,22 +229,65 @@ def test_killing_one_engine_under_load_leaves_the_router_serving(tiny_served_dir
         next(survivor_gen, None)
 
 
-def test_up_stops_the_deployment_when_an_engine_dies(tiny_served_dir, tmp_path):
-    config, port, urls = write_config(tmp_path / "deploy.toml", tiny_served_dir, "pd", [
-        ("a", "prefill", list(ENGINE_ARGS)), ("b", "decode", list(ENGINE_ARGS))])
-    up = Up(config, port, urls, tmp_path / "up.log")
+def _engine_pid(up: Up, url: str) -> int:
+    port = url.rsplit(":", 1)[1]
+    return next(pid for pid in children(up.proc.pid) if f"--port {port} " in
+                open(f"/proc/{pid}/cmdline").read().replace("\0", " "))
+
+
+def _wait_for(predicate, timeout_s: float, what: str, up: Up) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s:\n{up.log()}"
+        time.sleep(0.2)
+
+
+def _states(up: Up) -> dict:
+    r = httpx.get(up.url + "/admin/engines", headers=AUTH)
+    return {e["name"]: e["state"] for e in r.json()["engines"]}
+
+
+def test_up_restarts_a_dead_engine_and_serves_meanwhile(tiny_served_dir, tmp_path):
+    """An engine killed: up logs why, the router serves on the other, up restarts it with a
+    backoff and the router takes it back. A port it cannot bind keeps it failing: after
+    MAX_RESTARTS failures in a row up stops everything, with status 1."""
+    config, port, urls = write_config(tmp_path / "deploy.toml", tiny_served_dir,
+                                      "data_parallel", [("a", "any", list(ENGINE_ARGS)),
+                                                        ("b", "any", list(ENGINE_ARGS))])
+    up = Up(config, port, urls, tmp_path / "up.log", env={**os.environ,
+                                                          "MICROSERVE_ADMIN_TOKEN": ADMIN})
+    blocker = None
     try:
         up.wait_ready()
-        r = completion(up.url, [3, 4, 5, 6, 7, 8, 9, 10] * 5)
+        prompt = [3, 4, 5, 6, 7, 8, 9, 10] * 5
+        first_a = _engine_pid(up, urls["a"])
+        os.kill(first_a, signal.SIGKILL)
+        _wait_for(lambda: "restarting engine a in 1 s" in up.log(), 30, "restart notice", up)
+        assert "engine a exited with status -9" in up.log()
+        for _ in range(4):  # served meanwhile: by b, or by a once it is back
+            r = completion(up.url, prompt)
+            assert r.status_code == 200, r.text
+        _wait_for(lambda: _states(up) == {"a": "up", "b": "up"}, 120, "a back in the pool", up)
+        second_a = _engine_pid(up, urls["a"])
+        assert second_a != first_a and "engine a is back (restart 1)" in up.log()
+        assert_quiet("a", urls["a"])
+        # Now a cannot come back: something else holds its port.
+        os.kill(second_a, signal.SIGKILL)
+        assert gone_within(second_a, 15)
+        _wait_for(lambda: _states(up)["a"] == "down", 30, "a marked down", up)
+        blocker = socket.create_server(("127.0.0.1", int(urls["a"].rsplit(":", 1)[1])))
+        r = completion(up.url, prompt)  # b still serves while a fails
         assert r.status_code == 200, r.text
-        tree = up.tree()
-        engine_a = next(pid for pid in tree if f"{urls['a'].rsplit(':', 1)[1]}" in
-                        open(f"/proc/{pid}/cmdline").read().replace("\0", " "))
-        os.kill(engine_a, signal.SIGKILL)
-        assert up.proc.wait(60) == 1, up.log()
-        assert "engine a exited" in up.log()
-        assert all(gone_within(pid, 15) for pid in tree if pid != engine_a)
+        assert up.proc.wait(240) == 1, up.log()
+        log = up.log()
+        assert f"engine a failed {MAX_RESTARTS} times in a row; giving up" in log
+        assert "engine a keeps failing; stopping the deployment" in log
+        # The first kill, the blocked restarts: MAX_RESTARTS exits in a row, each but the last
+        # followed by a restart.
+        assert log.count("restarting engine a in") == MAX_RESTARTS - 1
     finally:
+        if blocker is not None:
+            blocker.close()
         if up.proc.poll() is None:
             up.proc.kill()
 

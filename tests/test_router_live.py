@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import stat
 
 import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
+from daemons import ENGINE_AUTH
 from deployments import (RouterProcess, Up, assert_quiet, engine_stats, stop_and_check,
                          write_config)
 from openai import AsyncOpenAI
@@ -228,14 +230,27 @@ async def test_admin_api_needs_the_token(up, smollm2_dir, tmp_path):
             assert r.status_code == 401, (method, path, r.text)
             assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(up.url + "/v1/models").status_code == 200  # no client key configured
-    # A router without an admin token refuses uploaded source (it is code it would run).
+    # The engines answer only to the deployment's engine key, which up gave them.
+    for url in up.engine_urls.values():
+        assert httpx.get(url + "/microserving/stats").status_code == 401
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    # A router started without an admin token makes one: printed once, kept in a file only
+    # its user can read, and /admin is closed to everyone else.
     env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_ADMIN_TOKEN"}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path / "run")
     router = RouterProcess(smollm2_dir, up.engine_urls, tmp_path / "router.log", env=env)
     try:
         router.wait_ready()
-        r = httpx.put(router.url + "/admin/strategy", json={"source": "x = 1"})
-        assert r.status_code == 403 and r.json()["error"]["param"] == "source"
-        r = httpx.put(router.url + "/admin/strategy", json={"builtin": "pd"})
+        token_file = tmp_path / "run" / "microserve" / f"admin-token-{router.port}"
+        token = token_file.read_text().strip()
+        assert len(token) >= 40 and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert router.log().count(token) == 1
+        for body in ({"source": "x = 1"}, {"builtin": "pd"}):
+            r = httpx.put(router.url + "/admin/strategy", json=body)
+            assert r.status_code == 401, r.text
+        assert httpx.get(router.url + "/admin/engines").status_code == 401
+        r = httpx.put(router.url + "/admin/strategy", json={"builtin": "pd"},
+                      headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 200 and r.json()["class"] == "PrefillDecode"
     finally:
         router.stop()
@@ -247,7 +262,8 @@ async def test_migrate_moves_a_context_and_the_destination_shows_it_cached(up, a
     question = tok.encode(" In one word, what is kept in pages?", add_special_tokens=False)
     p, d = up.engine_urls["p"], up.engine_urls["d"]
     # The context is on P (served there once), then moved to D.
-    r = httpx.post(p + "/v1/completions", json={"prompt": context, "max_tokens": 1}, timeout=60)
+    r = httpx.post(p + "/v1/completions", json={"prompt": context, "max_tokens": 1}, timeout=60,
+                   headers=ENGINE_AUTH)
     assert r.status_code == 200, r.text
     r = admin.post("/admin/migrate", json={"prompt": context, "source": "p",
                                            "destination": "d"})
@@ -259,7 +275,7 @@ async def test_migrate_moves_a_context_and_the_destination_shows_it_cached(up, a
     # The next request on D computes only what follows the cached pages.
     r = httpx.post(d + "/v1/completions", json={"prompt": context + question, "temperature": 0,
                                                 "max_tokens": N_NEW, "ignore_eos": True},
-                   timeout=60)
+                   timeout=60, headers=ENGINE_AUTH)
     body = r.json()
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
     want = tok.decode(hf_greedy(smollm2_dir, [context + question], N_NEW)[0])

@@ -5,6 +5,7 @@ here: tests/test_router_live.py runs the same parts against real engine processe
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import textwrap
 
@@ -273,3 +274,85 @@ def test_the_router_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- strategy files: only from the strategies directory, only regular files ------------------
+
+
+async def test_strategy_paths_stay_inside_the_strategies_directory(tmp_path):
+    root = tmp_path / "strategies"
+    root.mkdir()
+    (root / "mine.py").write_text(COUNTING)
+    marker = tmp_path / "ran"
+    outside = tmp_path / "outside.py"  # top-level code that must never run
+    outside.write_text(f"open({str(marker)!r}, 'w').write('x')\n" + COUNTING)
+    (root / "link.py").symlink_to(outside)
+    refused = {
+        str(outside): f"strategy path {str(outside)!r} is outside the strategies directory",
+        "../outside.py": "strategy path '../outside.py' is outside the strategies directory",
+        "link.py": "strategy path 'link.py' is outside the strategies directory",
+        # An absent file outside gets the very same answer as a present one.
+        str(tmp_path / "absent.py"): "is outside the strategies directory",
+        "/etc/passwd": "strategy path '/etc/passwd' is outside the strategies directory",
+        "notes.txt": "strategy path 'notes.txt' does not name a .py file",
+    }
+    for path, message in refused.items():
+        with pytest.raises(StrategyLoadError, match=message.replace("(", r"\(")) as e:
+            StrategySource.file(path, root=root)
+        assert str(root) in str(e.value) or "does not name" in str(e.value)
+    assert not marker.exists()
+    host = StrategyHost(make_pool(("e", "any")))
+    loaded = await host.load(StrategySource.file("mine.py", root=root), {"label": "m"})
+    assert loaded.source.origin == f"file:{root.resolve() / 'mine.py'}"
+    await host.close()
+
+
+async def test_strategy_files_that_are_not_regular_files_are_refused_without_blocking(
+        tmp_path):
+    root = tmp_path / "strategies"
+    root.mkdir()
+    fifo = root / "fifo.py"
+    os.mkfifo(fifo)  # opened for reading, it would block until a writer came
+    big = root / "big.py"
+    big.write_text("x = 1\n" * 200_000)  # 1.2 MB
+    binary = root / "binary.py"
+    binary.write_bytes(b"\xff\xfe secret bytes")
+    host = StrategyHost(make_pool(("e", "any")))
+    cases = {
+        "fifo.py": f"strategy file {fifo.resolve()} is not a regular file",
+        "big.py": f"strategy file {big.resolve()} has 1200000 bytes, more than the 1048576",
+        "binary.py": f"strategy file {binary.resolve()} is not UTF-8 text",
+        "absent.py": f"cannot read strategy file {(root / 'absent.py').resolve()}: No such file",
+    }
+    for name, message in cases.items():
+        with pytest.raises(StrategyLoadError) as e:
+            await asyncio.wait_for(host.load(StrategySource.file(name, root=root)), 5)
+        assert str(e.value).startswith(message), str(e.value)
+        assert "secret" not in str(e.value)
+    assert host.active is None and host.failed_loads == 4
+    await host.close()
+
+
+# ---- the admin API's guard -------------------------------------------------------------------
+
+
+async def test_a_prefix_without_a_token_is_closed_and_one_with_a_token_needs_it():
+    from fastapi import FastAPI
+    from httpx import ASGITransport, AsyncClient
+
+    from microserve.auth import RequireBearer
+
+    app = FastAPI()
+    app.add_api_route("/admin/engines", lambda: {"ok": True}, methods=["GET"])
+    app.add_api_route("/v1/models", lambda: {"ok": True}, methods=["GET"])
+    closed = RequireBearer(app, guards=[("/admin/", None)])
+    async with AsyncClient(transport=ASGITransport(closed), base_url="http://t") as http:
+        for headers in ({}, {"Authorization": "Bearer anything"}):
+            r = await http.get("/admin/engines", headers=headers)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "closed"
+        assert (await http.get("/v1/models")).status_code == 200
+    guarded = RequireBearer(app, guards=[("/admin/", "t0ken")])
+    async with AsyncClient(transport=ASGITransport(guarded), base_url="http://t") as http:
+        assert (await http.get("/admin/engines")).status_code == 401
+        r = await http.get("/admin/engines", headers={"Authorization": "Bearer t0ken"})
+        assert r.status_code == 200 and r.json() == {"ok": True}
