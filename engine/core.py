@@ -61,7 +61,7 @@ class EngineCore:
         layout = KVLayout(mc.name, str(dtype).removeprefix("torch."), config.page_size,
                           mc.num_layers, mc.num_kv_heads, mc.head_dim)  # fmt: skip
         kind = config.resolved_kv_transfer(has_key=transfer_key is not None)
-        if kind != config.kv_transfer and config.kv_transfer == "auto" and kind == "none":
+        if kind != config.resolved_kv_transfer(has_key=True):
             log.info("KV transfer off: no engine key (--api-key) to authenticate it with")
         self.transfer = make_backend(
             kind, layout, num_pages, self.runner.device,

@@ -30,8 +30,8 @@ import traceback
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from microserve.transfer_auth import KEY_ENV
 from microserve.backend import MicroservingError, RequestRejected
+from microserve.transfer_auth import KEY_ENV
 from microserve.types import SamplingParams
 from microserve.wire import FrameDecoder, encode
 
