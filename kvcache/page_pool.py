@@ -4,6 +4,11 @@ Plain Python bookkeeping over page ids; the tensor that holds the pages lives in
 runner (`kvcache.paged`). A page's holders are sequences (through their page tables),
 reservations, and the prefix cache (one reference for as long as the page is in the tree).
 A page returns to the free list when its last holder lets go.
+
+The pool also keeps the prefix cache's eviction count, because only the pool sees every
+reference come and go: the cache marks the pages it could evict (in the tree, not pinned), and
+`num_evictable` is the number of marked pages that nobody but the cache holds (refcount 1). It
+moves by one at the 1 <-> 2 refcount transitions of marked pages, so asking costs O(1).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ class PagePool:
         self.num_pages = num_pages
         self._refcount = [0] * num_pages  # owned by this pool
         self._free = list(range(num_pages - 1, -1, -1))  # stack; pop() gives the lowest id first
+        self._marked = bytearray(num_pages)  # 1: the prefix cache may evict it (set by the cache)
+        self.num_evictable = 0  # marked pages only the cache holds (refcount 1)
 
     @property
     def num_free(self) -> int:
@@ -45,11 +52,23 @@ class PagePool:
             self._refcount[p] = 1
         return pages
 
+    def mark_evictable(self, pages: list[int], evictable: bool) -> None:
+        """The prefix cache says whether it may evict `pages` (they are in its tree, unpinned);
+        each of them is held by the cache, so in use."""
+        for p in pages:
+            if self._marked[p] != evictable:
+                self._marked[p] = evictable
+                if self._refcount[p] == 1:
+                    self.num_evictable += 1 if evictable else -1
+
     def retain(self, pages: list[int]) -> None:
         """Add one reference to each of `pages` (all must be in use)."""
         for p in pages:
-            assert self._refcount[p] > 0, f"retain of free page {p}"
-            self._refcount[p] += 1
+            rc = self._refcount[p]
+            assert rc > 0, f"retain of free page {p}"
+            if rc == 1 and self._marked[p]:
+                self.num_evictable -= 1
+            self._refcount[p] = rc + 1
 
     def release(self, pages: list[int]) -> int:
         """Drop one reference from each of `pages`; pages that reach zero become free.
@@ -62,7 +81,12 @@ class PagePool:
             rc = self._refcount[p]
             assert rc > 0, f"release of free page {p}"
             self._refcount[p] = rc - 1
-            if rc == 1:
+            if rc == 2 and self._marked[p]:
+                self.num_evictable += 1
+            elif rc == 1:
+                if self._marked[p]:  # the cache dropped it
+                    self._marked[p] = 0
+                    self.num_evictable -= 1
                 self._free.append(p)
                 freed += 1
         return freed
@@ -74,3 +98,9 @@ class PagePool:
         for p, rc in enumerate(self._refcount):
             assert rc >= 0, f"page {p} has refcount {rc}"
             assert (rc == 0) == (p in free), f"page {p}: refcount {rc}, on free list {p in free}"
+            assert not (rc == 0 and self._marked[p]), f"free page {p} marked evictable"
+        sole = sum(1 for p, rc in enumerate(self._refcount) if rc == 1 and self._marked[p])
+        assert sole == self.num_evictable, f"{sole} evictable pages, counted {self.num_evictable}"
+
+    def is_marked(self, page: int) -> bool:
+        return bool(self._marked[page])

@@ -5,12 +5,23 @@ Only full pages are ever cached; a sequence's last, partial page stays private t
 
 The tree holds one pool reference on every page in it. A sequence that reuses a cached prefix
 takes its own references (through the KV manager), so "nobody but the tree holds this page" is
-simply `refcount == 1`. Eviction removes least-recently-used leaves whose pages only the tree
-holds and that nobody pinned. Pins are separate from references (paper §3.5: the router's global
+simply `refcount == 1`. Pins are separate from references (paper §3.5: the router's global
 policy can keep a prefix that the engine's own LRU would drop), counted per node along the path.
 
     root ── [a b c d][e f g h] ──┬── [i j k l]          page_size = 4
                                  └── [x y z w][...]     children keyed by their first page
+
+Scale (a decoded context grows one page at a time, for tens of thousands of pages):
+- A sequence that continues its own last insert extends that leaf in place rather than hanging
+  a one-page child under it, so a long context is one edge, not a chain as deep as its pages.
+  Handles (`CachedPrefix`) therefore remember the absolute position where their prefix ends.
+- Nothing recurses; `_touch` walks up nodes (branch points), not pages.
+- What can be evicted is counted by the page pool as references come and go (O(1) to ask):
+  the cache marks a page evictable while it sits in an unpinned node. Holders take pages from
+  position 0 on (a page table, a reservation), so the pages only the tree holds are the tail of
+  any path: all of them can be freed by trimming leaves, tail first.
+- Leaves wait for eviction in a heap ordered by last use, pushed when used; stale entries are
+  skipped, and the heap is rebuilt once it holds more entries than the tree has pages.
 """
 
 from __future__ import annotations
@@ -23,26 +34,35 @@ from kvcache.page_pool import PagePool
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "last_access", "pin_count", "uid")
+    __slots__ = ("key", "pages", "children", "parent", "start", "last_access", "pin_count",
+                 "uid")
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: "_Node | None", uid: int):
-        self.key = key  # tokens on the edge from the parent
+    def __init__(self, key: list[int], pages: list[int], parent: "_Node | None",
+                 start: int, uid: int):
+        self.key = key  # tokens on the edge from the parent (a list: a growing edge extends it)
         self.pages = pages  # one page per `page_size` tokens of key
         self.children: dict[tuple[int, ...], _Node] = {}  # keyed by the child's first page
         self.parent = parent
+        self.start = start  # position of key[0] in the sequence (tokens above this node)
         self.last_access = 0  # logical clock, set by PrefixCache
         self.pin_count = 0
         self.uid = uid  # creation order: deterministic tie-break for eviction
 
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """Where a sequence's cached prefix ends in the tree (see `PrefixCache.insert`).
+    """Where a sequence's cached prefix ends in the tree (see `PrefixCache.insert`): `end`
+    tokens from the root, at or above `node`'s end.
 
-    Splits keep it valid: splitting an edge creates a new upper node and the original node
-    keeps the lower end, which is where the sequence's prefix ends."""
+    The node may since have been split (the original node keeps the lower end) or extended in
+    place by another sequence; `PrefixCache` finds the position again from `node` upward."""
 
     node: _Node
+    end: int
 
 
 @dataclass(frozen=True)
@@ -56,9 +76,10 @@ class PrefixCache:
         self.pool = pool
         self.page_size = page_size
         self._uids = itertools.count()
-        self._root = _Node((), [], None, next(self._uids))
+        self._root = _Node([], [], None, 0, next(self._uids))
         self._clock = 0
         self.num_pages = 0  # pages currently in the tree
+        self._heap: list[tuple[int, int, _Node]] = []  # (last_access, uid, leaf), lazily
 
     # ---- lookup -------------------------------------------------------------------------------
 
@@ -86,30 +107,40 @@ class PrefixCache:
             node = child
         return node, pages
 
-    def _common_pages(self, key: tuple[int, ...], tokens: list[int], pos: int) -> int:
-        ps, n = self.page_size, 0
-        while (n + 1) * ps <= len(key) and pos + (n + 1) * ps <= len(tokens):
-            if key[n * ps : (n + 1) * ps] != tuple(tokens[pos + n * ps : pos + (n + 1) * ps]):
-                break
-            n += 1
-        return n
+    def _common_pages(self, key: list[int], tokens: list[int], pos: int) -> int:
+        """How many whole pages of `key` equal `tokens[pos:]`: one slice compare when the
+        whole edge matches (a long edge), page by page only to find where it stops."""
+        ps = self.page_size
+        n = min(len(key), (len(tokens) - pos) // ps * ps)
+        if key[:n] == tokens[pos : pos + n]:
+            return n // ps
+        k = 0
+        while key[k * ps : (k + 1) * ps] == tokens[pos + k * ps : pos + (k + 1) * ps]:
+            k += 1
+        return k
 
     def _split(self, node: _Node, n_pages: int) -> _Node:
-        """Cut `node`'s edge after `n_pages` pages; returns the new upper node."""
+        """Cut `node`'s edge after `n_pages` pages; returns the new upper node. The original
+        node keeps the lower end (handles that end there stay valid)."""
         cut = n_pages * self.page_size
-        upper = _Node(node.key[:cut], node.pages[:n_pages], node.parent, next(self._uids))
+        upper = _Node(node.key[:cut], node.pages[:n_pages], node.parent, node.start,
+                      next(self._uids))
         upper.last_access = node.last_access
         upper.pin_count = node.pin_count  # a pin covers both halves of a pinned edge
-        node.parent.children[node.key[: self.page_size]] = upper
+        node.parent.children[tuple(node.key[: self.page_size])] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
-        upper.children[node.key[: self.page_size]] = node
+        node.start += cut
+        upper.children[tuple(node.key[: self.page_size])] = node
         return upper
 
     def _touch(self, node: _Node) -> None:
         self._clock += 1
+        leaf = node if not node.children and node.pages else None
         while node is not None:
             node.last_access = self._clock
             node = node.parent
+        if leaf is not None:
+            self._push_leaf(leaf)  # its earlier entries are stale now
 
     # ---- insertion ----------------------------------------------------------------------------
 
@@ -121,7 +152,8 @@ class PrefixCache:
         Where a prefix is already cached, the tree keeps its own pages and ignores the caller's;
         the tree takes a reference on each page it adopts. `after`, the handle a previous insert
         of the same sequence returned, continues from where that one ended: `tokens` and
-        `pages` are then only what follows it, and the walk does not start at the root.
+        `pages` are then only what follows it, and the walk does not start at the root. New
+        pages that continue an unpinned leaf extend it; otherwise they hang as a new leaf.
 
         Returns the tree's pages for the inserted range (a caller switches its page table to
         them and releases duplicates), and a handle for the next insert. A handle stays valid
@@ -130,18 +162,34 @@ class PrefixCache:
         ps = self.page_size
         n_full = min(len(tokens) // ps, len(pages))
         tokens = tokens[: n_full * ps]
-        node, cached = self._walk(tokens, after.node if after else None)
+        node, cached = self._walk(tokens, self._resume(after) if after else None)
         pos = len(cached) * ps
         if pos < len(tokens):
             new_pages = pages[len(cached) : n_full]
-            leaf = _Node(tuple(tokens[pos:]), list(new_pages), node, next(self._uids))
-            node.children[leaf.key[:ps]] = leaf
             self.pool.retain(new_pages)
+            if node is not self._root and not node.children and node.pin_count == 0:
+                node.key.extend(tokens[pos:])  # a context growing page by page: one edge
+                node.pages.extend(new_pages)
+            else:
+                leaf = _Node(list(tokens[pos:]), list(new_pages), node, node.end,
+                             next(self._uids))
+                node.children[tuple(leaf.key[:ps])] = leaf
+                node = leaf
+            self.pool.mark_evictable(new_pages, True)
             self.num_pages += len(new_pages)
             cached = cached + new_pages
-            node = leaf
+            self._maybe_compact()
         self._touch(node)
-        return cached, CachedPrefix(node)
+        return cached, CachedPrefix(node, node.end)
+
+    def _resume(self, after: CachedPrefix) -> _Node:
+        """The node ending exactly at `after.end`, splitting one if it now ends inside it."""
+        node = after.node
+        while node is not self._root and after.end <= node.start:  # split since: go up
+            node = node.parent
+        if after.end < node.end:  # extended since, by this or another sequence
+            node = self._split(node, (after.end - node.start) // self.page_size)
+        return node
 
     # ---- pins -----------------------------------------------------------------------------------
 
@@ -151,6 +199,8 @@ class PrefixCache:
         self._touch(node)
         while node is not self._root:
             node.pin_count += 1
+            if node.pin_count == 1:
+                self.pool.mark_evictable(node.pages, False)
             node = node.parent
         return len(pages) * self.page_size
 
@@ -165,47 +215,51 @@ class PrefixCache:
             raise ValueError(f"prefix of {len(tokens)} tokens is not pinned")
         for n in path:
             n.pin_count -= 1
+            if n.pin_count == 0:
+                self.pool.mark_evictable(n.pages, True)
+                if not n.children:
+                    self._push_leaf(n)
         return len(pages) * self.page_size
 
     # ---- eviction -----------------------------------------------------------------------------
 
-    def _only_tree_holds(self, node: _Node) -> bool:
-        return node.pin_count == 0 and all(self.pool.refcount(p) == 1 for p in node.pages)
-
     def num_evictable(self) -> int:
-        """Pages that `evict` could free now: unpinned subtrees that only the tree holds."""
-
-        def visit(node: _Node) -> tuple[int, bool]:
-            total, whole = 0, True
-            for child in node.children.values():
-                n, ok = visit(child)
-                total += n
-                whole = whole and ok
-            if node is not self._root and whole and self._only_tree_holds(node):
-                return total + len(node.pages), True
-            return total, False
-
-        return visit(self._root)[0]
+        """Pages that `evict` could free now: in unpinned nodes, held only by the tree. O(1)."""
+        return self.pool.num_evictable
 
     def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages by dropping LRU leaves, or as many as possible.
+        """Free at least `num_pages` pages by trimming least-recently-used leaves, or as many as
+        possible. Returns the number of pages freed.
 
-        Returns the number of pages freed. A leaf is dropped only if it is unpinned and only the
-        tree holds its pages; a leaf longer than what is still needed loses only its tail pages.
-        Dropping a whole leaf may make its parent a droppable leaf.
+        A leaf gives up the pages at its end that only the tree holds (all of them if nobody
+        holds any), unless it is pinned; once empty it is dropped, which may make its parent a
+        leaf. A leaf longer than what is still needed loses only its tail.
         """
-        heap = [(n.last_access, n.uid, n) for n in self._leaves()]
-        heapq.heapify(heap)
-        freed = 0
-        while heap and freed < num_pages:
-            _, _, node = heapq.heappop(heap)
-            if node.children or not self._only_tree_holds(node):
+        freed, held = 0, []
+        while self._heap and freed < num_pages:
+            entry = heapq.heappop(self._heap)
+            last_access, _, node = entry
+            if last_access != node.last_access or node.children or not node.pages:
+                continue  # stale: used since (a newer entry waits), grew children, dropped
+            if node.pin_count:
+                continue  # unpin pushes it again
+            free_tail = 0
+            for page in reversed(node.pages):
+                if self.pool.refcount(page) != 1:
+                    break
+                free_tail += 1
+            if free_tail == 0:
+                held.append(entry)  # a sequence holds its tail: a candidate again later
                 continue
-            take = min(num_pages - freed, len(node.pages))
+            take = min(num_pages - freed, free_tail)
             freed += self._drop_tail(node, take)
             parent = node.parent
-            if not node.pages and parent is not self._root and not parent.children:
-                heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+            if node.pages:
+                self._push_leaf(node)  # what is left of it stays a leaf
+            elif parent is not self._root and not parent.children:
+                self._push_leaf(parent)
+        for entry in held:
+            heapq.heappush(self._heap, entry)
         return freed
 
     def _drop_tail(self, node: _Node, n_pages: int) -> int:
@@ -213,30 +267,27 @@ class PrefixCache:
         keep = len(node.pages) - n_pages
         dropped = node.pages[keep:]
         if keep == 0:
-            del node.parent.children[node.key[: self.page_size]]
-        node.pages, node.key = node.pages[:keep], node.key[: keep * self.page_size]
+            del node.parent.children[tuple(node.key[: self.page_size])]
+        del node.pages[keep:], node.key[keep * self.page_size :]
         self.num_pages -= len(dropped)
         return self.pool.release(dropped)
 
+    def _push_leaf(self, node: _Node) -> None:
+        heapq.heappush(self._heap, (node.last_access, node.uid, node))
+
+    def _maybe_compact(self) -> None:
+        """Drop the heap's stale entries once they outnumber the tree's pages (amortized O(1))."""
+        if len(self._heap) > 2 * self.num_pages + 1024:
+            self._heap = [(n.last_access, n.uid, n) for n in self._leaves()]
+            heapq.heapify(self._heap)
+
     def _leaves(self) -> list[_Node]:
-        leaves, stack = [], [self._root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self._root:
-                leaves.append(node)
-        return leaves
+        return [n for n in self._iter_nodes() if not n.children and n is not self._root]
 
     # ---- inspection -----------------------------------------------------------------------------
 
     def all_pages(self) -> list[int]:
-        out, stack = [], [self._root]
-        while stack:
-            node = stack.pop()
-            out.extend(node.pages)
-            stack.extend(node.children.values())
-        return out
+        return [p for node in self._iter_nodes() for p in node.pages]
 
     def num_pinned_pages(self) -> int:
         return sum(
@@ -251,16 +302,19 @@ class PrefixCache:
             stack.extend(node.children.values())
 
     def check_integrity(self) -> None:
-        """Tree shape and page ownership are consistent with the pool."""
+        """Tree shape, positions, page ownership and the evictable marks agree with the pool."""
         ps, seen = self.page_size, set()
         for node in self._iter_nodes():
             if node is self._root:
                 continue
             assert len(node.key) == len(node.pages) * ps > 0, "edge not in whole pages"
-            assert node.parent.children.get(node.key[:ps]) is node, "child keyed wrongly"
+            assert node.parent.children.get(tuple(node.key[:ps])) is node, "child keyed wrongly"
+            assert node.start == node.parent.end, f"node at {node.start} under {node.parent.end}"
             assert node.pin_count >= 0
             for p in node.pages:
                 assert p not in seen, f"page {p} twice in the prefix cache"
                 assert self.pool.refcount(p) >= 1, f"cached page {p} is free"
+                assert self.pool.is_marked(p) == (node.pin_count == 0), (
+                    f"page {p}: evictable mark {self.pool.is_marked(p)}, pin {node.pin_count}")
                 seen.add(p)
         assert len(seen) == self.num_pages, f"{len(seen)} pages in tree, counted {self.num_pages}"

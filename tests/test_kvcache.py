@@ -307,3 +307,111 @@ def test_truncate_releases_trailing_pages_and_restarts_caching():
     m.free("b")
     m.check_integrity()
     assert m.stats().used_pages == 0
+
+
+# ---- at scale: long contexts, handles across extensions and splits ---------------------------
+
+
+def test_a_30000_page_context_is_one_edge_and_evicts_to_the_exact_pages():
+    """A decoded context cached page by page, 30,000 pages (120,000 tokens at page size 4):
+    before, each page hung one level deeper and counting what could be evicted recursed
+    through all of them (RecursionError past ~1,000 pages)."""
+    n = 30_000
+    m = KVCacheManager(num_pages=n + 16, page_size=PS)
+    tokens = [t % 49152 for t in range(n * PS)]
+    m.open("long", [])
+    for k in range(1, n + 1):  # one page completes per step, as decode makes them
+        assert m.allocate("long", k * PS)
+        m.cache_tokens("long", tokens)  # caches the first len(page table) pages
+    assert m.page_table("long") == list(range(n))
+    cache = m.cache
+    assert len(cache._root.children) == 1 and len(list(cache._iter_nodes())) == 2  # one edge
+    assert cache.num_evictable() == 0  # all held by the sequence
+    m.free("long")
+    assert cache.num_evictable() == n and m.can_allocate(n + 16)
+    assert cache.match(tokens).pages == list(range(n))
+    # A new sequence needs 20 pages: the context's last 4 are evicted, and the pool hands out
+    # the most recently freed pages first, then the 16 never used.
+    m.open("next", [])
+    assert m.allocate("next", 20 * PS)
+    assert m.page_table("next") == [n - 4, n - 3, n - 2, n - 1] + [n + i for i in range(16)]
+    assert cache.match(tokens).pages == list(range(n - 4))
+    assert cache.num_evictable() == n - 4
+    m.free("next")
+    assert cache.evict(n) == n - 4 and cache.num_pages == 0 and m.pool.num_free == n + 16
+    m.check_integrity()
+
+
+def test_handles_survive_another_sequence_extending_and_a_split():
+    pool, cache = make_cache(32)
+    a_tokens = toks(24)
+    b_tokens = toks(8) + [90, 91, 92, 93]
+    a_pages = pool.alloc(2)  # [0, 1]
+    kept, a = cache.insert(a_tokens[:8], a_pages)
+    assert kept == [0, 1]
+    # b reaches the same node through its own insert (its copies 2, 3 are duplicates).
+    b_pages = pool.alloc(2)
+    kept, b = cache.insert(b_tokens[:8], b_pages)
+    assert kept == [0, 1] and b.node is a.node and b.end == 8
+    pool.retain(kept)
+    pool.release(b_pages)
+    # a grows its edge in place: pages 2 and 3 are its next two.
+    a_more = pool.alloc(2)
+    assert a_more == [2, 3]
+    kept, a = cache.insert(a_tokens[8:16], a_more, after=a)
+    assert kept == [2, 3] and a.end == 16 and len(a.node.pages) == 4  # one edge of 4 pages
+    # b continues from where *its* prefix ended (8), inside that edge now: it is split there.
+    b_more = pool.alloc(1)
+    assert b_more == [4]
+    kept, b = cache.insert(b_tokens[8:12], b_more, after=b)
+    assert kept == [4] and b.end == 12
+    assert cache.match(a_tokens[:16]).pages == [0, 1, 2, 3]
+    assert cache.match(b_tokens).pages == [0, 1, 4]
+    # A match ending inside a's edge splits it again; a's handle still continues right.
+    assert cache.match(a_tokens[:12]).pages == [0, 1, 2]
+    a_last = pool.alloc(2)
+    kept, a = cache.insert(a_tokens[16:24], a_last, after=a)
+    assert kept == a_last == [5, 6] and a.end == 24
+    assert cache.match(a_tokens).pages == [0, 1, 2, 3, 5, 6]
+    cache.check_integrity()
+    pool.check_integrity()
+    # Everything held is let go: the whole tree can be evicted, least recently used first.
+    pool.release([0, 1] + a_more + a_last + [0, 1] + b_more)
+    assert cache.num_evictable() == cache.num_pages == 7
+    assert cache.evict(1) == 1 and pool.refcount(4) == 0  # b's branch was used least recently
+    assert cache.evict(7) == 6 and pool.num_free == 32
+    cache.check_integrity()
+    pool.check_integrity()
+
+
+def test_a_handle_below_a_split_point_walks_up_to_its_end():
+    """b's handle ends where a split later starts a's lower half: it continues from above."""
+    pool, cache = make_cache(32)
+    tokens = toks(20)
+    kept, a = cache.insert(tokens[:8], pool.alloc(2))  # [0, 1]
+    kept, b = cache.insert(tokens[:8], pool.alloc(2))  # b ends at 8 too (2, 3 duplicates)
+    kept, a = cache.insert(tokens[8:16], pool.alloc(2), after=a)  # edge [0, 1, 4, 5]
+    assert kept == [4, 5]
+    assert cache.match(tokens[:8]).pages == [0, 1]  # splits at 8: a's node now starts there
+    assert a.node.start == 8 and b.end == 8
+    other = [70, 71, 72, 73]
+    kept, b = cache.insert(other, pool.alloc(1), after=b)
+    assert kept == [6] and cache.match(tokens[:8] + other).pages == [0, 1, 6]
+    assert cache.match(tokens[:16]).pages == [0, 1, 4, 5]
+    cache.check_integrity()
+
+
+def test_a_pinned_leaf_is_not_extended_and_its_pin_stays_its_own():
+    pool, cache = make_cache(16)
+    tokens = toks(16)
+    kept, a = cache.insert(tokens[:8], pool.alloc(2))  # [0, 1]
+    assert cache.pin(tokens[:8]) == 8
+    kept, a = cache.insert(tokens[8:12], pool.alloc(1), after=a)  # a new leaf, not an extension
+    assert kept == [2] and a.node.pin_count == 0
+    pool.release([0, 1, 2])  # the sequence is done
+    assert cache.num_evictable() == 1 and cache.num_pinned_pages() == 2
+    assert cache.evict(3) == 1 and pool.refcount(2) == 0  # only the unpinned page goes
+    assert cache.unpin(tokens[:8]) == 8
+    assert cache.num_evictable() == 2 and cache.evict(3) == 2
+    cache.check_integrity()
+    pool.check_integrity()
