@@ -64,9 +64,9 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.kv_transfer not in ("auto", "shm", "tcp", "none"):
+        if self.kv_transfer not in ("auto", "shm", "tcp", "cuda_ipc", "none"):
             raise ValueError(
-                f"kv_transfer must be auto, shm, tcp or none; got {self.kv_transfer!r}"
+                f"kv_transfer must be auto, shm, tcp, cuda_ipc or none; got {self.kv_transfer!r}"
             )
         if not 0 < self.kv_lease_s <= self.kv_lease_max_s <= MAX_LEASE_S:
             raise ValueError(f"need 0 < kv_lease_s ({self.kv_lease_s}) <= kv_lease_max_s "

@@ -55,7 +55,8 @@ import json, sys, torch
 from kvcache.transfer import KVLayout, Window, make_backend
 
 kind, layout, num_pages = sys.argv[1], KVLayout.from_dict(json.loads(sys.argv[2])), sys.argv[3]
-backend = make_backend(kind, layout, int(num_pages), "cpu", key=bytes.fromhex(sys.argv[4]))
+device = "cuda" if kind == "cuda_ipc" else "cpu"
+backend = make_backend(kind, layout, int(num_pages), device, key=bytes.fromhex(sys.argv[4]))
 print(json.dumps(backend.descriptor()), flush=True)
 windows = []
 for line in sys.stdin:
@@ -67,7 +68,7 @@ for line in sys.stdin:
     elif cmd == "close":
         backend.close_window(Window(int(args[0]), int(args[1])))
     elif cmd == "dump":
-        torch.save(backend.kv, args[0])
+        torch.save(backend.kv.cpu(), args[0])
     elif cmd == "reset":
         for w in windows:
             backend.close_window(w)
@@ -163,9 +164,16 @@ def start_receiver():
         r.stop()
 
 
-def sender_pool(seed: int = 0) -> torch.Tensor:
+def sender_pool(seed: int = 0, kind: str = "shm") -> torch.Tensor:
+    """The sender's pool: on the GPU for cuda_ipc (GPU to GPU), in CPU memory otherwise."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.pool_shape(SEND_PAGES), generator=g).to(torch.bfloat16)
+    pool = torch.randn(LAYOUT.pool_shape(SEND_PAGES), generator=g).to(torch.bfloat16)
+    return pool.cuda() if kind == "cuda_ipc" else pool
+
+
+# Receivers in another process; cuda_ipc needs a GPU (two processes sharing it).
+KINDS = ["shm", "tcp", pytest.param("cuda_ipc", marks=pytest.mark.gpu)]
+ONE_SIDED = ("shm", "cuda_ipc")  # the sender writes the pool itself: a closed window refuses
 
 
 def expected_pool(local: torch.Tensor, layers: list[int]) -> torch.Tensor:
@@ -179,26 +187,26 @@ def expected_pool(local: torch.Tensor, layers: list[int]) -> torch.Tensor:
 # ---- backends, receiver in another process ---------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_writes_land_exactly_at_destination_slots(kind, receiver, tmp_path):
     rx = receiver(kind)
-    local = sender_pool()
+    local = sender_pool(kind=kind)
     peer = open_peer(rx.descriptor, local, LAYOUT, KEY)
     w = rx.open_window()
     for layer in (0, 2):
         peer.write(w, layer, SRC, DST)
     peer.flush(w)
-    assert torch.equal(rx.pool(tmp_path), expected_pool(local, [0, 2]))
+    assert torch.equal(rx.pool(tmp_path), expected_pool(local.cpu(), [0, 2]))  # byte-equal
     peer.close()
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_closed_window_refuses_writes_and_flush(kind, receiver, tmp_path):
     rx = receiver(kind)
-    peer = open_peer(rx.descriptor, sender_pool(), LAYOUT, KEY)
+    peer = open_peer(rx.descriptor, sender_pool(kind=kind), LAYOUT, KEY)
     w = rx.open_window()
     rx.close_window(w)
-    if kind == "shm":
+    if kind in ONE_SIDED:
         with pytest.raises(
             TransferError, match=re.escape(f"closed window {w.index} (tag {w.tag})")
         ):
@@ -211,10 +219,10 @@ def test_closed_window_refuses_writes_and_flush(kind, receiver, tmp_path):
     peer.close()
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_killed_receiver_fails_fast(kind, start_receiver):
     rx = start_receiver(kind)
-    local = sender_pool()
+    local = sender_pool(kind=kind)
     peer = open_peer(rx.descriptor, local, LAYOUT, KEY)
     w = rx.open_window()
     peer.write(w, 0, SRC, DST)
@@ -226,12 +234,13 @@ def test_killed_receiver_fails_fast(kind, start_receiver):
     while peer.alive() and time.monotonic() - start < 5:  # tcp: until the FIN arrives
         time.sleep(0.01)
     assert not peer.alive()
-    lost = f"pid {rx.proc.pid} exited" if kind == "shm" else "connection to receiver .* lost"
+    lost = f"pid {rx.proc.pid} exited" if kind in ONE_SIDED else "connection to receiver .* lost"
     with pytest.raises(TransferError, match=lost):
         peer.write(w, 1, SRC, DST)  # tcp: may still land in the socket buffer
         peer.flush(w)
     assert time.monotonic() - start < 5
-    with pytest.raises(TransferError, match="not running" if kind == "shm" else "cannot connect"):
+    with pytest.raises(TransferError,
+                       match="not running" if kind in ONE_SIDED else "cannot connect"):
         open_peer(rx.descriptor, local, LAYOUT, KEY)
     peer.close()
 
@@ -364,10 +373,14 @@ def test_shm_peer_prefaults_the_receivers_pool():
 
 
 def test_factories_name_the_choices():
-    with pytest.raises(ValueError, match="choose one of shm, tcp, none"):
+    with pytest.raises(ValueError, match="choose one of shm, tcp, cuda_ipc, none"):
         make_backend("rdma", LAYOUT, 2, "cpu")
     with pytest.raises(ValueError, match="shm needs the KV pool in CPU memory"):
         make_backend("shm", LAYOUT, 2, "cuda", key=KEY)
+    with pytest.raises(ValueError, match="cuda_ipc needs the KV pool on a CUDA device, not cpu"):
+        make_backend("cuda_ipc", LAYOUT, 2, "cpu", key=KEY)
+    with pytest.raises(ValueError, match="--kv-transfer cuda_ipc needs an engine key"):
+        make_backend("cuda_ipc", LAYOUT, 2, "cuda")
     with pytest.raises(TransferError, match="--kv-transfer none"):
         open_peer(make_backend("none", LAYOUT, 2, "cpu").descriptor(), sender_pool(), LAYOUT,
                   KEY)

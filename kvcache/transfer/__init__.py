@@ -17,7 +17,7 @@ from kvcache.transfer.base import (
     Window,
 )
 
-BACKEND_KINDS = ("shm", "tcp", "none")
+BACKEND_KINDS = ("shm", "tcp", "cuda_ipc", "none")
 
 __all__ = [
     "BACKEND_KINDS",
@@ -48,7 +48,7 @@ def make_backend(
     port). `key` is the deployment's transfer key (microserve.transfer_auth): shm and tcp sign their
     descriptor with it and tcp admits only senders that hold it. Raises ValueError for an
     unknown kind, shm with a pool outside CPU memory, or shm/tcp without a key."""
-    if kind in ("shm", "tcp") and key is None:
+    if kind in ("shm", "tcp", "cuda_ipc") and key is None:
         raise ValueError(f"--kv-transfer {kind} needs an engine key (--api-key, shared by the "
                          "deployment's engines; microserve up makes one): without it anyone "
                          "could write into this engine's KV pool")
@@ -64,6 +64,10 @@ def make_backend(
         from kvcache.transfer.tcp import TcpBackend
 
         return TcpBackend(layout, num_pages, device, host, port, advertise_host, key=key)
+    if kind == "cuda_ipc":
+        from kvcache.transfer.cuda_ipc import CudaIpcBackend
+
+        return CudaIpcBackend(layout, num_pages, device, key=key)
     if kind == "none":
         return NoTransferBackend(layout, num_pages, device)
     raise ValueError(f"unknown --kv-transfer {kind!r}; choose one of {', '.join(BACKEND_KINDS)}")
@@ -90,4 +94,8 @@ def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout,
         from kvcache.transfer.tcp import TcpPeer
 
         return TcpPeer(descriptor, local_kv, layout, key)
+    if kind == "cuda_ipc":
+        from kvcache.transfer.cuda_ipc import CudaIpcPeer
+
+        return CudaIpcPeer(descriptor, local_kv, layout)
     raise TransferError(f"unknown transfer kind {kind!r} in the receiver's descriptor")

@@ -147,7 +147,10 @@ class ShmBackend(TransferBackend):
     kind = "shm"
 
     def __init__(self, layout: KVLayout, num_pages: int, num_windows: int = DEFAULT_NUM_WINDOWS,
-                 *, key: bytes):
+                 *, key: bytes, extra: dict | None = None):
+        """`extra`: a subclass whose pool lives elsewhere (cuda_ipc) sets `self.kv` before
+        calling this, which then puts only the window table in the memfd, and adds `extra`
+        to the descriptor it signs."""
         if num_pages < 1 or num_windows < 1:
             raise ValueError(
                 f"num_pages ({num_pages}) and num_windows ({num_windows}) must be >= 1"
@@ -156,7 +159,8 @@ class ShmBackend(TransferBackend):
         shape = layout.pool_shape(num_pages)
         count = math.prod(shape)
         kv_offset = -(-num_windows * _ENTRY.size // mmap.PAGESIZE) * mmap.PAGESIZE
-        nbytes = kv_offset + count * dtype.itemsize
+        pool_in_file = extra is None
+        nbytes = kv_offset + (count * dtype.itemsize if pool_in_file else 0)
 
         fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -173,8 +177,9 @@ class ShmBackend(TransferBackend):
             raise
         # Never unmapped: torch.frombuffer does not pin the mapping, and the engine uses `kv`
         # until it exits. The file starts zero-filled, so the table is empty and the pool zeros.
-        flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=kv_offset)
-        self.kv = flat.view(shape)
+        if pool_in_file:
+            flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=kv_offset)
+            self.kv = flat.view(shape)
 
         self.num_windows = num_windows
         self._descriptor = sign({
@@ -188,6 +193,7 @@ class ShmBackend(TransferBackend):
             "kv_offset": kv_offset,
             "num_pages": num_pages,
             "num_windows": num_windows,
+            **(extra or {}),
         }, key)
         # OFD locks taken through one descriptor do not exclude each other, so threads of this
         # process serialize table updates on this lock; it is held across the entry lock.
@@ -259,7 +265,8 @@ class ShmPeer(Peer):
         )
         shape = layout.pool_shape(descriptor["num_pages"])
         count = math.prod(shape)
-        if descriptor["kv_offset"] + count * dtype.itemsize > descriptor["nbytes"]:
+        in_file = count * dtype.itemsize if descriptor["kind"] == "shm" else 0
+        if descriptor["kv_offset"] + in_file > descriptor["nbytes"]:
             raise TransferError(
                 f"shm descriptor of pid {pid} is inconsistent: {descriptor['num_pages']} pages "
                 f"of {layout} do not fit in {descriptor['nbytes']} bytes"
@@ -280,10 +287,20 @@ class ShmPeer(Peer):
         self._num_windows = descriptor["num_windows"]
         self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
         self._local = local_kv
-        self._remote: torch.Tensor | None = torch.frombuffer(
-            self._mmap, dtype=dtype, count=count, offset=descriptor["kv_offset"]
-        ).view(shape)
+        try:
+            self._remote: torch.Tensor | None = self._open_pool(descriptor, shape, dtype)
+        except BaseException:
+            self._mmap.close()
+            os.close(self._fd)
+            os.close(self._pidfd)
+            raise
         self._prefault = _Prefault(self._mmap, f"kv-shm-prefault-{pid}")
+
+    def _open_pool(self, descriptor: dict, shape: tuple[int, ...],
+                   dtype: torch.dtype) -> torch.Tensor:
+        """The receiver's pool: here, the rest of the mapped memfd."""
+        return torch.frombuffer(self._mmap, dtype=dtype, count=math.prod(shape),
+                                offset=descriptor["kv_offset"]).view(shape)
 
     @staticmethod
     def _map(descriptor: dict) -> tuple[int, mmap.mmap]:
