@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.transfer.base import KVLayout, TransferError, Window
+from kvcache.transfer.page_copy import copy_rows
 from kvcache.transfer.shm import DEFAULT_NUM_WINDOWS, ShmBackend, ShmPeer
 
 
@@ -81,12 +82,20 @@ class CudaIpcPeer(ShmPeer):
         pool.set_(storage, descriptor["tensor_offset"], shape)
         return pool
 
+    num_programs = 132  # the copy kernel's grid (bench.kv_copy measures the choice)
+
     def write(self, window: Window, layer: int, src_slots: torch.Tensor,
               dst_slots: torch.Tensor) -> None:
-        """Copy on the GPU; returns when the copy has finished, still holding the window."""
+        """Copy on the GPU (one kernel when both pools are on one device); returns when the copy
+        has finished, still holding the window."""
+        device = self._local.device
         with self._window_open(window):
-            local = self._local[layer].view(self._rows)
-            remote = self._remote[layer].view(self._rows)
-            rows = local.index_select(1, src_slots.to(local.device))
-            remote.index_copy_(1, dst_slots.to(remote.device), rows.to(remote.device))
-            torch.cuda.current_stream(remote.device).synchronize()
+            if self._remote.device == device:
+                copy_rows(self._local[layer], self._remote[layer], src_slots.to(device),
+                          dst_slots.to(device), self.num_programs)
+            else:  # another GPU of this host: through torch (peer access is torch's to set up)
+                local = self._local[layer].view(self._rows)
+                remote = self._remote[layer].view(self._rows)
+                rows = local.index_select(1, src_slots.to(device)).to(remote.device)
+                remote.index_copy_(1, dst_slots.to(remote.device), rows)
+            torch.cuda.current_stream(device).synchronize()
