@@ -1,6 +1,7 @@
 """P/D on one GPU: two engine daemons share it and move KV by CUDA IPC (`--kv-transfer
 cuda_ipc`). Every split of a request gives exactly Hugging Face's greedy tokens (the tiny Llama
-in fp32), and aborts and a dead receiver leave nothing held on either engine."""
+in fp32), through the microserving API and through `microserve up`'s router with each built-in
+strategy; a dead receiver leaves nothing held on the sender."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import signal
 
 import pytest
 from conftest import hf_greedy
+import httpx
 from daemons import ENGINE_KEY, Daemon, serve
-from deployments import assert_quiet
+from deployments import Up, assert_quiet, stop_and_check, write_config
 
 from microserve.backend import MicroservingError
 from microserve.microserving import Sampling
@@ -43,11 +45,14 @@ def d(tiny_served_dir, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def both_quiet(p, d):
+def engines_quiet(request):
+    """After a test that used the module's engines: alive, idle, nothing held."""
     yield
-    for engine in (p, d):
-        assert engine.proc.poll() is None, f"{engine.name} died:\n{engine.log()}"
-        assert_quiet(engine.name, engine.url)
+    for name in ("p", "d"):
+        if name in request.fixturenames:
+            engine = request.getfixturevalue(name)
+            assert engine.proc.poll() is None, f"{engine.name} died:\n{engine.log()}"
+            assert_quiet(engine.name, engine.url)
 
 
 async def collect(engine: EngineClient, rid: str, prompt: list[int], begin: int):
@@ -95,3 +100,42 @@ async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(p, tiny_ser
         await P.aclose()
         await V.aclose()
         victim.stop()
+
+
+ADMIN = "gpu-admin"
+STRATEGIES = [("pd", {}), ("balanced_pd", {"ratio": 0.2}), ("context_migration", {}),
+              ("data_parallel", {})]
+
+
+def test_every_strategy_through_the_router_on_one_gpu(tiny_served_dir, tmp_path):
+    """deploy/gpu-1p1d-shared.toml's layout with the tiny model: the router's answers are HF's
+    greedy tokens whatever the strategy, swapped while the deployment runs."""
+    gpu = ["--device", "cuda", "--dtype", "float32", "--num-pages", "256",
+           "--gpu-memory-utilization", "0.2"]
+    config, port, urls = write_config(tmp_path / "deploy.toml", tiny_served_dir, "pd", [
+        ("p", "prefill", gpu), ("d", "decode", [*gpu, "--kv-transfer", "cuda_ipc"])])
+    up = Up(config, port, urls, tmp_path / "up.log", env={**os.environ,
+                                                          "MICROSERVE_ADMIN_TOKEN": ADMIN})
+    want = hf_greedy(tiny_served_dir, PROMPTS, N_NEW)
+    try:
+        up.wait_ready()
+        for name, args in STRATEGIES:
+            r = httpx.put(up.url + "/admin/strategy", json={"builtin": name, "args": args},
+                          headers={"Authorization": f"Bearer {ADMIN}"})
+            assert r.status_code == 200, r.text
+            for prompt, expected in zip(PROMPTS, want):
+                r = httpx.post(up.url + "/v1/completions", timeout=120, json={
+                    "prompt": prompt, "max_tokens": N_NEW, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 0})
+                assert r.status_code == 200, r.text
+                tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+                assert tokens == [f"<{t}>" for t in expected], name
+            for engine, url in urls.items():
+                assert_quiet(engine, url)
+        sent = httpx.get(urls["p"] + "/microserving/stats", headers={
+            "Authorization": f"Bearer {ENGINE_KEY}"}).json()["stats"]["kv_tokens_sent"]
+        assert sent > 0  # the P/D strategies did move KV
+        stop_and_check(up)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
