@@ -2,10 +2,12 @@
 against computing the same KV locally.
 
     python -m bench.transfer [--model smollm2-135m-instruct] [--tokens 1000,3000] [--repeat 3]
+    python -m bench.transfer --device cuda --model random:llama-3.1-8b --gpu-share 0.3
 
-Starts three `microserve engine` processes on this host: P (the sender), D_shm and D_tcp
-(receivers with `--kv-transfer shm` and `tcp`). For each context length N and each receiver,
-with fresh random token ids every run:
+Starts three `microserve engine` processes on this host: P (the sender) and two receivers, with
+`--kv-transfer shm` and `tcp` on CPU, `cuda_ipc` and `tcp` with `--device cuda` (all three
+engines then share one GPU, each with `--gpu-share` of its memory). For each context length N
+and each receiver, with fresh random token ids every run:
 
   copy     P already holds the context in its prefix cache (it served it once), so remote_send
            of its whole pages (992 of 1,000 tokens with 16-token pages) is pure transfer:
@@ -106,6 +108,9 @@ async def main() -> None:
     ap.add_argument("--base-port", type=int, default=18100)
     ap.add_argument("--engine-threads", type=int, default=None,
                     help="each engine's --cpu-threads (default: torch's own, all cores)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: three engines on one GPU")
+    ap.add_argument("--gpu-share", type=float, default=0.3,
+                    help="CUDA: each engine's --gpu-memory-utilization")
     args = ap.parse_args()
     model = str(resolve_model(args.model))
     mc = ModelConfig.from_dir(model)
@@ -115,26 +120,31 @@ async def main() -> None:
               str(max(lengths) + 64), "--max-num-batched-tokens", "512")  # fmt: skip
     if args.engine_threads is not None:
         common += ("--cpu-threads", str(args.engine_threads))
-    ports = {"p": args.base_port, "shm": args.base_port + 1, "tcp": args.base_port + 2}
-    procs = {
-        "p": start_engine(model, ports["p"], *common, api_key=ENGINE_KEY),
-        "shm": start_engine(model, ports["shm"], *common, "--kv-transfer", "shm",
-                            api_key=ENGINE_KEY),
-        "tcp": start_engine(model, ports["tcp"], *common, "--kv-transfer", "tcp",
-                            api_key=ENGINE_KEY),
-    }
+    gpu = args.device != "cpu"
+    if gpu:  # the pool size comes from the memory share
+        common = ("--device", args.device, "--gpu-memory-utilization", str(args.gpu_share),
+                  "--max-model-len", str(max(lengths) + 64))
+    kinds = ("cuda_ipc", "tcp") if gpu else ("shm", "tcp")
+    ports = {"p": args.base_port, kinds[0]: args.base_port + 1, "tcp": args.base_port + 2}
+    procs = {"p": start_engine(model, ports["p"], *common, api_key=ENGINE_KEY)}
+    for kind in kinds:
+        procs[kind] = start_engine(model, ports[kind], *common, "--kv-transfer", kind,
+                                   api_key=ENGINE_KEY)
     urls = {k: f"http://127.0.0.1:{port}" for k, port in ports.items()}
     try:
         for k in procs:
             await wait_healthy(urls[k], procs[k])
         clients = {k: EngineClient(u, api_key=ENGINE_KEY) for k, u in urls.items()}
         rng = random.Random(0)
-        print(f"model {mc.name}, KV {kv_bytes_per_token} B/token (fp32), median of "
-              f"{args.repeat} runs after one warm-up\n")
+        info = (await clients["p"].stats())["info"]
+        if info["dtype"] != "float32":
+            kv_bytes_per_token //= 2
+        print(f"model {mc.name} on {info['device']}, KV {kv_bytes_per_token} B/token "
+              f"({info['dtype']}), median of {args.repeat} runs after one warm-up\n")
         print("| backend | tokens | copy: remote_send from P's cache | MB/s | "
               "compute: remote_send, prefill on P | prefill on D alone |")
         print("|---|---|---|---|---|---|")
-        for kind in ("shm", "tcp"):
+        for kind in kinds:
             for n in lengths:
                 await measure(clients["p"], clients[kind], n, mc.vocab_size, 16, rng)  # warm-up
                 runs = [await measure(clients["p"], clients[kind], n, mc.vocab_size, 16, rng)

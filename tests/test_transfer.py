@@ -404,7 +404,7 @@ class FakePeer(Peer):
         self.flush_error: str | None = None
         self.closed = False
 
-    def write(self, window, layer, src_slots, dst_slots):
+    def write(self, window, layer, src_slots, dst_slots, ready=None):
         self.calls.append(("write", window, layer, src_slots.tolist(), dst_slots.tolist()))
         self.entered.set()
         assert self.gate.wait(10)

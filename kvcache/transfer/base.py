@@ -143,10 +143,13 @@ class Peer(ABC):
 
     @abstractmethod
     def write(
-        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+        ready: "torch.cuda.Event | None" = None,
     ) -> None:
         """Copy K and V of `layer` at the local flat slots `src_slots` into the receiver's flat
         slots `dst_slots` (int64 tensors of equal length). May return before the bytes arrive.
+        `ready` (GPU pools): the source KV is written once this event fires; a peer that copies
+        on the default stream may ignore it (its work queues behind the writes anyway).
         Raises TransferError if the receiver is gone or `window` was closed."""
 
     @abstractmethod

@@ -83,13 +83,22 @@ class CudaIpcPeer(ShmPeer):
         return pool
 
     num_programs = 132  # the copy kernel's grid (bench.kv_copy measures the choice)
+    _stream: torch.cuda.Stream | None = None
 
     def write(self, window: Window, layer: int, src_slots: torch.Tensor,
-              dst_slots: torch.Tensor) -> None:
-        """Copy on the GPU (one kernel when both pools are on one device); returns when the copy
-        has finished, still holding the window."""
+              dst_slots: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Copy on the GPU (one kernel when both pools are on one device), on a transfer stream
+        of this peer's that waits only for `ready` (the layer's KV written), so the sender's
+        next layers compute meanwhile; returns when the copy has finished, still holding the
+        window."""
         device = self._local.device
-        with self._window_open(window):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with self._window_open(window), torch.cuda.stream(self._stream):
+            if ready is not None:
+                self._stream.wait_event(ready)
+            else:  # a direct caller: whatever the default stream wrote before
+                self._stream.wait_stream(torch.cuda.default_stream(device))
             if self._remote.device == device:
                 copy_rows(self._local[layer], self._remote[layer], src_slots.to(device),
                           dst_slots.to(device), self.num_programs)
@@ -98,4 +107,4 @@ class CudaIpcPeer(ShmPeer):
                 remote = self._remote[layer].view(self._rows)
                 rows = local.index_select(1, src_slots.to(device)).to(remote.device)
                 remote.index_copy_(1, dst_slots.to(remote.device), rows)
-            torch.cuda.current_stream(device).synchronize()
+            self._stream.synchronize()

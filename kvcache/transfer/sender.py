@@ -55,6 +55,7 @@ class _Op(NamedTuple):
     layer: int | None  # None: the job's flush
     src_slots: torch.Tensor | None = None
     dst_slots: torch.Tensor | None = None
+    ready: "torch.cuda.Event | None" = None  # GPU pools: the source KV is written once it fires
 
 
 class KVSender:
@@ -116,12 +117,18 @@ class KVSender:
     ) -> None:
         """Enqueue K and V of `layer` at local slots `src_slots` into the receiver's slots
         `dst_slots` (int64, equal lengths; not modified after this call). No-op if the job
-        already failed."""
+        already failed. With a GPU pool, the KV to send is what the caller's current stream
+        has written (or queued) so far: an event recorded here lets a peer copy on a stream of
+        its own as soon as that work is done, while the caller's stream goes on."""
         if len(src_slots) != len(dst_slots):
             raise ValueError(f"{len(src_slots)} source slots but {len(dst_slots)} destinations")
         job = self._job(job_id)
         if job.error is None:
-            self._queue.put(_Op(job, layer, src_slots, dst_slots))
+            ready = None
+            if self.local_kv.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            self._queue.put(_Op(job, layer, src_slots, dst_slots, ready))
 
     def write_all_layers(
         self, job_id: str, src_slots: torch.Tensor, dst_slots: torch.Tensor
@@ -212,7 +219,7 @@ class KVSender:
             if op.layer is None:
                 job.peer.flush(job.window)
             else:
-                job.peer.write(job.window, op.layer, op.src_slots, op.dst_slots)
+                job.peer.write(job.window, op.layer, op.src_slots, op.dst_slots, op.ready)
         except TransferError as e:
             job.error = str(e)
         except Exception as e:  # a bug must fail the job, not kill the transfer thread

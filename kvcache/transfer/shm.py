@@ -351,7 +351,8 @@ class ShmPeer(Peer):
             yield
 
     def write(
-        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+        ready: "torch.cuda.Event | None" = None,
     ) -> None:
         """Copy synchronously: the bytes are in the receiver's pool when this returns."""
         with self._window_open(window):

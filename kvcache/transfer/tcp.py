@@ -413,7 +413,8 @@ class TcpPeer(Peer):
             raise TransferError(self._broken) from None
 
     def write(
-        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+        self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+        ready: "torch.cuda.Event | None" = None,
     ) -> None:
         """Send one WRITE frame. Returns once the kernel has the bytes, not the receiver."""
         n = len(src_slots)
