@@ -45,6 +45,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, dtype: torch.dtype):
         self.engine_config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on the current device, and the KV transfer's streams and events
+            # are made there: --device cuda:N makes N current for the whole core process.
+            torch.cuda.set_device(self.device)
         self.dtype = dtype
         self.model, self.config = load_model(config.model, dtype=dtype, device=self.device)
         self.cuda = self.device.type == "cuda"

@@ -12,6 +12,7 @@ import signal
 import pytest
 from conftest import hf_greedy
 import httpx
+import torch
 from daemons import ENGINE_KEY, Daemon, serve
 from deployments import Up, assert_quiet, stop_and_check, write_config
 
@@ -30,7 +31,7 @@ PROMPTS = [[(7 * i + k * 13) % 256 for k in range(n)] for i, n in enumerate((40,
 
 def start(model_dir, tmp_path_factory, name, *args):
     log = tmp_path_factory.mktemp(name) / "daemon.log"
-    return Daemon(model_dir, log, name, *ARGS, *args)
+    return Daemon(model_dir, log, name, *ARGS, *args)  # a later --device overrides ARGS' cuda
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +140,27 @@ def test_every_strategy_through_the_router_on_one_gpu(tiny_served_dir, tmp_path)
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+async def test_pd_across_two_gpus(tiny_served_dir, tmp_path_factory):
+    """P on GPU 0, D on GPU 1 (both see both: --device cuda:N): the copy crosses GPUs."""
+    want = hf_greedy(tiny_served_dir, PROMPTS, N_NEW)
+    gens = [serve(start(tiny_served_dir, tmp_path_factory, "gpu0-p", "--device", "cuda:0")),
+            serve(start(tiny_served_dir, tmp_path_factory, "gpu1-d", "--device", "cuda:1",
+                        "--kv-transfer", "cuda_ipc"))]
+    p0, d1 = (next(g) for g in gens)
+    P, D = EngineClient(p0.url, api_key=ENGINE_KEY), EngineClient(d1.url, api_key=ENGINE_KEY)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            n = len(prompt)
+            r = await D.prep_recv(f"x-{i}", prompt, end=n - 1)
+            await P.remote_send(f"x-{i}", prompt, r.matched, n - 1, r.kv_addr)
+            assert await collect(D, f"x-{i}", prompt, begin=n - 1) == want[i]
+        for engine in (p0, d1):
+            assert_quiet(engine.name, engine.url)
+    finally:
+        await P.aclose()
+        await D.aclose()
+        for g in gens:
+            next(g, None)

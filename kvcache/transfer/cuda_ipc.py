@@ -94,7 +94,9 @@ class CudaIpcPeer(ShmPeer):
         device = self._local.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        with self._window_open(window), torch.cuda.stream(self._stream):
+        # This runs on the sender's transfer thread, whose current device is not the engine's.
+        with torch.cuda.device(device), self._window_open(window), \
+                torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)
             else:  # a direct caller: whatever the default stream wrote before
@@ -107,4 +109,5 @@ class CudaIpcPeer(ShmPeer):
                 remote = self._remote[layer].view(self._rows)
                 rows = local.index_select(1, src_slots.to(device)).to(remote.device)
                 remote.index_copy_(1, dst_slots.to(remote.device), rows)
+                torch.cuda.current_stream(remote.device).synchronize()  # ran on that GPU's stream
             self._stream.synchronize()
