@@ -9,9 +9,10 @@ and between GPUs of one host that both processes can see (`--device cuda:N`, not
 `CUDA_VISIBLE_DEVICES`).
 
 Windows work as for shm (kvcache/transfer/shm.py, whose machinery this reuses): the window
-table lives in a small memfd the sender maps; a write holds a shared lock on its window's entry
-from before its copy is queued until the copy has finished on the GPU, so `close_window` (an
-exclusive lock) returns only when no write into the window can still land.
+table lives in a small memfd the sender maps; the sender holds a shared lock on its window's
+entry from before its first copy is queued until the copies have finished on the GPU (it waits
+for them after each step's last layer, and at flush), so `close_window` (an exclusive lock)
+returns only when no write into the window can still land, at most a step's copies later.
 
 Why PyTorch's legacy IPC and not a `cuMemCreate` allocation exported as a file descriptor: it
 needs no extra channel (a descriptor passed over a Unix socket), no driver bindings beyond
@@ -23,11 +24,21 @@ A pool that must outlive its engine, or join an NVSHMEM group later, needs the f
 
 from __future__ import annotations
 
+import fcntl
+
 import torch
 
 from kvcache.transfer.base import KVLayout, TransferError, Window
 from kvcache.transfer.page_copy import copy_rows
-from kvcache.transfer.shm import DEFAULT_NUM_WINDOWS, ShmBackend, ShmPeer
+from kvcache.transfer.shm import (
+    _ENTRY,
+    DEFAULT_NUM_WINDOWS,
+    ShmBackend,
+    ShmPeer,
+    _check_window_index,
+    _lock,
+    _process_exited,
+)
 
 
 def _hex(value: bytes | None) -> str | None:
@@ -84,30 +95,77 @@ class CudaIpcPeer(ShmPeer):
 
     num_programs = 132  # the copy kernel's grid (bench.kv_copy measures the choice)
     _stream: torch.cuda.Stream | None = None
+    _held: Window | None = None  # the window whose entry this peer holds locked, copies queued
 
     def write(self, window: Window, layer: int, src_slots: torch.Tensor,
               dst_slots: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
-        """Copy on the GPU (one kernel when both pools are on one device), on a transfer stream
-        of this peer's that waits only for `ready` (the layer's KV written), so the sender's
-        next layers compute meanwhile; returns when the copy has finished, still holding the
-        window."""
+        """Queue the copy on the GPU (one kernel when both pools are on one device) on a
+        transfer stream of this peer's that waits only for `ready` (the layer's KV written), so
+        the sender's next layers compute meanwhile. The window's entry stays locked while
+        copies are queued; after a step's last layer (and at flush) this waits for them and
+        lets go, so the receiver can close the window between steps."""
         device = self._local.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        # This runs on the sender's transfer thread, whose current device is not the engine's.
-        with torch.cuda.device(device), self._window_open(window), \
-                torch.cuda.stream(self._stream):
-            if ready is not None:
-                self._stream.wait_event(ready)
-            else:  # a direct caller: whatever the default stream wrote before
-                self._stream.wait_stream(torch.cuda.default_stream(device))
-            if self._remote.device == device:
-                copy_rows(self._local[layer], self._remote[layer], src_slots.to(device),
-                          dst_slots.to(device), self.num_programs)
-            else:  # another GPU of this host: through torch (peer access is torch's to set up)
-                local = self._local[layer].view(self._rows)
-                remote = self._remote[layer].view(self._rows)
-                rows = local.index_select(1, src_slots.to(device)).to(remote.device)
-                remote.index_copy_(1, dst_slots.to(remote.device), rows)
-                torch.cuda.current_stream(remote.device).synchronize()  # ran on that GPU's stream
+        if self._held != window:
+            self._drain()
+            self._hold(window)
+        try:
+            # This runs on the sender's transfer thread, whose current device is not the
+            # engine's.
+            with torch.cuda.device(device), torch.cuda.stream(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                else:  # a direct caller: whatever the default stream wrote before
+                    self._stream.wait_stream(torch.cuda.default_stream(device))
+                if self._remote.device == device:
+                    copy_rows(self._local[layer], self._remote[layer], src_slots.to(device),
+                              dst_slots.to(device), self.num_programs)
+                else:  # another GPU of this host: through torch (peer access is torch's)
+                    local = self._local[layer].view(self._rows)
+                    remote = self._remote[layer].view(self._rows)
+                    rows = local.index_select(1, src_slots.to(device)).to(remote.device)
+                    remote.index_copy_(1, dst_slots.to(remote.device), rows)
+                    torch.cuda.current_stream(remote.device).synchronize()  # ran over there
+        except BaseException:
+            self._drain()
+            raise
+        if layer == self._remote.shape[0] - 1:
+            self._drain()
+
+    def flush(self, window: Window) -> None:
+        """Wait for the queued copies, then check the receiver is alive and the window open."""
+        self._drain()
+        super().flush(window)
+
+    def close(self) -> None:
+        if self._remote is not None:
+            self._drain()
+        super().close()
+
+    def _hold(self, window: Window) -> None:
+        """Lock the window's entry shared (the receiver's close waits) if it is still open."""
+        if self._remote is None:
+            raise TransferError(f"the cuda_ipc peer for receiver pid {self._pid} is closed")
+        _check_window_index(window, self._num_windows)
+        if _process_exited(self._pidfd):
+            raise TransferError(f"cuda_ipc receiver pid {self._pid} exited")
+        offset = window.index * _ENTRY.size
+        _lock(self._fd, fcntl.F_RDLCK, offset, _ENTRY.size)
+        if _ENTRY.unpack_from(self._mmap, offset)[0] != window.tag:
+            _lock(self._fd, fcntl.F_UNLCK, offset, _ENTRY.size)
+            raise TransferError(
+                f"receiver pid {self._pid} closed window {window.index} (tag {window.tag}): "
+                f"the request was aborted there, its lease expired or the engine stopped")
+        self._held = window
+
+    def _drain(self) -> None:
+        """Wait for the queued copies, then unlock the held window's entry."""
+        if self._held is None:
+            return
+        try:
             self._stream.synchronize()
+        finally:
+            offset = self._held.index * _ENTRY.size
+            self._held = None
+            _lock(self._fd, fcntl.F_UNLCK, offset, _ENTRY.size)
