@@ -27,6 +27,11 @@ from microserve.transfer_auth import transfer_key
 LAYOUT = KVLayout("llama-3.1-8b", "bfloat16", 16, 32, 8, 128)
 
 
+def bytes_moved(tokens: int) -> int:
+    """Bytes read plus bytes written to copy `tokens` tokens' K and V of every layer."""
+    return 2 * 2 * tokens * LAYOUT.num_layers * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
+
+
 def timed(fn, repeat: int = 20) -> float:
     for _ in range(3):
         fn()
@@ -65,7 +70,7 @@ def main() -> None:
     ap.add_argument("--grids", default="32,66,132,264")
     args = ap.parse_args()
     src, dst, s, d = pools(args.tokens)
-    nbytes = 2 * 2 * args.tokens * LAYOUT.num_layers * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
+    nbytes = bytes_moved(args.tokens)
     out = {"device": torch.cuda.get_device_name(), "tokens": args.tokens,
            "bytes_moved": nbytes, "alone": {}, "beside_gemm": {}}
     grids = [None] + [int(g) for g in args.grids.split(",")]
@@ -156,8 +161,7 @@ def peer_end_to_end(tokens: int) -> dict:
                 peer.flush(window)
                 times.append(time.perf_counter() - t0)
             sec = statistics.median(times[2:])
-            nbytes = 2 * 2 * tokens * LAYOUT.num_layers * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
-            results[str(grid)] = {"ms": sec * 1e3, "GB/s": nbytes / sec / 1e9}
+            results[str(grid)] = {"ms": sec * 1e3, "GB/s": bytes_moved(tokens) / sec / 1e9}
         peer.close()
         return {"open_ms": open_s * 1e3, "write_all_layers": results}
     finally:

@@ -24,21 +24,11 @@ A pool that must outlive its engine, or join an NVSHMEM group later, needs the f
 
 from __future__ import annotations
 
-import fcntl
-
 import torch
 
 from kvcache.transfer.base import KVLayout, TransferError, Window
 from kvcache.transfer.page_copy import copy_rows
-from kvcache.transfer.shm import (
-    _ENTRY,
-    DEFAULT_NUM_WINDOWS,
-    ShmBackend,
-    ShmPeer,
-    _check_window_index,
-    _lock,
-    _process_exited,
-)
+from kvcache.transfer.shm import DEFAULT_NUM_WINDOWS, ShmBackend, ShmPeer
 
 
 def _hex(value: bytes | None) -> str | None:
@@ -72,6 +62,8 @@ class CudaIpcBackend(ShmBackend):
 
 class CudaIpcPeer(ShmPeer):
     """A same-host receiver's GPU pool, opened through CUDA IPC, and its window table."""
+
+    kind = "cuda_ipc"
 
     def _open_pool(self, descriptor: dict, shape: tuple[int, ...],
                    dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +101,8 @@ class CudaIpcPeer(ShmPeer):
             self._stream = torch.cuda.Stream(device)
         if self._held != window:
             self._drain()
-            self._hold(window)
+            self._lock_window(window)
+            self._held = window
         try:
             # This runs on the sender's transfer thread, whose current device is not the
             # engine's.
@@ -143,29 +136,12 @@ class CudaIpcPeer(ShmPeer):
             self._drain()
         super().close()
 
-    def _hold(self, window: Window) -> None:
-        """Lock the window's entry shared (the receiver's close waits) if it is still open."""
-        if self._remote is None:
-            raise TransferError(f"the cuda_ipc peer for receiver pid {self._pid} is closed")
-        _check_window_index(window, self._num_windows)
-        if _process_exited(self._pidfd):
-            raise TransferError(f"cuda_ipc receiver pid {self._pid} exited")
-        offset = window.index * _ENTRY.size
-        _lock(self._fd, fcntl.F_RDLCK, offset, _ENTRY.size)
-        if _ENTRY.unpack_from(self._mmap, offset)[0] != window.tag:
-            _lock(self._fd, fcntl.F_UNLCK, offset, _ENTRY.size)
-            raise TransferError(
-                f"receiver pid {self._pid} closed window {window.index} (tag {window.tag}): "
-                f"the request was aborted there, its lease expired or the engine stopped")
-        self._held = window
-
     def _drain(self) -> None:
         """Wait for the queued copies, then unlock the held window's entry."""
         if self._held is None:
             return
+        held, self._held = self._held, None
         try:
             self._stream.synchronize()
         finally:
-            offset = self._held.index * _ENTRY.size
-            self._held = None
-            _lock(self._fd, fcntl.F_UNLCK, offset, _ENTRY.size)
+            self._unlock_window(held)

@@ -250,6 +250,8 @@ class ShmPeer(Peer):
     them on that stream (the default one) or synced.
     """
 
+    kind = "shm"
+
     def __init__(self, descriptor: dict, local_kv: torch.Tensor, layout: KVLayout):
         pid = descriptor["pid"]
         if descriptor["boot_id"] != _boot_id():
@@ -336,19 +338,31 @@ class ShmPeer(Peer):
     def _window_open(self, window: Window) -> Iterator[None]:
         """Hold a shared lock on the window's entry: the receiver cannot close the window until
         the block ends. Raises TransferError if the receiver exited or closed the window."""
+        self._lock_window(window)
+        try:
+            yield
+        finally:
+            self._unlock_window(window)
+
+    def _lock_window(self, window: Window) -> None:
+        """Take the shared lock on the window's entry if the window is still open (else raise
+        TransferError, holding nothing). `_unlock_window` lets go."""
         if self._remote is None:
-            raise TransferError(f"the shm peer for receiver pid {self._pid} is closed")
+            raise TransferError(f"the {self.kind} peer for receiver pid {self._pid} is closed")
         _check_window_index(window, self._num_windows)
         if _process_exited(self._pidfd):
-            raise TransferError(f"shm receiver pid {self._pid} exited")
-        with _entry_locked(self._fd, window.index, fcntl.F_RDLCK):
-            current = _ENTRY.unpack_from(self._mmap, window.index * _ENTRY.size)[0]
-            if current != window.tag:
-                raise TransferError(
-                    f"receiver pid {self._pid} closed window {window.index} (tag {window.tag}): "
-                    f"the request was aborted there, its lease expired or the engine stopped"
-                )
-            yield
+            raise TransferError(f"{self.kind} receiver pid {self._pid} exited")
+        offset = window.index * _ENTRY.size
+        _lock(self._fd, fcntl.F_RDLCK, offset, _ENTRY.size)
+        if _ENTRY.unpack_from(self._mmap, offset)[0] != window.tag:
+            _lock(self._fd, fcntl.F_UNLCK, offset, _ENTRY.size)
+            raise TransferError(
+                f"receiver pid {self._pid} closed window {window.index} (tag {window.tag}): "
+                f"the request was aborted there, its lease expired or the engine stopped"
+            )
+
+    def _unlock_window(self, window: Window) -> None:
+        _lock(self._fd, fcntl.F_UNLCK, window.index * _ENTRY.size, _ENTRY.size)
 
     def write(
         self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
