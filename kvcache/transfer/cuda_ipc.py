@@ -18,7 +18,8 @@ Why PyTorch's legacy IPC and not a `cuMemCreate` allocation exported as a file d
 needs no extra channel (a descriptor passed over a Unix socket), no driver bindings beyond
 PyTorch, and was measured working between independent processes on the lent GPUs. Its limit:
 the exporter's memory is undefined once it exits, so a sender checks the receiver's pidfd
-before every write (as shm does) and a dead receiver fails the send rather than being written.
+whenever it takes a window's lock (each step's first write, as shm does for every write) and a
+dead receiver fails the send rather than being written.
 A pool that must outlive its engine, or join an NVSHMEM group later, needs the fd export.
 """
 
@@ -64,6 +65,9 @@ class CudaIpcPeer(ShmPeer):
     """A same-host receiver's GPU pool, opened through CUDA IPC, and its window table."""
 
     kind = "cuda_ipc"
+    num_programs = 132  # the copy kernel's grid (bench.kv_copy measures the choice)
+    _stream: torch.cuda.Stream | None = None
+    _held: Window | None = None  # the window whose entry this peer holds locked, copies queued
 
     def _open_pool(self, descriptor: dict, shape: tuple[int, ...],
                    dtype: torch.dtype) -> torch.Tensor:
@@ -84,10 +88,6 @@ class CudaIpcPeer(ShmPeer):
         pool = torch.empty(0, dtype=dtype, device=storage.device)
         pool.set_(storage, descriptor["tensor_offset"], shape)
         return pool
-
-    num_programs = 132  # the copy kernel's grid (bench.kv_copy measures the choice)
-    _stream: torch.cuda.Stream | None = None
-    _held: Window | None = None  # the window whose entry this peer holds locked, copies queued
 
     def write(self, window: Window, layer: int, src_slots: torch.Tensor,
               dst_slots: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
