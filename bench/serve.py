@@ -10,6 +10,11 @@ request produce exactly its output length. Arrivals are Poisson at --request-rat
 every request and reports, over all requests: TTFT, TPOT (per request: time after the first
 token / (tokens - 1)), ITL (every gap between chunks), end-to-end latency — p50/p90/p99 and
 mean — and request and token throughput.
+
+With --abort-fraction F, that share of the requests (chosen at random) is abandoned by the client
+after a delay drawn from --abort-after LO:HI seconds: the connection closes mid-request, as a
+user who gives up does. They are counted as `aborted` (or as answered, if they finished first)
+and left out of the latency figures; `failed` counts only the requests nobody abandoned.
 """
 
 from __future__ import annotations
@@ -82,23 +87,35 @@ async def run(args) -> dict:
         model = args.model or (await client.get("/models")).json()["data"][0]["id"]
         await one(client, model, work[0][0][:16], 4)  # warm-up
 
-        async def guarded(prompt, n_out):
+        lo_abort, hi_abort = (float(x) for x in args.abort_after.split(":"))
+
+        async def guarded(prompt, n_out, abort: bool):
             async with limit:
-                return await one(client, model, prompt, n_out)
+                if not abort:
+                    return await one(client, model, prompt, n_out)
+                try:
+                    return await asyncio.wait_for(one(client, model, prompt, n_out),
+                                                  rng.uniform(lo_abort, hi_abort))
+                except asyncio.TimeoutError:
+                    return {"aborted": True}
 
         tasks = []
         start = time.perf_counter()
         for prompt, n_out in work:
-            tasks.append(asyncio.create_task(guarded(prompt, n_out)))
+            abort = rng.random() < args.abort_fraction
+            tasks.append(asyncio.create_task(guarded(prompt, n_out, abort)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
+    aborted = sum(1 for r in results if r.get("aborted"))
+    results = [r for r in results if not r.get("aborted")]
     ok = [r for r in results if "error" not in r]
     out_tokens = sum(r["output_tokens"] for r in ok)
     in_tokens = sum(r["prompt_tokens"] for r in ok)
     return {
-        "requests": len(results), "failed": len(results) - len(ok),
+        "requests": len(results) + aborted, "aborted": aborted,
+        "failed": len(results) - len(ok),
         "errors": [r["error"] for r in results if "error" in r][:3],
         "wall_s": wall, "request_throughput": len(ok) / wall,
         "output_tokens_per_s": out_tokens / wall,
@@ -119,6 +136,10 @@ def main() -> None:
     ap.add_argument("--input-len", default="1024", help="N or LO:HI (uniform)")
     ap.add_argument("--output-len", default="128", help="N or LO:HI (uniform)")
     ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are < this")
+    ap.add_argument("--abort-fraction", type=float, default=0.0,
+                    help="share of requests the client abandons mid-way")
+    ap.add_argument("--abort-after", default="0.5:5",
+                    help="LO:HI seconds after which an abandoned request is cut off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

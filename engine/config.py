@@ -38,8 +38,14 @@ class EngineConfig:
     kv_transfer_host: str = "127.0.0.1"  # tcp: where the transfer listener binds
     kv_transfer_port: int = 0  # tcp: 0 picks a free port
     kv_transfer_advertise_host: str | None = None  # tcp: the address peers dial, if not host
-    kv_lease_s: float = 60.0  # a prep_recv reservation not consumed by then is freed
+    # A prep_recv reservation is freed when its sender has not renewed it for this long (the
+    # sender renews every 0.25 s while it holds the job, queued or computing).
+    kv_lease_s: float = 15.0
     kv_lease_max_s: float = 600.0  # the longest lease a prep_recv may ask for
+    # How long a prep_recv waits for pages when its call names no wait_s, and the most it may
+    # name; then a 503.
+    kv_recv_wait_s: float = 60.0
+    kv_recv_wait_max_s: float = 3600.0
 
     def resolved_kv_transfer(self, has_key: bool = True) -> str:
         """The backend to receive with. auto: shm on CPU, but only with an engine key (KV
@@ -71,6 +77,10 @@ class EngineConfig:
         if not 0 < self.kv_lease_s <= self.kv_lease_max_s <= MAX_LEASE_S:
             raise ValueError(f"need 0 < kv_lease_s ({self.kv_lease_s}) <= kv_lease_max_s "
                              f"({self.kv_lease_max_s}) <= {MAX_LEASE_S:.0f}")
+        if not 0 <= self.kv_recv_wait_s <= self.kv_recv_wait_max_s <= MAX_LEASE_S:
+            raise ValueError(f"need 0 <= kv_recv_wait_s ({self.kv_recv_wait_s}) <= "
+                             f"kv_recv_wait_max_s ({self.kv_recv_wait_max_s}) <= "
+                             f"{MAX_LEASE_S:.0f}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

@@ -77,7 +77,8 @@ class EngineCore:
         sender = KVSender(self.transfer.kv, layout, notify=self._wake, key=transfer_key)
         self.runner.kv.sender = sender
         self.exchange = KVExchange(self, self.transfer, sender, layout, config.kv_lease_s,
-                                   config.kv_lease_max_s)
+                                   config.kv_lease_max_s, config.kv_recv_wait_s,
+                                   config.kv_recv_wait_max_s)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator | None] = {}
@@ -87,6 +88,9 @@ class EngineCore:
             else self.runner.cuda
         )  # fmt: skip
         self._in_flight: _Launched | None = None  # async: the step launched, not yet resolved
+        # The last step found work but could schedule none of it (waiting for KV pages that
+        # only a message, a finished send or a lease's end can free): the loop then waits.
+        self.stalled = False
         self._pending_rows: dict[str, int] = {}  # seq id -> its row in the last launch's sample
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
         self.info = EngineInfo(
@@ -243,8 +247,10 @@ class EngineCore:
     def step(self) -> list[TokenOutput]:
         launched = self._launch()
         if not self.async_scheduling:
+            self.stalled = launched is None
             return self._resolve(launched) if launched else []
         previous, self._in_flight = self._in_flight, launched
+        self.stalled = launched is None and previous is None
         return self._resolve(previous) if previous else []
 
     def _launch(self) -> "_Launched | None":

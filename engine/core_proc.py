@@ -11,9 +11,10 @@ Unix socket of length-prefixed msgpack frames (microserve/wire.py):
                       rejected, reply
 
 Between steps the loop drains whatever messages have arrived without blocking; when it has no
-work it blocks on the socket, the KV sender's wake-up pipe and the next lease deadline. A
-remote_send call is answered when its transfer completes, several steps later. When the
-frontend goes away (EOF), the core exits.
+work it blocks on the socket, the KV sender's wake-up pipe and the next lease or wait deadline.
+A remote_send call is answered when its transfer completes, several steps later; a prep_recv
+that must wait for pages, between the steps once they are free. When the frontend goes away
+(EOF), the core exits.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class CoreLoop:
         self.sock = sock
         self.decoder = FrameDecoder()
         self.running = True
-        self.sends: dict[str, int] = {}  # request id -> id of the remote_send call to answer
+        # request id -> id of the remote_send (or waiting prep_recv) call to answer
+        self.sends: dict[str, int] = {}
         self.failed_steps = 0  # steps in a row that raised
 
     def send(self, msg) -> None:
@@ -55,23 +57,35 @@ class CoreLoop:
 
     def run(self) -> None:
         was_busy = False
+        stalled = False  # the last step had work but could schedule none of it (no pages)
+        exchange = self.core.exchange
         while self.running:
-            busy = self.core.has_work()
+            # First what the last step or messages made due: expired leases free pages, freed
+            # pages admit waiting prep_recv calls, and every call now settled is answered (a
+            # finished send frees pages too).
+            now = time.monotonic()
+            deadline = exchange.next_deadline()
+            if deadline is not None and deadline <= now and exchange.expire_leases(now):
+                stalled = False
+            exchange.admit_waiting(now)
+            if self._answer_sends():
+                stalled = False
+            busy = self.core.has_work() and not stalled
             if was_busy and not busy:
                 self.core.check_integrity()  # cheap, and catches leaks right where they start
             was_busy = busy
+            # A stalled engine waits, like an idle one, for a message, a finished send or a
+            # deadline, instead of spinning on steps that schedule nothing.
             if self._receive(timeout=0 if busy else self._idle_timeout()):
-                self._answer_sends()
-            deadline = self.core.exchange.next_deadline()
-            if deadline is not None and deadline <= time.monotonic():
-                self.core.exchange.expire_leases(time.monotonic())
-            if self.running and self.core.has_work():
+                stalled = False
+            if self.running and self.core.has_work() and not stalled:
                 try:
                     outputs = self.core.step()
                 except Exception as e:  # our bug: it fails the step's requests, not the engine
                     self._fail_step(e)
                     continue
                 self.failed_steps = 0
+                stalled = self.core.stalled
                 if outputs:
                     self.send({"type": "outputs", "items": [o.to_wire() for o in outputs]})
 
@@ -152,7 +166,7 @@ class CoreLoop:
             log.exception("%s failed", method)
             self._reply(msg["id"], error=RuntimeError(f"internal error: {type(e).__name__}"))
             return
-        if method == "remote_send":  # answered when the transfer completes
+        if result is None and method in ("remote_send", "prep_recv"):  # answered later
             self.sends[args["request_id"]] = msg["id"]
         else:
             self._reply(msg["id"], result)
@@ -165,7 +179,8 @@ class CoreLoop:
             core.check_integrity()
             return True
         if method == "prep_recv":
-            return exchange.prep_recv(a["request_id"], a["prompt"], a["end"], a.get("lease_s"))
+            return exchange.prep_recv(a["request_id"], a["prompt"], a["end"], a.get("lease_s"),
+                                      a.get("wait_s"))
         if method == "remote_send":
             return exchange.remote_send(a["request_id"], a["prompt"], a["begin"], a["end"],
                                         a["kv_addr"])  # fmt: skip
@@ -187,13 +202,15 @@ class CoreLoop:
         reply = {"type": "reply", "id": call_id, "result": result, "error": None}
         if error is not None:
             reply.update(error=str(error), status=getattr(error, "status", 400),
-                         param=getattr(error, "param", None))
+                         param=getattr(error, "param", None), code=getattr(error, "code", None))
             if not isinstance(error, (RequestRejected, MicroservingError)):
                 reply["status"] = 500
         self.send(reply)
 
-    def _answer_sends(self) -> None:
-        for rid, outcome in self.core.exchange.poll():
+    def _answer_sends(self) -> bool:
+        """Answer the deferred calls now settled. True if there were any."""
+        answers = self.core.exchange.poll()
+        for rid, outcome in answers:
             call_id = self.sends.pop(rid, None)
             if call_id is None:
                 continue
@@ -201,6 +218,7 @@ class CoreLoop:
                 self._reply(call_id, error=outcome)
             else:
                 self._reply(call_id, outcome)
+        return bool(answers)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,24 @@
 
 Receiver (engine D):
     prep_recv      match prompt[:end] in the prefix cache, hold it, reserve pages for the rest,
-                   open a transfer window over them; answer `matched` and the kv_addr
+                   open a transfer window over them; answer `matched` and the kv_addr. When the
+                   pages are not free, the call waits its turn (FIFO, up to `wait_s`) and is
+                   answered between steps once they are; then a 503
     start_generate the reservation becomes a sequence whose first `begin` tokens are computed
     commit         the reservation's pages join the prefix cache; nothing is generated
-    (lease)        a reservation nobody consumes within its lease is freed and counted
+    (lease)        a reservation lives while its sender renews it (kvcache/transfer/sender.py:
+                   every 0.25 s from the moment it takes the job, queued or computing); it is
+                   freed `lease_s` after the grant or the last renewal, whichever is later
+
+A P/D request's timeline, with P busy and D's pool full when it arrives:
+
+    router  D.prep_recv ──(waits)──▶ P.remote_send ──(P's queue, compute)──▶ D.start_generate
+    D       [ waiting: holds nothing ] grant [ reserved; lease renewed by P ........ ] adopt, decode
+    P                                  start [ queued ][ compute + write layers ] flush
+                                             renew every 0.25 s ──────────────▶
+
+D holds nothing while the call waits, and holds pages no longer than P holds the job (plus
+`lease_s` if P dies, or less: the router aborts the request when it sees P go).
 
 Sender (engine P), for remote_send(prompt, begin, end, kv_addr):
 
@@ -29,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,7 +75,19 @@ class Reservation:
     tokens: list[int]  # prompt[:end]: the KV this engine will hold when the peer is done
     matched: int  # leading tokens found in the prefix cache; the peer writes [matched, end)
     window: Window
-    deadline: float  # time.monotonic() after which the lease expires
+    lease_s: float  # how long the reservation lives without a renewal from its sender
+    deadline: float  # time.monotonic() when the lease is next looked at (see expire_leases)
+
+
+@dataclass
+class WaitingRecv:
+    """A prep_recv waiting for pages (nothing held yet)."""
+
+    tokens: list[int]
+    lease_s: float
+    wait_s: float
+    deadline: float  # time.monotonic() when it gives up with a 503
+    pages: int = field(default=0)  # pages it needs at most (no prefix matched)
 
 
 @dataclass
@@ -75,7 +101,8 @@ class SendJob:
 
 class KVExchange:
     def __init__(self, core: EngineCore, backend: TransferBackend, sender: KVSender,
-                 layout: KVLayout, lease_s: float, max_lease_s: float):  # fmt: skip
+                 layout: KVLayout, lease_s: float, max_lease_s: float,
+                 wait_s: float = 0.0, max_wait_s: float = 0.0):  # fmt: skip
         self.core = core
         self.kv = core.kv
         self.backend = backend
@@ -83,14 +110,20 @@ class KVExchange:
         self.layout = layout
         self.lease_s = lease_s  # when prep_recv names none
         self.max_lease_s = max_lease_s  # the longest prep_recv may name
+        self.wait_s = wait_s  # how long prep_recv waits for pages when it names no wait_s
+        self.max_wait_s = max_wait_s  # the longest prep_recv may name
         self.reservations: dict[str, Reservation] = {}
+        self.waiting: dict[str, WaitingRecv] = {}  # prep_recv calls waiting for pages, FIFO
+        self._room_when_tried = -(1 << 62)  # _room() when the head last did not fit
         self.jobs: dict[str, SendJob] = {}  # every remote_send not yet answered
         self.flushing: set[str] = set()  # jobs whose compute is done; pages held until flushed
-        self._failed: list[tuple[str, MicroservingError]] = []  # answered by the next poll()
-        self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0}
+        self._answers: list[tuple[str, dict | MicroservingError]] = []  # given by the next poll()
+        self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0,
+                         "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0}
 
     def in_use(self, request_id: str) -> bool:
-        return request_id in self.reservations or request_id in self.jobs
+        return (request_id in self.reservations or request_id in self.jobs
+                or request_id in self.waiting)
 
     def holders(self) -> set[str]:
         """Request ids holding KV pages outside the scheduler."""
@@ -99,12 +132,16 @@ class KVExchange:
     # ---- receiver ------------------------------------------------------------------------------
 
     def prep_recv(self, request_id: str, prompt: list[int], end: int,
-                  lease_s: float | None) -> dict:  # fmt: skip
+                  lease_s: float | None, wait_s: float | None = None) -> dict | None:  # fmt: skip
+        """The answer, or None when the call waits for pages: `poll()` answers it later."""
         self.core.check_prompt(prompt)
         end = resolve_index(end, len(prompt), "end")
         if lease_s is not None and not 0 < lease_s <= self.max_lease_s:
             raise MicroservingError(400, f"lease_s {lease_s} must be in (0, {self.max_lease_s}] "
                                     "(this engine's --kv-lease-max-s)", "lease_s")
+        if wait_s is not None and not 0 <= wait_s <= self.max_wait_s:
+            raise MicroservingError(400, f"wait_s {wait_s} must be in [0, {self.max_wait_s}] "
+                                    "(this engine's --kv-recv-wait-max-s)", "wait_s")
         if self.backend.kind == "none":
             raise MicroservingError(400, "this engine cannot receive KV: it runs with "
                                     "--kv-transfer none, or without an engine key (--api-key)")
@@ -115,22 +152,77 @@ class KVExchange:
             raise MicroservingError(
                 400, f"end {end}: receiving {end} tokens needs {need} KV pages, but this "
                 f"engine's pool has {total} pages", "end")  # fmt: skip
-        matched = self.kv.prep_recv(request_id, tokens)
-        if matched is None:
+        lease_s = lease_s or self.lease_s
+        wait_s = self.wait_s if wait_s is None else wait_s
+        if not self.waiting:  # FIFO: nobody overtakes a call already waiting
+            answer = self._reserve(request_id, tokens, lease_s)
+            if answer is not None:
+                return answer
+        if wait_s == 0:
             raise MicroservingError(503, f"no KV pages free to receive {end} tokens ({need} "
                                     f"pages; {self.kv.pool.num_free} free)")  # fmt: skip
+        self.waiting[request_id] = WaitingRecv(tokens, lease_s, wait_s,
+                                               time.monotonic() + wait_s, need)
+        self.counters["kv_recv_waited"] += 1
+        return None
+
+    def _reserve(self, request_id: str, tokens: list[int], lease_s: float) -> dict | None:
+        """Reserve pages and a window for receiving `tokens`. The engine's own work comes
+        first: a page stays free for each running sequence to grow into (the next decode step
+        must not preempt for us), and the pages of the first waiting sequence that must be
+        computed from scratch (a preempted one, say). None, holding nothing, if they are not
+        there now."""
+        matched = self.kv.prep_recv(request_id, tokens, headroom=self._headroom())
+        if matched is None:
+            return None
         window = self.backend.open_window()
         if window is None:
             self.kv.free(request_id)
-            raise MicroservingError(503, "every transfer window is in use; retry later")
-        deadline = time.monotonic() + (lease_s or self.lease_s)
-        self.reservations[request_id] = Reservation(tokens, matched, window, deadline)
+            return None
+        deadline = time.monotonic() + lease_s
+        self.reservations[request_id] = Reservation(tokens, matched, window, lease_s, deadline)
+        end = len(tokens)
         addr = KVAddr(
             begin=matched, end=end, ranges=slot_ranges(self.kv.slots(request_id, matched, end)),
             layout=self.layout.to_dict(), transfer=self.backend.descriptor(),
             window=(window.index, window.tag),
         )  # fmt: skip
         return {"matched": matched, "kv_addr": addr.model_dump()}
+
+    def admit_waiting(self, now: float) -> None:
+        """Between steps: give up on calls that waited too long (503), then grant pages to the
+        waiting calls in order while they fit. Their answers come from poll()."""
+        if not self.waiting:
+            return
+        for rid, w in list(self.waiting.items()):
+            if w.deadline <= now:
+                del self.waiting[rid]
+                self.counters["kv_recv_wait_timeouts"] += 1
+                self._answers.append((rid, MicroservingError(
+                    503, f"waited {w.wait_s:g} s for KV pages to receive {len(w.tokens)} tokens "
+                    f"({w.pages} pages; {self.kv.pool.num_free} free, {len(self.waiting)} more "
+                    f"calls waiting); retry later", code="kv_wait_timeout")))
+        # Retry the head only when more pages are free (or evictable) beyond the running
+        # sequences' headroom than when it last did not fit: cheap per step.
+        room = self._room()
+        if room <= self._room_when_tried:
+            self._room_when_tried = room
+            return
+        for rid, w in list(self.waiting.items()):
+            answer = self._reserve(rid, w.tokens, w.lease_s)
+            if answer is None:
+                self._room_when_tried = self._room()
+                return
+            del self.waiting[rid]
+            self._answers.append((rid, answer))
+        self._room_when_tried = -(1 << 62)
+
+    def _headroom(self) -> int:
+        scheduler = self.core.scheduler
+        return len(scheduler.running) + scheduler.pages_owed()
+
+    def _room(self) -> int:
+        return self.kv.pool.num_free + self.kv.cache.num_evictable() - self._headroom()
 
     def adopt_for_generate(self, seq: Sequence, begin: int) -> None:
         """Give a new sequence the KV of prompt[:begin]: received under its request_id, or
@@ -177,8 +269,17 @@ class KVExchange:
         return {"cached": cached, "pinned": bool(pin and cached)}
 
     def expire_leases(self, now: float) -> int:
-        """Free reservations whose lease has passed. Returns how many."""
-        expired = [rid for rid, r in self.reservations.items() if r.deadline <= now]
+        """Free reservations whose sender has not renewed them for `lease_s` (nor has one
+        since the grant). Returns how many."""
+        expired = []
+        for rid, r in self.reservations.items():
+            if r.deadline > now:
+                continue
+            renewed = self.backend.renewed_at(r.window)
+            if renewed is not None and renewed + r.lease_s > now:
+                r.deadline = renewed + r.lease_s  # looked at again then
+            else:
+                expired.append(rid)
         for rid in expired:
             log.warning("KV reservation %r expired after its lease; pages freed", rid)
             self._close(rid, self.reservations[rid])
@@ -187,7 +288,12 @@ class KVExchange:
         return len(expired)
 
     def next_deadline(self) -> float | None:
-        return min((r.deadline for r in self.reservations.values()), default=None)
+        """When a lease is next due, or a waiting prep_recv gives up."""
+        lease = min((r.deadline for r in self.reservations.values()), default=None)
+        if not self.waiting:
+            return lease
+        wait = min(w.deadline for w in self.waiting.values())
+        return wait if lease is None else min(lease, wait)
 
     def _check_same_prompt(self, res: Reservation, prompt: list[int], begin: int) -> None:
         held = len(res.tokens)
@@ -261,13 +367,14 @@ class KVExchange:
         self.sender.finish(request_id)
 
     def poll(self) -> list[tuple[str, dict | MicroservingError]]:
-        """Answers for remote_send calls whose transfer has completed, failed or was aborted."""
+        """Answers for remote_send calls whose transfer has completed, failed or was aborted,
+        and for prep_recv calls that waited and were granted, gave up or were aborted."""
         for rid, error in self.sender.failed():  # e.g. the receiver died: stop computing
             if rid not in self.flushing:
                 self._drop_send(rid)
-                self._failed.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
-        out: list[tuple[str, dict | MicroservingError]] = list(self._failed)
-        self._failed.clear()
+                self._answers.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
+        out: list[tuple[str, dict | MicroservingError]] = list(self._answers)
+        self._answers.clear()
         for rid, error in self.sender.completed():
             job = self.jobs.pop(rid, None)
             if job is None:  # aborted while its flush was queued
@@ -319,10 +426,15 @@ class KVExchange:
             self._close(request_id, res)
             self.kv.free(request_id)
             return True
+        if self.waiting.pop(request_id, None) is not None:
+            self._answers.append(
+                (request_id, MicroservingError(409, f"request {request_id!r} was aborted"))
+            )
+            return True
         if request_id not in self.jobs:
             return False
         self._drop_send(request_id)
-        self._failed.append(
+        self._answers.append(
             (request_id, MicroservingError(409, f"request {request_id!r} was aborted"))
         )
         return True
@@ -331,7 +443,7 @@ class KVExchange:
         """End a send in flight with `error` (its remote_send answer, at the next poll)."""
         if request_id in self.jobs:
             self._drop_send(request_id)
-            self._failed.append((request_id, error))
+            self._answers.append((request_id, error))
 
     def _drop_send(self, request_id: str) -> None:
         """End a send job wherever it is and free its pages."""
@@ -346,6 +458,7 @@ class KVExchange:
     def stats(self) -> dict:
         return {
             "kv_reservations": len(self.reservations),
+            "kv_recv_waiting": len(self.waiting),
             "kv_send_jobs": len(self.jobs),
             **self.counters,
         }

@@ -128,7 +128,7 @@ class _Call:
 
 
 _CALLS = {
-    "prep_recv": _Call(PrepRecvRequest, PrepRecvResponse),
+    "prep_recv": _Call(PrepRecvRequest, PrepRecvResponse, timeout_s=None),  # waits for pages
     # Prefills and transfers: it answers when every write landed, however long that takes.
     "remote_send": _Call(RemoteSendRequest, RemoteSendResponse, timeout_s=None),
     "commit": _Call(CommitRequest, CommitResponse),

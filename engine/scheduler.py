@@ -4,7 +4,11 @@ One step packs, under a token budget:
   1. every running sequence that is decoding (one token each), oldest first;
   2. running sequences still prefilling (chunked: as much of the prompt as the budget allows);
   3. waiting sequences, in policy order, while the budget, the sequence limit and free KV pages
-     last. A new sequence first reuses the longest cached prefix of its prompt.
+     last. A new sequence first reuses the longest cached prefix of its prompt. Once one does
+     not fit, no later one that needs its KV computed overtakes it; a sequence whose KV is
+     already held (received from another engine) still may, since it only needs room to grow
+     and finishing it frees its pages (else it could wait for ever behind a preempted sequence
+     that needs the very pages it holds).
 
 Admission happens only when pages exist, so the engine never runs out of KV mid-step. When a
 running sequence needs a page and none is left, the policy's victim (the newest running
@@ -82,6 +86,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pages_owed(self) -> int:
+        """Pages the first waiting sequence that holds no KV needs for its tokens: what pages
+        reserved for other engines' transfers must leave it (0 if there is none)."""
+        first = next((s for s in self.waiting if not self.kv.has(s.request_id)), None)
+        return 0 if first is None else self.kv.pages_needed(None, first.num_tokens)
+
     def remove(self, seq: Sequence, keep_pages: bool = False) -> None:
         """Take a sequence out (finished or aborted) and release its pages, unless
         `keep_pages` (a finished send whose transfer still reads them; the caller frees them).
@@ -139,10 +149,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        blocked = False  # a sequence that must compute its KV did not fit: none after it may
         for seq in self.policy.admit_order(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             prepared = self.kv.has(seq.request_id)  # KV received or held since the call came
+            if blocked and not prepared:
+                continue
             if prepared:
                 reused = seq.num_computed_tokens
             else:  # reuse cached KV for all but the last token: its logits are needed
@@ -151,7 +164,8 @@ class Scheduler:
             if not self.kv.allocate(seq.request_id, reused + n):
                 if not prepared:
                     self.kv.free(seq.request_id)
-                break  # FCFS: nobody overtakes the head of the queue
+                    blocked = True  # FCFS among the sequences that need their KV computed
+                continue
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
             seq.num_computed_tokens = reused

@@ -14,7 +14,10 @@ from microserve.types import SamplingParams, TokenOutput
 
 
 class BackendUnavailable(Exception):
-    """The backend cannot take the request now (engine down, KV full): maps to HTTP 503."""
+    """The backend cannot take the request now (engine down, KV full): maps to HTTP 503, with
+    a Retry-After header if `retry_after` (seconds) is set."""
+
+    retry_after: int | None = None
 
 
 class RequestRejected(ValueError):
@@ -39,10 +42,13 @@ class MicroservingError(Exception):
     400 bad field (named in `param`), 404 unknown request_id, 409 request_id in use,
     502 the KV transfer to the peer failed, 503 no KV pages or windows free now."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status = status
         self.param = param
+        self.code = code  # e.g. "kv_wait_timeout": a 503 that waited its time (not retried)
+        self.retry_after: int | None = None  # seconds: the client's Retry-After, if any
 
 
 class GenerateBackend(ABC):

@@ -59,10 +59,16 @@ def _engine_args(sub) -> None:
     p.add_argument("--kv-transfer-port", type=int, default=0, help="tcp: 0 picks a free port")
     p.add_argument("--kv-transfer-advertise-host", default=None,
                    help="tcp: address peers dial (default: the bind address)")
-    p.add_argument("--kv-lease-s", type=float, default=60.0,
-                   help="seconds a prep_recv reservation lives if nothing consumes it")
+    p.add_argument("--kv-lease-s", type=float, default=15.0,
+                   help="seconds a prep_recv reservation lives after its sender last renewed "
+                        "it (senders renew every 0.25 s while they hold the job)")
     p.add_argument("--kv-lease-max-s", type=float, default=600.0,
                    help="the longest lease a prep_recv may ask for (lease_s)")
+    p.add_argument("--kv-recv-wait-s", type=float, default=60.0,
+                   help="how long a prep_recv waits its turn for KV pages when the call names "
+                        "no wait_s (then a 503)")
+    p.add_argument("--kv-recv-wait-max-s", type=float, default=3600.0,
+                   help="the longest wait_s a prep_recv may name")
     p.add_argument("--log-level", default="info")
 
 
@@ -95,6 +101,8 @@ def _run_engine(args) -> None:
         kv_transfer_advertise_host=args.kv_transfer_advertise_host,
         kv_lease_s=args.kv_lease_s,
         kv_lease_max_s=args.kv_lease_max_s,
+        kv_recv_wait_s=args.kv_recv_wait_s,
+        kv_recv_wait_max_s=args.kv_recv_wait_max_s,
     )
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key))
@@ -150,6 +158,9 @@ def _secret_args(p, *, up: bool = False) -> None:
     p.add_argument("--strategies-dir", default=None,
                    help="the directory PUT /admin/strategy {\"path\": ...} may load .py files "
                         "from (default: none; built-ins and uploads only)")
+    p.add_argument("--queue-timeout-s", type=float, default=None,
+                   help="how long a request may wait for KV pages on a receiving engine before "
+                        "it gets a 503 with Retry-After (default 60)")
     p.add_argument("--log-level", default="info")
 
 
@@ -206,7 +217,8 @@ def _run_router(args) -> None:
         host=args.host, port=args.port, api_key=args.api_key,
         admin_token=_admin_token(args.admin_token, args.port),
         engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
-        strategies_dir=args.strategies_dir)
+        strategies_dir=args.strategies_dir,
+        queue_timeout_s=60.0 if args.queue_timeout_s is None else args.queue_timeout_s)
     _run_loop(serve(config, args.log_level))
 
 
@@ -215,7 +227,8 @@ def _run_up(args) -> None:
     from microserve.up import load_deployment, up
 
     deployment = load_deployment(args.config, port=args.port,
-                                 strategies_dir=args.strategies_dir)
+                                 strategies_dir=args.strategies_dir,
+                                 queue_timeout_s=args.queue_timeout_s)
     # The engines always take a key: their microserving API moves KV and runs prefills, and
     # KV transfer between them is authenticated by it (microserve/transfer_auth.py).
     code = _run_loop(up(deployment, log_level=args.log_level, api_key=args.api_key,

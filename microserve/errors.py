@@ -3,7 +3,8 @@
 400 invalid_request_error  a bad field (also malformed JSON, which FastAPI would answer with 422),
                            or a request the backend refused (RequestRejected)
 404 invalid_request_error  unknown model (code model_not_found, as OpenAI answers) or route
-503 server_error           the backend cannot take the request now (BackendUnavailable)
+503 server_error           the backend cannot take the request now (BackendUnavailable); with
+                           a Retry-After header when the backend says when to come back
 4xx/5xx                    a microserving call's own status and message (MicroservingError), so
                            an engine's refusal reaches a router's client unchanged
 500 server_error           anything else; details go to the log, not to the client (a
@@ -28,17 +29,20 @@ class OpenAIError(Exception):
     """An error a handler raises to answer with OpenAI's error JSON."""
 
     def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.message, self.type, self.param, self.code = message, type, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
 def invalid_request(message: str, param: str | None = None) -> OpenAIError:
@@ -52,7 +56,7 @@ def model_not_found(model: str) -> OpenAIError:
 
 def backend_unavailable(exc: BaseException) -> OpenAIError:
     return OpenAIError(503, f"Service unavailable: {exc}", type="server_error",
-                       code="service_unavailable")
+                       code="service_unavailable", retry_after=getattr(exc, "retry_after", None))
 
 
 def internal_error(exc: BaseException) -> OpenAIError:
@@ -65,7 +69,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, MicroservingError):
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return OpenAIError(exc.status, str(exc), type=kind, param=exc.param)
+        return OpenAIError(exc.status, str(exc), type=kind, param=exc.param, code=exc.code,
+                           retry_after=exc.retry_after)
     if isinstance(exc, BackendUnavailable):
         return backend_unavailable(exc)
     if isinstance(exc, RequestRejected):

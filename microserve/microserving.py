@@ -73,6 +73,9 @@ class PrepRecvRequest(_Body):
     prompt: list[TokenId] = Field(min_length=1)
     end: Index = -1
     lease_s: float | None = Field(None, gt=0)  # default --kv-lease-s; at most --kv-lease-max-s
+    # How long to wait for pages if none are free: default --kv-recv-wait-s; 0 answers a 503 at
+    # once; at most --kv-recv-wait-max-s.
+    wait_s: float | None = Field(None, ge=0)
 
 
 class PrepRecvResponse(_Body):

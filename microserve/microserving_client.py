@@ -68,7 +68,8 @@ def _error(status: int, body: Any) -> MicroservingError:
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         return MicroservingError(status, f"HTTP {status}: {str(body)[:200]}")
-    return MicroservingError(status, error.get("message", ""), error.get("param"))
+    return MicroservingError(status, error.get("message", ""), error.get("param"),
+                             error.get("code"))
 
 
 async def _response_error(response: Response, timeout_s: float) -> MicroservingError:
@@ -110,10 +111,15 @@ class EngineClient:
         self._headers = headers.encode("latin-1")
 
     async def prep_recv(self, request_id: str, prompt: list[int], end: int = -1,
-                        lease_s: float | None = None) -> PrepRecvResponse:
-        """Reserve this engine's slots for `prompt[matched:end]`, held for `lease_s`."""
-        body = {"request_id": request_id, "prompt": prompt, "end": end, "lease_s": lease_s}
-        return await self._post("prep_recv", body, PrepRecvResponse)
+                        lease_s: float | None = None, wait_s: float | None = None
+                        ) -> PrepRecvResponse:
+        """Reserve this engine's slots for `prompt[matched:end]`, held for `lease_s` after the
+        sender's last renewal; waits up to `wait_s` for free pages (None: the engine's
+        --kv-recv-wait-s), then raises a 503 MicroservingError with code kv_wait_timeout."""
+        body = {"request_id": request_id, "prompt": prompt, "end": end, "lease_s": lease_s,
+                "wait_s": wait_s}
+        read_timeout_s = None if wait_s is None else wait_s + self._timeout_s
+        return await self._post("prep_recv", body, PrepRecvResponse, read_timeout_s=read_timeout_s)
 
     async def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
                           kv_addr: KVAddr) -> RemoteSendResponse:
@@ -204,10 +210,10 @@ class EngineClient:
         return BackendUnavailable(f"engine {self.base_url}: {type(exc).__name__}: {exc}")
 
     async def _post(self, name: str, body: dict, response_model: type[ResponseT],
-                    unbounded: bool = False) -> ResponseT:
+                    unbounded: bool = False, read_timeout_s: float | None = None) -> ResponseT:
         """One call and its validated answer; `unbounded`: wait for it as long as the engine
-        works (no read timeout)."""
-        timeout_s = None if unbounded else self._timeout_s
+        works (no read timeout); `read_timeout_s`: this long instead of the client's limit."""
+        timeout_s = None if unbounded else read_timeout_s or self._timeout_s
         response = await self._open(b"POST", name, self._encode(body), timeout_s)
         return response_model.model_validate(await self._answer(response, timeout_s))
 

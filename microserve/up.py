@@ -23,6 +23,7 @@ Config (TOML; see deploy/local-cpu.toml):
     strategy_args = { }                  # the strategy's constructor arguments
     watch_strategy = false               # reload the strategy file when it changes
     strategies_dir = "strategies/"       # PUT /admin/strategy {"path"} loads .py files from here
+    queue_timeout_s = 60                 # a request waits this long for KV pages, then a 503
 
     [[engines]]
     name = "prefill-0"
@@ -93,17 +94,20 @@ class Deployment:
     strategy_args: dict = field(default_factory=dict)
     watch_strategy: bool = False
     strategies_dir: str | None = None
+    queue_timeout_s: float = 60.0
 
 
 _TOP_KEYS = {"model", "served_model_name", "router", "engines"}
-_ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy", "strategies_dir"}
+_ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy", "strategies_dir",
+                "queue_timeout_s"}
 _ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
 
 
 def load_deployment(path: str | Path, port: int | None = None,
-                    strategies_dir: str | None = None) -> Deployment:
-    """Read and check a config file; `port` and `strategies_dir` override its values. Raises
-    ValueError naming the key and the file."""
+                    strategies_dir: str | None = None,
+                    queue_timeout_s: float | None = None) -> Deployment:
+    """Read and check a config file; `port`, `strategies_dir` and `queue_timeout_s` override
+    its values. Raises ValueError naming the key and the file."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -147,7 +151,9 @@ def load_deployment(path: str | Path, port: int | None = None,
         strategy=router.get("strategy", "data_parallel"),
         strategy_args=dict(router.get("strategy_args", {})),
         watch_strategy=bool(router.get("watch_strategy", False)),
-        strategies_dir=strategies_dir or router.get("strategies_dir"))
+        strategies_dir=strategies_dir or router.get("strategies_dir"),
+        queue_timeout_s=float(queue_timeout_s if queue_timeout_s is not None
+                              else router.get("queue_timeout_s", 60.0)))
 
 
 def _no_unknown(table: dict, known: set[str], where: str) -> None:
@@ -327,7 +333,8 @@ async def up(deployment: Deployment, *, log_level: str = "info", api_key: str | 
             host=deployment.host, port=deployment.port, api_key=api_key,
             admin_token=admin_token, engine_api_key=engine_api_key,
             watch_strategy=deployment.watch_strategy,
-            strategies_dir=deployment.strategies_dir))
+            strategies_dir=deployment.strategies_dir,
+            queue_timeout_s=deployment.queue_timeout_s))
         await router.start()
         return await _serve(router, deployment, engines, stop, log_level)
     finally:

@@ -9,9 +9,11 @@ strategy's `generate(request, engines)` and relays its chunks as TokenOutputs:
 Cleanup is the router's, not the strategy's: whenever a request ends without a finish reason
 (the strategy raised, an engine failed, the client went away, a stop string matched), every
 engine the request touched is told to abort it. A request that fails before its first token
-because an engine is unreachable or out of KV space is tried again (up to `max_retries`
-times) if some engine is still up; the strategy then picks again, and an engine that could not
-be reached is marked down, so it is not picked.
+because an engine is unreachable or a KV transfer failed is tried again (up to `max_retries`
+times, after 0.1 s, then 0.2 s, ...) if some engine is still up; the strategy then picks again,
+and an engine that could not be reached is marked down, so it is not picked until it answers a
+poll. A request that waited its queue time for KV pages (code kv_wait_timeout) is not tried
+again: the client gets the 503 with a Retry-After header, as when no engine is up at all.
 
 Errors reach the client as: the engine's own status and message (MicroservingError: a 400 the
 engine refused stays that 400), 503 for engines that cannot be reached, 500 naming the strategy
@@ -35,6 +37,8 @@ from router.strategy import Request
 log = logging.getLogger("microserve.router")
 
 RETRY_STATUSES = (502, 503)  # transfer failed / no KV space now: another engine may do
+RETRY_BACKOFF_S = 0.1  # before the first retry; doubled for each one after it
+RETRY_AFTER_S = 5  # what a client is told when the engines had no room for its request
 
 
 class StrategyError(BackendError):
@@ -87,6 +91,8 @@ class RouterBackend(GenerateBackend):
                                     "without a finish reason")
             except (BackendUnavailable, MicroservingError) as e:
                 if produced or not self._retryable(e, attempt):
+                    if not produced and _overloaded(e):
+                        e.retry_after = RETRY_AFTER_S
                     raise
                 self._retries.inc()
                 log.warning("request %s: %s; trying again (attempt %d)", request_id, e,
@@ -105,11 +111,14 @@ class RouterBackend(GenerateBackend):
                 self.host.release(loaded, finished)
                 self._requests.inc(strategy=loaded.name,
                                    outcome="finished" if finished else "failed")
+            await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
 
     def _retryable(self, error: Exception, attempt: int) -> bool:
         if attempt >= self.max_retries or not self.pool.routable():
             return False
-        return isinstance(error, BackendUnavailable) or error.status in RETRY_STATUSES
+        if isinstance(error, BackendUnavailable):
+            return True
+        return error.status in RETRY_STATUSES and error.code != "kv_wait_timeout"
 
     async def abort(self, request_id: str) -> None:
         request = self._live.get(request_id)
@@ -135,6 +144,11 @@ class RouterBackend(GenerateBackend):
 async def _no_more(chunks: AsyncIterator[GenerateChunk], loaded: LoadedStrategy) -> None:
     async for _ in chunks:
         raise StrategyError(f"strategy {_who(loaded)} yielded a chunk after the finishing one")
+
+
+def _overloaded(error: Exception) -> bool:
+    """A 503 the client should retry later: no engine up, or its request waited in vain."""
+    return isinstance(error, BackendUnavailable) or error.status == 503
 
 
 def _who(loaded: LoadedStrategy) -> str:

@@ -3,6 +3,8 @@
     engine = engines.round_robin()                 # any role, skipping engines down or draining
     d = engines.least_loaded("decode")             # fewest calls open from this router, then
                                                    # the engine's own running + waiting
+    p = engines.pick("prefill", exclude=(d.name,)) # the same, or None if no such engine is up
+    p, d = engines.prefill_decode()                # a P/D pair, degrading when a role is down
     p = engines["p0"]                              # by name
     engines.prefix_index.match(request.prompt)     # which engine holds how much of the prompt
 
@@ -15,7 +17,14 @@ cannot be reached. The pool's poller reads every engine's /microserving/stats ea
 and the polled load (`handle.load`).
 
 Roles: "prefill", "decode", or "any" (both). Asking for a role gives the engines of that role
-and the "any" ones.
+and the "any" ones. A role is a routing preference, not a limit: every engine can prefill and
+decode, so `prefill_decode` lets a decode engine serve a whole request when no prefill engine is
+up, and any engine serve it when no decode engine is (counted in
+microserve_router_pd_fallbacks_total).
+
+A remote_send is watched from both ends: if an engine the request touched (its receiver) goes
+down while the sender works, the call is given up at once (BackendUnavailable), and the router's
+abort then stops the sender.
 """
 
 from __future__ import annotations
@@ -118,12 +127,15 @@ class EngineHandle:
 
     # -- microserving calls ---------------------------------------------------------------------
 
-    async def prep_recv(self, request: Request, end: int = -1,
-                        lease_s: float | None = None) -> PrepRecvResponse:
-        """Reserve this engine's slots for `request.prompt[matched:end]` (see EngineClient)."""
+    async def prep_recv(self, request: Request, end: int = -1, lease_s: float | None = None,
+                        wait_s: float | None = None) -> PrepRecvResponse:
+        """Reserve this engine's slots for `request.prompt[matched:end]` (see EngineClient).
+        Waits its turn for free pages up to `wait_s` (default: the pool's queue_timeout_s)."""
         request.touched.add(self.name)
+        if wait_s is None:
+            wait_s = self._pool.queue_timeout_s
         answer = await self._call(self.client.prep_recv(request.request_id, request.prompt, end,
-                                                        lease_s))
+                                                        lease_s, wait_s))
         self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
         return answer
 
@@ -133,11 +145,14 @@ class EngineHandle:
         reservation); returns once every byte landed there."""
         request.touched.add(self.name)
         tokens = _span(len(request.prompt), begin, end)
+        receivers = [n for n in request.touched if n != self.name]
         self.open_sends += 1
         self.pending_prefill_tokens += tokens
         try:
-            answer = await self._call(self.client.remote_send(
-                request.request_id, request.prompt, begin, end, kv_addr))
+            answer = await self._pool.unless_down(
+                receivers, self._call(self.client.remote_send(
+                    request.request_id, request.prompt, begin, end, kv_addr)),
+                f"while engine {self.name} was sending it KV for request {request.request_id}")
         finally:
             self.open_sends -= 1
             self.pending_prefill_tokens -= tokens
@@ -204,16 +219,26 @@ class EnginePool:
     """The engines a router routes to; what `Strategy.generate` gets as `engines`."""
 
     def __init__(self, *, api_key: str | None = None, poll_interval_s: float = 0.5,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, queue_timeout_s: float = 60.0,
+                 registry: Registry | None = None):
         """
         Args:
             api_key: the engines' bearer token (their --api-key), sent on every call.
             poll_interval_s: how often each engine's stats are read (health and load).
             timeout_s: limit on connecting to an engine and on its short answers.
+            queue_timeout_s: how long a prep_recv waits for KV pages on its engine.
+            registry: where the pool's counters live (a fresh one if None).
         """
         self.api_key = api_key
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
+        self.queue_timeout_s = queue_timeout_s
+        self._down: dict[str, asyncio.Event] = {}  # set when the engine is marked down
+        registry = registry or Registry()
+        self._fallbacks = registry.counter(
+            "microserve_router_pd_fallbacks_total",
+            "P/D requests served without a prefill or a decode engine, by which was missing.",
+            ["missing"])
         self.prefix_index = PrefixIndex()  # page size set from the first engine's info
         self._engines: dict[str, EngineHandle] = {}
         self._rr = itertools.count()
@@ -254,6 +279,53 @@ class EnginePool:
         engines = [e for e in self._need(role) if e.name not in exclude] or self._need(role)
         return min(engines, key=lambda e: (e.open_calls, _queued(e)))
 
+    def pick(self, role: str | None = None, exclude: tuple[str, ...] = ()
+             ) -> EngineHandle | None:
+        """`least_loaded(role)` among the engines not in `exclude`, or None if none is up."""
+        engines = [e for e in self.routable(role) if e.name not in exclude]
+        return min(engines, key=lambda e: (e.open_calls, _queued(e))) if engines else None
+
+    def prefill_decode(self) -> tuple[EngineHandle | None, EngineHandle]:
+        """The (prefill, decode) pair for a P/D request, least loaded first, degrading rather
+        than failing: with no decode engine up, any engine serves the whole request; with no
+        prefill engine up besides the decode one, the decode engine does (prefill None
+        either way). Raises BackendUnavailable only if no engine is up at all."""
+        decode = self.pick("decode")
+        if decode is None:
+            decode = self.least_loaded()
+            if self.routable("prefill"):
+                self._fallbacks.inc(missing="decode")
+            return None, decode
+        prefill = self.pick("prefill", exclude=(decode.name,))
+        if prefill is None and self._prefill_engines_down(decode):
+            self._fallbacks.inc(missing="prefill")
+        return prefill, decode
+
+    def _prefill_engines_down(self, decode: EngineHandle) -> bool:
+        """Whether the pool has a prefill-capable engine other than `decode` (down now)."""
+        return any(e is not decode and e.serves("prefill") for e in self._engines.values())
+
+    async def unless_down(self, names: list[str], call, during: str):
+        """Await `call`, giving it up with BackendUnavailable as soon as one of the engines
+        `names` is marked down (poll or failed call)."""
+        events = [self._down[n] for n in names if n in self._down]
+        if not events:
+            return await call
+        task = asyncio.ensure_future(call)
+        watchers = [asyncio.ensure_future(e.wait()) for e in events]
+        try:
+            done, _ = await asyncio.wait([task, *watchers], return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            down = [n for n in names if n in self._down and self._down[n].is_set()]
+            raise BackendUnavailable(f"engine {', '.join(down)} went down {during}")
+        finally:
+            for w in watchers:
+                w.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     def _need(self, role: str | None) -> list[EngineHandle]:
         engines = self.routable(role)
         if not engines:
@@ -293,6 +365,7 @@ class EnginePool:
         handle.info, handle.load = body["info"], body["stats"]
         handle.up, handle.down_reason = True, ""
         self._engines[spec.name] = handle
+        self._down[spec.name] = asyncio.Event()
         log.info("engine %s added: %s, role %s", spec.name, spec.url, spec.role)
         return handle
 
@@ -322,6 +395,7 @@ class EnginePool:
         strategies can no longer pick it."""
         handle = self[name]
         del self._engines[name]
+        self._down.pop(name).set()  # calls watching it give up: it is gone for them too
         handle.client.retire()  # its requests' calls go on; their connections then close
         self.prefix_index.remove_engine(name)
         log.info("engine %s removed", name)
@@ -335,6 +409,8 @@ class EnginePool:
             self.marked_down += 1
             # Its cache is gone if it restarts: forget what it held.
             self.prefix_index.remove_engine(handle.name)
+            if (event := self._down.get(handle.name)) is not None:
+                event.set()
         handle.up, handle.down_reason = False, reason
 
     async def poll_once(self) -> None:
@@ -355,6 +431,8 @@ class EnginePool:
                 return
             log.info("engine %s is up", handle.name)
             handle.info, handle.up, handle.down_reason = body["info"], True, ""
+            if self._down.get(handle.name, asyncio.Event()).is_set():
+                self._down[handle.name] = asyncio.Event()
 
     async def start(self) -> None:
         """Begin polling (call once the event loop runs)."""

@@ -49,6 +49,7 @@ class RouterConfig:
     watch_strategy: bool = False  # reload the strategy file when it changes
     poll_interval_s: float = 0.5
     max_retries: int = 2
+    queue_timeout_s: float = 60.0  # how long a request may wait for KV pages on its engine
     engine_wait_s: float = 120.0  # how long start-up waits for each engine to answer
 
     def __post_init__(self):
@@ -57,6 +58,8 @@ class RouterConfig:
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
+        if not 0 <= self.queue_timeout_s <= 3600:
+            raise ValueError(f"queue_timeout_s {self.queue_timeout_s} must be in [0, 3600]")
         for key in ("api_key", "admin_token", "engine_api_key"):
             if getattr(self, key) == "":
                 raise ValueError(f"{key} must not be empty (leave it unset for no check)")
@@ -67,10 +70,11 @@ class Router:
 
     def __init__(self, config: RouterConfig):
         self.config = config
-        self.pool = EnginePool(api_key=config.engine_api_key,
-                               poll_interval_s=config.poll_interval_s)
-        self.host = StrategyHost(self.pool)
         self.registry = Registry()
+        self.pool = EnginePool(api_key=config.engine_api_key,
+                               poll_interval_s=config.poll_interval_s,
+                               queue_timeout_s=config.queue_timeout_s, registry=self.registry)
+        self.host = StrategyHost(self.pool)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
         self.backend = RouterBackend(self.pool, self.host, config.served_model_name,
                                      self.registry, max_retries=config.max_retries)

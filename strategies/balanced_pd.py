@@ -12,7 +12,8 @@ sequence D is decoding (prefill D takes on slows those down):
     P's work: p_queued + s      D's work: d_queued + decode_cost * d_decoding + (n - s)
     equal when s = (n + d_queued + decode_cost * d_decoding - p_queued) / 2
 
-and the ratio (n - s) / n is kept within [min_ratio, max_ratio].
+and the ratio (n - s) / n is kept within [min_ratio, max_ratio]. With no prefill engine up, D
+computes the whole prompt; with no decode engine up, any engine serves the request.
 """
 
 import math
@@ -52,9 +53,8 @@ class BalancedPD(Strategy):
         return n - max(1, math.ceil(ratio * n))  # D computes at least the last token
 
     async def generate(self, request, engines):
-        decode = engines.least_loaded("decode")
-        prefill = engines.least_loaded("prefill", exclude=(decode.name,))
-        s = 0 if prefill is decode else self.split(len(request.prompt), prefill, decode)
+        prefill, decode = engines.prefill_decode()  # prefill None: no engine for it is up
+        s = 0 if prefill is None else self.split(len(request.prompt), prefill, decode)
         if s > 0:
             recv = await decode.prep_recv(request, end=s)
             if recv.matched < s:

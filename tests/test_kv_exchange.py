@@ -339,3 +339,149 @@ def test_an_engine_without_a_key_neither_receives_nor_sends(tiny_model_dir, prom
     keyed.close()
     with pytest.raises(ValueError, match="--kv-transfer tcp needs an engine key"):
         EngineCore(EngineConfig(model=tiny_model_dir, kv_transfer="tcp", num_pages=8))
+
+
+# ---- under pressure: prep_recv waits its turn, leases follow the sender ------------------------
+
+
+@pytest.fixture(scope="module")
+def small_d(tiny_model_dir):
+    """A receiver with 24 pages (96 tokens): a few prompts fill it."""
+    d = make_core(tiny_model_dir, "shm", num_pages=24)
+    yield d
+    d.close()
+
+
+def answers(core: EngineCore) -> dict:
+    """The deferred answers poll() gives now, by request id."""
+    core.exchange.admit_waiting(time.monotonic())
+    return dict(core.exchange.poll())
+
+
+def test_prep_recv_waits_in_order_for_pages_and_the_waited_reservation_works(
+        pair, small_d, prompts, ref):
+    p, d = pair[0], small_d
+    reset(p, d)
+    assert d.exchange.prep_recv("first", prompts[2], -1, None)["matched"] == 0  # 15 of 24 pages
+    assert d.kv.pool.num_free == 9
+    assert d.exchange.prep_recv("big", prompts[0], -1, None) is None  # 11 pages: waits
+    assert d.exchange.prep_recv("small", prompts[3], -1, None) is None  # 6 fit, but FIFO
+    assert d.stats()["kv_recv_waiting"] == 2 and d.kv.pool.num_free == 9
+    assert answers(d) == {}
+    with pytest.raises(MicroservingError, match="'big' is already in use"):
+        d.exchange.prep_recv("big", prompts[0], -1, None)
+    d.abort_request("first")  # its pages come back: both waiting calls fit, in order
+    granted = answers(d)
+    assert list(granted) == ["big", "small"]
+    assert d.kv.pool.num_free == 24 - 11 - 6 and d.stats()["kv_recv_waiting"] == 0
+    big = granted["big"]
+    assert big["matched"] == 0 and big["kv_addr"]["end"] == len(prompts[0]) - 1
+    out = send(p, "big", prompts[0], 0, -1, big["kv_addr"])
+    assert out["sent"] == len(prompts[0]) - 1
+    tokens, _ = generate(d, "big", prompts[0], begin=len(prompts[0]) - 1)
+    assert tokens == ref[0]
+    d.abort_request("small")
+    assert_clean(p, d)
+    assert not d.exchange.waiting
+
+
+def test_a_waiting_prep_recv_gives_up_after_wait_s_or_when_aborted(pair, small_d, prompts):
+    p, d = pair[0], small_d
+    reset(d)
+    d.exchange.prep_recv("hog", prompts[2], -1, None)
+    before = d.stats()["kv_recv_wait_timeouts"]
+    with pytest.raises(MicroservingError, match=r"no KV pages free to receive 44 tokens \(11 "
+                       r"pages; 9 free\)") as e:
+        d.exchange.prep_recv("now", prompts[0], -1, None, wait_s=0)  # 0: the old 503 at once
+    assert e.value.status == 503
+    assert d.exchange.prep_recv("patient", prompts[0], -1, None, wait_s=0.05) is None
+    assert d.exchange.prep_recv("gone", prompts[0], -1, None) is None
+    assert d.exchange.next_deadline() <= time.monotonic() + 0.05
+    time.sleep(0.06)
+    (rid, error), = answers(d).items()
+    assert rid == "patient" and (error.status, error.code) == (503, "kv_wait_timeout")
+    assert str(error) == ("waited 0.05 s for KV pages to receive 44 tokens (11 pages; 9 free, "
+                          "1 more calls waiting); retry later")
+    assert d.stats()["kv_recv_wait_timeouts"] == before + 1
+    assert d.abort_request("gone") is None
+    (rid, error), = answers(d).items()
+    assert rid == "gone" and error.status == 409
+    for wait_s in (math.inf, -1.0, 3601.0):
+        with pytest.raises(MicroservingError, match=rf"wait_s {wait_s} must be in \[0, 3600.0\]"):
+            d.exchange.prep_recv("w", prompts[0], -1, None, wait_s=wait_s)
+    d.abort_request("hog")
+    assert_clean(d)
+
+
+def test_prep_recv_leaves_a_page_for_each_running_sequence(pair, small_d, prompts):
+    """Reserving must not make D's next decode step preempt: one free page per running
+    sequence stays free (or evictable)."""
+    p, d = pair[0], small_d
+    reset(d)
+    d.add_request("run", prompts[3], greedy(4))  # 23 tokens + 4: 7 pages once running
+    d.step()
+    assert len(d.scheduler.running) == 1 and d.kv.pool.num_free == 24 - 6
+    filler = [7] * (4 * 12 + 1)  # 12 pages: leaves 6 free
+    assert d.exchange.prep_recv("fill", filler, -1, None)["matched"] == 0
+    exact = [9] * (4 * 6 + 1)  # 6 pages would fit, but leave no page for "run"
+    assert d.exchange.prep_recv("exact", exact, -1, None) is None
+    while d.has_work():
+        d.step()  # "run" finishes: its pages are free (or cached)
+    assert list(answers(d)) == ["exact"]
+    for rid in ("fill", "exact"):
+        d.abort_request(rid)
+    assert_clean(d)
+
+
+def wait_for(condition, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_sender_renews_the_lease_while_it_holds_the_job(pair, prompts):
+    """Queued on P for longer than D's lease, the reservation lives; once P drops the job,
+    it expires one lease after the last renewal."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[1]
+    r = d.exchange.prep_recv("renew", prompt, -1, 0.5)
+    res = d.exchange.reservations["renew"]
+    granted = res.deadline - 0.5
+    assert d.transfer.renewed_at(res.window) is None
+    p.exchange.remote_send("renew", prompt, 0, -1, r["kv_addr"])  # queued: P is not stepped
+    p.exchange.sender.renew_all()
+    wait_for(lambda: (d.transfer.renewed_at(res.window) or 0) > granted)  # tcp: a frame
+    renewed = d.transfer.renewed_at(res.window)
+    assert d.exchange.expire_leases(granted + 0.5) == 0  # would have expired without renewals
+    assert d.exchange.reservations["renew"].deadline >= renewed + 0.5
+    assert p.abort_request("renew") is None  # P lets go: no more renewals
+    last = d.transfer.renewed_at(res.window)
+    time.sleep(0.3)  # more than a renewal interval: nobody renews now
+    assert d.transfer.renewed_at(res.window) == last
+    assert d.exchange.expire_leases(last + 0.49) == 0
+    assert d.exchange.expire_leases(last + 0.5) == 1
+    p.exchange.poll()
+    assert_clean(p, d)
+
+
+def test_a_closed_window_stops_the_sender_before_it_computes(tiny_model_dir, prompts):
+    """shm: the receiver aborted while the send waited in P's queue; P's next renewal sees the
+    closed window and drops the job without computing it."""
+    p = make_core(tiny_model_dir, "shm")
+    d = make_core(tiny_model_dir, "shm")
+    try:
+        prompt = prompts[0]
+        r = d.exchange.prep_recv("dropped", prompt, -1, None)
+        p.exchange.remote_send("dropped", prompt, 0, -1, r["kv_addr"])
+        d.abort_request("dropped")
+        p.exchange.sender.renew_all()
+        (rid, error), = p.exchange.poll()
+        assert rid == "dropped" and error.status == 502
+        assert "closed window" in str(error)
+        assert not p.has_work()  # never computed
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()

@@ -48,7 +48,8 @@ KV_ADDR_ARGS = {**KV_ADDR, "ranges": [(40, 4), (9, 2)], "window": (0, 2)}
 CALLS = {
     "prep_recv": ({"request_id": "r1", "prompt": PROMPT, "end": 10},
                   {"matched": 4, "kv_addr": KV_ADDR},
-                  {"request_id": "r1", "prompt": PROMPT, "end": 10, "lease_s": None}, 30.0),
+                  {"request_id": "r1", "prompt": PROMPT, "end": 10, "lease_s": None,
+                   "wait_s": None}, None),
     "remote_send": ({"request_id": "r1", "prompt": PROMPT, "begin": 4, "end": 10,
                      "kv_addr": KV_ADDR},
                     {"sent": 6, "computed": 10, "reused": 0},

@@ -76,6 +76,7 @@ def make_pool(*specs: tuple[str, str]) -> EnginePool:
         handle = EngineHandle(EngineSpec(name, f"http://127.0.0.1:1/{name}", role), None, pool)
         handle.info, handle.up = {"max_model_len": 100}, True
         pool._engines[name] = handle
+        pool._down[name] = asyncio.Event()
     return pool
 
 
@@ -98,6 +99,64 @@ def test_round_robin_and_least_loaded_respect_roles_and_state():
         pool.least_loaded("decode")
     with pytest.raises(UnknownEngine, match="no engine named 'x'"):
         pool["x"]
+
+
+def fallbacks(pool: EnginePool) -> dict[str, float]:
+    return {labels[0]: value for labels, value in pool._fallbacks._values.items()}
+
+
+def test_prefill_decode_degrades_instead_of_failing():
+    pool = make_pool(("p", "prefill"), ("d", "decode"))
+    assert [e and e.name for e in pool.prefill_decode()] == ["p", "d"]
+    assert fallbacks(pool) == {}
+    pool.mark_down(pool["p"], "gone")  # no prefill engine: D serves the whole request
+    assert [e and e.name for e in pool.prefill_decode()] == [None, "d"]
+    assert fallbacks(pool) == {"prefill": 1}
+    pool.mark_down(pool["d"], "gone")
+    with pytest.raises(BackendUnavailable, match="no engine is up"):
+        pool.prefill_decode()
+    pool["p"].up = True  # no decode engine: the prefill engine serves it whole
+    assert [e and e.name for e in pool.prefill_decode()] == [None, "p"]
+    assert fallbacks(pool) == {"prefill": 1, "decode": 1}
+    # Engines of role "any" are both; one alone is a plain engine, not a degraded P/D.
+    pool = make_pool(("a1", "any"), ("a2", "any"))
+    pool["a1"].open_generations = 1
+    assert [e and e.name for e in pool.prefill_decode()] == ["a1", "a2"]
+    pool.mark_down(pool["a1"], "gone")
+    assert [e and e.name for e in pool.prefill_decode()] == [None, "a2"]
+    assert fallbacks(pool) == {"prefill": 1}
+    assert [e and e.name for e in make_pool(("a", "any")).prefill_decode()] == [None, "a"]
+
+
+async def test_a_call_is_given_up_when_an_engine_it_depends_on_goes_down():
+    pool = make_pool(("p", "prefill"), ("d", "decode"))
+    cancelled = asyncio.Event()
+
+    async def endless_send():
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cancelled.set()
+
+    assert await pool.unless_down(["d"], asyncio.sleep(0, "sent"), "while sending") == "sent"
+    call = asyncio.create_task(pool.unless_down(["d"], endless_send(), "while p sent it KV"))
+    await asyncio.sleep(0.01)
+    pool.mark_down(pool["d"], "connection refused")
+    with pytest.raises(BackendUnavailable, match="engine d went down while p sent it KV"):
+        await asyncio.wait_for(call, 1)
+    assert cancelled.is_set()
+    # Once it answers a poll again, calls watch it afresh.
+    pool["d"].client = _Answers({"stats": {}, "info": {"max_model_len": 100}})
+    await pool._poll(pool["d"])
+    assert pool["d"].up and not pool._down["d"].is_set()
+
+
+class _Answers:
+    def __init__(self, stats: dict):
+        self._stats = stats
+
+    async def stats(self) -> dict:
+        return self._stats
 
 
 def test_engine_spec_refuses_bad_fields():

@@ -113,3 +113,24 @@ def test_max_num_seqs_limits_admission():
         s.add(seq(f"r{i}", 2, i, start=10 * i))
     assert [r for r, _, _ in run_step(s)[0]] == ["r0", "r1"]
     assert [x.request_id for x in s.waiting] == ["r2"]
+
+
+def test_a_sequence_holding_received_kv_overtakes_a_head_that_needs_its_pages():
+    """D holds KV received for "recv" (8 tokens, 2 pages); the head of the queue ("big", a
+    preempted or plain request) needs 4 pages and only 2 are free. FCFS for computed KV would
+    wait for ever: "recv" only needs room for its last token, runs, finishes, frees its pages."""
+    kv = KVCacheManager(num_pages=4, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    s.add(seq("big", 13, 0))
+    recv = seq("recv", 8, 1, start=100, max_tokens=1)
+    kv.open("recv", [])
+    assert kv.allocate("recv", 7)  # the received prompt[:7], as adopt_for_generate leaves it
+    recv.num_computed_tokens = 7
+    s.add(recv)
+    s.add(seq("small", 2, 2, start=200))  # needs computing: does not overtake "big"
+    assert s.pages_owed() == 4  # what receives must leave "big"
+    assert run_step(s)[0] == [("recv", 1, True)]
+    assert [x.request_id for x in s.waiting] == ["big", "small"]
+    s.remove(recv)
+    assert run_step(s)[0] == [("big", 13, True)]
+    kv.check_integrity()

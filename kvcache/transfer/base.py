@@ -10,7 +10,13 @@ peer from its descriptor and writes layer slices into it while its own forward p
     w = backend.open_window()  ─ kv_addr ──────▶ peer.write(w, layer, src_slots, dst_slots)
                                                  ... one call per layer, on the transfer stream
                                                  peer.flush(w): every byte is in D's pool
+    backend.renewed_at(w)  ◀── renew ─────────── peer.renew(w): every RENEW_INTERVAL_S while
+                                                 the sender holds the job (queued or computing)
     backend.close_window(w)   (adopted, aborted or lease expired: later writes are refused)
+
+Renewals are what a receiver's lease means (engine/kv_exchange.py): a reservation lives as long
+as its sender keeps renewing it, and expires `lease_s` after the last sign of life, so a sender
+that queues the job for minutes keeps it, and one that died loses it within `lease_s`.
 
 Slots are flat: slot = page * page_size + offset, so `kv[layer, kv_index].view(-1, heads, dim)`
 is indexed by slot. A window is the receiver's promise that the slots it reserved for one
@@ -33,6 +39,10 @@ from typing import ClassVar
 import torch
 
 from microserve.transfer_auth import new_window_tag
+
+# How often a sender renews the windows of the jobs it holds. A receiver's lease should be a
+# few of these at least (the default is seconds).
+RENEW_INTERVAL_S = 0.25
 
 
 class TransferError(Exception):
@@ -133,6 +143,12 @@ class TransferBackend(ABC):
         """Refuse later writes into `window`. Returns once no write into it is in progress,
         so the caller may then free or reuse the window's pages. Closing twice is a no-op."""
 
+    def renewed_at(self, window: Window) -> float | None:
+        """When a sender last renewed `window` (`time.monotonic()` of this host), or None if it
+        has not since the window opened (or the window is closed). Cheap: the receiver asks it
+        only when a lease is due."""
+        return None
+
     def close(self) -> None:
         """Stop listeners and release the pool's export. The tensor stays valid."""
 
@@ -156,6 +172,14 @@ class Peer(ABC):
     def flush(self, window: Window) -> None:
         """Return once every write into `window` so far is in the receiver's pool and visible
         to it, and the window is still open; raise TransferError otherwise."""
+
+    def renew(self, window: Window) -> None:
+        """Tell the receiver this sender still holds the job that writes `window`, so its lease
+        is renewed (see `TransferBackend.renewed_at`). Runs on the sender's renewal thread,
+        possibly while a write into the same peer runs on the transfer thread: implementations
+        must allow that. Raises TransferError if the receiver is gone or closed the window (the
+        sender then stops working for it). The default does nothing: the receiver then keeps
+        the reservation `lease_s` from its grant."""
 
     def alive(self) -> bool:
         """False once the receiver is known to be gone, so every later call would fail. Cheap

@@ -17,6 +17,13 @@ which the forward pass wants too: an engine that overlaps heavily may leave this
 
 A job's source slots must keep their KV until the job is reported in `completed()` or
 `cancel()` has returned: this thread reads them from the local pool when it gets to them.
+
+A second thread renews the receiver's window of every job held here, from `start` until the job
+completes or is cancelled, every RENEW_INTERVAL_S (kvcache/transfer/base.py): that keeps the
+receiver's reservation alive while the job waits in this engine's queue or computes, however
+long that takes. A renewal that fails (the receiver exited, or closed the window after an abort
+or a lease expiry) fails the job at once, so the engine stops computing for a receiver that no
+longer wants the KV, even before its first write.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 
 from kvcache.transfer import open_peer
 from microserve.transfer_auth import TransferAuthError, verify
-from kvcache.transfer.base import KVLayout, Peer, TransferError, Window
+from kvcache.transfer.base import RENEW_INTERVAL_S, KVLayout, Peer, TransferError, Window
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +93,12 @@ class KVSender:
         self._writing: _Job | None = None  # the job whose write runs now on the transfer thread
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
+        # Held while renewing, and while peers are closed: a peer is never closed under a renewal.
+        self._renew_lock = threading.Lock()
+        self._stop_renewing = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, name="kv-sender-renew",
+                                         daemon=True)
+        self._renewer.start()
         _open_senders.add(self)
 
     def start(self, job_id: str, descriptor: dict, window: Window) -> None:
@@ -177,6 +190,8 @@ class KVSender:
             for job in self._jobs.values():
                 job.cancelled = True
             self._jobs.clear()
+        self._stop_renewing.set()
+        self._renewer.join()
         self._queue.put(None)
         self._thread.join()
         for peer in [*self._peers.values(), *self._retired]:
@@ -254,9 +269,41 @@ class KVSender:
             in_use = {id(j.peer) for j in self._jobs.values()}
             unused = [p for p in self._retired if id(p) not in in_use]
             self._retired = [p for p in self._retired if id(p) in in_use]
-        for peer in unused:
-            peer.close()
+        with self._renew_lock:
+            for peer in unused:
+                peer.close()
         self._notify()
+
+    # ---- renewal thread ----------------------------------------------------------------------
+
+    def _renew_loop(self) -> None:
+        while not self._stop_renewing.wait(RENEW_INTERVAL_S):
+            self.renew_all()
+
+    def renew_all(self) -> None:
+        """Renew the window of every job not yet completed, failed or cancelled (the renewal
+        thread calls this; tests may too)."""
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.error is None]
+        failed = False
+        with self._renew_lock:
+            for job in jobs:
+                if job.cancelled:
+                    continue
+                try:
+                    job.peer.renew(job.window)
+                except TransferError as e:
+                    error = str(e)
+                except Exception as e:  # a bug must fail the job, not kill this thread
+                    log.exception("renewing KV transfer job %s failed", job.job_id)
+                    error = f"{type(e).__name__}: {e}"
+                else:
+                    continue
+                with self._lock:
+                    if job.error is None and not job.cancelled:
+                        job.error, failed = error, True
+        if failed:
+            self._notify()  # the owner stops computing for it (see failed())
 
 
 # A daemon thread still inside torch ops while the interpreter finalizes aborts the process

@@ -4,11 +4,17 @@ The receiver's pool lives in a memfd. A sender opens it through `/proc/<pid>/fd/
 and copies layer slices straight into it: the receiver does no work on the data path.
 
     memfd (one per receiving engine)
-    ┌───────────────────────────────┬───────────────────────────────────────────────────────┐
-    │ window table: int64[N]        │ KV pool: layout.pool_shape(num_pages)                 │
-    │ entry i = open tag, 0 = free  │                                                       │
-    └───────────────────────────────┴───────────────────────────────────────────────────────┘
-    0                               kv_offset (8 * N rounded up to a memory page)      nbytes
+    ┌─────────────────────┬──────────────────────────┬──────────────────────────────────────┐
+    │ window table:       │ renewals: int64[N]       │ KV pool: layout.pool_shape(num_pages)│
+    │ int64[N], entry i = │ entry i = CLOCK_MONOTONIC│                                      │
+    │ open tag, 0 = free  │ ns of the last renewal   │                                      │
+    └─────────────────────┴──────────────────────────┴──────────────────────────────────────┘
+    0                     8N                         kv_offset (16N rounded up to a page)
+
+A sender renews the windows of the jobs it holds by writing the time into their renewal entries
+(both engines run on one host, so CLOCK_MONOTONIC is one clock). It first checks the window's
+tag, without a lock: a window closed and reopened between that check and the write gets one
+renewal it was not owed, and the sender's next renewal sees the new tag and fails its job.
 
 Windows are guarded by open-file-description locks (`F_OFD_SETLKW`) on each entry's 8 bytes:
 a sender holds a shared lock on the entry while it checks the tag and copies; the receiver
@@ -42,6 +48,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -158,7 +165,7 @@ class ShmBackend(TransferBackend):
         dtype = getattr(torch, layout.dtype)
         shape = layout.pool_shape(num_pages)
         count = math.prod(shape)
-        kv_offset = -(-num_windows * _ENTRY.size // mmap.PAGESIZE) * mmap.PAGESIZE
+        kv_offset = -(-2 * num_windows * _ENTRY.size // mmap.PAGESIZE) * mmap.PAGESIZE
         pool_in_file = extra is None
         nbytes = kv_offset + (count * dtype.itemsize if pool_in_file else 0)
 
@@ -211,8 +218,21 @@ class ShmBackend(TransferBackend):
             if window is None:
                 return None
             with _entry_locked(self._fd, window.index, fcntl.F_WRLCK):
+                _ENTRY.pack_into(self._mmap, self._renewal_offset(window.index), 0)
                 _ENTRY.pack_into(self._mmap, window.index * _ENTRY.size, window.tag)
         return window
+
+    def _renewal_offset(self, index: int) -> int:
+        return (self.num_windows + index) * _ENTRY.size
+
+    def renewed_at(self, window: Window) -> float | None:
+        self._ids.check(window)
+        with self._lock:
+            if self._fd < 0 or _ENTRY.unpack_from(self._mmap, window.index * _ENTRY.size)[0] != (
+                    window.tag):
+                return None
+            ns = _ENTRY.unpack_from(self._mmap, self._renewal_offset(window.index))[0]
+        return ns / 1e9 if ns > 0 else None
 
     def close_window(self, window: Window) -> None:
         self._ids.check(window)
@@ -356,13 +376,28 @@ class ShmPeer(Peer):
         _lock(self._fd, fcntl.F_RDLCK, offset, _ENTRY.size)
         if _ENTRY.unpack_from(self._mmap, offset)[0] != window.tag:
             _lock(self._fd, fcntl.F_UNLCK, offset, _ENTRY.size)
-            raise TransferError(
-                f"receiver pid {self._pid} closed window {window.index} (tag {window.tag}): "
-                f"the request was aborted there, its lease expired or the engine stopped"
-            )
+            raise self._closed(window)
+
+    def _closed(self, window: Window) -> TransferError:
+        return TransferError(
+            f"receiver pid {self._pid} closed window {window.index} (tag {window.tag}): "
+            f"the request was aborted there, its lease expired or the engine stopped"
+        )
 
     def _unlock_window(self, window: Window) -> None:
         _lock(self._fd, fcntl.F_UNLCK, window.index * _ENTRY.size, _ENTRY.size)
+
+    def renew(self, window: Window) -> None:
+        """Write the time into the window's renewal entry (no lock: see the module docstring)."""
+        if self._remote is None:
+            raise TransferError(f"the {self.kind} peer for receiver pid {self._pid} is closed")
+        _check_window_index(window, self._num_windows)
+        if _process_exited(self._pidfd):
+            raise TransferError(f"{self.kind} receiver pid {self._pid} exited")
+        if _ENTRY.unpack_from(self._mmap, window.index * _ENTRY.size)[0] != window.tag:
+            raise self._closed(window)
+        offset = (self._num_windows + window.index) * _ENTRY.size
+        _ENTRY.pack_into(self._mmap, offset, time.monotonic_ns())
 
     def write(
         self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,

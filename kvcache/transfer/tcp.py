@@ -12,6 +12,7 @@ compared, it streams frames; the receiver applies them in order, one thread per 
     WRITE       header │ dst slots: int64[n] │ K rows, V rows: dtype[2, n, kv_heads, head_dim]
     FLUSH       header                      → answered with u32 length, msgpack({"error": ...})
                                               once every earlier frame of the connection is applied
+    RENEW       header                      the sender still holds the window's job (no answer)
 
     header = <u8 op, 3 pad, u32 window index, i64 window tag, i32 layer, u32 n>   (24 bytes)
 
@@ -20,7 +21,8 @@ frame and the slots and rows in it are aligned views: the sender gathers rows st
 send buffer and the receiver reads a frame with `recv_into`, both without extra copies.
 
 Writes are one-way: a write into a window the receiver already closed is dropped there and the
-sender learns it at the next flush.
+sender learns it at the next flush. A WRITE or RENEW into an open window renews its lease; the
+sender's renewal thread sends RENEW between the transfer thread's frames.
 
 The listener reads nothing but the small hello (at most 4 KiB, within 10 s) from a connection
 that has not proved it holds the key, and answers a failed proof with an error and a hang-up.
@@ -35,6 +37,7 @@ import select
 import socket
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,7 +66,7 @@ _LENGTH = struct.Struct("<I")  # prefix of a msgpack message
 _MAX_MESSAGE = 1 << 20
 _MAX_HELLO = 4096  # what the listener reads from a connection before it is authenticated
 HANDSHAKE_TIMEOUT_S = 10.0
-_WRITE, _FLUSH = 1, 2
+_WRITE, _FLUSH, _RENEW = 1, 2, 3
 
 
 class _Buffer:
@@ -154,6 +157,7 @@ class TcpBackend(TransferBackend):
         # so close_window returns only when no write into the window is in progress.
         self._lock = threading.Lock()
         self._windows: dict[int, int] = {}  # index -> tag of each open window
+        self._renewed: dict[int, float] = {}  # index -> time.monotonic() of its last renewal
         self._ids = WindowIds(num_windows)
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -192,7 +196,15 @@ class TcpBackend(TransferBackend):
         with self._lock:
             if self._windows.get(window.index) == window.tag:
                 del self._windows[window.index]
+                self._renewed.pop(window.index, None)
                 self._ids.release(window.index)
+
+    def renewed_at(self, window: Window) -> float | None:
+        self._ids.check(window)
+        with self._lock:
+            if self._windows.get(window.index) != window.tag:
+                return None
+            return self._renewed.get(window.index)
 
     def close(self) -> None:
         """Stop accepting, drop every connection and join the listener's threads."""
@@ -299,6 +311,10 @@ class TcpBackend(TransferBackend):
                 error = self._write(index, tag, layer, slots, rows)
                 if error is not None:
                     errors.setdefault((index, tag), error)
+            elif op == _RENEW:
+                with self._lock:
+                    if self._windows.get(index) == tag:
+                        self._renewed[index] = time.monotonic()
             elif op == _FLUSH:
                 error = errors.pop((index, tag), None)
                 with self._lock:
@@ -328,6 +344,7 @@ class TcpBackend(TransferBackend):
         with self._lock:
             if self._windows.get(index) != tag:
                 return None  # closed: dropped; the next flush of this window reports it
+            self._renewed[index] = time.monotonic()
             layer_kv = self.kv[layer].view(self._rows)
             if self._stream is None:
                 layer_kv.index_copy_(1, slots, rows)
@@ -374,6 +391,7 @@ class TcpPeer(Peer):
         self._row_bytes = layout.num_kv_heads * layout.head_dim * local_kv.element_size()
         self._buf = _Buffer()
         self._broken: str | None = None
+        self._sending = threading.Lock()  # one frame at a time: the transfer or renewal thread
         try:
             self._sock = socket.create_connection(
                 (descriptor["host"], descriptor["port"]), timeout=timeout_s
@@ -430,15 +448,27 @@ class TcpPeer(Peer):
             torch.index_select(local, 1, src_slots, out=rows)
         else:
             rows.copy_(local.index_select(1, src_slots.to(local.device)))
-        with self._io():
+        with self._sending, self._io():
             self._sock.sendall(self._buf.view[:frame_end])
 
     def flush(self, window: Window) -> None:
-        with self._io():
+        with self._sending, self._io():
             self._sock.sendall(_HEADER.pack(_FLUSH, window.index, window.tag, 0, 0))
+        with self._io():
             error = _recv_message(self._sock)["error"]
         if error is not None:
             raise TransferError(f"receiver {self._address}: {error}")
+
+    def renew(self, window: Window) -> None:
+        """Send RENEW between the transfer thread's frames; skipped if none ends within a
+        second (a connection that busy is sending; the next renewal tries again)."""
+        if not self._sending.acquire(timeout=1.0):
+            return
+        try:
+            with self._io():
+                self._sock.sendall(_HEADER.pack(_RENEW, window.index, window.tag, 0, 0))
+        finally:
+            self._sending.release()
 
     def alive(self) -> bool:
         if self._broken is not None:
