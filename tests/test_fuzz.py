@@ -70,7 +70,7 @@ PLAUSIBLE = {
     "prompt": SMALL_TOKENS | TOKEN_LISTS | st.text(max_size=40),
     "end": INTS, "begin": INTS,
     "max_tokens": st.integers(1, 4), "max_completion_tokens": st.integers(1, 4),
-    "lease_s": FLOATS,
+    "lease_s": FLOATS, "wait_s": FLOATS,
     "stream": st.booleans(),
     "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS, "seed": INTS,
     "stop_token_ids": TOKEN_LISTS, "logprobs": INTS | st.booleans(), "top_logprobs": INTS,

@@ -209,3 +209,32 @@ def test_killing_the_decode_engine_stops_the_prefill_engine_at_once(tiny_served_
         router.stop()
         victim.stop()
         next(p_gen, None)
+
+
+def test_a_request_that_waits_its_queue_time_gets_a_503_with_retry_after(
+        p, d, tiny_served_dir, tmp_path_factory):
+    """D's pool is held by a reservation nobody fills; a router whose queue time is 0.5 s
+    answers the client 503 with Retry-After once the request has waited that long on D."""
+    holder = httpx.post(d.url + "/microserving/prep_recv", headers=d.http.headers, json={
+        "request_id": "holder", "prompt": [1] * 380, "end": -1, "lease_s": 60}, timeout=30)
+    assert holder.status_code == 200, holder.text
+    log = tmp_path_factory.mktemp("router-queue") / "router.log"
+    router = RouterProcess(tiny_served_dir, {"p": p.url + ",prefill", "d": d.url + ",decode"},
+                           log, "--strategy", "pd", "--admin-token", "pressure-admin",
+                           "--queue-timeout-s", "0.5")
+    try:
+        router.wait_ready()
+        started = time.monotonic()
+        r = httpx.post(router.url + "/v1/completions", timeout=30, json={
+            "prompt": prompts(1, seed=6)[0], "max_tokens": 4, "temperature": 0})
+        assert time.monotonic() - started >= 0.5
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        error = r.json()["error"]
+        assert error["code"] == "kv_wait_timeout" and error["type"] == "server_error"
+        assert error["message"].startswith("waited 0.5 s for KV pages to receive ")
+        assert router_metric(router, "microserve_router_retries_total") == 0  # not retried
+    finally:
+        router.stop()
+        d.http.post("/microserving/abort", json={"request_id": "holder"})
+    assert_quiet("d", d.url)
+    assert_quiet("p", p.url)
