@@ -157,13 +157,19 @@ def test_killing_the_prefill_engine_leaves_the_decode_engine_serving(tiny_served
             async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
                 during = [asyncio.create_task(complete(http, x)) for x in batch]
                 await wait_until(lambda: engine_stats(victim.url, check=False)["stats"][
-                    "kv_send_jobs"] > 0)
+                    "kv_send_jobs"] > 0 and engine_stats(survivor.url, check=False)["stats"][
+                    "kv_reservations"] > 0)
                 kill(victim)
+                killed = time.monotonic()
+                await wait_until(lambda: engine_stats(survivor.url, check=False)["stats"][
+                    "kv_reservations"] == 0, timeout_s=10)  # retries go whole to D: none new
+                freed_s = time.monotonic() - killed
                 first = await asyncio.gather(*during)
                 after = await asyncio.gather(*(complete(http, x) for x in batch[:4]))
-                return first, after
+                return freed_s, first, after
 
-        first, after = asyncio.run(run())
+        freed_s, first, after = asyncio.run(run())
+        print(f"D freed the dead sender's reservations {freed_s:.3f} s after P was killed")
         assert first == want  # in flight on P when it died: tried again, whole on D
         assert after == want[:4]
         assert router_metric(router, 'microserve_router_pd_fallbacks_total{missing="prefill"}'
