@@ -138,7 +138,7 @@ _CALLS = {
 }
 
 
-def _chunk(out: TokenOutput, num_generated: int) -> GenerateChunk:
+def _chunk(out: TokenOutput, num_generated: int, first: bool = False) -> GenerateChunk:
     """The wire form of one output; `num_generated` counts the request's tokens so far."""
     logprobs = None if out.logprobs is None else [
         {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
@@ -147,7 +147,8 @@ def _chunk(out: TokenOutput, num_generated: int) -> GenerateChunk:
         prompt_tokens=out.num_prompt_tokens, completion_tokens=num_generated,
         cached_tokens=out.num_cached_tokens)
     return GenerateChunk(token_ids=out.token_ids, logprobs=logprobs,
-                         finish_reason=out.finish_reason, usage=usage)
+                         finish_reason=out.finish_reason, usage=usage,
+                         cached_tokens=out.num_cached_tokens if first else None)
 
 
 async def _merged(chunks: AsyncGenerator[GenerateChunk, None], logprobs: bool) -> GenerateChunk:
@@ -207,9 +208,10 @@ class _MicroservingAPI:
         num_generated, settled = 0, False
         try:
             async for out in outputs:
+                first = num_generated == 0
                 num_generated += len(out.token_ids)
                 settled = out.finish_reason is not None
-                yield _chunk(out, num_generated)
+                yield _chunk(out, num_generated, first)
         except (MicroservingError, BackendUnavailable):
             # The engine holds nothing for a call it failed; and a 409's request_id belongs to
             # another call, which an abort would kill.

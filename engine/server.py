@@ -35,6 +35,7 @@ def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
 
 async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
                 log_level: str = "info", api_key: str | None = None) -> None:
+    sock = listen_socket(host, port)  # first: a busy port fails before the model loads
     tokenizer = Tokenizer.from_dir(config.model)
     client = CoreClient(config, served_model_name, engine_key=api_key)
     await client.start()
@@ -47,7 +48,6 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
     )  # fmt: skip
     app = build_engine_app(client, tokenizer, api_key)
     server = QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False))
-    sock = listen_socket(host, port)
 
     async def stop_when_core_exits():
         await client.exited.wait()

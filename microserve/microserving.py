@@ -160,3 +160,6 @@ class GenerateChunk(_Body):
     logprobs: list[dict] | None = None  # [{"token_id", "logprob", "top": [[id, logprob]]}]
     finish_reason: str | None = None
     usage: Usage | None = None
+    # The first chunk's: what usage.cached_tokens will say, for a caller that stops reading
+    # early (a stop string matched).
+    cached_tokens: int | None = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import socket
@@ -40,7 +41,8 @@ from microserve.errors import (OpenAIError, as_openai_error, from_validation_err
                                install_error_handlers, invalid_request, model_not_found)
 from microserve.metrics import CONTENT_TYPE, Counter, Registry
 from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
-                                 CompletionWire, GenerationRequest, model_list, usage)
+                                 CompletionWire, GenerationRequest, model_card, model_list,
+                                 usage)
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 from microserve.types import FinishReason, SamplingParams, TokenLogprob, TokenOutput
 
@@ -280,6 +282,13 @@ class OpenAIFrontend:
         return JSONResponse(model_list(self.backend.model_name, self.started,
                                        self.backend.max_model_len))
 
+    async def model(self, model_id: str) -> JSONResponse:
+        """GET /v1/models/{id}: the served model's card, or 404 model_not_found."""
+        if model_id != self.backend.model_name:
+            raise model_not_found(model_id)
+        return JSONResponse(model_card(self.backend.model_name, self.started,
+                                       self.backend.max_model_len))
+
     async def health(self) -> JSONResponse:
         if await self.backend.healthy():
             return JSONResponse({"status": "ok"})
@@ -487,8 +496,34 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(address)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUse(host, port) from None
+        raise
     return sock
+
+
+class PortInUse(OSError):
+    """The port a server must listen on is taken: says which, and what to do."""
+
+    def __init__(self, host: str, port: int, what: str = "this server"):
+        super().__init__(errno.EADDRINUSE, f"port {port} on {host} (for {what}) is already in "
+                         "use, by another microserve deployment or another program: stop it, "
+                         "or choose another port (--port)")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Raise PortInUse if `port` cannot be bound now (for a process started later)."""
+    try:
+        listen_socket(host, port).close()
+    except PortInUse:
+        raise PortInUse(host, port, what) from None
 
 
 def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
@@ -513,6 +548,8 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
     app.add_api_route("/v1/completions", frontend.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", frontend.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", frontend.models, methods=["GET"])
+    # :path, because model names may hold "/" (HuggingFaceTB/SmolLM2-135M-Instruct)
+    app.add_api_route("/v1/models/{model_id:path}", frontend.model, methods=["GET"])
     app.add_api_route("/health", frontend.health, methods=["GET"])
     app.add_api_route("/metrics", frontend.metrics, methods=["GET"])
     return app

@@ -4,8 +4,10 @@ Field validation lives here, so a bad field becomes a 400 that names the field a
 (errors.py formats pydantic's errors). Defaults that need the model, such as max_tokens (what
 is left of the context), are resolved by the frontend. Unknown fields are ignored, as OpenAI does.
 
-Choices: `temperature` is any value >= 0, as in vLLM (OpenAI caps it at 2; we have no reason
-to refuse more). `model` may be absent or empty, meaning the served model (as in vLLM).
+Ranges are OpenAI's documented ones: `temperature` in [0, 2], `top_p` in (0, 1], at most 4
+`stop` strings, message roles system, developer, user, assistant and tool, and `content`
+required except on an assistant turn. `model` may be absent or empty, meaning the served model
+(as in vLLM).
 Options we do not implement are refused rather than ignored when ignoring them would silently
 change the output: n > 1, best_of > 1, echo, suffix, non-zero penalties, logit_bias.
 """
@@ -15,12 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from microserve.bounds import FINITE, Count, Seed, TokenId, TopK
 from microserve.types import SamplingParams, TokenLogprob
 
 MAX_LOGPROBS = 20
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class StreamOptions(BaseModel):
@@ -34,7 +40,7 @@ class GenerationRequest(BaseModel):
     model_config = FINITE  # no Infinity or NaN in any float field
     model: str | None = None
     max_tokens: Count | None = None
-    temperature: float | None = Field(None, ge=0)  # None: 1.0; 0: greedy
+    temperature: float | None = Field(None, ge=0, le=2)  # None: 1.0; 0: greedy
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: TopK | None = None  # vLLM extension; -1 and 0 disable it; <= the vocabulary
     n: int = 1
@@ -59,6 +65,8 @@ class GenerationRequest(BaseModel):
             return [value]
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise ValueError("must be a string or a list of strings")
+        if len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(value)}")
         return value
 
     @field_validator("n")
@@ -152,14 +160,19 @@ class CompletionRequest(GenerationRequest):
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str = ""  # text parts of a list content are joined with newlines (as vLLM does)
+    role: Literal[ROLES]
+    # Text parts of a list content are joined with newlines (as vLLM does). Required, except
+    # on an assistant turn (one that only called tools has none).
+    content: str = Field(None, validate_default=True)
     name: str | None = None
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_content(cls, value: Any) -> Any:
-        if value is None:  # an assistant turn that only called tools
+    def _text_content(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            if info.data.get("role") not in ("assistant", None):
+                raise ValueError(f"content is required in a {info.data['role']!r} message")
             return ""
         if not isinstance(value, list):
             return value
@@ -173,6 +186,8 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -181,6 +196,25 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Refused until constrained decoding exists: ignoring them would return free text where
+    # the client expects JSON or tool calls.
+    response_format: dict | None = None
+    tools: list | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format type {value.get('type')!r} is not supported "
+                             "yet (only 'text')")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list | None) -> list | None:
+        if value:
+            raise ValueError("tools are not supported yet")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -214,10 +248,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def model_list(model: str, created: int, max_model_len: int) -> dict:
-    card = {"id": model, "object": "model", "created": created, "owned_by": "microserve",
+def model_card(model: str, created: int, max_model_len: int) -> dict:
+    """One model object, as GET /v1/models/{id} answers it and /v1/models lists it."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "microserve",
             "root": model, "max_model_len": max_model_len}
-    return {"object": "list", "data": [card]}
+
+
+def model_list(model: str, created: int, max_model_len: int) -> dict:
+    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
 
 
 def _finite(logprob: float) -> float:

@@ -55,7 +55,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from microserve.openai_app import QuietServer, listen_socket
+from microserve.openai_app import PortInUse, QuietServer, check_port_free, listen_socket
 from router.engines import ROLES, EngineSpec
 from router.server import Router, RouterConfig
 
@@ -308,7 +308,24 @@ class EngineExited(RuntimeError):
 
 async def up(deployment: Deployment, *, log_level: str = "info", api_key: str | None = None,
              admin_token: str | None = None, engine_api_key: str | None = None) -> int:
-    """Run the deployment until Ctrl-C/SIGTERM (0) or until an engine keeps failing (1)."""
+    """Run the deployment until Ctrl-C/SIGTERM (0) or until an engine keeps failing (1).
+    Raises PortInUse, before anything starts, if the router's or an engine's port is taken
+    (another deployment's engines must never be taken for this one's)."""
+    try:
+        router_sock = listen_socket(deployment.host, deployment.port)
+    except PortInUse:
+        raise PortInUse(deployment.host, deployment.port, "the router") from None
+    try:
+        for launch in deployment.engines:
+            check_port_free(launch.host, launch.port, f"engine {launch.name}")
+        return await _up(deployment, router_sock, log_level, api_key, admin_token,
+                         engine_api_key)
+    finally:
+        router_sock.close()
+
+
+async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str | None,
+              admin_token: str | None, engine_api_key: str | None) -> int:
     from microserve.model_files import resolve_model
 
     model_dir = str(resolve_model(deployment.model))  # converted once, before the engines start
@@ -336,7 +353,7 @@ async def up(deployment: Deployment, *, log_level: str = "info", api_key: str | 
             strategies_dir=deployment.strategies_dir,
             queue_timeout_s=deployment.queue_timeout_s))
         await router.start()
-        return await _serve(router, deployment, engines, stop, log_level)
+        return await _serve(router, deployment, engines, stop, log_level, router_sock)
     finally:
         stop.set()  # ends the supervisors' waits
         if router is not None:
@@ -362,10 +379,9 @@ async def _unless(stop: asyncio.Event, work) -> bool:
 
 
 async def _serve(router: Router, deployment: Deployment, engines: list[EngineProcess],
-                 stop: asyncio.Event, log_level: str) -> int:
+                 stop: asyncio.Event, log_level: str, sock) -> int:
     server = QuietServer(uvicorn.Config(router.app(), log_level=log_level, access_log=False))
-    serving = asyncio.create_task(server.serve(sockets=[listen_socket(deployment.host,
-                                                                      deployment.port)]))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if serving.done():

@@ -75,11 +75,17 @@ class RouterBackend(GenerateBackend):
             self._live[request_id] = request
             chunks = loaded.instance.generate(request, self.pool)
             finished = produced = False
+            cached = 0  # the generating engine's count (its first chunk says)
             try:
                 async for chunk in chunks:
                     produced = True
                     finished = chunk.finish_reason is not None
-                    yield _token_output(request_id, len(prompt_token_ids), chunk)
+                    if chunk.cached_tokens is not None:
+                        cached = chunk.cached_tokens
+                    if chunk.usage is not None:
+                        cached = chunk.usage.cached_tokens
+                    yield _token_output(request_id, len(prompt_token_ids), chunk,
+                                        _cache_hits(request, cached))
                     if finished:
                         # Then run the strategy to its end (a consumer that reads on after
                         # the finishing output waits for it; one that closes here cuts it
@@ -155,7 +161,15 @@ def _who(loaded: LoadedStrategy) -> str:
     return f"{loaded.name!r} v{loaded.version}"
 
 
-def _token_output(request_id: str, num_prompt_tokens: int, chunk: GenerateChunk) -> TokenOutput:
+def _cache_hits(request: Request, on_engine: int) -> int:
+    """OpenAI's cached_tokens: prompt tokens served from a prefix cache on any engine. The
+    generating engine counts KV it received as already there; that is a cache hit only where
+    the sender copied it from its own cache."""
+    return max(0, on_engine - request.received_tokens + request.peer_cached_tokens)
+
+
+def _token_output(request_id: str, num_prompt_tokens: int, chunk: GenerateChunk,
+                  num_cached_tokens: int) -> TokenOutput:
     logprobs = None
     if chunk.logprobs is not None:
         logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], [(t, p) for t, p in lp["top"]])
@@ -165,5 +179,5 @@ def _token_output(request_id: str, num_prompt_tokens: int, chunk: GenerateChunk)
         request_id=request_id, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
         logprobs=logprobs,
         num_prompt_tokens=usage.prompt_tokens if usage else num_prompt_tokens,
-        num_cached_tokens=usage.cached_tokens if usage else 0,
+        num_cached_tokens=num_cached_tokens,
     )

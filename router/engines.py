@@ -157,6 +157,8 @@ class EngineHandle:
             self.open_sends -= 1
             self.pending_prefill_tokens -= tokens
         self._pool.prefix_index.insert(request.prompt[:end], self.name)
+        request.received_tokens += answer.sent
+        request.peer_cached_tokens += answer.reused
         return answer
 
     async def start_generate(self, request: Request, begin: int = 0

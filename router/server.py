@@ -119,10 +119,10 @@ class Router:
 
 async def serve(config: RouterConfig, log_level: str = "info") -> None:
     """Run the router until SIGINT/SIGTERM (or until cancelled)."""
+    sock = listen_socket(config.host, config.port)  # first: a busy port fails before anything
     router = Router(config)
     await router.start()
     server = QuietServer(uvicorn.Config(router.app(), log_level=log_level, access_log=False))
-    sock = listen_socket(config.host, config.port)
     active = router.host.active
     print(f"microserve router serving {config.served_model_name!r} on "
           f"http://{config.host}:{config.port}/v1 over {len(router.pool)} engines, strategy "

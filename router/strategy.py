@@ -48,6 +48,11 @@ class Request:
     sampling: Sampling
     # Names of the engines called for this request so far; written by the engine handles.
     touched: set[str] = field(default_factory=set, compare=False)
+    # Prompt tokens whose KV remote_send moved into another engine, and how many of those the
+    # sender copied from its prefix cache: usage counts cache hits, not KV received (the
+    # router's backend works out cached_tokens from these and the generating engine's count).
+    received_tokens: int = field(default=0, compare=False)
+    peer_cached_tokens: int = field(default=0, compare=False)
 
 
 class Strategy(ABC):

@@ -176,18 +176,19 @@ def error(message: str, param: str | None = None, type: str = "invalid_request_e
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def chunk(token_ids, finish_reason=None, completion_tokens=0, logprobs=None) -> dict:
+def chunk(token_ids, finish_reason=None, completion_tokens=0, logprobs=None,
+          first=False) -> dict:
     usage = None if finish_reason is None else {
         "prompt_tokens": len(PROMPT), "completion_tokens": completion_tokens, "cached_tokens": 2}
     return {"token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish_reason,
-            "usage": usage}
+            "usage": usage, "cached_tokens": 2 if first else None}
 
 
 def logprobs(*ids) -> list[dict]:
     return [{"token_id": t, "logprob": -0.5, "top": [[t, -0.5], [7, -1.5]]} for t in ids]
 
 
-CHUNKS = [chunk([11]), chunk([12, 13]), chunk([14], "stop", 4)]
+CHUNKS = [chunk([11], first=True), chunk([12, 13]), chunk([14], "stop", 4)]
 GENERATE = {"request_id": "g1", "prompt": PROMPT, "begin": 3,
             "sampling": {"max_tokens": 4, "temperature": 0, "stop_token_ids": [2]}}
 
@@ -330,7 +331,7 @@ async def test_start_generate_streams_msgpack_frames():
     body = {**GENERATE, "sampling": {"logprobs": 1}}
     async with http_for(engine_app(core)) as http:
         response = await post(http, "start_generate", body, "msgpack")
-    expected = [chunk([11], logprobs=logprobs(11)), chunk([12, 13], logprobs=logprobs(12, 13)),
+    expected = [chunk([11], logprobs=logprobs(11), first=True), chunk([12, 13], logprobs=logprobs(12, 13)),
                 chunk([14], "stop", 4, logprobs(14))]
     assert response.headers["content-type"] == MSGPACK
     assert response.content == b"".join(wire.encode(c) for c in expected)
@@ -383,7 +384,7 @@ async def test_failure_mid_stream_ends_it_with_an_error_item(fail, last, aborted
     async with http_for(engine_app(core)) as http:
         response = await post(http, "start_generate", GENERATE)
     assert response.status_code == 200
-    assert [json.loads(line) for line in response.text.splitlines()] == [chunk([11]), last]
+    assert [json.loads(line) for line in response.text.splitlines()] == [chunk([11], first=True), last]
     assert core.aborted == aborted
 
 
@@ -444,7 +445,7 @@ async def test_client_disconnect_mid_stream_aborts():
                                json=GENERATE) as response:
             async for line in response.aiter_lines():
                 # Received while the generation still runs: each chunk is sent as it comes.
-                assert json.loads(line) == chunk([11])
+                assert json.loads(line) == chunk([11], first=True)
                 break  # leaving the block closes the connection mid-stream
         await eventually(lambda: core.aborted == ["g1"])
 
@@ -500,7 +501,7 @@ async def test_engine_client_start_generate(use_msgpack):
     async with engine_client(core, use_msgpack=use_msgpack) as engine:
         chunks = [c async for c in engine.start_generate("g1", PROMPT, 3, sampling)]
     assert [c.model_dump() for c in chunks] == [
-        chunk([11], logprobs=logprobs(11)), chunk([12, 13], logprobs=logprobs(12, 13)),
+        chunk([11], logprobs=logprobs(11), first=True), chunk([12, 13], logprobs=logprobs(12, 13)),
         chunk([14], "stop", 4, logprobs(14))]
     assert core.generate_calls == [("g1", PROMPT, 3, sampling.to_params())]
 
@@ -527,7 +528,7 @@ async def test_engine_client_failure_mid_stream(use_msgpack):
         with pytest.raises(MicroservingError) as failed:
             async for c in engine.start_generate("g1", PROMPT):
                 received.append(c.model_dump())
-    assert received == [chunk([11])]
+    assert received == [chunk([11], first=True)]
     assert (failed.value.status, str(failed.value)) == (
         503, "Service unavailable: engine core process exited")
 

@@ -317,8 +317,19 @@ async def test_errors(tok):
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature",
          "Invalid value for 'temperature': Input should be greater than or equal to 0 (got -1)"),
         ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "only n=1 is supported (got 2)"),
-        (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages",
-         "chat template error: Unknown role: robot"),
+        (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role",
+         "Invalid value for 'messages[0].role': Input should be 'system', 'developer', 'user', "
+         "'assistant' or 'tool' (got \"robot\")"),
+        (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content",
+         "content is required in a 'user' message"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature",
+         "Input should be less than or equal to 2 (got 2.5)"),
+        ("/v1/completions", {"prompt": "hi", "stop": list("abcde")}, 400, "stop",
+         "at most 4 stop sequences, got 5"),
+        (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, 400,
+         "response_format", "response_format type 'json_object' is not supported yet"),
+        (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools",
+         "tools are not supported yet"),
         (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
          "(got 21)"),
         # Numbers past what the code can hold (the probe's crashes) and past the vocabulary.
@@ -404,6 +415,8 @@ async def test_models_and_health(tok):
     backend = ScriptedBackend([])
     async with client_for(backend, tok) as client:
         models = (await client.get("/v1/models")).json()
+        one = await client.get(f"/v1/models/{MODEL}")
+        other = await client.get("/v1/models/org/other-model")
         healthy = await client.get("/health")
         backend.is_healthy = False
         unhealthy = await client.get("/health")
@@ -411,6 +424,10 @@ async def test_models_and_health(tok):
     assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [
         (MODEL, "model", MAX_MODEL_LEN)]
     assert (healthy.status_code, unhealthy.status_code) == (200, 503)
+    assert one.status_code == 200 and one.json() == models["data"][0]
+    assert other.status_code == 404 and other.json()["error"] == {
+        "message": "The model 'org/other-model' does not exist", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}
 
 
 async def test_metrics(tok):

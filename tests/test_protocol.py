@@ -43,8 +43,31 @@ def test_sampling_fields_map_to_params():
     assert params.greedy and request.stop == ["x"]
 
 
-def test_temperature_above_two_is_accepted():
-    assert CompletionRequest(prompt="hi", temperature=3.5).temperature == 3.5
+def test_openai_ranges_are_enforced_with_the_field_named():
+    """OpenAI's documented ranges: temperature in [0, 2], at most 4 stop strings, known roles,
+    content required except on assistant turns."""
+    assert CompletionRequest(prompt="hi", temperature=2).temperature == 2
+    bad = [
+        (CompletionRequest, {"prompt": "hi", "temperature": 3.5}, ("temperature",),
+         "Input should be less than or equal to 2"),
+        (CompletionRequest, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, ("stop",),
+         "Value error, at most 4 stop sequences, got 5"),
+        (ChatCompletionRequest, {"messages": [{"role": "bogus", "content": "x"}]},
+         ("messages", 0, "role"),
+         "Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"),
+        (ChatCompletionRequest, {"messages": [{"role": "user"}]}, ("messages", 0, "content"),
+         "Value error, content is required in a 'user' message"),
+    ]
+    for model, body, loc, message in bad:
+        with pytest.raises(ValidationError) as e:
+            model(**body)
+        assert (e.value.errors()[0]["loc"], e.value.errors()[0]["msg"]) == (loc, message)
+    chat = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None},
+        {"role": "tool", "content": "4", "tool_call_id": "c1"}])
+    assert [m.template_dict() for m in chat.messages] == [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": ""},
+        {"role": "tool", "content": "4", "tool_call_id": "c1"}]
 
 
 def test_include_usage_only_when_streaming():

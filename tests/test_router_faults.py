@@ -13,6 +13,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -305,3 +307,52 @@ def test_the_deployment_file_is_checked(tiny_served_dir, tmp_path):
     up = Up(bad, 1, {}, tmp_path / "up.log")
     assert up.proc.wait(60) == 2
     assert "[router]: unknown key(s) colour" in up.log()
+
+
+def test_a_busy_port_is_named_before_anything_starts(tiny_served_dir, tmp_path):
+    """A second deployment on ports in use: `up` says which port and for what, and exits before
+    it starts an engine (so it never takes the first deployment's engines for its own);
+    `microserve engine` and `microserve router` say the same before they load anything."""
+    config, port, urls = write_config(tmp_path / "deploy.toml", tiny_served_dir,
+                                      "data_parallel", [("a", "any", list(ENGINE_ARGS))])
+    engine_port = int(urls["a"].rsplit(":", 1)[1])
+    for busy, what in ((port, "the router"), (engine_port, "engine a")):
+        with socket.socket() as blocker:
+            blocker.bind(("127.0.0.1", busy))
+            blocker.listen()
+            up = Up(config, port, urls, tmp_path / f"up-{busy}.log")
+            assert up.proc.wait(60) == 2
+            assert "engine ready" not in up.log()  # no engine was started
+            assert (f"microserve: error: port {busy} on 127.0.0.1 (for {what}) is already in "
+                    "use, by another microserve deployment or another program") in up.log()
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        busy = blocker.getsockname()[1]
+        for cmd in (["engine", "--model", tiny_served_dir],
+                    ["router", "--model", tiny_served_dir, "--engine", "a=http://127.0.0.1:1"]):
+            done = subprocess.run([sys.executable, "-m", "microserve.cli", *cmd, "--port",
+                                   str(busy)], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2, done.stderr
+            assert f"port {busy} on 127.0.0.1 (for this server) is already in use" in done.stderr
+
+
+def test_usage_counts_prefix_cache_hits_not_kv_received(router, e1, e2):
+    """cached_tokens is what a prefix cache served, on whichever engine: 0 for a new prompt
+    under P/D (D received the rest from P; that is not a cache hit), the whole cached pages
+    when the prompt comes again, and the same when a stop string ends the request early."""
+    use(router, builtin="pd")
+    prompt = [(13 * i + 5) % 256 for i in range(70)]
+    whole = (len(prompt) - 1) // 16 * 16  # D caches prompt[:-1] in whole pages
+
+    def cached(r: httpx.Response) -> int:
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(completion(router.url, prompt, max_tokens=4)) == 0
+    assert cached(completion(router.url, prompt, max_tokens=4)) == whole
+    use(router, builtin="data_parallel")
+    for _ in range(2):  # round robin: each engine serves it once, from its prefix cache
+        r = completion(router.url, prompt, max_tokens=40, stop="<")  # ends at the 1st token
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        assert cached(r) == whole
