@@ -34,11 +34,13 @@ def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
 
 
 async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
-                log_level: str = "info", api_key: str | None = None) -> None:
+                log_level: str = "info", api_key: str | None = None,
+                deployment: str | None = None) -> None:
     sock = listen_socket(host, port)  # first: a busy port fails before the model loads
     tokenizer = Tokenizer.from_dir(config.model)
     client = CoreClient(config, served_model_name, engine_key=api_key)
     await client.start()
+    client.info["deployment"] = deployment  # what /microserving/stats reports with the model
     info = client.info
     log.info(
         "engine ready: model %s (%s, %s), KV %d pages x %d = %d tokens, max_model_len %d, "

@@ -25,6 +25,9 @@ def _engine_args(sub) -> None:
                    help="name clients use in 'model' (default: the --model argument)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--deployment", default=None,
+                   help="the deployment this engine belongs to, reported in its stats (set by "
+                        "`microserve up`: its router adopts only its own engines)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, "
                                                    "bfloat16, float16")
@@ -105,7 +108,8 @@ def _run_engine(args) -> None:
         kv_recv_wait_max_s=args.kv_recv_wait_max_s,
     )
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key))
+    _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key,
+                    deployment=args.deployment))
 
 
 def _run_loop(main):

@@ -45,6 +45,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -191,20 +192,21 @@ class EngineProcess:
     task that relays its output."""
 
     def __init__(self, launch: EngineLaunch, model_dir: str, served_name: str, log_level: str,
-                 api_key: str | None):
+                 api_key: str | None, deployment_id: str):
         self.launch = launch
-        self._start_args = (model_dir, served_name, log_level, api_key)
+        self._start_args = (model_dir, served_name, log_level, api_key, deployment_id)
         self.proc: asyncio.subprocess.Process | None = None
         self._relay: asyncio.Task | None = None
         self.tail: list[str] = []  # its last lines of output, for error messages
         self.restarts = 0  # times it was started again after exiting
 
     async def start(self) -> None:
-        model_dir, served_name, log_level, api_key = self._start_args
+        model_dir, served_name, log_level, api_key, deployment_id = self._start_args
         launch = self.launch
         cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model_dir,
                "--served-model-name", served_name, "--host", launch.host,
-               "--port", str(launch.port), "--log-level", log_level, *launch.args]
+               "--port", str(launch.port), "--log-level", log_level,
+               "--deployment", deployment_id, *launch.args]
         env = {**os.environ, **launch.env, "PYTHONUNBUFFERED": "1"}
         env.pop("MICROSERVE_API_KEY", None)  # the router's client key, not the engines'
         if api_key is not None:
@@ -329,8 +331,10 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
     from microserve.model_files import resolve_model
 
     model_dir = str(resolve_model(deployment.model))  # converted once, before the engines start
+    # Names this run's engines: its router adopts no other engine that answers on their ports.
+    deployment_id = f"{deployment.served_model_name}@{deployment.port}-{secrets.token_hex(4)}"
     engines = [EngineProcess(launch, model_dir, deployment.served_model_name, log_level,
-                             engine_api_key)
+                             engine_api_key, deployment_id)
                for launch in with_cpu_threads(deployment.engines)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -351,7 +355,7 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
             admin_token=admin_token, engine_api_key=engine_api_key,
             watch_strategy=deployment.watch_strategy,
             strategies_dir=deployment.strategies_dir,
-            queue_timeout_s=deployment.queue_timeout_s))
+            queue_timeout_s=deployment.queue_timeout_s, deployment=deployment_id))
         await router.start()
         return await _serve(router, deployment, engines, stop, log_level, router_sock)
     finally:

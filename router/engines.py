@@ -222,7 +222,7 @@ class EnginePool:
 
     def __init__(self, *, api_key: str | None = None, poll_interval_s: float = 0.5,
                  timeout_s: float = 30.0, queue_timeout_s: float = 60.0,
-                 registry: Registry | None = None):
+                 registry: Registry | None = None, deployment: str | None = None):
         """
         Args:
             api_key: the engines' bearer token (their --api-key), sent on every call.
@@ -230,7 +230,9 @@ class EnginePool:
             timeout_s: limit on connecting to an engine and on its short answers.
             queue_timeout_s: how long a prep_recv waits for KV pages on its engine.
             registry: where the pool's counters live (a fresh one if None).
+            deployment: adopt only engines whose stats report this deployment (None: any).
         """
+        self.deployment = deployment
         self.api_key = api_key
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
@@ -372,6 +374,11 @@ class EnginePool:
         return handle
 
     def _check_same_model(self, name: str, info: dict) -> None:
+        theirs = info.get("deployment")
+        if self.deployment is not None and theirs != self.deployment:
+            raise ValueError(f"engine {name!r} belongs to deployment {theirs!r}, not to this "
+                             f"one ({self.deployment!r}): another deployment's engine answers "
+                             "on its port")
         other = next((e for e in self._engines.values() if e.name != name and e.info), None)
         if other is None:
             return

@@ -50,6 +50,7 @@ class RouterConfig:
     poll_interval_s: float = 0.5
     max_retries: int = 2
     queue_timeout_s: float = 60.0  # how long a request may wait for KV pages on its engine
+    deployment: str | None = None  # adopt only engines reporting this deployment (set by up)
     engine_wait_s: float = 120.0  # how long start-up waits for each engine to answer
 
     def __post_init__(self):
@@ -73,7 +74,8 @@ class Router:
         self.registry = Registry()
         self.pool = EnginePool(api_key=config.engine_api_key,
                                poll_interval_s=config.poll_interval_s,
-                               queue_timeout_s=config.queue_timeout_s, registry=self.registry)
+                               queue_timeout_s=config.queue_timeout_s, registry=self.registry,
+                               deployment=config.deployment)
         self.host = StrategyHost(self.pool)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
         self.backend = RouterBackend(self.pool, self.host, config.served_model_name,

@@ -415,3 +415,14 @@ async def test_a_prefix_without_a_token_is_closed_and_one_with_a_token_needs_it(
         assert (await http.get("/admin/engines")).status_code == 401
         r = await http.get("/admin/engines", headers={"Authorization": "Bearer t0ken"})
         assert r.status_code == 200 and r.json() == {"ok": True}
+
+
+def test_a_pool_of_one_deployment_refuses_another_deployments_engine():
+    pool = EnginePool(deployment="m@8000-ab12")
+    pool._check_same_model("e1", {"deployment": "m@8000-ab12", "model_name": "m"})
+    for theirs in ("m@8000-ffff", None):
+        with pytest.raises(ValueError) as e:
+            pool._check_same_model("e1", {"deployment": theirs, "model_name": "m"})
+        assert str(e.value) == (f"engine 'e1' belongs to deployment {theirs!r}, not to this one "
+                                "('m@8000-ab12'): another deployment's engine answers on its port")
+    EnginePool()._check_same_model("e1", {"deployment": "anything"})  # a plain router: any
