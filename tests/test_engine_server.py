@@ -359,6 +359,17 @@ def test_openai_client_raises_the_documented_errors(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4o", messages=HI)
     assert (info.value.status_code, info.value.code) == (404, "model_not_found")
+    # OpenAI's ranges, and what is not supported yet, refused with the field named.
+    for kw, param in (({"temperature": 2.5}, "temperature"),
+                      ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+                      ({"response_format": {"type": "json_object"}}, "response_format"),
+                      ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, **kw)
+        assert (info.value.status_code, info.value.param) == (400, param)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "bogus", "content": "x"}])
+    assert info.value.param == "messages[0].role"
 
 
 # ---- 10: clients that go away ------------------------------------------------------------------
@@ -407,6 +418,9 @@ def test_models_lists_the_served_name_and_context(client, engine):
     models = client.models.list().data
     assert [(m.id, m.owned_by, m.max_model_len) for m in models] == [
         (MODEL, "microserve", MAX_MODEL_LEN)]
+    assert client.models.retrieve(MODEL) == models[0]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     assert f"microserve engine serving {MODEL!r} on {engine.url}/v1" in engine.log()
 
 
