@@ -21,6 +21,7 @@ from engine.sampler import PendingSample, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import PENDING, SeqStatus, Sequence
 from kvcache.forward import ForwardBatch, SeqForward
+from kvcache.integrity import IntegrityError
 from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.sender import KVSender
@@ -383,8 +384,10 @@ class EngineCore:
         # Pages are held by running sequences, waiting ones whose KV was prepared before
         # admission, reservations and sends being flushed; never by a finished request.
         holders = running | (waiting & self.kv.seq_ids()) | self.exchange.holders()
-        assert self.kv.seq_ids() == holders, f"pages held by {self.kv.seq_ids() ^ holders}"
-        assert running | waiting == set(self.seqs), (
-            f"lost or stale requests: {(running | waiting) ^ set(self.seqs)}"
-        )
-        assert set(self.exchange.jobs) >= self.exchange.flushing
+        if self.kv.seq_ids() != holders:
+            raise IntegrityError(f"pages held by {self.kv.seq_ids() ^ holders}")
+        if running | waiting != set(self.seqs):
+            raise IntegrityError(f"lost or stale requests: {(running | waiting) ^ set(self.seqs)}")
+        if not self.exchange.flushing <= set(self.exchange.jobs):
+            raise IntegrityError(f"flushing without a send job: "
+                                 f"{self.exchange.flushing - set(self.exchange.jobs)}")

@@ -31,6 +31,7 @@ import traceback
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
 from microserve.transfer_auth import KEY_ENV
 from microserve.types import SamplingParams
@@ -159,7 +160,7 @@ class CoreLoop:
         except (RequestRejected, MicroservingError) as e:
             self._reply(msg["id"], error=e)
             return
-        except AssertionError as e:
+        except IntegrityError as e:
             self._reply(msg["id"], error=RuntimeError(f"integrity check failed: {e}"))
             return
         except Exception as e:  # our bug: it fails this call, never the engine

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache.integrity import IntegrityError
 from kvcache.page_pool import PagePool
 from kvcache.prefix_cache import CachedPrefix, PrefixCache
 
@@ -232,10 +233,13 @@ class KVCacheManager:
         for p in self.cache.all_pages():
             holders[p] += 1
         for seq_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"{seq_id}: page twice in one table"
+            if len(set(table)) != len(table):
+                raise IntegrityError(f"{seq_id}: page twice in one table")
             for p in table:
                 holders[p] += 1
         for p, n in enumerate(holders):
-            assert self.pool.refcount(p) == n, f"page {p}: refcount {self.pool.refcount(p)} != {n}"
+            if self.pool.refcount(p) != n:
+                raise IntegrityError(f"page {p}: refcount {self.pool.refcount(p)} != {n}")
         s = self.stats()
-        assert s.free_pages + s.cached_pages + s.used_pages == s.total_pages, s
+        if s.free_pages + s.cached_pages + s.used_pages != s.total_pages:
+            raise IntegrityError(f"free + cached + used pages != total: {s}")

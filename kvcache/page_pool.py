@@ -13,6 +13,8 @@ moves by one at the 1 <-> 2 refcount transitions of marked pages, so asking cost
 
 from __future__ import annotations
 
+from kvcache.integrity import IntegrityError
+
 
 class PagePool:
     """Fixed set of page ids `0 .. num_pages-1` with reference counts.
@@ -65,7 +67,8 @@ class PagePool:
         """Add one reference to each of `pages` (all must be in use)."""
         for p in pages:
             rc = self._refcount[p]
-            assert rc > 0, f"retain of free page {p}"
+            if rc <= 0:
+                raise IntegrityError(f"retain of free page {p}")
             if rc == 1 and self._marked[p]:
                 self.num_evictable -= 1
             self._refcount[p] = rc + 1
@@ -79,7 +82,8 @@ class PagePool:
         freed = 0
         for p in reversed(pages):
             rc = self._refcount[p]
-            assert rc > 0, f"release of free page {p}"
+            if rc <= 0:
+                raise IntegrityError(f"release of free page {p}")
             self._refcount[p] = rc - 1
             if rc == 2 and self._marked[p]:
                 self.num_evictable += 1
@@ -94,13 +98,18 @@ class PagePool:
     def check_integrity(self) -> None:
         """Free list and refcounts agree: a page is free exactly when nobody holds it."""
         free = set(self._free)
-        assert len(free) == len(self._free), "page on the free list twice"
+        if len(free) != len(self._free):
+            raise IntegrityError("page on the free list twice")
         for p, rc in enumerate(self._refcount):
-            assert rc >= 0, f"page {p} has refcount {rc}"
-            assert (rc == 0) == (p in free), f"page {p}: refcount {rc}, on free list {p in free}"
-            assert not (rc == 0 and self._marked[p]), f"free page {p} marked evictable"
+            if rc < 0:
+                raise IntegrityError(f"page {p} has refcount {rc}")
+            if (rc == 0) != (p in free):
+                raise IntegrityError(f"page {p}: refcount {rc}, on free list {p in free}")
+            if rc == 0 and self._marked[p]:
+                raise IntegrityError(f"free page {p} marked evictable")
         sole = sum(1 for p, rc in enumerate(self._refcount) if rc == 1 and self._marked[p])
-        assert sole == self.num_evictable, f"{sole} evictable pages, counted {self.num_evictable}"
+        if sole != self.num_evictable:
+            raise IntegrityError(f"{sole} evictable pages, counted {self.num_evictable}")
 
     def is_marked(self, page: int) -> bool:
         return bool(self._marked[page])

@@ -30,6 +30,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+from kvcache.integrity import IntegrityError
 from kvcache.page_pool import PagePool
 
 
@@ -307,14 +308,22 @@ class PrefixCache:
         for node in self._iter_nodes():
             if node is self._root:
                 continue
-            assert len(node.key) == len(node.pages) * ps > 0, "edge not in whole pages"
-            assert node.parent.children.get(tuple(node.key[:ps])) is node, "child keyed wrongly"
-            assert node.start == node.parent.end, f"node at {node.start} under {node.parent.end}"
-            assert node.pin_count >= 0
+            if not len(node.key) == len(node.pages) * ps > 0:
+                raise IntegrityError("edge not in whole pages")
+            if node.parent.children.get(tuple(node.key[:ps])) is not node:
+                raise IntegrityError("child keyed wrongly")
+            if node.start != node.parent.end:
+                raise IntegrityError(f"node at {node.start} under {node.parent.end}")
+            if node.pin_count < 0:
+                raise IntegrityError(f"node at {node.start}: pin count {node.pin_count}")
             for p in node.pages:
-                assert p not in seen, f"page {p} twice in the prefix cache"
-                assert self.pool.refcount(p) >= 1, f"cached page {p} is free"
-                assert self.pool.is_marked(p) == (node.pin_count == 0), (
-                    f"page {p}: evictable mark {self.pool.is_marked(p)}, pin {node.pin_count}")
+                if p in seen:
+                    raise IntegrityError(f"page {p} twice in the prefix cache")
+                if self.pool.refcount(p) < 1:
+                    raise IntegrityError(f"cached page {p} is free")
+                if self.pool.is_marked(p) != (node.pin_count == 0):
+                    raise IntegrityError(f"page {p}: evictable mark {self.pool.is_marked(p)}, "
+                                         f"pin {node.pin_count}")
                 seen.add(p)
-        assert len(seen) == self.num_pages, f"{len(seen)} pages in tree, counted {self.num_pages}"
+        if len(seen) != self.num_pages:
+            raise IntegrityError(f"{len(seen)} pages in tree, counted {self.num_pages}")

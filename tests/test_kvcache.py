@@ -415,3 +415,34 @@ def test_a_pinned_leaf_is_not_extended_and_its_pin_stays_its_own():
     assert cache.num_evictable() == 2 and cache.evict(3) == 2
     cache.check_integrity()
     pool.check_integrity()
+
+
+CORRUPT = """
+import sys
+from kvcache.integrity import IntegrityError
+from kvcache.manager import KVCacheManager
+kv = KVCacheManager(num_pages=8, page_size=4)
+kv.open("a", [])
+kv.allocate("a", 8)  # (no assert here: -O would drop the call)
+kv.check_integrity()
+kv.pool._refcount[kv.page_table("a")[0]] += 1  # a reference nobody holds
+try:
+    kv.check_integrity()
+except IntegrityError as e:
+    print(e)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_integrity_checks_raise_even_under_python_O():
+    """Not asserts: `python -O` keeps them, so stats?check=1 cannot say "ok" over a corrupt
+    pool."""
+    import subprocess
+    import sys
+
+    for flags in ([], ["-O"]):
+        done = subprocess.run([sys.executable, *flags, "-c", CORRUPT], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "page 0: refcount 2 != 1"
