@@ -132,8 +132,12 @@ class RouterBackend(GenerateBackend):
             await self._abort_touched(request)
 
     async def _abort_touched(self, request: Request) -> None:
-        """Abort the request on every engine it touched that is still in the pool and up."""
-        engines = [self.pool.get(name) for name in sorted(request.touched)]
+        """Abort the request, once, on every engine it touched that may still hold something
+        for it (and is still in the pool and up). The frontend's abort and the generator's
+        cleanup both come here; the second finds nothing left to do."""
+        names = sorted(request.touched - request.settled)
+        request.settled.update(names)
+        engines = [self.pool.get(name) for name in names]
         engines = [e for e in engines if e is not None and e.up]
         self._aborts.inc(len(engines))
         results = await asyncio.gather(*(e.abort(request) for e in engines),

@@ -131,7 +131,7 @@ class EngineHandle:
                         wait_s: float | None = None) -> PrepRecvResponse:
         """Reserve this engine's slots for `request.prompt[matched:end]` (see EngineClient).
         Waits its turn for free pages up to `wait_s` (default: the pool's queue_timeout_s)."""
-        request.touched.add(self.name)
+        self._touch(request)
         if wait_s is None:
             wait_s = self._pool.queue_timeout_s
         answer = await self._call(self.client.prep_recv(request.request_id, request.prompt, end,
@@ -143,7 +143,7 @@ class EngineHandle:
                           kv_addr: KVAddr) -> RemoteSendResponse:
         """Make this engine put the KV of `prompt[begin:end]` into `kv_addr` (another engine's
         reservation); returns once every byte landed there."""
-        request.touched.add(self.name)
+        self._touch(request)
         tokens = _span(len(request.prompt), begin, end)
         receivers = [n for n in request.touched if n != self.name]
         self.open_sends += 1
@@ -157,6 +157,7 @@ class EngineHandle:
             self.open_sends -= 1
             self.pending_prefill_tokens -= tokens
         self._pool.prefix_index.insert(request.prompt[:end], self.name)
+        request.settled.add(self.name)  # a sender holds nothing once its send is done
         request.received_tokens += answer.sent
         request.peer_cached_tokens += answer.reused
         return answer
@@ -164,7 +165,7 @@ class EngineHandle:
     async def start_generate(self, request: Request, begin: int = 0
                              ) -> AsyncIterator[GenerateChunk]:
         """Prefill `prompt[begin:]` here and decode: the engine's chunks as they come."""
-        request.touched.add(self.name)
+        self._touch(request)
         prefill = _span(len(request.prompt), begin, len(request.prompt))
         self.open_generations += 1
         self.pending_prefill_tokens += prefill
@@ -176,6 +177,7 @@ class EngineHandle:
                 prefill = 0
                 if chunk.finish_reason is not None:
                     self._pool.prefix_index.insert(request.prompt, self.name)
+                    request.settled.add(self.name)
                 yield chunk
         except BackendUnavailable as e:
             self._pool.mark_down(self, str(e))
@@ -187,8 +189,9 @@ class EngineHandle:
 
     async def commit(self, request: Request, pin: bool = False) -> CommitResponse:
         """Adopt the KV received for `request` into this engine's prefix cache."""
-        request.touched.add(self.name)
+        self._touch(request)
         answer = await self._call(self.client.commit(request.request_id, pin))
+        request.settled.add(self.name)
         self._pool.prefix_index.insert(request.prompt[:answer.cached], self.name)
         return answer
 
@@ -203,6 +206,12 @@ class EngineHandle:
         return await self._call(self.client.unpin(prompt))
 
     # -- plumbing -------------------------------------------------------------------------------
+
+    def _touch(self, request: Request) -> None:
+        """A call for `request` goes out: this engine may hold something for it until the
+        call finishes."""
+        request.touched.add(self.name)
+        request.settled.discard(self.name)
 
     async def _call(self, call):
         try:

@@ -46,8 +46,11 @@ class Request:
     request_id: str
     prompt: list[int]  # token ids (chat template applied, special tokens added)
     sampling: Sampling
-    # Names of the engines called for this request so far; written by the engine handles.
+    # Names of the engines called for this request so far, and of those that hold nothing for
+    # it now (their call finished, or they were told to abort); written by the engine handles
+    # and the router's cleanup, which aborts `touched - settled`, once.
     touched: set[str] = field(default_factory=set, compare=False)
+    settled: set[str] = field(default_factory=set, compare=False)
     # Prompt tokens whose KV remote_send moved into another engine, and how many of those the
     # sender copied from its prefix cache: usage counts cache hits, not KV received (the
     # router's backend works out cached_tokens from these and the generating engine's count).

@@ -11,7 +11,12 @@ import textwrap
 
 import pytest
 
-from microserve.backend import BackendUnavailable
+from microserve.backend import BackendError, BackendUnavailable, MicroservingError
+from microserve.metrics import Registry
+from microserve.microserving import (AbortResponse, GenerateChunk, KVAddr, PrepRecvResponse,
+                                     RemoteSendResponse, Usage)
+from microserve.types import SamplingParams
+from router.backend import RouterBackend
 from router.engines import EngineHandle, EnginePool, EngineSpec, UnknownEngine
 from router.host import (MODULE_PREFIX, StrategyHost, StrategyLoadError, StrategySource,
                          SwapInProgress, builtin_names)
@@ -426,3 +431,95 @@ def test_a_pool_of_one_deployment_refuses_another_deployments_engine():
         assert str(e.value) == (f"engine 'e1' belongs to deployment {theirs!r}, not to this one "
                                 "('m@8000-ab12'): another deployment's engine answers on its port")
     EnginePool()._check_same_model("e1", {"deployment": "anything"})  # a plain router: any
+
+
+# ---- cleanup: abort once per engine a request touched and did not finish on -------------------
+
+
+class CountingClient:
+    """An engine client that answers pd's calls at once and counts aborts (a unit test of the
+    router's cleanup; the live suites run real engines)."""
+
+    def __init__(self, fail: bool = False, hang_send: bool = False):
+        self.aborts, self.fail, self.hang_send = 0, fail, hang_send
+
+    async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None):
+        n = len(prompt) - 1
+        return PrepRecvResponse(matched=0, kv_addr=KVAddr(
+            begin=0, end=n, ranges=[(0, n)], layout={}, transfer={}, window=(0, 1)))
+
+    async def remote_send(self, request_id, prompt, begin, end, kv_addr):
+        if self.hang_send:
+            await asyncio.sleep(3600)
+        return RemoteSendResponse(sent=end - begin, computed=end - begin, reused=0)
+
+    async def start_generate(self, request_id, prompt, begin, sampling):
+        yield GenerateChunk(token_ids=[1], cached_tokens=len(prompt) - 1)
+        if self.fail:
+            raise MicroservingError(500, "internal error in the engine step: ValueError")
+        yield GenerateChunk(token_ids=[2], finish_reason="length", usage=Usage(
+            prompt_tokens=len(prompt), completion_tokens=2, cached_tokens=len(prompt) - 1))
+
+    async def abort(self, request_id):
+        self.aborts += 1
+        return AbortResponse(aborted=True)
+
+
+RAISES_AFTER_SEND = """
+from router.strategy import Strategy
+
+class RaisesAfterSend(Strategy):
+    async def generate(self, request, engines):
+        recv = await engines["d"].prep_recv(request, end=-1)
+        await engines["p"].remote_send(request, 0, -1, recv.kv_addr)
+        raise ZeroDivisionError("a bug")
+        yield
+"""
+
+
+async def aborts_when(end: str) -> dict[str, int]:
+    """Run one P/D request through the router's backend, ended the way `end` says; the abort
+    calls each engine got."""
+    pool = make_pool(("p", "prefill"), ("d", "decode"))
+    clients = {"p": CountingClient(hang_send=end == "disconnect during send"),
+               "d": CountingClient(fail=end == "engine error")}
+    for name, client in clients.items():
+        pool[name].client = client
+    host = StrategyHost(pool)
+    if end == "strategy exception":
+        await host.load(StrategySource.upload(RAISES_AFTER_SEND))
+    else:
+        await host.load(StrategySource.builtin("pd"))
+    backend = RouterBackend(pool, host, "m", Registry(), max_retries=0)
+    outputs = backend.generate("r1", list(range(20)), SamplingParams(max_tokens=2))
+    try:
+        if end == "disconnect during send":
+            task = asyncio.ensure_future(anext(outputs))
+            await asyncio.sleep(0.01)
+            task.cancel()  # the client went away while P was sending
+            await asyncio.gather(task, return_exceptions=True)
+            await backend.abort("r1")
+        elif end in ("normal", "engine error", "strategy exception"):
+            async for _ in outputs:
+                pass
+        else:  # a stop string matched, or the client left: after the first token
+            await anext(outputs)
+            if end == "stop string":
+                await backend.abort("r1")  # the frontend's abort, then its aclose
+    except (MicroservingError, BackendError):
+        pass
+    finally:
+        await outputs.aclose()
+    return {name: c.aborts for name, c in clients.items()}
+
+
+@pytest.mark.parametrize("end, want", [
+    ("normal", {"p": 0, "d": 0}),
+    ("stop string", {"p": 0, "d": 1}),
+    ("client disconnect", {"p": 0, "d": 1}),
+    ("disconnect during send", {"p": 1, "d": 1}),
+    ("engine error", {"p": 0, "d": 1}),
+    ("strategy exception", {"p": 0, "d": 1}),
+])
+async def test_abort_goes_once_to_each_engine_still_holding_the_request(end, want):
+    assert await aborts_when(end) == want
