@@ -8,7 +8,8 @@ strategy's `generate(request, engines)` and relays its chunks as TokenOutputs:
 
 Cleanup is the router's, not the strategy's: whenever a request ends without a finish reason
 (the strategy raised, an engine failed, the client went away, a stop string matched), every
-engine the request touched is told to abort it. A request that fails before its first token
+engine the request touched that may still hold something for it is told to abort it, once (an
+engine whose send or generation finished holds nothing). A request that fails before its first token
 because an engine is unreachable or a KV transfer failed is tried again (up to `max_retries`
 times, after 0.1 s, then 0.2 s, ...) if some engine is still up; the strategy then picks again,
 and an engine that could not be reached is marked down, so it is not picked until it answers a
