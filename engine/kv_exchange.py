@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +61,9 @@ if TYPE_CHECKING:
     from engine.core import EngineCore
 
 log = logging.getLogger(__name__)
+
+
+_NEVER_TRIED = -(1 << 62)  # below any _room(): the waiting head is tried at the next chance
 
 
 def resolve_index(value: int, n: int, name: str) -> int:
@@ -87,7 +90,7 @@ class WaitingRecv:
     lease_s: float
     wait_s: float
     deadline: float  # time.monotonic() when it gives up with a 503
-    pages: int = field(default=0)  # pages it needs at most (no prefix matched)
+    pages: int  # pages it needs at most (no prefix matched)
 
 
 @dataclass
@@ -114,7 +117,7 @@ class KVExchange:
         self.max_wait_s = max_wait_s  # the longest prep_recv may name
         self.reservations: dict[str, Reservation] = {}
         self.waiting: dict[str, WaitingRecv] = {}  # prep_recv calls waiting for pages, FIFO
-        self._room_when_tried = -(1 << 62)  # _room() when the head last did not fit
+        self._room_when_tried = _NEVER_TRIED  # _room() when the head last did not fit
         self.jobs: dict[str, SendJob] = {}  # every remote_send not yet answered
         self.flushing: set[str] = set()  # jobs whose compute is done; pages held until flushed
         self._answers: list[tuple[str, dict | MicroservingError]] = []  # given by the next poll()
@@ -202,6 +205,7 @@ class KVExchange:
                     503, f"waited {w.wait_s:g} s for KV pages to receive {len(w.tokens)} tokens "
                     f"({w.pages} pages; {self.kv.pool.num_free} free, {len(self.waiting)} more "
                     f"calls waiting); retry later", code="kv_wait_timeout")))
+                self._room_when_tried = _NEVER_TRIED  # the head may have changed
         # Retry the head only when more pages are free (or evictable) beyond the running
         # sequences' headroom than when it last did not fit: cheap per step.
         room = self._room()
@@ -215,7 +219,7 @@ class KVExchange:
                 return
             del self.waiting[rid]
             self._answers.append((rid, answer))
-        self._room_when_tried = -(1 << 62)
+        self._room_when_tried = _NEVER_TRIED
 
     def _headroom(self) -> int:
         scheduler = self.core.scheduler
@@ -427,6 +431,7 @@ class KVExchange:
             self.kv.free(request_id)
             return True
         if self.waiting.pop(request_id, None) is not None:
+            self._room_when_tried = _NEVER_TRIED  # the head may have changed
             self._answers.append(
                 (request_id, MicroservingError(409, f"request {request_id!r} was aborted"))
             )

@@ -485,3 +485,18 @@ def test_a_closed_window_stops_the_sender_before_it_computes(tiny_model_dir, pro
     finally:
         p.close()
         d.close()
+
+
+def test_a_smaller_call_behind_a_head_that_leaves_is_tried_at_once(pair, small_d, prompts):
+    p, d = pair[0], small_d
+    reset(d)
+    d.exchange.prep_recv("hog", prompts[2], -1, None)  # 15 of 24 pages
+    assert d.exchange.prep_recv("big", prompts[0], -1, None) is None  # 11: waits
+    assert d.exchange.prep_recv("small", prompts[3], -1, None) is None  # 6: waits behind it
+    assert answers(d) == {}
+    d.abort_request("big")  # the head goes: "small" fits in what is free now
+    got = answers(d)
+    assert got["big"].status == 409 and got["small"]["matched"] == 0
+    for rid in ("hog", "small"):
+        d.abort_request(rid)
+    assert_clean(d)
