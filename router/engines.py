@@ -449,7 +449,7 @@ class EnginePool:
                 return
             log.info("engine %s is up", handle.name)
             handle.info, handle.up, handle.down_reason = body["info"], True, ""
-            if self._down.get(handle.name, asyncio.Event()).is_set():
+            if self._down[handle.name].is_set():  # calls watch it afresh
                 self._down[handle.name] = asyncio.Event()
 
     async def start(self) -> None:

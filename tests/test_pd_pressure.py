@@ -11,10 +11,12 @@ both engines hold no page, reservation, waiting call or send job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -137,83 +139,90 @@ def kill(daemon: Daemon) -> None:
 
 
 async def wait_until(condition, timeout_s: float = 60) -> None:
+    """Poll `condition` (blocking HTTP: in a thread, so the requests in flight go on)."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not await asyncio.to_thread(condition):
         assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.005)
+
+
+@contextlib.contextmanager
+def victim_and_survivor(model_dir, tmp_path_factory, victim_role: str
+                        ) -> Iterator[tuple[Daemon, Daemon, RouterProcess]]:
+    """A fresh P and D (one of them, of `victim_role`, to be killed) behind a router running
+    `pd`: (victim, survivor, router). Stops what is left at the end."""
+    args = {"prefill": SLOW_P, "decode": SMALL_D}
+    survivor_role = "decode" if victim_role == "prefill" else "prefill"
+    victim = engine(model_dir, tmp_path_factory, f"{victim_role}-victim", args[victim_role])
+    survivor_gen = serve(engine(model_dir, tmp_path_factory, f"{survivor_role}-survivor",
+                                args[survivor_role]))
+    survivor = next(survivor_gen)
+    victim.wait_ready()
+    p, d = (victim, survivor) if victim_role == "prefill" else (survivor, victim)
+    router = start_router(model_dir, tmp_path_factory, p, d)
+    try:
+        yield victim, survivor, router
+    finally:
+        router.stop()
+        victim.stop()
+        next(survivor_gen, None)
+
+
+def kill_mid_send(router: RouterProcess, p: Daemon, victim: Daemon, batch: list[list[int]],
+                  settled) -> tuple[float, list]:
+    """Send `batch` through the router, kill `victim` while P sends KV, and time how long
+    until `settled()` holds. Returns that time and the requests' outcomes."""
+    async def run():
+        async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
+            during = [asyncio.create_task(complete(http, x)) for x in batch]
+            await wait_until(lambda: stat(p, "kv_send_jobs") > 0)  # D holds what P fills
+            kill(victim)
+            killed = time.monotonic()
+            await wait_until(settled, timeout_s=10)
+            return time.monotonic() - killed, await asyncio.gather(*during)
+
+    return asyncio.run(run())
+
+
+def stat(daemon: Daemon, key: str) -> int:
+    return engine_stats(daemon.url, check=False)["stats"][key]
 
 
 def test_killing_the_prefill_engine_leaves_the_decode_engine_serving(tiny_served_dir,
                                                                        tmp_path_factory):
-    victim = engine(tiny_served_dir, tmp_path_factory, "p-victim", SLOW_P)
-    d_gen = serve(engine(tiny_served_dir, tmp_path_factory, "d-survivor", SMALL_D))
-    survivor = next(d_gen)
-    victim.wait_ready()
-    router = start_router(tiny_served_dir, tmp_path_factory, victim, survivor)
     batch = prompts(8, seed=4)
     want = hf_greedy(tiny_served_dir, batch, MAX_TOKENS)
-    try:
-        async def run():
-            async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
-                during = [asyncio.create_task(complete(http, x)) for x in batch]
-                await wait_until(lambda: engine_stats(victim.url, check=False)["stats"][
-                    "kv_send_jobs"] > 0)  # so D holds reservations P is filling
-                kill(victim)
-                killed = time.monotonic()
-                await wait_until(lambda: engine_stats(survivor.url, check=False)["stats"][
-                    "kv_reservations"] == 0, timeout_s=10)  # retries go whole to D: none new
-                freed_s = time.monotonic() - killed
-                first = await asyncio.gather(*during)
-                after = await asyncio.gather(*(complete(http, x) for x in batch[:4]))
-                return freed_s, first, after
-
-        freed_s, first, after = asyncio.run(run())
+    with victim_and_survivor(tiny_served_dir, tmp_path_factory, "prefill") as (p, d, router):
+        # Retries go whole to D, so it makes no new reservations.
+        freed_s, first = kill_mid_send(router, p, p, batch,
+                                       lambda: stat(d, "kv_reservations") == 0)
         print(f"D freed the dead sender's reservations {freed_s:.3f} s after P was killed")
         assert first == want  # in flight on P when it died: tried again, whole on D
-        assert after == want[:4]
+
+        async def after():
+            async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
+                return await asyncio.gather(*(complete(http, x) for x in batch[:4]))
+
+        assert asyncio.run(after()) == want[:4]
         assert router_metric(router, 'microserve_router_pd_fallbacks_total{missing="prefill"}'
                              ) >= 4
-        assert_quiet("d-survivor", survivor.url)
-    finally:
-        router.stop()
-        victim.stop()
-        next(d_gen, None)
+        assert_quiet("decode-survivor", d.url)
 
 
 def test_killing_the_decode_engine_stops_the_prefill_engine_at_once(tiny_served_dir,
                                                                      tmp_path_factory):
-    victim = engine(tiny_served_dir, tmp_path_factory, "d-victim", SMALL_D)
-    p_gen = serve(engine(tiny_served_dir, tmp_path_factory, "p-survivor", SLOW_P))
-    survivor = next(p_gen)
-    victim.wait_ready()
-    router = start_router(tiny_served_dir, tmp_path_factory, survivor, victim)
-    batch = prompts(6, seed=5)
+    batch = prompts(12, seed=5)  # D holds two at a time: P sends for a while
     want = hf_greedy(tiny_served_dir, batch, MAX_TOKENS)
-    try:
-        async def run():
-            async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
-                during = [asyncio.create_task(complete(http, x)) for x in batch]
-                await wait_until(lambda: engine_stats(survivor.url, check=False)["stats"][
-                    "kv_send_jobs"] > 0)
-                kill(victim)
-                killed = time.monotonic()
-                await wait_until(lambda: engine_stats(survivor.url, check=False)["stats"][
-                    "kv_send_jobs"] == 0, timeout_s=10)
-                stopped_s = time.monotonic() - killed
-                return stopped_s, await asyncio.gather(*during)
-
-        stopped_s, outcomes = asyncio.run(run())
+    with victim_and_survivor(tiny_served_dir, tmp_path_factory, "decode") as (d, p, router):
+        stopped_s, outcomes = kill_mid_send(router, p, d, batch,
+                                            lambda: stat(p, "kv_send_jobs") == 0)
         # P dropped its sends to the dead engine (its renewals found it gone, or the router's
         # abort came) well within the 10 s limit above; docs/benchmarks.md records the time.
         print(f"P stopped sending {stopped_s:.3f} s after D was killed")
         assert outcomes == want  # tried again: P serves them whole
         assert router_metric(router, 'microserve_router_pd_fallbacks_total{missing="decode"}'
                              ) >= 1
-        assert_quiet("p-survivor", survivor.url)
-    finally:
-        router.stop()
-        victim.stop()
-        next(p_gen, None)
+        assert_quiet("prefill-survivor", p.url)
 
 
 def test_a_request_that_waits_its_queue_time_gets_a_503_with_retry_after(
