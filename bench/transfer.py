@@ -1,24 +1,39 @@
 """KV transfer between two real engine daemons: throughput of `remote_send` and its cost
-against computing the same KV locally.
+against computing the same KV locally; context migration against recompute and a local
+prefix-cache hit; the receiver's decode speed while KV arrives.
 
     python -m bench.transfer [--model smollm2-135m-instruct] [--tokens 1000,3000] [--repeat 3]
-    python -m bench.transfer --device cuda --model random:llama-3.1-8b --gpu-share 0.3
+    python -m bench.transfer --device cuda --model random:llama-3.1-8b --gpu-share 0.3 \
+        [--modes send,migrate,tpot]
 
 Starts three `microserve engine` processes on this host: P (the sender) and two receivers, with
 `--kv-transfer shm` and `tcp` on CPU, `cuda_ipc` and `tcp` with `--device cuda` (all three
 engines then share one GPU, each with `--gpu-share` of its memory). For each context length N
 and each receiver, with fresh random token ids every run:
 
+send (paper §3.6; issue 19's "remote_send vs local prefill"):
   copy     P already holds the context in its prefix cache (it served it once), so remote_send
            of its whole pages (992 of 1,000 tokens with 16-token pages) is pure transfer:
            MB/s = KV bytes sent / wall time of the call
-  compute  P has nothing cached: remote_send prefills N tokens on P and sends each layer's KV
+  compute  P has nothing cached: remote_send prefills N tokens on P and sends each step's KV
            while the forward pass goes on
   prefill  the same N tokens prefilled on D alone (start_generate with max_tokens=1), the work
            a transfer saves the receiver
 
+migrate (paper Fig. 12 and Table 3): a prompt of N tokens whose first N - 500 P has cached;
+  migration  D: prep_recv of the cached pages, P: remote_send of them (the "copy" column), D:
+             start_generate from there with max_tokens=1 (prefills the last ~500 tokens)
+  recompute  D prefills all N tokens of a fresh prompt
+  local hit  D itself had the first N - 500 cached (it served them once) and prefills the rest
+  per layer  the migration's copy and the local hit's prefill, divided by the layer count
+
+tpot (receiving GPU only): 16 greedy streams decode on the cuda_ipc receiver; their time per
+  output token is taken while it is idle, while P copies 3,000 cached tokens into it in a
+  loop (transfer alone), and while P prefills and sends fresh 3,000-token prompts to it (on
+  one shared GPU that also takes the receiver's GPU for P's compute)
+
 Times are wall-clock per HTTP call, measured from this client (so they include the HTTP round
-trip and the engine's scheduling). Prints a Markdown table for docs/benchmarks.md.
+trip and the engine's scheduling). Prints Markdown tables for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -100,6 +115,145 @@ async def measure(p: EngineClient, d: EngineClient, n: int, vocab: int, page_siz
             "prefill_s": prefill_s}  # fmt: skip
 
 
+async def generate_on(engine: EngineClient, rid: str, prompt: list[int], begin: int) -> None:
+    async for _ in engine.start_generate(rid, prompt, begin,
+                                         Sampling(max_tokens=1, temperature=0)):
+        pass
+
+
+def fresh(rng, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+async def measure_migration(p: EngineClient, d: EngineClient, n: int, new: int, vocab: int,
+                            page_size: int, rng) -> dict:
+    tag = f"{n}-{rng.random()}"
+    ctx, tail = fresh(rng, vocab, n - new), fresh(rng, vocab, new)
+    await prefill_on(p, f"warm-{tag}", ctx)  # P caches the context's whole pages
+    end = (n - new) // page_size * page_size
+    t0 = time.perf_counter()
+    r = await d.prep_recv(f"mig-{tag}", ctx + tail, end=end)
+    copy_s, sent = await timed(p.remote_send(f"mig-{tag}", ctx + tail, r.matched, end,
+                                             r.kv_addr))
+    await generate_on(d, f"mig-{tag}", ctx + tail, end)
+    migrate_s = time.perf_counter() - t0
+    assert sent.reused == end and sent.computed == 0, sent
+    recompute_s, _ = await timed(prefill_on(d, f"cold-{tag}", fresh(rng, vocab, n)))
+    ctx = fresh(rng, vocab, n - new)
+    await prefill_on(d, f"dwarm-{tag}", ctx)  # D caches it
+    hit_s, _ = await timed(prefill_on(d, f"hit-{tag}", ctx + fresh(rng, vocab, new)))
+    return {"migrate_s": migrate_s, "copy_s": copy_s, "recompute_s": recompute_s,
+            "hit_s": hit_s}
+
+
+async def decode_times(d: EngineClient, vocab: int, rng, streams: int, max_tokens: int,
+                       stop: asyncio.Event) -> list[list[float]]:
+    """Run `streams` greedy decodes on `d` until `stop`; returns each stream's token times."""
+    times: list[list[float]] = [[] for _ in range(streams)]
+
+    async def one(i: int) -> None:
+        sampling = Sampling(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        async for chunk in d.start_generate(f"tpot-{i}-{rng.random()}", fresh(rng, vocab, 64),
+                                            0, sampling):
+            times[i] += [time.perf_counter()] * len(chunk.token_ids)
+            if stop.is_set():
+                break
+
+    tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+    await stop.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return times
+
+
+async def measure_tpot(p: EngineClient, d: EngineClient, vocab: int, page_size: int, rng,
+                       n: int, max_tokens: int, phase_s: float = 4.0, streams: int = 16) -> dict:
+    """D's time per output token over three windows: idle, receiving copies of `n` tokens,
+    receiving while P computes `n`-token prompts; each stream decodes up to `max_tokens`."""
+    cached = fresh(rng, vocab, n)
+    await prefill_on(p, "tpot-ctx", cached)
+    whole = n // page_size * page_size
+    stop, phase = asyncio.Event(), {"now": "warm"}
+    marks: list[float] = []
+    sends = {"copy": 0, "compute": 0}
+
+    async def load() -> None:
+        i = 0
+        while not stop.is_set():
+            kind = phase["now"]
+            if kind not in sends:
+                await asyncio.sleep(0.01)
+                continue
+            i += 1
+            prompt, end = (cached, whole) if kind == "copy" else (fresh(rng, vocab, n), n)
+            r = await d.prep_recv(f"load-{i}", prompt, end=end)
+            await p.remote_send(f"load-{i}", prompt, r.matched, end, r.kv_addr)
+            await d.abort(f"load-{i}")
+            sends[kind] += 1
+
+    async def phases() -> None:
+        await asyncio.sleep(2.0)  # the streams' prefills are over
+        for name in ("idle", "copy", "compute"):
+            phase["now"] = name
+            marks.append(time.perf_counter())
+            await asyncio.sleep(phase_s)
+        marks.append(time.perf_counter())
+        stop.set()
+
+    loader = asyncio.create_task(load())
+    timer = asyncio.create_task(phases())
+    times = await decode_times(d, vocab, rng, streams, max_tokens, stop)
+    await timer
+    await loader
+    out = {"sends": sends}
+    for k, name in enumerate(("idle", "copy", "compute")):
+        lo, hi = marks[k] + 0.2, marks[k + 1]  # skip the switch between loads
+        per_stream = [(hi - lo) / c for c in (sum(lo <= t < hi for t in ts) for ts in times) if c]
+        gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]) if lo <= a and b < hi)
+        out[name] = {"tpot_ms": 1e3 * statistics.mean(per_stream),
+                     "gap_p99_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))]}
+    return out
+
+
+async def median_runs(measure_one, repeat: int) -> dict:
+    await measure_one()  # warm-up
+    runs = [await measure_one() for _ in range(repeat)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+async def table_send(clients, kinds, lengths, mc, kv_bytes_per_token, repeat, rng) -> None:
+    print("| backend | tokens | copy: remote_send from P's cache | MB/s | "
+          "compute: remote_send, prefill on P | prefill on D alone |")
+    print("|---|---|---|---|---|---|")
+    for kind in kinds:
+        for n in lengths:
+            med = await median_runs(lambda: measure(clients["p"], clients[kind], n,
+                                                    mc.vocab_size, 16, rng), repeat)
+            mb_s = med["copied"] * kv_bytes_per_token / med["copy_s"] / 1e6
+            print(f"| {kind} | {n:,} | {med['copy_s'] * 1e3:.1f} ms "
+                  f"({int(med['copied'])} tokens) | {mb_s:,.0f} | "
+                  f"{med['compute_s'] * 1e3:.0f} ms | {med['prefill_s'] * 1e3:.0f} ms |",
+                  flush=True)  # fmt: skip
+
+
+async def table_migrate(clients, kinds, lengths, mc, new, repeat, rng) -> None:
+    print(f"\n| backend | tokens ({new} new) | migration | recompute | local hit | "
+          "speedup over recompute | vs local hit | per layer: copy / prefill |")
+    print("|---|---|---|---|---|---|---|---|")
+    layers = mc.num_layers
+    for kind in kinds:
+        for n in lengths:
+            med = await median_runs(lambda: measure_migration(
+                clients["p"], clients[kind], n, new, mc.vocab_size, 16, rng), repeat)
+            print(f"| {kind} | {n:,} | {med['migrate_s'] * 1e3:.1f} ms | "
+                  f"{med['recompute_s'] * 1e3:.1f} ms | {med['hit_s'] * 1e3:.1f} ms | "
+                  f"{med['recompute_s'] / med['migrate_s']:.2f}x | "
+                  f"{med['hit_s'] / med['migrate_s']:.0%} | "
+                  f"{med['copy_s'] * 1e3 / layers:.2f} / {med['hit_s'] * 1e3 / layers:.2f} ms |",
+                  flush=True)  # fmt: skip
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
@@ -111,7 +265,10 @@ async def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: three engines on one GPU")
     ap.add_argument("--gpu-share", type=float, default=0.3,
                     help="CUDA: each engine's --gpu-memory-utilization")
+    ap.add_argument("--modes", default="send", help="any of send,migrate,tpot (tpot: GPU)")
+    ap.add_argument("--new-tokens", type=int, default=500, help="migrate: tokens not cached")
     args = ap.parse_args()
+    modes = set(args.modes.split(","))
     model = str(resolve_model(args.model))
     mc = ModelConfig.from_dir(model)
     kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4  # fp32 on CPU
@@ -141,20 +298,21 @@ async def main() -> None:
             kv_bytes_per_token //= 2
         print(f"model {mc.name} on {info['device']}, KV {kv_bytes_per_token} B/token "
               f"({info['dtype']}), median of {args.repeat} runs after one warm-up\n")
-        print("| backend | tokens | copy: remote_send from P's cache | MB/s | "
-              "compute: remote_send, prefill on P | prefill on D alone |")
-        print("|---|---|---|---|---|---|")
-        for kind in kinds:
-            for n in lengths:
-                await measure(clients["p"], clients[kind], n, mc.vocab_size, 16, rng)  # warm-up
-                runs = [await measure(clients["p"], clients[kind], n, mc.vocab_size, 16, rng)
-                        for _ in range(args.repeat)]  # fmt: skip
-                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                mb_s = med["copied"] * kv_bytes_per_token / med["copy_s"] / 1e6
-                print(f"| {kind} | {n:,} | {med['copy_s'] * 1e3:.1f} ms "
-                      f"({int(med['copied'])} tokens) | {mb_s:,.0f} | "
-                      f"{med['compute_s'] * 1e3:.0f} ms | {med['prefill_s'] * 1e3:.0f} ms |",
-                      flush=True)  # fmt: skip
+        if "send" in modes:
+            await table_send(clients, kinds, lengths, mc, kv_bytes_per_token, args.repeat, rng)
+        if "migrate" in modes:
+            await table_migrate(clients, kinds, lengths, mc, args.new_tokens, args.repeat, rng)
+        if "tpot" in modes and gpu:
+            n = min(3000, max(lengths))
+            r = await measure_tpot(clients["p"], clients["cuda_ipc"], mc.vocab_size, 16, rng,
+                                   n, max_tokens=max(lengths) - 64)
+            print(f"\nD's decode while receiving (16 streams; {r['sends']['copy']} copies and "
+                  f"{r['sends']['compute']} computed sends of {n:,} tokens in the windows)\n")
+            print("| D is | time per output token | p99 gap between tokens |")
+            print("|---|---|---|")
+            for name in ("idle", "copy", "compute"):
+                print(f"| {name} | {r[name]['tpot_ms']:.2f} ms | "
+                      f"{r[name]['gap_p99_ms']:.2f} ms |")
         for c in clients.values():
             await c.aclose()
     finally:

@@ -86,7 +86,8 @@ class PagedKVCache:
     def mark_send(self, sends: list[KVSend]) -> None:
         """Declare that the next step's attention sends these slots to peers (paper Table 2).
         Each layer's share is handed to `sender` right after the layer appends its KV, so the
-        transfer of layer L runs while layers L+1.. compute."""
+        transfer of layer L runs while layers L+1.. compute (a GPU peer takes the whole step
+        after its last layer, and copies it while the next step computes: `Peer.whole_steps`)."""
         assert self._batch is None, "mark_send must come before begin_forward"
         assert self.sender is not None or not sends, "mark_send without a sender"
         self._marked.extend(sends)
@@ -114,7 +115,7 @@ class PagedKVCache:
     def attention(self, layer: int, q, k, v, positions, cos_sin):
         out = self.backend.forward(self.kv[layer], q, k, v, positions, cos_sin)
         for job_id, src, dst in self._sends:  # this layer's KV is in the pool now
-            self.sender.write(job_id, layer, src, dst)
+            self.sender.layer_written(job_id, layer, src, dst)
         return out
 
     def end_forward(self) -> None:

@@ -6,7 +6,9 @@ strategy; a dead receiver leaves nothing held on the sender."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import random
 import signal
 
 import pytest
@@ -14,7 +16,7 @@ from conftest import hf_greedy
 import httpx
 import torch
 from daemons import ENGINE_KEY, Daemon, serve
-from deployments import Up, assert_quiet, stop_and_check, write_config
+from deployments import RouterProcess, Up, assert_quiet, engine_stats, stop_and_check, write_config
 
 from microserve.backend import MicroservingError
 from microserve.microserving import Sampling
@@ -101,6 +103,63 @@ async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(p, tiny_ser
         await P.aclose()
         await V.aclose()
         victim.stop()
+
+
+async def stream_tokens(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                        leave_after: int | None = None) -> list[int] | str:
+    """Stream a greedy completion through the router; with `leave_after`, disconnect after
+    that many chunks (0: as soon as the response starts) and return "left"."""
+    tokens: list[int] = []
+    async with http.stream("POST", "/v1/completions", json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if leave_after is not None and len(tokens) >= leave_after:
+                return "left"  # closing the stream disconnects: the router aborts it
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                tokens += [int(t[1:-1]) for t in choice["logprobs"]["tokens"]]
+    return tokens
+
+
+def test_200_pd_requests_with_30_percent_aborted_leave_nothing(p, d, tiny_served_dir,
+                                                               tmp_path_factory):
+    """Through the router's pd strategy: 200 requests, 30% of them abandoned by their client
+    at a random point (while P prefills and sends, or mid-decode on D). The others get HF's
+    greedy tokens; afterwards neither engine holds a page, reservation, window or send job."""
+    rng = random.Random(19)
+    batch = [[rng.randrange(256) for _ in range(rng.randrange(30, 300))] for _ in range(200)]
+    leave = {i: rng.choice([0, 1, rng.randrange(2, 24)]) for i in rng.sample(range(200), 60)}
+    kept = [i for i in range(200) if i not in leave]
+    want = dict(zip(kept, hf_greedy(tiny_served_dir, [batch[i] for i in kept], 24)))
+    log = tmp_path_factory.mktemp("gpu-router") / "router.log"
+    router = RouterProcess(tiny_served_dir, {"p": p.url + ",prefill", "d": d.url + ",decode"},
+                           log, "--strategy", "pd", "--admin-token", ADMIN)
+    sent_before = engine_stats(p.url)["stats"]["kv_tokens_sent"]
+
+    async def run():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=router.url, timeout=120, limits=limits) as http:
+            gate = asyncio.Semaphore(48)
+
+            async def one(i):
+                async with gate:
+                    return await stream_tokens(http, batch[i], 24, leave.get(i))
+
+            return await asyncio.gather(*(one(i) for i in range(200)))
+
+    try:
+        router.wait_ready()
+        outcomes = asyncio.run(run())
+        assert {i: outcomes[i] for i in kept} == want
+        assert all(outcomes[i] == "left" for i in leave)
+        for engine in (p, d):
+            stats = assert_quiet(engine.name, engine.url)
+            assert stats["kv_leases_expired"] == 0, stats  # freed by the aborts, not by time
+        assert engine_stats(p.url)["stats"]["kv_tokens_sent"] > sent_before
+    finally:
+        router.stop()
 
 
 ADMIN = "gpu-admin"

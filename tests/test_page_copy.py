@@ -31,6 +31,18 @@ def test_copy_rows_equals_torch_indexing(heads, dim, dtype, programs):
     assert torch.equal(dst, want)  # layer 1 untouched, every other row as torch puts it
 
 
+def test_copy_rows_over_a_run_of_layers_equals_one_layer_at_a_time():
+    src, dst = pool(6, 4, 2, 8, 0, torch.bfloat16), pool(8, 4, 2, 8, 1, torch.bfloat16)
+    want = dst.clone()
+    src_slots = torch.tensor([3, 17, 5, 22, 9], device=DEVICE)
+    dst_slots = torch.tensor([12, 1, 27, 6, 31], device=DEVICE)
+    for layer in (1, 2):
+        page_copy.copy_rows(src[layer], want[layer], src_slots, dst_slots, 3)
+    page_copy.copy_rows(src[1:], dst[1:], src_slots, dst_slots, 5)  # one launch, two layers
+    assert torch.equal(dst, want)  # layer 0 untouched
+    assert not torch.equal(dst[1], pool(8, 4, 2, 8, 1, torch.bfloat16)[1])
+
+
 def test_copy_rows_refuses_mismatched_pools():
     src, dst = pool(2, 4, 2, 8, 0, torch.float32), pool(2, 4, 2, 16, 0, torch.float32)
     slots = torch.tensor([0, 1], device=DEVICE)
@@ -38,3 +50,6 @@ def test_copy_rows_refuses_mismatched_pools():
         page_copy.copy_rows(src[0], dst[0], slots, slots)
     with pytest.raises(ValueError, match="2 source slots but 1 destinations"):
         page_copy.copy_rows(src[0], src[1], slots, slots[:1])
+    with pytest.raises(ValueError, match=r"runs of as many layers: \(2, 2, 2, 4, 2, 8\) vs "
+                                         r"\(3, 2, 2, 4, 2, 16\)"):
+        page_copy.copy_rows(src[1:], dst, slots, slots)

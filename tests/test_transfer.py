@@ -539,6 +539,47 @@ def test_sender_drops_a_cached_peer_whose_receiver_is_gone(fake_peers):
     sender.close()
 
 
+class WholeStepPeer(FakePeer):
+    whole_steps = True
+
+    def write_layers(self, window, layers, src_slots, dst_slots, ready=None):
+        self.calls.append(("write_layers", window, layers, src_slots.tolist()))
+
+
+def test_sender_hands_a_whole_step_peer_each_step_once(monkeypatch):
+    peer = WholeStepPeer()
+    monkeypatch.setattr("kvcache.transfer.sender.open_peer", lambda *args: peer)
+    done = threading.Event()
+    sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
+    w = Window(0, 1)
+    sender.start("a", FAKE, w)
+    sender.write_all_layers("a", SRC, DST)  # a cached prefix: one write of all layers
+    for step_slots in (SRC[:2], SRC[2:]):  # two forward steps
+        for layer in range(LAYOUT.num_layers):
+            sender.layer_written("a", layer, step_slots, DST[: len(step_slots)])
+    sender.finish("a")
+    assert done.wait(5)
+    everything = range(LAYOUT.num_layers)
+    assert peer.calls == [("write_layers", w, everything, SRC.tolist()),
+                          ("write_layers", w, everything, SRC[:2].tolist()),
+                          ("write_layers", w, everything, SRC[2:].tolist()), ("flush", w)]
+    sender.close()
+
+
+def test_sender_hands_a_host_peer_each_layer_as_it_is_written(fake_peers):
+    done = threading.Event()
+    sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
+    w = Window(0, 1)
+    sender.start("a", FAKE, w)
+    for layer in range(LAYOUT.num_layers):
+        sender.layer_written("a", layer, SRC, DST)
+    sender.finish("a")
+    assert done.wait(5)
+    assert fake_peers[0].calls == [write_call(w, 0), write_call(w, 1), write_call(w, 2),
+                                   ("flush", w)]
+    sender.close()
+
+
 def test_sender_refuses_misuse(fake_peers):
     sender = KVSender(sender_pool(), LAYOUT, key=KEY)
     sender.start("a", FAKE, Window(0, 1))

@@ -168,6 +168,19 @@ class Peer(ABC):
         on the default stream may ignore it (its work queues behind the writes anyway).
         Raises TransferError if the receiver is gone or `window` was closed."""
 
+    # Whether the sender should hand this peer a step's KV once, after the step's last layer
+    # (`write_layers` over all layers), instead of layer by layer: right for a peer whose
+    # write only queues GPU work, whose per-call host cost would exceed the copy's GPU time.
+    whole_steps = False
+
+    def write_layers(
+        self, window: Window, layers: range, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+        ready: "torch.cuda.Event | None" = None,
+    ) -> None:
+        """`write` for each of `layers` (a peer may do them at once)."""
+        for layer in layers:
+            self.write(window, layer, src_slots, dst_slots, ready)
+
     @abstractmethod
     def flush(self, window: Window) -> None:
         """Return once every write into `window` so far is in the receiver's pool and visible

@@ -10,9 +10,11 @@ and between GPUs of one host that both processes can see (`--device cuda:N`, not
 
 Windows work as for shm (kvcache/transfer/shm.py, whose machinery this reuses): the window
 table lives in a small memfd the sender maps; the sender holds a shared lock on its window's
-entry from before its first copy is queued until the copies have finished on the GPU (it waits
-for them after each step's last layer, and at flush), so `close_window` (an exclusive lock)
-returns only when no write into the window can still land, at most a step's copies later.
+entry from before its copy is queued until it has finished on the GPU (the transfer thread
+waits for each step's copy, and at flush), so `close_window` (an exclusive lock) returns only
+when no write into the window can still land, at most a step's copy later. The sender hands
+this peer a step's KV once, all layers in one kernel after the step's last layer
+(`whole_steps`): it runs while the next step computes.
 
 Why PyTorch's legacy IPC and not a `cuMemCreate` allocation exported as a file descriptor: it
 needs no extra channel (a descriptor passed over a Unix socket), no driver bindings beyond
@@ -65,6 +67,7 @@ class CudaIpcPeer(ShmPeer):
     """A same-host receiver's GPU pool, opened through CUDA IPC, and its window table."""
 
     kind = "cuda_ipc"
+    whole_steps = True
     num_programs = 132  # the copy kernel's grid (bench.kv_copy measures the choice)
     _stream: torch.cuda.Stream | None = None
     _held: Window | None = None  # the window whose entry this peer holds locked, copies queued
@@ -91,11 +94,15 @@ class CudaIpcPeer(ShmPeer):
 
     def write(self, window: Window, layer: int, src_slots: torch.Tensor,
               dst_slots: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
-        """Queue the copy on the GPU (one kernel when both pools are on one device) on a
-        transfer stream of this peer's that waits only for `ready` (the layer's KV written), so
-        the sender's next layers compute meanwhile. The window's entry stays locked while
-        copies are queued; after a step's last layer (and at flush) this waits for them and
-        lets go, so the receiver can close the window between steps."""
+        self.write_layers(window, range(layer, layer + 1), src_slots, dst_slots, ready)
+
+    def write_layers(self, window: Window, layers: range, src_slots: torch.Tensor,
+                     dst_slots: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Queue the copy of `layers` on the GPU (one kernel when both pools are on one device)
+        on a transfer stream of this peer's that waits only for `ready` (the KV written), so
+        the sender's next work computes meanwhile. The window's entry stays locked while
+        copies are queued; once the last layer is queued (a step's end) this waits for them
+        and lets go, so the receiver can close the window between steps."""
         device = self._local.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
@@ -103,6 +110,7 @@ class CudaIpcPeer(ShmPeer):
             self._drain()
             self._lock_window(window)
             self._held = window
+        first, end = layers.start, layers.stop
         try:
             # This runs on the sender's transfer thread, whose current device is not the
             # engine's.
@@ -111,19 +119,21 @@ class CudaIpcPeer(ShmPeer):
                     self._stream.wait_event(ready)
                 else:  # a direct caller: whatever the default stream wrote before
                     self._stream.wait_stream(torch.cuda.default_stream(device))
+                src, dst = src_slots.to(device), dst_slots.to(device)
                 if self._remote.device == device:
-                    copy_rows(self._local[layer], self._remote[layer], src_slots.to(device),
-                              dst_slots.to(device), self.num_programs)
+                    copy_rows(self._local[first:end], self._remote[first:end], src, dst,
+                              self.num_programs)
                 else:  # another GPU of this host: through torch (peer access is torch's)
-                    local = self._local[layer].view(self._rows)
-                    remote = self._remote[layer].view(self._rows)
-                    rows = local.index_select(1, src_slots.to(device)).to(remote.device)
-                    remote.index_copy_(1, dst_slots.to(remote.device), rows)
+                    for layer in layers:
+                        local = self._local[layer].view(self._rows)
+                        remote = self._remote[layer].view(self._rows)
+                        rows = local.index_select(1, src).to(remote.device)
+                        remote.index_copy_(1, dst.to(remote.device), rows)
                     torch.cuda.current_stream(remote.device).synchronize()  # ran over there
         except BaseException:
             self._drain()
             raise
-        if layer == self._remote.shape[0] - 1:
+        if end == self._remote.shape[0]:
             self._drain()
 
     def flush(self, window: Window) -> None:

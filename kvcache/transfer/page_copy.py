@@ -1,13 +1,18 @@
-"""One Triton kernel that copies a layer's K and V rows between two KV pools (issue 19).
+"""One Triton kernel that copies K and V rows between two KV pools, over any run of layers
+(issue 19).
 
-    copy_rows(src_layer, dst_layer, src_slots, dst_slots, num_programs)
+    copy_rows(src_layers, dst_layers, src_slots, dst_slots, num_programs)
 
-A layer of a pool viewed as [2, slots, row] (K and V; a row is one token's `kv_heads * head_dim`
-values): row `src_slots[i]` of both halves goes to row `dst_slots[i]` of the destination, which
-may be another process's pool opened by CUDA IPC. A fixed grid of programs walks the 2 * n rows,
-each program every `num_programs`-th one:
+A run of layers of a pool viewed as [layers, 2, slots, row] (K and V; a row is one token's
+`kv_heads * head_dim` values): row `src_slots[i]` of every layer's K and V goes to row
+`dst_slots[i]` of the destination, which may be another process's pool opened by CUDA IPC. A
+fixed grid of programs walks the layers * 2 * n rows, each program every `num_programs`-th:
 
-    row r = 2 * i + kv:   src_layer[kv, src_slots[i], :]  ->  dst_layer[kv, dst_slots[i], :]
+    r = (layer * n + i) * 2 + kv:   src[layer, kv, src_slots[i]] -> dst[layer, kv, dst_slots[i]]
+
+A GPU sender copies a whole step's KV with one launch (all layers, after the step's last layer
+wrote its KV; see CudaIpcPeer): at one launch per layer the Python launches, one per layer and
+send, cost more host time than the copies cost GPU time (issue 19's record).
 
 Why not torch indexing (`index_select` + `index_copy_`): measured on the lent GPUs (DESIGN §10),
 those two launches with a temporary in between were starved to 22 GB/s beside the forward pass's
@@ -23,45 +28,52 @@ import triton.language as tl
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, src_slots_ptr, dst_slots_ptr, n, row,
-                      src_kv_stride, dst_kv_stride, NUM_PROGRAMS: tl.constexpr,
-                      BLOCK: tl.constexpr):  # fmt: skip
+def _copy_rows_kernel(src_ptr, dst_ptr, src_slots_ptr, dst_slots_ptr, n, total, row,
+                      src_layer_stride, dst_layer_stride, src_kv_stride, dst_kv_stride,
+                      NUM_PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.arange(0, BLOCK)
     mask = offs < row
-    for r in range(tl.program_id(0), 2 * n, NUM_PROGRAMS):
-        i, kv = r // 2, r % 2
+    for r in range(tl.program_id(0), total, NUM_PROGRAMS):
+        pair, kv = r // 2, r % 2
+        layer, i = pair // n, pair % n
         s = tl.load(src_slots_ptr + i).to(tl.int64)
         d = tl.load(dst_slots_ptr + i).to(tl.int64)
-        x = tl.load(src_ptr + kv * src_kv_stride + s * row + offs, mask=mask)
-        tl.store(dst_ptr + kv * dst_kv_stride + d * row + offs, x, mask=mask)
+        src = src_ptr + layer.to(tl.int64) * src_layer_stride + kv * src_kv_stride + s * row
+        dst = dst_ptr + layer.to(tl.int64) * dst_layer_stride + kv * dst_kv_stride + d * row
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-def copy_rows(src_layer: torch.Tensor, dst_layer: torch.Tensor, src_slots: torch.Tensor,
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor,
               dst_slots: torch.Tensor, num_programs: int = 132) -> None:
-    """Copy K and V rows `src_slots` of `src_layer` into rows `dst_slots` of `dst_layer`.
+    """Copy K and V rows `src_slots` of `src` into rows `dst_slots` of `dst`.
 
     Args:
-        src_layer, dst_layer: one layer of each pool, contiguous, `[2, pages, page_size, heads,
-            head_dim]` (any shape whose first dim is K/V and whose rest is slots x row), same
-            dtype and row size, on the same device.
+        src, dst: one layer of each pool, `[2, pages, page_size, heads, head_dim]`, or runs of
+            as many layers (`pool[a:b]`); same dtype and row size, on the same device, each
+            layer contiguous.
         src_slots, dst_slots: int64 flat slot ids (page * page_size + offset), equal lengths, on
             that device.
         num_programs: the grid; fewer programs leave more of the GPU to other streams.
     """
-    if src_layer.dtype != dst_layer.dtype or src_layer.device != dst_layer.device:
-        raise ValueError(f"pools differ: {src_layer.dtype} on {src_layer.device} vs "
-                         f"{dst_layer.dtype} on {dst_layer.device}")
-    if not (src_layer.is_contiguous() and dst_layer.is_contiguous()):
+    if src.dtype != dst.dtype or src.device != dst.device:
+        raise ValueError(f"pools differ: {src.dtype} on {src.device} vs "
+                         f"{dst.dtype} on {dst.device}")
+    if src.dim() not in (5, 6) or src.dim() != dst.dim() or src.shape[0] != dst.shape[0]:
+        raise ValueError(f"need one layer [2, pages, page_size, heads, head_dim] of each pool "
+                         f"or runs of as many layers: {tuple(src.shape)} vs {tuple(dst.shape)}")
+    if src.dim() == 5:  # one layer
+        src, dst = src.unsqueeze(0), dst.unsqueeze(0)
+    if not (src[0].is_contiguous() and dst[0].is_contiguous()):
         raise ValueError("copy_rows needs contiguous layers")
     n = len(src_slots)
     if n != len(dst_slots):
         raise ValueError(f"{n} source slots but {len(dst_slots)} destinations")
-    row = src_layer.shape[-1] * src_layer.shape[-2]  # kv_heads * head_dim
-    if dst_layer.shape[-1] * dst_layer.shape[-2] != row:
-        raise ValueError(f"rows differ: {row} vs {dst_layer.shape[-1] * dst_layer.shape[-2]}")
-    if n == 0:
+    row = src.shape[-1] * src.shape[-2]  # kv_heads * head_dim
+    if dst.shape[-1] * dst.shape[-2] != row:
+        raise ValueError(f"rows differ: {row} vs {dst.shape[-1] * dst.shape[-2]}")
+    if n == 0 or src.shape[0] == 0:
         return
     _copy_rows_kernel[(num_programs,)](
-        src_layer, dst_layer, src_slots, dst_slots, n, row,
-        src_layer[0].numel(), dst_layer[0].numel(),
+        src, dst, src_slots, dst_slots, n, src.shape[0] * 2 * n, row,
+        src.stride(0), dst.stride(0), src[0, 0].numel(), dst[0, 0].numel(),
         NUM_PROGRAMS=num_programs, BLOCK=triton.next_power_of_2(row))

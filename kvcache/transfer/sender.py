@@ -15,6 +15,12 @@ which the forward pass wants too: an engine that overlaps heavily may leave this
                                           notify()
     completed()  ◀──────────────────────
 
+The forward pass calls `layer_written` after each layer: that is `write` for a peer that copies
+on the host (shm, tcp), and for a peer that only queues GPU copies (`Peer.whole_steps`:
+cuda_ipc) one `write_layers` of every layer after the step's last, because there one Python
+call per layer costs more host time than its copy costs the GPU (measured: issue 19's record in
+docs/benchmarks.md). With chunked prefill, a step's copy then runs beside the next step.
+
 A job's source slots must keep their KV until the job is reported in `completed()` or
 `cancel()` has returned: this thread reads them from the local pool when it gets to them.
 
@@ -59,7 +65,7 @@ class _Job:
 
 class _Op(NamedTuple):
     job: _Job
-    layer: int | None  # None: the job's flush
+    layers: range | None  # None: the job's flush
     src_slots: torch.Tensor | None = None
     dst_slots: torch.Tensor | None = None
     ready: "torch.cuda.Event | None" = None  # GPU pools: the source KV is written once it fires
@@ -133,22 +139,40 @@ class KVSender:
         already failed. With a GPU pool, the KV to send is what the caller's current stream
         has written (or queued) so far: an event recorded here lets a peer copy on a stream of
         its own as soon as that work is done, while the caller's stream goes on."""
+        self._enqueue(self._job(job_id), range(layer, layer + 1), src_slots, dst_slots)
+
+    def write_all_layers(
+        self, job_id: str, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """`write` for every layer (KV computed before this step, e.g. a cached prefix): one
+        write of them all for a peer that takes whole steps."""
+        job, num_layers = self._job(job_id), self.layout.num_layers
+        runs = [range(num_layers)] if job.peer.whole_steps else [
+            range(layer, layer + 1) for layer in range(num_layers)]
+        for layers in runs:  # a cancel waits for the write running, not for the rest
+            self._enqueue(job, layers, src_slots, dst_slots)
+
+    def layer_written(
+        self, job_id: str, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """The forward pass wrote `layer`'s KV at `src_slots`: `write` it, or, for a peer that
+        takes whole steps, write every layer once `layer` is the last."""
+        job = self._job(job_id)
+        if not job.peer.whole_steps:
+            self._enqueue(job, range(layer, layer + 1), src_slots, dst_slots)
+        elif layer == self.layout.num_layers - 1:
+            self._enqueue(job, range(self.layout.num_layers), src_slots, dst_slots)
+
+    def _enqueue(self, job: _Job, layers: range, src_slots: torch.Tensor,
+                 dst_slots: torch.Tensor) -> None:
         if len(src_slots) != len(dst_slots):
             raise ValueError(f"{len(src_slots)} source slots but {len(dst_slots)} destinations")
-        job = self._job(job_id)
         if job.error is None:
             ready = None
             if self.local_kv.is_cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-            self._queue.put(_Op(job, layer, src_slots, dst_slots, ready))
-
-    def write_all_layers(
-        self, job_id: str, src_slots: torch.Tensor, dst_slots: torch.Tensor
-    ) -> None:
-        """Enqueue `write` for every layer (KV computed before this step, e.g. a cached prefix)."""
-        for layer in range(self.layout.num_layers):
-            self.write(job_id, layer, src_slots, dst_slots)
+            self._queue.put(_Op(job, layers, src_slots, dst_slots, ready))
 
     def finish(self, job_id: str) -> None:
         """Enqueue the job's flush. Once it ran, `completed()` reports (job_id, None) or
@@ -212,7 +236,7 @@ class KVSender:
 
     def _run(self) -> None:
         while (op := self._queue.get()) is not None:
-            job, is_write = op.job, op.layer is not None
+            job, is_write = op.job, op.layers is not None
             with self._lock:
                 if job.cancelled:
                     continue
@@ -231,10 +255,11 @@ class KVSender:
         """Run one write or flush; a failure is recorded in the job, never raised."""
         job = op.job
         try:
-            if op.layer is None:
+            if op.layers is None:
                 job.peer.flush(job.window)
             else:
-                job.peer.write(job.window, op.layer, op.src_slots, op.dst_slots, op.ready)
+                job.peer.write_layers(job.window, op.layers, op.src_slots, op.dst_slots,
+                                      op.ready)
         except TransferError as e:
             job.error = str(e)
         except Exception as e:  # a bug must fail the job, not kill the transfer thread
@@ -242,7 +267,7 @@ class KVSender:
             job.error = f"{type(e).__name__}: {e}"
         else:
             return
-        if op.layer is not None:
+        if op.layers is not None:
             self._notify()  # the owner can stop computing for this job (see failed())
         if not job.peer.alive():  # not just a closed window: later jobs open a fresh peer
             with self._lock:
