@@ -2,7 +2,7 @@
 cuda_ipc peer end to end (issue 19's page-copy target: >= 400 GB/s alone on one GPU, >= 150 GB/s
 beside the forward pass with <= 2% slowdown).
 
-    python -m bench.kv_copy [--tokens 3000] [--grids 32,66,132,264]
+    python -m bench.kv_copy [--tokens 3000] [--grids 66,132,264] [--rows 1,2,4,8]
 
 Layout of Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16, page size 16): a token's KV
 is 128 KiB over all layers. Bandwidth counts bytes moved (read + written), each copy of a whole
@@ -55,39 +55,59 @@ def pools(tokens: int):
     return src, dst, slots, slots[torch.randperm(tokens, device="cuda")]
 
 
-def copy_all(src, dst, s, d, grid):
-    for layer in range(LAYOUT.num_layers):
-        if grid is None:
-            rows = (2, -1, LAYOUT.num_kv_heads * LAYOUT.head_dim)
+def copy_all(src, dst, s, d, config):
+    """Copy every layer's rows `s` to `d`: `config` is "torch" (index ops per layer), (grid,
+    rows_at_once, "layer") for one Triton launch per layer, (grid, rows_at_once, "step") for one
+    launch over all layers (what a cuda_ipc sender does per step)."""
+    if config == "torch":
+        rows = (2, -1, LAYOUT.num_kv_heads * LAYOUT.head_dim)
+        for layer in range(LAYOUT.num_layers):
             dst[layer].view(rows).index_copy_(1, d, src[layer].view(rows).index_select(1, s))
-        else:
-            copy_rows(src[layer], dst[layer], s, d, grid)
+        return
+    grid, at_once, unit = config
+    if unit == "step":
+        copy_rows(src, dst, s, d, grid, at_once)
+    else:
+        for layer in range(LAYOUT.num_layers):
+            copy_rows(src[layer], dst[layer], s, d, grid, at_once)
+
+
+def name(config) -> str:
+    return config if config == "torch" else "{}: {} programs x {} rows".format(
+        "one launch per layer" if config[2] == "layer" else "one launch, all layers", *config[:2])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=3000)
-    ap.add_argument("--grids", default="32,66,132,264")
+    ap.add_argument("--step-tokens", type=int, default=512,
+                    help="beside GEMMs: the tokens of one step's copy (the engine's chunk)")
+    ap.add_argument("--grids", default="66,132,264")
+    ap.add_argument("--rows", default="1,2,4,8", help="rows each program moves at once")
     args = ap.parse_args()
     src, dst, s, d = pools(args.tokens)
     nbytes = bytes_moved(args.tokens)
     out = {"device": torch.cuda.get_device_name(), "tokens": args.tokens,
            "bytes_moved": nbytes, "alone": {}, "beside_gemm": {}}
-    grids = [None] + [int(g) for g in args.grids.split(",")]
-    for grid in grids:
-        copy_all(src, dst, s, d, grid)
-        rows = (2, -1, LAYOUT.num_kv_heads * LAYOUT.head_dim)
+    grids, at_once = [int(g) for g in args.grids.split(",")], [int(r) for r in args.rows.split(",")]
+    configs = ["torch", (132, 1, "layer"), (132, 4, "layer")] + [
+        (g, r, "step") for g in grids for r in at_once]
+    rows = (2, -1, LAYOUT.num_kv_heads * LAYOUT.head_dim)
+    for config in configs:
+        dst.zero_()
+        copy_all(src, dst, s, d, config)
         for layer in (0, LAYOUT.num_layers - 1):
             assert torch.equal(dst[layer].view(rows)[:, d], src[layer].view(rows)[:, s])
-        sec = timed(lambda: copy_all(src, dst, s, d, grid))
-        out["alone"][str(grid or "torch")] = {"ms": sec * 1e3, "GB/s": nbytes / sec / 1e9}
-    # Beside GEMMs on another stream: the forward pass's kind of work.
+        sec = timed(lambda: copy_all(src, dst, s, d, config))
+        out["alone"][name(config)] = {"ms": sec * 1e3, "GB/s": nbytes / sec / 1e9}
+    # Beside GEMMs on another stream (the forward pass's kind of work): one step's copy after
+    # another, as fast as they go: harsher than an engine, which copies once per step.
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    gemm_stream = torch.cuda.Stream()
-    copy_streams = {"normal": torch.cuda.Stream(), "high": torch.cuda.Stream(priority=-1)}
-    copy_stream = copy_streams["normal"]
+    gemm_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    step = args.step_tokens
+    step_s, step_d, step_bytes = s[:step], d[:step], bytes_moved(step)
 
-    def gemms_with(grid, copy: bool) -> tuple[float, float]:
+    def gemms_with(config) -> tuple[float, float]:
         """(seconds of 20 GEMMs on their stream, copy bandwidth while they ran)."""
         torch.cuda.synchronize()
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -98,25 +118,24 @@ def main() -> None:
             done.record()
         copies, t0 = 0, time.perf_counter()
         with torch.cuda.stream(copy_stream):
-            while copy and not done.query():
-                copy_all(src, dst, s, d, grid)
+            while config is not None and not done.query():
+                copy_all(src, dst, step_s, step_d, config)
                 copy_stream.synchronize()
                 copies += 1
         done.synchronize()
-        return start.elapsed_time(done) / 1e3, copies * nbytes / (time.perf_counter() - t0)
+        return start.elapsed_time(done) / 1e3, copies * step_bytes / (time.perf_counter() - t0)
 
-    gemms_with(None, False)
-    gemm_alone = statistics.median(gemms_with(None, False)[0] for _ in range(5))
-    for priority, copy_stream in copy_streams.items():  # noqa: B007 (read by gemms_with)
-        for grid in grids:
-            gemms_with(grid, True)
-            runs = [gemms_with(grid, True) for _ in range(5)]
-            gemm_s = statistics.median(r[0] for r in runs)
-            out["beside_gemm"][f"{grid or 'torch'}, {priority} priority"] = {
-                "GB/s": statistics.median(r[1] for r in runs) / 1e9,
-                "gemm_slowdown_pct": 100 * (gemm_s / gemm_alone - 1)}
-        gemm_alone = statistics.median(gemms_with(None, False)[0] for _ in range(5))
-    out["gemm_alone_ms"] = gemm_alone * 1e3
+    gemms_with(None)
+    for config in ["torch", (132, 1, "layer")] + [(g, r, "step") for g in grids
+                                                  for r in (1, max(at_once))]:
+        alone = statistics.median(gemms_with(None)[0] for _ in range(5))  # adjacent: no drift
+        gemms_with(config)
+        runs = [gemms_with(config) for _ in range(5)]
+        gemm_s = statistics.median(r[0] for r in runs)
+        out["beside_gemm"][name(config)] = {
+            "GB/s": statistics.median(r[1] for r in runs) / 1e9,
+            "gemm_ms": gemm_s * 1e3, "gemm_alone_ms": alone * 1e3,
+            "gemm_slowdown_pct": 100 * (gemm_s / alone - 1)}
     out["peer"] = peer_end_to_end(args.tokens)
     print(json.dumps(out, indent=1))
 
@@ -136,7 +155,7 @@ sys.stdin.read()
 
 def peer_end_to_end(tokens: int) -> dict:
     """A receiver in another process on this GPU; the sender writes every layer through the
-    cuda_ipc peer, each write waiting for its copy (as the transfer thread does)."""
+    cuda_ipc peer in one `write_layers` and flushes (as the transfer thread does)."""
     pages = -(-tokens // 16) + 64
     proc = subprocess.Popen([sys.executable, "-c", RECEIVER, json.dumps(LAYOUT.to_dict()),
                              str(pages)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -151,13 +170,12 @@ def peer_end_to_end(tokens: int) -> dict:
         s = torch.arange(tokens, device="cuda")
         d = s[torch.randperm(tokens, device="cuda")]
         results = {}
-        for grid in (32, 66, 132, 264):
+        for grid in (66, 132, 264):
             peer.num_programs = grid
             times = []
             for _ in range(8):
                 t0 = time.perf_counter()
-                for layer in range(LAYOUT.num_layers):
-                    peer.write(window, layer, s, d)
+                peer.write_layers(window, range(LAYOUT.num_layers), s, d)
                 peer.flush(window)
                 times.append(time.perf_counter() - t0)
             sec = statistics.median(times[2:])

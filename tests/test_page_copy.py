@@ -16,9 +16,9 @@ def pool(pages: int, page_size: int, heads: int, dim: int, seed: int, dtype) -> 
     return x.to(dtype).to(DEVICE)
 
 
-@pytest.mark.parametrize(("heads", "dim", "dtype", "programs"), [
-    (2, 8, torch.bfloat16, 3), (3, 64, torch.float32, 4), (8, 128, torch.bfloat16, 7)])
-def test_copy_rows_equals_torch_indexing(heads, dim, dtype, programs):
+@pytest.mark.parametrize(("heads", "dim", "dtype", "programs", "at_once"), [
+    (2, 8, torch.bfloat16, 3, 1), (3, 64, torch.float32, 4, 2), (8, 128, torch.bfloat16, 7, 4)])
+def test_copy_rows_equals_torch_indexing(heads, dim, dtype, programs, at_once):
     src, dst = pool(6, 4, heads, dim, 0, dtype), pool(8, 4, heads, dim, 1, dtype)
     want = dst.clone()
     # Scattered, unsorted slots across pages, different offsets on each side.
@@ -27,7 +27,7 @@ def test_copy_rows_equals_torch_indexing(heads, dim, dtype, programs):
     rows = (2, -1, heads * dim)
     for layer in (0, 2):
         want[layer].view(rows)[:, dst_slots] = src[layer].view(rows)[:, src_slots]
-        page_copy.copy_rows(src[layer], dst[layer], src_slots, dst_slots, programs)
+        page_copy.copy_rows(src[layer], dst[layer], src_slots, dst_slots, programs, at_once)
     assert torch.equal(dst, want)  # layer 1 untouched, every other row as torch puts it
 
 
@@ -38,7 +38,7 @@ def test_copy_rows_over_a_run_of_layers_equals_one_layer_at_a_time():
     dst_slots = torch.tensor([12, 1, 27, 6, 31], device=DEVICE)
     for layer in (1, 2):
         page_copy.copy_rows(src[layer], want[layer], src_slots, dst_slots, 3)
-    page_copy.copy_rows(src[1:], dst[1:], src_slots, dst_slots, 5)  # one launch, two layers
+    page_copy.copy_rows(src[1:], dst[1:], src_slots, dst_slots, 2, rows_at_once=4)  # 2 layers
     assert torch.equal(dst, want)  # layer 0 untouched
     assert not torch.equal(dst[1], pool(8, 4, 2, 8, 1, torch.bfloat16)[1])
 

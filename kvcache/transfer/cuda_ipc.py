@@ -68,7 +68,8 @@ class CudaIpcPeer(ShmPeer):
 
     kind = "cuda_ipc"
     whole_steps = True
-    num_programs = 132  # the copy kernel's grid (bench.kv_copy measures the choice)
+    num_programs = 132  # the copy kernel's grid and rows per program at once (bench.kv_copy
+    rows_at_once = 4  # measures the choice)
     _stream: torch.cuda.Stream | None = None
     _held: Window | None = None  # the window whose entry this peer holds locked, copies queued
 
@@ -122,7 +123,7 @@ class CudaIpcPeer(ShmPeer):
                 src, dst = src_slots.to(device), dst_slots.to(device)
                 if self._remote.device == device:
                     copy_rows(self._local[first:end], self._remote[first:end], src, dst,
-                              self.num_programs)
+                              self.num_programs, self.rows_at_once)
                 else:  # another GPU of this host: through torch (peer access is torch's)
                     for layer in layers:
                         local = self._local[layer].view(self._rows)
