@@ -17,8 +17,8 @@ send (paper §3.6; issue 19's "remote_send vs local prefill"):
            MB/s = KV bytes sent / wall time of the call
   compute  P has nothing cached: remote_send prefills N tokens on P and sends each step's KV
            while the forward pass goes on
-  prefill  the same N tokens prefilled on D alone (start_generate with max_tokens=1), the work
-           a transfer saves the receiver
+  prefill  the same N tokens prefilled on P alone and on D alone (start_generate with
+           max_tokens=1; on D, the work a transfer saves the receiver)
 
 migrate (paper §4.2, Fig. 12 and Table 3): a prompt of N tokens whose first N - 500 P has
   cached, served as the context_migration and pd strategies do (D: prep_recv to the last token,
@@ -113,10 +113,10 @@ async def measure(p: EngineClient, d: EngineClient, n: int, vocab: int, page_siz
     r = await d.prep_recv(f"compute-{tag}", fresh, end=n)
     compute_s, _ = await timed(p.remote_send(f"compute-{tag}", fresh, 0, n, r.kv_addr))
     await d.abort(f"compute-{tag}")
-    local = [rng.randrange(vocab) for _ in range(n)]
-    prefill_s, _ = await timed(prefill_on(d, f"local-{tag}", local))
+    p_prefill_s, _ = await timed(prefill_on(p, f"p-local-{tag}", fresh(rng, vocab, n)))
+    prefill_s, _ = await timed(prefill_on(d, f"local-{tag}", fresh(rng, vocab, n)))
     return {"copy_s": copy_s, "copied": sent.reused, "compute_s": compute_s,
-            "prefill_s": prefill_s}  # fmt: skip
+            "p_prefill_s": p_prefill_s, "prefill_s": prefill_s}  # fmt: skip
 
 
 async def generate_on(engine: EngineClient, rid: str, prompt: list[int], begin: int) -> None:
@@ -239,8 +239,9 @@ async def median_runs(measure_one, repeat: int) -> dict:
 
 async def table_send(clients, kinds, lengths, mc, kv_bytes_per_token, repeat, rng) -> None:
     print("| backend | tokens | copy: remote_send from P's cache | MB/s | "
-          "compute: remote_send, prefill on P | prefill on D alone |")
-    print("|---|---|---|---|---|---|")
+          "compute: remote_send, prefill on P | prefill on P alone | prefill on D alone | "
+          "compute / P alone |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind in kinds:
         for n in lengths:
             med = await median_runs(lambda: measure(clients["p"], clients[kind], n,
@@ -248,7 +249,9 @@ async def table_send(clients, kinds, lengths, mc, kv_bytes_per_token, repeat, rn
             mb_s = med["copied"] * kv_bytes_per_token / med["copy_s"] / 1e6
             print(f"| {kind} | {n:,} | {med['copy_s'] * 1e3:.1f} ms "
                   f"({int(med['copied'])} tokens) | {mb_s:,.0f} | "
-                  f"{med['compute_s'] * 1e3:.0f} ms | {med['prefill_s'] * 1e3:.0f} ms |",
+                  f"{med['compute_s'] * 1e3:.0f} ms | {med['p_prefill_s'] * 1e3:.0f} ms | "
+                  f"{med['prefill_s'] * 1e3:.0f} ms | "
+                  f"{med['compute_s'] / med['p_prefill_s']:.2f}x |",
                   flush=True)  # fmt: skip
 
 

@@ -48,10 +48,12 @@ class EngineConfig:
     kv_recv_wait_max_s: float = 3600.0
 
     def resolved_kv_transfer(self, has_key: bool = True) -> str:
-        """The backend to receive with. auto: shm on CPU, but only with an engine key (KV
-        transfer is authenticated by it), none on CUDA."""
+        """The backend to receive with. auto: shm on CPU, cuda_ipc on CUDA, but only with an
+        engine key (KV transfer is authenticated by it); none without one."""
         if self.kv_transfer == "auto":
-            return "shm" if has_key and not self.device.startswith("cuda") else "none"
+            if not has_key:
+                return "none"
+            return "cuda_ipc" if self.device.startswith("cuda") else "shm"
         return self.kv_transfer
 
     def __post_init__(self):

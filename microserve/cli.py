@@ -55,8 +55,8 @@ def _engine_args(sub) -> None:
                         "(default: $MICROSERVE_API_KEY; unset: no check)")
     p.add_argument("--kv-transfer", choices=("auto", "shm", "tcp", "cuda_ipc", "none"),
                    default="auto",
-                   help="how this engine receives KV from peers (auto: shm on CPU, none on "
-                        "CUDA; cuda_ipc: GPU engines on one host)")
+                   help="how this engine receives KV from peers (auto: shm on CPU, cuda_ipc "
+                        "on CUDA, none without an engine key; tcp: across hosts)")
     p.add_argument("--kv-transfer-host", default="127.0.0.1",
                    help="tcp: address the KV transfer listener binds")
     p.add_argument("--kv-transfer-port", type=int, default=0, help="tcp: 0 picks a free port")

@@ -500,3 +500,12 @@ def test_a_smaller_call_behind_a_head_that_leaves_is_tried_at_once(pair, small_d
     for rid in ("hog", "small"):
         d.abort_request(rid)
     assert_clean(d)
+
+
+@pytest.mark.parametrize(("device", "has_key", "kind"), [
+    ("cpu", True, "shm"), ("cuda", True, "cuda_ipc"), ("cuda:1", True, "cuda_ipc"),
+    ("cpu", False, "none"), ("cuda", False, "none")])
+def test_auto_receives_by_the_devices_own_way_only_with_an_engine_key(device, has_key, kind):
+    config = EngineConfig(model="m", device=device)
+    assert config.resolved_kv_transfer(has_key=has_key) == kind
+    assert EngineConfig(model="m", device=device, kv_transfer="tcp").resolved_kv_transfer() == "tcp"
