@@ -137,9 +137,10 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        mask: TokenMask | None = None,
     ) -> SampleResult:
         """`sample_async(...).result()`: sample and wait for the host copy."""
-        return self.sample_async(logits, params, generators).result()
+        return self.sample_async(logits, params, generators, mask).result()
 
     def sample_async(
         self,

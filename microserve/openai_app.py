@@ -336,7 +336,9 @@ class OpenAIFrontend:
         if grammar is not None:
             raise invalid_request(f"{field_name} cannot be combined with a tool_choice that "
                                   "forces a tool call", "tool_choice")
-        lark = self.tool_parser.grammar(functions, body.parallel_tool_calls)
+        # A named function is called once; "required" may call several unless told not to.
+        parallel = body.tool_choice == "required" and body.parallel_tool_calls
+        lark = self.tool_parser.grammar(functions, parallel)
         return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
     def _check_model(self, model: str | None) -> None:
