@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, EngineInfo
+from engine.grammar import GrammarMatchers
 from engine.kv_exchange import KVExchange, resolve_index
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.sampler import PendingSample, make_generator
@@ -81,6 +82,7 @@ class EngineCore:
                                    config.kv_lease_max_s, config.kv_recv_wait_s,
                                    config.kv_recv_wait_max_s)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.grammars = GrammarMatchers(config.model, mc.vocab_size, sorted(self.eos_token_ids))
         self.seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._arrivals = itertools.count()
@@ -141,9 +143,15 @@ class EngineCore:
             raise MicroservingError(
                 400, f"begin {begin} leaves no prompt token to prefill: it must be below the "
                 f"prompt length {len(prompt)}", "begin")  # fmt: skip
+        if params.grammar is not None:
+            self.grammars.add(request_id, params.grammar)  # RequestRejected if it does not build
         seq = Sequence(request_id, list(prompt), params, self.next_arrival())
         if begin or request_id in self.exchange.reservations:
-            self.exchange.adopt_for_generate(seq, begin)
+            try:
+                self.exchange.adopt_for_generate(seq, begin)
+            except BaseException:
+                self.grammars.remove(request_id)
+                raise
         self.register(seq, make_generator(params.seed, self.runner.device))
 
     def next_arrival(self) -> int:
@@ -246,13 +254,21 @@ class EngineCore:
     # is learned one step late: that step's extra token for the sequence is dropped.
 
     def step(self) -> list[TokenOutput]:
+        outputs = []
+        if self._in_flight is not None and self._constrains(self._in_flight):
+            # A constrained sequence's next mask needs the token in flight: this step waits.
+            outputs, self._in_flight = self._resolve(self._in_flight), None
         launched = self._launch()
         if not self.async_scheduling:
             self.stalled = launched is None
             return self._resolve(launched) if launched else []
         previous, self._in_flight = self._in_flight, launched
-        self.stalled = launched is None and previous is None
-        return self._resolve(previous) if previous else []
+        self.stalled = launched is None and previous is None and not outputs
+        return outputs + (self._resolve(previous) if previous else [])
+
+    def _constrains(self, launched: "_Launched") -> bool:
+        return len(self.grammars) > 0 and any(
+            seq.request_id in self.grammars for seq, _ in launched.sampled)
 
     def _launch(self) -> "_Launched | None":
         sched = self.scheduler.schedule()
@@ -260,6 +276,9 @@ class EngineCore:
             return None
         batch, input_ids, sample_rows, from_last, sends = self._build_batch(sched)
         sampled = [e.seq for e in sched.scheduled if e.sample]
+        if len(self.grammars):  # the masks were computed when the previous tokens were resolved
+            self.runner.sampler.set_step_mask(
+                self.grammars.step_mask([seq.request_id for seq in sampled]))
         pending = self.runner.execute(
             batch,
             input_ids,
@@ -310,18 +329,25 @@ class EngineCore:
         """Read a launched step's tokens back; emit outputs, finish and free sequences."""
         result = launched.pending.result() if launched.pending is not None else None
         outputs, done = [], list(launched.length_done)
+        constrained = []  # requests whose grammar goes on: their next masks are computed below
         for k, (seq, slot) in enumerate(launched.sampled):
             if seq.status is SeqStatus.FINISHED:  # aborted, or stopped at an earlier token
                 continue
             token = result.token_ids[k]
             seq.output_token_ids[slot] = token
             p = seq.params
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            stop = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+            if not stop and seq.request_id in self.grammars:
+                stop = self.grammars.accept(seq.request_id, token)  # the grammar is complete
+            if stop:
                 seq.finish_reason = FinishReason.STOP
                 del seq.output_token_ids[slot + 1 :]  # a token launched after it is dropped
                 done.append(seq)
             final = seq in done  # a LENGTH decided by a later launch is not reported yet
+            if not final and seq.request_id in self.grammars:
+                constrained.append(seq.request_id)
             outputs.append(self._output(seq, [token], result.logprobs[k], final))
+        self.grammars.fill_masks(constrained)
         for seq in launched.scheduled:
             if seq.status is not SeqStatus.FINISHED:
                 self._cache_new_pages(seq)
@@ -344,6 +370,7 @@ class EngineCore:
         self.scheduler.remove(seq, keep_pages)
         del self.seqs[seq.request_id]
         del self._generators[seq.request_id]
+        self.grammars.remove(seq.request_id)
         if seq.send_only:
             return
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
@@ -388,6 +415,9 @@ class EngineCore:
             raise IntegrityError(f"pages held by {self.kv.seq_ids() ^ holders}")
         if running | waiting != set(self.seqs):
             raise IntegrityError(f"lost or stale requests: {(running | waiting) ^ set(self.seqs)}")
+        if not set(self.grammars.request_ids()) <= set(self.seqs):
+            raise IntegrityError(f"grammar matchers of gone requests: "
+                                 f"{set(self.grammars.request_ids()) - set(self.seqs)}")
         if not self.exchange.flushing <= set(self.exchange.jobs):
             raise IntegrityError(f"flushing without a send job: "
                                  f"{self.exchange.flushing - set(self.exchange.jobs)}")

@@ -13,6 +13,11 @@ from its own generator:
 
 Logprobs are of the raw model distribution (log_softmax of the logits before temperature, top-k
 and top-p), as `TokenLogprob` documents.
+
+Constrained rows (structured outputs, forced tool calls) come with a `TokenMask`, computed on the
+host by engine/grammar.py: before anything else, their disallowed tokens are set to -inf, so
+greedy, temperature, top-k and top-p all choose among allowed tokens only. Rows without a mask
+are not touched, and a step without one costs nothing extra.
 """
 
 from __future__ import annotations
@@ -28,6 +33,15 @@ from microserve.types import SamplingParams, TokenLogprob
 # Slack for "the nucleus's mass reaches top_p": a set whose true mass equals top_p (0.4 + 0.2 + 0.2
 # for top_p=0.8) may sum a float32 ulp short, which would pull one extra token into the nucleus.
 _TOP_P_SLACK = 1e-6
+
+
+@dataclass
+class TokenMask:
+    """The allowed tokens of a step's constrained rows (engine/grammar.py builds it)."""
+
+    rows: list[int]  # rows of the step's logits that are constrained
+    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32 on the host; bit t % 32 of word
+    # t // 32 set: token t allowed
 
 
 @dataclass
@@ -109,21 +123,31 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
         self._positions = torch.arange(vocab_size, device=self.device)  # for top-k masks
+        self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
+        # Set by the engine core right before it launches a step; taken by that step's
+        # sample_async (the runner passes logits, params and generators only).
+        self._step_mask: TokenMask | None = None
+
+    def set_step_mask(self, mask: TokenMask | None) -> None:
+        """Constrain the next `sample_async` call (only that one) to `mask`'s tokens."""
+        self._step_mask = mask
 
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        mask: TokenMask | None = None,
     ) -> SampleResult:
         """`sample_async(...).result()`: sample and wait for the host copy."""
-        return self.sample_async(logits, params, generators).result()
+        return self.sample_async(logits, params, generators, mask).result()
 
     def sample_async(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        mask: TokenMask | None = None,
     ) -> PendingSample:
         """Sample one token per row, without waiting for the result to reach the host.
 
@@ -132,6 +156,8 @@ class Sampler:
             params: one per row.
             generators: one per row: the request's generator from `make_generator` when its
                 params have a seed (advanced by this call if the row is not greedy), else None.
+            mask: the allowed tokens of constrained rows; default: what `set_step_mask` set
+                (then cleared). Each masked row must allow at least one token.
 
         Returns:
             The token ids on the device, and (on `.result()`) each row's id and its logprobs
@@ -140,7 +166,11 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
         assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
         assert all((p.seed is None) == (g is None) for p, g in zip(params, generators))
-        logits = logits[:, : self.vocab_size].float()
+        if mask is None:
+            mask, self._step_mask = self._step_mask, None
+        logits = raw_logits = logits[:, : self.vocab_size].float()
+        if mask is not None:
+            logits = self._apply_mask(logits, mask)
 
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
@@ -158,9 +188,22 @@ class Sampler:
             token_ids.index_copy_(0, rows, sampled)
 
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        parts = self._logprobs(logits, token_ids, wanted, params) if wanted else None
+        parts = self._logprobs(raw_logits, token_ids, wanted, params) if wanted else None
         num_top = [params[i].logprobs for i in wanted]
         return PendingSample(token_ids, wanted, len(params), parts, num_top)
+
+    def _apply_mask(self, logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+        """A copy of `logits` whose masked rows have -inf at every token the mask disallows.
+
+            bitmask word w of row r:  bit b set  <=>  token 32 * w + b allowed
+        """
+        assert mask.bitmask.shape == (len(mask.rows), (self.vocab_size + 31) // 32), (
+            mask.bitmask.shape, self.vocab_size)
+        words = mask.bitmask.to(self.device, non_blocking=True)
+        allowed = ((words[:, :, None] >> self._bit_shifts) & 1).flatten(1)[:, : self.vocab_size]
+        rows = to_device(mask.rows, torch.long, logits.device)
+        masked = logits.index_select(0, rows).masked_fill_(allowed == 0, float("-inf"))
+        return logits.index_copy(0, rows, masked)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.triton_argmax:

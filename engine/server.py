@@ -26,16 +26,16 @@ log = logging.getLogger("microserve.engine")
 
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
-                     api_key: str | None = None) -> FastAPI:
+                     api_key: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
     """The OpenAI API over the engine, plus the microserving API (engine/microserving_api.py)."""
-    app = build_openai_app(client, tokenizer)
+    app = build_openai_app(client, tokenizer, tool_call_parser=tool_call_parser)
     add_microserving_routes(app, client, api_key=api_key)
     return app
 
 
 async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
                 log_level: str = "info", api_key: str | None = None,
-                deployment: str | None = None) -> None:
+                deployment: str | None = None, tool_call_parser: str = "hermes") -> None:
     sock = listen_socket(host, port)  # first: a busy port fails before the model loads
     tokenizer = Tokenizer.from_dir(config.model)
     client = CoreClient(config, served_model_name, engine_key=api_key)
@@ -48,7 +48,7 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
         served_model_name, info["device"], info["dtype"], info["num_pages"], info["page_size"],
         info["kv_capacity_tokens"], info["max_model_len"], info["kv_transfer"],
     )  # fmt: skip
-    app = build_engine_app(client, tokenizer, api_key)
+    app = build_engine_app(client, tokenizer, api_key, tool_call_parser)
     server = QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False))
 
     async def stop_when_core_exits():

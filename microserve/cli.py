@@ -47,6 +47,7 @@ def _engine_args(sub) -> None:
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
     p.add_argument("--seed", type=int, default=0)
+    _tool_call_parser_arg(p)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads (default: every core); engines sharing a host "
                         "should split the cores (microserve up does)")
@@ -109,7 +110,7 @@ def _run_engine(args) -> None:
     )
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key,
-                    deployment=args.deployment))
+                    deployment=args.deployment, tool_call_parser=args.tool_call_parser))
 
 
 def _run_loop(main):
@@ -120,6 +121,13 @@ def _run_loop(main):
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+def _tool_call_parser_arg(p) -> None:
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default="hermes",
+                   help="how tool calls look in the model's text (as vLLM's option): hermes "
+                        "(<tool_call> blocks; also how tools are written into the prompt when "
+                        "the chat template does not render them) or llama3_json")
 
 
 def _engine_spec(value: str):
@@ -177,6 +185,7 @@ def _router_args(sub) -> None:
                    help="the model directory (or the embedded default's name) to take the "
                         "tokenizer and chat template from")
     p.add_argument("--served-model-name", default=None)
+    _tool_call_parser_arg(p)
     p.add_argument("--strategy", default="data_parallel",
                    help="a built-in strategy (data_parallel, pd, balanced_pd, "
                         "context_migration) or a path to a .py file")
@@ -222,7 +231,8 @@ def _run_router(args) -> None:
         admin_token=_admin_token(args.admin_token, args.port),
         engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
         strategies_dir=args.strategies_dir,
-        queue_timeout_s=60.0 if args.queue_timeout_s is None else args.queue_timeout_s)
+        queue_timeout_s=60.0 if args.queue_timeout_s is None else args.queue_timeout_s,
+        tool_call_parser=args.tool_call_parser)
     _run_loop(serve(config, args.log_level))
 
 

@@ -18,7 +18,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from microserve.bounds import INT32_MAX, INT64_MAX, INT64_MIN, Count, Index, Seed, TokenId
+from microserve.bounds import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_GRAMMAR_CHARS, Count, Index,
+                               Seed, TokenId)
 from microserve.protocol import MAX_LOGPROBS
 from microserve.types import SamplingParams
 
@@ -108,6 +109,9 @@ class Sampling(_Body):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # An llguidance grammar the tokens must follow (SamplingParams.grammar); only the engine
+    # that samples (start_generate) uses it.
+    grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
     def to_params(self) -> SamplingParams:
         return SamplingParams.from_dict(self.model_dump())

@@ -27,7 +27,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import uvicorn
@@ -36,6 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import llguidance
+
 from microserve.backend import BackendError, GenerateBackend
 from microserve.errors import (OpenAIError, as_openai_error, from_validation_errors,
                                install_error_handlers, invalid_request, model_not_found)
@@ -43,7 +45,10 @@ from microserve.metrics import CONTENT_TYPE, Counter, Registry
 from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
                                  CompletionWire, GenerationRequest, model_card, model_list,
                                  usage)
+from microserve.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
+from microserve.tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
+from microserve.tools import forced_functions, parses_calls
 from microserve.types import FinishReason, SamplingParams, TokenLogprob, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -186,6 +191,7 @@ class _Delta:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    tool_calls: list[tuple[int, ParsedCall]] = field(default_factory=list)  # (index, call)
 
 
 @dataclass
@@ -197,6 +203,8 @@ class _Run:
     params: SamplingParams
     stop: list[str]
     arrival: float  # time.perf_counter() when the handler started
+    tool_calls: CallStream | None = None  # reads tool calls out of the text (chat with tools)
+    num_tool_calls: int = 0  # calls found so far; written by OpenAIFrontend._delta
     num_generated: int = 0
     num_cached: int = 0
     first_token_at: float | None = None
@@ -211,20 +219,26 @@ async def _parse_body(raw: Request, model: type[BodyT]) -> BodyT:
         raise from_validation_errors(e.errors()) from None
 
 
-async def _collect(deltas: AsyncIterator[_Delta]) -> tuple[str, list[TokenLogprob], str | None]:
-    texts, logprobs, finish_reason = [], [], None
+async def _collect(deltas: AsyncIterator[_Delta]) -> _Delta:
+    """All of a generation's deltas as one."""
+    whole = _Delta("", [], None)
+    texts = []
     async for delta in deltas:
         texts.append(delta.text)
-        logprobs.extend(delta.logprobs)
-        finish_reason = delta.finish_reason
-    return "".join(texts), logprobs, finish_reason
+        whole.logprobs.extend(delta.logprobs)
+        whole.tool_calls.extend(delta.tool_calls)
+        whole.finish_reason = delta.finish_reason
+    whole.text = "".join(texts)
+    return whole
 
 
 class OpenAIFrontend:
     """The OpenAI endpoints over one backend and its tokenizer; see `build_openai_app`."""
 
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, registry: Registry):
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, registry: Registry,
+                 tool_parser: ToolParser):
         self.backend, self.tokenizer, self.registry = backend, tokenizer, registry
+        self.tool_parser = tool_parser
         self.started = int(time.time())
         self.requests = registry.counter(
             "microserve_requests_total", "HTTP requests by endpoint and status.",
@@ -255,7 +269,8 @@ class OpenAIFrontend:
         else:
             prompt_ids = self._checked_token_ids(body.prompt)
         max_tokens = self._fit_context(len(prompt_ids), body.max_tokens, "max_tokens", "prompt")
-        run = self._new_run("cmpl", body, prompt_ids, max_tokens, body.logprobs, arrival)
+        grammar, _ = request_grammar(body.guided_fields())
+        run = self._new_run("cmpl", body, prompt_ids, max_tokens, body.logprobs, arrival, grammar)
         token_text = self.tokenizer.token_text if body.logprobs is not None else None
         wire = CompletionWire(run.request_id, self.backend.model_name, int(time.time()), token_text)
         return await self._respond(raw, body, run, wire)
@@ -264,16 +279,16 @@ class OpenAIFrontend:
         arrival = time.perf_counter()
         body = await _parse_body(raw, ChatCompletionRequest)
         self._check_model(body.model)
-        try:
-            text = self.tokenizer.apply_chat_template([m.template_dict() for m in body.messages])
-        except ChatTemplateError as e:
-            raise invalid_request(str(e), "messages") from e
+        grammar = self._chat_grammar(body)
+        text = self._render_chat(body)
         # The template writes the BOS itself.
         prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
         max_tokens = self._fit_context(len(prompt_ids), body.requested_max_tokens,
                                        body.max_tokens_field, "messages")
         run = self._new_run("chatcmpl", body, prompt_ids, max_tokens, body.requested_logprobs,
-                            arrival)
+                            arrival, grammar)
+        if parses_calls(body.tools, body.tool_choice):
+            run.tool_calls = self.tool_parser.stream()
         token_bytes = self.tokenizer.token_bytes if body.logprobs else None
         wire = ChatWire(run.request_id, self.backend.model_name, int(time.time()), token_bytes)
         return await self._respond(raw, body, run, wire)
@@ -299,6 +314,32 @@ class OpenAIFrontend:
         return Response(text, media_type=CONTENT_TYPE)
 
     # -- request preparation --------------------------------------------------------------
+
+    def _render_chat(self, body: ChatCompletionRequest) -> str:
+        """The prompt text: tools and tool turns through the template when it renders them,
+        else written into the messages in the tool-call parser's format."""
+        messages = [m.template_dict() for m in body.messages]
+        tools = [tool.template_dict() for tool in body.tools or ()]
+        if not self.tokenizer.renders_tools:
+            messages, tools = self.tool_parser.inline(messages, tools), []
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None)
+        except ChatTemplateError as e:
+            raise invalid_request(str(e), "messages") from e
+
+    def _chat_grammar(self, body: ChatCompletionRequest) -> str | None:
+        """The grammar of a structured-output request or of a forced tool call, or None."""
+        grammar, field_name = request_grammar(body.guided_fields())
+        functions = forced_functions(body.tools or [], body.tool_choice)
+        if not functions:
+            return grammar
+        if grammar is not None:
+            raise invalid_request(f"{field_name} cannot be combined with a tool_choice that "
+                                  "forces a tool call", "tool_choice")
+        # A named function is called once; "required" may call several unless told not to.
+        parallel = body.tool_choice == "required" and body.parallel_tool_calls
+        lark = self.tool_parser.grammar(functions, parallel)
+        return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
     def _check_model(self, model: str | None) -> None:
         # An absent or empty model means the served one, as in vLLM.
@@ -350,10 +391,11 @@ class OpenAIFrontend:
                                   f"{vocab_size} tokens", "stop_token_ids")
 
     def _new_run(self, id_prefix: str, body: GenerationRequest, prompt_ids: list[int],
-                 max_tokens: int, logprobs: int | None, arrival: float) -> _Run:
+                 max_tokens: int, logprobs: int | None, arrival: float,
+                 grammar: str | None) -> _Run:
         self._check_vocab_fields(body)
         return _Run(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_ids=prompt_ids,
-                    params=body.sampling_params(max_tokens, logprobs), stop=body.stop,
+                    params=body.sampling_params(max_tokens, logprobs, grammar), stop=body.stop,
                     arrival=arrival)
 
     # -- generation -----------------------------------------------------------------------
@@ -363,8 +405,9 @@ class OpenAIFrontend:
         deltas = self._deltas(run)
         try:
             if not body.stream:
-                text, logprobs, finish = await _unless_disconnected(raw.receive, _collect(deltas))
-                return JSONResponse(wire.body(text, logprobs, finish, self._usage(run)))
+                whole = await _unless_disconnected(raw.receive, _collect(deltas))
+                return JSONResponse(wire.body(whole.text, whole.logprobs, whole.finish_reason,
+                                              self._usage(run), whole.tool_calls))
             # Wait for the first output before answering, so that a backend that cannot take
             # the request still gets a 503 status rather than an error event inside a 200.
             first = await _unless_disconnected(raw.receive, anext(deltas))
@@ -382,8 +425,9 @@ class OpenAIFrontend:
                 yield _sse(chunk)
             delta: _Delta | None = first
             while delta is not None:
-                if delta.text or delta.logprobs or delta.finish_reason:
-                    yield _sse(wire.chunk(delta.text, delta.logprobs, delta.finish_reason))
+                for chunk in wire.delta_chunks(delta.text, delta.logprobs, delta.finish_reason,
+                                               delta.tool_calls):
+                    yield _sse(chunk)
                 delta = await anext(deltas, None)
             if include_usage:
                 yield _sse(wire.usage_chunk(self._usage(run)))
@@ -416,11 +460,11 @@ class OpenAIFrontend:
                     text += detokenizer.flush()
                 text = stop.feed(text)
                 if stop.stopped:
-                    yield _Delta(text, out.logprobs or [], FinishReason.STOP)
+                    yield self._delta(run, text, out.logprobs or [], FinishReason.STOP)
                     return
                 if backend_finished:
                     text += stop.flush()
-                yield _Delta(text, out.logprobs or [], out.finish_reason)
+                yield self._delta(run, text, out.logprobs or [], out.finish_reason)
                 if backend_finished:
                     # Let the backend finish its own work after the last output (the router:
                     # the strategy's end) before the response ends.
@@ -435,6 +479,22 @@ class OpenAIFrontend:
                 await asyncio.shield(self.backend.abort(run.request_id))
             if hasattr(outputs, "aclose"):  # an async generator left at a yield: run its cleanup
                 await outputs.aclose()
+
+    def _delta(self, run: _Run, text: str, logprobs: list[TokenLogprob],
+               finish_reason: str | None) -> _Delta:
+        """A delta, with the tool calls its text completed taken out of it (chat with tools).
+        A generation that stopped after calling tools finishes with "tool_calls"."""
+        if run.tool_calls is None:
+            return _Delta(text, logprobs, finish_reason)
+        text, calls = run.tool_calls.feed(text)
+        if finish_reason is not None:
+            more_text, more_calls = run.tool_calls.flush()
+            text, calls = text + more_text, calls + more_calls
+        indexed = [(run.num_tool_calls + i, call) for i, call in enumerate(calls)]
+        run.num_tool_calls += len(calls)
+        if finish_reason == FinishReason.STOP and run.num_tool_calls:
+            finish_reason = "tool_calls"
+        return _Delta(text, logprobs, finish_reason, indexed)
 
     def _text_ids(self, run: _Run, out: TokenOutput) -> list[int]:
         """The tokens that become text: a final stop token's or eos's text is left out."""
@@ -527,7 +587,8 @@ def check_port_free(host: str, port: int, what: str) -> None:
 
 
 def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
-                     registry: Registry | None = None) -> FastAPI:
+                     registry: Registry | None = None,
+                     tool_call_parser: str = "hermes") -> FastAPI:
     """A FastAPI app serving the OpenAI API, /health and /metrics over `backend`.
 
     Args:
@@ -535,12 +596,15 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
         tokenizer: the model's tokenizer (chat template, detokenization).
         registry: where the frontend's metrics go; pass one to add your own metrics to the
             same /metrics page (the backend's `metrics_text()` is appended there too).
+        tool_call_parser: the format of tool calls in the model's text
+            (microserve/tool_parsers.py: hermes, llama3_json).
 
     Returns:
         The app; add more routes (`app.include_router(...)`) before serving it. Every error it
         returns is OpenAI's error JSON.
     """
-    frontend = OpenAIFrontend(backend, tokenizer, registry or Registry())
+    frontend = OpenAIFrontend(backend, tokenizer, registry or Registry(),
+                              make_parser(tool_call_parser))
     app = FastAPI(title="microserve")
     install_error_handlers(app)
     app.add_middleware(_LimitBody)

@@ -10,6 +10,10 @@ required except on an assistant turn. `model` may be absent or empty, meaning th
 (as in vLLM).
 Options we do not implement are refused rather than ignored when ignoring them would silently
 change the output: n > 1, best_of > 1, echo, suffix, non-zero penalties, logit_bias.
+
+Structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`, SGLang's
+`regex` and `json_schema`) are shape-checked here and turned into a grammar by guided.py; tools
+and tool_choice are modelled in tools.py.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from microserve.bounds import FINITE, Count, Seed, TokenId, TopK
+from microserve.tool_parsers import ParsedCall
+from microserve.tools import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
 from microserve.types import SamplingParams, TokenLogprob
 
 MAX_LOGPROBS = 20
@@ -32,6 +38,37 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class StreamOptions(BaseModel):
     model_config = FINITE
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_for_its_type(cls, value: JsonSchemaFormat | None, info: ValidationInfo):
+        if value is None and info.data.get("type") == "json_schema":
+            raise ValueError("response_format type 'json_schema' needs json_schema")
+        return value
+
+    def as_dict(self) -> dict:
+        return self.model_dump(by_alias=True)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's (>= 0.12) structured_outputs: one of these."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class GenerationRequest(BaseModel):
@@ -55,6 +92,15 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM extension
     logit_bias: dict[str, float] | None = None
+    # Structured outputs (guided.py): OpenAI's, vLLM's and SGLang's fields, one per request.
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    regex: str | None = None
+    json_schema: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -101,7 +147,19 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def guided_fields(self) -> dict[str, Any]:
+        """The structured-output fields, as guided.request_grammar takes them."""
+        return {
+            "response_format": self.response_format.as_dict() if self.response_format else None,
+            "guided_json": self.guided_json, "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar,
+            "regex": self.regex, "json_schema": self.json_schema,
+            "structured_outputs": (self.structured_outputs.model_dump(by_alias=True)
+                                   if self.structured_outputs else None),
+        }
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        grammar: str | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -111,6 +169,7 @@ class GenerationRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            grammar=grammar,
         )
 
 
@@ -166,6 +225,7 @@ class ChatMessage(BaseModel):
     content: str = Field(None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
 
     @field_validator("content", mode="before")
     @classmethod
@@ -188,6 +248,8 @@ class ChatMessage(BaseModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         return message
 
 
@@ -196,24 +258,20 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Refused until constrained decoding exists: ignoring them would return free text where
-    # the client expects JSON or tool calls.
-    response_format: dict | None = None
-    tools: list | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
 
-    @field_validator("response_format")
+    @field_validator("tool_choice")
     @classmethod
-    def _text_only(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format type {value.get('type')!r} is not supported "
-                             "yet (only 'text')")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError("tools are not supported yet")
+    def _choice_needs_tools(cls, value: ToolChoice | None, info: ValidationInfo):
+        if value is not None and value != "none" and not info.data.get("tools"):
+            raise ValueError("tool_choice is only allowed when tools are specified")
+        if isinstance(value, NamedToolChoice):
+            names = [tool.function.name for tool in info.data.get("tools") or ()]
+            if value.function.name not in names:
+                raise ValueError(f"tool_choice names function {value.function.name!r}, which "
+                                 f"is not among the tools ({', '.join(names)})")
         return value
 
     @field_validator("top_logprobs")
@@ -283,6 +341,16 @@ class _ResponseWire:
         """The extra last chunk that `stream_options.include_usage` asks for."""
         return self._envelope(self.chunk_object, [], usage=usage)
 
+    def chunk(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def delta_chunks(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
+                     tool_calls: list[tuple[int, ParsedCall]]) -> list[dict]:
+        """The stream chunks of one delta (none if it adds nothing)."""
+        if text or logprobs or finish_reason:
+            return [self.chunk(text, logprobs, finish_reason)]
+        return []
+
 
 class CompletionWire(_ResponseWire):
     object = "text_completion"
@@ -300,7 +368,8 @@ class CompletionWire(_ResponseWire):
         return self._envelope(self.chunk_object, [choice])
 
     def body(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
-             usage: dict) -> dict:
+             usage: dict, tool_calls: list[tuple[int, ParsedCall]] = ()) -> dict:
+        assert not tool_calls, "completions have no tool calls"
         return {**self.chunk(text, logprobs, finish_reason), "usage": usage}
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
@@ -342,10 +411,38 @@ class ChatWire(_ResponseWire):
                   "finish_reason": finish_reason}
         return self._envelope(self.chunk_object, [choice])
 
+    def delta_chunks(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
+                     tool_calls: list[tuple[int, ParsedCall]]) -> list[dict]:
+        """Text first, then per call (OpenAI's shape) a chunk with its index, id, type and
+        name and one with its arguments, then the finish reason."""
+        if not tool_calls:
+            return super().delta_chunks(text, logprobs, finish_reason, tool_calls)
+        chunks = super().delta_chunks(text, logprobs, None, [])
+        for index, call in tool_calls:
+            opening = {"index": index, "id": call.id, "type": "function",
+                       "function": {"name": call.name, "arguments": ""}}
+            arguments = {"index": index, "function": {"arguments": call.arguments}}
+            chunks += [self._tool_call_chunk(opening), self._tool_call_chunk(arguments)]
+        if finish_reason is not None:
+            chunks.append(self.chunk("", [], finish_reason))
+        return chunks
+
+    def _tool_call_chunk(self, tool_call: dict) -> dict:
+        choice = {"index": 0, "delta": {"tool_calls": [tool_call]}, "logprobs": None,
+                  "finish_reason": None}
+        return self._envelope(self.chunk_object, [choice])
+
     def body(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
-             usage: dict) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+             usage: dict, tool_calls: list[tuple[int, ParsedCall]] = ()) -> dict:
+        message = {"role": "assistant", "content": text}
+        if tool_calls:  # content is what the model wrote besides the calls, or null
+            message["content"] = text.strip() or None
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+                for _, call in tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs),
+                  "finish_reason": finish_reason}
         return self._envelope(self.object, [choice], usage=usage)
 
     def _token(self, token_id: int, logprob: float) -> dict:

@@ -84,6 +84,9 @@ class Tokenizer:
             self.bos_token_id is not None
             and hf.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id])
         self._template = _compile_chat_template(chat_template) if chat_template else None
+        # A template that reads `tools` renders them (and tool calls) itself; for one that does
+        # not, the frontend writes them into the messages (microserve/tool_parsers.py).
+        self.renders_tools = chat_template is not None and "tools" in chat_template
         self._byte_level = isinstance(hf.decoder, decoders.ByteLevel)
         self._added = {i: t.content for i, t in hf.get_added_tokens_decoder().items()}
         self._bytes_cache: dict[int, bytes] = {}
@@ -145,8 +148,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Render a conversation to prompt text (encode it with add_special_tokens=False).
+
+        `tools` (OpenAI's tool definitions) are passed to the template as transformers does.
 
         Raises:
             ChatTemplateError: no chat template, or the template refused the messages.
@@ -154,9 +160,10 @@ class Tokenizer:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
+            extra = {"tools": tools} if tools else {}
             return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **self.special_tokens, **extra)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
 

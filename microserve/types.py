@@ -26,6 +26,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's eos ids
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus top n
+    # An llguidance grammar (JSON) the output must follow: structured outputs and forced tool
+    # calls, built and validated by the frontend (microserve/guided.py); None: unconstrained.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +44,7 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
+            "grammar": self.grammar,
         }
 
     @classmethod

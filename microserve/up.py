@@ -15,6 +15,7 @@ Config (TOML; see deploy/local-cpu.toml):
 
     model = "smollm2-135m-instruct"      # or a Hugging Face directory; what every engine loads
     served_model_name = "..."            # optional: the name clients use
+    tool_call_parser = "hermes"          # the router's tool-call format: hermes, llama3_json
 
     [router]
     host = "127.0.0.1"                   # 127.0.0.1 unless you mean it
@@ -96,9 +97,10 @@ class Deployment:
     watch_strategy: bool = False
     strategies_dir: str | None = None
     queue_timeout_s: float = 60.0
+    tool_call_parser: str = "hermes"
 
 
-_TOP_KEYS = {"model", "served_model_name", "router", "engines"}
+_TOP_KEYS = {"model", "served_model_name", "tool_call_parser", "router", "engines"}
 _ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy", "strategies_dir",
                 "queue_timeout_s"}
 _ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
@@ -154,7 +156,16 @@ def load_deployment(path: str | Path, port: int | None = None,
         watch_strategy=bool(router.get("watch_strategy", False)),
         strategies_dir=strategies_dir or router.get("strategies_dir"),
         queue_timeout_s=float(queue_timeout_s if queue_timeout_s is not None
-                              else router.get("queue_timeout_s", 60.0)))
+                              else router.get("queue_timeout_s", 60.0)),
+        tool_call_parser=_tool_call_parser(raw.get("tool_call_parser", "hermes"), str(path)))
+
+
+def _tool_call_parser(name: str, where: str) -> str:
+    from microserve.tool_parsers import PARSERS
+
+    if name not in PARSERS:
+        raise ValueError(f"{where}: tool_call_parser {name!r} is not one of {', '.join(PARSERS)}")
+    return name
 
 
 def _no_unknown(table: dict, known: set[str], where: str) -> None:
@@ -355,7 +366,8 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
             admin_token=admin_token, engine_api_key=engine_api_key,
             watch_strategy=deployment.watch_strategy,
             strategies_dir=deployment.strategies_dir,
-            queue_timeout_s=deployment.queue_timeout_s, deployment=deployment_id))
+            queue_timeout_s=deployment.queue_timeout_s, deployment=deployment_id,
+            tool_call_parser=deployment.tool_call_parser))
         await router.start()
         return await _serve(router, deployment, engines, stop, log_level, router_sock)
     finally:

@@ -52,6 +52,7 @@ class RouterConfig:
     queue_timeout_s: float = 60.0  # how long a request may wait for KV pages on its engine
     deployment: str | None = None  # adopt only engines reporting this deployment (set by up)
     engine_wait_s: float = 120.0  # how long start-up waits for each engine to answer
+    tool_call_parser: str = "hermes"  # the format of tool calls (microserve/tool_parsers.py)
 
     def __post_init__(self):
         if not self.engines:
@@ -108,7 +109,8 @@ class Router:
         await self.pool.close()
 
     def app(self) -> FastAPI:
-        app = build_openai_app(self.backend, self.tokenizer, registry=self.registry)
+        app = build_openai_app(self.backend, self.tokenizer, registry=self.registry,
+                               tool_call_parser=self.config.tool_call_parser)
         strategies_dir = self.config.strategies_dir
         add_admin_routes(app, AdminAPI(self.pool, self.host, self.tokenizer,
                                        Path(strategies_dir) if strategies_dir else None))

@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, TokenMask, make_generator
 from microserve.types import SamplingParams
 
 DEVICES = [
@@ -222,3 +222,49 @@ def test_padded_vocab_columns_are_never_sampled(device):
     row_params = [params()] * 100 + [params(temperature=0.0)] * 100
     result = sampler.sample(logits, row_params, [None] * 200)
     assert max(result.token_ids) < 6
+
+
+def _bitmask(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """The int32 bitmask (bit t % 32 of word t // 32) allowing exactly `allowed` per row."""
+    words = torch.zeros(len(allowed), (vocab + 31) // 32, dtype=torch.int64)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            words[row, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_mask_gives_the_argmax_of_the_allowed_tokens(device):
+    """Masked rows choose among their allowed tokens only (bits in every word position, the
+    sign bit included); the unmasked row and the logprobs (raw distribution) are untouched."""
+    vocab = 100
+    logits = random_logits(3, vocab, seed=1, device=device)
+    allowed = [[5, 31, 63, 64, 99], [0, 32]]
+    mask = TokenMask(rows=[0, 2], bitmask=_bitmask(allowed, vocab))
+    sampler = Sampler(vocab, device, seed=0)
+    before = logits.clone()
+    result = sampler.sample(logits, [params(temperature=0.0, logprobs=0)] * 3, [None] * 3)
+    assert result.token_ids == logits.argmax(dim=-1).tolist()  # no mask set: unconstrained
+    sampler.set_step_mask(mask)
+    result = sampler.sample(logits, [params(temperature=0.0, logprobs=0)] * 3, [None] * 3)
+    expected = [max(allowed[0], key=lambda t: logits[0, t].item()),
+                logits[1].argmax().item(),
+                max(allowed[1], key=lambda t: logits[2, t].item())]
+    assert result.token_ids == expected
+    raw = logits.log_softmax(dim=-1)
+    assert [lp.logprob for lp in result.logprobs] == pytest.approx(
+        [raw[i, t].item() for i, t in enumerate(expected)])
+    assert torch.equal(logits, before)  # not modified
+    # set_step_mask lasts one call
+    assert sampler.sample(logits, [params(temperature=0.0)] * 3, [None] * 3).token_ids == (
+        logits.argmax(dim=-1).tolist())
+
+
+def test_masked_sampling_draws_only_allowed_tokens(device):
+    vocab, n = 64, 400
+    logits = torch.zeros(n, vocab, device=device)  # uniform: any token is as likely
+    allowed = [3, 40, 63]
+    mask = TokenMask(rows=list(range(n)), bitmask=_bitmask([allowed] * n, vocab))
+    sampler = Sampler(vocab, device, seed=0)
+    result = sampler.sample(logits, [params(temperature=1.0, top_p=0.9)] * n, [None] * n,
+                            mask=mask)
+    assert set(result.token_ids) == set(allowed)
