@@ -101,7 +101,7 @@ async def prefill_on(engine: EngineClient, rid: str, prompt: list[int]) -> None:
 
 async def measure(p: EngineClient, d: EngineClient, n: int, vocab: int, page_size: int,
                   rng) -> dict:
-    ctx = [rng.randrange(vocab) for _ in range(n)]
+    ctx = fresh(rng, vocab, n)
     tag = f"{n}-{rng.random()}"
     await prefill_on(p, f"warm-{tag}", ctx)  # P caches ctx's whole pages
     cached = n // page_size * page_size  # the prefix cache holds whole pages only
@@ -109,9 +109,9 @@ async def measure(p: EngineClient, d: EngineClient, n: int, vocab: int, page_siz
     copy_s, sent = await timed(p.remote_send(f"copy-{tag}", ctx, 0, cached, r.kv_addr))
     assert sent.reused == cached and sent.computed == 0, sent
     await d.abort(f"copy-{tag}")
-    fresh = [rng.randrange(vocab) for _ in range(n)]
-    r = await d.prep_recv(f"compute-{tag}", fresh, end=n)
-    compute_s, _ = await timed(p.remote_send(f"compute-{tag}", fresh, 0, n, r.kv_addr))
+    new = fresh(rng, vocab, n)
+    r = await d.prep_recv(f"compute-{tag}", new, end=n)
+    compute_s, _ = await timed(p.remote_send(f"compute-{tag}", new, 0, n, r.kv_addr))
     await d.abort(f"compute-{tag}")
     p_prefill_s, _ = await timed(prefill_on(p, f"p-local-{tag}", fresh(rng, vocab, n)))
     prefill_s, _ = await timed(prefill_on(d, f"local-{tag}", fresh(rng, vocab, n)))
