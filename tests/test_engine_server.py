@@ -359,11 +359,12 @@ def test_openai_client_raises_the_documented_errors(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4o", messages=HI)
     assert (info.value.status_code, info.value.code) == (404, "model_not_found")
-    # OpenAI's ranges, and what is not supported yet, refused with the field named.
+    # OpenAI's ranges and malformed constraints, refused with the field named.
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}
     for kw, param in (({"temperature": 2.5}, "temperature"),
                       ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-                      ({"response_format": {"type": "json_object"}}, "response_format"),
-                      ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+                      ({"response_format": bad_schema}, "response_format.json_schema.schema"),
+                      ({"tool_choice": "required"}, "tool_choice")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, **kw)
         assert (info.value.status_code, info.value.param) == (400, param)
