@@ -136,6 +136,16 @@ def _engine_spec(value: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _dns_name(value: str):
+    """NAME[:PORT][,ROLE] -> DnsName."""
+    from router.discovery import DnsName
+
+    try:
+        return DnsName.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _json_object(value: str) -> dict:
     import json
 
@@ -170,9 +180,20 @@ def _secret_args(p, *, up: bool = False) -> None:
 
 def _router_args(sub) -> None:
     p = sub.add_parser("router", help="one OpenAI endpoint over running engines, by a strategy")
-    p.add_argument("--engine", type=_engine_spec, action="append", required=True,
+    p.add_argument("--engine", type=_engine_spec, action="append", default=[],
                    metavar="NAME=URL[,ROLE]",
                    help="an engine (repeat); ROLE: prefill, decode or any (default)")
+    p.add_argument("--engines-from-dns", type=_dns_name, action="append", default=[],
+                   metavar="NAME[:PORT][,ROLE]",
+                   help="engines at every address of a DNS name (repeat; a Kubernetes headless "
+                        "Service), followed as addresses come and go; PORT default 8000")
+    p.add_argument("--dns-interval-s", type=float, default=5.0,
+                   help="seconds between lookups of the --engines-from-dns names")
+    p.add_argument("--deployment", default=None,
+                   help="adopt only engines started with this --deployment (default: any)")
+    p.add_argument("--health-timeout-s", type=float, default=30.0,
+                   help="an engine whose stats take longer is marked down and its open "
+                        "requests fail over (bounds the wait on an engine cut off)")
     p.add_argument("--model", default=None,
                    help="the model directory (or the embedded default's name) to take the "
                         "tokenizer and chat template from")
@@ -217,7 +238,10 @@ def _run_router(args) -> None:
     config = RouterConfig(
         tokenizer_dir=str(resolve_model(args.model)),
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
-        engines=tuple(args.engine), strategy=args.strategy, strategy_args=args.strategy_args,
+        engines=tuple(args.engine), engines_from_dns=tuple(args.engines_from_dns),
+        dns_interval_s=args.dns_interval_s, deployment=args.deployment,
+        health_timeout_s=args.health_timeout_s,
+        strategy=args.strategy, strategy_args=args.strategy_args,
         host=args.host, port=args.port, api_key=args.api_key,
         admin_token=_admin_token(args.admin_token, args.port),
         engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
