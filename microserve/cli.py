@@ -3,6 +3,7 @@
     microserve up CONFIG          a deployment: engines + router from one file (deploy/*.toml)
     microserve engine ...         one engine (OpenAI API + microserving API)
     microserve router ...         the router in front of engines already running
+    microserve drain ROUTER ...   drain an engine through a router's admin API and wait
 """
 
 from __future__ import annotations
@@ -218,6 +219,34 @@ def _up_args(sub) -> None:
     _secret_args(p, up=True)
 
 
+def _drain_args(sub) -> None:
+    p = sub.add_parser("drain", help="drain an engine at a router (a pod's preStop hook) and "
+                                     "wait until the router has no call open on it")
+    p.add_argument("router", help="the router's URL, e.g. http://microserve-router:8000")
+    p.add_argument("--engine", required=True,
+                   help="the engine's name in the router, or its URL (http://POD_IP:8000)")
+    p.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"),
+                   help="the router's admin token (default: $MICROSERVE_ADMIN_TOKEN)")
+    p.add_argument("--wait-s", type=float, default=300.0,
+                   help="give up waiting for its open calls after this long")
+    p.add_argument("--log-level", default="info")
+
+
+def _run_drain(args) -> None:
+    from router.drain import DrainError, drain
+
+    if not args.admin_token:
+        raise ValueError("drain needs the router's admin token: --admin-token or "
+                         "MICROSERVE_ADMIN_TOKEN")
+    try:
+        open_calls = drain(args.router, args.engine, args.admin_token, args.wait_s)
+    except DrainError as e:
+        raise RuntimeError(str(e)) from None
+    left = {name: n for name, n in open_calls.items() if n}
+    print(f"microserve drain: {args.engine} drained at {args.router}"
+          + (f"; calls still open after {args.wait_s:g} s: {left}" if left else ""), flush=True)
+
+
 def _admin_token(given: str | None, port: int) -> str:
     """The admin token asked for, or a new one: printed once, saved where only this user reads."""
     if given is not None:
@@ -271,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     _up_args(sub)
     _engine_args(sub)
     _router_args(sub)
+    _drain_args(sub)
     args = ap.parse_args(argv)
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -278,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(max(logging.getLevelName(level), logging.WARNING))
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
-        {"engine": _run_engine, "router": _run_router, "up": _run_up}[args.command](args)
+        {"engine": _run_engine, "router": _run_router, "up": _run_up,
+         "drain": _run_drain}[args.command](args)
     except (ValueError, RuntimeError, OSError) as e:
         # Start-up problems the user can fix (bad --model, bad sizes, core failed to start).
         print(f"microserve: error: {e}", file=sys.stderr)

@@ -232,7 +232,7 @@ def test_a_host_cut_off_mid_request_fails_it_promptly_and_leaks_nothing(cluster,
                                                                         tiny_served_dir):
     prompt = prompts(1, seed=14)[0]
     core = cluster.d.core_pid()
-    with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+    with httpx.Client(base_url=cluster.router.url, timeout=HEALTH_TIMEOUT_S + 10) as http:
         events = stream(http, prompt, 512 - len(prompt))
         assert isinstance(next(events), list)
         os.kill(core, signal.SIGSTOP)  # so that the stream is surely mid-way when D is cut
@@ -255,4 +255,41 @@ def test_a_host_cut_off_mid_request_fails_it_promptly_and_leaks_nothing(cluster,
     # D comes back when its link does, and holds nothing either.
     cluster.hosts.link("d", up=True)
     cluster.wait_engines(cluster.default_engines(), timeout_s=30)
+    cluster.assert_quiet()
+
+
+def test_a_stopping_pod_drains_its_engine_first(cluster, tiny_served_dir):
+    """What an engine pod's preStop hook runs (deploy/kubernetes): `microserve drain` from
+    inside the pod returns once the request streaming from it has ended, and no new request
+    goes to the engine meanwhile."""
+    d_name, d_url = f"d.test@{cluster.hosts.address('d')}", cluster.d.url
+    prompt = prompts(1, seed=16)[0]
+    want = hf_greedy(tiny_served_dir, [prompt], 64)[0]
+    core = cluster.d.core_pid()
+    with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+        events = stream(http, prompt, 64)
+        got = next(events)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            pre_stop = cluster.hosts.run("d", [
+                sys.executable, "-m", "microserve.cli", "drain", cluster.router.url,
+                "--engine", d_url], cluster.router.log_path.with_name("pre-stop.log"),
+                env={**os.environ, "MICROSERVE_ADMIN_TOKEN": ADMIN["Authorization"][7:]})
+            deadline = time.monotonic() + HEALTH_TIMEOUT_S - 1
+            while cluster.engines()[d_name][2] != "draining":
+                assert time.monotonic() < deadline and pre_stop.poll() is None
+                time.sleep(0.02)
+            assert pre_stop.poll() is None  # still waiting: the request is open on D
+        finally:
+            os.kill(core, signal.SIGCONT)
+        for tokens in events:
+            got += tokens
+    assert got == want
+    assert pre_stop.wait(10) == 0
+    # Drained: a new request is served whole by P, not by D.
+    before = engine_stats(d_url)["stats"]["generation_tokens"]
+    batch = prompts(1, seed=17)
+    assert run_all(cluster.router.url, batch) == hf_greedy(tiny_served_dir, batch, MAX_TOKENS)
+    assert engine_stats(d_url)["stats"]["generation_tokens"] == before
+    assert cluster.admin.post(f"/admin/engines/{d_name}/undrain").status_code == 200
     cluster.assert_quiet()
