@@ -294,14 +294,19 @@ def _run_up(args) -> None:
     sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests check deploy/kubernetes' commands against it)."""
     ap = argparse.ArgumentParser(prog="microserve", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _up_args(sub)
     _engine_args(sub)
     _router_args(sub)
     _drain_args(sub)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO (up's health polling, the benchmarks' clients).
