@@ -193,8 +193,8 @@ def _router_args(sub) -> None:
     p.add_argument("--deployment", default=None,
                    help="adopt only engines started with this --deployment (default: any)")
     p.add_argument("--health-timeout-s", type=float, default=30.0,
-                   help="an engine whose stats take longer is marked down and its open "
-                        "requests fail over (bounds the wait on an engine cut off)")
+                   help="an engine whose stats take longer is marked down and the calls "
+                        "open on it end (bounds the wait on an engine cut off)")
     p.add_argument("--model", default=None,
                    help="the model directory (or the embedded default's name) to take the "
                         "tokenizer and chat template from")
