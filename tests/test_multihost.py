@@ -13,6 +13,7 @@ to. After each test both engines hold nothing (tests/deployments.py: assert_quie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -140,6 +141,35 @@ def stream(http: httpx.Client, prompt: list[int], max_tokens: int) -> Iterator[l
                 yield [int(t[1:-1]) for t in event["choices"][0]["logprobs"]["tokens"]]
 
 
+@contextlib.contextmanager
+def held_on_d(cluster: Cluster, model_dir: str, seed: int) -> Iterator[None]:
+    """A request streams from D, held there while the body runs (D's engine core stopped: D is
+    slow, not down, as long as the body takes less than the health timeout); afterwards it
+    must have finished with Hugging Face's greedy tokens."""
+    prompt = prompts(1, seed=seed)[0]
+    want = hf_greedy(model_dir, [prompt], 64)[0]
+    core = cluster.d.core_pid()
+    with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
+        events = stream(http, prompt, 64)
+        got = next(events)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(core, signal.SIGCONT)
+        for tokens in events:
+            got += tokens
+    assert got == want
+
+
+def wait_draining(cluster: Cluster, name: str) -> None:
+    """Until the router shows engine `name` draining (within the health timeout, less 1 s)."""
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S - 1
+    while (state := cluster.engines().get(name, ())[-1:]) != ("draining",):
+        assert time.monotonic() < deadline, f"{name}: {state}"
+        time.sleep(0.02)
+
+
 def run_all(url: str, batch: list[list[int]]) -> list:
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -180,26 +210,10 @@ def test_discovery_follows_the_dns_answers(cluster, tiny_served_dir):
 
     # D's pod moves (d.test answers .14 instead of .12) while a request streams from it: the
     # old one is drained, not cut, and removed once that request has ended.
-    prompt = prompts(1, seed=12)[0]
-    want = hf_greedy(tiny_served_dir, [prompt], 64)[0]
-    core = cluster.d.core_pid()
-    with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
-        events = stream(http, prompt, 64)
-        got = next(events)
-        os.kill(core, signal.SIGSTOP)  # D holds the request meanwhile (well within the
-        try:                           # health timeout: D is slow, not down)
-            cluster.answer(p=[hosts.address("p")], d=[cluster.alias("d")])
-            deadline = time.monotonic() + HEALTH_TIMEOUT_S - 1
-            while (old := cluster.engines().get(d_name)) != ("decode", "dns:d.test",
-                                                             "draining"):
-                assert time.monotonic() < deadline, old
-                time.sleep(0.02)
-            assert _open_generations(cluster, d_name) == 1
-        finally:
-            os.kill(core, signal.SIGCONT)
-        for tokens in events:
-            got += tokens
-    assert got == want  # the drained engine finished it
+    with held_on_d(cluster, tiny_served_dir, seed=12):
+        cluster.answer(p=[hosts.address("p")], d=[cluster.alias("d")])
+        wait_draining(cluster, d_name)
+        assert _open_generations(cluster, d_name) == 1
     cluster.wait_engines({p_name: ("prefill", "dns:p.test", "up"),
                           moved: ("decode", "dns:d.test", "up")})
 
@@ -263,28 +277,13 @@ def test_a_stopping_pod_drains_its_engine_first(cluster, tiny_served_dir):
     inside the pod returns once the request streaming from it has ended, and no new request
     goes to the engine meanwhile."""
     d_name, d_url = f"d.test@{cluster.hosts.address('d')}", cluster.d.url
-    prompt = prompts(1, seed=16)[0]
-    want = hf_greedy(tiny_served_dir, [prompt], 64)[0]
-    core = cluster.d.core_pid()
-    with httpx.Client(base_url=cluster.router.url, timeout=60) as http:
-        events = stream(http, prompt, 64)
-        got = next(events)
-        os.kill(core, signal.SIGSTOP)
-        try:
-            pre_stop = cluster.hosts.run("d", [
-                sys.executable, "-m", "microserve.cli", "drain", cluster.router.url,
-                "--engine", d_url], cluster.router.log_path.with_name("pre-stop.log"),
-                env={**os.environ, "MICROSERVE_ADMIN_TOKEN": ADMIN["Authorization"][7:]})
-            deadline = time.monotonic() + HEALTH_TIMEOUT_S - 1
-            while cluster.engines()[d_name][2] != "draining":
-                assert time.monotonic() < deadline and pre_stop.poll() is None
-                time.sleep(0.02)
-            assert pre_stop.poll() is None  # still waiting: the request is open on D
-        finally:
-            os.kill(core, signal.SIGCONT)
-        for tokens in events:
-            got += tokens
-    assert got == want
+    with held_on_d(cluster, tiny_served_dir, seed=16):
+        pre_stop = cluster.hosts.run("d", [
+            sys.executable, "-m", "microserve.cli", "drain", cluster.router.url,
+            "--engine", d_url], cluster.router.log_path.with_name("pre-stop.log"),
+            env={**os.environ, "MICROSERVE_ADMIN_TOKEN": ADMIN["Authorization"][7:]})
+        wait_draining(cluster, d_name)
+        assert pre_stop.poll() is None  # still waiting: the request is open on D
     assert pre_stop.wait(10) == 0
     # Drained: a new request is served whole by P, not by D.
     before = engine_stats(d_url)["stats"]["generation_tokens"]
