@@ -49,6 +49,7 @@ from microserve.microserving import (
 )
 from microserve.microserving_client import EngineClient
 from router.prefix_index import PrefixIndex
+from router.stream_watch import StreamWatch
 
 if TYPE_CHECKING:
     from router.strategy import Request
@@ -174,7 +175,7 @@ class EngineHandle:
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
                                             request.sampling)
-        watch = _StreamWatch(self, self._pool.down_event(self.name))
+        watch = StreamWatch(self, self._pool.down_event(self.name))
         try:
             async for chunk in watch.chunks(chunks, f"engine {self.name} went down while "
                                                     f"generating {request.request_id}"):
@@ -188,7 +189,7 @@ class EngineHandle:
             self._pool.mark_down(self, str(e))
             raise
         finally:
-            watch.close()
+            await watch.aclose()
             await chunks.aclose()
             self.open_generations -= 1
             self.pending_prefill_tokens -= prefill
@@ -225,59 +226,6 @@ class EngineHandle:
         except BackendUnavailable as e:
             self._pool.mark_down(self, str(e))
             raise
-
-
-class _StreamWatch:
-    """Gives up an engine's token stream when the pool marks the engine down.
-
-    A stream from an engine cut off from the network (no FIN, no RST) would wait for its next
-    chunk for as long as TCP keeps the connection (hours); the pool's poller notices within
-    its health timeout. One waiter task per stream, nothing per chunk: when the engine goes
-    down while the stream awaits its next chunk, the awaiting task is cancelled there and the
-    stream raises BackendUnavailable (the way asyncio.timeout turns its cancel into a
-    TimeoutError); when it goes down between chunks, the next read raises it. An engine taken
-    out of the pool (its event is set too) is not down: its streams go on."""
-
-    def __init__(self, engine: EngineHandle, down: asyncio.Event | None):
-        self._engine = engine
-        self._reader: asyncio.Task | None = None  # the task awaiting a chunk, while it does
-        self._engine_down = False  # set by the waiter
-        self._cancelled = False  # set by the waiter when it cancelled the reader
-        # down is None when the engine already left the pool: nothing to watch.
-        self._waiter = (asyncio.ensure_future(self._cancel_reader_when_down(down))
-                        if down is not None else None)
-
-    async def _cancel_reader_when_down(self, down: asyncio.Event) -> None:
-        await down.wait()
-        if self._engine.up:  # removed from the pool, not down
-            return
-        self._engine_down = True
-        if self._reader is not None:
-            self._cancelled = True
-            self._reader.cancel()
-
-    async def chunks(self, stream: AsyncIterator[GenerateChunk], why: str
-                     ) -> AsyncIterator[GenerateChunk]:
-        while True:
-            if self._engine_down:
-                raise BackendUnavailable(why)
-            self._reader = asyncio.current_task()
-            try:
-                chunk = await anext(stream)
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                # Ours alone (no other cancel pending, e.g. the client's): the engine is down.
-                if self._cancelled and self._reader.uncancel() == 0:
-                    raise BackendUnavailable(why) from None
-                raise
-            finally:
-                self._reader = None
-            yield chunk
-
-    def close(self) -> None:
-        if self._waiter is not None:
-            self._waiter.cancel()
 
 
 def _span(n: int, begin: int, end: int) -> int:
