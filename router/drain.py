@@ -24,9 +24,9 @@ class DrainError(RuntimeError):
 def drain(router_url: str, engine: str, admin_token: str, wait_s: float = 300.0,
           poll_s: float = 0.5) -> dict[str, int]:
     """Drain the router's engines named `engine` or at URL `engine`; wait until none has an
-    open call. Returns their open calls by name when done (all 0 unless `wait_s` passed;
-    an engine that left the pool meanwhile is not listed). Raises DrainError when the router cannot be asked or
-    knows no such engine."""
+    open call. Returns their open calls by name when done (all 0 unless `wait_s` passed; an
+    engine that left the pool meanwhile is not listed). Raises DrainError when the router
+    cannot be asked or knows no such engine."""
     headers = {"Authorization": f"Bearer {admin_token}"}
     with httpx.Client(base_url=router_url.rstrip("/"), headers=headers, timeout=10) as http:
         names = [e["name"] for e in _engines(http) if engine in (e["name"], e["url"])]

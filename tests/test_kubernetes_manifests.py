@@ -122,7 +122,8 @@ def _secret(key: str, optional: bool = False) -> dict:
 def test_engines_one_workload_per_role_with_probes_drain_and_transfer_port(docs):
     deployments, services = by_kind(docs, "Deployment"), by_kind(docs, "Service")
     router_service = services["microserve-router"]
-    router_url = f"http://{router_service['metadata']['name']}:{router_service['spec']['ports'][0]['port']}"
+    router_port = router_service["spec"]["ports"][0]["port"]
+    router_url = f"http://{router_service['metadata']['name']}:{router_port}"
     for role in ROLES:
         pod = deployments[f"microserve-{role}"]["spec"]["template"]
         [engine] = pod["spec"]["containers"]

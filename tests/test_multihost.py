@@ -95,7 +95,8 @@ def cluster(tiny_served_dir, tmp_path_factory) -> Iterator[Cluster]:
             tiny_served_dir, {}, work / "router.log", "--strategy", "pd",
             "--engines-from-dns", "p.test,prefill", "--engines-from-dns", "d.test:8000,decode",
             "--dns-interval-s", str(DNS_INTERVAL_S), "--deployment", DEPLOYMENT,
-            "--health-timeout-s", str(HEALTH_TIMEOUT_S), "--admin-token", ADMIN["Authorization"][7:],
+            "--health-timeout-s", str(HEALTH_TIMEOUT_S),
+            "--admin-token", ADMIN["Authorization"][7:],
             host=hosts.address("router"), prefix=("ip", "netns", "exec", hosts.netns("router")))
         try:
             router.wait_ready()
