@@ -3,6 +3,7 @@
     microserve up CONFIG          a deployment: engines + router from one file (deploy/*.toml)
     microserve engine ...         one engine (OpenAI API + microserving API)
     microserve router ...         the router in front of engines already running
+    microserve drain ROUTER ...   drain an engine through a router's admin API and wait
 """
 
 from __future__ import annotations
@@ -144,6 +145,16 @@ def _engine_spec(value: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _dns_name(value: str):
+    """NAME[:PORT][,ROLE] -> DnsName."""
+    from router.discovery import DnsName
+
+    try:
+        return DnsName.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _json_object(value: str) -> dict:
     import json
 
@@ -178,9 +189,20 @@ def _secret_args(p, *, up: bool = False) -> None:
 
 def _router_args(sub) -> None:
     p = sub.add_parser("router", help="one OpenAI endpoint over running engines, by a strategy")
-    p.add_argument("--engine", type=_engine_spec, action="append", required=True,
+    p.add_argument("--engine", type=_engine_spec, action="append", default=[],
                    metavar="NAME=URL[,ROLE]",
                    help="an engine (repeat); ROLE: prefill, decode or any (default)")
+    p.add_argument("--engines-from-dns", type=_dns_name, action="append", default=[],
+                   metavar="NAME[:PORT][,ROLE]",
+                   help="engines at every address of a DNS name (repeat; a Kubernetes headless "
+                        "Service), followed as addresses come and go; PORT default 8000")
+    p.add_argument("--dns-interval-s", type=float, default=5.0,
+                   help="seconds between lookups of the --engines-from-dns names")
+    p.add_argument("--deployment", default=None,
+                   help="adopt only engines started with this --deployment (default: any)")
+    p.add_argument("--health-timeout-s", type=float, default=30.0,
+                   help="an engine whose stats take longer is marked down and the calls "
+                        "open on it end (bounds the wait on an engine cut off)")
     p.add_argument("--model", default=None,
                    help="the model directory (or the embedded default's name) to take the "
                         "tokenizer and chat template from")
@@ -206,6 +228,34 @@ def _up_args(sub) -> None:
     _secret_args(p, up=True)
 
 
+def _drain_args(sub) -> None:
+    p = sub.add_parser("drain", help="drain an engine at a router (a pod's preStop hook) and "
+                                     "wait until the router has no call open on it")
+    p.add_argument("router", help="the router's URL, e.g. http://microserve-router:8000")
+    p.add_argument("--engine", required=True,
+                   help="the engine's name in the router, or its URL (http://POD_IP:8000)")
+    p.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"),
+                   help="the router's admin token (default: $MICROSERVE_ADMIN_TOKEN)")
+    p.add_argument("--wait-s", type=float, default=300.0,
+                   help="give up waiting for its open calls after this long")
+    p.add_argument("--log-level", default="info")
+
+
+def _run_drain(args) -> None:
+    from router.drain import DrainError, drain
+
+    if not args.admin_token:
+        raise ValueError("drain needs the router's admin token: --admin-token or "
+                         "MICROSERVE_ADMIN_TOKEN")
+    try:
+        open_calls = drain(args.router, args.engine, args.admin_token, args.wait_s)
+    except DrainError as e:
+        raise RuntimeError(str(e)) from None
+    left = {name: n for name, n in open_calls.items() if n}
+    print(f"microserve drain: {args.engine} drained at {args.router}"
+          + (f"; calls still open after {args.wait_s:g} s: {left}" if left else ""), flush=True)
+
+
 def _admin_token(given: str | None, port: int) -> str:
     """The admin token asked for, or a new one: printed once, saved where only this user reads."""
     if given is not None:
@@ -226,7 +276,10 @@ def _run_router(args) -> None:
     config = RouterConfig(
         tokenizer_dir=str(resolve_model(args.model)),
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
-        engines=tuple(args.engine), strategy=args.strategy, strategy_args=args.strategy_args,
+        engines=tuple(args.engine), engines_from_dns=tuple(args.engines_from_dns),
+        dns_interval_s=args.dns_interval_s, deployment=args.deployment,
+        health_timeout_s=args.health_timeout_s,
+        strategy=args.strategy, strategy_args=args.strategy_args,
         host=args.host, port=args.port, api_key=args.api_key,
         admin_token=_admin_token(args.admin_token, args.port),
         engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
@@ -251,20 +304,27 @@ def _run_up(args) -> None:
     sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests check deploy/kubernetes' commands against it)."""
     ap = argparse.ArgumentParser(prog="microserve", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _up_args(sub)
     _engine_args(sub)
     _router_args(sub)
-    args = ap.parse_args(argv)
+    _drain_args(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO (up's health polling, the benchmarks' clients).
     logging.getLogger("httpx").setLevel(max(logging.getLevelName(level), logging.WARNING))
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
-        {"engine": _run_engine, "router": _run_router, "up": _run_up}[args.command](args)
+        {"engine": _run_engine, "router": _run_router, "up": _run_up,
+         "drain": _run_drain}[args.command](args)
     except (ValueError, RuntimeError, OSError) as e:
         # Start-up problems the user can fix (bad --model, bad sizes, core failed to start).
         print(f"microserve: error: {e}", file=sys.stderr)

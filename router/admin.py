@@ -135,7 +135,7 @@ class AdminAPI:
         body: EngineBody = await _body(raw, EngineBody)
         try:
             spec = EngineSpec(body.name, body.url, body.role)
-            await self.pool.add(spec)
+            await self.pool.add(spec, source="admin")
         except ValueError as e:
             raise invalid_request(str(e)) from None
         return JSONResponse(self._engine(body.name), status_code=201)

@@ -49,6 +49,7 @@ from microserve.microserving import (
 )
 from microserve.microserving_client import EngineClient
 from router.prefix_index import PrefixIndex
+from router.stream_watch import StreamWatch
 
 if TYPE_CHECKING:
     from router.strategy import Request
@@ -85,8 +86,10 @@ class EngineSpec:
 class EngineHandle:
     """One engine as strategies use it. Safe to share between requests."""
 
-    def __init__(self, spec: EngineSpec, client: EngineClient, pool: EnginePool):
+    def __init__(self, spec: EngineSpec, client: EngineClient, pool: EnginePool,
+                 source: str = "static"):
         self.spec = spec
+        self.source = source  # how it joined: "static", "admin" or "dns:NAME"
         self.client = client
         self._pool = pool
         self.info: dict = {}  # the engine's EngineInfo; set by the pool when it first answers
@@ -145,12 +148,13 @@ class EngineHandle:
         reservation); returns once every byte landed there."""
         self._touch(request)
         tokens = _span(len(request.prompt), begin, end)
-        receivers = [n for n in request.touched if n != self.name]
+        # The receivers, and this engine itself: a sender cut off mid-send never answers.
+        watched = [n for n in request.touched if n != self.name] + [self.name]
         self.open_sends += 1
         self.pending_prefill_tokens += tokens
         try:
             answer = await self._pool.unless_down(
-                receivers, self._call(self.client.remote_send(
+                watched, self._call(self.client.remote_send(
                     request.request_id, request.prompt, begin, end, kv_addr)),
                 f"while engine {self.name} was sending it KV for request {request.request_id}")
         finally:
@@ -171,8 +175,10 @@ class EngineHandle:
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
                                             request.sampling)
+        watch = StreamWatch(self, self._pool.down_event(self.name))
         try:
-            async for chunk in chunks:
+            async for chunk in watch.chunks(chunks, f"engine {self.name} went down while "
+                                                    f"generating {request.request_id}"):
                 self.pending_prefill_tokens -= prefill
                 prefill = 0
                 if chunk.finish_reason is not None:
@@ -183,6 +189,7 @@ class EngineHandle:
             self._pool.mark_down(self, str(e))
             raise
         finally:
+            await watch.aclose()
             await chunks.aclose()
             self.open_generations -= 1
             self.pending_prefill_tokens -= prefill
@@ -231,7 +238,8 @@ class EnginePool:
 
     def __init__(self, *, api_key: str | None = None, poll_interval_s: float = 0.5,
                  timeout_s: float = 30.0, queue_timeout_s: float = 60.0,
-                 registry: Registry | None = None, deployment: str | None = None):
+                 registry: Registry | None = None, deployment: str | None = None,
+                 health_timeout_s: float | None = None):
         """
         Args:
             api_key: the engines' bearer token (their --api-key), sent on every call.
@@ -240,7 +248,11 @@ class EnginePool:
             queue_timeout_s: how long a prep_recv waits for KV pages on its engine.
             registry: where the pool's counters live (a fresh one if None).
             deployment: adopt only engines whose stats report this deployment (None: any).
+            health_timeout_s: an engine whose stats take longer is marked down (default
+                timeout_s). What bounds the wait on an engine cut off from the network: its
+                open streams and sends are given up once it is marked down.
         """
+        self.health_timeout_s = timeout_s if health_timeout_s is None else health_timeout_s
         self.deployment = deployment
         self.api_key = api_key
         self.poll_interval_s = poll_interval_s
@@ -339,6 +351,10 @@ class EnginePool:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
+    def down_event(self, name: str) -> asyncio.Event | None:
+        """Set when engine `name` is marked down or leaves the pool (None: not in it)."""
+        return self._down.get(name)
+
     def _need(self, role: str | None) -> list[EngineHandle]:
         engines = self.routable(role)
         if not engines:
@@ -356,17 +372,18 @@ class EnginePool:
 
     # -- membership -----------------------------------------------------------------------------
 
-    async def add(self, spec: EngineSpec) -> EngineHandle:
+    async def add(self, spec: EngineSpec, source: str = "static") -> EngineHandle:
         """Add an engine; it must answer and serve the same model as the engines already here.
+        `source` says how it came (shown by describe): "static", "admin", "dns:NAME".
 
         Raises ValueError (a 400) on a duplicate name or a different model/layout, and
         BackendUnavailable if it does not answer."""
         if spec.name in self._engines:
             raise ValueError(f"an engine named {spec.name!r} is already in the pool")
         client = EngineClient(spec.url, api_key=self.api_key, timeout_s=self.timeout_s)
-        handle = EngineHandle(spec, client, self)
+        handle = EngineHandle(spec, client, self, source)
         try:
-            body = await client.stats()
+            body = await self._stats(client)
             self._check_same_model(spec.name, body["info"])
             if spec.name in self._engines:  # added by someone else while we waited
                 raise ValueError(f"an engine named {spec.name!r} is already in the pool")
@@ -436,7 +453,7 @@ class EnginePool:
 
     async def _poll(self, handle: EngineHandle) -> None:
         try:
-            body = await handle.client.stats()
+            body = await self._stats(handle.client)
         except Exception as e:  # down, or answering garbage: either way not routable
             self.mark_down(handle, str(e) or type(e).__name__)
             return
@@ -451,6 +468,15 @@ class EnginePool:
             handle.info, handle.up, handle.down_reason = body["info"], True, ""
             if self._down[handle.name].is_set():  # calls watch it afresh
                 self._down[handle.name] = asyncio.Event()
+
+    async def _stats(self, client: EngineClient) -> dict:
+        """The engine's /microserving/stats, within the health timeout."""
+        try:
+            async with asyncio.timeout(self.health_timeout_s):
+                return await client.stats()
+        except TimeoutError:
+            raise BackendUnavailable(f"engine {client.base_url}: no stats within "
+                                     f"{self.health_timeout_s:g} s") from None
 
     async def start(self) -> None:
         """Begin polling (call once the event loop runs)."""
@@ -491,7 +517,8 @@ class EnginePool:
 
     def describe(self) -> list[dict]:
         """What GET /admin/engines shows."""
-        return [{"name": e.name, "url": e.url, "role": e.role, "state": _state(e),
+        return [{"name": e.name, "url": e.url, "role": e.role, "source": e.source,
+                 "state": _state(e),
                  "down_reason": e.down_reason or None, "open_sends": e.open_sends,
                  "open_generations": e.open_generations,
                  "pending_prefill_tokens": e.pending_prefill_tokens, "load": e.load,

@@ -27,6 +27,7 @@ from microserve.openai_app import QuietServer, build_openai_app, listen_socket
 from microserve.tokenizer import Tokenizer
 from router.admin import AdminAPI, add_admin_routes
 from router.backend import RouterBackend
+from router.discovery import Discovery, DnsName
 from router.engines import EnginePool, EngineSpec
 from router.host import StrategyHost, StrategySource
 
@@ -53,10 +54,16 @@ class RouterConfig:
     deployment: str | None = None  # adopt only engines reporting this deployment (set by up)
     engine_wait_s: float = 120.0  # how long start-up waits for each engine to answer
     tool_call_parser: str = "hermes"  # the format of tool calls (microserve/tool_parsers.py)
+    health_timeout_s: float = 30.0  # an engine whose stats take longer is marked down
+    engines_from_dns: tuple[DnsName, ...] = ()  # names whose addresses are engines
+    dns_interval_s: float = 5.0  # how often they are looked up
 
     def __post_init__(self):
-        if not self.engines:
-            raise ValueError("a router needs at least one engine (--engine NAME=URL)")
+        if not self.engines and not self.engines_from_dns:
+            raise ValueError("a router needs engines: --engine NAME=URL or --engines-from-dns "
+                             "NAME")
+        if not 0 < self.health_timeout_s <= 300:
+            raise ValueError(f"health_timeout_s {self.health_timeout_s} must be in (0, 300]")
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
@@ -76,7 +83,10 @@ class Router:
         self.pool = EnginePool(api_key=config.engine_api_key,
                                poll_interval_s=config.poll_interval_s,
                                queue_timeout_s=config.queue_timeout_s, registry=self.registry,
-                               deployment=config.deployment)
+                               deployment=config.deployment,
+                               health_timeout_s=config.health_timeout_s)
+        self.discovery = Discovery(self.pool, config.engines_from_dns, config.dns_interval_s,
+                                   self.registry)
         self.host = StrategyHost(self.pool)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
         self.backend = RouterBackend(self.pool, self.host, config.served_model_name,
@@ -85,6 +95,8 @@ class Router:
     async def start(self) -> None:
         for spec in self.config.engines:
             await self._add_when_up(spec)
+        if self.config.engines_from_dns:
+            await self.discovery.start()
         await self.host.load(StrategySource.parse(self.config.strategy),
                              self.config.strategy_args)
         await self.pool.start()
@@ -105,6 +117,7 @@ class Router:
                 await asyncio.sleep(0.5)
 
     async def close(self) -> None:
+        await self.discovery.close()
         await self.host.close()
         await self.pool.close()
 

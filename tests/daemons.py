@@ -31,11 +31,16 @@ def free_port() -> int:
 class Daemon:
     """One `microserve engine` process on a free port; its stdout and stderr go to `log_path`."""
 
-    def __init__(self, model_dir: str, log_path: Path, name: str, *args: str):
-        self.name, self.log_path, self.port = name, log_path, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model_dir,
-               "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
+    def __init__(self, model_dir: str, log_path: Path, name: str, *args: str,
+                 host: str = "127.0.0.1", url_host: str | None = None,
+                 prefix: tuple[str, ...] = ()):
+        """`host`: the address it binds; `url_host`: the one to reach it at (default `host`);
+        `prefix`: argv in front of the command (`ip netns exec NS`: another network)."""
+        self.name, self.log_path = name, log_path
+        self.port = free_port() if not prefix else 8000  # alone in its network namespace
+        self.url = f"http://{url_host or host}:{self.port}"
+        cmd = [*prefix, sys.executable, "-m", "microserve.cli", "engine", "--model", model_dir,
+               "--served-model-name", name, "--host", host, "--port", str(self.port),
                *args]  # fmt: skip
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -127,12 +127,15 @@ class RouterProcess:
     """`microserve router` over engines already running; output to `log_path`."""
 
     def __init__(self, model_dir: str, engines: dict[str, str], log_path: Path, *args: str,
-                 env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+                 env: dict | None = None, host: str = "127.0.0.1",
+                 prefix: tuple[str, ...] = ()):
+        """`host`: the address it binds; `prefix`: argv in front of the command (`ip netns
+        exec NS`: another network, where it is alone and takes port 8000)."""
+        self.port = free_port() if not prefix else 8000
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "microserve.cli", "router", "--model", model_dir,
-               "--served-model-name", "test-model", "--port", str(self.port),
+        cmd = [*prefix, sys.executable, "-m", "microserve.cli", "router", "--model", model_dir,
+               "--served-model-name", "test-model", "--host", host, "--port", str(self.port),
                *[f"--engine={name}={url}" for name, url in engines.items()], *args]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -297,8 +297,8 @@ async def test_migrate_moves_a_context_and_the_destination_shows_it_cached(up, a
 
 async def test_engines_list_drain_and_undrain(up, admin):
     engines = {e["name"]: e for e in admin.get("/admin/engines").json()["engines"]}
-    assert {n: (e["role"], e["state"]) for n, e in engines.items()} == {
-        "p": ("prefill", "up"), "d": ("decode", "up")}
+    assert {n: (e["role"], e["source"], e["state"]) for n, e in engines.items()} == {
+        "p": ("prefill", "static", "up"), "d": ("decode", "static", "up")}
     r = admin.post("/admin/engines/d/drain")
     assert r.status_code == 200 and r.json()["state"] == "draining"
     use(admin, builtin="data_parallel")
@@ -321,7 +321,8 @@ async def test_engines_list_drain_and_undrain(up, admin):
     assert admin.delete("/admin/engines/d").status_code == 404
     r = admin.post("/admin/engines", json={"name": "d", "url": up.engine_urls["d"],
                                            "role": "decode"})
-    assert r.status_code == 201 and (r.json()["role"], r.json()["state"]) == ("decode", "up")
+    assert r.status_code == 201
+    assert (r.json()["role"], r.json()["source"], r.json()["state"]) == ("decode", "admin", "up")
     r = admin.post("/admin/engines", json={"name": "x", "url": up.engine_urls["d"],
                                            "role": "both"})
     assert r.status_code == 400 and "role 'both' is not one of" in r.json()["error"]["message"]

@@ -523,3 +523,72 @@ async def aborts_when(end: str) -> dict[str, int]:
 ])
 async def test_abort_goes_once_to_each_engine_still_holding_the_request(end, want):
     assert await aborts_when(end) == want
+
+
+# ---- an engine marked down ends its streams; DNS names ---------------------------------------
+
+
+class _SlowStream:
+    """An engine client whose start_generate yields one chunk, then one more when `go` is set
+    (an engine cut off never sets it), then the finishing chunk."""
+
+    def __init__(self):
+        self.go = asyncio.Event()
+
+    async def start_generate(self, request_id, prompt, begin, sampling):
+        yield GenerateChunk(token_ids=[1])
+        await self.go.wait()
+        yield GenerateChunk(token_ids=[2])
+        yield GenerateChunk(token_ids=[3], finish_reason="length")
+
+    def retire(self):
+        pass
+
+
+def _streaming_engine() -> tuple[EnginePool, EngineHandle, _SlowStream]:
+    from microserve.microserving import Sampling
+    from router.strategy import Request
+
+    pool = make_pool(("d", "decode"))
+    client = pool["d"].client = _SlowStream()
+    request = Request("r1", [5, 6, 7], Sampling())
+    return pool, pool["d"].start_generate(request, begin=0), client
+
+
+async def test_a_stream_from_an_engine_marked_down_fails_at_once():
+    pool, chunks, _ = _streaming_engine()
+    assert (await anext(chunks)).token_ids == [1]
+    reading = asyncio.ensure_future(anext(chunks))  # waits for a chunk that never comes
+    await asyncio.sleep(0.01)
+    assert not reading.done()
+    pool.mark_down(pool["d"], "no stats within 3 s")
+    with pytest.raises(BackendUnavailable, match="engine d went down while generating r1"):
+        await asyncio.wait_for(reading, 1)
+    assert pool["d"].open_generations == 0
+
+
+async def test_a_stream_from_an_engine_taken_out_of_the_pool_goes_on():
+    pool, chunks, client = _streaming_engine()
+    assert (await anext(chunks)).token_ids == [1]
+    reading = asyncio.ensure_future(anext(chunks))
+    await asyncio.sleep(0.01)
+    handle = pool.remove("d")  # DELETE /admin/engines/d, or discovery after a drain
+    await asyncio.sleep(0.01)
+    client.go.set()
+    assert (await asyncio.wait_for(reading, 1)).token_ids == [2]
+    assert [c.token_ids async for c in chunks] == [[3]]
+    assert handle.open_generations == 0
+
+
+def test_dns_names_parse_with_port_and_role():
+    from router.discovery import DnsName
+
+    assert DnsName.parse("microserve-decode") == DnsName("microserve-decode", 8000, "any")
+    assert DnsName.parse("d.test:9000,decode") == DnsName("d.test", 9000, "decode")
+    assert DnsName.parse("p,prefill").spec("10.0.0.7") == EngineSpec(
+        "p@10.0.0.7", "http://10.0.0.7:8000", "prefill")
+    assert DnsName.parse("p").spec("fd00::7").url == "http://[fd00::7]:8000"
+    for bad, why in [("p:x", "port 'x' is not a number"), ("p:0", "port 0 not in 1..65535"),
+                     ("p,gpu", "role 'gpu' is not one of"), (":80", "must be non-empty")]:
+        with pytest.raises(ValueError, match=why):
+            DnsName.parse(bad)
