@@ -76,8 +76,12 @@ class GrammarMatchers:
             if not path.exists():
                 raise RequestRejected(f"constrained decoding needs the model's tokenizer.json, "
                                       f"which {self.model_dir} lacks", "grammar")
-            self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_token_ids)
+            try:
+                self._tokenizer = llguidance.LLTokenizer(
+                    path.read_text(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            except (ValueError, RuntimeError) as e:  # e.g. a word-level tokenizer (random:)
+                raise RequestRejected(f"constrained decoding cannot read this model's "
+                                      f"tokenizer.json: {e}", "grammar") from None
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
 

@@ -87,6 +87,21 @@ class Up:
             raise
 
 
+def up_prefill_decode(tmp: Path, model_dir: str, engine_args: list[str], admin: str):
+    """A fixture body: `microserve up` with a prefill and a decode engine (shm) running
+    data_parallel; yields the running Up, stops it (checking nothing outlives it) after."""
+    config, port, urls = write_config(tmp / "deploy.toml", model_dir, "data_parallel", [
+        ("p", "prefill", engine_args), ("d", "decode", [*engine_args, "--kv-transfer", "shm"])])
+    deployment = Up(config, port, urls, tmp / "up.log",
+                    env={**os.environ, "MICROSERVE_ADMIN_TOKEN": admin})
+    try:
+        deployment.wait_ready()
+        yield deployment
+    finally:
+        if deployment.proc.poll() is None:
+            stop_and_check(deployment)
+
+
 def with_engine_key(env: dict | None) -> dict:
     """The environment for `up` or `router`: the suites' engine key unless `env` names one."""
     return {"MICROSERVE_ENGINE_API_KEY": ENGINE_KEY, **(env or os.environ)}

@@ -19,8 +19,7 @@ import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
 from daemons import ENGINE_AUTH
-from deployments import (RouterProcess, Up, assert_quiet, engine_stats, stop_and_check,
-                         write_config)
+from deployments import RouterProcess, assert_quiet, engine_stats, up_prefill_decode
 from openai import AsyncOpenAI
 
 from microserve.tokenizer import Tokenizer
@@ -37,17 +36,7 @@ GREEDY = {"temperature": 0, "max_tokens": N_NEW, "extra_body": {"ignore_eos": Tr
 
 @pytest.fixture(scope="module")
 def up(smollm2_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("up")
-    config, port, urls = write_config(tmp / "deploy.toml", smollm2_dir, "data_parallel", [
-        ("p", "prefill", ENGINE_ARGS), ("d", "decode", [*ENGINE_ARGS, "--kv-transfer", "shm"])])
-    env = {**os.environ, "MICROSERVE_ADMIN_TOKEN": ADMIN}
-    deployment = Up(config, port, urls, tmp / "up.log", env=env)
-    try:
-        deployment.wait_ready()
-        yield deployment
-    finally:
-        if deployment.proc.poll() is None:
-            stop_and_check(deployment)
+    yield from up_prefill_decode(tmp_path_factory.mktemp("up"), smollm2_dir, ENGINE_ARGS, ADMIN)
 
 
 @pytest.fixture
