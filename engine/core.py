@@ -40,8 +40,10 @@ class _Launched:
 
     scheduled: list[Sequence]
     sampled: list[tuple[Sequence, int]]
-    pending: PendingSample | None
+    pending: PendingSample | None  # None until sampled, and when no row is
     length_done: list[Sequence]  # reach max_tokens / max_model_len with this step's token
+    logits: torch.Tensor | None = None  # forward done, sampling deferred (see step)
+    sample_args: tuple[list, list] = ([], [])  # the sampled rows' params and generators
 
 
 class EngineCore:
@@ -252,42 +254,41 @@ class EngineCore:
     # A token sampled by the step in flight is a placeholder (PENDING) in output_token_ids; the
     # next step's input for it is filled on the device from the sampled ids. Stopping on eos
     # is learned one step late: that step's extra token for the sequence is dropped.
+    #
+    # A constrained sequence's mask for step N depends on its token of step N-1. When step
+    # N-1 sampled one, step N's forward pass is launched first and its sampling after N-1 is
+    # resolved and the masks computed, so the GPU runs N's forward pass meanwhile:
+    #
+    #   host:  launch N-1 | forward N | resolve N-1, masks | sample N | forward N+1 | ...
+    #   GPU:        [ step N-1 ...... ][ forward N ............ ][sample N][ forward N+1 ...
 
     def step(self) -> list[TokenOutput]:
-        outputs = []
-        if self._in_flight is not None and self._constrains(self._in_flight):
-            # A constrained sequence's next mask needs the token in flight: this step waits.
-            outputs, self._in_flight = self._resolve(self._in_flight), None
-        launched = self._launch()
+        masks_wait = self._in_flight is not None and self._constrains(self._in_flight)
+        launched = self._launch(sample_now=not masks_wait)
         if not self.async_scheduling:
             self.stalled = launched is None
             return self._resolve(launched) if launched else []
         previous, self._in_flight = self._in_flight, launched
-        self.stalled = launched is None and previous is None and not outputs
-        return outputs + (self._resolve(previous) if previous else [])
+        self.stalled = launched is None and previous is None
+        outputs = self._resolve(previous) if previous else []
+        if launched is not None and launched.logits is not None:
+            self._sample(launched)
+        return outputs
 
     def _constrains(self, launched: "_Launched") -> bool:
         return len(self.grammars) > 0 and any(
             seq.request_id in self.grammars for seq, _ in launched.sampled)
 
-    def _launch(self) -> "_Launched | None":
+    def _launch(self, sample_now: bool = True) -> "_Launched | None":
+        """Launch the next step's forward pass and, if `sample_now`, its sampling (else
+        `_sample` must follow)."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
         batch, input_ids, sample_rows, from_last, sends = self._build_batch(sched)
         sampled = [e.seq for e in sched.scheduled if e.sample]
-        if len(self.grammars):  # the masks were computed when the previous tokens were resolved
-            self.runner.sampler.set_step_mask(
-                self.grammars.step_mask([seq.request_id for seq in sampled]))
-        pending = self.runner.execute(
-            batch,
-            input_ids,
-            sample_rows,
-            [seq.params for seq in sampled],
-            [self._generators[seq.request_id] for seq in sampled],
-            from_last=from_last,
-            sends=sends,
-        )
+        logits = self.runner.forward(batch, input_ids, sample_rows, from_last=from_last,
+                                     sends=sends)
         for entry in sched.scheduled:
             seq = entry.seq
             seq.num_computed_tokens += entry.num_new_tokens
@@ -304,7 +305,23 @@ class EngineCore:
                 seq.finish_reason = FinishReason.LENGTH  # known now; the scheduler skips it
                 length_done.append(seq)
         scheduled = [e.seq for e in sched.scheduled]
-        return _Launched(scheduled, list(zip(sampled, slots)), pending, length_done)
+        # Params and generators now: a sequence may be unregistered before a deferred sample.
+        args = ([seq.params for seq in sampled], [self._generators[seq.request_id]
+                                                  for seq in sampled])
+        launched = _Launched(scheduled, list(zip(sampled, slots)), None, length_done, logits,
+                             args)
+        if logits is not None and sample_now:
+            self._sample(launched)
+        return launched
+
+    def _sample(self, launched: _Launched) -> None:
+        """Sample a launched step's logits, its constrained rows under their grammars' masks
+        (computed when their previous tokens were resolved)."""
+        mask = None
+        if len(self.grammars):
+            mask = self.grammars.step_mask([seq.request_id for seq, _ in launched.sampled])
+        launched.pending = self.runner.sample(launched.logits, *launched.sample_args, mask)
+        launched.logits = None
 
     def _build_batch(self, sched: SchedulerOutput):
         """The step's ForwardBatch, packed input ids, rows to sample, (input index, previous

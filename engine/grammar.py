@@ -4,14 +4,15 @@ A request whose `SamplingParams.grammar` is set (an llguidance grammar, built an
 the frontend from `response_format`, `guided_*` or a forced tool call) gets a matcher when it is
 added. Each step then:
 
-    _resolve (step N's tokens on the host)           _launch (step N+1)
+    _resolve (step N's tokens on the host)           _sample (step N+1)
       accept(request, token) for each constrained      step_mask(rows): the allowed-token
       row; then fill_masks(requests): every             bitmasks of the constrained rows,
       matcher's next mask, in one parallel call         stacked [n, ceil(V / 32)], for the
       (llguidance's executor, GIL dropped)              sampler to apply before it samples
 
-so the mask for step N+1 is computed on the host right after step N's token is accepted, before
-the next forward pass is launched; the sampler only copies it to the device and applies it.
+so the mask for step N+1 is computed on the host right after step N's token is accepted, while
+the GPU runs step N+1's forward pass (EngineCore.step launches it first and samples once the
+masks are there); the sampler only copies the mask to the device and applies it.
 Bit t % 32 of word t // 32 is set when token t is allowed. The eos ids are allowed only where
 the grammar accepts; once the grammar cannot go on (`is_stopped`), the request ends with "stop".
 

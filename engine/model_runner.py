@@ -16,7 +16,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.device import to_device
 from engine.models.loader import load_model
-from engine.sampler import PendingSample, Sampler
+from engine.sampler import PendingSample, Sampler, TokenMask
 from kvcache.forward import ForwardBatch, KVSend, SeqForward
 from kvcache.manager import PageCopy
 
@@ -155,9 +155,26 @@ class ModelRunner:
         copies: list[PageCopy] = (),
         from_last: list[tuple[int, int]] = (),
         sends: list[KVSend] = (),
+        mask: TokenMask | None = None,
     ) -> PendingSample | None:
-        """Launch one step: append KV for `input_ids` (packed per `batch`) and sample a token
-        from the logits at each of `sample_rows` (packed row indices).
+        """`forward`, then `sample` its logits (with `mask`'s constrained rows), if any row is
+        sampled. Returns without waiting for the GPU."""
+        logits = self.forward(batch, input_ids, sample_rows, copies, from_last, sends)
+        return None if logits is None else self.sample(logits, params, generators, mask)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        input_ids: list[int],
+        sample_rows: list[int],
+        copies: list[PageCopy] = (),
+        from_last: list[tuple[int, int]] = (),
+        sends: list[KVSend] = (),
+    ) -> torch.Tensor | None:
+        """Launch one step's forward pass: append KV for `input_ids` (packed per `batch`) and
+        return the logits at each of `sample_rows` (packed row indices), None if there are
+        none. `sample` must follow before the next `forward` when there are.
 
         `from_last` lists (input index, sampled row of the previous step): inputs whose value
         is the previous step's sampled token, which may not have reached the host yet (async
@@ -181,8 +198,15 @@ class ModelRunner:
         if not sample_rows:
             return None
         rows = to_device(sample_rows, torch.long, self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        pending = self.sampler.sample_async(logits, params, generators)
+        return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None], mask: TokenMask | None = None
+               ) -> PendingSample:
+        """Sample the logits `forward` returned (one row per params); the next step's
+        `from_last` inputs come from these tokens."""
+        pending = self.sampler.sample_async(logits, params, generators, mask)
         self._last_tokens = pending.token_ids
         return pending
 

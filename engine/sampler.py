@@ -124,13 +124,6 @@ class Sampler:
             self.generator.manual_seed(seed)
         self._positions = torch.arange(vocab_size, device=self.device)  # for top-k masks
         self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
-        # Set by the engine core right before it launches a step; taken by that step's
-        # sample_async (the runner passes logits, params and generators only).
-        self._step_mask: TokenMask | None = None
-
-    def set_step_mask(self, mask: TokenMask | None) -> None:
-        """Constrain the next `sample_async` call (only that one) to `mask`'s tokens."""
-        self._step_mask = mask
 
     def sample(
         self,
@@ -156,8 +149,8 @@ class Sampler:
             params: one per row.
             generators: one per row: the request's generator from `make_generator` when its
                 params have a seed (advanced by this call if the row is not greedy), else None.
-            mask: the allowed tokens of constrained rows; default: what `set_step_mask` set
-                (then cleared). Each masked row must allow at least one token.
+            mask: the allowed tokens of constrained rows (None: no row is constrained). Each
+                masked row must allow at least one token.
 
         Returns:
             The token ids on the device, and (on `.result()`) each row's id and its logprobs
@@ -166,8 +159,6 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
         assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
         assert all((p.seed is None) == (g is None) for p, g in zip(params, generators))
-        if mask is None:
-            mask, self._step_mask = self._step_mask, None
         logits = raw_logits = logits[:, : self.vocab_size].float()
         if mask is not None:
             logits = self._apply_mask(logits, mask)

@@ -91,13 +91,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(harness, tiny_
                                                                   monkeypatch):
     want = hf_greedy(tiny_model_dir, [PROMPT], N_NEW)[0]
     runner = harness.core.runner
-    execute = runner.execute
+    forward = runner.forward
 
     def fail_once(*args, **kwargs):
-        monkeypatch.setattr(runner, "execute", execute)
+        monkeypatch.setattr(runner, "forward", forward)
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(runner, "execute", fail_once)
+    monkeypatch.setattr(runner, "forward", fail_once)
     harness.add("doomed")
     assert harness.receive() == {
         "type": "rejected", "request_id": "doomed", "status": 500, "param": None,
@@ -131,7 +131,7 @@ def test_steps_that_keep_failing_end_the_loop(harness, monkeypatch):
     def always(*args, **kwargs):
         raise RuntimeError("the device is gone")
 
-    monkeypatch.setattr(harness.core.runner, "execute", always)
+    monkeypatch.setattr(harness.core.runner, "forward", always)
     for i in range(MAX_FAILED_STEPS):
         harness.add(f"r{i}")
         if i < MAX_FAILED_STEPS - 1:

@@ -244,8 +244,7 @@ def test_mask_gives_the_argmax_of_the_allowed_tokens(device):
     before = logits.clone()
     result = sampler.sample(logits, [params(temperature=0.0, logprobs=0)] * 3, [None] * 3)
     assert result.token_ids == logits.argmax(dim=-1).tolist()  # no mask set: unconstrained
-    sampler.set_step_mask(mask)
-    result = sampler.sample(logits, [params(temperature=0.0, logprobs=0)] * 3, [None] * 3)
+    result = sampler.sample(logits, [params(temperature=0.0, logprobs=0)] * 3, [None] * 3, mask)
     expected = [max(allowed[0], key=lambda t: logits[0, t].item()),
                 logits[1].argmax().item(),
                 max(allowed[1], key=lambda t: logits[2, t].item())]
@@ -254,9 +253,6 @@ def test_mask_gives_the_argmax_of_the_allowed_tokens(device):
     assert [lp.logprob for lp in result.logprobs] == pytest.approx(
         [raw[i, t].item() for i, t in enumerate(expected)])
     assert torch.equal(logits, before)  # not modified
-    # set_step_mask lasts one call
-    assert sampler.sample(logits, [params(temperature=0.0)] * 3, [None] * 3).token_ids == (
-        logits.argmax(dim=-1).tolist())
 
 
 def test_masked_sampling_draws_only_allowed_tokens(device):
