@@ -94,8 +94,11 @@ async def timed(coro) -> tuple[float, object]:
     return time.perf_counter() - t0, result
 
 
-async def prefill_on(engine: EngineClient, rid: str, prompt: list[int]) -> None:
-    async for _ in engine.start_generate(rid, prompt, 0, Sampling(max_tokens=1, temperature=0)):
+async def prefill_on(engine: EngineClient, rid: str, prompt: list[int],
+                     begin: int = 0) -> None:
+    """Prefill `prompt[begin:]` on `engine` and sample one token (what a TTFT measures)."""
+    async for _ in engine.start_generate(rid, prompt, begin,
+                                         Sampling(max_tokens=1, temperature=0)):
         pass
 
 
@@ -119,12 +122,6 @@ async def measure(p: EngineClient, d: EngineClient, n: int, vocab: int, page_siz
             "p_prefill_s": p_prefill_s, "prefill_s": prefill_s}  # fmt: skip
 
 
-async def generate_on(engine: EngineClient, rid: str, prompt: list[int], begin: int) -> None:
-    async for _ in engine.start_generate(rid, prompt, begin,
-                                         Sampling(max_tokens=1, temperature=0)):
-        pass
-
-
 def fresh(rng, vocab: int, n: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
@@ -137,7 +134,7 @@ async def pd_first_token(p: EngineClient, d: EngineClient, rid: str, prompt: lis
     last = len(prompt) - 1
     r = await d.prep_recv(rid, prompt, end=last)
     send_s, _ = await timed(p.remote_send(rid, prompt, r.matched, last, r.kv_addr))
-    await generate_on(d, rid, prompt, last)
+    await prefill_on(d, rid, prompt, last)
     return send_s, time.perf_counter() - t0
 
 
