@@ -30,7 +30,8 @@ import triton.language as tl
 @triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, src_slots_ptr, dst_slots_ptr, n, total, row,
                       src_layer_stride, dst_layer_stride, src_kv_stride, dst_kv_stride,
-                      NUM_PROGRAMS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                      NUM_PROGRAMS: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr):  # fmt: skip
     cols = tl.arange(0, BLOCK)[None, :]
     for first in range(tl.program_id(0) * ROWS, total, NUM_PROGRAMS * ROWS):
         r = first + tl.arange(0, ROWS)  # ROWS independent rows in flight per program
