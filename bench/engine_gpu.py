@@ -9,14 +9,21 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
   prefill    8 prompts x 4,096 tokens: prompt tokens / wall time of the prefill steps
   decode128  128 sequences at context ~1,024: output tokens/s over decode-only steps, and the
              host overhead of a step: wall time minus the GPU's busy span, over wall time
-  offline    1,000 requests, inputs 128-2,048, outputs 128-1,024: total and output tokens/s
+  offline    1,000 requests, inputs 128-2,048, outputs 128-1,024: total and output tokens/s,
+             and the GPU's time on the same steps (CUDA events around each step's work)
+  offline300 the same with 300 requests
+  ttft       an idle engine's time to first token (max_tokens 1) against the GPU time of the
+             same steps: a cold 1,000-token prompt, and 500 new tokens over a cached 2,500
+  decode256short  256 sequences decoding at context ~128: step wall time against GPU time
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import time
 
@@ -87,6 +94,24 @@ def decode128(core: EngineCore, vocab: int) -> dict:
     return {"output_tokens_per_s": 128 / ms * 1e3, "step_ms": ms, "steps": n}
 
 
+def decode_short(core: EngineCore, vocab: int, batch: int = 256, context: int = 128) -> dict:
+    """`batch` sequences decoding at a short context: the GPU's step is short (weights and
+    little KV), so here the host's per-step work shows if it does not keep up. Wall time per
+    step against the GPU's time on the same steps."""
+    for i, p in enumerate(prompts(batch, context, vocab, 8)):
+        core.add_request(f"s{i}", p, params(160))
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in core.seqs.values()):
+        core.step()
+    timer = StepTimer(core)
+    torch.cuda.synchronize()
+    ms, n = steady_step_ms(core, 100, lambda: len(core.seqs) == batch)
+    gpu = timer.close()
+    drain(core)
+    gpu_ms = gpu["gpu_s"] / max(gpu["gpu_steps"], 1) * 1e3
+    return {"step_ms": ms, "gpu_step_ms": gpu_ms, "wall_over_gpu": ms / gpu_ms, "steps": n,
+            "output_tokens_per_s": batch / ms * 1e3}
+
+
 def host_overhead(core: EngineCore, vocab: int, batch: int = 128) -> dict:
     """Share of a decode step (`batch` sequences at context 1,024) the GPU sits idle, from the
     profiler's kernel times, with the kernels that take the time."""
@@ -115,7 +140,44 @@ def host_overhead(core: EngineCore, vocab: int, batch: int = 128) -> dict:
             "host_overhead_pct": max(0.0, 1 - busy / wall) * 100}
 
 
-def offline(core: EngineCore, vocab: int, n: int = 1000) -> dict:
+class StepTimer:
+    """CUDA events around each step's device work (from its forward pass's first launch to its
+    sampling's last), to compare the host's step time with the GPU's. A span includes any gap
+    inside a step (an eager step launching slower than the GPU runs), not the gaps between."""
+
+    def __init__(self, core: EngineCore):
+        self.runner = core.runner
+        self.forward, self.sample = core.runner.forward, core.runner.sample
+        self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.runner.forward, self.runner.sample = self._forward, self._sample
+
+    def _event(self) -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _forward(self, *args, **kwargs):
+        start = self._event()
+        logits = self.forward(*args, **kwargs)
+        self.spans.append((start, None if logits is not None else self._event()))
+        return logits
+
+    def _sample(self, *args, **kwargs):
+        pending = self.sample(*args, **kwargs)
+        self.spans[-1] = (self.spans[-1][0], self._event())
+        return pending
+
+    def close(self) -> dict:
+        self.runner.forward, self.runner.sample = self.forward, self.sample
+        torch.cuda.synchronize()
+        busy = [a.elapsed_time(b) for a, b in self.spans]
+        gaps = [self.spans[i][1].elapsed_time(self.spans[i + 1][0])
+                for i in range(len(self.spans) - 1)]  # fmt: skip
+        return {"gpu_s": sum(busy) / 1e3, "gpu_steps": len(busy),
+                "gpu_idle_between_steps_s": sum(max(g, 0.0) for g in gaps) / 1e3}
+
+
+def offline(core: EngineCore, vocab: int, n: int = 1000, cprofile: bool = False) -> dict:
     rng = random.Random(5)
     n_out = [rng.randint(128, 1024) for _ in range(n)]
     ps = prompts(n, (128, 2048), vocab, 6)
@@ -123,19 +185,63 @@ def offline(core: EngineCore, vocab: int, n: int = 1000) -> dict:
         core.add_request(f"o{i}", p, params(o))
     before = core.stats()["preemptions"]
     steps = decode_only = 0
+    timer = StepTimer(core)
+    prof = cProfile.Profile() if cprofile else None
+    torch.cuda.synchronize()
     t = time.perf_counter()
+    if prof:
+        prof.enable()
     while core.has_work():
         running = core.scheduler.running
         decode_only += all(s.num_tokens - s.num_computed_tokens <= 1 for s in running) and not (
             core.scheduler.waiting and len(running) < core.config.max_num_seqs)
         core.step()
         steps += 1
+    if prof:
+        prof.disable()
     wall = time.perf_counter() - t
+    gpu = timer.close()
+    if prof:
+        print(f"host profile of the offline run ({n} requests), by own time:", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     total_in, total_out = sum(map(len, ps)), sum(n_out)
     return {"requests": n, "wall_s": wall, "output_tokens_per_s": total_out / wall,
             "total_tokens_per_s": (total_in + total_out) / wall, "steps": steps,
             "mean_step_ms": wall / steps * 1e3, "decode_only_steps": decode_only,
-            "preemptions": core.stats()["preemptions"] - before}
+            "preemptions": core.stats()["preemptions"] - before, **gpu,
+            "wall_over_gpu": wall / max(gpu["gpu_s"], 1e-9)}
+
+
+def ttft(core: EngineCore, vocab: int, repeat: int = 5) -> dict:
+    """Idle engine, max_tokens 1: wall time from add_request to the token, and the GPU's time
+    on the same steps. Cold: a fresh 1,000-token prompt. Cached: 500 new tokens after a
+    2,500-token context that an earlier request left in the prefix cache."""
+
+    def first_token(rid: str, prompt: list[int]) -> tuple[float, float, int]:
+        timer = StepTimer(core)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        core.add_request(rid, prompt, params(1))
+        while core.has_work():
+            if any(o.request_id == rid and o.token_ids for o in core.step()):
+                break
+        wall = time.perf_counter() - t
+        drain(core)
+        gpu = timer.close()
+        return wall * 1e3, gpu["gpu_s"] * 1e3, gpu["gpu_steps"]
+
+    out = {}
+    for name, (context, new) in {"cold_1000": (0, 1000), "cached_2500_new_500": (2500, 500)}.items():
+        rows = []
+        for i, p in enumerate(prompts(repeat + 1, context + new, vocab, 20 + context)):
+            if context:
+                first_token(f"ctx-{name}-{i}", p[:context])
+            rows.append(first_token(f"{name}-{i}", p))
+        rows = sorted(rows[1:])  # the first pays compiles
+        wall, gpu, steps = rows[len(rows) // 2]
+        out[name] = {"ttft_ms": wall, "gpu_ms": gpu, "steps": steps, "ratio": wall / gpu,
+                     "all_ttft_ms": [r[0] for r in rows]}
+    return out
 
 
 def hf_baseline(model_dir: str, vocab: int) -> dict:
@@ -168,7 +274,10 @@ def hf_baseline(model_dir: str, vocab: int) -> dict:
 FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "overhead": host_overhead, "offline": offline,
            "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1),
-           "offline300": lambda core, vocab: offline(core, vocab, n=300)}  # fmt: skip
+           "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
+           "decode256short": decode_short,
+           "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),
+           }  # fmt: skip
 
 
 def main() -> None:

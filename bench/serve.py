@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -83,7 +84,9 @@ async def run(args) -> dict:
              rng.randint(lo_out, hi_out)) for _ in range(args.num_requests)]  # fmt: skip
     limit = asyncio.Semaphore(args.concurrency or args.num_requests)
     limits = httpx.Limits(max_connections=args.concurrency or args.num_requests)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=3600, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=3600, limits=limits,
+                                 headers=headers) as client:
         model = args.model or (await client.get("/models")).json()["data"][0]["id"]
         await one(client, model, work[0][0][:16], 4)  # warm-up
 
@@ -129,6 +132,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     ap.add_argument("--model", default=None, help="default: the first of /v1/models")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--request-rate", type=float, default=float("inf"),
                     help="Poisson arrivals per second; inf sends all at once")
