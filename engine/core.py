@@ -331,8 +331,7 @@ class EngineCore:
         for entry in sched.scheduled:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
-            table = self.kv.page_table(seq.request_id)[: -(-(start + n) // ps)]
-            seqs.append(SeqForward(seq.request_id, start, n, table))
+            seqs.append(SeqForward(seq.request_id, start, n, self.kv.page_table(seq.request_id)))
             input_ids.extend(seq.token_at(start, start + n))
             if input_ids[-1] == PENDING:  # only a sequence's newest token can be pending
                 from_last.append((len(input_ids) - 1, self._pending_rows[seq.request_id]))
@@ -340,7 +339,8 @@ class EngineCore:
                 sample_rows.append(len(input_ids) - 1)
             if seq.send_only and (send := self.exchange.sends_for(seq, start, n)) is not None:
                 sends.append(send)
-        return ForwardBatch(seqs, ps), input_ids, sample_rows, from_last, sends
+        batch = ForwardBatch(seqs, ps, self.kv.take_table_changes())
+        return batch, input_ids, sample_rows, from_last, sends
 
     def _resolve(self, launched: "_Launched") -> list[TokenOutput]:
         """Read a launched step's tokens back; emit outputs, finish and free sequences."""

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache.manager import TableChanges
+
 
 @dataclass(frozen=True)
 class SeqForward:
     seq_id: str
     context_len: int  # tokens whose KV is already in the cache before this step
     num_new_tokens: int  # tokens appended (and queried) this step, >= 1
-    page_table: list[int]  # pages covering context_len + num_new_tokens positions
+    # pages covering at least context_len + num_new_tokens positions (entries past them are
+    # not read; it may be the sequence's live table)
+    page_table: list[int]
 
     @property
     def kv_len(self) -> int:
@@ -44,6 +48,10 @@ class KVSend:
 class ForwardBatch:
     seqs: list[SeqForward]
     page_size: int
+    # Page tables changed in place or freed since the previous batch (KVCacheManager
+    # .take_table_changes), for a backend that keeps tables on the device between steps.
+    # None: no history; such a backend must take every table afresh.
+    table_changes: TableChanges | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,7 @@ A sequence's page table covers its KV positions in order: position `i` lives in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcache.integrity import IntegrityError
 from kvcache.page_pool import PagePool
@@ -27,6 +27,22 @@ class PageCopy:
     src: int
     dst: int
     num_tokens: int
+
+
+@dataclass
+class TableChanges:
+    """What happened to page tables since the last `take_table_changes`, for a consumer that
+    mirrors them (a GPU's persistent device page tables): `rewritten` maps a sequence to the
+    first table index whose page may differ from what was there before (entries were replaced
+    or dropped; pages appended at the end are not listed), `dropped` lists tables freed."""
+
+    rewritten: dict[str, int] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    # Too many drops went untaken (an engine that only receives and rarely steps): the
+    # consumer must forget everything it mirrors instead.
+    reset: bool = False
+
+    MAX_DROPPED = 4096
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,7 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}  # seq id -> page table; written only here
         self._num_cached: dict[str, int] = {}  # seq id -> leading pages already inserted in the tree
         self._cached_at: dict[str, CachedPrefix] = {}  # seq id -> where its cached pages end
+        self._changes = TableChanges()  # since the last take_table_changes
 
     # ---- sequences ----------------------------------------------------------------------------
 
@@ -63,7 +80,18 @@ class KVCacheManager:
         return set(self._tables)
 
     def page_table(self, seq_id: str) -> list[int]:
+        """The sequence's live page table (do not modify; it grows and may change in place,
+        as `take_table_changes` reports)."""
         return self._tables[seq_id]
+
+    def take_table_changes(self) -> TableChanges:
+        """In-place table changes and freed tables since the last call (see TableChanges)."""
+        changes, self._changes = self._changes, TableChanges()
+        return changes
+
+    def _rewritten(self, seq_id: str, index: int) -> None:
+        old = self._changes.rewritten.get(seq_id)
+        self._changes.rewritten[seq_id] = index if old is None else min(old, index)
 
     def pages_needed(self, seq_id: str | None, num_tokens: int) -> int:
         """Extra pages a sequence (or a new one, when seq_id is None) needs to hold num_tokens."""
@@ -158,6 +186,8 @@ class KVCacheManager:
             self.pool.retain([kept for m, kept in zip(mine, canonical) if m != kept])
             table[start:n_full] = canonical
             self.pool.release(dup)
+            self._rewritten(seq_id, start + next(
+                i for i, (m, kept) in enumerate(zip(mine, canonical)) if m != kept))
         self._num_cached[seq_id] = n_full
 
     def truncate(self, seq_id: str, num_pages: int) -> None:
@@ -166,6 +196,8 @@ class KVCacheManager:
         dropped = table[num_pages:]
         del table[num_pages:]
         self.pool.release(dropped)
+        if dropped:
+            self._rewritten(seq_id, num_pages)
         if self._num_cached[seq_id] > num_pages:
             self._num_cached[seq_id] = num_pages
             self._cached_at.pop(seq_id, None)  # re-inserts from the root next time
@@ -173,6 +205,12 @@ class KVCacheManager:
     def free(self, seq_id: str) -> None:
         """Drop the sequence's page table; cached pages stay in the prefix cache."""
         table = self._tables.pop(seq_id)
+        changes = self._changes
+        changes.rewritten.pop(seq_id, None)
+        if not changes.reset:
+            changes.dropped.append(seq_id)
+            if len(changes.dropped) > TableChanges.MAX_DROPPED:
+                self._changes = TableChanges(reset=True)
         del self._num_cached[seq_id]
         self._cached_at.pop(seq_id, None)
         self.pool.release(table)

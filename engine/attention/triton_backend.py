@@ -2,7 +2,9 @@
 
 Per step, `plan` writes the batch's metadata into device buffers allocated once at start-up
 (sized for the largest step), so a CUDA graph captured over slices of them stays valid: a replay
-only needs `plan_graph` to refill the same buffers.
+only needs `plan_graph` to refill the same buffers. Page tables stay on the device between
+steps (engine/attention/page_tables.py): a step copies over what changed, one host-to-device
+copy for all its metadata.
 
     packed rows:  [ decode seqs: 1 token each | extend seqs: prefill chunks (and late 1-token) ]
                     paged_decode_attention      paged_extend_attention
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.page_tables import PAD_ROW, DevicePageTables
 from engine.device import to_device
 from engine.kernels.fused import rope_and_store_kv
 from engine.kernels.paged_attention import (
@@ -51,7 +54,10 @@ class TritonAttentionBackend(AttentionBackend):
             cuda) else 132
         i32 = dict(dtype=torch.int32, device=self.device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=self.device)
+        # The kernels' table, [batch row, page], gathered each step from the rows that stay
+        # on the device between steps (engine/attention/page_tables.py).
         self.page_table = torch.zeros(max_seqs, max_pages_per_seq, **i32)
+        self.tables = DevicePageTables(2 * max_seqs, max_pages_per_seq, self.device)
         self.kv_lens = torch.ones(max_seqs, **i32)
         self.cu_seqlens = torch.zeros(max_seqs + 1, **i32)
         # Split-KV workspace: splits shrink as the batch grows, so batch x splits stays small.
@@ -77,19 +83,12 @@ class TritonAttentionBackend(AttentionBackend):
         while n_dec < len(seqs) and seqs[n_dec].num_new_tokens == 1:
             n_dec += 1
         ext = seqs[n_dec:]
-        width = max(-(-s.kv_len // ps) for s in seqs)
-        tables = [self._row(s.page_table, s.kv_len, width) for s in seqs]
-        lens = [s.kv_len for s in seqs]
         cu = [0]
         for s in ext:
             cu.append(cu[-1] + s.num_new_tokens)
         slots = batch.slot_mapping()
         # Decode rows first, then extend rows: the table rows follow the same order.
-        self._copy(self.slot_mapping, slots, torch.long)
-        self._copy_table(tables)
-        self._copy(self.kv_lens, lens, torch.int32)
-        if ext:
-            self._copy(self.cu_seqlens, cu, torch.int32)
+        self._upload(batch, 0, slots, cu if ext else [])
         self.num_tokens = len(slots)
         self.num_decode, self.num_extend = n_dec, len(ext)
         self.max_q_len = max((s.num_new_tokens for s in ext), default=0)
@@ -100,30 +99,32 @@ class TritonAttentionBackend(AttentionBackend):
         """Decode-only step padded to `graph_batch` rows for a captured graph. Padding rows
         attend one key of page 0 and store nothing (slot -1). With batch None, pads all rows
         (used while capturing)."""
-        seqs = batch.seqs if batch is not None else []
-        pad = graph_batch - len(seqs)
-        width = max((-(-s.kv_len // self.page_size) for s in seqs), default=1)
-        tables = [self._row(s.page_table, s.kv_len, width) for s in seqs] + [[0] * width] * pad
-        self._copy_table(tables)
-        self._copy(self.kv_lens, [s.kv_len for s in seqs] + [1] * pad, torch.int32)
-        slots = batch.slot_mapping() if batch is not None else []
-        self._copy(self.slot_mapping, slots + [-1] * pad, torch.long)
+        batch = batch or ForwardBatch([], self.page_size)
+        pad = graph_batch - len(batch.seqs)
+        self._upload(batch, pad, batch.slot_mapping() + [-1] * pad, [])
         self.num_tokens = self.num_decode = graph_batch
         self.num_extend, self.max_q_len = 0, 0
         self.num_splits = self._splits(graph_batch, self.max_pages_per_seq)
 
-    def _row(self, page_table: list[int], kv_len: int, width: int) -> list[int]:
-        n = -(-kv_len // self.page_size)
-        return page_table[:n] + [0] * (width - n)
-
-    def _copy_table(self, rows: list[list[int]]) -> None:
-        """Only the used [rows, width] corner: kernels never read a row past its kv_len."""
-        src = to_device(rows, torch.int32, self.device)
-        self.page_table[: src.shape[0], : src.shape[1]].copy_(src)
-
-    def _copy(self, dest: torch.Tensor, values: list, dtype: torch.dtype) -> None:
-        src = to_device(values, dtype, self.device)
-        dest.view(-1)[: src.numel()].copy_(src.view(-1))
+    def _upload(self, batch: ForwardBatch, pad: int, slots: list[int], cu: list[int]) -> None:
+        """One host-to-device copy for the step: the page table entries that changed, the
+        batch's table rows (then gathered on the device), kv_lens, cu_seqlens, slot_mapping.
+        `pad` rows (a CUDA graph's) read the zero row with kv_len 1."""
+        rows, index, pages = self.tables.sync(batch)
+        rows += [PAD_ROW] * pad
+        lens = [s.kv_len for s in batch.seqs] + [1] * pad
+        b, k, n_cu = len(rows), len(index), len(cu)
+        packed = to_device(index + pages + rows + lens + cu + slots, torch.long, self.device)
+        if k:
+            self.tables.write(packed[:k], packed[k : 2 * k])
+        at = 2 * k
+        width = max(-(-max(lens, default=1) // self.page_size), 1)
+        self.page_table[:b, :width] = self.tables.table[packed[at : at + b], :width]
+        self.kv_lens[:b].copy_(packed[at + b : at + 2 * b])
+        at += 2 * b
+        if n_cu:
+            self.cu_seqlens[:n_cu].copy_(packed[at : at + n_cu])
+        self.slot_mapping[: len(slots)].copy_(packed[at + n_cu :])
 
     # ---- per layer -------------------------------------------------------------------------
 
