@@ -40,6 +40,7 @@ from microserve.wire import FrameDecoder, encode
 log = logging.getLogger("microserve.core")
 
 MAX_FAILED_STEPS = 3  # steps in a row that may raise before the engine gives up (and exits)
+CHECK_AFTER_IDLE_S = 0.05  # idle this long before the integrity check runs (see run)
 MAX_IDLE_WAIT_S = 3600.0  # select() needs a timeout a C time_t holds; leases are shorter anyway
 
 
@@ -57,7 +58,7 @@ class CoreLoop:
         self.sock.sendall(encode(msg))
 
     def run(self) -> None:
-        was_busy = False
+        was_busy = check_due = False
         stalled = False  # the last step had work but could schedule none of it (no pages)
         exchange = self.core.exchange
         while self.running:
@@ -72,13 +73,23 @@ class CoreLoop:
             if self._answer_sends():
                 stalled = False
             busy = self.core.has_work() and not stalled
-            if was_busy and not busy:
-                self.core.check_integrity()  # cheap, and catches leaks right where they start
+            # Once work ends, the KV bookkeeping is checked (it catches a leak right where it
+            # starts), but only after CHECK_AFTER_IDLE_S without news: the check walks the
+            # whole pool (milliseconds on a GPU's 28,000 pages), and a request that arrives
+            # as the last one ends must not wait for it.
+            check_due = check_due or (was_busy and not busy)
             was_busy = busy
+            timeout = 0 if busy else self._idle_timeout()
+            if check_due and not busy:
+                timeout = CHECK_AFTER_IDLE_S if timeout is None else min(timeout,
+                                                                         CHECK_AFTER_IDLE_S)
             # A stalled engine waits, like an idle one, for a message, a finished send or a
             # deadline, instead of spinning on steps that schedule nothing.
-            if self._receive(timeout=0 if busy else self._idle_timeout()):
+            if self._receive(timeout=timeout):
                 stalled = False
+            elif check_due and not busy:
+                self.core.check_integrity()
+                check_due = False
             if self.running and self.core.has_work() and not stalled:
                 try:
                     outputs = self.core.step()
