@@ -25,7 +25,8 @@ from kvcache.paged import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
+           448, 512)
 
 
 class DecodeGraphs:

@@ -39,9 +39,11 @@ def _engine_args(sub) -> None:
                    help="share of the GPU's memory for weights, activations and KV (CUDA)")
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages "
                                                                "(overrides the memory size)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="per-step token budget (prefill chunk + decodes)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="per-step token budget (prefill chunk + decodes; default: 512 on CPU, "
+                        "2048 on CUDA)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences running at once (default: 256)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
