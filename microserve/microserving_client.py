@@ -20,7 +20,7 @@ of CPU, 0.22-0.28 of it the transport, against 0.93 on aiohttp, which replaced h
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
 import httptools
@@ -80,10 +80,31 @@ async def _response_error(response: Response, timeout_s: float) -> MicroservingE
         return _error(response.status, text)
 
 
-def _generate_chunk(item: dict) -> GenerateChunk:
-    if "error" in item:  # the engine failed after its 200: the status it would have sent
-        raise _error(item["status"], item)
-    return GenerateChunk.model_validate(item)
+def _coalesced(items: list[dict]) -> Iterator[GenerateChunk]:
+    """The chunks of one read as one chunk (tokens, logprobs in order; the last finish_reason
+    and usage; the first cached_tokens). A caller that keeps up reads one chunk per engine
+    step; one that lags (a router forwarding hundreds of streams) finds several waiting, and
+    handles them as one: its work per token falls as its load rises. An error item raises
+    after the tokens before it."""
+    merged = None
+    for item in items:
+        if "error" in item:  # the engine failed after its 200: the status it would have sent
+            if merged is not None:
+                yield GenerateChunk.model_validate(merged)
+            raise _error(item["status"], item)
+        if merged is None:
+            merged = item
+            continue
+        merged["token_ids"] = merged["token_ids"] + item["token_ids"]
+        if item.get("logprobs") is not None:
+            merged["logprobs"] = (merged.get("logprobs") or []) + item["logprobs"]
+        for key in ("finish_reason", "usage"):
+            if item.get(key) is not None:
+                merged[key] = item[key]
+        if merged.get("cached_tokens") is None:
+            merged["cached_tokens"] = item.get("cached_tokens")
+    if merged is not None:
+        yield GenerateChunk.model_validate(merged)
 
 
 class EngineClient:
@@ -147,8 +168,7 @@ class EngineClient:
             # Read on past the last chunk to the end of the stream (it ends right there), so
             # that the connection goes back to the pool.
             while (data := await response.next_data()) is not None:
-                for item in decoder.feed(data):
-                    chunk = _generate_chunk(item)
+                for chunk in _coalesced(decoder.feed(data)):
                     finished = chunk.finish_reason is not None
                     yield chunk
         except _TRANSPORT_ERRORS as e:

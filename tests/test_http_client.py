@@ -243,3 +243,31 @@ async def test_refused_and_bad_urls():
     pool.close()
     with pytest.raises(ConnectionError, match="pool is closed"):
         await pool.request(b"GET", "/", b"", None)
+
+
+def test_chunks_read_together_are_handled_as_one():
+    """A router that lags behind an engine finds several start_generate chunks in one read:
+    they become one chunk (tokens and logprobs in order, the last finish_reason and usage, the
+    first cached_tokens); an error after tokens raises once those tokens are out."""
+    from microserve.backend import MicroservingError
+    from microserve.microserving_client import _coalesced
+
+    lp = [{"token_id": 5, "logprob": -0.5, "top": [[5, -0.5]]}]
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}
+    items = [
+        {"token_ids": [5], "logprobs": lp, "cached_tokens": 0},
+        {"token_ids": [6, 7], "logprobs": lp * 2},
+        {"token_ids": [], "finish_reason": "length", "usage": usage},
+    ]
+    (chunk,) = _coalesced(items)
+    assert chunk.token_ids == [5, 6, 7] and len(chunk.logprobs) == 3
+    assert chunk.finish_reason == "length" and chunk.usage.completion_tokens == 3
+    assert chunk.cached_tokens == 0
+    assert [c.token_ids for c in _coalesced([{"token_ids": [9]}])] == [[9]]
+    assert list(_coalesced([])) == []
+    got = []
+    with pytest.raises(MicroservingError, match="boom"):
+        for c in _coalesced([{"token_ids": [1]}, {"token_ids": [2]},
+                             {"error": {"message": "boom", "type": "x"}, "status": 500}]):
+            got.append(c.token_ids)
+    assert got == [[1, 2]]
