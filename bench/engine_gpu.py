@@ -25,7 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from microserve.model_files import resolve_model
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 
 def params(max_tokens: int) -> SamplingParams:

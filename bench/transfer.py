@@ -54,7 +54,7 @@ import time
 
 import httpx
 
-from microserve.microserving import Sampling
+from microserve.messages import SamplingParams
 from microserve.microserving_client import EngineClient
 from microserve.model_config import ModelConfig
 from microserve.model_files import resolve_model
@@ -98,7 +98,7 @@ async def prefill_on(engine: EngineClient, rid: str, prompt: list[int],
                      begin: int = 0) -> None:
     """Prefill `prompt[begin:]` on `engine` and sample one token (what a TTFT measures)."""
     async for _ in engine.start_generate(rid, prompt, begin,
-                                         Sampling(max_tokens=1, temperature=0)):
+                                         SamplingParams(max_tokens=1, temperature=0)):
         pass
 
 
@@ -164,7 +164,7 @@ async def decode_times(d: EngineClient, vocab: int, rng, streams: int, max_token
     times: list[list[float]] = [[] for _ in range(streams)]
 
     async def one(i: int) -> None:
-        sampling = Sampling(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         async for chunk in d.start_generate(f"tpot-{i}-{rng.random()}", fresh(rng, vocab, 64),
                                             0, sampling):
             times[i] += [time.perf_counter()] * len(chunk.token_ids)

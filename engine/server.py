@@ -40,13 +40,13 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
     tokenizer = Tokenizer.from_dir(config.model)
     client = CoreClient(config, served_model_name, engine_key=api_key)
     await client.start()
-    client.info["deployment"] = deployment  # what /microserving/stats reports with the model
+    client.info.deployment = deployment  # what /microserving/stats reports with the model
     info = client.info
     log.info(
         "engine ready: model %s (%s, %s), KV %d pages x %d = %d tokens, max_model_len %d, "
         "KV transfer %s",
-        served_model_name, info["device"], info["dtype"], info["num_pages"], info["page_size"],
-        info["kv_capacity_tokens"], info["max_model_len"], info["kv_transfer"],
+        served_model_name, info.device, info.dtype, info.num_pages, info.page_size,
+        info.kv_capacity_tokens, info.max_model_len, info.kv_transfer,
     )  # fmt: skip
     app = build_engine_app(client, tokenizer, api_key, tool_call_parser)
     server = QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False))

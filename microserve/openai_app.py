@@ -49,7 +49,7 @@ from microserve.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 from microserve.tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
 from microserve.tools import forced_functions, parses_calls
-from microserve.types import FinishReason, SamplingParams, TokenLogprob, TokenOutput
+from microserve.messages import FinishReason, GenerateChunk, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -496,7 +496,7 @@ class OpenAIFrontend:
             finish_reason = "tool_calls"
         return _Delta(text, logprobs, finish_reason, indexed)
 
-    def _text_ids(self, run: _Run, out: TokenOutput) -> list[int]:
+    def _text_ids(self, run: _Run, out: GenerateChunk) -> list[int]:
         """The tokens that become text: a final stop token's or eos's text is left out."""
         ids = out.token_ids
         if out.finish_reason != FinishReason.STOP or not ids:
@@ -506,10 +506,12 @@ class OpenAIFrontend:
             return ids[:-1]
         return ids
 
-    def _note_output(self, run: _Run, out: TokenOutput) -> None:
+    def _note_output(self, run: _Run, out: GenerateChunk) -> None:
         now = time.perf_counter()
-        # A router's backend reports the cached count with the last output only.
-        run.num_cached = max(run.num_cached, out.num_cached_tokens)
+        # The first chunk says how many prompt tokens were cached, the last one's usage too.
+        cached = out.usage.cached_tokens if out.usage is not None else out.cached_tokens
+        if cached is not None:
+            run.num_cached = max(run.num_cached, cached)
         if not out.token_ids:
             return
         if run.first_token_at is None:

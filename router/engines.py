@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from microserve.backend import BackendUnavailable
 from microserve.metrics import Registry
-from microserve.microserving import (
+from microserve.messages import (
     CommitResponse,
     GenerateChunk,
     KVAddr,

@@ -12,10 +12,9 @@ import textwrap
 import pytest
 
 from microserve.backend import BackendError, BackendUnavailable, MicroservingError
+from microserve.messages import (AbortResponse, GenerateChunk, KVAddr, PrepRecvResponse,
+                                 RemoteSendResponse, SamplingParams, Usage)
 from microserve.metrics import Registry
-from microserve.microserving import (AbortResponse, GenerateChunk, KVAddr, PrepRecvResponse,
-                                     RemoteSendResponse, Usage)
-from microserve.types import SamplingParams
 from router.backend import RouterBackend
 from router.engines import EngineHandle, EnginePool, EngineSpec, UnknownEngine
 from router.host import (MODULE_PREFIX, StrategyHost, StrategyLoadError, StrategySource,
@@ -546,12 +545,11 @@ class _SlowStream:
 
 
 def _streaming_engine() -> tuple[EnginePool, EngineHandle, _SlowStream]:
-    from microserve.microserving import Sampling
     from router.strategy import Request
 
     pool = make_pool(("d", "decode"))
     client = pool["d"].client = _SlowStream()
-    request = Request("r1", [5, 6, 7], Sampling())
+    request = Request("r1", [5, 6, 7], SamplingParams())
     return pool, pool["d"].start_generate(request, begin=0), client
 
 
