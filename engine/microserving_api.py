@@ -40,6 +40,7 @@ from pydantic import TypeAdapter, ValidationError
 from microserve import wire
 from microserve.auth import RequireBearer
 from microserve.backend import BackendUnavailable, MicroservingError
+from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
 from microserve.errors import as_openai_error, from_validation_errors, invalid_request
 from microserve.messages import (
     AbortCall,
@@ -60,7 +61,6 @@ from microserve.messages import (
     Unpin,
     validator,
 )
-from microserve.openai_app import ClientDisconnected, _EventStream, _unless_disconnected
 
 log = logging.getLogger("microserve.engine")
 BodyT = TypeVar("BodyT")
@@ -173,7 +173,7 @@ class _MicroservingAPI:
             body = await _read_body(request, body_type)
             work = self.client.call(call.call(body), timeout_s=call.timeout_s)
             try:
-                result = await _unless_disconnected(request.receive, work)
+                result = await unless_disconnected(request.receive, work)
             except ClientDisconnected:
                 if request_id := getattr(body, "request_id", None):
                     await self.client.abort(request_id)
@@ -190,12 +190,12 @@ class _MicroservingAPI:
         # still gets its status rather than an error item inside a 200.
         work = anext(chunks) if body.stream else _merged(chunks, body.sampling.logprobs is not None)
         try:
-            chunk = await _unless_disconnected(request.receive, work)
+            chunk = await unless_disconnected(request.receive, work)
         except ClientDisconnected:
             return Response(status_code=499)
         if not body.stream:
             return _answer(codec, chunk)
-        return _EventStream(self._stream(body.request_id, codec, chunk, chunks),
+        return EventStream(self._stream(body.request_id, codec, chunk, chunks),
                             media_type=codec.stream_media_type)
 
     async def _chunks(self, body: StartGenerateRequest) -> AsyncGenerator[GenerateChunk, None]:

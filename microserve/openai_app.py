@@ -26,19 +26,20 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llguidance
 
 from microserve.backend import BackendError, GenerateBackend
+from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
 from microserve.errors import (OpenAIError, as_openai_error, from_validation_errors,
                                install_error_handlers, invalid_request, model_not_found)
 from microserve.metrics import CONTENT_TYPE, Counter, Registry
@@ -52,7 +53,6 @@ from microserve.tools import forced_functions, parses_calls
 from microserve.messages import FinishReason, GenerateChunk, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -60,64 +60,6 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client disconnects first.
-
-    uvicorn never cancels a handler whose client went away; it only answers the next
-    `receive()` (the body has been read by now) with http.disconnect. So we wait for that
-    alongside the work.
-
-    Raises:
-        ClientDisconnected: the client went away; `work` was cancelled and finished its cleanup.
-    """
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch_task.cancel()
-        if not work_task.done():
-            work_task.cancel()
-            await asyncio.wait((work_task,))  # its cleanup sends the backend abort
-    if work_task.cancelled():
-        raise ClientDisconnected()
-    return work_task.result()
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that stops, and closes its event generator, when the client goes away.
-
-    Closing the generator deterministically (not at garbage collection) is what runs the
-    generation's cleanup, which aborts the request in the backend.
-    """
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        try:
-            await _unless_disconnected(receive, self._send_events(send))
-        except ClientDisconnected:
-            pass
-        finally:
-            await self.body_iterator.aclose()
-
-    async def _send_events(self, send: Send) -> None:
-        async for event in self.body_iterator:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -405,15 +347,15 @@ class OpenAIFrontend:
         deltas = self._deltas(run)
         try:
             if not body.stream:
-                whole = await _unless_disconnected(raw.receive, _collect(deltas))
+                whole = await unless_disconnected(raw.receive, _collect(deltas))
                 return JSONResponse(wire.body(whole.text, whole.logprobs, whole.finish_reason,
                                               self._usage(run), whole.tool_calls))
             # Wait for the first output before answering, so that a backend that cannot take
             # the request still gets a 503 status rather than an error event inside a 200.
-            first = await _unless_disconnected(raw.receive, anext(deltas))
+            first = await unless_disconnected(raw.receive, anext(deltas))
         except ClientDisconnected:
             return Response(status_code=499)  # nginx's "client closed request", for the metrics
-        return _EventStream(self._events(run, wire, first, deltas, body.include_usage),
+        return EventStream(self._events(run, wire, first, deltas, body.include_usage),
                             headers={"Cache-Control": "no-cache"})
 
     async def _events(self, run: _Run, wire: CompletionWire | ChatWire, first: _Delta,
