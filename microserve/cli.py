@@ -80,7 +80,7 @@ def _engine_args(sub) -> None:
 def _run_engine(args) -> None:
     # Imported here so `microserve --help` stays fast; neither imports torch.
     from engine.config import EngineConfig
-    from engine.server import serve
+    from engine.frontend.server import serve
     from microserve.model_files import resolve_model
 
     model_dir = resolve_model(args.model)

@@ -1,5 +1,5 @@
 """Responses that notice their client going away: the OpenAI frontend's and the microserving
-API's (engine/microserving_api.py) long calls and streams.
+API's (engine/frontend/microserving_api.py) long calls and streams.
 
     try:
         result = await unless_disconnected(request.receive, work)   # work cancelled if it goes

@@ -355,7 +355,7 @@ class EngineStats:
     kv_recv_wait_timeouts: int  # ... and waited their wait_s in vain (503)
 
 
-# -- frames between an engine's frontend and its core (engine/core_client.py, core_proc.py) ----
+# -- frames between an engine's frontend and its core (engine/frontend/, engine/core_proc.py) --
 
 class Call(Struct, tag_field="method", frozen=True):
     """A call to the engine core, answered by a Reply with an `answer` (or an error)."""

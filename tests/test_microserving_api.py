@@ -1,4 +1,4 @@
-"""The microserving HTTP layer (engine/microserving_api.py) and its client (EngineClient).
+"""The microserving HTTP layer (engine/frontend/microserving_api.py) and its client (EngineClient).
 
 Over a scripted fake of the engine-core client's contract: these tests are about bodies,
 formats, statuses, auth and disconnects; the real engine behind them is tested elsewhere.
@@ -22,8 +22,8 @@ import uvicorn
 from fastapi import FastAPI
 from test_tokenizer import make_tokenizer_dir
 
-from engine.core_client import _chunk
-from engine.microserving_api import add_microserving_routes
+from engine.frontend.core_client import _chunk
+from engine.frontend.microserving_api import add_microserving_routes
 from microserve import wire
 from microserve.backend import BackendUnavailable, GenerateBackend, MicroservingError
 from microserve.errors import install_error_handlers
@@ -72,7 +72,7 @@ INFO = {"model_name": "tiny", "page_size": 4, "num_pages": 16}
 
 
 class FakeCore(GenerateBackend):
-    """engine.core_client.CoreClient's contract, scripted.
+    """engine.frontend.core_client.CoreClient's contract, scripted.
 
     `call(call)` returns `results[method]` (the call's tag), or raises it if it is an
     exception. `start_generate` raises `error` before any output if set; else yields the chunk

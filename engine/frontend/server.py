@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.config import EngineConfig
-from engine.core_client import CoreClient
-from engine.microserving_api import add_microserving_routes
+from engine.frontend.core_client import CoreClient
+from engine.frontend.microserving_api import add_microserving_routes
 from microserve.openai_app import QuietServer, build_openai_app, listen_socket
 from microserve.tokenizer import Tokenizer
 
@@ -27,7 +27,7 @@ log = logging.getLogger("microserve.engine")
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
                      api_key: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
-    """The OpenAI API over the engine, plus the microserving API (engine/microserving_api.py)."""
+    """The OpenAI API over the engine, plus the microserving API (engine/frontend/microserving_api.py)."""
     app = build_openai_app(client, tokenizer, tool_call_parser=tool_call_parser)
     add_microserving_routes(app, client, api_key=api_key)
     return app

@@ -162,7 +162,7 @@ class _MicroservingAPI:
     named aborted: a reservation, a running prefill or transfer, or a generation."""
 
     def __init__(self, client):
-        self.client = client  # engine.core_client.CoreClient, or anything with its contract
+        self.client = client  # engine.frontend.core_client.CoreClient, or anything with its contract
         self._start_generate = validator(StartGenerateRequest)
 
     def call_route(self, call: _Call) -> Callable:
