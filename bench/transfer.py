@@ -65,7 +65,7 @@ ENGINE_KEY = secrets.token_urlsafe(32)  # KV moves only between engines sharing 
 
 def start_engine(model: str, port: int, *args: str, api_key: str | None = None
                  ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model, "--port",
+    cmd = [sys.executable, "-m", "launcher.cli", "engine", "--model", model, "--port",
            str(port), "--log-level", "warning", *args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_API_KEY"}
     if api_key is not None:

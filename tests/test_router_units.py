@@ -346,7 +346,7 @@ def test_the_router_imports_no_torch():
     """DESIGN §2: a router host may have no GPU stack."""
     import subprocess
 
-    code = ("import sys, router.server, router.admin, microserve.up, strategies.pd, "
+    code = ("import sys, router.server, router.admin, launcher.up, strategies.pd, "
             "strategies.balanced_pd, strategies.context_migration, strategies.data_parallel; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', "
             "'kvcache')))")

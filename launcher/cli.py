@@ -260,7 +260,7 @@ def _admin_token(given: str | None, port: int) -> str:
     """The admin token asked for, or a new one: printed once, saved where only this user reads."""
     if given is not None:
         return given
-    from microserve.credentials import generated_admin_token
+    from launcher.credentials import generated_admin_token
 
     token, path = generated_admin_token(port)
     print(f"microserve: no admin token given; /admin takes this one: {token}\n"
@@ -290,8 +290,8 @@ def _run_router(args) -> None:
 
 
 def _run_up(args) -> None:
-    from microserve.credentials import new_token
-    from microserve.up import load_deployment, up
+    from launcher.credentials import new_token
+    from launcher.up import load_deployment, up
 
     deployment = load_deployment(args.config, port=args.port,
                                  strategies_dir=args.strategies_dir,
