@@ -2,8 +2,8 @@
 
 Why a separate process: the step loop must never wait on HTTP parsing, JSON, tokenization or
 detokenization (vLLM once spent 62% of an H100 decode step outside the GPU). The frontend
-(engine/frontend/core_client.py, an asyncio process) does all of that and talks to this loop over one
-Unix socket of length-prefixed msgpack frames (microserve/wire.py), each a typed message of
+(engine/frontend/, an asyncio process) does all of that and talks to this loop over one Unix
+socket of length-prefixed msgpack frames (microserve/wire.py), each a typed message of
 microserve/messages.py, decoded by its "type" tag:
 
     frontend -> core: Generate, Abort, Invoke (a Call: Stats, CheckIntegrity, PrepRecv,

@@ -356,7 +356,7 @@ class OpenAIFrontend:
         except ClientDisconnected:
             return Response(status_code=499)  # nginx's "client closed request", for the metrics
         return EventStream(self._events(run, wire, first, deltas, body.include_usage),
-                            headers={"Cache-Control": "no-cache"})
+                           headers={"Cache-Control": "no-cache"})
 
     async def _events(self, run: _Run, wire: CompletionWire | ChatWire, first: _Delta,
                       deltas: AsyncGenerator[_Delta, None], include_usage: bool

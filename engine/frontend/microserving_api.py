@@ -162,7 +162,7 @@ class _MicroservingAPI:
     named aborted: a reservation, a running prefill or transfer, or a generation."""
 
     def __init__(self, client):
-        self.client = client  # engine.frontend.core_client.CoreClient, or anything with its contract
+        self.client = client  # a CoreClient (core_client.py), or anything with its contract
         self._start_generate = validator(StartGenerateRequest)
 
     def call_route(self, call: _Call) -> Callable:
@@ -196,7 +196,7 @@ class _MicroservingAPI:
         if not body.stream:
             return _answer(codec, chunk)
         return EventStream(self._stream(body.request_id, codec, chunk, chunks),
-                            media_type=codec.stream_media_type)
+                           media_type=codec.stream_media_type)
 
     async def _chunks(self, body: StartGenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         """The request's outputs as chunks. Closed or cancelled before the engine finished the

@@ -27,7 +27,7 @@ log = logging.getLogger("microserve.engine")
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
                      api_key: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
-    """The OpenAI API over the engine, plus the microserving API (engine/frontend/microserving_api.py)."""
+    """The OpenAI API over the engine, plus the microserving API (microserving_api.py)."""
     app = build_openai_app(client, tokenizer, tool_call_parser=tool_call_parser)
     add_microserving_routes(app, client, api_key=api_key)
     return app
