@@ -32,7 +32,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from microserve.model_files import resolve_model
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 
 def params(max_tokens: int) -> SamplingParams:
@@ -183,7 +183,7 @@ def offline(core: EngineCore, vocab: int, n: int = 1000, cprofile: bool = False)
     ps = prompts(n, (128, 2048), vocab, 6)
     for i, (p, o) in enumerate(zip(ps, n_out)):
         core.add_request(f"o{i}", p, params(o))
-    before = core.stats()["preemptions"]
+    before = core.stats().preemptions
     steps = decode_only = 0
     timer = StepTimer(core)
     prof = cProfile.Profile() if cprofile else None
@@ -208,7 +208,7 @@ def offline(core: EngineCore, vocab: int, n: int = 1000, cprofile: bool = False)
     return {"requests": n, "wall_s": wall, "output_tokens_per_s": total_out / wall,
             "total_tokens_per_s": (total_in + total_out) / wall, "steps": steps,
             "mean_step_ms": wall / steps * 1e3, "decode_only_steps": decode_only,
-            "preemptions": core.stats()["preemptions"] - before, **gpu,
+            "preemptions": core.stats().preemptions - before, **gpu,
             "wall_over_gpu": wall / max(gpu["gpu_s"], 1e-9)}
 
 

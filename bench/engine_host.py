@@ -1,6 +1,8 @@
 """The engine core's host work per step at full load, with the model taken out.
 
     python -m bench.engine_host [--requests 1000] [--profile] [--json out.json]
+        [--max-num-batched-tokens 8192] [--max-num-seqs 256] [--input-len 128:2048]
+        [--output-len 128:1024]
 
 Runs the offline workload of `bench.engine_gpu --only offline` (inputs 128-2,048, outputs
 128-1,024, ignore_eos, up to 256 running sequences, an 8,192-token step budget, a KV pool of
@@ -29,7 +31,7 @@ from engine.attention.triton_backend import TritonAttentionBackend
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampler import SampleResult
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 VOCAB = 256
 
@@ -73,21 +75,22 @@ def tiny_model(path: str) -> str:
     return path
 
 
-def run(n: int, profile: bool) -> dict:
+def run(n: int, profile: bool, budget: int = 8192, max_seqs: int = 256,
+        input_len=(128, 2048), output_len=(128, 1024)) -> dict:
     import tempfile
 
     config = EngineConfig(model=tiny_model(tempfile.mkdtemp()), num_pages=28000,
-                          max_num_batched_tokens=8192, max_num_seqs=256, page_size=16)
+                          max_num_batched_tokens=budget, max_num_seqs=max_seqs, page_size=16)
     core = EngineCore(config)
-    backend = TritonAttentionBackend("cpu", 4, 2, 16, max_tokens=8192, max_seqs=256,
+    backend = TritonAttentionBackend("cpu", 4, 2, 16, max_tokens=budget, max_seqs=max_seqs,
                                      max_pages_per_seq=4096 // 16, page_size=16)
     stub = StubRunner(core.runner, backend)
     core.runner.forward, core.runner.sample = stub.forward, stub.sample
     rng = random.Random(5)
-    n_out = [rng.randint(128, 1024) for _ in range(n)]
+    n_out = [rng.randint(*output_len) for _ in range(n)]
     rng = random.Random(6)
     for i, o in enumerate(n_out):
-        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(128, 2048))]
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(*input_len))]
         core.add_request(f"o{i}", prompt, SamplingParams(max_tokens=o, ignore_eos=True))
     prof = cProfile.Profile() if profile else None
     steps, step_ms = 0, []
@@ -106,7 +109,7 @@ def run(n: int, profile: bool) -> dict:
     full = sorted(step_ms[: len(step_ms) // 2])  # the first half: 256 sequences running
     out = {"requests": n, "steps": steps, "wall_s": wall, "mean_step_ms": wall / steps * 1e3,
            "median_step_ms_full_batch": full[len(full) // 2],
-           "output_tokens": sum(n_out), "preemptions": core.stats()["preemptions"]}
+           "output_tokens": sum(n_out), "preemptions": core.stats().preemptions}
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     return out
@@ -116,10 +119,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--input-len", default="128:2048", help="LO:HI tokens (uniform)")
+    ap.add_argument("--output-len", default="128:1024", help="LO:HI tokens (uniform)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    result = run(args.requests, args.profile)
+    span = lambda text: tuple(int(x) for x in text.split(":"))  # noqa: E731
+    result = run(args.requests, args.profile, args.max_num_batched_tokens, args.max_num_seqs,
+                 span(args.input_len), span(args.output_len))
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

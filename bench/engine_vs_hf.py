@@ -60,7 +60,7 @@ def free_port() -> int:
 
 
 def start_engine(model: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "microserve.cli", "engine", "--port", str(port),
+    cmd = [sys.executable, "-m", "launcher.cli", "engine", "--port", str(port),
            "--log-level", "warning", *extra]  # fmt: skip
     if model:
         cmd += ["--model", model]

@@ -120,7 +120,7 @@ async def main() -> None:
     engine = start_engine(model, args.base_port, "--max-model-len", "2048", "--cpu-threads",
                           str(args.engine_threads))
     router = subprocess.Popen(
-        [sys.executable, "-m", "microserve.cli", "router", "--model", model, "--port",
+        [sys.executable, "-m", "launcher.cli", "router", "--model", model, "--port",
          str(args.base_port + 1), "--engine", f"e0={engine_url}", "--strategy",
          "data_parallel", "--log-level", "warning"], stdout=subprocess.DEVNULL)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

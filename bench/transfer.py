@@ -54,7 +54,7 @@ import time
 
 import httpx
 
-from microserve.microserving import Sampling
+from microserve.messages import SamplingParams
 from microserve.microserving_client import EngineClient
 from microserve.model_config import ModelConfig
 from microserve.model_files import resolve_model
@@ -65,7 +65,7 @@ ENGINE_KEY = secrets.token_urlsafe(32)  # KV moves only between engines sharing 
 
 def start_engine(model: str, port: int, *args: str, api_key: str | None = None
                  ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model, "--port",
+    cmd = [sys.executable, "-m", "launcher.cli", "engine", "--model", model, "--port",
            str(port), "--log-level", "warning", *args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_API_KEY"}
     if api_key is not None:
@@ -98,7 +98,7 @@ async def prefill_on(engine: EngineClient, rid: str, prompt: list[int],
                      begin: int = 0) -> None:
     """Prefill `prompt[begin:]` on `engine` and sample one token (what a TTFT measures)."""
     async for _ in engine.start_generate(rid, prompt, begin,
-                                         Sampling(max_tokens=1, temperature=0)):
+                                         SamplingParams(max_tokens=1, temperature=0)):
         pass
 
 
@@ -164,7 +164,7 @@ async def decode_times(d: EngineClient, vocab: int, rng, streams: int, max_token
     times: list[list[float]] = [[] for _ in range(streams)]
 
     async def one(i: int) -> None:
-        sampling = Sampling(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         async for chunk in d.start_generate(f"tpot-{i}-{rng.random()}", fresh(rng, vocab, 64),
                                             0, sampling):
             times[i] += [time.perf_counter()] * len(chunk.token_ids)

@@ -1,8 +1,9 @@
-"""Engine configuration (what the user asked for) and EngineInfo (what was found at start-up)."""
+"""Engine configuration: what the user asked for (what was found at start-up is
+microserve.messages.EngineInfo)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will consume
 
@@ -101,24 +102,3 @@ class EngineConfig:
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Facts the engine core reports once it has loaded the model and sized the KV pool."""
-
-    model_name: str
-    model_dir: str
-    device: str
-    dtype: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int]
-    page_size: int
-    num_pages: int
-    kv_capacity_tokens: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    kv_transfer: str  # how this engine receives KV: shm, tcp or none
-
-    def to_dict(self) -> dict:
-        return asdict(self)

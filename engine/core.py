@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, EngineInfo
+from engine.config import EngineConfig
 from engine.grammar import GrammarMatchers
 from engine.kv_exchange import KVExchange, resolve_index
 from engine.model_runner import ModelRunner, resolve_dtype
@@ -28,7 +28,7 @@ from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError, RequestRejected
 from microserve.bounds import INT64_MAX, INT64_MIN
-from microserve.types import FinishReason, SamplingParams, TokenOutput
+from microserve.messages import EngineInfo, EngineStats, FinishReason, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -406,20 +406,20 @@ class EngineCore:
 
     # ---- inspection ---------------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         s = self.kv.stats()
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "kv_pages_total": s.total_pages,
-            "kv_pages_free": s.free_pages,
-            "kv_pages_cached": s.cached_pages,
-            "kv_pages_used": s.used_pages,
-            "kv_pages_pinned": s.pinned_pages,
-            "preemptions": self.scheduler.num_preemptions,
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_pages_total=s.total_pages,
+            kv_pages_free=s.free_pages,
+            kv_pages_cached=s.cached_pages,
+            kv_pages_used=s.used_pages,
+            kv_pages_pinned=s.pinned_pages,
+            preemptions=self.scheduler.num_preemptions,
             **self.counters,
             **self.exchange.stats(),
-        }
+        )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -2,13 +2,14 @@
 
 Why a separate process: the step loop must never wait on HTTP parsing, JSON, tokenization or
 detokenization (vLLM once spent 62% of an H100 decode step outside the GPU). The frontend
-(engine/core_client.py, an asyncio process) does all of that and talks to this loop over one
-Unix socket of length-prefixed msgpack frames (microserve/wire.py):
+(engine/frontend/, an asyncio process) does all of that and talks to this loop over one Unix
+socket of length-prefixed msgpack frames (microserve/wire.py), each a typed message of
+microserve/messages.py, decoded by its "type" tag:
 
-    frontend -> core: add, abort, call (stats, check_integrity, prep_recv, remote_send,
-                      commit, abort, pin, unpin), shutdown
-    core -> frontend: ready | error (once), outputs (one frame per step, all requests),
-                      rejected, reply
+    frontend -> core: Generate, Abort, Invoke (a Call: Stats, CheckIntegrity, PrepRecv,
+                      RemoteSend, Commit, AbortCall, Pin, Unpin), Shutdown
+    core -> frontend: Ready | StartFailed (once), Outputs (one frame per step, all requests),
+                      Rejected, Reply
 
 Between steps the loop drains whatever messages have arrived without blocking; when it has no
 work it blocks on the socket, the KV sender's wake-up pipe and the next lease or wait deadline.
@@ -33,8 +34,31 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
+from microserve.messages import (
+    Abort,
+    AbortCall,
+    AbortResponse,
+    Call,
+    CheckIntegrity,
+    Commit,
+    Frame,
+    Generate,
+    Invoke,
+    Outputs,
+    Pin,
+    PinResponse,
+    PrepRecv,
+    Ready,
+    Rejected,
+    RemoteSend,
+    Reply,
+    Shutdown,
+    StartFailed,
+    Stats,
+    ToCore,
+    Unpin,
+)
 from microserve.transfer_auth import KEY_ENV
-from microserve.types import SamplingParams
 from microserve.wire import FrameDecoder, encode
 
 log = logging.getLogger("microserve.core")
@@ -48,13 +72,13 @@ class CoreLoop:
     def __init__(self, core: EngineCore, sock: socket.socket):
         self.core = core
         self.sock = sock
-        self.decoder = FrameDecoder()
+        self.decoder = FrameDecoder(ToCore)
         self.running = True
         # request id -> id of the remote_send (or waiting prep_recv) call to answer
         self.sends: dict[str, int] = {}
         self.failed_steps = 0  # steps in a row that raised
 
-    def send(self, msg) -> None:
+    def send(self, msg: Frame) -> None:
         self.sock.sendall(encode(msg))
 
     def run(self) -> None:
@@ -99,7 +123,7 @@ class CoreLoop:
                 self.failed_steps = 0
                 stalled = self.core.stalled
                 if outputs:
-                    self.send({"type": "outputs", "items": [o.to_wire() for o in outputs]})
+                    self.send(Outputs(outputs))
 
     def _fail_step(self, error: Exception) -> None:
         """Fail every request in the engine (which of them made the step raise is unknown),
@@ -110,8 +134,7 @@ class CoreLoop:
             raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps in a row failed") from error
         why = f"internal error in the engine step: {type(error).__name__}"
         for request_id in self.core.fail_requests(why):
-            self.send({"type": "rejected", "request_id": request_id, "message": why,
-                       "param": None, "status": 500})
+            self.send(Rejected(request_id, why, None, 500))
         self._answer_sends()
         self.core.check_integrity()
 
@@ -136,88 +159,81 @@ class CoreLoop:
                 self._handle(msg)
         return bool(ready)
 
-    def _handle(self, msg: dict) -> None:
-        kind = msg["type"]
-        if kind == "add":
-            try:
-                params = SamplingParams.from_dict(msg["params"])
-                self.core.add_request(msg["request_id"], msg["prompt"], params,
-                                      msg.get("begin", 0))  # fmt: skip
-            except (RequestRejected, MicroservingError) as e:
-                self.send({"type": "rejected", "request_id": msg["request_id"],
-                           "message": str(e), "param": e.param,
-                           "status": getattr(e, "status", 400)})  # fmt: skip
-            except Exception as e:  # our bug: it fails this request, never the engine
-                log.exception("request %s failed to start", msg["request_id"])
-                self.core.abort_request(msg["request_id"])
-                self.send({"type": "rejected", "request_id": msg["request_id"],
-                           "message": f"internal error: {type(e).__name__}", "param": None,
-                           "status": 500})  # fmt: skip
-        elif kind == "abort":
-            out = self.core.abort_request(msg["request_id"])
+    def _handle(self, msg: ToCore) -> None:
+        if isinstance(msg, Generate):
+            self._generate(msg)
+        elif isinstance(msg, Abort):
+            out = self.core.abort_request(msg.request_id)
             if out is not None:
-                self.send({"type": "outputs", "items": [out.to_wire()]})
-        elif kind == "call":
+                self.send(Outputs([out]))
+        elif isinstance(msg, Invoke):
             self._call(msg)
-        elif kind == "shutdown":
+        elif isinstance(msg, Shutdown):
             self.running = False
-        else:
-            log.error("unknown message type %r", kind)
 
-    def _call(self, msg: dict) -> None:
-        method, args = msg["method"], msg.get("args") or {}
+    def _generate(self, msg: Generate) -> None:
         try:
-            result = self._dispatch_call(method, args)
+            self.core.add_request(msg.request_id, msg.prompt, msg.params, msg.begin)
         except (RequestRejected, MicroservingError) as e:
-            self._reply(msg["id"], error=e)
+            self.send(Rejected(msg.request_id, str(e), e.param, getattr(e, "status", 400)))
+        except Exception as e:  # our bug: it fails this request, never the engine
+            log.exception("request %s failed to start", msg.request_id)
+            self.core.abort_request(msg.request_id)
+            self.send(Rejected(msg.request_id, f"internal error: {type(e).__name__}", None, 500))
+
+    def _call(self, msg: Invoke) -> None:
+        call = msg.call
+        try:
+            result = self._dispatch_call(call)
+        except (RequestRejected, MicroservingError) as e:
+            self._reply(msg.id, error=e)
             return
         except IntegrityError as e:
-            self._reply(msg["id"], error=RuntimeError(f"integrity check failed: {e}"))
+            self._reply(msg.id, error=RuntimeError(f"integrity check failed: {e}"))
             return
         except Exception as e:  # our bug: it fails this call, never the engine
-            log.exception("%s failed", method)
-            self._reply(msg["id"], error=RuntimeError(f"internal error: {type(e).__name__}"))
+            log.exception("%s failed", type(call).__name__)
+            self._reply(msg.id, error=RuntimeError(f"internal error: {type(e).__name__}"))
             return
-        if result is None and method in ("remote_send", "prep_recv"):  # answered later
-            self.sends[args["request_id"]] = msg["id"]
+        if result is None and isinstance(call, (RemoteSend, PrepRecv)):  # answered later
+            self.sends[call.request.request_id] = msg.id
         else:
-            self._reply(msg["id"], result)
+            self._reply(msg.id, result)
 
-    def _dispatch_call(self, method: str, a: dict):
+    def _dispatch_call(self, call: Call):
         core, exchange = self.core, self.core.exchange
-        if method == "stats":
-            return core.stats()
-        if method == "check_integrity":
-            core.check_integrity()
-            return True
-        if method == "prep_recv":
-            return exchange.prep_recv(a["request_id"], a["prompt"], a["end"], a.get("lease_s"),
-                                      a.get("wait_s"))
-        if method == "remote_send":
-            return exchange.remote_send(a["request_id"], a["prompt"], a["begin"], a["end"],
-                                        a["kv_addr"])  # fmt: skip
-        if method == "commit":
-            return exchange.commit(a["request_id"], a.get("pin", False))
-        if method == "abort":
-            rid = a["request_id"]
-            aborted = rid in core.seqs or exchange.in_use(rid)
-            self._handle({"type": "abort", "request_id": rid})
-            return {"aborted": aborted}
-        if method in ("pin", "unpin"):
-            try:
-                return {"tokens": getattr(core.kv, method)(a["prompt"])}
-            except ValueError as e:  # unpin of a prefix that is not pinned
-                raise MicroservingError(400, str(e), "prompt") from None
-        raise MicroservingError(404, f"unknown method {method!r}")
+        match call:
+            case Stats():
+                return core.stats()
+            case CheckIntegrity():
+                core.check_integrity()
+                return True
+            case PrepRecv(request=r):
+                return exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
+            case RemoteSend(request=r):
+                return exchange.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr)
+            case Commit(request=r):
+                return exchange.commit(r.request_id, r.pin)
+            case AbortCall(request=r):
+                aborted = r.request_id in core.seqs or exchange.in_use(r.request_id)
+                self._handle(Abort(r.request_id))
+                return AbortResponse(aborted)
+            case Pin(request=r) | Unpin(request=r):
+                try:
+                    pin = core.kv.pin if isinstance(call, Pin) else core.kv.unpin
+                    return PinResponse(pin(r.prompt))
+                except ValueError as e:  # unpin of a prefix that is not pinned
+                    raise MicroservingError(400, str(e), "prompt") from None
+        raise MicroservingError(404, f"unknown call {type(call).__name__}")
 
     def _reply(self, call_id: int, result=None, error: Exception | None = None) -> None:
-        reply = {"type": "reply", "id": call_id, "result": result, "error": None}
-        if error is not None:
-            reply.update(error=str(error), status=getattr(error, "status", 400),
-                         param=getattr(error, "param", None), code=getattr(error, "code", None))
-            if not isinstance(error, (RequestRejected, MicroservingError)):
-                reply["status"] = 500
-        self.send(reply)
+        if error is None:
+            self.send(Reply(call_id, result))
+            return
+        ours = isinstance(error, (RequestRejected, MicroservingError))
+        self.send(Reply(call_id, error=str(error),
+                        status=getattr(error, "status", 400) if ours else 500,
+                        param=getattr(error, "param", None), code=getattr(error, "code", None)))
 
     def _answer_sends(self) -> bool:
         """Answer the deferred calls now settled. True if there were any."""
@@ -250,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                           transfer_key=bytes.fromhex(key) if key else None)
     except Exception as e:  # report why start-up failed, then exit non-zero
         traceback.print_exc()
-        sock.sendall(encode({"type": "error", "message": f"{type(e).__name__}: {e}"}))
+        sock.sendall(encode(StartFailed(f"{type(e).__name__}: {e}")))
         return 1
-    sock.sendall(encode({"type": "ready", "info": core.info.to_dict()}))
+    sock.sendall(encode(Ready(core.info)))
     try:
         CoreLoop(core, sock).run()
     finally:

@@ -53,9 +53,9 @@ from kvcache.forward import KVSend
 from kvcache.transfer import KVLayout, TransferBackend, TransferError, Window
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError
-from microserve.microserving import KVAddr, slot_ranges
+from microserve.messages import (CommitResponse, KVAddr, PrepRecvResponse, RemoteSendResponse,
+                                 SamplingParams, slot_ranges)
 from microserve.transfer_auth import TransferAuthError, verify
-from microserve.types import SamplingParams
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# What poll() answers a deferred call with: its response, or its error.
+Answer = PrepRecvResponse | RemoteSendResponse | MicroservingError
 _NEVER_TRIED = -(1 << 62)  # below any _room(): the waiting head is tried at the next chance
 
 
@@ -120,7 +122,7 @@ class KVExchange:
         self._room_when_tried = _NEVER_TRIED  # _room() when the head last did not fit
         self.jobs: dict[str, SendJob] = {}  # every remote_send not yet answered
         self.flushing: set[str] = set()  # jobs whose compute is done; pages held until flushed
-        self._answers: list[tuple[str, dict | MicroservingError]] = []  # given by the next poll()
+        self._answers: list[tuple[str, Answer]] = []  # given by the next poll()
         self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0,
                          "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0}
 
@@ -135,7 +137,8 @@ class KVExchange:
     # ---- receiver ------------------------------------------------------------------------------
 
     def prep_recv(self, request_id: str, prompt: list[int], end: int,
-                  lease_s: float | None, wait_s: float | None = None) -> dict | None:  # fmt: skip
+                  lease_s: float | None, wait_s: float | None = None
+                  ) -> PrepRecvResponse | None:
         """The answer, or None when the call waits for pages: `poll()` answers it later."""
         self.core.check_prompt(prompt)
         end = resolve_index(end, len(prompt), "end")
@@ -169,7 +172,8 @@ class KVExchange:
         self.counters["kv_recv_waited"] += 1
         return None
 
-    def _reserve(self, request_id: str, tokens: list[int], lease_s: float) -> dict | None:
+    def _reserve(self, request_id: str, tokens: list[int], lease_s: float
+                 ) -> PrepRecvResponse | None:
         """Reserve pages and a window for receiving `tokens`. The engine's own work comes
         first: a page stays free for each running sequence to grow into (the next decode step
         must not preempt for us), and the pages of the first waiting sequence that must be
@@ -187,10 +191,10 @@ class KVExchange:
         end = len(tokens)
         addr = KVAddr(
             begin=matched, end=end, ranges=slot_ranges(self.kv.slots(request_id, matched, end)),
-            layout=self.layout.to_dict(), transfer=self.backend.descriptor(),
+            layout=self.layout, transfer=self.backend.descriptor(),
             window=(window.index, window.tag),
         )  # fmt: skip
-        return {"matched": matched, "kv_addr": addr.model_dump()}
+        return PrepRecvResponse(matched, addr)
 
     def admit_waiting(self, now: float) -> None:
         """Between steps: give up on calls that waited too long (503), then grant pages to the
@@ -257,7 +261,7 @@ class KVExchange:
             self.kv.cache_tokens(rid, prompt[:start])
         seq.num_cached_tokens = seq.num_computed_tokens
 
-    def commit(self, request_id: str, pin: bool) -> dict:
+    def commit(self, request_id: str, pin: bool) -> CommitResponse:
         """Adopt received KV into the prefix cache without generating (context migration)."""
         res = self.reservations.get(request_id)
         if res is None:
@@ -270,7 +274,7 @@ class KVExchange:
             self.kv.pin(res.tokens[:cached])
         self.kv.free(request_id)
         self.counters["kv_tokens_received"] += len(res.tokens) - res.matched
-        return {"cached": cached, "pinned": bool(pin and cached)}
+        return CommitResponse(cached, bool(pin and cached))
 
     def expire_leases(self, now: float) -> int:
         """Free reservations whose sender has not renewed them for `lease_s` (nor has one
@@ -319,20 +323,19 @@ class KVExchange:
     # ---- sender --------------------------------------------------------------------------------
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                    kv_addr: dict) -> None:  # fmt: skip
+                    kv_addr: KVAddr) -> None:  # fmt: skip
         """Start sending KV of prompt[begin:end]; the answer comes from poll()."""
         self.core.check_prompt(prompt)
         n = len(prompt)
         begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
         if begin > end:
             raise MicroservingError(400, f"begin {begin} is after end {end}", "begin")
-        addr = KVAddr.model_validate(kv_addr)
-        self._check_addr(addr, begin, end)
+        self._check_addr(kv_addr, begin, end)
         self._check_free(request_id)
-        dst = addr.slots()
+        dst = kv_addr.slots()
         matched = self.kv.open(request_id, prompt[:end])
         try:
-            self.sender.start(request_id, addr.transfer, Window(*addr.window))
+            self.sender.start(request_id, kv_addr.transfer, Window(*kv_addr.window))
         except TransferError as e:
             self.kv.free(request_id)
             raise MicroservingError(502, f"cannot reach the receiver: {e}") from None
@@ -370,14 +373,14 @@ class KVExchange:
         self.flushing.add(request_id)
         self.sender.finish(request_id)
 
-    def poll(self) -> list[tuple[str, dict | MicroservingError]]:
+    def poll(self) -> list[tuple[str, Answer]]:
         """Answers for remote_send calls whose transfer has completed, failed or was aborted,
         and for prep_recv calls that waited and were granted, gave up or were aborted."""
         for rid, error in self.sender.failed():  # e.g. the receiver died: stop computing
             if rid not in self.flushing:
                 self._drop_send(rid)
                 self._answers.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
-        out: list[tuple[str, dict | MicroservingError]] = list(self._answers)
+        out: list[tuple[str, Answer]] = list(self._answers)
         self._answers.clear()
         for rid, error in self.sender.completed():
             job = self.jobs.pop(rid, None)
@@ -390,7 +393,7 @@ class KVExchange:
             else:
                 sent = job.end - job.begin
                 self.counters["kv_tokens_sent"] += sent
-                out.append((rid, {"sent": sent, "computed": job.computed, "reused": job.reused}))
+                out.append((rid, RemoteSendResponse(sent, job.computed, job.reused)))
         return out
 
     def _check_addr(self, addr: KVAddr, begin: int, end: int) -> None:
@@ -402,11 +405,7 @@ class KVExchange:
             raise MicroservingError(
                 400, f"kv_addr holds {addr.num_slots} slots but end - begin = {end - begin} "
                 f"(begin {begin}, end {end})", "kv_addr")  # fmt: skip
-        try:
-            peer = KVLayout.from_dict(addr.layout)
-        except (KeyError, TypeError) as e:
-            raise MicroservingError(400, f"kv_addr.layout is incomplete: {e}", "kv_addr") from None
-        if (why := self.layout.mismatch(peer)) is not None:
+        if (why := self.layout.mismatch(addr.layout)) is not None:
             raise MicroservingError(400, f"refusing to send: {why}", "kv_addr.layout")
         capacity = transfer["num_pages"] * self.layout.page_size
         bad = next(((s, n) for s, n in addr.ranges if s < 0 or n < 1 or s + n > capacity), None)

@@ -22,7 +22,7 @@ from kvcache.manager import PageCopy
 
 BLAS_LIBRARY = "cublaslt"  # torch's GEMM path on CUDA (see ModelRunner); bench flag --blas
 from kvcache.paged import PagedKVCache
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 if TYPE_CHECKING:  # CUDA-only modules import triton; load them only on CUDA
     from engine.cuda_graphs import DecodeGraphs

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.device import to_device
-from microserve.types import SamplingParams, TokenLogprob
+from microserve.messages import SamplingParams, TokenLogprob
 
 # Slack for "the nucleus's mass reaches top_p": a set whose true mass equals top_p (0.4 + 0.2 + 0.2
 # for top_p=0.8) may sum a float32 ulp short, which would pull one extra token into the nucleus.

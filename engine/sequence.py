@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 
 PENDING = -1  # an output token sampled on the device whose value the host has not read yet

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from microserve.types import SamplingParams, TokenOutput
+from microserve.messages import GenerateChunk, SamplingParams
 
 
 class BackendUnavailable(Exception):
@@ -58,8 +58,9 @@ class GenerateBackend(ABC):
     @abstractmethod
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenOutput]:
-        """Stream the request's outputs; the last one carries a finish_reason.
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's output chunks; the last one has finish_reason and usage, the
+        first one says how many prompt tokens were cached (`cached_tokens`).
 
         Raises BackendUnavailable before the first output if the request cannot be served now,
         RequestRejected if it can never be served as asked.

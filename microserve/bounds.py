@@ -26,6 +26,7 @@ Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what torch.Generator
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # max_tokens and other counts of tokens
 Index = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # begin/end; the engine checks the prompt
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1 and 0 disable it; at most the vocabulary
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # An llguidance grammar's JSON (structured outputs, forced tool calls); the OpenAI frontend caps
 # the schemas it is built from at MAX_SCHEMA_CHARS.
 MAX_GRAMMAR_CHARS = 1 << 20

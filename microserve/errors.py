@@ -109,6 +109,8 @@ def from_validation_errors(errors: Sequence[dict]) -> OpenAIError:
         return invalid_request(f"Missing required field '{param}'" if param
                                else "The request body is missing", param)
     reason = error.get("msg", "invalid value").removeprefix("Value error, ")
+    if kind == "unexpected_keyword_argument":  # a dataclass's word for it (microserve.messages)
+        reason = "Extra inputs are not permitted"
     if param is None:
         return invalid_request(f"Invalid request body: {reason}")
     return invalid_request(

@@ -26,19 +26,20 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llguidance
 
 from microserve.backend import BackendError, GenerateBackend
+from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
 from microserve.errors import (OpenAIError, as_openai_error, from_validation_errors,
                                install_error_handlers, invalid_request, model_not_found)
 from microserve.metrics import CONTENT_TYPE, Counter, Registry
@@ -49,10 +50,9 @@ from microserve.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 from microserve.tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
 from microserve.tools import forced_functions, parses_calls
-from microserve.types import FinishReason, SamplingParams, TokenLogprob, TokenOutput
+from microserve.messages import FinishReason, GenerateChunk, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -60,64 +60,6 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
                 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client disconnects first.
-
-    uvicorn never cancels a handler whose client went away; it only answers the next
-    `receive()` (the body has been read by now) with http.disconnect. So we wait for that
-    alongside the work.
-
-    Raises:
-        ClientDisconnected: the client went away; `work` was cancelled and finished its cleanup.
-    """
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch_task.cancel()
-        if not work_task.done():
-            work_task.cancel()
-            await asyncio.wait((work_task,))  # its cleanup sends the backend abort
-    if work_task.cancelled():
-        raise ClientDisconnected()
-    return work_task.result()
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that stops, and closes its event generator, when the client goes away.
-
-    Closing the generator deterministically (not at garbage collection) is what runs the
-    generation's cleanup, which aborts the request in the backend.
-    """
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        try:
-            await _unless_disconnected(receive, self._send_events(send))
-        except ClientDisconnected:
-            pass
-        finally:
-            await self.body_iterator.aclose()
-
-    async def _send_events(self, send: Send) -> None:
-        async for event in self.body_iterator:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -405,16 +347,16 @@ class OpenAIFrontend:
         deltas = self._deltas(run)
         try:
             if not body.stream:
-                whole = await _unless_disconnected(raw.receive, _collect(deltas))
+                whole = await unless_disconnected(raw.receive, _collect(deltas))
                 return JSONResponse(wire.body(whole.text, whole.logprobs, whole.finish_reason,
                                               self._usage(run), whole.tool_calls))
             # Wait for the first output before answering, so that a backend that cannot take
             # the request still gets a 503 status rather than an error event inside a 200.
-            first = await _unless_disconnected(raw.receive, anext(deltas))
+            first = await unless_disconnected(raw.receive, anext(deltas))
         except ClientDisconnected:
             return Response(status_code=499)  # nginx's "client closed request", for the metrics
-        return _EventStream(self._events(run, wire, first, deltas, body.include_usage),
-                            headers={"Cache-Control": "no-cache"})
+        return EventStream(self._events(run, wire, first, deltas, body.include_usage),
+                           headers={"Cache-Control": "no-cache"})
 
     async def _events(self, run: _Run, wire: CompletionWire | ChatWire, first: _Delta,
                       deltas: AsyncGenerator[_Delta, None], include_usage: bool
@@ -496,7 +438,7 @@ class OpenAIFrontend:
             finish_reason = "tool_calls"
         return _Delta(text, logprobs, finish_reason, indexed)
 
-    def _text_ids(self, run: _Run, out: TokenOutput) -> list[int]:
+    def _text_ids(self, run: _Run, out: GenerateChunk) -> list[int]:
         """The tokens that become text: a final stop token's or eos's text is left out."""
         ids = out.token_ids
         if out.finish_reason != FinishReason.STOP or not ids:
@@ -506,10 +448,12 @@ class OpenAIFrontend:
             return ids[:-1]
         return ids
 
-    def _note_output(self, run: _Run, out: TokenOutput) -> None:
+    def _note_output(self, run: _Run, out: GenerateChunk) -> None:
         now = time.perf_counter()
-        # A router's backend reports the cached count with the last output only.
-        run.num_cached = max(run.num_cached, out.num_cached_tokens)
+        # The first chunk says how many prompt tokens were cached, the last one's usage too.
+        cached = out.usage.cached_tokens if out.usage is not None else out.cached_tokens
+        if cached is not None:
+            run.num_cached = max(run.num_cached, cached)
         if not out.token_ids:
             return
         if run.first_token_at is None:

@@ -25,12 +25,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from microserve.bounds import FINITE, Count, Seed, TokenId, TopK
+from microserve.bounds import FINITE, MAX_LOGPROBS, Count, Seed, TokenId, TopK
 from microserve.tool_parsers import ParsedCall
 from microserve.tools import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
-from microserve.types import SamplingParams, TokenLogprob
+from microserve.messages import SamplingParams, TokenLogprob
 
-MAX_LOGPROBS = 20
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

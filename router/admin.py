@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from microserve.bounds import TokenId
 from microserve.errors import OpenAIError, from_validation_errors, invalid_request
-from microserve.microserving import Sampling
+from microserve.messages import SamplingParams
 from microserve.tokenizer import Tokenizer
 from router.engines import EnginePool, EngineSpec, UnknownEngine
 from router.host import StrategyHost, StrategyLoadError, StrategySource, SwapInProgress
@@ -163,7 +163,8 @@ class AdminAPI:
             raise invalid_request(f"source and destination are both {source.name!r}",
                                   "destination")
         prompt = self._tokens(body)
-        request = StrategyRequest(f"migrate-{uuid.uuid4().hex}", prompt, Sampling(max_tokens=1))
+        request = StrategyRequest(f"migrate-{uuid.uuid4().hex}", prompt,
+                                  SamplingParams(max_tokens=1))
         try:
             recv = await destination.prep_recv(request, end=len(prompt))
             sent = None

@@ -1,10 +1,10 @@
 """The router as a GenerateBackend: the OpenAI frontend (microserve/openai_app.py) over strategies.
 
 For each client request the frontend tokenizes, then iterates `generate`, which runs the active
-strategy's `generate(request, engines)` and relays its chunks as TokenOutputs:
+strategy's `generate(request, engines)` and relays its chunks (cached_tokens made the client's):
 
     client ─▶ frontend ─▶ RouterBackend.generate ─▶ strategy.generate ─▶ engine handles ─▶ engines
-                    ◀── text ◀── TokenOutput ◀── GenerateChunk ◀──┘
+                    ◀── text ◀────────────── GenerateChunk ◀──────────────┘
 
 Cleanup is the router's, not the strategy's: whenever a request ends without a finish reason
 (the strategy raised, an engine failed, the client went away, a stop string matched), every
@@ -26,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from microserve.backend import BackendError, BackendUnavailable, GenerateBackend, MicroservingError
+from microserve.messages import GenerateChunk, SamplingParams
 from microserve.metrics import Registry
-from microserve.microserving import GenerateChunk, Sampling
-from microserve.types import SamplingParams, TokenLogprob, TokenOutput
 from router.engines import EnginePool
 from router.host import LoadedStrategy, StrategyHost
 from router.strategy import Request
@@ -68,25 +68,18 @@ class RouterBackend(GenerateBackend):
         return bool(self.pool.routable())
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenOutput]:
-        sampling = Sampling.model_validate(params.to_dict())
+                       params: SamplingParams) -> AsyncIterator[GenerateChunk]:
         for attempt in range(self.max_retries + 1):
-            request = Request(request_id, prompt_token_ids, sampling)
+            request = Request(request_id, prompt_token_ids, params)
             loaded = self.host.acquire()
             self._live[request_id] = request
             chunks = loaded.instance.generate(request, self.pool)
             finished = produced = False
-            cached = 0  # the generating engine's count (its first chunk says)
             try:
                 async for chunk in chunks:
                     produced = True
                     finished = chunk.finish_reason is not None
-                    if chunk.cached_tokens is not None:
-                        cached = chunk.cached_tokens
-                    if chunk.usage is not None:
-                        cached = chunk.usage.cached_tokens
-                    yield _token_output(request_id, len(prompt_token_ids), chunk,
-                                        _cache_hits(request, cached))
+                    yield _with_cache_hits(request, chunk)
                     if finished:
                         # Then run the strategy to its end (a consumer that reads on after
                         # the finishing output waits for it; one that closes here cuts it
@@ -173,16 +166,12 @@ def _cache_hits(request: Request, on_engine: int) -> int:
     return max(0, on_engine - request.received_tokens + request.peer_cached_tokens)
 
 
-def _token_output(request_id: str, num_prompt_tokens: int, chunk: GenerateChunk,
-                  num_cached_tokens: int) -> TokenOutput:
-    logprobs = None
-    if chunk.logprobs is not None:
-        logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], [(t, p) for t, p in lp["top"]])
-                    for lp in chunk.logprobs]
-    usage = chunk.usage
-    return TokenOutput(
-        request_id=request_id, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
-        logprobs=logprobs,
-        num_prompt_tokens=usage.prompt_tokens if usage else num_prompt_tokens,
-        num_cached_tokens=num_cached_tokens,
-    )
+def _with_cache_hits(request: Request, chunk: GenerateChunk) -> GenerateChunk:
+    """The chunk with the generating engine's cached counts (first chunk, usage) made the
+    client's: cache hits on any engine (`_cache_hits`)."""
+    if chunk.cached_tokens is not None:
+        chunk = replace(chunk, cached_tokens=_cache_hits(request, chunk.cached_tokens))
+    if chunk.usage is not None:
+        usage = replace(chunk.usage, cached_tokens=_cache_hits(request, chunk.usage.cached_tokens))
+        chunk = replace(chunk, usage=usage)
+    return chunk

@@ -37,16 +37,20 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from microserve.backend import BackendUnavailable
-from microserve.metrics import Registry
-from microserve.microserving import (
+from microserve.messages import (
     CommitResponse,
+    EngineInfo,
+    EngineStats,
     GenerateChunk,
     KVAddr,
     PinResponse,
     PrepRecvResponse,
     RemoteSendResponse,
 )
+from microserve.metrics import Registry
 from microserve.microserving_client import EngineClient
 from router.prefix_index import PrefixIndex
 from router.stream_watch import StreamWatch
@@ -92,8 +96,8 @@ class EngineHandle:
         self.source = source  # how it joined: "static", "admin" or "dns:NAME"
         self.client = client
         self._pool = pool
-        self.info: dict = {}  # the engine's EngineInfo; set by the pool when it first answers
-        self.load: dict = {}  # its last /microserving/stats "stats"; set by the pool's poller
+        self.info: EngineInfo | None = None  # set by the pool when the engine first answers
+        self.load: EngineStats | None = None  # its last stats; set by the pool's poller
         self.up = False  # set by the pool: answered its last poll, no call failed since
         self.draining = False  # set by the admin API: finishes its requests, gets no new ones
         self.down_reason = "not polled yet"  # set with up = False
@@ -367,7 +371,7 @@ class EnginePool:
 
     @property
     def max_model_len(self) -> int:
-        lens = [e.info["max_model_len"] for e in self._engines.values() if e.info]
+        lens = [e.info.max_model_len for e in self._engines.values() if e.info]
         return min(lens) if lens else 0
 
     # -- membership -----------------------------------------------------------------------------
@@ -383,24 +387,24 @@ class EnginePool:
         client = EngineClient(spec.url, api_key=self.api_key, timeout_s=self.timeout_s)
         handle = EngineHandle(spec, client, self, source)
         try:
-            body = await self._stats(client)
-            self._check_same_model(spec.name, body["info"])
+            info, load = await self._stats(client)
+            self._check_same_model(spec.name, info)
             if spec.name in self._engines:  # added by someone else while we waited
                 raise ValueError(f"an engine named {spec.name!r} is already in the pool")
         except BaseException:
             client.close()
             raise
         if not self._engines:
-            self.prefix_index = PrefixIndex(page_size=body["info"]["page_size"])
-        handle.info, handle.load = body["info"], body["stats"]
+            self.prefix_index = PrefixIndex(page_size=info.page_size)
+        handle.info, handle.load = info, load
         handle.up, handle.down_reason = True, ""
         self._engines[spec.name] = handle
         self._down[spec.name] = asyncio.Event()
         log.info("engine %s added: %s, role %s", spec.name, spec.url, spec.role)
         return handle
 
-    def _check_same_model(self, name: str, info: dict) -> None:
-        theirs = info.get("deployment")
+    def _check_same_model(self, name: str, info: EngineInfo) -> None:
+        theirs = info.deployment
         if self.deployment is not None and theirs != self.deployment:
             raise ValueError(f"engine {name!r} belongs to deployment {theirs!r}, not to this "
                              f"one ({self.deployment!r}): another deployment's engine answers "
@@ -408,8 +412,8 @@ class EnginePool:
         other = next((e for e in self._engines.values() if e.name != name and e.info), None)
         if other is None:
             return
-        theirs = {k: other.info.get(k) for k in SAME_IN_POOL}
-        ours = {k: info.get(k) for k in SAME_IN_POOL}
+        theirs = {k: getattr(other.info, k) for k in SAME_IN_POOL}
+        ours = {k: getattr(info, k) for k in SAME_IN_POOL}
         if theirs != ours:
             raise ValueError(f"engine {name!r} serves {ours}, but engine {other.name!r} serves "
                              f"{theirs}: one pool serves one model")
@@ -453,30 +457,32 @@ class EnginePool:
 
     async def _poll(self, handle: EngineHandle) -> None:
         try:
-            body = await self._stats(handle.client)
+            info, handle.load = await self._stats(handle.client)
         except Exception as e:  # down, or answering garbage: either way not routable
             self.mark_down(handle, str(e) or type(e).__name__)
             return
-        handle.load = body["stats"]
         if not handle.up:
             try:  # it may have come back as another model
-                self._check_same_model(handle.name, body["info"])
+                self._check_same_model(handle.name, info)
             except ValueError as e:
                 handle.down_reason = str(e)
                 return
             log.info("engine %s is up", handle.name)
-            handle.info, handle.up, handle.down_reason = body["info"], True, ""
+            handle.info, handle.up, handle.down_reason = info, True, ""
             if self._down[handle.name].is_set():  # calls watch it afresh
                 self._down[handle.name] = asyncio.Event()
 
-    async def _stats(self, client: EngineClient) -> dict:
-        """The engine's /microserving/stats, within the health timeout."""
+    async def _stats(self, client: EngineClient) -> tuple[EngineInfo, EngineStats]:
+        """The engine's /microserving/stats, within the health timeout. Raises ValueError
+        (msgspec.ValidationError) if it is not an engine's answer."""
         try:
             async with asyncio.timeout(self.health_timeout_s):
-                return await client.stats()
+                body = await client.stats()
         except TimeoutError:
             raise BackendUnavailable(f"engine {client.base_url}: no stats within "
                                      f"{self.health_timeout_s:g} s") from None
+        return (msgspec.convert(body["info"], EngineInfo),
+                msgspec.convert(body["stats"], EngineStats))
 
     async def start(self) -> None:
         """Begin polling (call once the event loop runs)."""
@@ -521,12 +527,14 @@ class EnginePool:
                  "state": _state(e),
                  "down_reason": e.down_reason or None, "open_sends": e.open_sends,
                  "open_generations": e.open_generations,
-                 "pending_prefill_tokens": e.pending_prefill_tokens, "load": e.load,
-                 "kv_capacity_tokens": e.info.get("kv_capacity_tokens")} for e in self]
+                 "pending_prefill_tokens": e.pending_prefill_tokens,
+                 "load": msgspec.to_builtins(e.load) if e.load else {},
+                 "kv_capacity_tokens": e.info.kv_capacity_tokens if e.info else None}
+                for e in self]
 
 
 def _queued(engine: EngineHandle) -> int:
-    return engine.load.get("running", 0) + engine.load.get("waiting", 0)
+    return 0 if engine.load is None else engine.load.running + engine.load.waiting
 
 
 def _state(engine: EngineHandle) -> str:

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from microserve.microserving import GenerateChunk, Sampling
+from microserve.messages import GenerateChunk, SamplingParams
 
 if TYPE_CHECKING:
     from router.engines import EnginePool
@@ -45,7 +45,7 @@ class Request:
 
     request_id: str
     prompt: list[int]  # token ids (chat template applied, special tokens added)
-    sampling: Sampling
+    sampling: SamplingParams
     # Names of the engines called for this request so far, and of those that hold nothing for
     # it now (their call finished, or they were told to abort); written by the engine handles
     # and the router's cleanup, which aborts `touched - settled`, once.

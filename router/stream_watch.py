@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from microserve.backend import BackendUnavailable
-from microserve.microserving import GenerateChunk
+from microserve.messages import GenerateChunk
 
 if TYPE_CHECKING:
     from router.engines import EngineHandle

@@ -39,7 +39,7 @@ class Daemon:
         self.name, self.log_path = name, log_path
         self.port = free_port() if not prefix else 8000  # alone in its network namespace
         self.url = f"http://{url_host or host}:{self.port}"
-        cmd = [*prefix, sys.executable, "-m", "microserve.cli", "engine", "--model", model_dir,
+        cmd = [*prefix, sys.executable, "-m", "launcher.cli", "engine", "--model", model_dir,
                "--served-model-name", name, "--host", host, "--port", str(self.port),
                *args]  # fmt: skip
         with open(log_path, "wb") as log:

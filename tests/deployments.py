@@ -56,7 +56,7 @@ class Up:
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "microserve.cli", "up", str(config), *args],
+                [sys.executable, "-m", "launcher.cli", "up", str(config), *args],
                 stdout=log, stderr=subprocess.STDOUT, env=with_engine_key(env))
 
     def log(self) -> str:
@@ -149,7 +149,7 @@ class RouterProcess:
         self.port = free_port() if not prefix else 8000
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
-        cmd = [*prefix, sys.executable, "-m", "microserve.cli", "router", "--model", model_dir,
+        cmd = [*prefix, sys.executable, "-m", "launcher.cli", "router", "--model", model_dir,
                "--served-model-name", "test-model", "--host", host, "--port", str(self.port),
                *[f"--engine={name}={url}" for name, url in engines.items()], *args]
         with open(log_path, "wb") as log:

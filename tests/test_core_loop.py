@@ -19,7 +19,8 @@ from test_engine_core import greedy
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_proc import MAX_FAILED_STEPS, CoreLoop
-from microserve.types import TokenOutput
+from microserve.messages import (CheckIntegrity, FromCore, Generate, Invoke, Outputs, Rejected,
+                                 Reply, Shutdown, Stats)
 from microserve.wire import FrameDecoder, encode
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120, 64]
@@ -27,13 +28,13 @@ N_NEW = 6
 
 
 class LoopHarness:
-    """CoreLoop on a thread; `send` and `receive` speak its wire protocol."""
+    """CoreLoop on a thread; `send` and `receive` speak its wire protocol (typed frames)."""
 
     def __init__(self, core: EngineCore):
         self.core = core
         self.ours, theirs = socket.socketpair()
         self.ours.settimeout(60)
-        self.decoder, self.pending = FrameDecoder(), []
+        self.decoder, self.pending = FrameDecoder(FromCore), []
         self.error: BaseException | None = None
         self.loop = CoreLoop(core, theirs)
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -45,10 +46,10 @@ class LoopHarness:
         except BaseException as e:  # what would end the core process
             self.error = e
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg) -> None:
         self.ours.sendall(encode(msg))
 
-    def receive(self) -> dict:
+    def receive(self):
         while not self.pending:
             data = self.ours.recv(1 << 20)
             assert data, f"the core loop ended: {self.error!r}"
@@ -56,24 +57,22 @@ class LoopHarness:
         return self.pending.pop(0)
 
     def add(self, request_id: str) -> None:
-        self.send({"type": "add", "request_id": request_id, "prompt": PROMPT,
-                   "params": greedy(N_NEW).to_dict(), "begin": 0})
+        self.send(Generate(request_id, PROMPT, greedy(N_NEW), 0))
 
     def generate(self, request_id: str) -> list[int]:
         self.add(request_id)
         tokens = []
         while True:
             msg = self.receive()
-            assert msg["type"] == "outputs", msg
-            for wire in msg["items"]:
-                out = TokenOutput.from_wire(wire)
+            assert isinstance(msg, Outputs), msg
+            for out in msg.items:
                 tokens += out.token_ids
                 if out.finish_reason is not None:
                     return tokens
 
     def stop(self) -> None:
         if self.thread.is_alive():
-            self.send({"type": "shutdown"})
+            self.send(Shutdown())
         self.thread.join(30)
         self.ours.close()
 
@@ -99,12 +98,12 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(harness, tiny_
 
     monkeypatch.setattr(runner, "forward", fail_once)
     harness.add("doomed")
-    assert harness.receive() == {
-        "type": "rejected", "request_id": "doomed", "status": 500, "param": None,
-        "message": "internal error in the engine step: RuntimeError"}
+    assert harness.receive() == Rejected(
+        request_id="doomed", status=500, param=None,
+        message="internal error in the engine step: RuntimeError")
     assert harness.generate("after") == want
-    harness.send({"type": "call", "id": 1, "method": "check_integrity"})
-    assert harness.receive() == {"type": "reply", "id": 1, "result": True, "error": None}
+    harness.send(Invoke(1, CheckIntegrity()))
+    assert harness.receive() == Reply(id=1, result=True, error=None)
     assert harness.core.kv.stats().used_pages == 0 and not harness.core.seqs
 
 
@@ -118,12 +117,12 @@ def test_a_request_or_call_that_raises_fails_alone(harness, tiny_model_dir, monk
 
     monkeypatch.setattr(harness.core, "add_request", raise_once)
     harness.add("doomed")
-    assert harness.receive() == {"type": "rejected", "request_id": "doomed", "status": 500,
-                                 "param": None, "message": "internal error: KeyError"}
+    assert harness.receive() == Rejected(request_id="doomed", status=500, param=None,
+                                         message="internal error: KeyError")
     monkeypatch.setattr(harness.core, "stats", lambda: {}["missing"])
-    harness.send({"type": "call", "id": 7, "method": "stats"})
+    harness.send(Invoke(7, Stats()))
     reply = harness.receive()
-    assert (reply["id"], reply["status"], reply["error"]) == (7, 500, "internal error: KeyError")
+    assert (reply.id, reply.status, reply.error) == (7, 500, "internal error: KeyError")
     assert harness.generate("after") == want
 
 
@@ -135,7 +134,7 @@ def test_steps_that_keep_failing_end_the_loop(harness, monkeypatch):
     for i in range(MAX_FAILED_STEPS):
         harness.add(f"r{i}")
         if i < MAX_FAILED_STEPS - 1:
-            assert harness.receive()["status"] == 500
+            assert harness.receive().status == 500
     harness.thread.join(30)
     assert not harness.thread.is_alive()
     assert str(harness.error) == f"{MAX_FAILED_STEPS} engine steps in a row failed"

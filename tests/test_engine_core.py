@@ -12,7 +12,7 @@ from conftest import TINY_VOCAB, hf_greedy
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from microserve.backend import MicroservingError
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 N_NEW = 32
 

@@ -15,6 +15,7 @@ The examples are derandomized: CI runs the same bodies every time (a failure rep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -26,14 +27,14 @@ from deployments import RouterProcess, assert_quiet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from microserve.microserving import (
+from microserve.messages import (
     AbortRequest,
     CommitRequest,
     KVAddr,
     PinRequest,
     PrepRecvRequest,
     RemoteSendRequest,
-    Sampling,
+    SamplingParams,
     StartGenerateRequest,
 )
 from microserve.protocol import ChatCompletionRequest, CompletionRequest
@@ -90,13 +91,21 @@ PLAUSIBLE = {
 }
 
 
+def body_fields(model) -> list[str]:
+    """The keys of `model`'s body: a pydantic model's fields (by alias), a message's
+    (microserve/messages.py, a dataclass)."""
+    if dataclasses.is_dataclass(model):
+        return [f.name for f in dataclasses.fields(model)]
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
 def sampling_bodies() -> st.SearchStrategy[dict]:
     return st.fixed_dictionaries({}, optional={f: PLAUSIBLE.get(f, JUNK) | JUNK
-                                               for f in Sampling.model_fields})
+                                               for f in body_fields(SamplingParams)})
 
 
 def kv_addr_bodies() -> st.SearchStrategy[dict]:
-    fields = {f: JUNK for f in KVAddr.model_fields}
+    fields = {f: JUNK for f in body_fields(KVAddr)}
     fields["ranges"] = st.lists(st.tuples(INTS, INTS), max_size=3) | JUNK
     fields["window"] = st.tuples(INTS, INTS) | JUNK
     fields["transfer"] = st.fixed_dictionaries(
@@ -114,8 +123,7 @@ REAL = "<a real kv_addr, from a prep_recv on d>"  # replaced when the body is se
 
 def _fields(model, special: dict) -> dict:
     fields = {}
-    for name, info in model.model_fields.items():
-        key = info.alias or name
+    for key in body_fields(model):
         fields[key] = special[key] if key in special else (PLAUSIBLE.get(key, JUNK) | JUNK)
     return fields
 
@@ -225,7 +233,7 @@ MICROSERVING = {
         kv_addr=kv_addr_bodies() | nested(KVAddr, {"real": True}) | st.just(REAL)),
     "start_generate": bodies(
         StartGenerateRequest, {"request_id": "fz-3", "prompt": SMALL_PROMPT, "sampling": GREEDY},
-        sampling=sampling_bodies() | nested(Sampling, GREEDY)),
+        sampling=sampling_bodies() | nested(SamplingParams, GREEDY)),
     "commit": bodies(CommitRequest, {"request_id": "fz-1"}),
     "abort": bodies(AbortRequest, {"request_id": "fz-1"}),
     "pin": bodies(PinRequest, {"prompt": SMALL_PROMPT}),
@@ -274,8 +282,7 @@ def edge_cases(model, base: dict, nested_bases: dict | None = None) -> list:
     """`base` with each field of `model` (and of the nested models in `nested_bases`, by the
     field that holds them) set to each value of EDGES in turn."""
     cases = []
-    for name, info in model.model_fields.items():
-        key = info.alias or name
+    for key in body_fields(model):
         cases += [{**base, key: value} for value in EDGES]
     for key, (inner, inner_base) in (nested_bases or {}).items():
         cases += [{**base, key: body} for body in edge_cases(inner, inner_base)]
@@ -287,7 +294,7 @@ EDGE_ENDPOINTS = {
                                                             "prompt": SMALL_PROMPT}),
     "/microserving/start_generate": edge_cases(
         StartGenerateRequest, {"request_id": "fz-3", "prompt": SMALL_PROMPT,
-                               "sampling": GREEDY}, {"sampling": (Sampling, GREEDY)}),
+                               "sampling": GREEDY}, {"sampling": (SamplingParams, GREEDY)}),
     "/microserving/remote_send": edge_cases(
         RemoteSendRequest, {"request_id": "fz-2", "prompt": SMALL_PROMPT, "kv_addr": REAL},
         {"kv_addr": (KVAddr, {"real": True})}),

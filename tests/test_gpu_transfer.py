@@ -19,13 +19,13 @@ from daemons import ENGINE_KEY, Daemon, serve
 from deployments import RouterProcess, Up, assert_quiet, engine_stats, stop_and_check, write_config
 
 from microserve.backend import MicroservingError
-from microserve.microserving import Sampling
+from microserve.messages import SamplingParams
 from microserve.microserving_client import EngineClient
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 N_NEW = 12
-GREEDY = Sampling(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
 ARGS = ("--device", "cuda", "--dtype", "float32", "--num-pages", "256", "--page-size", "16",
         "--gpu-memory-utilization", "0.2", "--api-key", ENGINE_KEY)
 PROMPTS = [[(7 * i + k * 13) % 256 for k in range(n)] for i, n in enumerate((40, 97, 200))]

@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from microserve.cli import parser
+from launcher.cli import parser
 from router.engines import EnginePool
 from router.host import StrategyHost, StrategySource
 

@@ -9,6 +9,7 @@ The live-process version of these flows, over HTTP, is tests/test_microserving_e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -19,6 +20,7 @@ from test_engine_core import greedy, random_prompts
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from microserve.backend import MicroservingError, RequestRejected
+from microserve.messages import CommitResponse, RemoteSendResponse
 from microserve.transfer_auth import sign, transfer_key
 
 N_NEW = 12
@@ -97,10 +99,10 @@ def test_pd_no_cache(pair, prompts, ref):
     reset(p, d)
     prompt = prompts[0]
     r = d.exchange.prep_recv("a", prompt, -1, None)
-    assert r["matched"] == 0 and r["kv_addr"]["begin"] == 0
-    assert r["kv_addr"]["end"] == len(prompt) - 1
-    out = send(p, "a", prompt, 0, -1, r["kv_addr"])
-    assert out == {"sent": len(prompt) - 1, "computed": len(prompt) - 1, "reused": 0}
+    assert r.matched == 0 and r.kv_addr.begin == 0
+    assert r.kv_addr.end == len(prompt) - 1
+    out = send(p, "a", prompt, 0, -1, r.kv_addr)
+    assert out == RemoteSendResponse(sent=len(prompt) - 1, computed=len(prompt) - 1, reused=0)
     tokens, cached = generate(d, "a", prompt, begin=len(prompt) - 1)
     assert tokens == ref[0]
     assert cached == len(prompt) - 1  # only the last prompt token was computed on D
@@ -114,9 +116,10 @@ def test_pd_prefix_on_d_sends_only_the_rest(pair, prompts, ref):
     prompt = prompts[1]
     generate(d, "warm", prompt[:20] + [5, 6, 7])  # D caches prompt[:20] (five pages)
     r = d.exchange.prep_recv("b", prompt, -1, None)
-    assert r["matched"] == 20
-    out = send(p, "b", prompt, r["matched"], -1, r["kv_addr"])
-    assert out == {"sent": len(prompt) - 1 - 20, "computed": len(prompt) - 1, "reused": 0}
+    assert r.matched == 20
+    out = send(p, "b", prompt, r.matched, -1, r.kv_addr)
+    assert out == RemoteSendResponse(sent=len(prompt) - 1 - 20, computed=len(prompt) - 1,
+                                     reused=0)
     tokens, _ = generate(d, "b", prompt, begin=len(prompt) - 1)
     assert tokens == ref[1]
     assert_clean(p, d)
@@ -130,9 +133,10 @@ def test_pd_longer_prefix_on_p_is_copied(pair, prompts, ref):
     generate(p, "warm", prompt[:40] + [9])  # P caches prompt[:40]
     generate(d, "warm", prompt[:8] + [9])  # D caches prompt[:8]
     r = d.exchange.prep_recv("c", prompt, -1, None)
-    assert r["matched"] == 8
-    out = send(p, "c", prompt, 8, -1, r["kv_addr"])
-    assert out == {"sent": len(prompt) - 1 - 8, "computed": len(prompt) - 1 - 40, "reused": 32}
+    assert r.matched == 8
+    out = send(p, "c", prompt, 8, -1, r.kv_addr)
+    assert out == RemoteSendResponse(sent=len(prompt) - 1 - 8, computed=len(prompt) - 1 - 40,
+                                     reused=32)
     tokens, _ = generate(d, "c", prompt, begin=len(prompt) - 1)
     assert tokens == ref[2]
     assert_clean(p, d)
@@ -144,9 +148,9 @@ def test_pd_skips_p_when_d_holds_the_prefix(pair, prompts, ref):
     prompt = prompts[0]
     generate(d, "warm", prompt[:-1] + [3])
     r = d.exchange.prep_recv("s", prompt, -1, None)
-    assert r["matched"] == (len(prompt) - 1) // PAGE * PAGE
-    tokens, cached = generate(d, "s", prompt, begin=r["matched"])
-    assert tokens == ref[0] and cached == r["matched"]
+    assert r.matched == (len(prompt) - 1) // PAGE * PAGE
+    tokens, cached = generate(d, "s", prompt, begin=r.matched)
+    assert tokens == ref[0] and cached == r.matched
     assert_clean(p, d)
 
 
@@ -157,8 +161,8 @@ def test_balanced_pd(pair, prompts, ref):
     prompt = prompts[2]
     split = int(len(prompt) * 0.8)
     r = d.exchange.prep_recv("bal", prompt, split, None)
-    out = send(p, "bal", prompt, 0, split, r["kv_addr"])
-    assert out["sent"] == split
+    out = send(p, "bal", prompt, 0, split, r.kv_addr)
+    assert out.sent == split
     tokens, cached = generate(d, "bal", prompt, begin=split)
     assert tokens == ref[2] and cached == split
     assert_clean(p, d)
@@ -172,8 +176,8 @@ def test_context_migration(pair, tiny_model_dir):
     context, question = random_prompts([70, 9], seed=3)
     want, _ = generate(p, "on-p", context + question)
     r = d.exchange.prep_recv("mig", context, len(context), None)
-    send(p, "mig", context, 0, len(context), r["kv_addr"])
-    assert d.exchange.commit("mig", pin=False) == {"cached": 68, "pinned": False}
+    send(p, "mig", context, 0, len(context), r.kv_addr)
+    assert d.exchange.commit("mig", pin=False) == CommitResponse(cached=68, pinned=False)
     tokens, cached = generate(d, "after", context + question)
     assert cached == 68 and tokens == want
     assert_clean(p, d)
@@ -184,8 +188,8 @@ def test_commit_pins(pair):
     reset(p, d)
     (context,) = random_prompts([24], seed=4)
     r = d.exchange.prep_recv("pin", context, len(context), None)
-    send(p, "pin", context, 0, len(context), r["kv_addr"])
-    assert d.exchange.commit("pin", pin=True) == {"cached": 24, "pinned": True}
+    send(p, "pin", context, 0, len(context), r.kv_addr)
+    assert d.exchange.commit("pin", pin=True) == CommitResponse(cached=24, pinned=True)
     assert d.kv.stats().pinned_pages == 6
     assert d.kv.cache.num_evictable() == 0
     assert d.kv.unpin(context) == 24
@@ -201,14 +205,14 @@ def test_bad_indices_and_addresses(pair, prompts):
     with pytest.raises(MicroservingError, match="end 24 out of range for a 23-token prompt"):
         d.exchange.prep_recv("x", prompt, 24, None)
     r = d.exchange.prep_recv("x", prompt, -1, None)
-    addr = r["kv_addr"]
+    addr = r.kv_addr
     with pytest.raises(MicroservingError, match="begin -30 out of range"):
         p.exchange.remote_send("x", prompt, -30, -1, addr)
     with pytest.raises(MicroservingError, match="begin 10 is after end 5"):
         p.exchange.remote_send("x", prompt, 10, 5, addr)
     with pytest.raises(MicroservingError, match=r"kv_addr holds 22 slots but end - begin = 12"):
         p.exchange.remote_send("x", prompt, 10, -1, addr)
-    bad_ranges = dict(addr, ranges=[[10_000, 22]])
+    bad_ranges = dataclasses.replace(addr, ranges=[(10_000, 22)])
     with pytest.raises(MicroservingError, match=r"kv_addr range \[10000, 22\] outside"):
         p.exchange.remote_send("x", prompt, 0, -1, bad_ranges)
     with pytest.raises(MicroservingError, match="already in use") as e:
@@ -241,7 +245,7 @@ def test_layout_mismatch_names_both_layouts(tiny_model_dir, pair, prompts):
     try:
         r = other.exchange.prep_recv("m", prompts[0], -1, None)
         with pytest.raises(MicroservingError, match="KV layout mismatch in page_size") as e:
-            p.exchange.remote_send("m", prompts[0], 0, -1, r["kv_addr"])
+            p.exchange.remote_send("m", prompts[0], 0, -1, r.kv_addr)
         assert "'page_size': 4" in str(e.value) and "'page_size': 8" in str(e.value)
         other.abort_request("m")
         assert_clean(p, other)
@@ -254,7 +258,7 @@ def test_abort_during_send_and_after_prep_recv(pair, prompts):
     reset(p, d)
     prompt = prompts[2]
     r = d.exchange.prep_recv("ab", prompt, -1, None)
-    p.exchange.remote_send("ab", prompt, 0, -1, r["kv_addr"])
+    p.exchange.remote_send("ab", prompt, 0, -1, r.kv_addr)
     assert p.abort_request("ab") is None
     (rid, outcome), = p.exchange.poll()
     assert rid == "ab" and isinstance(outcome, MicroservingError) and outcome.status == 409
@@ -264,11 +268,11 @@ def test_abort_during_send_and_after_prep_recv(pair, prompts):
 
 def test_lease_expiry_frees_and_counts(pair, prompts):
     p, d = pair
-    before = d.stats()["kv_leases_expired"]
+    before = d.stats().kv_leases_expired
     d.exchange.prep_recv("lease", prompts[0], -1, 0.05)
     assert d.exchange.expire_leases(time.monotonic()) == 0
     assert d.exchange.expire_leases(time.monotonic() + 0.1) == 1
-    assert d.stats()["kv_leases_expired"] == before + 1
+    assert d.stats().kv_leases_expired == before + 1
     assert_clean(p, d)
 
 
@@ -281,7 +285,7 @@ def test_send_into_a_closed_window_fails(pair, prompts):
     r = d.exchange.prep_recv("late", prompt, -1, None)
     d.abort_request("late")
     with pytest.raises(MicroservingError, match="KV transfer failed") as e:
-        send(p, "late", prompt, 0, -1, r["kv_addr"])
+        send(p, "late", prompt, 0, -1, r.kv_addr)
     assert e.value.status == 502
     assert_clean(p, d)
 
@@ -307,15 +311,16 @@ def test_remote_send_refuses_a_transfer_descriptor_not_signed_by_the_deployment(
     p, d = pair
     prompt = prompts[1]
     r = d.exchange.prep_recv("forged", prompt, -1, None)
-    addr = r["kv_addr"]
-    real = addr["transfer"]
+    addr = r.kv_addr
+    real = addr.transfer
     stranger = transfer_key("another deployment")
     peers = dict(p.exchange.sender._peers)  # those of earlier tests
     unsigned = {k: v for k, v in real.items() if k != "mac"}
     for transfer in (unsigned, {**real, "pid": 1}, {**real, "port": 1},
                      sign(unsigned, stranger), {"kind": "tcp", "host": "10.0.0.1", "port": 22}):
         with pytest.raises(MicroservingError) as e:
-            p.exchange.remote_send("forged", prompt, 0, -1, {**addr, "transfer": transfer})
+            p.exchange.remote_send("forged", prompt, 0, -1,
+                                   dataclasses.replace(addr, transfer=transfer))
         assert (e.value.status, e.value.param) == (400, "kv_addr.transfer")
         assert str(e.value).startswith("refusing to send: the transfer descriptor is not signed")
     assert not p.exchange.jobs and p.exchange.sender._peers == peers  # nothing opened
@@ -330,7 +335,7 @@ def test_an_engine_without_a_key_neither_receives_nor_sends(tiny_model_dir, prom
         lone.exchange.prep_recv("x", prompts[0], -1, None)
     assert e.value.status == 400
     keyed = make_core(tiny_model_dir, "shm")
-    addr = keyed.exchange.prep_recv("x", prompts[0], -1, None)["kv_addr"]
+    addr = keyed.exchange.prep_recv("x", prompts[0], -1, None).kv_addr
     with pytest.raises(MicroservingError, match="no engine key .--api-key. to verify"):
         lone.exchange.remote_send("x", prompts[0], 0, -1, addr)
     keyed.exchange.abort("x")
@@ -362,22 +367,22 @@ def test_prep_recv_waits_in_order_for_pages_and_the_waited_reservation_works(
         pair, small_d, prompts, ref):
     p, d = pair[0], small_d
     reset(p, d)
-    assert d.exchange.prep_recv("first", prompts[2], -1, None)["matched"] == 0  # 15 of 24 pages
+    assert d.exchange.prep_recv("first", prompts[2], -1, None).matched == 0  # 15 of 24 pages
     assert d.kv.pool.num_free == 9
     assert d.exchange.prep_recv("big", prompts[0], -1, None) is None  # 11 pages: waits
     assert d.exchange.prep_recv("small", prompts[3], -1, None) is None  # 6 fit, but FIFO
-    assert d.stats()["kv_recv_waiting"] == 2 and d.kv.pool.num_free == 9
+    assert d.stats().kv_recv_waiting == 2 and d.kv.pool.num_free == 9
     assert answers(d) == {}
     with pytest.raises(MicroservingError, match="'big' is already in use"):
         d.exchange.prep_recv("big", prompts[0], -1, None)
     d.abort_request("first")  # its pages come back: both waiting calls fit, in order
     granted = answers(d)
     assert list(granted) == ["big", "small"]
-    assert d.kv.pool.num_free == 24 - 11 - 6 and d.stats()["kv_recv_waiting"] == 0
+    assert d.kv.pool.num_free == 24 - 11 - 6 and d.stats().kv_recv_waiting == 0
     big = granted["big"]
-    assert big["matched"] == 0 and big["kv_addr"]["end"] == len(prompts[0]) - 1
-    out = send(p, "big", prompts[0], 0, -1, big["kv_addr"])
-    assert out["sent"] == len(prompts[0]) - 1
+    assert big.matched == 0 and big.kv_addr.end == len(prompts[0]) - 1
+    out = send(p, "big", prompts[0], 0, -1, big.kv_addr)
+    assert out.sent == len(prompts[0]) - 1
     tokens, _ = generate(d, "big", prompts[0], begin=len(prompts[0]) - 1)
     assert tokens == ref[0]
     d.abort_request("small")
@@ -389,7 +394,7 @@ def test_a_waiting_prep_recv_gives_up_after_wait_s_or_when_aborted(pair, small_d
     p, d = pair[0], small_d
     reset(d)
     d.exchange.prep_recv("hog", prompts[2], -1, None)
-    before = d.stats()["kv_recv_wait_timeouts"]
+    before = d.stats().kv_recv_wait_timeouts
     with pytest.raises(MicroservingError, match=r"no KV pages free to receive 44 tokens \(11 "
                        r"pages; 9 free\)") as e:
         d.exchange.prep_recv("now", prompts[0], -1, None, wait_s=0)  # 0: the old 503 at once
@@ -402,7 +407,7 @@ def test_a_waiting_prep_recv_gives_up_after_wait_s_or_when_aborted(pair, small_d
     assert rid == "patient" and (error.status, error.code) == (503, "kv_wait_timeout")
     assert str(error) == ("waited 0.05 s for KV pages to receive 44 tokens (11 pages; 9 free, "
                           "1 more calls waiting); retry later")
-    assert d.stats()["kv_recv_wait_timeouts"] == before + 1
+    assert d.stats().kv_recv_wait_timeouts == before + 1
     assert d.abort_request("gone") is None
     (rid, error), = answers(d).items()
     assert rid == "gone" and error.status == 409
@@ -422,7 +427,7 @@ def test_prep_recv_leaves_a_page_for_each_running_sequence(pair, small_d, prompt
     d.step()
     assert len(d.scheduler.running) == 1 and d.kv.pool.num_free == 24 - 6
     filler = [7] * (4 * 12 + 1)  # 12 pages: leaves 6 free
-    assert d.exchange.prep_recv("fill", filler, -1, None)["matched"] == 0
+    assert d.exchange.prep_recv("fill", filler, -1, None).matched == 0
     exact = [9] * (4 * 6 + 1)  # 6 pages would fit, but leave no page for "run"
     assert d.exchange.prep_recv("exact", exact, -1, None) is None
     while d.has_work():
@@ -450,7 +455,7 @@ def test_the_sender_renews_the_lease_while_it_holds_the_job(pair, prompts):
     res = d.exchange.reservations["renew"]
     granted = res.deadline - 0.5
     assert d.transfer.renewed_at(res.window) is None
-    p.exchange.remote_send("renew", prompt, 0, -1, r["kv_addr"])  # queued: P is not stepped
+    p.exchange.remote_send("renew", prompt, 0, -1, r.kv_addr)  # queued: P is not stepped
     p.exchange.sender.renew_all()
     wait_for(lambda: (d.transfer.renewed_at(res.window) or 0) > granted)  # tcp: a frame
     renewed = d.transfer.renewed_at(res.window)
@@ -474,7 +479,7 @@ def test_a_closed_window_stops_the_sender_before_it_computes(tiny_model_dir, pro
     try:
         prompt = prompts[0]
         r = d.exchange.prep_recv("dropped", prompt, -1, None)
-        p.exchange.remote_send("dropped", prompt, 0, -1, r["kv_addr"])
+        p.exchange.remote_send("dropped", prompt, 0, -1, r.kv_addr)
         d.abort_request("dropped")
         p.exchange.sender.renew_all()
         (rid, error), = p.exchange.poll()
@@ -496,7 +501,7 @@ def test_a_smaller_call_behind_a_head_that_leaves_is_tried_at_once(pair, small_d
     assert answers(d) == {}
     d.abort_request("big")  # the head goes: "small" fits in what is free now
     got = answers(d)
-    assert got["big"].status == 409 and got["small"]["matched"] == 0
+    assert got["big"].status == 409 and got["small"].matched == 0
     for rid in ("hog", "small"):
         d.abort_request(rid)
     assert_clean(d)

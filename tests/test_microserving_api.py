@@ -1,4 +1,4 @@
-"""The microserving HTTP layer (engine/microserving_api.py) and its client (EngineClient).
+"""The microserving HTTP layer (engine/frontend/microserving_api.py) and its client (EngineClient).
 
 Over a scripted fake of the engine-core client's contract: these tests are about bodies,
 formats, statuses, auth and disconnects; the real engine behind them is tested elsewhere.
@@ -10,38 +10,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 
 import httpx
 import msgpack
+import msgspec
 import pytest
 import uvicorn
 from fastapi import FastAPI
 from test_tokenizer import make_tokenizer_dir
 
-from engine.microserving_api import add_microserving_routes
+from engine.frontend.core_client import _chunk
+from engine.frontend.microserving_api import add_microserving_routes
 from microserve import wire
 from microserve.backend import BackendUnavailable, GenerateBackend, MicroservingError
 from microserve.errors import install_error_handlers
-from microserve.microserving import (
+from microserve.messages import (
     KVAddr,
     PrepRecvResponse,
     RemoteSendResponse,
-    Sampling,
+    SamplingParams,
+    TokenLogprob,
+    TokenOutput,
+    validator,
 )
 from microserve.microserving_client import EngineClient
 from microserve.openai_app import build_openai_app, listen_socket
 from microserve.tokenizer import Tokenizer
-from microserve.types import SamplingParams, TokenLogprob, TokenOutput
 
 MSGPACK = "application/msgpack"
 KEY = "sk-engine-test"
 PROMPT = list(range(100, 111))
 KV_ADDR = {"begin": 4, "end": 10, "ranges": [[40, 4], [9, 2]],
-           "layout": {"page_size": 4, "dtype": "bfloat16"}, "transfer": {"kind": "test", "rank": 1},
-           "window": [0, 2]}
-# What the core receives for KV_ADDR: the request's model_dump(), tuples included.
+           "layout": {"model": "tiny", "dtype": "bfloat16", "page_size": 4, "num_layers": 2,
+                      "num_kv_heads": 1, "head_dim": 8},
+           "transfer": {"kind": "test", "rank": 1}, "window": [0, 2]}
+# What the core receives for KV_ADDR: the request as a dict, tuples included.
 KV_ADDR_ARGS = {**KV_ADDR, "ranges": [(40, 4), (9, 2)], "window": (0, 2)}
 
 # route: (body, core result, the core's args, the core call's timeout)
@@ -66,12 +72,12 @@ INFO = {"model_name": "tiny", "page_size": 4, "num_pages": 16}
 
 
 class FakeCore(GenerateBackend):
-    """engine.core_client.CoreClient's contract, scripted.
+    """engine.frontend.core_client.CoreClient's contract, scripted.
 
-    `call(method)` returns `results[method]`, or raises it if it is an exception.
-    `start_generate` raises `error` before any output if set; else yields one TokenOutput per
-    entry of `steps` (the last one finished, unless `hang` or `fail`), then waits until closed
-    (`hang`) or raises `fail`.
+    `call(call)` returns `results[method]` (the call's tag), or raises it if it is an
+    exception. `start_generate` raises `error` before any output if set; else yields the chunk
+    the core client makes of one TokenOutput per entry of `steps` (the last one finished,
+    unless `hang` or `fail`), then waits until closed (`hang`) or raises `fail`.
     """
 
     model_name = "tiny"
@@ -89,7 +95,10 @@ class FakeCore(GenerateBackend):
         self.generate_calls: list[tuple] = []  # (request_id, prompt, begin, params)
         self.aborted: list[str] = []
 
-    async def call(self, method, args=None, timeout_s=30.0):
+    async def call(self, call, timeout_s=30.0):
+        method = type(call).__struct_config__.tag
+        request = getattr(call, "request", None)
+        args = None if request is None else dataclasses.asdict(request)
         self.calls.append((method, args, timeout_s))
         result = self.results[method]
         if isinstance(result, Exception):
@@ -102,11 +111,14 @@ class FakeCore(GenerateBackend):
         self.generate_calls.append((request_id, prompt, begin, params))
         if self.error:
             raise self.error
+        num_generated = 0
         for i, ids in enumerate(self.steps):
             last = i == len(self.steps) - 1 and not (self.hang or self.fail)
             logprobs = [TokenLogprob(t, -0.5, [(t, -0.5), (7, -1.5)]) for t in ids]
-            yield TokenOutput(request_id, list(ids), "stop" if last else None,
+            out = TokenOutput(request_id, list(ids), "stop" if last else None,
                               logprobs if self.logprobs else None, len(prompt), 2)
+            num_generated += len(ids)
+            yield _chunk(out, num_generated, first=i == 0)
             await asyncio.sleep(0)
         if self.fail:
             raise self.fail
@@ -182,6 +194,11 @@ def chunk(token_ids, finish_reason=None, completion_tokens=0, logprobs=None,
         "prompt_tokens": len(PROMPT), "completion_tokens": completion_tokens, "cached_tokens": 2}
     return {"token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish_reason,
             "usage": usage, "cached_tokens": 2 if first else None}
+
+
+def plain(message) -> dict:
+    """A message as plain data, as it goes over the wire (tuples become lists)."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(message))
 
 
 def logprobs(*ids) -> list[dict]:
@@ -479,12 +496,13 @@ async def engine_client(core: FakeCore, **kwargs):
 async def test_engine_client_calls(use_msgpack):
     core = FakeCore()
     async with engine_client(core, use_msgpack=use_msgpack) as engine:
-        kv_addr = KVAddr.model_validate(KV_ADDR)
+        kv_addr = validator(KVAddr).validate_python(KV_ADDR)
         assert await engine.prep_recv("r1", PROMPT, end=10) == PrepRecvResponse(
             matched=4, kv_addr=kv_addr)
         assert await engine.remote_send("r1", PROMPT, 4, 10, kv_addr) == RemoteSendResponse(
             sent=6, computed=10, reused=0)
-        assert (await engine.commit("r1", pin=True)).model_dump() == {"cached": 8, "pinned": True}
+        assert dataclasses.asdict(await engine.commit("r1", pin=True)) == {"cached": 8,
+                                                                             "pinned": True}
         assert (await engine.abort("r1")).aborted is True
         assert (await engine.pin(PROMPT)).tokens == (await engine.unpin(PROMPT)).tokens == 8
         assert await engine.stats(check=True) == {"stats": STATS, "info": INFO,
@@ -497,13 +515,13 @@ async def test_engine_client_calls(use_msgpack):
 @pytest.mark.parametrize("use_msgpack", [True, False])
 async def test_engine_client_start_generate(use_msgpack):
     core = FakeCore(logprobs=True)
-    sampling = Sampling(max_tokens=4, temperature=0, logprobs=1)
+    sampling = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
     async with engine_client(core, use_msgpack=use_msgpack) as engine:
         chunks = [c async for c in engine.start_generate("g1", PROMPT, 3, sampling)]
-    assert [c.model_dump() for c in chunks] == [
+    assert [plain(c) for c in chunks] == [
         chunk([11], logprobs=logprobs(11), first=True), chunk([12, 13], logprobs=logprobs(12, 13)),
         chunk([14], "stop", 4, logprobs(14))]
-    assert core.generate_calls == [("g1", PROMPT, 3, sampling.to_params())]
+    assert core.generate_calls == [("g1", PROMPT, 3, sampling)]
 
 
 async def test_engine_client_errors():
@@ -527,7 +545,7 @@ async def test_engine_client_failure_mid_stream(use_msgpack):
     async with engine_client(core, use_msgpack=use_msgpack) as engine:
         with pytest.raises(MicroservingError) as failed:
             async for c in engine.start_generate("g1", PROMPT):
-                received.append(c.model_dump())
+                received.append(plain(c))
     assert received == [chunk([11], first=True)]
     assert (failed.value.status, str(failed.value)) == (
         503, "Service unavailable: engine core process exited")

@@ -23,14 +23,14 @@ from daemons import ENGINE_KEY, LIVE, Daemon, serve
 from deployments import assert_quiet
 
 from microserve.backend import MicroservingError
-from microserve.microserving import Sampling
+from microserve.messages import SamplingParams
 from microserve.microserving_client import EngineClient
 from microserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
 N_NEW = 16
-GREEDY = Sampling(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
 TEXT = (
     "Paged attention stores the key and value cache of each sequence in fixed-size pages, so "
     "memory is allocated on demand and shared between requests that start with the same "

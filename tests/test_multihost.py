@@ -280,7 +280,7 @@ def test_a_stopping_pod_drains_its_engine_first(cluster, tiny_served_dir):
     d_name, d_url = f"d.test@{cluster.hosts.address('d')}", cluster.d.url
     with held_on_d(cluster, tiny_served_dir, seed=16):
         pre_stop = cluster.hosts.run("d", [
-            sys.executable, "-m", "microserve.cli", "drain", cluster.router.url,
+            sys.executable, "-m", "launcher.cli", "drain", cluster.router.url,
             "--engine", d_url], cluster.router.log_path.with_name("pre-stop.log"),
             env={**os.environ, "MICROSERVE_ADMIN_TOKEN": ADMIN["Authorization"][7:]})
         wait_draining(cluster, d_name)

@@ -21,14 +21,14 @@ from microserve.backend import BackendUnavailable, GenerateBackend
 from microserve.metrics import Registry
 from microserve.openai_app import build_openai_app, listen_socket
 from microserve.tokenizer import Tokenizer
-from microserve.types import SamplingParams, TokenLogprob, TokenOutput
+from microserve.messages import GenerateChunk, SamplingParams, TokenLogprob
 
 MODEL = "tiny-chat"
 MAX_MODEL_LEN = 64
 
 
 class ScriptedBackend(GenerateBackend):
-    """Yields one TokenOutput per scripted step, then finishes with `finish_reason`.
+    """Yields one GenerateChunk per scripted step, then finishes with `finish_reason`.
 
     `hang`: after the script, wait until aborted instead of finishing (a long generation).
     `fail`: raise this after the script instead of finishing.
@@ -51,9 +51,8 @@ class ScriptedBackend(GenerateBackend):
         for i, ids in enumerate(self.steps):
             last = i == len(self.steps) - 1 and not (self.hang or self.fail)
             logprobs = [TokenLogprob(t, -0.25 * t, [(t, -0.25 * t)]) for t in ids]
-            yield TokenOutput(request_id, ids, self.finish_reason if last else None,
-                              logprobs if self.logprobs else None, len(prompt_token_ids),
-                              self.cached)
+            yield GenerateChunk(ids, logprobs if self.logprobs else None,
+                                self.finish_reason if last else None, cached_tokens=self.cached)
             await asyncio.sleep(0)
         if self.fail:
             raise self.fail

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from microserve.errors import from_validation_errors
 from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
                                  CompletionWire, usage)
-from microserve.types import SamplingParams, TokenLogprob
+from microserve.messages import SamplingParams, TokenLogprob
 
 
 def error_of(model, body: dict):

@@ -25,7 +25,7 @@ from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, gone_within, serve
 from deployments import (RouterProcess, Up, assert_quiet, children, engine_stats,
                          write_config)
 
-from microserve.up import MAX_RESTARTS
+from launcher.up import MAX_RESTARTS
 
 pytestmark = pytest.mark.slow
 
@@ -333,7 +333,7 @@ def test_a_busy_port_is_named_before_anything_starts(tiny_served_dir, tmp_path):
         busy = blocker.getsockname()[1]
         for cmd in (["engine", "--model", tiny_served_dir],
                     ["router", "--model", tiny_served_dir, "--engine", "a=http://127.0.0.1:1"]):
-            done = subprocess.run([sys.executable, "-m", "microserve.cli", *cmd, "--port",
+            done = subprocess.run([sys.executable, "-m", "launcher.cli", *cmd, "--port",
                                    str(busy)], capture_output=True, text=True, timeout=120)
             assert done.returncode == 2, done.stderr
             assert f"port {busy} on 127.0.0.1 (for this server) is already in use" in done.stderr

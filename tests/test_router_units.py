@@ -5,17 +5,18 @@ here: tests/test_router_live.py runs the same parts against real engine processe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import textwrap
 
+import msgspec
 import pytest
 
 from microserve.backend import BackendError, BackendUnavailable, MicroservingError
+from microserve.messages import (AbortResponse, EngineInfo, EngineStats, GenerateChunk, KVAddr,
+                                 PrepRecvResponse, RemoteSendResponse, SamplingParams, Usage)
 from microserve.metrics import Registry
-from microserve.microserving import (AbortResponse, GenerateChunk, KVAddr, PrepRecvResponse,
-                                     RemoteSendResponse, Usage)
-from microserve.types import SamplingParams
 from router.backend import RouterBackend
 from router.engines import EngineHandle, EnginePool, EngineSpec, UnknownEngine
 from router.host import (MODULE_PREFIX, StrategyHost, StrategyLoadError, StrategySource,
@@ -75,11 +76,24 @@ def test_prefix_index_handles_deep_contexts_without_recursion():
 # ---- picking engines -------------------------------------------------------------------------
 
 
+def engine_info(**facts) -> EngineInfo:
+    return EngineInfo(**{"model_name": "m", "model_dir": "/m", "device": "cpu",
+                         "dtype": "float32", "vocab_size": 256, "max_model_len": 100,
+                         "eos_token_ids": [0], "page_size": 4, "num_pages": 64,
+                         "kv_capacity_tokens": 256, "max_num_batched_tokens": 512,
+                         "max_num_seqs": 256, "kv_transfer": "shm", **facts})
+
+
+def engine_load(**counts) -> EngineStats:
+    """An engine's polled stats: zero but for `counts`."""
+    return EngineStats(**{f.name: counts.get(f.name, 0) for f in dataclasses.fields(EngineStats)})
+
+
 def make_pool(*specs: tuple[str, str]) -> EnginePool:
     pool = EnginePool()
     for name, role in specs:
         handle = EngineHandle(EngineSpec(name, f"http://127.0.0.1:1/{name}", role), None, pool)
-        handle.info, handle.up = {"max_model_len": 100}, True
+        handle.info, handle.up = engine_info(), True
         pool._engines[name] = handle
         pool._down[name] = asyncio.Event()
     return pool
@@ -91,8 +105,8 @@ def test_round_robin_and_least_loaded_respect_roles_and_state():
     pool["d1"].open_generations = 2
     pool["d2"].open_generations = 1
     pool["a"].open_sends = 1
-    pool["a"].load = {"running": 3, "waiting": 1}
-    pool["d2"].load = {"running": 0, "waiting": 0}
+    pool["a"].load = engine_load(running=3, waiting=1)
+    pool["d2"].load = engine_load(running=0, waiting=0)
     assert pool.least_loaded("decode").name == "d2"  # ties on open calls: fewer queued wins
     assert pool.least_loaded("prefill").name == "p"
     assert pool.least_loaded("prefill", exclude=("p",)).name == "a"
@@ -151,7 +165,8 @@ async def test_a_call_is_given_up_when_an_engine_it_depends_on_goes_down():
         await asyncio.wait_for(call, 1)
     assert cancelled.is_set()
     # Once it answers a poll again, calls watch it afresh.
-    pool["d"].client = _Answers({"stats": {}, "info": {"max_model_len": 100}})
+    pool["d"].client = _Answers({"stats": msgspec.to_builtins(engine_load()),
+                                 "info": msgspec.to_builtins(engine_info())})
     await pool._poll(pool["d"])
     assert pool["d"].up and not pool._down["d"].is_set()
 
@@ -331,7 +346,7 @@ def test_the_router_imports_no_torch():
     """DESIGN §2: a router host may have no GPU stack."""
     import subprocess
 
-    code = ("import sys, router.server, router.admin, microserve.up, strategies.pd, "
+    code = ("import sys, router.server, router.admin, launcher.up, strategies.pd, "
             "strategies.balanced_pd, strategies.context_migration, strategies.data_parallel; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', "
             "'kvcache')))")
@@ -424,13 +439,13 @@ async def test_a_prefix_without_a_token_is_closed_and_one_with_a_token_needs_it(
 
 def test_a_pool_of_one_deployment_refuses_another_deployments_engine():
     pool = EnginePool(deployment="m@8000-ab12")
-    pool._check_same_model("e1", {"deployment": "m@8000-ab12", "model_name": "m"})
+    pool._check_same_model("e1", engine_info(deployment="m@8000-ab12", model_name="m"))
     for theirs in ("m@8000-ffff", None):
         with pytest.raises(ValueError) as e:
-            pool._check_same_model("e1", {"deployment": theirs, "model_name": "m"})
+            pool._check_same_model("e1", engine_info(deployment=theirs, model_name="m"))
         assert str(e.value) == (f"engine 'e1' belongs to deployment {theirs!r}, not to this one "
                                 "('m@8000-ab12'): another deployment's engine answers on its port")
-    EnginePool()._check_same_model("e1", {"deployment": "anything"})  # a plain router: any
+    EnginePool()._check_same_model("e1", engine_info(deployment="anything"))  # a plain router: any
 
 
 # ---- cleanup: abort once per engine a request touched and did not finish on -------------------
@@ -546,12 +561,11 @@ class _SlowStream:
 
 
 def _streaming_engine() -> tuple[EnginePool, EngineHandle, _SlowStream]:
-    from microserve.microserving import Sampling
     from router.strategy import Request
 
     pool = make_pool(("d", "decode"))
     client = pool["d"].client = _SlowStream()
-    request = Request("r1", [5, 6, 7], Sampling())
+    request = Request("r1", [5, 6, 7], SamplingParams())
     return pool, pool["d"].start_generate(request, begin=0), client
 
 

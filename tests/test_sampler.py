@@ -1,3 +1,4 @@
+import dataclasses
 import math
 from collections import Counter
 
@@ -5,7 +6,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, TokenMask, make_generator
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 DEVICES = [
     "cpu",
@@ -148,7 +149,7 @@ def test_same_seed_same_tokens_alone_and_in_a_batch(device, row_params):
 
 
 def replace_seed(p: SamplingParams, seed: int) -> SamplingParams:
-    return SamplingParams.from_dict({**p.to_dict(), "seed": seed})
+    return dataclasses.replace(p, seed=seed)
 
 
 def test_different_seeds_different_tokens(device):

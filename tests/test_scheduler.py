@@ -5,7 +5,7 @@ pages exist, preemption by recompute, prefix reuse. No model: a step is simulate
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from kvcache.manager import KVCacheManager
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 PS = 4
 

@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from microserve.guided import json_schema_grammar
 from microserve.tokenizer import Tokenizer
-from microserve.types import SamplingParams
+from microserve.messages import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -49,7 +49,7 @@ def test_device_page_tables_follow_shared_prefixes_and_preemption(tiny_model_dir
     got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(16))
     for i, expected in enumerate(ref):
         assert got[f"r{i}"][0] == expected, f"prompt {i}"
-    assert core.stats()["preemptions"] > 0
+    assert core.stats().preemptions > 0
     tables = core.runner.kv.backend.tables
     # The last drops reach the tables with the next step's batch; then no row is held.
     tables.sync(ForwardBatch([], 4, core.kv.take_table_changes()))

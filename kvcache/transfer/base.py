@@ -33,11 +33,12 @@ layer on a transfer stream, `flush` waits for it and fences.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from microserve.messages import KVLayout  # the plain description, shared with the router
 from microserve.transfer_auth import new_window_tag
 
 # How often a sender renews the windows of the jobs it holds. A receiver's lease should be a
@@ -48,38 +49,6 @@ RENEW_INTERVAL_S = 0.25
 class TransferError(Exception):
     """A write or flush could not complete: the receiver is gone, the connection broke, or the
     receiver closed the window (the request was aborted or its lease expired there)."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What must be equal for two engines to exchange KV pages."""
-
-    model: str
-    dtype: str  # "float32", "bfloat16", ...
-    page_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def pool_shape(self, num_pages: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> KVLayout:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
-
-    def mismatch(self, peer: KVLayout) -> str | None:
-        """None if the layouts agree, else a message naming both layouts and what differs."""
-        diff = [f.name for f in fields(self) if getattr(self, f.name) != getattr(peer, f.name)]
-        if not diff:
-            return None
-        return (
-            f"KV layout mismatch in {', '.join(diff)}: this engine has {self.to_dict()}, "
-            f"the peer has {peer.to_dict()}"
-        )
 
 
 @dataclass(frozen=True)

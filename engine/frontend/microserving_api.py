@@ -9,7 +9,9 @@ Bodies are JSON, or msgpack with `Content-Type: application/msgpack` (token list
 the answer comes in kind, or as msgpack whenever `Accept` names it. Errors are always OpenAI
 error JSON with the engine's status (microserve.backend.MicroservingError says which).
 
-start_generate streams one GenerateChunk per engine output, each sent as soon as it exists:
+Bodies are validated once, here (microserve.messages.validator: a 400 naming the field), and
+handed to the engine core as the typed messages they are. start_generate streams one
+GenerateChunk per engine output, each sent as soon as it exists:
 
     JSON     application/x-ndjson   one JSON object per line
     msgpack  application/msgpack    length-prefixed msgpack frames (microserve.wire)
@@ -30,34 +32,38 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from microserve import wire
 from microserve.auth import RequireBearer
 from microserve.backend import BackendUnavailable, MicroservingError
+from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
 from microserve.errors import as_openai_error, from_validation_errors, invalid_request
-from microserve.microserving import (
+from microserve.messages import (
+    AbortCall,
     AbortRequest,
-    AbortResponse,
+    Call,
+    CheckIntegrity,
+    Commit,
     CommitRequest,
-    CommitResponse,
     GenerateChunk,
+    Pin,
     PinRequest,
-    PinResponse,
+    PrepRecv,
     PrepRecvRequest,
-    PrepRecvResponse,
+    RemoteSend,
     RemoteSendRequest,
-    RemoteSendResponse,
     StartGenerateRequest,
-    Usage,
+    Stats,
+    Unpin,
+    validator,
 )
-from microserve.openai_app import ClientDisconnected, _EventStream, _unless_disconnected
-from microserve.types import TokenOutput
 
 log = logging.getLogger("microserve.engine")
-BodyT = TypeVar("BodyT", bound=BaseModel)
+BodyT = TypeVar("BodyT")
 
 MSGPACK = "application/msgpack"
 
@@ -65,7 +71,11 @@ MSGPACK = "application/msgpack"
 # -- body formats ------------------------------------------------------------------------------
 
 def _json(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    # The standard library's, not msgspec's: a logprob of -inf stays -Infinity, as before.
+    return json.dumps(msgspec.to_builtins(obj), separators=(",", ":")).encode()
+
+
+_msgpack = msgspec.msgpack.Encoder()
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,7 @@ class _Codec:
 
 
 _JSON = _Codec("application/json", "application/x-ndjson", _json, lambda obj: _json(obj) + b"\n")
-_MSGPACK = _Codec(MSGPACK, MSGPACK, lambda obj: msgpack.packb(obj, use_bin_type=True),
-                  wire.encode)
+_MSGPACK = _Codec(MSGPACK, MSGPACK, _msgpack.encode, wire.encode)
 
 
 def _is_msgpack(content_type: str) -> bool:
@@ -98,13 +107,13 @@ def _answer(codec: _Codec, obj: Any) -> Response:
     return Response(codec.body(obj), media_type=codec.media_type)
 
 
-async def _read_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The body validated as `model`; a 400 naming the field (or the malformed byte) if not."""
+async def _read_body(request: Request, body: TypeAdapter[BodyT]) -> BodyT:
+    """The body validated by `body`; a 400 naming the field (or the malformed byte) if not."""
     raw = await request.body()
     try:
         if _is_msgpack(request.headers.get("content-type", "")):
-            return model.model_validate(_unpack(raw))
-        return model.model_validate_json(raw)
+            return body.validate_python(_unpack(raw))
+        return body.validate_json(raw)
     except ValidationError as e:
         raise from_validation_errors(e.errors()) from None
 
@@ -120,35 +129,22 @@ def _unpack(raw: bytes) -> Any:
 
 @dataclass(frozen=True)
 class _Call:
-    """A request/response call forwarded to the engine core's method of the same name."""
+    """A request/response call: its body, validated, becomes the engine core's `call`."""
 
-    request: type[BaseModel]
-    response: type[BaseModel]
+    request: type
+    call: type[Call]
     timeout_s: float | None = 30.0  # None: as long as it takes
 
 
 _CALLS = {
-    "prep_recv": _Call(PrepRecvRequest, PrepRecvResponse, timeout_s=None),  # waits for pages
+    "prep_recv": _Call(PrepRecvRequest, PrepRecv, timeout_s=None),  # waits for pages
     # Prefills and transfers: it answers when every write landed, however long that takes.
-    "remote_send": _Call(RemoteSendRequest, RemoteSendResponse, timeout_s=None),
-    "commit": _Call(CommitRequest, CommitResponse),
-    "abort": _Call(AbortRequest, AbortResponse),
-    "pin": _Call(PinRequest, PinResponse),
-    "unpin": _Call(PinRequest, PinResponse),
+    "remote_send": _Call(RemoteSendRequest, RemoteSend, timeout_s=None),
+    "commit": _Call(CommitRequest, Commit),
+    "abort": _Call(AbortRequest, AbortCall),
+    "pin": _Call(PinRequest, Pin),
+    "unpin": _Call(PinRequest, Unpin),
 }
-
-
-def _chunk(out: TokenOutput, num_generated: int, first: bool = False) -> GenerateChunk:
-    """The wire form of one output; `num_generated` counts the request's tokens so far."""
-    logprobs = None if out.logprobs is None else [
-        {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-        for lp in out.logprobs]
-    usage = None if out.finish_reason is None else Usage(
-        prompt_tokens=out.num_prompt_tokens, completion_tokens=num_generated,
-        cached_tokens=out.num_cached_tokens)
-    return GenerateChunk(token_ids=out.token_ids, logprobs=logprobs,
-                         finish_reason=out.finish_reason, usage=usage,
-                         cached_tokens=out.num_cached_tokens if first else None)
 
 
 async def _merged(chunks: AsyncGenerator[GenerateChunk, None], logprobs: bool) -> GenerateChunk:
@@ -157,8 +153,8 @@ async def _merged(chunks: AsyncGenerator[GenerateChunk, None], logprobs: bool) -
     async for last in chunks:
         token_ids += last.token_ids
         token_logprobs += last.logprobs or []
-    return GenerateChunk(token_ids=token_ids, logprobs=token_logprobs if logprobs else None,
-                         finish_reason=last.finish_reason, usage=last.usage)
+    return GenerateChunk(token_ids, token_logprobs if logprobs else None, last.finish_reason,
+                         last.usage)
 
 
 class _MicroservingAPI:
@@ -166,52 +162,52 @@ class _MicroservingAPI:
     named aborted: a reservation, a running prefill or transfer, or a generation."""
 
     def __init__(self, client):
-        self.client = client  # engine.core_client.CoreClient, or anything with its contract
+        self.client = client  # a CoreClient (core_client.py), or anything with its contract
+        self._start_generate = validator(StartGenerateRequest)
 
-    def call_route(self, method: str, call: _Call) -> Callable:
-        """The handler that validates `call.request`, forwards it, and checks the answer."""
+    def call_route(self, call: _Call) -> Callable:
+        """The handler that validates `call.request` and hands it to the core as `call.call`."""
+        body_type = validator(call.request)
+
         async def route(request: Request) -> Response:
-            body = await _read_body(request, call.request)
-            work = self.client.call(method, body.model_dump(), timeout_s=call.timeout_s)
+            body = await _read_body(request, body_type)
+            work = self.client.call(call.call(body), timeout_s=call.timeout_s)
             try:
-                result = await _unless_disconnected(request.receive, work)
+                result = await unless_disconnected(request.receive, work)
             except ClientDisconnected:
                 if request_id := getattr(body, "request_id", None):
                     await self.client.abort(request_id)
                 return Response(status_code=499)  # nginx's "client closed request"
-            answer = call.response.model_validate(result)
-            return _answer(_answer_codec(request), answer.model_dump())
+            return _answer(_answer_codec(request), result)
 
         return route
 
     async def start_generate(self, request: Request) -> Response:
-        body = await _read_body(request, StartGenerateRequest)
+        body = await _read_body(request, self._start_generate)
         codec = _answer_codec(request)
         chunks = self._chunks(body)
         # Streaming, the first chunk comes before the status line: a call the engine refuses
         # still gets its status rather than an error item inside a 200.
         work = anext(chunks) if body.stream else _merged(chunks, body.sampling.logprobs is not None)
         try:
-            chunk = await _unless_disconnected(request.receive, work)
+            chunk = await unless_disconnected(request.receive, work)
         except ClientDisconnected:
             return Response(status_code=499)
         if not body.stream:
-            return _answer(codec, chunk.model_dump())
-        return _EventStream(self._stream(body.request_id, codec, chunk, chunks),
-                            media_type=codec.stream_media_type)
+            return _answer(codec, chunk)
+        return EventStream(self._stream(body.request_id, codec, chunk, chunks),
+                           media_type=codec.stream_media_type)
 
     async def _chunks(self, body: StartGenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         """The request's outputs as chunks. Closed or cancelled before the engine finished the
         request (a client that went away), it aborts the request in the engine."""
-        outputs = self.client.start_generate(body.request_id, body.prompt, body.begin,
-                                             body.sampling.to_params())
-        num_generated, settled = 0, False
+        chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
+                                            body.sampling)
+        settled = False
         try:
-            async for out in outputs:
-                first = num_generated == 0
-                num_generated += len(out.token_ids)
-                settled = out.finish_reason is not None
-                yield _chunk(out, num_generated, first)
+            async for chunk in chunks:
+                settled = chunk.finish_reason is not None
+                yield chunk
         except (MicroservingError, BackendUnavailable):
             # The engine holds nothing for a call it failed; and a 409's request_id belongs to
             # another call, which an abort would kill.
@@ -220,15 +216,15 @@ class _MicroservingAPI:
         finally:
             if not settled:
                 await asyncio.shield(self.client.abort(body.request_id))
-            await outputs.aclose()
+            await chunks.aclose()
 
     @staticmethod
     async def _stream(request_id: str, codec: _Codec, first: GenerateChunk,
                       chunks: AsyncGenerator[GenerateChunk, None]) -> AsyncGenerator[bytes, None]:
         try:
-            yield codec.item(first.model_dump())
+            yield codec.item(first)
             async for chunk in chunks:
-                yield codec.item(chunk.model_dump())
+                yield codec.item(chunk)
         except Exception as e:  # the status line is gone: the error becomes the last item
             if not isinstance(e, (MicroservingError, BackendUnavailable)):
                 log.exception("start_generate %s failed while streaming", request_id)
@@ -239,10 +235,10 @@ class _MicroservingAPI:
 
     async def stats(self, request: Request) -> Response:
         """Load and KV accounting; `?check=1` also runs the KV integrity check."""
-        body = {"stats": await self.client.call("stats"), "info": self.client.info}
+        body = {"stats": await self.client.call(Stats()), "info": self.client.info}
         if request.query_params.get("check"):
             try:
-                await self.client.call("check_integrity")
+                await self.client.call(CheckIntegrity())
                 body["integrity"] = "ok"
             except RuntimeError as e:
                 body["integrity"] = str(e)
@@ -255,8 +251,8 @@ def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None)
     Args:
         app: the engine's app (build_openai_app's, whose error handlers answer OpenAI JSON);
             gets the /microserving/* routes and a MicroservingError handler.
-        client: the CoreClient contract: `call(method, args, timeout_s)`, `start_generate`,
-            `abort` and `info`.
+        client: the CoreClient contract: `call(call, timeout_s)`, `start_generate`, `abort` and
+            `info`.
         api_key: when set, every route of `app` but /health and /metrics (so /v1/* and
             /microserving/* among them) answers 401 without `Authorization: Bearer <api_key>`.
     """
@@ -264,7 +260,7 @@ def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None)
         raise ValueError("api_key must not be empty (None serves without authentication)")
     api = _MicroservingAPI(client)
     for method, call in _CALLS.items():
-        app.add_api_route(f"/microserving/{method}", api.call_route(method, call),
+        app.add_api_route(f"/microserving/{method}", api.call_route(call),
                           methods=["POST"], name=method)
     app.add_api_route("/microserving/start_generate", api.start_generate, methods=["POST"])
     app.add_api_route("/microserving/stats", api.stats, methods=["GET"])

@@ -10,11 +10,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
 
+from engine.config import EngineConfig  # plain data: no torch
+
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+_CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def _config_option(p, flag: str, field: str | None = None, **kwargs) -> None:
+    """An option that sets the EngineConfig field `field` (default: the flag's name), with the
+    field's default: the config says what the defaults are, the command line how to ask."""
+    field = field or flag.removeprefix("--").replace("-", "_")
+    p.add_argument(flag, dest=field, default=_CONFIG_FIELDS[field].default, **kwargs)
+
+
+def _auto_on_off(value: str) -> bool | None:
+    try:
+        return {"auto": None, "on": True, "off": False}[value]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not auto, on or off") from None
 
 
 def _engine_args(sub) -> None:
@@ -29,88 +47,62 @@ def _engine_args(sub) -> None:
     p.add_argument("--deployment", default=None,
                    help="the deployment this engine belongs to, reported in its stats (set by "
                         "`microserve up`: its router adopts only its own engines)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, "
-                                                   "bfloat16, float16")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
-                   help="size of the KV pool (CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    _config_option(p, "--device")
+    _config_option(p, "--dtype", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, "
+                                      "float16")
+    _config_option(p, "--page-size", type=int)
+    _config_option(p, "--kv-cache-memory-gb", type=float, help="size of the KV pool (CPU)")
+    _config_option(p, "--gpu-memory-utilization", type=float,
                    help="share of the GPU's memory for weights, activations and KV (CUDA)")
-    p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages "
-                                                               "(overrides the memory size)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    _config_option(p, "--num-pages", type=int, help="KV pool size in pages (overrides the "
+                                                    "memory size)")
+    _config_option(p, "--max-num-batched-tokens", type=int,
                    help="per-step token budget (prefill chunk + decodes; default: 512 on CPU, "
                         "2048 on CUDA)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="sequences running at once (default: 256)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
-    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+    _config_option(p, "--max-num-seqs", type=int, help="sequences running at once "
+                                                       "(default: 256)")
+    _config_option(p, "--max-model-len", type=int)
+    _config_option(p, "--no-prefix-cache", "enable_prefix_cache", action="store_false")
+    _config_option(p, "--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+    _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
                    help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
-    p.add_argument("--seed", type=int, default=0)
+    _config_option(p, "--seed", type=int)
     _tool_call_parser_arg(p)
-    p.add_argument("--cpu-threads", type=int, default=None,
+    _config_option(p, "--cpu-threads", type=int,
                    help="torch CPU threads (default: every core); engines sharing a host "
                         "should split the cores (microserve up does)")
     p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /microserving "
                         "(default: $MICROSERVE_API_KEY; unset: no check)")
-    p.add_argument("--kv-transfer", choices=("auto", "shm", "tcp", "cuda_ipc", "none"),
-                   default="auto",
+    _config_option(p, "--kv-transfer", choices=("auto", "shm", "tcp", "cuda_ipc", "none"),
                    help="how this engine receives KV from peers (auto: shm on CPU, cuda_ipc "
                         "on CUDA, none without an engine key; tcp: across hosts)")
-    p.add_argument("--kv-transfer-host", default="127.0.0.1",
-                   help="tcp: address the KV transfer listener binds")
-    p.add_argument("--kv-transfer-port", type=int, default=0, help="tcp: 0 picks a free port")
-    p.add_argument("--kv-transfer-advertise-host", default=None,
+    _config_option(p, "--kv-transfer-host", help="tcp: address the KV transfer listener binds")
+    _config_option(p, "--kv-transfer-port", type=int, help="tcp: 0 picks a free port")
+    _config_option(p, "--kv-transfer-advertise-host",
                    help="tcp: address peers dial (default: the bind address)")
-    p.add_argument("--kv-lease-s", type=float, default=15.0,
+    _config_option(p, "--kv-lease-s", type=float,
                    help="seconds a prep_recv reservation lives after its sender last renewed "
                         "it (senders renew every 0.25 s while they hold the job)")
-    p.add_argument("--kv-lease-max-s", type=float, default=600.0,
+    _config_option(p, "--kv-lease-max-s", type=float,
                    help="the longest lease a prep_recv may ask for (lease_s)")
-    p.add_argument("--kv-recv-wait-s", type=float, default=60.0,
+    _config_option(p, "--kv-recv-wait-s", type=float,
                    help="how long a prep_recv waits its turn for KV pages when the call names "
                         "no wait_s (then a 503)")
-    p.add_argument("--kv-recv-wait-max-s", type=float, default=3600.0,
+    _config_option(p, "--kv-recv-wait-max-s", type=float,
                    help="the longest wait_s a prep_recv may name")
     p.add_argument("--log-level", default="info")
 
 
 def _run_engine(args) -> None:
     # Imported here so `microserve --help` stays fast; neither imports torch.
-    from engine.config import EngineConfig
-    from engine.server import serve
+    from engine.frontend.server import serve
     from microserve.model_files import resolve_model
 
     model_dir = resolve_model(args.model)
-    config = EngineConfig(
-        model=str(model_dir),
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_pages=args.num_pages,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_cache=not args.no_prefix_cache,
-        enforce_eager=args.enforce_eager,
-        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        seed=args.seed,
-        cpu_threads=args.cpu_threads,
-        kv_transfer=args.kv_transfer,
-        kv_transfer_host=args.kv_transfer_host,
-        kv_transfer_port=args.kv_transfer_port,
-        kv_transfer_advertise_host=args.kv_transfer_advertise_host,
-        kv_lease_s=args.kv_lease_s,
-        kv_lease_max_s=args.kv_lease_max_s,
-        kv_recv_wait_s=args.kv_recv_wait_s,
-        kv_recv_wait_max_s=args.kv_recv_wait_max_s,
-    )
+    given = {name: value for name, value in vars(args).items()
+             if name in _CONFIG_FIELDS and name != "model"}
+    config = EngineConfig(model=str(model_dir), **given)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key,
                     deployment=args.deployment, tool_call_parser=args.tool_call_parser))
@@ -262,7 +254,7 @@ def _admin_token(given: str | None, port: int) -> str:
     """The admin token asked for, or a new one: printed once, saved where only this user reads."""
     if given is not None:
         return given
-    from microserve.credentials import generated_admin_token
+    from launcher.credentials import generated_admin_token
 
     token, path = generated_admin_token(port)
     print(f"microserve: no admin token given; /admin takes this one: {token}\n"
@@ -292,8 +284,8 @@ def _run_router(args) -> None:
 
 
 def _run_up(args) -> None:
-    from microserve.credentials import new_token
-    from microserve.up import load_deployment, up
+    from launcher.credentials import new_token
+    from launcher.up import load_deployment, up
 
     deployment = load_deployment(args.config, port=args.port,
                                  strategies_dir=args.strategies_dir,

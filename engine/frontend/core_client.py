@@ -1,9 +1,10 @@
 """The frontend's handle on its engine-core process (a GenerateBackend). No torch here.
 
-It starts `python -m engine.core_proc` with one end of a Unix socket pair, waits for `ready`,
-and then multiplexes requests over that socket: one asyncio queue per request receives its
-TokenOutputs from a single reader task. If the core process dies, every open request fails with
-BackendUnavailable and `healthy()` turns false.
+It starts `python -m engine.core_proc` with one end of a Unix socket pair, waits for Ready,
+and then multiplexes requests over that socket (typed frames, microserve/messages.py): one
+asyncio queue per request receives its TokenOutputs from a single reader task, and the
+request's generator makes each one the next GenerateChunk. If the core process dies, every open
+request fails with BackendUnavailable and `healthy()` turns false.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
+import msgspec
+
 from engine.config import EngineConfig
 from microserve.backend import (
     BackendUnavailable,
@@ -27,8 +30,27 @@ from microserve.backend import (
     MicroservingError,
     RequestRejected,
 )
+from microserve.messages import (
+    Abort,
+    Call,
+    EngineInfo,
+    EngineStats,
+    Frame,
+    FromCore,
+    Generate,
+    GenerateChunk,
+    Invoke,
+    Outputs,
+    Ready,
+    Rejected,
+    Reply,
+    SamplingParams,
+    Shutdown,
+    Stats,
+    TokenOutput,
+    Usage,
+)
 from microserve.transfer_auth import KEY_ENV, transfer_key
-from microserve.types import SamplingParams, TokenOutput
 from microserve.wire import FrameDecoder, encode
 
 log = logging.getLogger("microserve.engine")
@@ -51,7 +73,7 @@ class CoreClient(GenerateBackend):
         self.config = config
         self._engine_key = engine_key
         self.model_name = served_model_name
-        self.info: dict = {}  # EngineInfo as sent by the core; set by start()
+        self.info: EngineInfo | None = None  # as the core found it; set by start()
         self.max_model_len = 0
         self._proc: subprocess.Popen | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -76,18 +98,18 @@ class CoreClient(GenerateBackend):
         self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         reader, self._writer = await asyncio.open_connection(sock=ours)
-        decoder = FrameDecoder()
+        decoder = FrameDecoder(FromCore)
         try:
             first = await asyncio.wait_for(self._read_one(reader, decoder), timeout_s)
         except (asyncio.TimeoutError, ConnectionError) as e:
             await self.close()
             raise CoreStartError(f"engine core did not start: {e!r}") from e
-        if first is None or first["type"] != "ready":
+        if not isinstance(first, Ready):
             await self.close()
-            why = first["message"] if first else "the core process exited"
+            why = first.message if first else "the core process exited"
             raise CoreStartError(f"engine core failed to start: {why}")
-        self.info = first["info"]
-        self.max_model_len = self.info["max_model_len"]
+        self.info = first.info
+        self.max_model_len = self.info.max_model_len
         self._alive = True
         self._reader_task = asyncio.create_task(self._read_loop(reader, decoder))
 
@@ -107,7 +129,7 @@ class CoreClient(GenerateBackend):
         self._alive = False
         if self._writer is not None and not self._writer.is_closing():
             with contextlib.suppress(ConnectionError):
-                self._writer.write(encode({"type": "shutdown"}))
+                self._writer.write(encode(Shutdown()))
                 await self._writer.drain()
             self._writer.close()
         if self._reader_task is not None:
@@ -143,25 +165,23 @@ class CoreClient(GenerateBackend):
         except subprocess.TimeoutExpired:
             return None
 
-    def _dispatch(self, msg: dict) -> None:
-        kind = msg["type"]
-        if kind == "outputs":
-            for wire in msg["items"]:
-                q = self._queues.get(wire[0])
+    def _dispatch(self, msg: FromCore) -> None:
+        if isinstance(msg, Outputs):
+            for out in msg.items:
+                q = self._queues.get(out.request_id)
                 if q is not None:
-                    q.put_nowait(TokenOutput.from_wire(wire))
-        elif kind == "rejected":
-            q = self._queues.get(msg["request_id"])
+                    q.put_nowait(out)
+        elif isinstance(msg, Rejected):
+            q = self._queues.get(msg.request_id)
             if q is not None:
-                q.put_nowait(_error(msg["status"], msg["message"], msg.get("param")))
-        elif kind == "reply":
-            fut = self._calls.pop(msg["id"], None)
+                q.put_nowait(_error(msg.status, msg.message, msg.param))
+        elif isinstance(msg, Reply):
+            fut = self._calls.pop(msg.id, None)
             if fut is not None and not fut.done():
-                if msg["error"]:
-                    fut.set_exception(_error(msg["status"], msg["error"], msg.get("param"),
-                                             msg.get("code")))
+                if msg.error is not None:
+                    fut.set_exception(_error(msg.status, msg.error, msg.param, msg.code))
                 else:
-                    fut.set_result(msg["result"])
+                    fut.set_result(msg.result)
 
     def _fail_all(self, why: str) -> None:
         for q in self._queues.values():
@@ -173,19 +193,19 @@ class CoreClient(GenerateBackend):
 
     # ---- GenerateBackend ------------------------------------------------------------------------
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg: Frame) -> None:
         if not self._alive:
             raise BackendUnavailable("engine core is not running")
         self._writer.write(encode(msg))  # buffered by the transport: never blocks the loop
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenOutput]:
+    ) -> AsyncIterator[GenerateChunk]:
         return self.start_generate(request_id, prompt_token_ids, 0, params)
 
     async def start_generate(
         self, request_id: str, prompt: list[int], begin: int, params: SamplingParams
-    ) -> AsyncIterator[TokenOutput]:
+    ) -> AsyncIterator[GenerateChunk]:
         """generate() whose KV for prompt[:begin] is already on the engine (microserving).
         Raises MicroservingError / RequestRejected before the first output on bad input."""
         if request_id in self._queues:
@@ -193,16 +213,16 @@ class CoreClient(GenerateBackend):
                                     "request_id")  # fmt: skip
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
+        num_generated = 0
         try:
-            self._send(
-                {"type": "add", "request_id": request_id, "prompt": list(prompt),
-                 "params": params.to_dict(), "begin": begin}
-            )  # fmt: skip
+            self._send(Generate(request_id, prompt, params, begin))
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
-                yield item
+                first = num_generated == 0
+                num_generated += len(item.token_ids)
+                yield _chunk(item, num_generated, first)
                 if item.finish_reason is not None:
                     return
         finally:
@@ -210,20 +230,22 @@ class CoreClient(GenerateBackend):
 
     async def abort(self, request_id: str) -> None:
         if self._alive:
-            self._send({"type": "abort", "request_id": request_id})
+            self._send(Abort(request_id))
 
-    async def call(self, method: str, args: dict | None = None, timeout_s: float | None = 30.0):
-        """Run `method` in the core (stats, check_integrity, prep_recv, remote_send, commit,
-        abort, pin, unpin). Returns its plain-data result; raises MicroservingError or
-        RequestRejected as the core answers, RuntimeError on an internal failure."""
+    async def call(self, call: Call, timeout_s: float | None = 30.0):
+        """Run `call` in the core (Stats, CheckIntegrity, PrepRecv, RemoteSend, Commit,
+        AbortCall, Pin, Unpin). Returns its answer (of type `call.answer`); raises
+        MicroservingError or RequestRejected as the core answers, RuntimeError on an internal
+        failure."""
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send({"type": "call", "id": call_id, "method": method, "args": args})
+        self._send(Invoke(call_id, call))
         try:
-            return await asyncio.wait_for(fut, timeout_s)
+            result = await asyncio.wait_for(fut, timeout_s)
         finally:
             self._calls.pop(call_id, None)
+        return msgspec.convert(result, call.answer)
 
     async def healthy(self) -> bool:
         return self._alive
@@ -231,7 +253,16 @@ class CoreClient(GenerateBackend):
     async def metrics_text(self) -> str:
         if not self._alive:
             return ""
-        return format_core_stats(await self.call("stats"), self.info)
+        return format_core_stats(await self.call(Stats()), self.info)
+
+
+def _chunk(out: TokenOutput, num_generated: int, first: bool) -> GenerateChunk:
+    """The request's next chunk; `num_generated` counts its tokens so far, this one's included.
+    The first chunk says how many prompt tokens were cached, the last has the usage."""
+    usage = None if out.finish_reason is None else Usage(
+        out.num_prompt_tokens, num_generated, out.num_cached_tokens)
+    return GenerateChunk(out.token_ids, out.logprobs, out.finish_reason, usage,
+                         out.num_cached_tokens if first else None)
 
 
 def _error(status: int, message: str, param: str | None, code: str | None = None) -> Exception:
@@ -265,12 +296,13 @@ _STAT_HELP = {
 }
 
 
-def format_core_stats(stats: dict, info: dict) -> str:
+def format_core_stats(stats: EngineStats, info: EngineInfo) -> str:
     lines = []
     for key, (kind, help_text) in _STAT_HELP.items():
         name = f"microserve_engine_{key}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {stats[key]}"]
-    cap = info.get("kv_capacity_tokens", 0)
+        value = getattr(stats, key)
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    cap = info.kv_capacity_tokens
     lines += [
         "# HELP microserve_engine_kv_capacity_tokens KV cache capacity in tokens",
         "# TYPE microserve_engine_kv_capacity_tokens gauge",

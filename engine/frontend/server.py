@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.config import EngineConfig
-from engine.core_client import CoreClient
-from engine.microserving_api import add_microserving_routes
+from engine.frontend.core_client import CoreClient
+from engine.frontend.microserving_api import add_microserving_routes
 from microserve.openai_app import QuietServer, build_openai_app, listen_socket
 from microserve.tokenizer import Tokenizer
 
@@ -27,7 +27,7 @@ log = logging.getLogger("microserve.engine")
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
                      api_key: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
-    """The OpenAI API over the engine, plus the microserving API (engine/microserving_api.py)."""
+    """The OpenAI API over the engine, plus the microserving API (microserving_api.py)."""
     app = build_openai_app(client, tokenizer, tool_call_parser=tool_call_parser)
     add_microserving_routes(app, client, api_key=api_key)
     return app
@@ -40,13 +40,13 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
     tokenizer = Tokenizer.from_dir(config.model)
     client = CoreClient(config, served_model_name, engine_key=api_key)
     await client.start()
-    client.info["deployment"] = deployment  # what /microserving/stats reports with the model
+    client.info.deployment = deployment  # what /microserving/stats reports with the model
     info = client.info
     log.info(
         "engine ready: model %s (%s, %s), KV %d pages x %d = %d tokens, max_model_len %d, "
         "KV transfer %s",
-        served_model_name, info["device"], info["dtype"], info["num_pages"], info["page_size"],
-        info["kv_capacity_tokens"], info["max_model_len"], info["kv_transfer"],
+        served_model_name, info.device, info.dtype, info.num_pages, info.page_size,
+        info.kv_capacity_tokens, info.max_model_len, info.kv_transfer,
     )  # fmt: skip
     app = build_engine_app(client, tokenizer, api_key, tool_call_parser)
     server = QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False))

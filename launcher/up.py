@@ -214,7 +214,7 @@ class EngineProcess:
     async def start(self) -> None:
         model_dir, served_name, log_level, api_key, deployment_id = self._start_args
         launch = self.launch
-        cmd = [sys.executable, "-m", "microserve.cli", "engine", "--model", model_dir,
+        cmd = [sys.executable, "-m", "launcher.cli", "engine", "--model", model_dir,
                "--served-model-name", served_name, "--host", launch.host,
                "--port", str(launch.port), "--log-level", log_level,
                "--deployment", deployment_id, *launch.args]

@@ -1,0 +1,470 @@
+"""Every message that crosses a process boundary, once: one vocabulary for every hop. No torch.
+
+    hop                                     encoding                 checked
+    client or router -> engine (HTTP)       JSON or msgpack          `validator(type)`: pydantic,
+                                                                     once, where it enters
+    engine frontend <-> engine core         msgpack frames           msgspec decodes the frames
+                                            (microserve/wire.py)     into these types (`Frame`)
+    engine -> router (HTTP answers)         JSON or msgpack          msgspec decodes into these
+
+The messages are plain slotted dataclasses: pydantic validates them where they come from
+outside (the constraints in their `Annotated` types, unknown fields and non-finite floats
+refused, a 400 naming the field), msgspec encodes and decodes them everywhere else, and code
+in between builds and reads them as it would any dataclass, trusting them. The frames of the
+socket between an engine's frontend and its core are msgspec structs tagged by "type" (a
+call's by "method"), so a decoded frame is already the typed message to dispatch on.
+
+The microserving calls (DESIGN §4) split one request across engines (paper §3.1):
+
+    D.prep_recv(prompt, end)            -> matched, kv_addr   reserve D's slots for [matched, end)
+    P.remote_send(prompt, begin, end, kv_addr)               make KV of [begin, end) land there
+    D.start_generate(prompt, begin)     -> chunks             KV of [0, begin) is on D already
+
+plus `commit` (adopt received KV without generating: context migration), `abort`, `pin`/`unpin`
+and `stats`. `begin`/`end` index the prompt Python-style (negative counts from the end). Checks
+that need the prompt length or the engine's state are the engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from msgspec import Struct
+from pydantic import ConfigDict, Field, TypeAdapter, with_config
+
+from microserve.bounds import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_GRAMMAR_CHARS, MAX_LOGPROBS,
+                               Count, Index, Seed, TokenId)
+
+T = TypeVar("T")
+
+# Where a message enters from outside: unknown fields and Infinity/NaN are refused.
+_CHECKED = with_config(ConfigDict(extra="forbid", allow_inf_nan=False))
+
+
+def validator(message: type[T]) -> TypeAdapter[T]:
+    """The pydantic validator of `message` for a body from outside (`.validate_json(raw)`,
+    `.validate_python(obj)`); raises pydantic.ValidationError naming the field."""
+    return TypeAdapter(message)
+
+
+RequestId = Annotated[str, Field(min_length=1, max_length=256)]
+Prompt = Annotated[list[TokenId], Field(min_length=1)]
+Slot = Annotated[int, Field(ge=0, le=INT64_MAX)]  # checked against the receiver's pool
+Position = Annotated[int, Field(ge=0, le=INT32_MAX)]
+WindowIndex = Annotated[int, Field(ge=0, le=INT32_MAX)]
+WindowTag = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # the window's secret
+
+
+# -- sampling and output ---------------------------------------------------------------------
+
+@_CHECKED
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Token-level sampling, from the OpenAI frontend (which resolved OpenAI's defaults) to the
+    engine core's sampler, through the router and start_generate unchanged.
+
+    Text-level options (stop strings, echo, chat formatting) are the frontend's, which owns the
+    tokenizer; the core sees token ids only. Bounds that need the model (top_k and token ids
+    within the vocabulary, max_tokens within the context) are the engine's to check.
+    """
+
+    max_tokens: Count = 16
+    temperature: Annotated[float, Field(ge=0)] = 1.0  # 0 means greedy
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # 0 disables
+    seed: Seed | None = None  # per-request generator when set
+    stop_token_ids: tuple[TokenId, ...] = ()  # in addition to the model's eos ids
+    ignore_eos: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # 0: the sampled
+    # token's; n: plus the top n
+    # An llguidance grammar (JSON) the output must follow: structured outputs and forced tool
+    # calls, built and validated by the frontend (microserve/guided.py); None: unconstrained.
+    grammar: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token, with the top alternatives if asked for.
+
+    Logprobs are of the model's raw distribution (log-softmax of the logits, before
+    temperature / top-p / top-k), as vLLM reports them by default.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+class FinishReason:
+    STOP = "stop"  # eos or a stop token id (or, at the frontend, a stop string)
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # aborted by the client or an operator
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was already on this engine (received or cached)
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """One piece of a generation's output, as every consumer above the engine core sees it: the
+    engine's OpenAI frontend and start_generate's stream, a strategy, the router's frontend.
+
+    `token_ids` are new since the previous chunk (usually one). The last chunk has
+    finish_reason and usage.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    # The first chunk's: what usage.cached_tokens will say, for a caller that stops reading
+    # early (a stop string matched).
+    cached_tokens: int | None = None
+
+
+class TokenOutput(Struct, array_like=True):
+    """What one engine step produced for one request: the core's record, sent to its frontend
+    positionally (one frame per step holds every request's), where the core client makes it the
+    request's next GenerateChunk. `num_prompt_tokens` and `num_cached_tokens` (prompt tokens
+    served from the prefix cache) are set on every output; the last has `finish_reason`."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+# -- KV addresses ------------------------------------------------------------------------------
+
+@_CHECKED
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What must be equal for two engines to exchange KV pages (kvcache/transfer/)."""
+
+    model: str
+    dtype: str  # "float32", "bfloat16", ...
+    page_size: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    num_layers: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    num_kv_heads: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    head_dim: Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+    def pool_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVLayout:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+    def mismatch(self, peer: KVLayout) -> str | None:
+        """None if the layouts agree, else a message naming both layouts and what differs."""
+        diff = [f.name for f in fields(self) if getattr(self, f.name) != getattr(peer, f.name)]
+        if not diff:
+            return None
+        return (
+            f"KV layout mismatch in {', '.join(diff)}: this engine has {self.to_dict()}, "
+            f"the peer has {peer.to_dict()}"
+        )
+
+
+# A receiver's transfer descriptor: what a sender needs to open its pool. Its fields are its
+# backend's ("kind" always; shm: pid, fd, inode, size, boot id; tcp: host, port; ...: see
+# kvcache/transfer/), plain scalars, and the receiver signs them all ("mac",
+# microserve/transfer_auth.py): the sender verifies the signature before it reads any field.
+TransferDescriptor = dict[str, str | bool | Annotated[int, Field(ge=INT64_MIN, le=2**64 - 1)]
+                          | None]
+
+
+@_CHECKED
+@dataclass(frozen=True, slots=True)
+class KVAddr:
+    """Where a receiver wants KV written: run-length ranges of its flat slots
+    (slot = page * page_size + offset) covering prompt positions [begin, end) in order,
+    its KV layout, its transfer descriptor, and the write window the slots belong to.
+
+        positions:  begin ............................................ end
+        ranges:     [(s0, n0),              (s1, n1),        (s2, n2)]   n0 + n1 + n2 = end - begin
+    """
+
+    begin: Position
+    end: Position
+    ranges: list[tuple[Slot, Count]]
+    layout: KVLayout
+    transfer: TransferDescriptor
+    window: tuple[WindowIndex, WindowTag]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    def slots(self) -> list[int]:
+        return [s for start, n in self.ranges for s in range(start, start + n)]
+
+
+def slot_ranges(slots: list[int]) -> list[tuple[int, int]]:
+    """Run-length form of a slot list: [5, 6, 7, 20, 21] -> [(5, 3), (20, 2)]."""
+    out: list[list[int]] = []
+    for s in slots:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1][1] += 1
+        else:
+            out.append([s, 1])
+    return [(a, n) for a, n in out]
+
+
+# -- the microserving calls' bodies and answers -------------------------------------------------
+
+@_CHECKED
+@dataclass(slots=True)
+class PrepRecvRequest:
+    request_id: RequestId
+    prompt: Prompt
+    end: Index = -1
+    # default --kv-lease-s; at most --kv-lease-max-s
+    lease_s: Annotated[float, Field(gt=0)] | None = None
+    # How long to wait for pages if none are free: default --kv-recv-wait-s; 0 answers a 503 at
+    # once; at most --kv-recv-wait-max-s.
+    wait_s: Annotated[float, Field(ge=0)] | None = None
+
+
+@dataclass(slots=True)
+class PrepRecvResponse:
+    matched: int  # prompt tokens already in this engine's prefix cache (a page multiple)
+    kv_addr: KVAddr
+
+
+@_CHECKED
+@dataclass(slots=True, kw_only=True)
+class RemoteSendRequest:
+    request_id: RequestId
+    prompt: Prompt
+    begin: Index = 0
+    end: Index = -1
+    kv_addr: KVAddr
+
+
+@dataclass(slots=True)
+class RemoteSendResponse:
+    sent: int  # tokens whose KV now sits in the receiver's slots (= end - begin)
+    computed: int  # tokens this engine prefilled to produce them (may start before begin)
+    reused: int  # tokens of [begin, end) copied from this engine's prefix cache
+
+
+@_CHECKED
+@dataclass(slots=True)
+class StartGenerateRequest:
+    request_id: RequestId
+    prompt: Prompt
+    begin: Index = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = True
+
+
+@_CHECKED
+@dataclass(slots=True)
+class CommitRequest:
+    request_id: RequestId
+    pin: bool = False
+
+
+@dataclass(slots=True)
+class CommitResponse:
+    cached: int  # leading tokens of the received context now in the prefix cache (page multiple)
+    pinned: bool
+
+
+@_CHECKED
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: RequestId
+
+
+@dataclass(slots=True)
+class AbortResponse:
+    aborted: bool  # False: the engine held nothing under this request_id
+
+
+@_CHECKED
+@dataclass(slots=True)
+class PinRequest:
+    prompt: Prompt
+
+
+@dataclass(slots=True)
+class PinResponse:
+    tokens: int  # leading tokens of the prompt (a page multiple) now pinned / unpinned
+
+
+# -- what an engine is and how loaded --------------------------------------------------------------
+
+@dataclass(slots=True)
+class EngineInfo:
+    """Facts the engine core reports once it has loaded the model and sized the KV pool."""
+
+    model_name: str
+    model_dir: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    page_size: int
+    num_pages: int
+    kv_capacity_tokens: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_transfer: str  # how this engine receives KV: shm, tcp, cuda_ipc or none
+    deployment: str | None = None  # set by the engine frontend: the deployment it belongs to
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Load and KV accounting (GET /microserving/stats "stats"; Prometheus on /metrics)."""
+
+    running: int  # requests running
+    waiting: int  # requests waiting for admission
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_pages_cached: int  # held only by the prefix cache (reusable)
+    kv_pages_used: int  # held by running requests
+    kv_pages_pinned: int
+    preemptions: int
+    prompt_tokens: int  # of finished requests
+    cached_prompt_tokens: int  # served from the prefix cache
+    generation_tokens: int
+    kv_reservations: int  # prep_recv reservations waiting for KV or a start_generate
+    kv_recv_waiting: int  # prep_recv calls waiting for KV pages
+    kv_send_jobs: int  # remote_send calls in progress
+    kv_leases_expired: int
+    kv_tokens_sent: int
+    kv_tokens_received: int
+    kv_recv_waited: int  # prep_recv calls that had to wait for pages
+    kv_recv_wait_timeouts: int  # ... and waited their wait_s in vain (503)
+
+
+# -- frames between an engine's frontend and its core (engine/frontend/, engine/core_proc.py) --
+
+class Call(Struct, tag_field="method", frozen=True):
+    """A call to the engine core, answered by a Reply with an `answer` (or an error)."""
+
+    answer: ClassVar[type]  # the result's type
+
+
+class PrepRecv(Call, tag="prep_recv"):
+    answer = PrepRecvResponse
+    request: PrepRecvRequest
+
+
+class RemoteSend(Call, tag="remote_send"):
+    answer = RemoteSendResponse
+    request: RemoteSendRequest
+
+
+class Commit(Call, tag="commit"):
+    answer = CommitResponse
+    request: CommitRequest
+
+
+class AbortCall(Call, tag="abort"):
+    answer = AbortResponse
+    request: AbortRequest
+
+
+class Pin(Call, tag="pin"):
+    answer = PinResponse
+    request: PinRequest
+
+
+class Unpin(Call, tag="unpin"):
+    answer = PinResponse
+    request: PinRequest
+
+
+class Stats(Call, tag="stats"):
+    answer = EngineStats
+
+
+class CheckIntegrity(Call, tag="check_integrity"):
+    answer = bool  # True; a failed check is an error reply
+
+
+AnyCall = PrepRecv | RemoteSend | Commit | AbortCall | Pin | Unpin | Stats | CheckIntegrity
+
+
+class Frame(Struct, tag_field="type", frozen=True):
+    """One message on the frontend <-> core socket."""
+
+
+# frontend -> core
+class Generate(Frame, tag="generate"):
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    begin: int = 0
+
+
+class Abort(Frame, tag="abort"):
+    """Drop the request wherever it is; a generation gets its finishing output. No reply."""
+
+    request_id: str
+
+
+class Invoke(Frame, tag="call"):
+    id: int
+    call: AnyCall
+
+
+class Shutdown(Frame, tag="shutdown"):
+    pass
+
+
+ToCore = Generate | Abort | Invoke | Shutdown
+
+
+# core -> frontend
+class Ready(Frame, tag="ready"):
+    info: EngineInfo
+
+
+class StartFailed(Frame, tag="error"):
+    message: str
+
+
+class Outputs(Frame, tag="outputs"):
+    items: list[TokenOutput]  # one step's, every request's
+
+
+class Rejected(Frame, tag="rejected"):
+    """A Generate the core refused, or failed: the status the request answers with."""
+
+    request_id: str
+    message: str
+    param: str | None
+    status: int
+
+
+class Reply(Frame, tag="reply"):
+    """The answer to Invoke `id`: `result` (of the call's `answer` type), or an error."""
+
+    id: int
+    result: Any = None
+    error: str | None = None
+    status: int = 200
+    param: str | None = None
+    code: str | None = None
+
+
+FromCore = Ready | StartFailed | Outputs | Rejected | Reply
