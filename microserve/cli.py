@@ -55,10 +55,14 @@ def _engine_args(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /microserving "
                         "(default: $MICROSERVE_API_KEY; unset: no check)")
-    p.add_argument("--kv-transfer", choices=("auto", "shm", "tcp", "cuda_ipc", "none"),
+    p.add_argument("--kv-transfer", choices=("auto", "shm", "tcp", "cuda_ipc", "nvshmem", "none"),
                    default="auto",
                    help="how this engine receives KV from peers (auto: shm on CPU, cuda_ipc "
-                        "on CUDA, none without an engine key; tcp: across hosts)")
+                        "on CUDA, none without an engine key; tcp: across hosts; nvshmem: GPU "
+                        "engines started together by `microserve up`, a fixed group)")
+    p.add_argument("--nvshmem-group", default=os.environ.get("MICROSERVE_NVSHMEM_GROUP"),
+                   help="nvshmem: this engine's place in its group, RANK/SIZE@DIR (default: "
+                        "$MICROSERVE_NVSHMEM_GROUP, which `microserve up` sets)")
     p.add_argument("--kv-transfer-host", default="127.0.0.1",
                    help="tcp: address the KV transfer listener binds")
     p.add_argument("--kv-transfer-port", type=int, default=0, help="tcp: 0 picks a free port")
@@ -101,6 +105,7 @@ def _run_engine(args) -> None:
         seed=args.seed,
         cpu_threads=args.cpu_threads,
         kv_transfer=args.kv_transfer,
+        nvshmem_group=args.nvshmem_group,
         kv_transfer_host=args.kv_transfer_host,
         kv_transfer_port=args.kv_transfer_port,
         kv_transfer_advertise_host=args.kv_transfer_advertise_host,
