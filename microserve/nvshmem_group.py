@@ -199,8 +199,8 @@ def parse_size(text: str) -> int | None:
 def nvshmem_env(environ: dict[str, str], pool_bytes: int) -> dict[str, str]:
     """The NVSHMEM variables a member sets before it makes or uses a unique id, given the
     environment it has: NVLink multicast off (it can take shared GPUs down), a symmetric heap
-    sized to the pool plus NVSHMEM's own needs, the bootstrap on the loopback interface (one
-    host). Values the environment already holds are kept; ValueError if its heap is too small
+    sized to the pool plus NVSHMEM's own needs, the bootstrap on the loopback interface, no
+    remote transport and no proxy thread (one host). Values the environment already holds are kept; ValueError if its heap is too small
     for the pool."""
     heap = pool_bytes + HEAP_MARGIN_BYTES
     out = {}
@@ -208,6 +208,12 @@ def nvshmem_env(environ: dict[str, str], pool_bytes: int) -> dict[str, str]:
         out["NVSHMEM_DISABLE_NVLS"] = "1"
     if "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME" not in environ:
         out["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] = "lo"
+    # One host, writes by our own kernel through peer views: no network transport, and no
+    # proxy thread (it serves device-side NVSHMEM calls we never make, and spins on a core).
+    if "NVSHMEM_REMOTE_TRANSPORT" not in environ:
+        out["NVSHMEM_REMOTE_TRANSPORT"] = "none"
+    if "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY" not in environ:
+        out["NVSHMEM_DISABLE_LOCAL_ONLY_PROXY"] = "1"
     given = environ.get("NVSHMEM_SYMMETRIC_SIZE")
     if given is None:
         out["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)

@@ -178,8 +178,10 @@ def test_a_deployment_that_stopped_leaves_no_group_to_join(tmp_path):
 def test_nvshmem_env_turns_multicast_off_and_sizes_the_heap_to_the_pool():
     assert nvshmem_env({}, 1 << 30) == {
         "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+        "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1",
         "NVSHMEM_SYMMETRIC_SIZE": str((1 << 30) + HEAP_MARGIN_BYTES)}
     given = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth0",
+             "NVSHMEM_REMOTE_TRANSPORT": "ibrc", "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "0",
              "NVSHMEM_SYMMETRIC_SIZE": "4G"}
     assert nvshmem_env(given, 1 << 30) == {}  # what the operator set stays
     with pytest.raises(ValueError, match=r"NVSHMEM_SYMMETRIC_SIZE=1G \(1073741824 bytes\) cannot "
