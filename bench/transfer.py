@@ -4,12 +4,14 @@ prefix-cache hit; the receiver's decode speed while KV arrives.
 
     python -m bench.transfer [--model smollm2-135m-instruct] [--tokens 1000,3000] [--repeat 3]
     python -m bench.transfer --device cuda --model random:llama-3.1-8b --gpu-share 0.3 \
-        [--modes send,migrate,tpot]
+        [--modes send,migrate,tpot] [--kv-transfer nvshmem,cuda_ipc]
 
-Starts three `microserve engine` processes on this host: P (the sender) and two receivers, with
-`--kv-transfer shm` and `tcp` on CPU, `cuda_ipc` and `tcp` with `--device cuda` (all three
-engines then share one GPU, each with `--gpu-share` of its memory). For each context length N
-and each receiver, with fresh random token ids every run:
+Starts `microserve engine` processes on this host: P (the sender) and a receiver per
+`--kv-transfer` kind: `shm` and `tcp` on CPU, `cuda_ipc` and `tcp` with `--device cuda` by
+default (the engines then share one GPU, each with `--gpu-share` of its memory). With `nvshmem`
+among the kinds, P and that receiver form an NVSHMEM group of two, as `microserve up` would
+(P then sends to the other receivers from its pool in the symmetric heap). For each context
+length N and each receiver, with fresh random token ids every run:
 
 send (paper §3.6; issue 19's "remote_send vs local prefill"):
   copy     P already holds the context in its prefix cache (it served it once), so remote_send
@@ -31,7 +33,7 @@ migrate (paper §4.2, Fig. 12 and Table 3): a prompt of N tokens whose first N -
   per layer  a pure copy of the cached context (remote_send of P's pages alone) and the local
              hit's prefill, divided by the layer count (the paper's Table 3)
 
-tpot (receiving GPU only): 16 greedy streams decode on the cuda_ipc receiver; their time per
+tpot (receiving GPU only): 16 greedy streams decode on the first kind's receiver; their time per
   output token is taken while it is idle, while P copies 3,000 cached tokens into it in a
   loop (transfer alone), and while P prefills and sends fresh 3,000-token prompts to it (on
   one shared GPU that also takes the receiver's GPU for P's compute)
@@ -47,9 +49,11 @@ import asyncio
 import os
 import random
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -285,6 +289,9 @@ async def main() -> None:
                     help="CUDA: each engine's --gpu-memory-utilization")
     ap.add_argument("--modes", default="send", help="any of send,migrate,tpot (tpot: GPU)")
     ap.add_argument("--new-tokens", type=int, default=500, help="migrate: tokens not cached")
+    ap.add_argument("--kv-transfer", default=None,
+                    help="the receivers' kinds, comma-separated (default: cuda_ipc,tcp on a "
+                         "GPU, shm,tcp on CPU); with nvshmem, P joins that receiver's group")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     model = str(resolve_model(args.model))
@@ -299,12 +306,16 @@ async def main() -> None:
     if gpu:  # the pool size comes from the memory share
         common = ("--device", args.device, "--gpu-memory-utilization", str(args.gpu_share),
                   "--max-model-len", str(max(lengths) + 64))
-    kinds = ("cuda_ipc", "tcp") if gpu else ("shm", "tcp")
-    ports = {"p": args.base_port, kinds[0]: args.base_port + 1, "tcp": args.base_port + 2}
-    procs = {"p": start_engine(model, ports["p"], *common, api_key=ENGINE_KEY)}
-    for kind in kinds:
-        procs[kind] = start_engine(model, ports[kind], *common, "--kv-transfer", kind,
-                                   api_key=ENGINE_KEY)
+    kinds = tuple(args.kv_transfer.split(",")) if args.kv_transfer else (
+        ("cuda_ipc", "tcp") if gpu else ("shm", "tcp"))
+    ports = {"p": args.base_port} | {k: args.base_port + 1 + i for i, k in enumerate(kinds)}
+    transfer = {"p": ()} | {k: ("--kv-transfer", k) for k in kinds}
+    group = tempfile.mkdtemp(prefix="bench-nvshmem-")  # P is PE 0, the nvshmem receiver PE 1
+    if "nvshmem" in kinds:
+        transfer["p"] = ("--kv-transfer", "nvshmem", "--nvshmem-group", f"0/2@{group}")
+        transfer["nvshmem"] += ("--nvshmem-group", f"1/2@{group}")
+    procs = {k: start_engine(model, port, *common, *transfer[k], api_key=ENGINE_KEY)
+             for k, port in ports.items()}
     urls = {k: f"http://127.0.0.1:{port}" for k, port in ports.items()}
     try:
         for k in procs:
@@ -322,9 +333,10 @@ async def main() -> None:
             await table_migrate(clients, kinds, lengths, mc, args.new_tokens, args.repeat, rng)
         if "tpot" in modes and gpu:
             n = min(3000, max(lengths))
-            r = await measure_tpot(clients["p"], clients["cuda_ipc"], mc.vocab_size, 16, rng,
+            r = await measure_tpot(clients["p"], clients[kinds[0]], mc.vocab_size, 16, rng,
                                    n, max_tokens=max(lengths) - 64)
-            print(f"\nD's decode while receiving (16 streams; {r['sends']['copy']} copies and "
+            print(f"\nD's decode while receiving with {kinds[0]} (16 streams; "
+                  f"{r['sends']['copy']} copies and "
                   f"{r['sends']['compute']} computed sends of {n:,} tokens in the windows)\n")
             print("| D is | time per output token | p99 gap between tokens |")
             print("|---|---|---|")
@@ -338,6 +350,7 @@ async def main() -> None:
             proc.terminate()
         for proc in procs.values():
             proc.wait(30)
+        shutil.rmtree(group, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from microserve.nvshmem_group import check_member
+
 MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will consume
 
 # The step budget and the running sequences when not given. On a GPU, steps of 512 tokens
@@ -44,9 +46,14 @@ class EngineConfig:
     # torch's CPU threads; None: torch's default (every core). Engines sharing a host must
     # split the cores: two engines each spinning on every core run ~10x slower (measured).
     cpu_threads: int | None = None
-    # How this engine receives KV from peers: shm (CPU, same host), tcp (any host), none;
-    # auto: shm on CPU, none on CUDA. Sending works toward any kind a peer offers.
+    # How this engine receives KV from peers: shm (CPU, same host), tcp (any host), cuda_ipc
+    # (GPUs, one host), nvshmem (GPUs of one NVSHMEM group), none; auto: see
+    # resolved_kv_transfer. Sending works toward any kind a peer offers (nvshmem: from members
+    # of the receiver's group only).
     kv_transfer: str = "auto"
+    # nvshmem: this engine's place in its deployment's group, RANK/SIZE@DIR (set by `microserve
+    # up` through MICROSERVE_NVSHMEM_GROUP; microserve/nvshmem_group.py)
+    nvshmem_group: str | None = None
     kv_transfer_host: str = "127.0.0.1"  # tcp: where the transfer listener binds
     kv_transfer_port: int = 0  # tcp: 0 picks a free port
     kv_transfer_advertise_host: str | None = None  # tcp: the address peers dial, if not host
@@ -88,10 +95,11 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.kv_transfer not in ("auto", "shm", "tcp", "cuda_ipc", "none"):
-            raise ValueError(
-                f"kv_transfer must be auto, shm, tcp, cuda_ipc or none; got {self.kv_transfer!r}"
-            )
+        if self.kv_transfer not in ("auto", "shm", "tcp", "cuda_ipc", "nvshmem", "none"):
+            raise ValueError(f"kv_transfer must be auto, shm, tcp, cuda_ipc, nvshmem or none; got "
+                             f"{self.kv_transfer!r}")
+        if self.kv_transfer == "nvshmem":  # fail before the model loads, not after
+            check_member(self.device, self.nvshmem_group)
         if not 0 < self.kv_lease_s <= self.kv_lease_max_s <= MAX_LEASE_S:
             raise ValueError(f"need 0 < kv_lease_s ({self.kv_lease_s}) <= kv_lease_max_s "
                              f"({self.kv_lease_max_s}) <= {MAX_LEASE_S:.0f}")

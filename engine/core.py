@@ -71,7 +71,9 @@ class EngineCore:
             kind, layout, num_pages, self.runner.device,
             host=config.kv_transfer_host, port=config.kv_transfer_port,
             advertise_host=config.kv_transfer_advertise_host, key=transfer_key,
+            nvshmem_group=config.nvshmem_group,
         )  # fmt: skip
+        num_pages = self.transfer.kv.shape[2]  # nvshmem: the group's smallest pool
         self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)

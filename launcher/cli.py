@@ -74,9 +74,14 @@ def _engine_args(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /microserving "
                         "(default: $MICROSERVE_API_KEY; unset: no check)")
-    _config_option(p, "--kv-transfer", choices=("auto", "shm", "tcp", "cuda_ipc", "none"),
+    _config_option(p, "--kv-transfer",
+                   choices=("auto", "shm", "tcp", "cuda_ipc", "nvshmem", "none"),
                    help="how this engine receives KV from peers (auto: shm on CPU, cuda_ipc "
-                        "on CUDA, none without an engine key; tcp: across hosts)")
+                        "on CUDA, none without an engine key; tcp: across hosts; nvshmem: GPU "
+                        "engines started together by `microserve up`, a fixed group)")
+    p.add_argument("--nvshmem-group", default=os.environ.get("MICROSERVE_NVSHMEM_GROUP"),
+                   help="nvshmem: this engine's place in its group, RANK/SIZE@DIR (default: "
+                        "$MICROSERVE_NVSHMEM_GROUP, which `microserve up` sets)")
     _config_option(p, "--kv-transfer-host", help="tcp: address the KV transfer listener binds")
     _config_option(p, "--kv-transfer-port", type=int, help="tcp: 0 picks a free port")
     _config_option(p, "--kv-transfer-advertise-host",

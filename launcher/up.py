@@ -33,6 +33,11 @@ Config (TOML; see deploy/local-cpu.toml):
     args = ["--kv-cache-memory-gb", "1"] # more `microserve engine` options
     env = { CUDA_VISIBLE_DEVICES = "0" } # more environment
 
+Engines whose args say `--kv-transfer nvshmem` form the deployment's NVSHMEM group, fixed at
+start-up (microserve/nvshmem_group.py): each gets its rank (in the file's order), the group's
+size and a rendezvous directory of this run through MICROSERVE_NVSHMEM_GROUP. A member that
+exits is not restarted (a PE cannot join a running group): the deployment stops instead.
+
 Secrets stay out of the file: --api-key / MICROSERVE_API_KEY guards the router's /v1,
 --admin-token / MICROSERVE_ADMIN_TOKEN its /admin (generated when not given), --engine-api-key /
 MICROSERVE_ENGINE_API_KEY the engines' APIs and the KV transfer between them (generated when not
@@ -47,8 +52,10 @@ import ctypes
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -57,6 +64,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from microserve.nvshmem_group import GROUP_ENV, group_specs
 from microserve.openai_app import PortInUse, QuietServer, check_port_free, listen_socket
 from router.engines import ROLES, EngineSpec
 from router.server import Router, RouterConfig
@@ -144,6 +152,7 @@ def load_deployment(path: str | Path, port: int | None = None,
             name=engine["name"], port=int(engine.get("port", router_port + 1 + i)), role=role,
             host=engine.get("host", "127.0.0.1"), args=tuple(args),
             env={str(k): str(v) for k, v in engine.get("env", {}).items()}))
+    _check_nvshmem_group(launches, str(path))
     ports = [router_port] + [e.port for e in launches]
     if len(set(ports)) != len(ports):
         raise ValueError(f"{path}: the router and engines need distinct ports, got {ports}")
@@ -175,10 +184,47 @@ def _no_unknown(table: dict, known: set[str], where: str) -> None:
                          f"{', '.join(sorted(known))})")
 
 
-def _on_cpu(launch: EngineLaunch) -> bool:
+def _arg(launch: EngineLaunch, flag: str, default: str) -> str:
+    """The value of `flag` in the engine's args (the last one given, as argparse keeps)."""
+    value = default
     args = list(launch.args)
-    device = args[args.index("--device") + 1] if "--device" in args[:-1] else "cpu"
-    return device == "cpu"
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _on_cpu(launch: EngineLaunch) -> bool:
+    return _arg(launch, "--device", "cpu") == "cpu"
+
+
+def _nvshmem_members(launches) -> list[int]:
+    """Indices of the engines that receive KV with nvshmem: the deployment's NVSHMEM group."""
+    return [i for i, launch in enumerate(launches)
+            if _arg(launch, "--kv-transfer", "auto") == "nvshmem"]
+
+
+def _check_nvshmem_group(launches: list[EngineLaunch], where: str) -> None:
+    members = _nvshmem_members(launches)
+    for i in members:
+        if _on_cpu(launches[i]):
+            raise ValueError(f"{where} engines[{i}]: --kv-transfer nvshmem needs a GPU "
+                             f"(--device cuda or cuda:N)")
+    if len(members) == 1:
+        raise ValueError(f"{where}: only engines[{members[0]}] has --kv-transfer nvshmem, and "
+                         f"only members of its NVSHMEM group can write its KV pool: give the "
+                         f"engines that send to it --kv-transfer nvshmem too (or use cuda_ipc)")
+
+
+def with_nvshmem_group(launches: list[EngineLaunch], rendezvous: str) -> list[EngineLaunch]:
+    """The engines receiving with nvshmem, each with its place in the deployment's NVSHMEM
+    group (rank in the file's order, the group's size, `rendezvous`) in its environment."""
+    members = _nvshmem_members(launches)
+    specs = dict(zip(members, group_specs(len(members), rendezvous)))
+    return [replace(launch, env={**launch.env, GROUP_ENV: str(specs[i])}) if i in specs
+            else launch for i, launch in enumerate(launches)]
 
 
 def with_cpu_threads(launches: tuple[EngineLaunch, ...]) -> list[EngineLaunch]:
@@ -218,7 +264,8 @@ class EngineProcess:
                "--served-model-name", served_name, "--host", launch.host,
                "--port", str(launch.port), "--log-level", log_level,
                "--deployment", deployment_id, *launch.args]
-        env = {**os.environ, **launch.env, "PYTHONUNBUFFERED": "1"}
+        inherited = {k: v for k, v in os.environ.items() if k != GROUP_ENV}  # up's, not its
+        env = {**inherited, **launch.env, "PYTHONUNBUFFERED": "1"}
         env.pop("MICROSERVE_API_KEY", None)  # the router's client key, not the engines'
         if api_key is not None:
             env["MICROSERVE_API_KEY"] = api_key  # not on the command line: ps shows that
@@ -269,6 +316,12 @@ class EngineProcess:
             name = self.launch.name
             log.error("engine %s exited with status %s; its last output:\n%s", name, code,
                       "\n".join(self.tail[-10:]) or "(none)")
+            if GROUP_ENV in self.launch.env:
+                log.error("engine %s was a member of the deployment's NVSHMEM group, which is "
+                          "fixed: a PE cannot join a running group, so it is not restarted and "
+                          "the deployment stops; start it again whole (an engine that must "
+                          "restart alone needs --kv-transfer cuda_ipc or tcp)", name)
+                return
             if failures >= MAX_RESTARTS:
                 log.error("engine %s failed %d times in a row; giving up", name, failures)
                 return
@@ -344,9 +397,13 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
     model_dir = str(resolve_model(deployment.model))  # converted once, before the engines start
     # Names this run's engines: its router adopts no other engine that answers on their ports.
     deployment_id = f"{deployment.served_model_name}@{deployment.port}-{secrets.token_hex(4)}"
+    launches = with_cpu_threads(deployment.engines)
+    rendezvous = None  # the NVSHMEM group's, when engines receive with nvshmem
+    if _nvshmem_members(launches):
+        rendezvous = tempfile.mkdtemp(prefix="microserve-nvshmem-")  # private to this user
+        launches = with_nvshmem_group(launches, rendezvous)
     engines = [EngineProcess(launch, model_dir, deployment.served_model_name, log_level,
-                             engine_api_key, deployment_id)
-               for launch in with_cpu_threads(deployment.engines)]
+                             engine_api_key, deployment_id) for launch in launches]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -376,6 +433,8 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
             await router.close()
         codes = await asyncio.gather(*(e.stop() for e in engines))
         log.info("engines stopped: %s", dict(zip((e.launch.name for e in engines), codes)))
+        if rendezvous is not None:
+            shutil.rmtree(rendezvous, ignore_errors=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
 

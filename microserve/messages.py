@@ -326,7 +326,7 @@ class EngineInfo:
     kv_capacity_tokens: int
     max_num_batched_tokens: int
     max_num_seqs: int
-    kv_transfer: str  # how this engine receives KV: shm, tcp, cuda_ipc or none
+    kv_transfer: str  # how this engine receives KV: shm, tcp, cuda_ipc, nvshmem or none
     deployment: str | None = None  # set by the engine frontend: the deployment it belongs to
 
 

@@ -1,7 +1,8 @@
 """P/D on one GPU: two engine daemons share it and move KV by CUDA IPC (`--kv-transfer
-cuda_ipc`). Every split of a request gives exactly Hugging Face's greedy tokens (the tiny Llama
-in fp32), through the microserving API and through `microserve up`'s router with each built-in
-strategy; a dead receiver leaves nothing held on the sender."""
+cuda_ipc`) or through NVSHMEM (`--kv-transfer nvshmem`, both engines in one group). Every split
+of a request gives exactly Hugging Face's greedy tokens (the tiny Llama in fp32), through the
+microserving API and through `microserve up`'s router with each built-in strategy; a dead
+receiver leaves nothing held on the sender. Each test runs with both backends."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ GREEDY = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
 ARGS = ("--device", "cuda", "--dtype", "float32", "--num-pages", "256", "--page-size", "16",
         "--gpu-memory-utilization", "0.2", "--api-key", ENGINE_KEY)
 PROMPTS = [[(7 * i + k * 13) % 256 for k in range(n)] for i, n in enumerate((40, 97, 200))]
+KINDS = ["cuda_ipc", "nvshmem"]
 
 
 def start(model_dir, tmp_path_factory, name, *args):
@@ -36,15 +38,41 @@ def start(model_dir, tmp_path_factory, name, *args):
     return Daemon(model_dir, log, name, *ARGS, *args)  # a later --device overrides ARGS' cuda
 
 
-@pytest.fixture(scope="module")
-def p(tiny_served_dir, tmp_path_factory):
-    yield from serve(start(tiny_served_dir, tmp_path_factory, "gpu-p"))
+def start_pair(kind, model_dir, tmp_path_factory, names, args=((), ())):
+    """A sender and a receiver of `kind`: with nvshmem both are the two members of a fresh
+    group (the receiver PE 1), started together as `microserve up` would."""
+    if kind == "cuda_ipc":
+        return (start(model_dir, tmp_path_factory, names[0], *args[0]),
+                start(model_dir, tmp_path_factory, names[1], *args[1], "--kv-transfer", kind))
+    group = tmp_path_factory.mktemp(f"{names[0]}-group")
+    return tuple(start(model_dir, tmp_path_factory, name, *extra, "--kv-transfer", "nvshmem",
+                       "--nvshmem-group", f"{rank}/2@{group}")
+                 for rank, (name, extra) in enumerate(zip(names, args)))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def d(tiny_served_dir, tmp_path_factory):
-    yield from serve(start(tiny_served_dir, tmp_path_factory, "gpu-d", "--kv-transfer",
-                           "cuda_ipc"))
+def engines(kind, tiny_served_dir, tmp_path_factory):
+    """P and D (which receives with `kind`) for the module."""
+    gens = [serve(e) for e in start_pair(kind, tiny_served_dir, tmp_path_factory,
+                                         (f"gpu-p-{kind}", f"gpu-d-{kind}"))]
+    yield tuple(next(g) for g in gens)
+    for g in gens:
+        next(g, None)
+
+
+@pytest.fixture(scope="module")
+def p(engines):
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def d(engines):
+    return engines[1]
 
 
 @pytest.fixture(autouse=True)
@@ -65,11 +93,11 @@ async def collect(engine: EngineClient, rid: str, prompt: list[int], begin: int)
     return tokens
 
 
-async def test_pd_and_balanced_splits_give_hf_greedy_tokens(p, d, tiny_served_dir):
+async def test_pd_and_balanced_splits_give_hf_greedy_tokens(kind, p, d, tiny_served_dir):
     want = hf_greedy(tiny_served_dir, PROMPTS, N_NEW)
     P, D = EngineClient(p.url, api_key=ENGINE_KEY), EngineClient(d.url, api_key=ENGINE_KEY)
     try:
-        assert (await D.stats())["info"]["kv_transfer"] == "cuda_ipc"
+        assert (await D.stats())["info"]["kv_transfer"] == kind
         for i, prompt in enumerate(PROMPTS):
             n = len(prompt)
             for split, end in (("pd", n - 1), ("balanced", n - 1 - n // 5)):
@@ -83,12 +111,21 @@ async def test_pd_and_balanced_splits_give_hf_greedy_tokens(p, d, tiny_served_di
         await D.aclose()
 
 
-async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(p, tiny_served_dir,
+async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(kind, p, tiny_served_dir,
                                                                      tmp_path_factory):
-    victim = start(tiny_served_dir, tmp_path_factory, "gpu-victim", "--kv-transfer", "cuda_ipc")
-    P = EngineClient(p.url, api_key=ENGINE_KEY)
+    """The receiver is killed mid-send: the sender answers (502 or done), holds nothing and
+    serves on; with nvshmem the sender is the other member of the victim's group, which must
+    outlive its peer PE."""
+    if kind == "cuda_ipc":
+        sender, victim = p, start(tiny_served_dir, tmp_path_factory, "gpu-victim",
+                                  "--kv-transfer", kind)
+    else:
+        sender, victim = start_pair(kind, tiny_served_dir, tmp_path_factory,
+                                    ("gpu-sender", "gpu-victim"))
+    P = EngineClient(sender.url, api_key=ENGINE_KEY)
     V = EngineClient(victim.url, api_key=ENGINE_KEY)
     try:
+        sender.wait_ready()
         victim.wait_ready()
         prompt = [(3 * k) % 256 for k in range(480)]
         r = await V.prep_recv("gone", prompt)
@@ -99,10 +136,17 @@ async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(p, tiny_ser
             await asyncio.wait_for(send, 60)  # it may have finished before the kill
         except MicroservingError as e:
             assert e.status == 502 and "KV transfer failed" in str(e)
+        assert sender.proc.poll() is None, f"the sender died with its receiver:\n{sender.log()}"
+        assert_quiet(sender.name, sender.url)
+        prompt = PROMPTS[0]  # and it still serves
+        assert await collect(P, "after", prompt, 0) == hf_greedy(tiny_served_dir, [prompt],
+                                                                 N_NEW)[0]
     finally:
         await P.aclose()
         await V.aclose()
         victim.stop()
+        if sender is not p:
+            assert sender.stop() == 0, sender.log()
 
 
 async def stream_tokens(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
@@ -167,13 +211,15 @@ STRATEGIES = [("pd", {}), ("balanced_pd", {"ratio": 0.2}), ("context_migration",
               ("data_parallel", {})]
 
 
-def test_every_strategy_through_the_router_on_one_gpu(tiny_served_dir, tmp_path):
-    """deploy/gpu-1p1d-shared.toml's layout with the tiny model: the router's answers are HF's
-    greedy tokens whatever the strategy, swapped while the deployment runs."""
+def test_every_strategy_through_the_router_on_one_gpu(kind, tiny_served_dir, tmp_path):
+    """deploy/gpu-1p1d-shared.toml's layout with the tiny model (-nvshmem.toml's: both engines
+    in the group `microserve up` forms): the router's answers are HF's greedy tokens whatever
+    the strategy, swapped while the deployment runs."""
     gpu = ["--device", "cuda", "--dtype", "float32", "--num-pages", "256",
            "--gpu-memory-utilization", "0.2"]
+    p_args = [*gpu, "--kv-transfer", "nvshmem"] if kind == "nvshmem" else gpu
     config, port, urls = write_config(tmp_path / "deploy.toml", tiny_served_dir, "pd", [
-        ("p", "prefill", gpu), ("d", "decode", [*gpu, "--kv-transfer", "cuda_ipc"])])
+        ("p", "prefill", p_args), ("d", "decode", [*gpu, "--kv-transfer", kind])])
     up = Up(config, port, urls, tmp_path / "up.log", env={**os.environ,
                                                           "MICROSERVE_ADMIN_TOKEN": ADMIN})
     want = hf_greedy(tiny_served_dir, PROMPTS, N_NEW)
@@ -202,12 +248,12 @@ def test_every_strategy_through_the_router_on_one_gpu(tiny_served_dir, tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-async def test_pd_across_two_gpus(tiny_served_dir, tmp_path_factory):
+async def test_pd_across_two_gpus(kind, tiny_served_dir, tmp_path_factory):
     """P on GPU 0, D on GPU 1 (both see both: --device cuda:N): the copy crosses GPUs."""
     want = hf_greedy(tiny_served_dir, PROMPTS, N_NEW)
-    gens = [serve(start(tiny_served_dir, tmp_path_factory, "gpu0-p", "--device", "cuda:0")),
-            serve(start(tiny_served_dir, tmp_path_factory, "gpu1-d", "--device", "cuda:1",
-                        "--kv-transfer", "cuda_ipc"))]
+    gens = [serve(e) for e in start_pair(kind, tiny_served_dir, tmp_path_factory,
+                                         (f"gpu0-p-{kind}", f"gpu1-d-{kind}"),
+                                         (("--device", "cuda:0"), ("--device", "cuda:1")))]
     p0, d1 = (next(g) for g in gens)
     P, D = EngineClient(p0.url, api_key=ENGINE_KEY), EngineClient(d1.url, api_key=ENGINE_KEY)
     try:

@@ -373,7 +373,7 @@ def test_shm_peer_prefaults_the_receivers_pool():
 
 
 def test_factories_name_the_choices():
-    with pytest.raises(ValueError, match="choose one of shm, tcp, cuda_ipc, none"):
+    with pytest.raises(ValueError, match="choose one of shm, tcp, cuda_ipc, nvshmem, none"):
         make_backend("rdma", LAYOUT, 2, "cpu")
     with pytest.raises(ValueError, match="shm needs the KV pool in CPU memory"):
         make_backend("shm", LAYOUT, 2, "cuda", key=KEY)

@@ -17,7 +17,7 @@ from kvcache.transfer.base import (
     Window,
 )
 
-BACKEND_KINDS = ("shm", "tcp", "cuda_ipc", "none")
+BACKEND_KINDS = ("shm", "tcp", "cuda_ipc", "nvshmem", "none")
 
 __all__ = [
     "BACKEND_KINDS",
@@ -42,13 +42,16 @@ def make_backend(
     port: int = 0,
     advertise_host: str | None = None,
     key: bytes | None = None,
+    nvshmem_group: str | None = None,
 ) -> TransferBackend:
     """The receiving side of `--kv-transfer kind`, owning a zeroed pool of `num_pages` pages on
-    `device`. `host`, `port` and `advertise_host` configure the tcp listener (port 0: any free
-    port). `key` is the deployment's transfer key (microserve.transfer_auth): shm and tcp sign their
-    descriptor with it and tcp admits only senders that hold it. Raises ValueError for an
-    unknown kind, shm with a pool outside CPU memory, or shm/tcp without a key."""
-    if kind in ("shm", "tcp", "cuda_ipc") and key is None:
+    `device` (nvshmem: at most that many, see NvshmemBackend). `host`, `port` and
+    `advertise_host` configure the tcp listener (port 0: any free port). `key` is the
+    deployment's transfer key (microserve.transfer_auth): the backends sign their descriptor
+    with it and tcp admits only senders that hold it. `nvshmem_group` is this engine's place in
+    its NVSHMEM group (microserve.nvshmem_group, `RANK/SIZE@DIR`). Raises ValueError for an
+    unknown kind, a pool on the wrong device, no key, or nvshmem without a group."""
+    if kind in ("shm", "tcp", "cuda_ipc", "nvshmem") and key is None:
         raise ValueError(f"--kv-transfer {kind} needs an engine key (--api-key, shared by the "
                          "deployment's engines; microserve up makes one): without it anyone "
                          "could write into this engine's KV pool")
@@ -68,6 +71,13 @@ def make_backend(
         from kvcache.transfer.cuda_ipc import CudaIpcBackend
 
         return CudaIpcBackend(layout, num_pages, device, key=key)
+    if kind == "nvshmem":
+        from microserve.nvshmem_group import check_member
+
+        group = check_member(str(device), nvshmem_group)  # before nvshmem4py is imported
+        from kvcache.transfer.nvshmem import NvshmemBackend
+
+        return NvshmemBackend(layout, num_pages, device, key=key, group=group)
     if kind == "none":
         return NoTransferBackend(layout, num_pages, device)
     raise ValueError(f"unknown --kv-transfer {kind!r}; choose one of {', '.join(BACKEND_KINDS)}")
@@ -98,4 +108,8 @@ def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout,
         from kvcache.transfer.cuda_ipc import CudaIpcPeer
 
         return CudaIpcPeer(descriptor, local_kv, layout)
+    if kind == "nvshmem":
+        from kvcache.transfer.nvshmem import NvshmemPeer
+
+        return NvshmemPeer(descriptor, local_kv, layout)
     raise TransferError(f"unknown transfer kind {kind!r} in the receiver's descriptor")
