@@ -47,7 +47,7 @@ class DevicePageTables:
         and the page ids that `write` must store before the rows are read."""
         changes = batch.table_changes
         if changes is None or changes.reset:
-            self._forget({seq_id: r for seq_id, r in self._row.items()})
+            self._forget(list(self._row))
         else:
             for seq_id in changes.dropped:
                 self._release(seq_id)
@@ -80,7 +80,7 @@ class DevicePageTables:
     def _assign(self, seq_id: str, batch: ForwardBatch) -> int:
         if not self._free:  # take back the rows of sequences that are not in this batch
             keep = {s.seq_id for s in batch.seqs}
-            self._forget({i: r for i, r in self._row.items() if i not in keep})
+            self._forget([i for i in self._row if i not in keep])
             if not self._free:
                 raise ValueError(f"a batch of {len(batch.seqs)} sequences needs more than the "
                                  f"{len(self._synced) - 1} page table rows")
@@ -94,6 +94,6 @@ class DevicePageTables:
         if r is not None:
             self._free.append(r)
 
-    def _forget(self, rows: dict[str, int]) -> None:
-        for seq_id in rows:
+    def _forget(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
             self._release(seq_id)
