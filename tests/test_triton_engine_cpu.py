@@ -21,15 +21,22 @@ from kvcache.forward import ForwardBatch  # noqa: E402
 from test_engine_core import greedy, random_prompts, run_all  # noqa: E402
 
 
-def test_triton_backend_engine_equals_hf(tiny_model_dir):
-    prompts = random_prompts([1, 9, 17, 40], seed=11)
-    ref = hf_greedy(tiny_model_dir, prompts, 12)
-    core = EngineCore(EngineConfig(model=tiny_model_dir, attention_backend="triton",
-                                   page_size=4, num_pages=64, max_num_batched_tokens=24,
-                                   max_num_seqs=8))  # fmt: skip
-    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(12))
+def triton_core_equals_hf(model_dir, prompts, n_new, **config) -> tuple[EngineCore, list]:
+    """A Triton-backend engine (page size 4) that has run `prompts` together, each giving
+    Hugging Face's greedy tokens; returns it and those tokens."""
+    ref = hf_greedy(model_dir, prompts, n_new)
+    core = EngineCore(EngineConfig(model=model_dir, attention_backend="triton", page_size=4,
+                                   **config))
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(n_new))
     for i, expected in enumerate(ref):
         assert got[f"r{i}"][0] == expected, f"prompt {i}"
+    return core, ref
+
+
+def test_triton_backend_engine_equals_hf(tiny_model_dir):
+    prompts = random_prompts([1, 9, 17, 40], seed=11)
+    core, ref = triton_core_equals_hf(tiny_model_dir, prompts, 12, num_pages=64,
+                                      max_num_batched_tokens=24, max_num_seqs=8)
     got = run_all(core, {f"again{i}": p for i, p in enumerate(prompts)}, greedy(12))
     for i, expected in enumerate(ref):
         assert got[f"again{i}"] == (expected, (len(prompts[i]) - 1) // 4 * 4)
@@ -39,16 +46,12 @@ def test_triton_backend_engine_equals_hf(tiny_model_dir):
 def test_device_page_tables_follow_shared_prefixes_and_preemption(tiny_model_dir):
     """Page tables stay on the device between steps; the KV manager changes them in place when
     a sequence switches to a prefix another computed first, and frees them on preemption. The
-    tokens still equal Hugging Face's, and the rows read match the host's tables."""
+    tokens still equal Hugging Face's (a stale row would read another sequence's KV), and every
+    row is given back."""
     base = random_prompts([22], seed=3)[0]
     prompts = [base, base, base + [5, 6, 7], random_prompts([30], seed=4)[0]]
-    ref = hf_greedy(tiny_model_dir, prompts, 16)
-    core = EngineCore(EngineConfig(model=tiny_model_dir, attention_backend="triton",
-                                   page_size=4, num_pages=26, max_num_batched_tokens=16,
-                                   max_num_seqs=4))  # fmt: skip
-    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(16))
-    for i, expected in enumerate(ref):
-        assert got[f"r{i}"][0] == expected, f"prompt {i}"
+    core, _ = triton_core_equals_hf(tiny_model_dir, prompts, 16, num_pages=26,
+                                    max_num_batched_tokens=16, max_num_seqs=4)
     assert core.stats().preemptions > 0
     tables = core.runner.kv.backend.tables
     # The last drops reach the tables with the next step's batch; then no row is held.
