@@ -224,6 +224,9 @@ def _up_args(sub) -> None:
     p.add_argument("config", help="a deployment file, e.g. deploy/local-cpu.toml")
     p.add_argument("--port", type=int, default=None, help="the router's port (overrides the "
                                                           "file; engines follow it)")
+    p.add_argument("--model", default=None,
+                   help="the model every engine loads (overrides the file's `model`): a Hugging "
+                        "Face directory, smollm2-135m-instruct, or random:llama-3.1-8b")
     _secret_args(p, up=True)
 
 
@@ -292,7 +295,7 @@ def _run_up(args) -> None:
     from launcher.credentials import new_token
     from launcher.up import load_deployment, up
 
-    deployment = load_deployment(args.config, port=args.port,
+    deployment = load_deployment(args.config, port=args.port, model=args.model,
                                  strategies_dir=args.strategies_dir,
                                  queue_timeout_s=args.queue_timeout_s)
     # The engines always take a key: their microserving API moves KV and runs prefills, and

@@ -62,7 +62,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from microserve.nvshmem_group import GROUP_ENV, group_specs
 from microserve.openai_app import PortInUse, QuietServer, check_port_free, listen_socket
@@ -116,9 +115,9 @@ _ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
 
 def load_deployment(path: str | Path, port: int | None = None,
                     strategies_dir: str | None = None,
-                    queue_timeout_s: float | None = None) -> Deployment:
-    """Read and check a config file; `port`, `strategies_dir` and `queue_timeout_s` override
-    its values. Raises ValueError naming the key and the file."""
+                    queue_timeout_s: float | None = None, model: str | None = None) -> Deployment:
+    """Read and check a config file; `port`, `strategies_dir`, `queue_timeout_s` and `model`
+    override its values. Raises ValueError naming the key and the file."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -156,7 +155,7 @@ def load_deployment(path: str | Path, port: int | None = None,
     ports = [router_port] + [e.port for e in launches]
     if len(set(ports)) != len(ports):
         raise ValueError(f"{path}: the router and engines need distinct ports, got {ports}")
-    model = raw.get("model")
+    model = model or raw.get("model")
     return Deployment(
         model=model, served_model_name=raw.get("served_model_name") or model or DEFAULT_MODEL_NAME,
         engines=tuple(launches), host=router.get("host", "127.0.0.1"), port=router_port,
@@ -455,7 +454,7 @@ async def _unless(stop: asyncio.Event, work) -> bool:
 
 async def _serve(router: Router, deployment: Deployment, engines: list[EngineProcess],
                  stop: asyncio.Event, log_level: str, sock) -> int:
-    server = QuietServer(uvicorn.Config(router.app(), log_level=log_level, access_log=False))
+    server = QuietServer.serving(router.app(), log_level)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
