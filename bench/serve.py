@@ -30,6 +30,12 @@ import time
 import httpx
 
 
+# Reuse an idle connection only this long: below servers' keep-alive timeouts (uvicorn's
+# default, which vLLM keeps: 5 s), so a request never goes out on a connection the server is
+# closing at that moment.
+CLIENT_KEEP_ALIVE_S = 3.0
+
+
 async def sse_chunks(resp: httpx.Response):
     """The JSON chunks of an OpenAI server-sent-events stream, up to `data: [DONE]`."""
     async for line in resp.aiter_lines():
@@ -83,7 +89,8 @@ async def run(args) -> dict:
     work = [([rng.randrange(args.vocab) for _ in range(rng.randint(lo_in, hi_in))],
              rng.randint(lo_out, hi_out)) for _ in range(args.num_requests)]  # fmt: skip
     limit = asyncio.Semaphore(args.concurrency or args.num_requests)
-    limits = httpx.Limits(max_connections=args.concurrency or args.num_requests)
+    limits = httpx.Limits(max_connections=args.concurrency or args.num_requests,
+                          keepalive_expiry=CLIENT_KEEP_ALIVE_S)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, timeout=3600, limits=limits,
                                  headers=headers) as client:

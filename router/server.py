@@ -17,7 +17,6 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import uvicorn
 from fastapi import FastAPI
 
 from microserve.auth import RequireBearer
@@ -139,7 +138,7 @@ async def serve(config: RouterConfig, log_level: str = "info") -> None:
     sock = listen_socket(config.host, config.port)  # first: a busy port fails before anything
     router = Router(config)
     await router.start()
-    server = QuietServer(uvicorn.Config(router.app(), log_level=log_level, access_log=False))
+    server = QuietServer.serving(router.app(), log_level)
     active = router.host.active
     print(f"microserve router serving {config.served_model_name!r} on "
           f"http://{config.host}:{config.port}/v1 over {len(router.pool)} engines, strategy "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import uvicorn
 from fastapi import FastAPI
 
 from engine.config import EngineConfig
@@ -49,7 +48,7 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
         info.kv_capacity_tokens, info.max_model_len, info.kv_transfer,
     )  # fmt: skip
     app = build_engine_app(client, tokenizer, api_key, tool_call_parser)
-    server = QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False))
+    server = QuietServer.serving(app, log_level)
 
     async def stop_when_core_exits():
         await client.exited.wait()
