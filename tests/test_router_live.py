@@ -349,3 +349,39 @@ async def test_context_migration_moves_a_context_off_a_draining_engine(up, admin
         await c.close()
         admin.post("/admin/engines/p/undrain")
         admin.post("/admin/engines/d/undrain")
+
+
+async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, admin):
+    """bench.strategies on the running deployment: each strategy swapped in through the admin
+    API, Poisson arrivals at rate x engines, every request answered, and the engines' counters
+    show exactly where the prompt tokens were computed and how many KV tokens moved."""
+    from bench.strategies import main_async, parser, schedule, WORKLOADS, parse_lengths
+
+    argv = ["--base-url", up.url, "--admin-token", ADMIN, "--rates", "4",
+            "--duration-s", "1", "--min-requests", "6", "--input-len", "40:3",
+            "--output-len", "5:1", "--run-timeout-s", "120", "--seed", "7"]
+    for s in ("dp", "dp@d", "1p1d", "1p1d-balance-0.5"):
+        argv += ["--strategy", s]
+    record = await main_async(parser().parse_args(argv))
+    runs = {r["strategy"] if r["engines"] == ["p", "d"] else "dp@d": r for r in record["runs"]}
+    assert list(runs) == ["dp", "dp@d", "1p1d", "1p1d-balance-0.5"]
+    dists = (parse_lengths("40:3"), parse_lengths("5:1"))
+    for label, run in runs.items():
+        gpus = len(run["engines"])
+        work = schedule(max(6, round(4 * gpus)), 4 * gpus, dists, 7)
+        n_in, n_out = [w[1] for w in work], [w[2] for w in work]
+        assert (run["requests"], run["completed"], run["failed"], run["timed_out"]) == (
+            len(work), len(work), 0, 0), label
+        assert (run["input_tokens"], run["output_tokens"]) == (sum(n_in), sum(n_out)), label
+        assert run["rate"] == 4 * gpus and all(run[k]["p99_ms"] > 0 for k in ("ttft", "jct"))
+        c = run["engine_counters"]
+        moved = {"dp": 0, "dp@d": 0, "1p1d": sum(n - 1 for n in n_in),
+                 "1p1d-balance-0.5": sum(n - max(1, math.ceil(0.5 * n)) for n in n_in)}[label]
+        assert (c["p"]["kv_tokens_sent"], c["d"]["kv_tokens_received"]) == (moved, moved), label
+        assert c["p"]["generation_tokens"] + c["d"]["generation_tokens"] == sum(n_out)
+        if label == "dp":  # round robin: both engines served some
+            assert c["p"]["generation_tokens"] > 0 and c["d"]["generation_tokens"] > 0
+        else:  # P/D, or p drained: d generates every token
+            assert c["d"]["generation_tokens"] == sum(n_out), label
+    assert {e["state"] for e in admin.get("/admin/engines").json()["engines"]} == {"up"}
+    assert admin.get("/admin/strategy").json()["active"]["class"] == "BalancedPD"

@@ -1,0 +1,419 @@
+"""Compare routing strategies on one deployment, swapped while it serves (paper §4.1, §4.3).
+
+    python -m bench.strategies deploy/local-cpu.toml --workload synthetic \\
+        --strategy dp --strategy 1p1d --strategy 1p1d-balance-0.2 \\
+        --rates 0.5,1,1.5,2 --duration-s 60 --json docs/strategies/run.json
+
+Starts the deployment once (`microserve up FILE`, with secrets it makes up) — or drives one that
+runs already (`--base-url URL --admin-token T [--api-key K]`) — and then, for each strategy:
+swaps it in through the admin API (PUT /admin/strategy; no restart, which is the point of
+this project), drains the engines the strategy does not use (POST /admin/engines/N/drain)
+and, for each per-GPU request rate, sends Poisson arrivals at rate × GPUs, as the paper does
+to compare patterns that use different numbers of GPUs. Every request streams and sets
+`ignore_eos`, so each produces exactly its output length.
+
+Per run it records TTFT, TPOT and JCT (end to end; mean, p50, p90, p99, in ms), request and
+token throughput, failures, and what each engine did meanwhile (prompt and generated tokens,
+KV tokens sent and received, preemptions: the proof that P/D moved KV). One JSON file holds
+all runs; `python -m bench.plot_strategies` draws the paper's figures from it.
+
+Strategies (--strategy, repeated): a preset, or LABEL=BUILTIN{JSON args}, either with
+@ENGINE,ENGINE to use only those engines (the others are drained for its runs):
+
+    dp                      data_parallel (round robin over every engine)
+    1p1d, 1p2d              pd (the deployment's roles decide P and D)
+    1p1d-balance-R          balanced_pd with ratio R (0.1, 0.2, ...)
+    1p1d-balance-adaptive   balanced_pd, adaptive ratio
+    dp3=data_parallel@gpu-0,gpu-1,gpu-2
+    bal=balanced_pd{"ratio": 0.25, "decode_cost": 16}
+
+Workloads (--workload; lengths are drawn once per rate, the same for every strategy; token
+content is fresh for each run, so no run hits a prefix another one cached):
+
+    synthetic       input ~ N(3000, 5), output ~ N(100, 5) tokens: the paper's synthetic set
+    synthetic-5000  input ~ N(5000, 5), output ~ N(100, 5): the balance-ratio study (Fig. 13)
+    chat            short prompts with the paper's ShareGPT means (input ~200, output ~260).
+                    ShareGPT itself cannot be downloaded here; lengths are log-normal (input
+                    sigma 1.0, output sigma 0.8, both clipped to [4, 2048]) with those means:
+                    a stand-in with a long tail like the real set, not the real set.
+    --input-len MEAN:STD --output-len MEAN:STD   normal lengths of your choosing
+
+A run ends when every request has answered or after --run-timeout-s; requests still open then
+are cancelled (the client disconnects, so the engines abort them) and counted as timed out.
+With --stop-when-saturated S, a strategy's higher rates are skipped once a run times out, fails
+a request, or has a p99 JCT above S seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+
+import httpx
+
+from bench.serve import CLIENT_KEEP_ALIVE_S, one, pct
+
+PRESETS: dict[str, tuple[str, dict]] = {
+    "dp": ("data_parallel", {}),
+    "1p1d": ("pd", {}),
+    "1p2d": ("pd", {}),
+    "1p1d-balance-adaptive": ("balanced_pd", {"adaptive": True}),
+}
+_BALANCE = re.compile(r"1p1d-balance-(0(\.\d+)?|1(\.0+)?)$")
+_SPEC = re.compile(r"(?:(?P<label>[\w.-]+)=)?(?P<builtin>[\w.-]+)(?P<args>\{.*\})?"
+                   r"(?:@(?P<engines>[\w.,-]+))?$")
+
+# (distribution, mean, spread) per workload and side; "normal": spread is the std deviation,
+# "lognormal": spread is sigma of the log, and the mean is the distribution's mean.
+WORKLOADS = {
+    "synthetic": (("normal", 3000, 5), ("normal", 100, 5)),
+    "synthetic-5000": (("normal", 5000, 5), ("normal", 100, 5)),
+    "chat": (("lognormal", 200, 1.0), ("lognormal", 260, 0.8)),
+}
+CHAT_CLIP = (4, 2048)
+
+
+@dataclass
+class StrategyRun:
+    label: str
+    builtin: str
+    args: dict = field(default_factory=dict)
+    engines: list[str] | None = None  # None: every engine of the deployment
+
+
+def parse_strategy(text: str) -> StrategyRun:
+    """A --strategy value: a preset or LABEL=BUILTIN{JSON}, with an optional @ENGINES suffix."""
+    m = _SPEC.match(text.strip())
+    if m is None:
+        raise ValueError(f"strategy {text!r}: expected a preset or LABEL=BUILTIN{{JSON}}[@E,E]")
+    name, label = m["builtin"], m["label"]
+    engines = m["engines"].split(",") if m["engines"] else None
+    if m["args"] is not None:
+        try:
+            args = json.loads(m["args"])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"strategy {text!r}: its arguments are not JSON: {e}") from None
+        return StrategyRun(label or name, name, args, engines)
+    if label is None and name in PRESETS:
+        builtin, args = PRESETS[name]
+        return StrategyRun(name, builtin, dict(args), engines)
+    if label is None and (b := _BALANCE.match(name)):
+        return StrategyRun(name, "balanced_pd", {"ratio": float(b[1])}, engines)
+    if label is None:
+        raise ValueError(f"strategy {text!r} is not a preset ({', '.join(PRESETS)}, "
+                         "1p1d-balance-R); name a builtin as LABEL=BUILTIN")
+    return StrategyRun(label, name, {}, engines)
+
+
+def parse_lengths(text: str) -> tuple[str, float, float]:
+    mean, _, std = text.partition(":")
+    return "normal", float(mean), float(std or 0)
+
+
+def draw_length(rng: random.Random, dist: tuple[str, float, float]) -> int:
+    kind, mean, spread = dist
+    if kind == "normal":
+        return max(1, round(rng.gauss(mean, spread)))
+    mu = math.log(mean) - spread * spread / 2  # a log-normal's mean is exp(mu + sigma^2 / 2)
+    return min(max(round(rng.lognormvariate(mu, spread)), CHAT_CLIP[0]), CHAT_CLIP[1])
+
+
+def schedule(n: int, rate: float, dists, seed: int) -> list[tuple[float, int, int]]:
+    """n requests: (arrival time in s from the run's start, input length, output length).
+    The same for every strategy at one rate."""
+    rng = random.Random(f"{seed}/{float(rate)!r}")
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append((t, draw_length(rng, dists[0]), draw_length(rng, dists[1])))
+        t += rng.expovariate(rate)
+    return out
+
+
+class Deployment:
+    """`microserve up FILE` in a child process (its own process group), stopped on exit."""
+
+    def __init__(self, path: str, port: int, model: str | None, log_path: str | None):
+        self.path, self.port, self.model = path, port, model
+        self.api_key, self.admin_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+        self.log = open(log_path or os.devnull, "wb")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "launcher.cli", "up", self.path, "--port", str(self.port)]
+        if self.model:
+            cmd += ["--model", self.model]
+        env = os.environ | {"MICROSERVE_API_KEY": self.api_key,
+                            "MICROSERVE_ADMIN_TOKEN": self.admin_token}
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # up stops the router, then its engines
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+class Bench:
+    def __init__(self, base_url: str, api_key: str | None, admin_token: str, args):
+        self.args = args
+        self.root = base_url.rstrip("/").removesuffix("/v1")
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512,
+                              keepalive_expiry=CLIENT_KEEP_ALIVE_S)
+        self.client = httpx.AsyncClient(base_url=self.root + "/v1", headers=auth, timeout=3600,
+                                        limits=limits)
+        self.admin = httpx.AsyncClient(
+            base_url=self.root, timeout=60,
+            headers={"Authorization": f"Bearer {admin_token}"})  # fmt: skip
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await self.admin.aclose()
+
+    async def wait_ready(self, timeout_s: float, proc: subprocess.Popen | None) -> list[dict]:
+        """The engines, once the router answers and every engine is up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the deployment exited with status {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                engines = (await self.admin.get("/admin/engines")).json()["engines"]
+                if engines and all(e["state"] == "up" for e in engines):
+                    return engines
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the deployment was not ready after {timeout_s:g} s")
+            await asyncio.sleep(1.0)
+
+    async def _admin(self, method: str, path: str, **kw) -> dict:
+        resp = await self.admin.request(method, path, **kw)
+        if resp.status_code != 200:
+            raise RuntimeError(f"{method} {path}: {resp.status_code} {resp.text[:300]}")
+        return resp.json()
+
+    async def use(self, run: StrategyRun, all_engines: list[str]) -> dict:
+        """Swap the strategy in and drain the engines it does not use. Its description."""
+        for name in all_engines:
+            action = "undrain" if run.engines is None or name in run.engines else "drain"
+            await self._admin("POST", f"/admin/engines/{name}/{action}")
+        return await self._admin("PUT", "/admin/strategy",
+                                 json={"builtin": run.builtin, "args": run.args})
+
+    async def engine_counters(self) -> dict[str, dict]:
+        engines = (await self._admin("GET", "/admin/engines"))["engines"]
+        keys = ("prompt_tokens", "generation_tokens", "kv_tokens_sent", "kv_tokens_received",
+                "preemptions")
+        return {e["name"]: {k: e["load"].get(k, 0) for k in keys} for e in engines}
+
+    async def settle(self, timeout_s: float = 60.0) -> None:
+        """Until no engine has a request open (aborts of a timed-out run included) and the
+        router has polled their counters since."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            engines = (await self._admin("GET", "/admin/engines"))["engines"]
+            if all(e["open_generations"] == 0 and e["open_sends"] == 0
+                   and e["load"].get("running", 0) == 0 and e["load"].get("waiting", 0) == 0
+                   for e in engines):
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1.2)  # two poll intervals: the counters are fresh
+
+    async def run(self, model: str, work: list[tuple[float, int, int]], rng: random.Random
+                  ) -> dict:
+        """Send `work` at its arrival times; the latency figures of the requests."""
+        vocab = self.args.vocab
+        prompts = [[rng.randrange(vocab) for _ in range(n_in)] for _, n_in, _ in work]
+        start = time.perf_counter()
+
+        async def at(t: float, prompt: list[int], n_out: int) -> dict:
+            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            try:
+                return await one(self.client, model, prompt, n_out)
+            except httpx.HTTPError as e:
+                return {"error": f"{type(e).__name__}: {e}"}
+
+        tasks = [asyncio.create_task(at(t, p, n_out))
+                 for (t, _, n_out), p in zip(work, prompts)]  # fmt: skip
+        done, pending = await asyncio.wait(tasks, timeout=self.args.run_timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - start
+        results = [t.result() for t in done]
+        ok = [r for r in results if "error" not in r]
+        out_tokens = sum(r["output_tokens"] for r in ok)
+        in_tokens = sum(r["prompt_tokens"] for r in ok)
+        return {
+            "requests": len(work), "completed": len(ok), "failed": len(results) - len(ok),
+            "timed_out": len(pending), "errors": [r["error"] for r in results if "error" in r][:3],
+            "input_tokens": in_tokens, "output_tokens": out_tokens,
+            "wall_s": wall, "request_throughput": len(ok) / wall,
+            "input_tokens_per_s": in_tokens / wall, "output_tokens_per_s": out_tokens / wall,
+            "ttft": pct([r["ttft"] for r in ok]), "tpot": pct([r["tpot"] for r in ok]),
+            "jct": pct([r["e2e"] for r in ok]),
+        }  # fmt: skip
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {name: {k: after[name][k] - before.get(name, {}).get(k, 0) for k in after[name]}
+            for name in after}
+
+
+def saturated(result: dict, max_p99_jct_s: float | None) -> bool:
+    if max_p99_jct_s is None:
+        return False
+    p99 = result["jct"].get("p99_ms", float("inf")) / 1e3
+    return result["timed_out"] > 0 or result["failed"] > 0 or p99 > max_p99_jct_s
+
+
+async def main_async(args) -> dict:
+    runs = [parse_strategy(s) for s in args.strategy]
+    rates = [float(r) for r in args.rates.split(",")]
+    dists = WORKLOADS[args.workload]
+    if args.input_len:
+        dists = (parse_lengths(args.input_len), dists[1])
+    if args.output_len:
+        dists = (dists[0], parse_lengths(args.output_len))
+    deployment = None
+    if args.deployment:
+        deployment = Deployment(args.deployment, args.port, args.model, args.log)
+        deployment.start()
+        base_url, api_key, admin_token = (f"http://127.0.0.1:{args.port}", deployment.api_key,
+                                          deployment.admin_token)  # fmt: skip
+    else:
+        base_url, api_key, admin_token = args.base_url, args.api_key, args.admin_token
+    bench = Bench(base_url, api_key, admin_token, args)
+    record = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(), "deployment": args.deployment, "model": args.model,
+        "workload": args.workload, "lengths": {"input": dists[0], "output": dists[1]},
+        "duration_s": args.duration_s, "seed": args.seed,
+        "command": " ".join(["python -m bench.strategies"] + sys.argv[1:]), "runs": [],
+    }  # fmt: skip
+    try:
+        engines = await bench.wait_ready(args.ready_timeout_s,
+                                         deployment.proc if deployment else None)
+        names = [e["name"] for e in engines]
+        record["engines"] = [{k: e[k] for k in ("name", "role", "url")} for e in engines]
+        model = args.served_model or (await bench.client.get("/models")).json()["data"][0]["id"]
+        for e in (r.engines or [] for r in runs):
+            if unknown := set(e) - set(names):
+                raise ValueError(f"strategy engines {sorted(unknown)} not in {names}")
+        await one(bench.client, model, [1] * 16, 4)  # warm-up
+        for k, run in enumerate(runs):
+            described = await bench.use(run, names)
+            used = run.engines or names
+            gpus = args.gpus or len(used)
+            for rate in rates:
+                n = max(args.min_requests, round(rate * gpus * args.duration_s))
+                work = schedule(n, rate * gpus, dists, args.seed)
+                await bench.settle()
+                before = await bench.engine_counters()
+                result = await bench.run(model, work, random.Random(f"{args.seed}/{k}/{rate}"))
+                await bench.settle()
+                active = (await bench._admin("GET", "/admin/strategy"))["active"]
+                entry = {"strategy": run.label, "builtin": run.builtin, "args": run.args,
+                         "engines": used, "gpus": gpus, "rate_per_gpu": rate,
+                         "rate": rate * gpus, **result,
+                         "engine_counters": _delta(before, await bench.engine_counters()),
+                         "strategy_version": described["version"],
+                         "strategy_settings": active["settings"]}
+                record["runs"].append(entry)
+                print(_line(entry), flush=True)
+                if args.json:  # written after every run: a crash later keeps what ran
+                    _write(args.json, record)
+                if saturated(result, args.stop_when_saturated):
+                    print(f"# {run.label}: saturated at {rate:g} req/s per GPU; higher rates "
+                          "skipped", flush=True)
+                    break
+        for name in names:
+            await bench._admin("POST", f"/admin/engines/{name}/undrain")
+    finally:
+        await bench.close()
+        if deployment is not None:
+            deployment.stop()
+    return record
+
+
+def _line(e: dict) -> str:
+    ms = lambda d, k: f"{d.get(k, float('nan')):.0f}"  # noqa: E731
+    return (f"{e['strategy']:>24} {e['rate_per_gpu']:>5g}/GPU  n={e['requests']:<4} "
+            f"ok={e['completed']:<4} ttft {ms(e['ttft'], 'mean_ms')}/{ms(e['ttft'], 'p99_ms')} "
+            f"tpot {ms(e['tpot'], 'mean_ms')}/{ms(e['tpot'], 'p99_ms')} "
+            f"jct {ms(e['jct'], 'mean_ms')}/{ms(e['jct'], 'p99_ms')} ms (mean/p99) "
+            f"{e['output_tokens_per_s']:.0f} out tok/s")
+
+
+def _write(path: str, record: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.strategies", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("deployment", nargs="?", help="a deployment file to start (microserve up)")
+    ap.add_argument("--model", default=None, help="the model every engine loads (overrides "
+                    "the file's), e.g. random:llama-3.1-8b")
+    ap.add_argument("--port", type=int, default=8000, help="the router's port (with a file)")
+    ap.add_argument("--log", default=None, help="where the deployment's output goes")
+    ap.add_argument("--base-url", default=None, help="a running router instead of a file")
+    ap.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"))
+    ap.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"))
+    ap.add_argument("--served-model", default=None, help="default: the first of /v1/models")
+    ap.add_argument("--strategy", action="append", required=True, help="see above; repeat")
+    ap.add_argument("--rates", required=True, help="per-GPU request rates, e.g. 0.5,1,1.5")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs per run (default: the "
+                    "engines the strategy uses; say 1 for engines that share one GPU)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="synthetic")
+    ap.add_argument("--input-len", default=None, help="MEAN:STD, overrides the workload's")
+    ap.add_argument("--output-len", default=None, help="MEAN:STD, overrides the workload's")
+    ap.add_argument("--duration-s", type=float, default=60.0,
+                    help="requests per run = rate x GPUs x this (at least --min-requests)")
+    ap.add_argument("--min-requests", type=int, default=10)
+    ap.add_argument("--run-timeout-s", type=float, default=600.0)
+    ap.add_argument("--ready-timeout-s", type=float, default=900.0)
+    ap.add_argument("--stop-when-saturated", type=float, default=None, metavar="P99_JCT_S")
+    ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are < this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write every run here (after each run)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.deployment is None and (args.base_url is None or args.admin_token is None):
+        parser().error("give a deployment file, or --base-url and --admin-token")
+    if args.deployment is not None:
+        with open(args.deployment, "rb") as f:
+            tomllib.load(f)  # fails here, not after minutes of start-up
+    for s in args.strategy:
+        try:
+            parse_strategy(s)
+        except ValueError as e:
+            parser().error(str(e))
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

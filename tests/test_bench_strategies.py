@@ -1,0 +1,58 @@
+"""bench.strategies' parts that need no deployment: strategy specs, length draws, schedules.
+(tests/test_router_live.py runs the whole benchmark against a live P/D deployment.)"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from bench.strategies import WORKLOADS, StrategyRun, draw_length, parse_strategy, schedule
+
+
+@pytest.mark.parametrize("text, want", [
+    ("dp", StrategyRun("dp", "data_parallel", {})),
+    ("1p1d", StrategyRun("1p1d", "pd", {})),
+    ("1p2d", StrategyRun("1p2d", "pd", {})),
+    ("1p1d-balance-0.2", StrategyRun("1p1d-balance-0.2", "balanced_pd", {"ratio": 0.2})),
+    ("1p1d-balance-adaptive", StrategyRun("1p1d-balance-adaptive", "balanced_pd",
+                                          {"adaptive": True})),
+    ("dp3=data_parallel@g0,g1,g2", StrategyRun("dp3", "data_parallel", {}, ["g0", "g1", "g2"])),
+    ('bal=balanced_pd{"ratio": 0.25}', StrategyRun("bal", "balanced_pd", {"ratio": 0.25})),
+    ("dp@decode-0", StrategyRun("dp", "data_parallel", {}, ["decode-0"])),
+    ("least=data_parallel", StrategyRun("least", "data_parallel", {})),
+])
+def test_strategy_specs(text, want):
+    assert parse_strategy(text) == want
+
+
+@pytest.mark.parametrize("text", ["nonsense", "1p1d-balance-2", 'x=pd{"ratio": }', "a b"])
+def test_bad_strategy_specs_say_why(text):
+    with pytest.raises(ValueError, match="strategy"):
+        parse_strategy(text)
+
+
+def test_a_preset_mutated_by_one_run_stays_intact():
+    parse_strategy("1p1d-balance-adaptive").args["ratio"] = 0.5
+    assert parse_strategy("1p1d-balance-adaptive").args == {"adaptive": True}
+
+
+def test_workload_lengths_have_the_papers_means():
+    rng = random.Random(0)
+    synthetic_in = [draw_length(rng, WORKLOADS["synthetic"][0]) for _ in range(20000)]
+    assert abs(statistics.fmean(synthetic_in) - 3000) < 0.2
+    assert 4.8 < statistics.pstdev(synthetic_in) < 5.2
+    chat_in = [draw_length(rng, WORKLOADS["chat"][0]) for _ in range(50000)]
+    chat_out = [draw_length(rng, WORKLOADS["chat"][1]) for _ in range(50000)]
+    assert abs(statistics.fmean(chat_in) - 200) < 6 and abs(statistics.fmean(chat_out) - 260) < 6
+    assert min(chat_in) >= 4 and max(chat_out) <= 2048
+
+
+def test_schedules_repeat_per_rate_and_arrive_at_the_rate():
+    a = schedule(4000, 5.0, WORKLOADS["synthetic"], seed=3)
+    assert a == schedule(4000, 5.0, WORKLOADS["synthetic"], seed=3)  # every strategy sees it
+    assert a != schedule(4000, 5.0, WORKLOADS["synthetic"], seed=4)
+    times = [t for t, _, _ in a]
+    assert times[0] == 0.0 and times == sorted(times)
+    assert abs(times[-1] / (len(times) - 1) - 1 / 5.0) < 0.01  # mean gap 1 / rate
