@@ -477,8 +477,8 @@ class OpenAIFrontend:
 
 # How long an idle client connection stays open. Longer than the clients' own reuse window
 # (httpx and the openai client: 5 s, aiohttp: 15 s): with uvicorn's default of 5 s, a client
-# could send a request on a connection just as the server closed it, and see the request fail
-# with a read error (seen once in 180 requests at 12 req/s through bench.strategies).
+# could send a request on a connection just as the server closed it, and see it fail with a
+# read error (the likely cause of one such error in 180 requests through bench.strategies).
 KEEP_ALIVE_S = 75
 
 
