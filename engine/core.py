@@ -16,18 +16,18 @@ import torch
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarMatchers
-from engine.kv_exchange import KVExchange, resolve_index
+from engine.kv_exchange import KVExchange
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.sampler import PendingSample, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import PENDING, SeqStatus, Sequence
+from engine.validation import check_request, resolve_index
 from kvcache.forward import ForwardBatch, SeqForward
 from kvcache.integrity import IntegrityError
 from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.sender import KVSender
-from microserve.backend import MicroservingError, RequestRejected
-from microserve.bounds import INT64_MAX, INT64_MIN
+from microserve.backend import MicroservingError
 from microserve.messages import EngineInfo, EngineStats, FinishReason, SamplingParams, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class EngineCore:
         if request_id in self.seqs or request_id in self.exchange.jobs:
             raise MicroservingError(409, f"request_id {request_id!r} is already in use",
                                     "request_id")  # fmt: skip
-        self._validate(prompt, params)
+        check_request(prompt, params, self.info)
         begin = resolve_index(begin, len(prompt), "begin")
         if begin >= len(prompt):
             raise MicroservingError(
@@ -165,42 +165,6 @@ class EngineCore:
         self.seqs[seq.request_id] = seq
         self._generators[seq.request_id] = generator
         self.scheduler.add(seq)
-
-    def check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise RequestRejected("prompt is empty: at least one token is needed", "prompt")
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(f"prompt token id {bad} out of range [0, {vocab})", "prompt")
-
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        self.check_prompt(prompt)
-        if params.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the maximum context length of {self.max_model_len} tokens",
-                "max_tokens",
-            )
-        vocab = self.info.vocab_size
-        if params.top_k > vocab:
-            raise RequestRejected(f"top_k {params.top_k} exceeds the vocabulary of {vocab} "
-                                  "tokens", "top_k")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(f"stop token id {bad} out of range [0, {vocab})",
-                                  "stop_token_ids")
-        if params.seed is not None and not INT64_MIN <= params.seed <= INT64_MAX:
-            raise RequestRejected(f"seed {params.seed} does not fit in 64 bits", "seed")
-        if total > self.info.kv_capacity_tokens:
-            raise RequestRejected(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the KV cache capacity of {self.info.kv_capacity_tokens} tokens",
-                "max_tokens",
-            )
 
     def abort_request(self, request_id: str) -> TokenOutput | None:
         """Drop a request wherever it is and release its pages. None if it is unknown."""

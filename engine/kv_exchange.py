@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.sequence import Sequence
+from engine.validation import check_prompt, resolve_index
 from kvcache.forward import KVSend
 from kvcache.transfer import KVLayout, TransferBackend, TransferError, Window
 from kvcache.transfer.sender import KVSender
@@ -66,13 +67,6 @@ log = logging.getLogger(__name__)
 # What poll() answers a deferred call with: its response, or its error.
 Answer = PrepRecvResponse | RemoteSendResponse | MicroservingError
 _NEVER_TRIED = -(1 << 62)  # below any _room(): the waiting head is tried at the next chance
-
-
-def resolve_index(value: int, n: int, name: str) -> int:
-    """A Python-style index into an n-token prompt (negative counts from the end)."""
-    if not -n <= value <= n:
-        raise MicroservingError(400, f"{name} {value} out of range for a {n}-token prompt", name)
-    return value + n if value < 0 else value
 
 
 @dataclass
@@ -140,7 +134,7 @@ class KVExchange:
                   lease_s: float | None, wait_s: float | None = None
                   ) -> PrepRecvResponse | None:
         """The answer, or None when the call waits for pages: `poll()` answers it later."""
-        self.core.check_prompt(prompt)
+        check_prompt(prompt, self.core.info.vocab_size)
         end = resolve_index(end, len(prompt), "end")
         if lease_s is not None and not 0 < lease_s <= self.max_lease_s:
             raise MicroservingError(400, f"lease_s {lease_s} must be in (0, {self.max_lease_s}] "
@@ -325,7 +319,7 @@ class KVExchange:
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
                     kv_addr: KVAddr) -> None:  # fmt: skip
         """Start sending KV of prompt[begin:end]; the answer comes from poll()."""
-        self.core.check_prompt(prompt)
+        check_prompt(prompt, self.core.info.vocab_size)
         n = len(prompt)
         begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
         if begin > end:
