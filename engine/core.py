@@ -149,13 +149,15 @@ class EngineCore:
                 f"prompt length {len(prompt)}", "begin")  # fmt: skip
         if params.grammar is not None:
             self.grammars.add(request_id, params.grammar)  # RequestRejected if it does not build
-        seq = Sequence(request_id, list(prompt), params, self.next_arrival())
+        arrival, held = self.next_arrival(), None
         if begin or request_id in self.exchange.reservations:
             try:
-                self.exchange.adopt_for_generate(seq, begin)
+                held = self.exchange.adopt_for_generate(request_id, prompt, begin)
             except BaseException:
                 self.grammars.remove(request_id)
                 raise
+        seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
+                       num_cached_tokens=held)  # fmt: skip
         self.register(seq, make_generator(params.seed, self.runner.device))
 
     def next_arrival(self) -> int:
@@ -255,11 +257,8 @@ class EngineCore:
         sampled = [e.seq for e in sched.scheduled if e.sample]
         logits = self.runner.forward(batch, input_ids, sample_rows, from_last=from_last,
                                      sends=sends)
-        for entry in sched.scheduled:
-            seq = entry.seq
-            seq.num_computed_tokens += entry.num_new_tokens
-            if seq.send_only and seq.num_computed_tokens == seq.num_tokens:
-                self.exchange.computed(seq)
+        for seq in self.scheduler.advance(sched):
+            self.exchange.computed(seq)
         slots, length_done = [], []
         self._pending_rows = {}
         for row, seq in enumerate(sampled):

@@ -226,11 +226,12 @@ class KVExchange:
     def _room(self) -> int:
         return self.kv.pool.num_free + self.kv.cache.num_evictable() - self._headroom()
 
-    def adopt_for_generate(self, seq: Sequence, begin: int) -> None:
-        """Give a new sequence the KV of prompt[:begin]: received under its request_id, or
-        already in the prefix cache. Raises MicroservingError (nothing held) if it is not here.
+    def adopt_for_generate(self, request_id: str, prompt: list[int], begin: int) -> int:
+        """Hold for a new sequence the KV of prompt[:begin]: received under its request_id, or
+        already in the prefix cache. Returns how many leading tokens' KV it holds (its initial
+        num_computed_tokens). Raises MicroservingError (nothing held) if it is not here.
         """
-        rid, prompt, ps = seq.request_id, seq.prompt_token_ids, self.kv.page_size
+        rid, ps = request_id, self.kv.page_size
         res = self.reservations.get(rid)
         if res is None:  # no transfer: the prefix must be cached here
             held = self.kv.open(rid, prompt[: len(prompt) - 1])
@@ -240,20 +241,18 @@ class KVExchange:
                     400, f"begin {begin} beyond the {held} tokens of this prompt cached on "
                     f"this engine, and no prep_recv was made for request_id {rid!r}", "begin",
                 )  # fmt: skip
-            seq.num_computed_tokens = held
-        else:
-            self._check_same_prompt(res, prompt, begin)
-            self._close(rid, res)
-            # At least the last prompt token is computed here (its logits are sampled). If the
-            # reservation's cached part reaches it, drop the pages from there on: they are shared.
-            start = min(max(begin, res.matched), len(prompt) - 1)
-            if start < res.matched:
-                start = start // ps * ps
-                self.kv.truncate(rid, start // ps)
-            seq.num_computed_tokens = start
-            self.counters["kv_tokens_received"] += max(0, min(begin, len(res.tokens)) - res.matched)
-            self.kv.cache_tokens(rid, prompt[:start])
-        seq.num_cached_tokens = seq.num_computed_tokens
+            return held
+        self._check_same_prompt(res, prompt, begin)
+        self._close(rid, res)
+        # At least the last prompt token is computed here (its logits are sampled). If the
+        # reservation's cached part reaches it, drop the pages from there on: they are shared.
+        start = min(max(begin, res.matched), len(prompt) - 1)
+        if start < res.matched:
+            start = start // ps * ps
+            self.kv.truncate(rid, start // ps)
+        self.counters["kv_tokens_received"] += max(0, min(begin, len(res.tokens)) - res.matched)
+        self.kv.cache_tokens(rid, prompt[:start])
+        return start
 
     def commit(self, request_id: str, pin: bool) -> CommitResponse:
         """Adopt received KV into the prefix cache without generating (context migration)."""
@@ -344,8 +343,8 @@ class KVExchange:
             self._flush(request_id)
             return
         seq = Sequence(request_id, prompt[:end], SamplingParams(max_tokens=1),
-                       self.core.next_arrival(), send_only=True)  # fmt: skip
-        seq.num_computed_tokens = seq.num_cached_tokens = matched
+                       self.core.next_arrival(), num_computed_tokens=matched,
+                       num_cached_tokens=matched, send_only=True)  # fmt: skip
         self.core.register(seq, generator=None)
 
     def sends_for(self, seq: Sequence, start: int, num_new: int) -> KVSend | None:
