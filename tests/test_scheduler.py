@@ -1,6 +1,6 @@
 """Exact scheduling decisions: token budget, chunked prefill, decode first, admission only when
-pages exist, preemption by recompute, prefix reuse. No model: a step is simulated by advancing
-`num_computed_tokens` (`Scheduler.advance`) and appending token 0 where the scheduler asked for a sample."""
+pages exist, preemption by recompute, prefix reuse. No model: a step is simulated by
+`Scheduler.advance` and appending token 0 where the scheduler asked for a sample."""
 
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
