@@ -93,6 +93,12 @@ class Scheduler:
         first = next((s for s in self.waiting if not self.kv.has(s.request_id)), None)
         return 0 if first is None else self.kv.pages_needed(None, first.num_tokens)
 
+    def headroom(self) -> int:
+        """Pages the scheduler's own work needs before any may be reserved for another
+        engine's transfer: one per running sequence to grow into (the next decode step must
+        not preempt), and what the first waiting sequence without KV needs."""
+        return len(self.running) + self.pages_owed()
+
     def remove(self, seq: Sequence, keep_pages: bool = False) -> None:
         """Take a sequence out (finished or aborted) and release its pages, unless
         `keep_pages` (a finished send whose transfer still reads them; the caller frees them).
