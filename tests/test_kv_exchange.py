@@ -19,8 +19,10 @@ from test_engine_core import greedy, random_prompts
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.requests import RequestState
+from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
-from microserve.messages import CommitResponse, RemoteSendResponse
+from microserve.messages import CommitResponse, FinishReason, RemoteSendResponse
 from microserve.transfer_auth import sign, transfer_key
 
 N_NEW = 12
@@ -287,6 +289,77 @@ def test_send_into_a_closed_window_fails(pair, prompts):
         send(p, "late", prompt, 0, -1, r.kv_addr)
     assert e.value.status == 502
     assert_clean(p, d)
+
+
+# ---- an abort in any state leaves nothing behind ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare(tiny_model_dir):
+    """P and D without a prefix cache, so a page let go is a free page. P computes 16 tokens a
+    step (a send is seen mid-compute); D has 24 pages."""
+    p = make_core(tiny_model_dir, "shm", enable_prefix_cache=False, max_num_batched_tokens=16)
+    d = make_core(tiny_model_dir, "shm", enable_prefix_cache=False, num_pages=24)
+    yield p, d
+    p.close()
+    d.close()
+
+
+@pytest.mark.parametrize("state", RequestState)
+def test_an_abort_in_any_state_leaves_no_request_and_every_page_free(bare, prompts, state):
+    p, d = bare
+    prompt = prompts[0]  # 45 tokens: D receives prompt[:-1] into 11 pages
+    core, before = d, {"kv_pages_used": 0, "running": 0}  # the aborting engine, after the abort
+    if state is RequestState.RECV_WAITING:
+        assert d.exchange.prep_recv("hog", prompts[2], -1, None).matched == 0  # 15 of 24 pages
+        assert d.exchange.prep_recv("x", prompt, -1, None) is None  # 11 more: waits
+        before["kv_pages_used"] = 15
+    elif state is RequestState.GENERATING:
+        d.add_request("x", prompt, greedy())
+        d.step()
+        assert d.stats().kv_pages_used == 12 and d.stats().running == 1
+    elif state is not RequestState.RESERVED:  # a send: P aborts it; D holds a reservation
+        core, r = p, d.exchange.prep_recv("x", prompt, -1, None)
+        p.remote_send("x", prompt, 0, -1, r.kv_addr)
+        p.step()
+        assert p.stats().kv_pages_used == 4 and p.stats().running == 1  # 16 of 44 tokens
+        while state is RequestState.FLUSHING and p.requests.get("x").state is not state:
+            p.step()
+    else:
+        d.exchange.prep_recv("x", prompt, -1, None)
+    assert core.requests.get("x").state is state
+    out = core.abort_request("x")
+    assert "x" not in core.requests
+    stats = core.stats()
+    assert {k: getattr(stats, k) for k in before} == before
+    assert (stats.waiting, stats.kv_send_jobs, stats.kv_recv_waiting) == (0, 0, 0)
+    if state is RequestState.GENERATING:
+        assert out.finish_reason == FinishReason.ABORT and out.token_ids == []
+    else:
+        assert out is None
+    if state in (RequestState.RECV_WAITING, RequestState.SENDING, RequestState.FLUSHING):
+        (rid, answer), = core.poll()  # the call waiting for its answer gets a 409
+        assert rid == "x" and answer.status == 409
+    for engine, rid in ((d, "hog"), (d, "x")):  # what the scenario left besides
+        engine.abort_request(rid)
+    for engine in (p, d):
+        engine.check_integrity()
+        stats = engine.stats()
+        assert len(engine.requests) == 0
+        assert (stats.kv_pages_free, stats.kv_pages_used, stats.kv_pages_cached,
+                stats.running, stats.waiting) == (stats.kv_pages_total, 0, 0, 0, 0)
+        assert (stats.kv_reservations, stats.kv_send_jobs, stats.kv_recv_waiting) == (0, 0, 0)
+
+
+def test_check_integrity_catches_pages_held_by_a_request_gone_from_the_table(bare, prompts):
+    _, d = bare
+    d.exchange.prep_recv("x", prompts[0], -1, None)
+    entry = d.requests.finish("x")  # behind the exchange's back: its pages stay held
+    with pytest.raises(IntegrityError, match=r"pages held by \{'x'\}"):
+        d.check_integrity()
+    d.requests.reserve("x", entry.reservation)
+    d.abort_request("x")
+    assert_clean(d)
 
 
 # ---- what a caller cannot make an engine do ----------------------------------------------------
