@@ -305,34 +305,55 @@ def bare(tiny_model_dir):
     d.close()
 
 
-@pytest.mark.parametrize("state", RequestState)
-def test_an_abort_in_any_state_leaves_no_request_and_every_page_free(bare, prompts, state):
-    p, d = bare
-    prompt = prompts[0]  # 45 tokens: D receives prompt[:-1] into 11 pages
-    core, before = d, {"kv_pages_used": 0, "running": 0}  # the aborting engine, after the abort
+def into_state(p: EngineCore, d: EngineCore, prompt: list[int], hog: list[int],
+               state: RequestState) -> EngineCore:
+    """Put request "x" in `state` on P (a send) or D; returns that engine. RECV_WAITING: "hog"
+    holds 15 of D's 24 pages; a send: D holds a reservation for "x"."""
     if state is RequestState.RECV_WAITING:
-        assert d.exchange.prep_recv("hog", prompts[2], -1, None).matched == 0  # 15 of 24 pages
-        assert d.exchange.prep_recv("x", prompt, -1, None) is None  # 11 more: waits
-        before["kv_pages_used"] = 15
+        assert d.exchange.prep_recv("hog", hog, -1, None).matched == 0
+        assert d.exchange.prep_recv("x", prompt, -1, None) is None  # 11 more pages: waits
+    elif state is RequestState.RESERVED:
+        d.exchange.prep_recv("x", prompt, -1, None)
     elif state is RequestState.GENERATING:
         d.add_request("x", prompt, greedy())
         d.step()
         assert d.stats().kv_pages_used == 12 and d.stats().running == 1
-    elif state is not RequestState.RESERVED:  # a send: P aborts it; D holds a reservation
-        core, r = p, d.exchange.prep_recv("x", prompt, -1, None)
+    else:
+        r = d.exchange.prep_recv("x", prompt, -1, None)
         p.remote_send("x", prompt, 0, -1, r.kv_addr)
         p.step()
         assert p.stats().kv_pages_used == 4 and p.stats().running == 1  # 16 of 44 tokens
         while state is RequestState.FLUSHING and p.requests.get("x").state is not state:
             p.step()
-    else:
-        d.exchange.prep_recv("x", prompt, -1, None)
+    core = p if state in (RequestState.SENDING, RequestState.FLUSHING) else d
     assert core.requests.get("x").state is state
+    return core
+
+
+def abort_the_rest(p: EngineCore, d: EngineCore) -> None:
+    """Abort what into_state left besides "x"; then both engines hold nothing at all."""
+    for rid in ("hog", "x"):
+        d.abort_request(rid)
+    for engine in (p, d):
+        engine.poll()
+        engine.check_integrity()
+        stats = engine.stats()
+        assert len(engine.requests) == 0
+        assert (stats.kv_pages_free, stats.kv_pages_used, stats.kv_pages_cached,
+                stats.running, stats.waiting) == (stats.kv_pages_total, 0, 0, 0, 0)
+        assert (stats.kv_reservations, stats.kv_send_jobs, stats.kv_recv_waiting) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("state", RequestState)
+def test_an_abort_in_any_state_leaves_no_request_and_every_page_free(bare, prompts, state):
+    p, d = bare
+    core = into_state(p, d, prompts[0], prompts[2], state)  # prompts[0]: 45 tokens, 11 pages
     out = core.abort_request("x")
     assert "x" not in core.requests
     stats = core.stats()
-    assert {k: getattr(stats, k) for k in before} == before
-    assert (stats.waiting, stats.kv_send_jobs, stats.kv_recv_waiting) == (0, 0, 0)
+    used = 15 if state is RequestState.RECV_WAITING else 0  # "hog"'s
+    assert (stats.kv_pages_used, stats.running, stats.waiting) == (used, 0, 0)
+    assert (stats.kv_send_jobs, stats.kv_recv_waiting) == (0, 0)
     if state is RequestState.GENERATING:
         assert out.finish_reason == FinishReason.ABORT and out.token_ids == []
     else:
@@ -340,15 +361,28 @@ def test_an_abort_in_any_state_leaves_no_request_and_every_page_free(bare, promp
     if state in (RequestState.RECV_WAITING, RequestState.SENDING, RequestState.FLUSHING):
         (rid, answer), = core.poll()  # the call waiting for its answer gets a 409
         assert rid == "x" and answer.status == 409
-    for engine, rid in ((d, "hog"), (d, "x")):  # what the scenario left besides
-        engine.abort_request(rid)
-    for engine in (p, d):
-        engine.check_integrity()
-        stats = engine.stats()
-        assert len(engine.requests) == 0
-        assert (stats.kv_pages_free, stats.kv_pages_used, stats.kv_pages_cached,
-                stats.running, stats.waiting) == (stats.kv_pages_total, 0, 0, 0, 0)
-        assert (stats.kv_reservations, stats.kv_send_jobs, stats.kv_recv_waiting) == (0, 0, 0)
+    abort_the_rest(p, d)
+
+
+@pytest.mark.parametrize("state", RequestState)
+def test_an_id_in_any_state_is_in_use_for_every_call(bare, prompts, state):
+    """One lookup answers them all; start_generate may only take over a reservation."""
+    p, d = bare
+    prompt = prompts[0]
+    core = into_state(p, d, prompt, prompts[2], state)
+    addr = p.exchange.prep_recv("addr", prompt, -1, None).kv_addr  # a valid one to send to
+    calls = [lambda: core.exchange.prep_recv("x", prompt, -1, None),
+             lambda: core.remote_send("x", prompt, 0, -1, addr)]
+    if state is not RequestState.RESERVED:
+        calls.append(lambda: core.add_request("x", prompt, greedy()))
+    for call in calls:
+        with pytest.raises(MicroservingError, match="request_id 'x' is already in use") as e:
+            call()
+        assert e.value.status == 409
+    assert core.requests.get("x").state is state
+    p.abort_request("addr")
+    core.abort_request("x")
+    abort_the_rest(p, d)
 
 
 def test_check_integrity_catches_pages_held_by_a_request_gone_from_the_table(bare, prompts):
