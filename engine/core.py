@@ -144,7 +144,8 @@ class EngineCore:
 
         `begin` > 0 (microserving start_generate): the KV of prompt[:begin] is already on this
         engine, received under request_id after a prep_recv or in the prefix cache; a
-        MicroservingError says why not. A prep_recv reservation is consumed even at begin 0.
+        MicroservingError says why not. A prep_recv reservation is consumed even at begin 0;
+        a request_id in any other state is in use (409).
         """
         entry = self.requests.get(request_id)
         if entry is not None and entry.state is not RequestState.RESERVED:
@@ -205,8 +206,9 @@ class EngineCore:
     def fail_requests(self, why: str) -> list[str]:
         """After a step raised: drop every request the step may have touched, so the engine
         goes on with a consistent state. Generations are removed and their ids returned (the
-        caller tells their clients); sends in flight fail with `why` (answered by the
-        exchange's poll). Reservations are untouched: no step works on them."""
+        caller tells their clients); sends still computing fail with `why` (answered by
+        `poll()`). Reservations, waiting prep_recv calls and flushing sends are untouched: no
+        step works on them."""
         self._in_flight, self._pending_rows = None, {}
         for request_id in list(self.requests.in_state(RequestState.SENDING)):
             self.scheduler.remove(self.exchange.fail_send(request_id, MicroservingError(500, why)))
