@@ -31,6 +31,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.requests import RequestState
+from engine.sequence import Sequence
 from microserve.model_files import resolve_model
 from microserve.messages import SamplingParams
 
@@ -46,6 +48,10 @@ def prompts(n: int, length: int | tuple[int, int], vocab: int, seed: int) -> lis
         k = length if isinstance(length, int) else rng.randint(*length)
         out.append([rng.randrange(vocab) for _ in range(k)])
     return out
+
+
+def generating(core: EngineCore) -> list[Sequence]:
+    return [e.seq for e in core.requests.in_state(RequestState.GENERATING).values()]
 
 
 def drain(core: EngineCore) -> None:
@@ -67,9 +73,9 @@ def steady_step_ms(core: EngineCore, steps: int, still) -> tuple[float, int]:
 
 def decode1(core: EngineCore, vocab: int) -> dict:
     core.add_request("d1", prompts(1, 1024, vocab, 1)[0], params(257))
-    while core.seqs["d1"].num_computed_tokens < 1030:  # prefill done, decoding steadily
+    while core.requests.get("d1").seq.num_computed_tokens < 1030:  # prefill done, decoding steadily
         core.step()
-    ms, n = steady_step_ms(core, 200, lambda: "d1" in core.seqs)
+    ms, n = steady_step_ms(core, 200, lambda: "d1" in core.requests)
     drain(core)
     return {"tpot_ms": ms, "steps": n}
 
@@ -87,9 +93,9 @@ def prefill(core: EngineCore, vocab: int) -> dict:
 def decode128(core: EngineCore, vocab: int) -> dict:
     for i, p in enumerate(prompts(128, 1024, vocab, 3)):
         core.add_request(f"b{i}", p, params(129))
-    while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in core.seqs.values()):
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in generating(core)):
         core.step()
-    ms, n = steady_step_ms(core, 100, lambda: len(core.seqs) == 128)
+    ms, n = steady_step_ms(core, 100, lambda: len(core.requests) == 128)
     drain(core)
     return {"output_tokens_per_s": 128 / ms * 1e3, "step_ms": ms, "steps": n}
 
@@ -100,11 +106,11 @@ def decode_short(core: EngineCore, vocab: int, batch: int = 256, context: int = 
     step against the GPU's time on the same steps."""
     for i, p in enumerate(prompts(batch, context, vocab, 8)):
         core.add_request(f"s{i}", p, params(160))
-    while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in core.seqs.values()):
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in generating(core)):
         core.step()
     timer = StepTimer(core)
     torch.cuda.synchronize()
-    ms, n = steady_step_ms(core, 100, lambda: len(core.seqs) == batch)
+    ms, n = steady_step_ms(core, 100, lambda: len(core.requests) == batch)
     gpu = timer.close()
     drain(core)
     gpu_ms = gpu["gpu_s"] / max(gpu["gpu_steps"], 1) * 1e3
@@ -119,7 +125,7 @@ def host_overhead(core: EngineCore, vocab: int, batch: int = 128) -> dict:
 
     for i, p in enumerate(prompts(batch, 1024, vocab, 4)):
         core.add_request(f"h{i}", p, params(40))
-    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in core.seqs.values()):
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in generating(core)):
         core.step()
     for _ in range(3):
         core.step()

@@ -3,6 +3,13 @@
 Single-threaded and synchronous on purpose. It runs in its own process (engine/core_proc.py),
 so HTTP parsing, JSON and detokenization in the frontend process never sit on the step loop's
 critical path; tests also drive it in-process.
+
+Every request the engine knows is in one table (engine/requests.py), in one state. The core
+moves generations (GENERATING) and is the only one to add sequences to the scheduler or take
+them out; the KV exchange moves the transfer states and returns the send-only sequences to
+schedule or drop. So the calls that start or stop scheduled work come through the core
+(`add_request`, `remote_send`, `abort_request`, `poll`); the receiver's calls (`prep_recv`,
+`commit`) and the lease and wait bookkeeping are the exchange's alone.
 """
 
 from __future__ import annotations
@@ -16,19 +23,20 @@ import torch
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarMatchers
-from engine.kv_exchange import KVExchange, resolve_index
+from engine.kv_exchange import Answer, KVExchange
 from engine.model_runner import ModelRunner, resolve_dtype
+from engine.requests import RequestState, RequestTable
 from engine.sampler import PendingSample, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import PENDING, SeqStatus, Sequence
+from engine.validation import check_request, resolve_index
 from kvcache.forward import ForwardBatch, SeqForward
-from kvcache.integrity import IntegrityError
 from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.sender import KVSender
-from microserve.backend import MicroservingError, RequestRejected
-from microserve.bounds import INT64_MAX, INT64_MIN
-from microserve.messages import EngineInfo, EngineStats, FinishReason, SamplingParams, TokenOutput
+from microserve.backend import MicroservingError
+from microserve.messages import (EngineInfo, EngineStats, FinishReason, KVAddr, SamplingParams,
+                                 TokenOutput)
 
 log = logging.getLogger(__name__)
 
@@ -77,18 +85,18 @@ class EngineCore:
         self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.requests = RequestTable()
         # The transfer thread wakes the step loop through this pipe when a send completes.
         self.wakeup_fd, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
         sender = KVSender(self.transfer.kv, layout, notify=self._wake, key=transfer_key)
         self.runner.kv.sender = sender
-        self.exchange = KVExchange(self, self.transfer, sender, layout, config.kv_lease_s,
-                                   config.kv_lease_max_s, config.kv_recv_wait_s,
-                                   config.kv_recv_wait_max_s)
+        self.exchange = KVExchange(self.kv, self.requests, self.scheduler.headroom,
+                                   mc.vocab_size, self.transfer, sender, layout,
+                                   config.kv_lease_s, config.kv_lease_max_s,
+                                   config.kv_recv_wait_s, config.kv_recv_wait_max_s)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.grammars = GrammarMatchers(config.model, mc.vocab_size, sorted(self.eos_token_ids))
-        self.seqs: dict[str, Sequence] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
         self._arrivals = itertools.count()
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None
@@ -136,97 +144,79 @@ class EngineCore:
 
         `begin` > 0 (microserving start_generate): the KV of prompt[:begin] is already on this
         engine, received under request_id after a prep_recv or in the prefix cache; a
-        MicroservingError says why not. A prep_recv reservation is consumed even at begin 0.
+        MicroservingError says why not. A prep_recv reservation is consumed even at begin 0;
+        a request_id in any other state is in use (409).
         """
-        if request_id in self.seqs or request_id in self.exchange.jobs:
+        entry = self.requests.get(request_id)
+        if entry is not None and entry.state is not RequestState.RESERVED:
             raise MicroservingError(409, f"request_id {request_id!r} is already in use",
                                     "request_id")  # fmt: skip
-        self._validate(prompt, params)
+        check_request(prompt, params, self.info)
         begin = resolve_index(begin, len(prompt), "begin")
         if begin >= len(prompt):
             raise MicroservingError(
                 400, f"begin {begin} leaves no prompt token to prefill: it must be below the "
                 f"prompt length {len(prompt)}", "begin")  # fmt: skip
+        generator = make_generator(params.seed, self.runner.device)
         if params.grammar is not None:
             self.grammars.add(request_id, params.grammar)  # RequestRejected if it does not build
-        seq = Sequence(request_id, list(prompt), params, self.next_arrival())
-        if begin or request_id in self.exchange.reservations:
+        arrival, held = next(self._arrivals), None
+        if begin or entry is not None:
             try:
-                self.exchange.adopt_for_generate(seq, begin)
+                held = self.exchange.adopt_for_generate(request_id, prompt, begin)
             except BaseException:
                 self.grammars.remove(request_id)
                 raise
-        self.register(seq, make_generator(params.seed, self.runner.device))
-
-    def next_arrival(self) -> int:
-        return next(self._arrivals)
-
-    def register(self, seq: Sequence, generator: torch.Generator | None) -> None:
-        self.seqs[seq.request_id] = seq
-        self._generators[seq.request_id] = generator
+        seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
+                       num_cached_tokens=held)  # fmt: skip
+        self.requests.generate(request_id, seq, generator)
         self.scheduler.add(seq)
 
-    def check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise RequestRejected("prompt is empty: at least one token is needed", "prompt")
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(f"prompt token id {bad} out of range [0, {vocab})", "prompt")
+    def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
+                    kv_addr: KVAddr) -> None:  # fmt: skip
+        """Start a remote_send (KVExchange.remote_send); the answer comes from `poll()`. The KV
+        not cached here is computed by a send-only sequence in the scheduler."""
+        seq = self.exchange.remote_send(request_id, prompt, begin, end, kv_addr,
+                                        next(self._arrivals))  # fmt: skip
+        if seq is not None:
+            self.scheduler.add(seq)
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        self.check_prompt(prompt)
-        if params.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the maximum context length of {self.max_model_len} tokens",
-                "max_tokens",
-            )
-        vocab = self.info.vocab_size
-        if params.top_k > vocab:
-            raise RequestRejected(f"top_k {params.top_k} exceeds the vocabulary of {vocab} "
-                                  "tokens", "top_k")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(f"stop token id {bad} out of range [0, {vocab})",
-                                  "stop_token_ids")
-        if params.seed is not None and not INT64_MIN <= params.seed <= INT64_MAX:
-            raise RequestRejected(f"seed {params.seed} does not fit in 64 bits", "seed")
-        if total > self.info.kv_capacity_tokens:
-            raise RequestRejected(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the KV cache capacity of {self.info.kv_capacity_tokens} tokens",
-                "max_tokens",
-            )
+    def poll(self) -> list[tuple[str, Answer]]:
+        """Answers for the deferred calls now settled (KVExchange.poll). Sends whose transfer
+        failed leave the scheduler first."""
+        for seq in self.exchange.drop_failed_sends():
+            self.scheduler.remove(seq)
+        return self.exchange.poll()
 
     def abort_request(self, request_id: str) -> TokenOutput | None:
-        """Drop a request wherever it is and release its pages. None if it is unknown."""
-        if self.exchange.abort(request_id):  # a reservation or a send: no token stream
+        """Drop a request wherever it is and release its pages. Returns the final output of a
+        generation; None for a transfer (no token stream) or an unknown id."""
+        entry = self.requests.get(request_id)
+        if entry is None:
             return None
-        seq = self.seqs.get(request_id)
-        if seq is None:
+        if entry.state is not RequestState.GENERATING:
+            if (seq := self.exchange.abort(request_id)) is not None:
+                self.scheduler.remove(seq)
             return None
+        seq = entry.seq
         seq.finish_reason = FinishReason.ABORT
-        self.unregister(seq)
+        self._remove(seq)
         return self._output(seq, [], None, final=True)
 
     def fail_requests(self, why: str) -> list[str]:
         """After a step raised: drop every request the step may have touched, so the engine
         goes on with a consistent state. Generations are removed and their ids returned (the
-        caller tells their clients); sends in flight fail with `why` (answered by the
-        exchange's poll). Reservations are untouched: no step works on them."""
+        caller tells their clients); sends still computing fail with `why` (answered by
+        `poll()`). Reservations, waiting prep_recv calls and flushing sends are untouched: no
+        step works on them."""
         self._in_flight, self._pending_rows = None, {}
+        for request_id in list(self.requests.in_state(RequestState.SENDING)):
+            self.scheduler.remove(self.exchange.fail_send(request_id, MicroservingError(500, why)))
         dropped = []
-        for request_id, seq in list(self.seqs.items()):
-            if seq.send_only:
-                self.exchange.fail_send(request_id, MicroservingError(500, why))
-            else:
-                seq.finish_reason = FinishReason.ABORT
-                self.unregister(seq)
-                dropped.append(request_id)
+        for request_id, entry in list(self.requests.in_state(RequestState.GENERATING).items()):
+            entry.seq.finish_reason = FinishReason.ABORT
+            self._remove(entry.seq)
+            dropped.append(request_id)
         return dropped
 
     def has_work(self) -> bool:
@@ -291,11 +281,9 @@ class EngineCore:
         sampled = [e.seq for e in sched.scheduled if e.sample]
         logits = self.runner.forward(batch, input_ids, sample_rows, from_last=from_last,
                                      sends=sends)
-        for entry in sched.scheduled:
-            seq = entry.seq
-            seq.num_computed_tokens += entry.num_new_tokens
-            if seq.send_only and seq.num_computed_tokens == seq.num_tokens:
-                self.exchange.computed(seq)
+        for seq in self.scheduler.advance(sched):  # sends computed: their pages stay for the flush
+            self.scheduler.remove(seq, keep_pages=True)
+            self.exchange.computed(seq)
         slots, length_done = [], []
         self._pending_rows = {}
         for row, seq in enumerate(sampled):
@@ -307,9 +295,8 @@ class EngineCore:
                 seq.finish_reason = FinishReason.LENGTH  # known now; the scheduler skips it
                 length_done.append(seq)
         scheduled = [e.seq for e in sched.scheduled]
-        # Params and generators now: a sequence may be unregistered before a deferred sample.
-        args = ([seq.params for seq in sampled], [self._generators[seq.request_id]
-                                                  for seq in sampled])
+        # Params and generators now: a sequence may be removed before a deferred sample.
+        args = ([seq.params for seq in sampled], self.requests.generators(sampled))
         launched = _Launched(scheduled, list(zip(sampled, slots)), None, length_done, logits,
                              args)
         if logits is not None and sample_now:
@@ -372,7 +359,7 @@ class EngineCore:
                 self._cache_new_pages(seq)
         for seq in done:
             if seq.status is not SeqStatus.FINISHED:
-                self.unregister(seq)
+                self._remove(seq)
         return outputs
 
     def _cache_new_pages(self, seq: Sequence) -> None:
@@ -384,14 +371,11 @@ class EngineCore:
         ):
             self.kv.cache_tokens(rid, seq.token_at(0, seq.num_computed_tokens))
 
-    def unregister(self, seq: Sequence, keep_pages: bool = False) -> None:
-        """Take a finished or aborted sequence out; its pages are freed unless `keep_pages`."""
-        self.scheduler.remove(seq, keep_pages)
-        del self.seqs[seq.request_id]
-        del self._generators[seq.request_id]
+    def _remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted generation out and free its pages."""
+        self.scheduler.remove(seq)
+        self.requests.finish(seq.request_id)
         self.grammars.remove(seq.request_id)
-        if seq.send_only:
-            return
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
         self.counters["cached_prompt_tokens"] += seq.num_cached_tokens or 0
         self.counters["generation_tokens"] += sum(t != PENDING for t in seq.output_token_ids)
@@ -424,19 +408,7 @@ class EngineCore:
         )
 
     def check_integrity(self) -> None:
+        """The KV pages, then the request table against the scheduler, the pages and the
+        grammar matchers. Raises IntegrityError."""
         self.kv.check_integrity()
-        running = {s.request_id for s in self.scheduler.running}
-        waiting = {s.request_id for s in self.scheduler.waiting}
-        # Pages are held by running sequences, waiting ones whose KV was prepared before
-        # admission, reservations and sends being flushed; never by a finished request.
-        holders = running | (waiting & self.kv.seq_ids()) | self.exchange.holders()
-        if self.kv.seq_ids() != holders:
-            raise IntegrityError(f"pages held by {self.kv.seq_ids() ^ holders}")
-        if running | waiting != set(self.seqs):
-            raise IntegrityError(f"lost or stale requests: {(running | waiting) ^ set(self.seqs)}")
-        if not set(self.grammars.request_ids()) <= set(self.seqs):
-            raise IntegrityError(f"grammar matchers of gone requests: "
-                                 f"{set(self.grammars.request_ids()) - set(self.seqs)}")
-        if not self.exchange.flushing <= set(self.exchange.jobs):
-            raise IntegrityError(f"flushing without a send job: "
-                                 f"{self.exchange.flushing - set(self.exchange.jobs)}")
+        self.requests.check_integrity(self.scheduler, self.kv, self.grammars.request_ids())

@@ -211,11 +211,11 @@ class CoreLoop:
             case PrepRecv(request=r):
                 return exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
             case RemoteSend(request=r):
-                return exchange.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr)
+                return core.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr)
             case Commit(request=r):
                 return exchange.commit(r.request_id, r.pin)
             case AbortCall(request=r):
-                aborted = r.request_id in core.seqs or exchange.in_use(r.request_id)
+                aborted = r.request_id in core.requests
                 self._handle(Abort(r.request_id))
                 return AbortResponse(aborted)
             case Pin(request=r) | Unpin(request=r):
@@ -237,7 +237,7 @@ class CoreLoop:
 
     def _answer_sends(self) -> bool:
         """Answer the deferred calls now settled. True if there were any."""
-        answers = self.core.exchange.poll()
+        answers = self.core.poll()
         for rid, outcome in answers:
             call_id = self.sends.pop(rid, None)
             if call_id is None:

@@ -34,22 +34,29 @@ Cached KV is written to the receiver at once; computed KV is marked for sending
 When the last chunk is computed, the job's pages stay held until the transfer stream has
 flushed every write; only then does the remote_send call answer.
 
-Every request_id lives in one place at a time: `core.seqs` (a sequence, including the
-computing part of a send), `reservations`, or `flushing` (a send whose pages the transfer
-thread still reads).
+A request's place is its entry in the core's request table (engine/requests.py): RECV_WAITING
+or RESERVED on the receiver, SENDING (a send-only sequence computing) or FLUSHING (computed, its
+pages held until the transfer thread flushed) on the sender. The exchange moves requests
+through these states and gives their pages and windows back; it never touches the scheduler.
+Where a request enters or leaves the scheduler, it returns the sequence (remote_send,
+drop_failed_sends, abort, fail_send) and the core adds or removes it. What the scheduler must
+keep for its own work it learns through `headroom`, a callable.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.requests import IllegalTransition, RequestState, RequestTable
 from engine.sequence import Sequence
+from engine.validation import check_prompt, resolve_index
 from kvcache.forward import KVSend
+from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, TransferBackend, TransferError, Window
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError
@@ -57,22 +64,12 @@ from microserve.messages import (CommitResponse, KVAddr, PrepRecvResponse, Remot
                                  SamplingParams, slot_ranges)
 from microserve.transfer_auth import TransferAuthError, verify
 
-if TYPE_CHECKING:
-    from engine.core import EngineCore
-
 log = logging.getLogger(__name__)
 
 
 # What poll() answers a deferred call with: its response, or its error.
 Answer = PrepRecvResponse | RemoteSendResponse | MicroservingError
 _NEVER_TRIED = -(1 << 62)  # below any _room(): the waiting head is tried at the next chance
-
-
-def resolve_index(value: int, n: int, name: str) -> int:
-    """A Python-style index into an n-token prompt (negative counts from the end)."""
-    if not -n <= value <= n:
-        raise MicroservingError(400, f"{name} {value} out of range for a {n}-token prompt", name)
-    return value + n if value < 0 else value
 
 
 @dataclass
@@ -105,11 +102,21 @@ class SendJob:
 
 
 class KVExchange:
-    def __init__(self, core: EngineCore, backend: TransferBackend, sender: KVSender,
-                 layout: KVLayout, lease_s: float, max_lease_s: float,
-                 wait_s: float = 0.0, max_wait_s: float = 0.0):  # fmt: skip
-        self.core = core
-        self.kv = core.kv
+    """Args:
+        kv: the engine's KV pages; the exchange holds and frees those of its states.
+        requests: the core's request table; the exchange moves only the transfer states.
+        headroom: pages the scheduler's own work needs first (`Scheduler.headroom`).
+        vocab_size: prompt token ids must be below it.
+    """
+
+    def __init__(self, kv: KVCacheManager, requests: RequestTable, headroom: Callable[[], int],
+                 vocab_size: int, backend: TransferBackend, sender: KVSender, layout: KVLayout,
+                 lease_s: float, max_lease_s: float, wait_s: float = 0.0,
+                 max_wait_s: float = 0.0):  # fmt: skip
+        self.kv = kv
+        self.requests = requests
+        self.headroom = headroom
+        self.vocab_size = vocab_size
         self.backend = backend
         self.sender = sender
         self.layout = layout
@@ -117,22 +124,10 @@ class KVExchange:
         self.max_lease_s = max_lease_s  # the longest prep_recv may name
         self.wait_s = wait_s  # how long prep_recv waits for pages when it names no wait_s
         self.max_wait_s = max_wait_s  # the longest prep_recv may name
-        self.reservations: dict[str, Reservation] = {}
-        self.waiting: dict[str, WaitingRecv] = {}  # prep_recv calls waiting for pages, FIFO
         self._room_when_tried = _NEVER_TRIED  # _room() when the head last did not fit
-        self.jobs: dict[str, SendJob] = {}  # every remote_send not yet answered
-        self.flushing: set[str] = set()  # jobs whose compute is done; pages held until flushed
         self._answers: list[tuple[str, Answer]] = []  # given by the next poll()
         self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0,
                          "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0}
-
-    def in_use(self, request_id: str) -> bool:
-        return (request_id in self.reservations or request_id in self.jobs
-                or request_id in self.waiting)
-
-    def holders(self) -> set[str]:
-        """Request ids holding KV pages outside the scheduler."""
-        return set(self.reservations) | self.flushing
 
     # ---- receiver ------------------------------------------------------------------------------
 
@@ -140,7 +135,7 @@ class KVExchange:
                   lease_s: float | None, wait_s: float | None = None
                   ) -> PrepRecvResponse | None:
         """The answer, or None when the call waits for pages: `poll()` answers it later."""
-        self.core.check_prompt(prompt)
+        check_prompt(prompt, self.vocab_size)
         end = resolve_index(end, len(prompt), "end")
         if lease_s is not None and not 0 < lease_s <= self.max_lease_s:
             raise MicroservingError(400, f"lease_s {lease_s} must be in (0, {self.max_lease_s}] "
@@ -160,15 +155,15 @@ class KVExchange:
                 f"engine's pool has {total} pages", "end")  # fmt: skip
         lease_s = lease_s or self.lease_s
         wait_s = self.wait_s if wait_s is None else wait_s
-        if not self.waiting:  # FIFO: nobody overtakes a call already waiting
+        if not self.requests.count(RequestState.RECV_WAITING):  # FIFO: nobody overtakes
             answer = self._reserve(request_id, tokens, lease_s)
             if answer is not None:
                 return answer
         if wait_s == 0:
             raise MicroservingError(503, f"no KV pages free to receive {end} tokens ({need} "
                                     f"pages; {self.kv.pool.num_free} free)")  # fmt: skip
-        self.waiting[request_id] = WaitingRecv(tokens, lease_s, wait_s,
-                                               time.monotonic() + wait_s, need)
+        self.requests.wait_recv(request_id, WaitingRecv(tokens, lease_s, wait_s,
+                                                        time.monotonic() + wait_s, need))
         self.counters["kv_recv_waited"] += 1
         return None
 
@@ -179,7 +174,7 @@ class KVExchange:
         must not preempt for us), and the pages of the first waiting sequence that must be
         computed from scratch (a preempted one, say). None, holding nothing, if they are not
         there now."""
-        matched = self.kv.prep_recv(request_id, tokens, headroom=self._headroom())
+        matched = self.kv.prep_recv(request_id, tokens, headroom=self.headroom())
         if matched is None:
             return None
         window = self.backend.open_window()
@@ -187,7 +182,7 @@ class KVExchange:
             self.kv.free(request_id)
             return None
         deadline = time.monotonic() + lease_s
-        self.reservations[request_id] = Reservation(tokens, matched, window, lease_s, deadline)
+        self.requests.reserve(request_id, Reservation(tokens, matched, window, lease_s, deadline))
         end = len(tokens)
         addr = KVAddr(
             begin=matched, end=end, ranges=slot_ranges(self.kv.slots(request_id, matched, end)),
@@ -199,15 +194,17 @@ class KVExchange:
     def admit_waiting(self, now: float) -> None:
         """Between steps: give up on calls that waited too long (503), then grant pages to the
         waiting calls in order while they fit. Their answers come from poll()."""
-        if not self.waiting:
+        waiting = self.requests.in_state(RequestState.RECV_WAITING)
+        if not waiting:
             return
-        for rid, w in list(self.waiting.items()):
+        for rid, entry in list(waiting.items()):
+            w = entry.waiting
             if w.deadline <= now:
-                del self.waiting[rid]
+                self.requests.finish(rid)
                 self.counters["kv_recv_wait_timeouts"] += 1
                 self._answers.append((rid, MicroservingError(
                     503, f"waited {w.wait_s:g} s for KV pages to receive {len(w.tokens)} tokens "
-                    f"({w.pages} pages; {self.kv.pool.num_free} free, {len(self.waiting)} more "
+                    f"({w.pages} pages; {self.kv.pool.num_free} free, {len(waiting)} more "
                     f"calls waiting); retry later", code="kv_wait_timeout")))
                 self._room_when_tried = _NEVER_TRIED  # the head may have changed
         # Retry the head only when more pages are free (or evictable) beyond the running
@@ -216,28 +213,25 @@ class KVExchange:
         if room <= self._room_when_tried:
             self._room_when_tried = room
             return
-        for rid, w in list(self.waiting.items()):
-            answer = self._reserve(rid, w.tokens, w.lease_s)
+        for rid, entry in list(waiting.items()):
+            answer = self._reserve(rid, entry.waiting.tokens, entry.waiting.lease_s)
             if answer is None:
                 self._room_when_tried = self._room()
                 return
-            del self.waiting[rid]
             self._answers.append((rid, answer))
         self._room_when_tried = _NEVER_TRIED
 
-    def _headroom(self) -> int:
-        scheduler = self.core.scheduler
-        return len(scheduler.running) + scheduler.pages_owed()
-
     def _room(self) -> int:
-        return self.kv.pool.num_free + self.kv.cache.num_evictable() - self._headroom()
+        return self.kv.pool.num_free + self.kv.cache.num_evictable() - self.headroom()
 
-    def adopt_for_generate(self, seq: Sequence, begin: int) -> None:
-        """Give a new sequence the KV of prompt[:begin]: received under its request_id, or
-        already in the prefix cache. Raises MicroservingError (nothing held) if it is not here.
+    def adopt_for_generate(self, request_id: str, prompt: list[int], begin: int) -> int:
+        """Hold for a new sequence the KV of prompt[:begin]: received under its request_id, or
+        already in the prefix cache. Returns how many leading tokens' KV it holds (its initial
+        num_computed_tokens). Raises MicroservingError (nothing held) if it is not here.
         """
-        rid, prompt, ps = seq.request_id, seq.prompt_token_ids, self.kv.page_size
-        res = self.reservations.get(rid)
+        rid, ps = request_id, self.kv.page_size
+        entry = self.requests.get(rid)
+        res = None if entry is None else entry.reservation
         if res is None:  # no transfer: the prefix must be cached here
             held = self.kv.open(rid, prompt[: len(prompt) - 1])
             if held < begin:
@@ -246,27 +240,26 @@ class KVExchange:
                     400, f"begin {begin} beyond the {held} tokens of this prompt cached on "
                     f"this engine, and no prep_recv was made for request_id {rid!r}", "begin",
                 )  # fmt: skip
-            seq.num_computed_tokens = held
-        else:
-            self._check_same_prompt(res, prompt, begin)
-            self._close(rid, res)
-            # At least the last prompt token is computed here (its logits are sampled). If the
-            # reservation's cached part reaches it, drop the pages from there on: they are shared.
-            start = min(max(begin, res.matched), len(prompt) - 1)
-            if start < res.matched:
-                start = start // ps * ps
-                self.kv.truncate(rid, start // ps)
-            seq.num_computed_tokens = start
-            self.counters["kv_tokens_received"] += max(0, min(begin, len(res.tokens)) - res.matched)
-            self.kv.cache_tokens(rid, prompt[:start])
-        seq.num_cached_tokens = seq.num_computed_tokens
+            return held
+        self._check_same_prompt(res, prompt, begin)
+        self.backend.close_window(res.window)  # the core makes the request GENERATING
+        # At least the last prompt token is computed here (its logits are sampled). If the
+        # reservation's cached part reaches it, drop the pages from there on: they are shared.
+        start = min(max(begin, res.matched), len(prompt) - 1)
+        if start < res.matched:
+            start = start // ps * ps
+            self.kv.truncate(rid, start // ps)
+        self.counters["kv_tokens_received"] += max(0, min(begin, len(res.tokens)) - res.matched)
+        self.kv.cache_tokens(rid, prompt[:start])
+        return start
 
     def commit(self, request_id: str, pin: bool) -> CommitResponse:
         """Adopt received KV into the prefix cache without generating (context migration)."""
-        res = self.reservations.get(request_id)
-        if res is None:
+        entry = self.requests.get(request_id)
+        if entry is None or entry.state is not RequestState.RESERVED:
             raise MicroservingError(404, f"no prep_recv reservation for request_id {request_id!r}",
                                     "request_id")  # fmt: skip
+        res = entry.reservation
         self._close(request_id, res)
         self.kv.cache_tokens(request_id, res.tokens)
         cached = self.kv.num_cached_pages(request_id) * self.kv.page_size
@@ -280,27 +273,30 @@ class KVExchange:
         """Free reservations whose sender has not renewed them for `lease_s` (nor has one
         since the grant). Returns how many."""
         expired = []
-        for rid, r in self.reservations.items():
+        for rid, entry in self.requests.in_state(RequestState.RESERVED).items():
+            r = entry.reservation
             if r.deadline > now:
                 continue
             renewed = self.backend.renewed_at(r.window)
             if renewed is not None and renewed + r.lease_s > now:
                 r.deadline = renewed + r.lease_s  # looked at again then
             else:
-                expired.append(rid)
-        for rid in expired:
+                expired.append((rid, r))
+        for rid, res in expired:
             log.warning("KV reservation %r expired after its lease; pages freed", rid)
-            self._close(rid, self.reservations[rid])
+            self._close(rid, res)
             self.kv.free(rid)
         self.counters["kv_leases_expired"] += len(expired)
         return len(expired)
 
     def next_deadline(self) -> float | None:
         """When a lease is next due, or a waiting prep_recv gives up."""
-        lease = min((r.deadline for r in self.reservations.values()), default=None)
-        if not self.waiting:
+        reserved = self.requests.in_state(RequestState.RESERVED)
+        lease = min((e.reservation.deadline for e in reserved.values()), default=None)
+        waiting = self.requests.in_state(RequestState.RECV_WAITING)
+        if not waiting:
             return lease
-        wait = min(w.deadline for w in self.waiting.values())
+        wait = min(e.waiting.deadline for e in waiting.values())
         return wait if lease is None else min(lease, wait)
 
     def _check_same_prompt(self, res: Reservation, prompt: list[int], begin: int) -> None:
@@ -316,16 +312,19 @@ class KVExchange:
                 f"this request", "prompt")  # fmt: skip
 
     def _close(self, request_id: str, res: Reservation) -> None:
-        """Stop accepting writes for the reservation (the pages stay with request_id)."""
-        del self.reservations[request_id]
+        """End a reservation: no more writes (its pages stay with request_id; the caller frees
+        or caches them)."""
+        self.requests.finish(request_id)
         self.backend.close_window(res.window)
 
     # ---- sender --------------------------------------------------------------------------------
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                    kv_addr: KVAddr) -> None:  # fmt: skip
-        """Start sending KV of prompt[begin:end]; the answer comes from poll()."""
-        self.core.check_prompt(prompt)
+                    kv_addr: KVAddr, arrival: int) -> Sequence | None:  # fmt: skip
+        """Start sending KV of prompt[begin:end]; the answer comes from poll(). Returns the
+        send-only sequence (made at `arrival`) that computes the KV not cached here, for the
+        caller to schedule; None if all of it was cached (the job is flushing already)."""
+        check_prompt(prompt, self.vocab_size)
         n = len(prompt)
         begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
         if begin > end:
@@ -345,18 +344,18 @@ class KVExchange:
             src = torch.tensor(self.kv.slots(request_id, begin, copy_end))
             self.sender.write_all_layers(request_id, src, torch.tensor(dst[:reused]))
         job = SendJob(begin, end, dst, reused, computed=end - matched if matched < end else 0)
-        self.jobs[request_id] = job
         if matched >= end:
-            self._flush(request_id)
-            return
-        seq = Sequence(request_id, prompt[:end], SamplingParams(max_tokens=1),
-                       self.core.next_arrival(), send_only=True)  # fmt: skip
-        seq.num_computed_tokens = seq.num_cached_tokens = matched
-        self.core.register(seq, generator=None)
+            self.requests.flush(request_id, job)
+            self.sender.finish(request_id)
+            return None
+        seq = Sequence(request_id, prompt[:end], SamplingParams(max_tokens=1), arrival,
+                       num_computed_tokens=matched, num_cached_tokens=matched, send_only=True)
+        self.requests.send(request_id, job, seq)
+        return seq
 
     def sends_for(self, seq: Sequence, start: int, num_new: int) -> KVSend | None:
         """The share of a step's chunk [start, start + num_new) that goes to the receiver."""
-        job = self.jobs[seq.request_id]
+        job = self.requests.get(seq.request_id).job
         lo, hi = max(start, job.begin), min(start + num_new, job.end)
         if lo >= hi:
             return None
@@ -364,29 +363,33 @@ class KVExchange:
         return KVSend(seq.request_id, src, job.dst_slots[lo - job.begin : hi - job.begin])
 
     def computed(self, seq: Sequence) -> None:
-        """A send's last chunk is computed: keep its pages until the transfer is flushed."""
-        self.core.unregister(seq, keep_pages=True)
-        self.kv.cache_tokens(seq.request_id, seq.prompt_token_ids)
-        self._flush(seq.request_id)
+        """A send's last chunk is computed and its sequence out of the scheduler, pages kept:
+        they stay held until the transfer is flushed."""
+        rid = seq.request_id
+        self.requests.flush(rid, self.requests.get(rid).job)
+        self.kv.cache_tokens(rid, seq.prompt_token_ids)
+        self.sender.finish(rid)
 
-    def _flush(self, request_id: str) -> None:
-        self.flushing.add(request_id)
-        self.sender.finish(request_id)
+    def drop_failed_sends(self) -> list[Sequence]:
+        """Stop the sends still computing whose transfer failed (e.g. the receiver died); their
+        502 answers come from the next poll(). Returns their sequences, for the caller to take
+        out of the scheduler."""
+        seqs = []
+        for rid, error in self.sender.failed():  # only jobs not yet flushing report here
+            seqs.append(self._drop_send(rid))
+            self._answers.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
+        return seqs
 
     def poll(self) -> list[tuple[str, Answer]]:
         """Answers for remote_send calls whose transfer has completed, failed or was aborted,
         and for prep_recv calls that waited and were granted, gave up or were aborted."""
-        for rid, error in self.sender.failed():  # e.g. the receiver died: stop computing
-            if rid not in self.flushing:
-                self._drop_send(rid)
-                self._answers.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
         out: list[tuple[str, Answer]] = list(self._answers)
         self._answers.clear()
         for rid, error in self.sender.completed():
-            job = self.jobs.pop(rid, None)
-            if job is None:  # aborted while its flush was queued
+            entry = self.requests.get(rid)
+            if entry is None or entry.state is not RequestState.FLUSHING:  # aborted meanwhile
                 continue
-            self.flushing.discard(rid)
+            job = self.requests.finish(rid).job
             self.kv.free(rid)
             if error is not None:
                 out.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
@@ -417,52 +420,54 @@ class KVExchange:
     # ---- both ----------------------------------------------------------------------------------
 
     def _check_free(self, request_id: str) -> None:
-        if request_id in self.core.seqs or self.in_use(request_id):
+        if request_id in self.requests:
             raise MicroservingError(409, f"request_id {request_id!r} is already in use",
                                     "request_id")  # fmt: skip
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a reservation or a send in flight under request_id. False if there is none.
-        (A generating sequence is the core's to abort.)"""
-        res = self.reservations.get(request_id)
-        if res is not None:
-            self._close(request_id, res)
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a waiting prep_recv, a reservation or a send under request_id (GENERATING is
+        the core's to abort). Returns the sequence of a send still computing, for the caller
+        to take out of the scheduler."""
+        entry = self.requests.get(request_id)
+        state = None if entry is None else entry.state
+        if state is RequestState.RESERVED:
+            self._close(request_id, entry.reservation)
             self.kv.free(request_id)
-            return True
-        if self.waiting.pop(request_id, None) is not None:
+            return None
+        if state is RequestState.RECV_WAITING:
+            self.requests.finish(request_id)
             self._room_when_tried = _NEVER_TRIED  # the head may have changed
-            self._answers.append(
-                (request_id, MicroservingError(409, f"request {request_id!r} was aborted"))
-            )
-            return True
-        if request_id not in self.jobs:
-            return False
-        self._drop_send(request_id)
+            seq = None
+        elif state in (RequestState.SENDING, RequestState.FLUSHING):
+            seq = self._drop_send(request_id)
+        else:
+            raise IllegalTransition(f"request {request_id!r} ({state}) is not the exchange's")
         self._answers.append(
             (request_id, MicroservingError(409, f"request {request_id!r} was aborted"))
         )
-        return True
+        return seq
 
-    def fail_send(self, request_id: str, error: MicroservingError) -> None:
-        """End a send in flight with `error` (its remote_send answer, at the next poll)."""
-        if request_id in self.jobs:
-            self._drop_send(request_id)
-            self._answers.append((request_id, error))
+    def fail_send(self, request_id: str, error: MicroservingError) -> Sequence | None:
+        """End a send in flight with `error` (its remote_send answer, at the next poll).
+        Returns its sequence if still computing, for the caller to take out of the scheduler."""
+        seq = self._drop_send(request_id)
+        self._answers.append((request_id, error))
+        return seq
 
-    def _drop_send(self, request_id: str) -> None:
-        """End a send job wherever it is and free its pages."""
-        del self.jobs[request_id]
+    def _drop_send(self, request_id: str) -> Sequence | None:
+        """End a send job wherever it is. Frees a flushing job's pages; a computing job's
+        sequence is returned (its pages go when it leaves the scheduler)."""
+        entry = self.requests.finish(request_id)
         self.sender.cancel(request_id)  # returns once no write reads the pages
-        if request_id in self.flushing:
-            self.flushing.discard(request_id)
+        if entry.state is RequestState.FLUSHING:
             self.kv.free(request_id)
-        else:
-            self.core.unregister(self.core.seqs[request_id])
+        return entry.seq
 
     def stats(self) -> dict:
         return {
-            "kv_reservations": len(self.reservations),
-            "kv_recv_waiting": len(self.waiting),
-            "kv_send_jobs": len(self.jobs),
+            "kv_reservations": self.requests.count(RequestState.RESERVED),
+            "kv_recv_waiting": self.requests.count(RequestState.RECV_WAITING),
+            "kv_send_jobs": (self.requests.count(RequestState.SENDING)
+                             + self.requests.count(RequestState.FLUSHING)),
             **self.counters,
         }

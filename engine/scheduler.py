@@ -17,7 +17,8 @@ and it is recomputed later from prompt + output so far.
 
     sequence tokens:  [ computed (KV written) | to compute this step | rest ]
                       0                  num_computed          +num_new     num_tokens
-    A step samples a token for a sequence when its chunk reaches num_tokens.
+    A step samples a token for a sequence when its chunk reaches num_tokens; once the step is
+    launched, `advance` moves num_computed past the chunk.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ class Scheduler:
         first = next((s for s in self.waiting if not self.kv.has(s.request_id)), None)
         return 0 if first is None else self.kv.pages_needed(None, first.num_tokens)
 
+    def headroom(self) -> int:
+        """Pages the scheduler's own work needs before any may be reserved for another
+        engine's transfer: one per running sequence to grow into (the next decode step must
+        not preempt), and what the first waiting sequence without KV needs."""
+        return len(self.running) + self.pages_owed()
+
     def remove(self, seq: Sequence, keep_pages: bool = False) -> None:
         """Take a sequence out (finished or aborted) and release its pages, unless
         `keep_pages` (a finished send whose transfer still reads them; the caller frees them).
@@ -122,6 +129,18 @@ class Scheduler:
         if not out.preempted:  # don't admit new work in a step that had to preempt
             budget = self._admit(budget, out)
         return out
+
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """The step's chunks are launched: their KV counts as computed. Returns the send-only
+        sequences now fully computed (their pages must outlive them: the transfer reads them).
+        """
+        done = []
+        for entry in out.scheduled:
+            seq = entry.seq
+            seq.num_computed_tokens += entry.num_new_tokens
+            if seq.send_only and seq.num_computed_tokens == seq.num_tokens:
+                done.append(seq)
+        return done
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         last = seq.num_computed_tokens + n == seq.num_tokens

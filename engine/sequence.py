@@ -1,4 +1,4 @@
-"""A request's state inside the engine core."""
+"""What the scheduler runs for a request: its tokens and how far their KV is computed."""
 
 from __future__ import annotations
 
@@ -19,20 +19,30 @@ class SeqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
+    """One sequence the scheduler runs: a generation, or the computing part of a remote_send.
+
+    Every mutable field has one writer, named beside it. The KV already held when a sequence
+    is made (received from another engine, or cached) is its initial `num_computed_tokens`;
+    from then on only the Scheduler moves it: admission (a cached prefix), each launched step
+    (`Scheduler.advance`) and preemption (back to 0).
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int  # admission order; FCFS sorts on it
-    # appended by EngineCore; the newest may be PENDING while its step is in flight
-    output_token_ids: list[int] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING  # set by the Scheduler
-    num_computed_tokens: int = 0  # KV positions written; set by the Scheduler and EngineCore
-    num_cached_tokens: int | None = None  # prompt tokens reused at first admission; Scheduler
-    # set by EngineCore; a sequence with a finish reason still in `running` is waiting for its
-    # last step to be resolved, and the scheduler gives it no more work
-    finish_reason: str | None = None
+    num_computed_tokens: int = 0  # KV positions written; the Scheduler's after construction
+    # prompt tokens whose KV was reused rather than computed: given at construction when the
+    # KV was held then, else set by the Scheduler at first admission
+    num_cached_tokens: int | None = None
     # a remote_send job: computes KV for its tokens and sends it; never samples
     send_only: bool = False
+    # appended by EngineCore; the newest may be PENDING while its step is in flight
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    status: SeqStatus = field(default=SeqStatus.WAITING, init=False)  # set by the Scheduler
+    # set by EngineCore; a sequence with a finish reason still in `running` is waiting for its
+    # last step to be resolved, and the scheduler gives it no more work
+    finish_reason: str | None = field(default=None, init=False)
 
     @property
     def num_tokens(self) -> int:

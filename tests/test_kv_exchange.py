@@ -19,8 +19,10 @@ from test_engine_core import greedy, random_prompts
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.requests import RequestState
+from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
-from microserve.messages import CommitResponse, RemoteSendResponse
+from microserve.messages import CommitResponse, FinishReason, RemoteSendResponse
 from microserve.transfer_auth import sign, transfer_key
 
 N_NEW = 12
@@ -55,12 +57,12 @@ def ref(tiny_model_dir, prompts):
 
 def send(p: EngineCore, rid, prompt, begin, end, kv_addr, timeout_s=30.0):
     """remote_send on P, stepping P until the call is answered (as its core loop would)."""
-    p.exchange.remote_send(rid, prompt, begin, end, kv_addr)
+    p.remote_send(rid, prompt, begin, end, kv_addr)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if p.has_work():
             p.step()
-        for got_rid, outcome in p.exchange.poll():
+        for got_rid, outcome in p.poll():
             assert got_rid == rid
             if isinstance(outcome, Exception):
                 raise outcome
@@ -84,8 +86,7 @@ def assert_clean(*cores):
     for core in cores:
         core.check_integrity()
         assert core.kv.stats().used_pages == 0, "pages still held"
-        assert not core.exchange.reservations and not core.exchange.jobs
-        assert not core.seqs
+        assert len(core.requests) == 0, "requests still in the table"
 
 
 def reset(*cores):
@@ -207,14 +208,14 @@ def test_bad_indices_and_addresses(pair, prompts):
     r = d.exchange.prep_recv("x", prompt, -1, None)
     addr = r.kv_addr
     with pytest.raises(MicroservingError, match="begin -30 out of range"):
-        p.exchange.remote_send("x", prompt, -30, -1, addr)
+        p.remote_send("x", prompt, -30, -1, addr)
     with pytest.raises(MicroservingError, match="begin 10 is after end 5"):
-        p.exchange.remote_send("x", prompt, 10, 5, addr)
+        p.remote_send("x", prompt, 10, 5, addr)
     with pytest.raises(MicroservingError, match=r"kv_addr holds 22 slots but end - begin = 12"):
-        p.exchange.remote_send("x", prompt, 10, -1, addr)
+        p.remote_send("x", prompt, 10, -1, addr)
     bad_ranges = dataclasses.replace(addr, ranges=[(10_000, 22)])
     with pytest.raises(MicroservingError, match=r"kv_addr range \[10000, 22\] outside"):
-        p.exchange.remote_send("x", prompt, 0, -1, bad_ranges)
+        p.remote_send("x", prompt, 0, -1, bad_ranges)
     with pytest.raises(MicroservingError, match="already in use") as e:
         d.exchange.prep_recv("x", prompt, -1, None)
     assert e.value.status == 409
@@ -245,7 +246,7 @@ def test_layout_mismatch_names_both_layouts(tiny_model_dir, pair, prompts):
     try:
         r = other.exchange.prep_recv("m", prompts[0], -1, None)
         with pytest.raises(MicroservingError, match="KV layout mismatch in page_size") as e:
-            p.exchange.remote_send("m", prompts[0], 0, -1, r.kv_addr)
+            p.remote_send("m", prompts[0], 0, -1, r.kv_addr)
         assert "'page_size': 4" in str(e.value) and "'page_size': 8" in str(e.value)
         other.abort_request("m")
         assert_clean(p, other)
@@ -258,9 +259,9 @@ def test_abort_during_send_and_after_prep_recv(pair, prompts):
     reset(p, d)
     prompt = prompts[2]
     r = d.exchange.prep_recv("ab", prompt, -1, None)
-    p.exchange.remote_send("ab", prompt, 0, -1, r.kv_addr)
+    p.remote_send("ab", prompt, 0, -1, r.kv_addr)
     assert p.abort_request("ab") is None
-    (rid, outcome), = p.exchange.poll()
+    (rid, outcome), = p.poll()
     assert rid == "ab" and isinstance(outcome, MicroservingError) and outcome.status == 409
     assert d.abort_request("ab") is None
     assert_clean(p, d)
@@ -290,6 +291,111 @@ def test_send_into_a_closed_window_fails(pair, prompts):
     assert_clean(p, d)
 
 
+# ---- an abort in any state leaves nothing behind ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare(tiny_model_dir):
+    """P and D without a prefix cache, so a page let go is a free page. P computes 16 tokens a
+    step (a send is seen mid-compute); D has 24 pages."""
+    p = make_core(tiny_model_dir, "shm", enable_prefix_cache=False, max_num_batched_tokens=16)
+    d = make_core(tiny_model_dir, "shm", enable_prefix_cache=False, num_pages=24)
+    yield p, d
+    p.close()
+    d.close()
+
+
+def into_state(p: EngineCore, d: EngineCore, prompt: list[int], hog: list[int],
+               state: RequestState) -> EngineCore:
+    """Put request "x" in `state` on P (a send) or D; returns that engine. RECV_WAITING: "hog"
+    holds 15 of D's 24 pages; a send: D holds a reservation for "x"."""
+    if state is RequestState.RECV_WAITING:
+        assert d.exchange.prep_recv("hog", hog, -1, None).matched == 0
+        assert d.exchange.prep_recv("x", prompt, -1, None) is None  # 11 more pages: waits
+    elif state is RequestState.RESERVED:
+        d.exchange.prep_recv("x", prompt, -1, None)
+    elif state is RequestState.GENERATING:
+        d.add_request("x", prompt, greedy())
+        d.step()
+        assert d.stats().kv_pages_used == 12 and d.stats().running == 1
+    else:
+        r = d.exchange.prep_recv("x", prompt, -1, None)
+        p.remote_send("x", prompt, 0, -1, r.kv_addr)
+        p.step()
+        assert p.stats().kv_pages_used == 4 and p.stats().running == 1  # 16 of 44 tokens
+        while state is RequestState.FLUSHING and p.requests.get("x").state is not state:
+            p.step()
+    core = p if state in (RequestState.SENDING, RequestState.FLUSHING) else d
+    assert core.requests.get("x").state is state
+    return core
+
+
+def abort_the_rest(p: EngineCore, d: EngineCore) -> None:
+    """Abort what into_state left besides "x"; then both engines hold nothing at all."""
+    for rid in ("hog", "x"):
+        d.abort_request(rid)
+    for engine in (p, d):
+        engine.poll()
+        engine.check_integrity()
+        stats = engine.stats()
+        assert len(engine.requests) == 0
+        assert (stats.kv_pages_free, stats.kv_pages_used, stats.kv_pages_cached,
+                stats.running, stats.waiting) == (stats.kv_pages_total, 0, 0, 0, 0)
+        assert (stats.kv_reservations, stats.kv_send_jobs, stats.kv_recv_waiting) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("state", RequestState)
+def test_an_abort_in_any_state_leaves_no_request_and_every_page_free(bare, prompts, state):
+    p, d = bare
+    core = into_state(p, d, prompts[0], prompts[2], state)  # prompts[0]: 45 tokens, 11 pages
+    out = core.abort_request("x")
+    assert "x" not in core.requests
+    stats = core.stats()
+    used = 15 if state is RequestState.RECV_WAITING else 0  # "hog"'s
+    assert (stats.kv_pages_used, stats.running, stats.waiting) == (used, 0, 0)
+    assert (stats.kv_send_jobs, stats.kv_recv_waiting) == (0, 0)
+    if state is RequestState.GENERATING:
+        assert out.finish_reason == FinishReason.ABORT and out.token_ids == []
+    else:
+        assert out is None
+    if state in (RequestState.RECV_WAITING, RequestState.SENDING, RequestState.FLUSHING):
+        (rid, answer), = core.poll()  # the call waiting for its answer gets a 409
+        assert rid == "x" and answer.status == 409
+    abort_the_rest(p, d)
+
+
+@pytest.mark.parametrize("state", RequestState)
+def test_an_id_in_any_state_is_in_use_for_every_call(bare, prompts, state):
+    """One lookup answers them all; start_generate may only take over a reservation."""
+    p, d = bare
+    prompt = prompts[0]
+    core = into_state(p, d, prompt, prompts[2], state)
+    addr = p.exchange.prep_recv("addr", prompt, -1, None).kv_addr  # a valid one to send to
+    calls = [lambda: core.exchange.prep_recv("x", prompt, -1, None),
+             lambda: core.remote_send("x", prompt, 0, -1, addr)]
+    if state is not RequestState.RESERVED:
+        calls.append(lambda: core.add_request("x", prompt, greedy()))
+    for call in calls:
+        with pytest.raises(MicroservingError, match="request_id 'x' is already in use") as e:
+            call()
+        assert e.value.status == 409
+    assert core.requests.get("x").state is state
+    p.abort_request("addr")
+    core.abort_request("x")
+    abort_the_rest(p, d)
+
+
+def test_check_integrity_catches_pages_held_by_a_request_gone_from_the_table(bare, prompts):
+    _, d = bare
+    d.exchange.prep_recv("x", prompts[0], -1, None)
+    entry = d.requests.finish("x")  # behind the exchange's back: its pages stay held
+    with pytest.raises(IntegrityError, match=r"pages held by \{'x'\}"):
+        d.check_integrity()
+    d.requests.reserve("x", entry.reservation)
+    d.abort_request("x")
+    assert_clean(d)
+
+
 # ---- what a caller cannot make an engine do ----------------------------------------------------
 
 
@@ -302,7 +408,7 @@ def test_leases_are_finite_and_bounded(pair, prompts):
         assert str(e.value) == (f"lease_s {lease_s} must be in (0, 600.0] (this engine's "
                                 "--kv-lease-max-s)")
     r = d.exchange.prep_recv("lease", prompts[0], -1, 600.0)  # the maximum is fine
-    assert d.exchange.reservations["lease"].deadline <= time.monotonic() + 600.0
+    assert d.requests.get("lease").reservation.deadline <= time.monotonic() + 600.0
     d.exchange.abort("lease")
     assert_clean(p, d)
 
@@ -319,11 +425,11 @@ def test_remote_send_refuses_a_transfer_descriptor_not_signed_by_the_deployment(
     for transfer in (unsigned, {**real, "pid": 1}, {**real, "port": 1},
                      sign(unsigned, stranger), {"kind": "tcp", "host": "10.0.0.1", "port": 22}):
         with pytest.raises(MicroservingError) as e:
-            p.exchange.remote_send("forged", prompt, 0, -1,
+            p.remote_send("forged", prompt, 0, -1,
                                    dataclasses.replace(addr, transfer=transfer))
         assert (e.value.status, e.value.param) == (400, "kv_addr.transfer")
         assert str(e.value).startswith("refusing to send: the transfer descriptor is not signed")
-    assert not p.exchange.jobs and p.exchange.sender._peers == peers  # nothing opened
+    assert p.stats().kv_send_jobs == 0 and p.exchange.sender._peers == peers  # nothing opened
     d.exchange.abort("forged")
     assert_clean(p, d)
 
@@ -337,7 +443,7 @@ def test_an_engine_without_a_key_neither_receives_nor_sends(tiny_model_dir, prom
     keyed = make_core(tiny_model_dir, "shm")
     addr = keyed.exchange.prep_recv("x", prompts[0], -1, None).kv_addr
     with pytest.raises(MicroservingError, match="no engine key .--api-key. to verify"):
-        lone.exchange.remote_send("x", prompts[0], 0, -1, addr)
+        lone.remote_send("x", prompts[0], 0, -1, addr)
     keyed.exchange.abort("x")
     assert_clean(lone, keyed)
     lone.close()
@@ -360,7 +466,7 @@ def small_d(tiny_model_dir):
 def answers(core: EngineCore) -> dict:
     """The deferred answers poll() gives now, by request id."""
     core.exchange.admit_waiting(time.monotonic())
-    return dict(core.exchange.poll())
+    return dict(core.poll())
 
 
 def test_prep_recv_waits_in_order_for_pages_and_the_waited_reservation_works(
@@ -387,7 +493,7 @@ def test_prep_recv_waits_in_order_for_pages_and_the_waited_reservation_works(
     assert tokens == ref[0]
     d.abort_request("small")
     assert_clean(p, d)
-    assert not d.exchange.waiting
+    assert d.stats().kv_recv_waiting == 0
 
 
 def test_a_waiting_prep_recv_gives_up_after_wait_s_or_when_aborted(pair, small_d, prompts):
@@ -452,22 +558,22 @@ def test_the_sender_renews_the_lease_while_it_holds_the_job(pair, prompts):
     reset(p, d)
     prompt = prompts[1]
     r = d.exchange.prep_recv("renew", prompt, -1, 0.5)
-    res = d.exchange.reservations["renew"]
+    res = d.requests.get("renew").reservation
     granted = res.deadline - 0.5
     assert d.transfer.renewed_at(res.window) is None
-    p.exchange.remote_send("renew", prompt, 0, -1, r.kv_addr)  # queued: P is not stepped
+    p.remote_send("renew", prompt, 0, -1, r.kv_addr)  # queued: P is not stepped
     p.exchange.sender.renew_all()
     wait_for(lambda: (d.transfer.renewed_at(res.window) or 0) > granted)  # tcp: a frame
     renewed = d.transfer.renewed_at(res.window)
     assert d.exchange.expire_leases(granted + 0.5) == 0  # would have expired without renewals
-    assert d.exchange.reservations["renew"].deadline >= renewed + 0.5
+    assert d.requests.get("renew").reservation.deadline >= renewed + 0.5
     assert p.abort_request("renew") is None  # P lets go: no more renewals
     last = d.transfer.renewed_at(res.window)
     time.sleep(0.3)  # more than a renewal interval: nobody renews now
     assert d.transfer.renewed_at(res.window) == last
     assert d.exchange.expire_leases(last + 0.49) == 0
     assert d.exchange.expire_leases(last + 0.5) == 1
-    p.exchange.poll()
+    p.poll()
     assert_clean(p, d)
 
 
@@ -479,10 +585,10 @@ def test_a_closed_window_stops_the_sender_before_it_computes(tiny_model_dir, pro
     try:
         prompt = prompts[0]
         r = d.exchange.prep_recv("dropped", prompt, -1, None)
-        p.exchange.remote_send("dropped", prompt, 0, -1, r.kv_addr)
+        p.remote_send("dropped", prompt, 0, -1, r.kv_addr)
         d.abort_request("dropped")
         p.exchange.sender.renew_all()
-        (rid, error), = p.exchange.poll()
+        (rid, error), = p.poll()
         assert rid == "dropped" and error.status == 502
         assert "closed window" in str(error)
         assert not p.has_work()  # never computed

@@ -235,11 +235,11 @@ def test_remote_send_to_an_nvshmem_receiver_of_another_group_is_a_clear_502(tiny
         addr = dataclasses.replace(addr, transfer=sign(
             {**real, "kind": "nvshmem", "group": "ab12", "pe": 1, "npes": 2}, KEY))
         with pytest.raises(MicroservingError) as e:
-            p.exchange.remote_send("x", prompt, 0, -1, addr)
+            p.remote_send("x", prompt, 0, -1, addr)
         assert e.value.status == 502
         assert "the receiver is PE 1 of NVSHMEM group ab12 and this engine is in no NVSHMEM " \
                "group" in str(e.value)
-        assert not p.exchange.jobs and p.kv.pool.num_free == p.kv.pool.num_pages
+        assert p.stats().kv_send_jobs == 0 and p.kv.pool.num_free == p.kv.pool.num_pages
         d.exchange.abort("x")
     finally:
         p.close()

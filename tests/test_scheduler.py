@@ -1,6 +1,6 @@
 """Exact scheduling decisions: token budget, chunked prefill, decode first, admission only when
-pages exist, preemption by recompute, prefix reuse. No model: a step is simulated by advancing
-`num_computed_tokens` and appending token 0 where the scheduler asked for a sample."""
+pages exist, preemption by recompute, prefix reuse. No model: a step is simulated by
+`Scheduler.advance` and appending token 0 where the scheduler asked for a sample."""
 
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
@@ -16,9 +16,9 @@ def seq(rid, n_prompt, arrival, start=0, max_tokens=100):
 
 def run_step(sched: Scheduler):
     out = sched.schedule()
-    for e in out.scheduled:
-        before = e.seq.num_computed_tokens
-        e.seq.num_computed_tokens += e.num_new_tokens
+    computed = [e.seq.num_computed_tokens for e in out.scheduled]
+    sched.advance(out)
+    for e, before in zip(out.scheduled, computed):
         if e.sample:
             e.seq.output_token_ids.append(0)
         if e.seq.num_computed_tokens // PS > before // PS:
@@ -122,10 +122,9 @@ def test_a_sequence_holding_received_kv_overtakes_a_head_that_needs_its_pages():
     kv = KVCacheManager(num_pages=4, page_size=PS)
     s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
     s.add(seq("big", 13, 0))
-    recv = seq("recv", 8, 1, start=100, max_tokens=1)
     kv.open("recv", [])
     assert kv.allocate("recv", 7)  # the received prompt[:7], as adopt_for_generate leaves it
-    recv.num_computed_tokens = 7
+    recv = Sequence("recv", list(range(100, 108)), SamplingParams(1), 1, num_computed_tokens=7)
     s.add(recv)
     s.add(seq("small", 2, 2, start=200))  # needs computing: does not overtake "big"
     assert s.pages_owed() == 4  # what receives must leave "big"

@@ -248,7 +248,7 @@ def test_engine_core_frees_grammars_however_a_request_ends(smollm2_dir):
     assert len(tokens["free"]) == 3 and len(core.grammars) == 0
     with pytest.raises(ValueError, match="invalid grammar"):
         core.add_request("bad", prompt, SamplingParams(max_tokens=5, grammar="start: /a(/"))
-    assert len(core.grammars) == 0 and not core.seqs
+    assert len(core.grammars) == 0 and len(core.requests) == 0
     core.check_integrity()
     core.close()
     _, overlapped, _, tokens_async, finish_async = run_core(smollm2_dir, overlap=True)
