@@ -341,8 +341,13 @@ class KVExchange:
         copy_end = min(matched, end)
         reused = max(0, copy_end - begin)
         if reused:
-            src = torch.tensor(self.kv.slots(request_id, begin, copy_end))
-            self.sender.write_all_layers(request_id, src, torch.tensor(dst[:reused]))
+            try:
+                src = torch.tensor(self.kv.slots(request_id, begin, copy_end))
+                self.sender.write_all_layers(request_id, src, torch.tensor(dst[:reused]))
+            except BaseException:  # nothing may outlive the refused call
+                self.sender.cancel(request_id)
+                self.kv.free(request_id)
+                raise
         job = SendJob(begin, end, dst, reused, computed=end - matched if matched < end else 0)
         if matched >= end:
             self.requests.flush(request_id, job)

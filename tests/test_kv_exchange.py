@@ -620,3 +620,29 @@ def test_auto_receives_by_the_devices_own_way_only_with_an_engine_key(device, ha
     config = EngineConfig(model="m", device=device)
     assert config.resolved_kv_transfer(has_key=has_key) == kind
     assert EngineConfig(model="m", device=device, kv_transfer="tcp").resolved_kv_transfer() == "tcp"
+
+
+def test_a_remote_send_failing_while_it_copies_its_cached_prefix_leaves_nothing(
+        pair, prompts, ref, monkeypatch):
+    """The cached part of a send is written at once; if that raises, the call fails and
+    neither its pages nor its transfer job outlive it."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]
+    generate(p, "warm", prompt)  # prompt's pages now in P's prefix cache
+    addr = d.exchange.prep_recv("copy-fails", prompt, -1, None).kv_addr
+
+    def broken(*args):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(p.exchange.sender, "write_all_layers", broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        p.remote_send("copy-fails", prompt, 0, -1, addr)
+    assert "copy-fails" not in p.exchange.sender._jobs
+    d.exchange.abort("copy-fails")
+    assert_clean(p, d)
+    monkeypatch.undo()  # and the same send then goes through
+    addr = d.exchange.prep_recv("copy-fails", prompt, -1, None).kv_addr
+    assert send(p, "copy-fails", prompt, 0, -1, addr).reused > 0
+    d.exchange.abort("copy-fails")
+    assert_clean(p, d)
