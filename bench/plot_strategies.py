@@ -5,8 +5,9 @@
 
 --layout latency (Fig. 10, 11): four panels — mean TTFT, mean TPOT, mean JCT and P99 JCT
 against the per-GPU request rate, one line per strategy, from one or more result files.
---layout ratio (Fig. 13): P99 JCT against the per-GPU rate, one panel per result file (an
-input length each), one line per strategy (the balance ratios, and the adaptive one).
+--layout ratio (Fig. 13): P99 JCT against the per-GPU rate, one panel per workload (an input
+length each), one line per strategy (the balance ratios, and the adaptive one).
+Runs of one strategy from several files join into one line; --strategies picks the lines.
 
 Runs that did not answer every request are drawn hollow: past saturation, their latencies
 count only the requests that finished in time. Needs matplotlib (`pip install matplotlib`).
@@ -43,21 +44,27 @@ def _label(record: dict) -> str:
             f"output {lengths['output'][1]:g}")
 
 
-def plot(records: list[dict], layout: str, out: str, title: str | None) -> None:
+def plot(records: list[dict], layout: str, out: str, title: str | None,
+         strategies: list[str] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    by_workload: dict[str, list[dict]] = {}
+    for rec in records:
+        by_workload.setdefault(_label(rec), []).extend(
+            r for r in rec["runs"] if strategies is None or r["strategy"] in strategies)
     if layout == "latency":
-        panels = [([r for rec in records for r in rec["runs"]], *p, None)
-                  for p in PANELS["latency"]]  # fmt: skip
+        runs = [r for rs in by_workload.values() for r in rs]
+        panels = [(runs, *p, None) for p in PANELS["latency"]]
     else:
-        panels = [(rec["runs"], *PANELS["ratio"][0], _label(rec)) for rec in records]
+        panels = [(runs, *PANELS["ratio"][0], label) for label, runs in by_workload.items()]
+    colors: dict[str, str] = {}  # one color per strategy in every panel
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (runs, metric, stat, ylabel, sub) in zip(axes[0], panels):
-        for i, (strategy, points) in enumerate(series(runs, metric, stat).items()):
-            color = f"C{i}"
+        for strategy, points in series(runs, metric, stat).items():
+            color = colors.setdefault(strategy, f"C{len(colors)}")
             xs, ys = [p[0] for p in points], [p[1] for p in points]
             ax.plot(xs, ys, "-", color=color, label=strategy)
             for x, y, complete in points:
@@ -68,7 +75,7 @@ def plot(records: list[dict], layout: str, out: str, title: str | None) -> None:
             ax.set_title(sub, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(title or ", ".join(sorted({_label(r) for r in records})), fontsize=10)
+    fig.suptitle(title or ", ".join(by_workload), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -80,12 +87,14 @@ def main() -> None:
     ap.add_argument("--layout", choices=sorted(PANELS), default="latency")
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--strategies", default=None, help="comma-separated: only these lines")
     args = ap.parse_args()
     records = []
     for path in args.results:
         with open(path) as f:
             records.append(json.load(f))
-    plot(records, args.layout, args.out, args.title)
+    plot(records, args.layout, args.out, args.title,
+         args.strategies.split(",") if args.strategies else None)
     print(args.out)
 
 

@@ -56,3 +56,30 @@ def test_schedules_repeat_per_rate_and_arrive_at_the_rate():
     times = [t for t, _, _ in a]
     assert times[0] == 0.0 and times == sorted(times)
     assert abs(times[-1] / (len(times) - 1) - 1 / 5.0) < 0.01  # mean gap 1 / rate
+
+
+def test_plot_lines_come_from_the_recorded_runs(tmp_path):
+    """series() takes each strategy's runs in rate order (JCT in seconds, hollow when not every
+    request answered), and plot() draws the recorded pipeline check to a PNG."""
+    import json
+    from pathlib import Path
+
+    from bench.plot_strategies import plot, series
+
+    runs = [
+        {"strategy": "dp", "rate_per_gpu": 2.0, "completed": 9, "requests": 10,
+         "jct": {"mean_ms": 2500.0, "p99_ms": 4000.0}, "ttft": {"mean_ms": 80.0}},
+        {"strategy": "dp", "rate_per_gpu": 1.0, "completed": 5, "requests": 5,
+         "jct": {"mean_ms": 1500.0, "p99_ms": 2000.0}, "ttft": {"mean_ms": 50.0}},
+        {"strategy": "pd", "rate_per_gpu": 1.0, "completed": 0, "requests": 5,
+         "jct": {}, "ttft": {}},
+    ]
+    assert series(runs, "jct", "p99_ms") == {"dp": [(1.0, 2.0, True), (2.0, 4.0, False)]}
+    assert series(runs, "ttft", "mean_ms") == {"dp": [(1.0, 50.0, True), (2.0, 80.0, False)]}
+    record = json.loads((Path(__file__).parent.parent / "docs/strategies/cpu-pipeline.json")
+                        .read_text())
+    pytest.importorskip("matplotlib")
+    for layout in ("latency", "ratio"):
+        out = tmp_path / f"{layout}.png"
+        plot([record], layout, str(out), None)
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
