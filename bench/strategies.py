@@ -204,7 +204,7 @@ class Bench:
                 raise RuntimeError(f"the deployment was not ready after {timeout_s:g} s")
             await asyncio.sleep(1.0)
 
-    async def _admin(self, method: str, path: str, **kw) -> dict:
+    async def call(self, method: str, path: str, **kw) -> dict:
         resp = await self.admin.request(method, path, **kw)
         if resp.status_code != 200:
             raise RuntimeError(f"{method} {path}: {resp.status_code} {resp.text[:300]}")
@@ -214,12 +214,12 @@ class Bench:
         """Swap the strategy in and drain the engines it does not use. Its description."""
         for name in all_engines:
             action = "undrain" if run.engines is None or name in run.engines else "drain"
-            await self._admin("POST", f"/admin/engines/{name}/{action}")
-        return await self._admin("PUT", "/admin/strategy",
+            await self.call("POST", f"/admin/engines/{name}/{action}")
+        return await self.call("PUT", "/admin/strategy",
                                  json={"builtin": run.builtin, "args": run.args})
 
     async def engine_counters(self) -> dict[str, dict]:
-        engines = (await self._admin("GET", "/admin/engines"))["engines"]
+        engines = (await self.call("GET", "/admin/engines"))["engines"]
         keys = ("prompt_tokens", "generation_tokens", "kv_tokens_sent", "kv_tokens_received",
                 "preemptions")
         return {e["name"]: {k: e["load"].get(k, 0) for k in keys} for e in engines}
@@ -229,7 +229,7 @@ class Bench:
         router has polled their counters since."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            engines = (await self._admin("GET", "/admin/engines"))["engines"]
+            engines = (await self.call("GET", "/admin/engines"))["engines"]
             if all(e["open_generations"] == 0 and e["open_sends"] == 0
                    and e["load"].get("running", 0) == 0 and e["load"].get("waiting", 0) == 0
                    for e in engines):
@@ -302,6 +302,7 @@ async def main_async(args) -> dict:
     else:
         base_url, api_key, admin_token = args.base_url, args.api_key, args.admin_token
     bench = Bench(base_url, api_key, admin_token, args)
+    names: list[str] = []
     record = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(), "deployment": args.deployment, "model": args.model,
@@ -330,7 +331,7 @@ async def main_async(args) -> dict:
                 before = await bench.engine_counters()
                 result = await bench.run(model, work, random.Random(f"{args.seed}/{k}/{rate}"))
                 await bench.settle()
-                active = (await bench._admin("GET", "/admin/strategy"))["active"]
+                active = (await bench.call("GET", "/admin/strategy"))["active"]
                 entry = {"strategy": run.label, "builtin": run.builtin, "args": run.args,
                          "engines": used, "gpus": gpus, "rate_per_gpu": rate,
                          "rate": rate * gpus, **result,
@@ -341,13 +342,14 @@ async def main_async(args) -> dict:
                 print(_line(entry), flush=True)
                 if args.json:  # written after every run: a crash later keeps what ran
                     _write(args.json, record)
-                if saturated(result, args.stop_when_saturated):
+                if saturated(result, args.stop_when_saturated) and rate != rates[-1]:
                     print(f"# {run.label}: saturated at {rate:g} req/s per GPU; higher rates "
                           "skipped", flush=True)
                     break
-        for name in names:
-            await bench._admin("POST", f"/admin/engines/{name}/undrain")
     finally:
+        for name in names:  # a running deployment gets every engine back, even after an error
+            with contextlib.suppress(Exception):
+                await bench.call("POST", f"/admin/engines/{name}/undrain")
         await bench.close()
         if deployment is not None:
             deployment.stop()
