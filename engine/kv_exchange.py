@@ -350,8 +350,7 @@ class KVExchange:
                 raise
         job = SendJob(begin, end, dst, reused, computed=end - matched if matched < end else 0)
         if matched >= end:
-            self.requests.flush(request_id, job)
-            self.sender.finish(request_id)
+            self._flush(request_id, job)
             return None
         seq = Sequence(request_id, prompt[:end], SamplingParams(max_tokens=1), arrival,
                        num_computed_tokens=matched, num_cached_tokens=matched, send_only=True)
@@ -371,9 +370,13 @@ class KVExchange:
         """A send's last chunk is computed and its sequence out of the scheduler, pages kept:
         they stay held until the transfer is flushed."""
         rid = seq.request_id
-        self.requests.flush(rid, self.requests.get(rid).job)
         self.kv.cache_tokens(rid, seq.prompt_token_ids)
-        self.sender.finish(rid)
+        self._flush(rid, self.requests.get(rid).job)
+
+    def _flush(self, request_id: str, job: SendJob) -> None:
+        """The job is FLUSHING: the sender flushes its writes, then poll() answers it."""
+        self.requests.flush(request_id, job)
+        self.sender.finish(request_id)
 
     def drop_failed_sends(self) -> list[Sequence]:
         """Stop the sends still computing whose transfer failed (e.g. the receiver died); their
