@@ -15,6 +15,8 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
   ttft       an idle engine's time to first token (max_tokens 1) against the GPU time of the
              same steps: a cold 1,000-token prompt, and 500 new tokens over a cached 2,500
   decode256short  256 sequences decoding at context ~128: step wall time against GPU time
+  mixed      64 sequences decoding at context ~512 and a new 128-token prompt every step:
+             step wall time against GPU time, and the decode-only step beside it
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -118,6 +120,34 @@ def decode_short(core: EngineCore, vocab: int, batch: int = 256, context: int = 
             "output_tokens_per_s": batch / ms * 1e3}
 
 
+def mixed(core: EngineCore, vocab: int, batch: int = 64, chunk: int = 128) -> dict:
+    """`batch` sequences decoding at context ~512 while a new `chunk`-token prompt arrives
+    every step (max_tokens 1), so every step is mixed: a prefill chunk beside the decodes.
+    Wall time per step against the GPU's time on the same steps, and the decode-only step
+    of the same batch for comparison."""
+    for i, p in enumerate(prompts(batch, 512, vocab, 9)):
+        core.add_request(f"m{i}", p, params(400))
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in generating(core)):
+        core.step()
+    decode_ms, _ = steady_step_ms(core, 30, lambda: True)
+    arrivals = iter(enumerate(prompts(60, chunk, vocab, 10)))
+
+    def arrive() -> bool:
+        i, p = next(arrivals, (None, None))
+        if p is not None:
+            core.add_request(f"mx{i}", p, params(1))
+        return p is not None
+
+    timer = StepTimer(core)
+    torch.cuda.synchronize()
+    ms, n = steady_step_ms(core, 60, arrive)
+    gpu = timer.close()
+    drain(core)
+    gpu_ms = gpu["gpu_s"] / max(gpu["gpu_steps"], 1) * 1e3
+    return {"step_ms": ms, "gpu_step_ms": gpu_ms, "wall_over_gpu": ms / gpu_ms, "steps": n,
+            "decode_only_step_ms": decode_ms}
+
+
 def host_overhead(core: EngineCore, vocab: int, batch: int = 128) -> dict:
     """Share of a decode step (`batch` sequences at context 1,024) the GPU sits idle, from the
     profiler's kernel times, with the kernels that take the time."""
@@ -218,31 +248,34 @@ def offline(core: EngineCore, vocab: int, n: int = 1000, cprofile: bool = False)
             "wall_over_gpu": wall / max(gpu["gpu_s"], 1e-9)}
 
 
+def first_token(core: EngineCore, rid: str, prompt: list[int]) -> tuple[float, float, int]:
+    """Idle engine: ms from add_request to the first token (max_tokens 1), the GPU's ms on the
+    same steps, and the steps."""
+    timer = StepTimer(core)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    core.add_request(rid, prompt, params(1))
+    while core.has_work():
+        if any(o.request_id == rid and o.token_ids for o in core.step()):
+            break
+    wall = time.perf_counter() - t
+    drain(core)
+    gpu = timer.close()
+    return wall * 1e3, gpu["gpu_s"] * 1e3, gpu["gpu_steps"]
+
+
 def ttft(core: EngineCore, vocab: int, repeat: int = 5) -> dict:
     """Idle engine, max_tokens 1: wall time from add_request to the token, and the GPU's time
     on the same steps. Cold: a fresh 1,000-token prompt. Cached: 500 new tokens after a
     2,500-token context that an earlier request left in the prefix cache."""
-
-    def first_token(rid: str, prompt: list[int]) -> tuple[float, float, int]:
-        timer = StepTimer(core)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        core.add_request(rid, prompt, params(1))
-        while core.has_work():
-            if any(o.request_id == rid and o.token_ids for o in core.step()):
-                break
-        wall = time.perf_counter() - t
-        drain(core)
-        gpu = timer.close()
-        return wall * 1e3, gpu["gpu_s"] * 1e3, gpu["gpu_steps"]
 
     out = {}
     for name, (context, new) in {"cold_1000": (0, 1000), "cached_2500_new_500": (2500, 500)}.items():
         rows = []
         for i, p in enumerate(prompts(repeat + 1, context + new, vocab, 20 + context)):
             if context:
-                first_token(f"ctx-{name}-{i}", p[:context])
-            rows.append(first_token(f"{name}-{i}", p))
+                first_token(core, f"ctx-{name}-{i}", p[:context])
+            rows.append(first_token(core, f"{name}-{i}", p))
         rows = sorted(rows[1:])  # the first pays compiles
         wall, gpu, steps = rows[len(rows) // 2]
         out[name] = {"ttft_ms": wall, "gpu_ms": gpu, "steps": steps, "ratio": wall / gpu,
@@ -281,7 +314,7 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "overhead": host_overhead, "offline": offline,
            "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1),
            "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
-           "decode256short": decode_short,
+           "decode256short": decode_short, "mixed": mixed,
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),
            }  # fmt: skip
 
@@ -293,18 +326,27 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-piecewise-tokens", type=int, default=None,
+                    help="steps with prompt tokens replay piecewise graphs up to this size "
+                         "(default: the engine's; 0: eager)")
     ap.add_argument("--no-gemv", action="store_true",
                     help="batch-1 projections through cuBLAS, not the Triton GEMV")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch the GEMV without programmatic dependent launch")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
-                    help="torch's GEMM library (default: the engine's, cublaslt)")
+                    help="torch's GEMM library in CUDA graphs (default: the engine's)")
+    ap.add_argument("--eager-blas", choices=("cublas", "cublaslt"), default=None,
+                    help="torch's GEMM library in steps run eagerly (default: the engine's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.blas:
         import engine.model_runner
 
         engine.model_runner.BLAS_LIBRARY = args.blas
+    if args.eager_blas:
+        import engine.model_runner
+
+        engine.model_runner.EAGER_BLAS_LIBRARY = args.eager_blas
     model_dir = str(resolve_model(args.model))
     wanted = args.only.split(",")
     results = {"model": args.model, "device": torch.cuda.get_device_name(),
@@ -313,15 +355,21 @@ def main() -> None:
         import engine.kernels.pdl
 
         engine.kernels.pdl.ENABLED = False
-    results["blas"] = args.blas or "cublaslt"
+    import engine.model_runner as runner
+
+    results["blas"] = runner.BLAS_LIBRARY
+    results["eager_blas"] = runner.EAGER_BLAS_LIBRARY
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
     t = time.perf_counter()
     core = EngineCore(EngineConfig(
         model=model_dir, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+        **({} if args.max_piecewise_tokens is None else
+           {"max_piecewise_tokens": args.max_piecewise_tokens}),
         decode_gemv=not args.no_gemv,
     ))  # fmt: skip
     results["startup_s"] = time.perf_counter() - t
+    results["max_piecewise_tokens"] = core.config.max_piecewise_tokens
     results["kv_capacity_tokens"] = core.info.kv_capacity_tokens
     vocab = core.info.vocab_size
     print(json.dumps(results), flush=True)

@@ -34,7 +34,10 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
-    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    # CUDA: steps with prompt tokens, up to this many tokens in all, replay piecewise CUDA
+    # graphs (attention eager between them; engine/cuda_graphs.py); 0: they run eagerly
+    max_piecewise_tokens: int = 512
     # launch step N before reading step N-1's tokens back; None: on for CUDA, off for CPU
     # (where the host is not waiting on a device and overlap would only delay each token)
     async_scheduling: bool | None = None
@@ -80,6 +83,8 @@ class EngineConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.max_piecewise_tokens < 0:
+            raise ValueError(f"max_piecewise_tokens must be >= 0, got {self.max_piecewise_tokens}")
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -20,14 +20,26 @@ from engine.sampler import PendingSample, Sampler, TokenMask
 from kvcache.forward import ForwardBatch, KVSend, SeqForward
 from kvcache.manager import PageCopy
 
-BLAS_LIBRARY = "cublaslt"  # torch's GEMM path on CUDA (see ModelRunner); bench flag --blas
+# torch's GEMM library on CUDA (see ModelRunner): for the GEMMs captured in CUDA graphs, and
+# for those of steps run eagerly. Bench flags --blas and --eager-blas.
+BLAS_LIBRARY = "cublaslt"
+EAGER_BLAS_LIBRARY = "cublaslt"
 from kvcache.paged import PagedKVCache
 from microserve.messages import SamplingParams
 
 if TYPE_CHECKING:  # CUDA-only modules import triton; load them only on CUDA
-    from engine.cuda_graphs import DecodeGraphs
+    from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def set_blas_library(name: str) -> str:
+    """Make `name` torch's GEMM library for this process; returns the one before."""
+    before = torch.backends.cuda.preferred_blas_library()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "experimental feature"
+        torch.backends.cuda.preferred_blas_library(name)
+    return str(before).rsplit(".", 1)[-1].lower()
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -40,7 +52,9 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 class ModelRunner:
     """Args: config (sizes, device), dtype. On CUDA the model runs its Triton kernels, attention
-    is the Triton backend, and decode steps replay CUDA graphs unless config.enforce_eager."""
+    is the Triton backend, and steps replay CUDA graphs unless config.enforce_eager: whole
+    graphs for decode-only steps, piecewise ones (attention eager) for steps with prompt
+    tokens up to config.max_piecewise_tokens (engine/cuda_graphs.py)."""
 
     def __init__(self, config: EngineConfig, dtype: torch.dtype):
         self.engine_config = config
@@ -57,9 +71,7 @@ class ModelRunner:
             # ran 47 us against 55 us under the default cuBLAS path, the others equal, which
             # made a batch-128 decode step 2% faster (H100, 2026-11-23, docs/benchmarks.md).
             # The setting is process-wide; an engine owns its process.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "experimental feature"
-                torch.backends.cuda.preferred_blas_library(BLAS_LIBRARY)
+            set_blas_library(EAGER_BLAS_LIBRARY)
         backend = config.attention_backend
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
@@ -68,6 +80,7 @@ class ModelRunner:
                                triton_argmax=self.cuda and self.triton)
         self.kv: PagedKVCache | None = None  # set by allocate_kv
         self.graphs: DecodeGraphs | None = None  # set by allocate_kv on CUDA
+        self.pieces: PiecewiseGraphs | None = None  # likewise
         self._last_tokens: torch.Tensor | None = None  # the previous step's sampled ids (device)
 
     def kv_bytes_per_page(self, page_size: int) -> int:
@@ -137,12 +150,20 @@ class ModelRunner:
             c.num_layers, num_pages, config.page_size, c.num_kv_heads, c.head_dim,
             self.dtype, self.device, backend, pool,
         )  # fmt: skip
-        self.graphs = None
+        self.graphs = self.pieces = None
         if self.cuda and self.triton and capture_graphs and not config.enforce_eager:
-            from engine.cuda_graphs import DecodeGraphs
+            from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
-            self.graphs.capture()
+            before = set_blas_library(BLAS_LIBRARY)
+            try:
+                self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
+                self.graphs.capture()
+                tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
+                if tokens > 0:
+                    self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens)
+                    self.pieces.capture()
+            finally:
+                set_blas_library(before)
 
     @torch.inference_mode()
     def execute(
@@ -192,6 +213,8 @@ class ModelRunner:
                     self._last_tokens[to_device(src, torch.long, self.device)])  # fmt: skip
         if self.graphs is not None and not sends and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch, input_ids, fill)
+        elif self.pieces is not None and self.pieces.can_run(batch):
+            hidden = self.pieces.run(batch, input_ids, fill)
         else:
             hidden = self._forward_eager(batch, input_ids, fill)
         self._last_tokens = None

@@ -114,9 +114,20 @@ class PagedKVCache:
 
     def attention(self, layer: int, q, k, v, positions, cos_sin):
         out = self.backend.forward(self.kv[layer], q, k, v, positions, cos_sin)
+        self._layer_written(layer)
+        return out
+
+    def attend_stored(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The second half of `attention` when the first (RoPE and the KV write, the
+        backend's `store`) ran inside a CUDA graph piece: attend into `out`, then hand the
+        layer's KV to the sends (engine/cuda_graphs.py, PiecewiseGraphs)."""
+        self.backend.attend(self.kv[layer], q, out)
+        self._layer_written(layer)
+        return out
+
+    def _layer_written(self, layer: int) -> None:
         for job_id, src, dst in self._sends:  # this layer's KV is in the pool now
             self.sender.layer_written(job_id, layer, src, dst)
-        return out
 
     def end_forward(self) -> None:
         assert self._batch is not None, "end_forward without begin_forward"

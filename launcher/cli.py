@@ -63,7 +63,10 @@ def _engine_args(sub) -> None:
                                                        "(default: 256)")
     _config_option(p, "--max-model-len", type=int)
     _config_option(p, "--no-prefix-cache", "enable_prefix_cache", action="store_false")
-    _config_option(p, "--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+    _config_option(p, "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    _config_option(p, "--max-piecewise-tokens", type=int,
+                   help="CUDA: steps with prompt tokens, up to this many in all, replay "
+                        "piecewise CUDA graphs, attention eager (default: 512; 0: eager)")
     _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
                    help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
     _config_option(p, "--seed", type=int)

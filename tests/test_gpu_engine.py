@@ -35,10 +35,16 @@ def test_fp32_tiny_equals_hf_on_gpu(tiny_model_dir, tiny_ref, eager):
     prompts, ref = tiny_ref
     core = make_core(tiny_model_dir, dtype="float32", enforce_eager=eager,
                      max_num_batched_tokens=40)  # fmt: skip
-    assert (core.runner.graphs is None) == eager
+    runner = core.runner
+    assert (runner.graphs is None) == eager and (runner.pieces is None) == eager
+    piecewise = []
+    if not eager:  # prefill steps replay the piecewise graphs (every step here is <= 40 tokens)
+        run = runner.pieces.run
+        runner.pieces.run = lambda *a: piecewise.append(len(a[1])) or run(*a)
     got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
     for i, expected in enumerate(ref):
         assert got[f"r{i}"][0] == expected, f"prompt {i} (len {len(prompts[i])})"
+    assert eager or (runner.pieces.buckets == [16, 32, 40] and len(piecewise) >= 7)
     # Prefix-cache hits through the extend kernel over cached pages.
     got = run_all(core, {f"again{i}": p for i, p in enumerate(prompts)})
     for i, expected in enumerate(ref):
@@ -69,6 +75,45 @@ def test_bf16_graph_replay_matches_eager(tiny_model_dir):
         graph = runner.graphs.run(batch, ids).clone()
         eager = runner._forward_eager(batch, ids)
     torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_piecewise_replay_matches_eager(tiny_model_dir):
+    """A mixed step (two decodes and a 30-token prefill chunk, padded to the 32-token bucket)
+    replayed as piecewise graphs matches the same step run eagerly, and stores the same KV."""
+    import torch
+
+    from kvcache.forward import ForwardBatch, SeqForward
+
+    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False)
+    runner = core.runner
+    for i, p in enumerate(random_prompts([20, 50], seed=6)):
+        core.add_request(f"r{i}", p, greedy(8))
+    for _ in range(3):
+        core.step()
+    seqs = core.scheduler.running
+    prompt = random_prompts([30], seed=7)[0]
+    core.kv.open("new", [])
+    assert core.kv.allocate("new", 30)
+    batch = ForwardBatch(
+        [SeqForward(s.request_id, s.num_computed_tokens, 1, core.kv.page_table(s.request_id))
+         for s in seqs] + [SeqForward("new", 0, 30, core.kv.page_table("new"))],
+        core.kv.page_size,
+    )  # fmt: skip
+    ids = [s.output_token_ids[-1] for s in seqs] + prompt
+    slots = torch.tensor(batch.slot_mapping(), device="cuda")
+    kv = runner.kv.kv
+    with torch.inference_mode():
+        before = kv.flatten(2, 3).clone()
+        pieces = runner.pieces.run(batch, ids).clone()
+        stored = kv.flatten(2, 3)[:, :, slots].clone()
+        untouched = torch.ones(before.shape[2], dtype=torch.bool, device="cuda")
+        untouched[slots] = False
+        assert torch.equal(kv.flatten(2, 3)[:, :, untouched], before[:, :, untouched])
+        eager = runner._forward_eager(batch, ids)
+        stored_eager = kv.flatten(2, 3)[:, :, slots].clone()
+    torch.testing.assert_close(pieces, eager, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(stored, stored_eager, atol=2e-2, rtol=2e-2)
+    core.kv.free("new")
 
 
 def test_bf16_batch1_gemv_matches_cublas(tiny_model_dir):

@@ -43,6 +43,42 @@ def test_triton_backend_engine_equals_hf(tiny_model_dir):
 
 
 
+def test_piecewise_forward_equals_hf_with_mixed_and_padded_steps(tiny_model_dir):
+    """The forward pass cut at attention (engine/cuda_graphs.py's PiecewiseGraphs, run here
+    without capturing: the same pieces, launched one by one) in the real engine: prefill
+    chunks beside decodes, every step padded to a bucket (16 or 24 tokens), Hugging Face's
+    greedy tokens; the pad rows store nothing (a stray write would corrupt another
+    sequence's KV and change its tokens)."""
+    from engine.cuda_graphs import PiecewiseGraphs
+
+    prompts = random_prompts([3, 9, 17, 30], seed=21)
+    ref = hf_greedy(tiny_model_dir, prompts, 10)
+    core = EngineCore(EngineConfig(model=tiny_model_dir, attention_backend="triton", page_size=4,
+                                   num_pages=64, max_num_batched_tokens=24, max_num_seqs=4))
+    runner = core.runner
+    pieces = PiecewiseGraphs(runner.model, runner.kv, runner.kv.backend, 24, capture=False)
+    assert pieces.buckets == [16, 24]
+    steps = []
+    run = pieces.run
+
+    def counted(batch, input_ids, fill=None):
+        chunks = sum(s.num_new_tokens > 1 for s in batch.seqs)
+        steps.append((len(input_ids), chunks, len(batch.seqs) - chunks))
+        return run(batch, input_ids, fill)
+
+    def eager(*args):
+        raise AssertionError("a step ran eagerly")
+
+    pieces.run = counted
+    runner.pieces, runner._forward_eager = pieces, eager
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(10))
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"][0] == expected, f"prompt {i}"
+    assert any(n not in (16, 24) for n, _, _ in steps)  # padded
+    assert any(chunks and decodes for _, chunks, decodes in steps)  # chunks beside decodes
+    core.check_integrity()
+
+
 def test_device_page_tables_follow_shared_prefixes_and_preemption(tiny_model_dir):
     """Page tables stay on the device between steps; the KV manager changes them in place when
     a sequence switches to a prefix another computed first, and frees them on preemption. The

@@ -129,10 +129,20 @@ class TritonAttentionBackend(AttentionBackend):
     # ---- per layer -------------------------------------------------------------------------
 
     def forward(self, kv_layer, q, k, v, positions, cos_sin):
+        self.store(kv_layer, q, k, v, positions, cos_sin, self.num_tokens)
+        return self.attend(kv_layer, q, torch.empty_like(q))
+
+    def store(self, kv_layer, q, k, v, positions, cos_sin, num_tokens: int) -> None:
+        """RoPE on q and k (in place) and k, v into the cache for the first `num_tokens` rows
+        (past the step's tokens, slot -1: nothing stored). Reads only device buffers, so a
+        CUDA graph may hold it (engine/cuda_graphs.py, PiecewiseGraphs)."""
+        rope_and_store_kv(q, k, v, positions, cos_sin, kv_layer[0], kv_layer[1],
+                          self.slot_mapping[:num_tokens])  # fmt: skip
+
+    def attend(self, kv_layer, q, out):
+        """Attention of the step's q rows over the cache (their own K/V stored), into out."""
         k_cache, v_cache = kv_layer[0], kv_layer[1]
         t = self.num_tokens
-        rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, self.slot_mapping[:t])
-        out = torch.empty_like(q)
         nd = self.num_decode
         if nd:
             ws = None

@@ -294,6 +294,35 @@ class LlamaForCausalLM(nn.Module):
         positions [T]; `attn` owns which tokens belong to which sequence."""
         return self.model(input_ids, positions, attn)
 
+    def forward_piece(self, i: int, bufs, t: int, store_kv) -> None:
+        """Piece i of the forward pass cut at each layer's attention, for piecewise CUDA graphs
+        (engine/cuda_graphs.py): from layer i-1's attention output (i = 0: the token ids) to
+        layer i's q, k, v, which `store_kv(i, q, k, v)` rotates and writes to the cache; piece
+        num_layers ends with the final-normed hidden states. Reads and writes only the first
+        t rows of bufs' input_ids, residual, attn_out, qkv and hidden. Needs the fused Triton
+        norms, which update the residual in place."""
+        m = self.model
+        residual = bufs.residual[:t]
+        if i == 0:
+            x = m.embed_tokens(bufs.input_ids[:t])
+            residual.copy_(x)
+            x = m.layers[0].input_layernorm(x)
+        else:
+            prev = m.layers[i - 1]
+            x, _ = prev.post_attention_layernorm(prev.self_attn.o_proj(bufs.attn_out[:t]),
+                                                 residual)  # fmt: skip
+            last = i == len(m.layers)
+            x, _ = (m.norm if last else m.layers[i].input_layernorm)(prev.mlp(x), residual)
+            if last:
+                bufs.hidden[:t].copy_(x)
+                return
+        sa = m.layers[i].self_attn
+        qkv = bufs.qkv[:t]
+        torch.mm(x, sa.qkv_proj.weight.t(), out=qkv)
+        q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
+        store_kv(i, q.view(t, sa.num_heads, sa.head_dim), k.view(t, sa.num_kv_heads, sa.head_dim),
+                 v.view(t, sa.num_kv_heads, sa.head_dim))  # fmt: skip
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the hidden rows [N, hidden] the runner samples from."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
