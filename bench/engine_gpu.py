@@ -17,6 +17,7 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
   decode256short  256 sequences decoding at context ~128: step wall time against GPU time
   mixed      64 sequences decoding at context ~512 and a new 128-token prompt every step:
              step wall time against GPU time, and the decode-only step beside it
+  mixed512   the same with 512-token prompts (576-token steps)
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -315,6 +316,7 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1),
            "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
            "decode256short": decode_short, "mixed": mixed,
+           "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),
            }  # fmt: skip
 
