@@ -142,18 +142,18 @@ class _StepBuffers:
 
 class PiecewiseGraphs:
     """Args: model (a LlamaForCausalLM with the Triton kernels on), kv, backend, max_tokens
-    (the largest step to run this way; buckets up to it), capture (False: run the pieces
+    (the largest step to run this way; buckets up to it), use_graphs (False: run the pieces
     eagerly, which tests the cut without a GPU)."""
 
     def __init__(self, model, kv: PagedKVCache, backend: TritonAttentionBackend,
-                 max_tokens: int, capture: bool = True):
+                 max_tokens: int, use_graphs: bool = True):
         self.model, self.kv, self.backend = model, kv, backend
         self.buckets = [b for b in PIECE_BUCKETS if b < max_tokens] + [max_tokens]
         self.num_layers = model.config.num_layers
         weight = model.model.embed_tokens.weight
         self.bufs = _StepBuffers(model.config, max_tokens, weight.dtype, weight.device)
         self.cos_sin = model.model.rotary_emb.cos_sin
-        self.use_graphs = capture
+        self.use_graphs = use_graphs
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         c = model.config
         self._q_size, self._heads, self._head_dim = c.num_heads * c.head_dim, c.num_heads, c.head_dim

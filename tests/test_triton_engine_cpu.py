@@ -56,7 +56,7 @@ def test_piecewise_forward_equals_hf_with_mixed_and_padded_steps(tiny_model_dir)
     core = EngineCore(EngineConfig(model=tiny_model_dir, attention_backend="triton", page_size=4,
                                    num_pages=64, max_num_batched_tokens=24, max_num_seqs=4))
     runner = core.runner
-    pieces = PiecewiseGraphs(runner.model, runner.kv, runner.kv.backend, 24, capture=False)
+    pieces = PiecewiseGraphs(runner.model, runner.kv, runner.kv.backend, 24, use_graphs=False)
     assert pieces.buckets == [16, 24]
     steps = []
     run = pieces.run
