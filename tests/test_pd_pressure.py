@@ -138,12 +138,15 @@ def kill(daemon: Daemon) -> None:
     os.kill(core, signal.SIGKILL)
 
 
-async def wait_until(condition, timeout_s: float = 60) -> None:
-    """Poll `condition` (blocking HTTP: in a thread, so the requests in flight go on)."""
+async def wait_until(condition, timeout_s: float = 60, unless=lambda: False) -> None:
+    """Poll `condition` (blocking HTTP: in a thread, so the requests in flight go on). Fails
+    if `unless()` (checked on the event loop) holds first, or when `condition` holds."""
     deadline = time.monotonic() + timeout_s
     while not await asyncio.to_thread(condition):
         assert time.monotonic() < deadline, "timed out"
+        assert not unless(), "the moment waited for never came"
         await asyncio.sleep(0.005)
+    assert not unless(), "the moment waited for came too late"
 
 
 @contextlib.contextmanager
@@ -168,15 +171,20 @@ def victim_and_survivor(model_dir, tmp_path_factory, victim_role: str
         next(survivor_gen, None)
 
 
+OPEN_AT_KILL = 4  # requests still unanswered when the victim dies, at least
+
+
 def kill_mid_send(router: RouterProcess, p: Daemon, victim: Daemon, batch: list[list[int]],
-                  settled, also=lambda: True) -> tuple[float, list]:
-    """Send `batch` through the router, kill `victim` while P sends KV (and `also()` holds),
-    and time how long until `settled()` holds. Returns that time and the requests' outcomes."""
+                  settled) -> tuple[float, list]:
+    """Send `batch` through the router, kill `victim` while P sends KV and OPEN_AT_KILL
+    requests or more are unanswered, and time how long until `settled()` holds. Returns that
+    time and the requests' outcomes."""
     async def run():
         async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
             during = [asyncio.create_task(complete(http, x)) for x in batch]
             # D holds what P fills
-            await wait_until(lambda: stat(p, "kv_send_jobs") > 0 and also())
+            await wait_until(lambda: stat(p, "kv_send_jobs") > 0,
+                             unless=lambda: sum(not t.done() for t in during) < OPEN_AT_KILL)
             kill(victim)
             killed = time.monotonic()
             await wait_until(settled, timeout_s=10)
@@ -215,17 +223,17 @@ def test_killing_the_decode_engine_stops_the_prefill_engine_at_once(tiny_served_
     batch = prompts(12, seed=5)  # D holds two at a time: P sends for a while
     want = hf_greedy(tiny_served_dir, batch, MAX_TOKENS)
     with victim_and_survivor(tiny_served_dir, tmp_path_factory, "decode") as (d, p, router):
-        # Killed while D generates nothing: a request D had begun to answer is not tried
-        # again (its first tokens are out), so it would end in a 503 by design.
         stopped_s, outcomes = kill_mid_send(router, p, d, batch,
-                                            lambda: stat(p, "kv_send_jobs") == 0,
-                                            also=lambda: stat(d, "running") == 0)
+                                            lambda: stat(p, "kv_send_jobs") == 0)
         # P dropped its sends to the dead engine (its renewals found it gone, or the router's
         # abort came) well within the 10 s limit above; docs/benchmarks.md records the time.
         print(f"P stopped sending {stopped_s:.3f} s after D was killed")
-        assert outcomes == want  # tried again: P serves them whole
-        assert router_metric(router, 'microserve_router_pd_fallbacks_total{missing="decode"}'
-                             ) >= 1
+        # Tried again, P serves them whole; but a request D had begun to answer is not (its
+        # first tokens are out): a 503 by design. D's 24 pages hold three requests at most.
+        failed = [i for i, (got, w) in enumerate(zip(outcomes, want)) if got != w]
+        assert all(outcomes[i] == 503 for i in failed) and len(failed) <= 3, outcomes
+        retried = router_metric(router, 'microserve_router_pd_fallbacks_total{missing="decode"}')
+        assert retried >= 1
         assert_quiet("prefill-survivor", p.url)
 
 
