@@ -23,10 +23,13 @@ send (paper §3.6; issue 19's "remote_send vs local prefill"):
            max_tokens=1; on D, the work a transfer saves the receiver)
 
 migrate (paper §4.2, Fig. 12 and Table 3): a prompt of N tokens whose first N - 500 P has
-  cached, served as the context_migration and pd strategies do (D: prep_recv to the last token,
-  P: remote_send, D: start_generate from the last token, max_tokens=1)
+  cached, served as the context_migration and pd strategies do for a greedy request (D:
+  prep_recv of the whole prompt, P: remote_send that also samples the first token, D:
+  start_generate from the prompt's end with that token, max_tokens=1)
   migration  P's remote_send copies its cached pages and computes the rest; its time is "P's
-             prefill", the paper's figure; then D's first token (the whole flow, as a TTFT)
+             prefill", the paper's figure; then D's first token (the whole flow, as a TTFT);
+             also the flow where D samples the first token (P sends prompt[:-1], D computes
+             the last token: what the strategies do for logprobs, a grammar or a seed)
   recompute  the same flow for a fresh prompt: P computes all N tokens
   local hit  D itself had the first N - 500 cached (it served them once) and prefills the rest:
              the best a migration could do (issue 19: >= 90% as fast)
@@ -130,15 +133,20 @@ def fresh(rng, vocab: int, n: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-async def pd_first_token(p: EngineClient, d: EngineClient, rid: str, prompt: list[int]
-                         ) -> tuple[float, float]:
+async def pd_first_token(p: EngineClient, d: EngineClient, rid: str, prompt: list[int],
+                         p_samples: bool = True) -> tuple[float, float]:
     """The P/D flow of the router's pd and context_migration strategies, up to the first
-    token: (seconds of P's remote_send, seconds to D's first token)."""
+    token: (seconds of P's remote_send, seconds to D's first token). `p_samples`: P samples
+    the first token and D emits it (greedy requests); else D computes the last prompt token."""
     t0 = time.perf_counter()
-    last = len(prompt) - 1
-    r = await d.prep_recv(rid, prompt, end=last)
-    send_s, _ = await timed(p.remote_send(rid, prompt, r.matched, last, r.kv_addr))
-    await prefill_on(d, rid, prompt, last)
+    n = len(prompt)
+    end = n if p_samples else n - 1
+    params = SamplingParams(max_tokens=1, temperature=0)
+    r = await d.prep_recv(rid, prompt, end=end)
+    send_s, sent = await timed(p.remote_send(rid, prompt, r.matched, end, r.kv_addr,
+                                             params if p_samples else None))
+    async for _ in d.start_generate(rid, prompt, end, params, first_token=sent.first_token):
+        pass
     return send_s, time.perf_counter() - t0
 
 
@@ -154,12 +162,17 @@ async def measure_migration(p: EngineClient, d: EngineClient, n: int, new: int, 
     copy_s, _ = await timed(p.remote_send(f"copy-{tag}", ctx, 0, cached, r.kv_addr))
     await d.abort(f"copy-{tag}")
     migrate_s, migrate_ttft = await pd_first_token(p, d, f"mig-{tag}", ctx + fresh(rng, vocab, new))
+    ctx = fresh(rng, vocab, n - new)  # D holds the first context now
+    await prefill_on(p, f"warm2-{tag}", ctx)
+    _, d_samples_ttft = await pd_first_token(p, d, f"mig-d-{tag}", ctx + fresh(rng, vocab, new),
+                                             p_samples=False)
     recompute_s, recompute_ttft = await pd_first_token(p, d, f"cold-{tag}", fresh(rng, vocab, n))
     ctx = fresh(rng, vocab, n - new)
     await prefill_on(d, f"dwarm-{tag}", ctx)  # D caches it
     hit_s, _ = await timed(prefill_on(d, f"hit-{tag}", ctx + fresh(rng, vocab, new)))
     return {"migrate_s": migrate_s, "recompute_s": recompute_s, "migrate_ttft": migrate_ttft,
-            "recompute_ttft": recompute_ttft, "hit_s": hit_s, "copy_s": copy_s}
+            "recompute_ttft": recompute_ttft, "hit_s": hit_s, "copy_s": copy_s,
+            "d_samples_ttft": d_samples_ttft}
 
 
 async def decode_times(d: EngineClient, vocab: int, rng, streams: int, max_tokens: int,
@@ -259,9 +272,9 @@ async def table_send(clients, kinds, lengths, mc, kv_bytes_per_token, repeat, rn
 async def table_migrate(clients, kinds, lengths, mc, new, repeat, rng) -> None:
     print(f"\n| backend | tokens ({new} new) | P's prefill: migration / recompute | speedup | "
           "first token on D: migration / recompute | local hit on D | local hit / migration: "
-          "P's prefill, first token | "
+          "P's prefill, first token | first token if D samples it: migration, local hit / it | "
           "per layer: copy of the context / local prefill of the rest |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     layers = mc.num_layers
     for kind in kinds:
         for n in lengths:
@@ -272,6 +285,7 @@ async def table_migrate(clients, kinds, lengths, mc, new, repeat, rng) -> None:
                   f"{m['migrate_ttft'] * 1e3:.1f} / {m['recompute_ttft'] * 1e3:.1f} ms | "
                   f"{m['hit_s'] * 1e3:.1f} ms | {m['hit_s'] / m['migrate_s']:.0%}, "
                   f"{m['hit_s'] / m['migrate_ttft']:.0%} | "
+                  f"{m['d_samples_ttft'] * 1e3:.1f} ms, {m['hit_s'] / m['d_samples_ttft']:.0%} | "
                   f"{m['copy_s'] * 1e3 / layers:.2f} / {m['hit_s'] * 1e3 / layers:.2f} ms |",
                   flush=True)  # fmt: skip
 

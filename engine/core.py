@@ -139,13 +139,16 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    begin: int = 0) -> None:  # fmt: skip
+                    begin: int = 0, first_token: int | None = None) -> TokenOutput | None:
         """Queue a request. Raises RequestRejected (naming the field and numbers) on bad input.
 
         `begin` > 0 (microserving start_generate): the KV of prompt[:begin] is already on this
         engine, received under request_id after a prep_recv or in the prefix cache; a
         MicroservingError says why not. A prep_recv reservation is consumed even at begin 0;
         a request_id in any other state is in use (409).
+
+        `first_token`: the first output, sampled by the engine that sent the KV of the whole
+        prompt (begin = len(prompt)). Returns its output, to emit now: no step computes it.
         """
         entry = self.requests.get(request_id)
         if entry is not None and entry.state is not RequestState.RESERVED:
@@ -153,7 +156,9 @@ class EngineCore:
                                     "request_id")  # fmt: skip
         check_request(prompt, params, self.info)
         begin = resolve_index(begin, len(prompt), "begin")
-        if begin >= len(prompt):
+        if first_token is not None:
+            self._check_first_token(prompt, params, begin, first_token)
+        elif begin >= len(prompt):
             raise MicroservingError(
                 400, f"begin {begin} leaves no prompt token to prefill: it must be below the "
                 f"prompt length {len(prompt)}", "begin")  # fmt: skip
@@ -163,7 +168,8 @@ class EngineCore:
         arrival, held = next(self._arrivals), None
         if begin or entry is not None:
             try:
-                held = self.exchange.adopt_for_generate(request_id, prompt, begin)
+                held = self.exchange.adopt_for_generate(request_id, prompt, begin,
+                                                        whole=first_token is not None)
             except BaseException:
                 self.grammars.remove(request_id)
                 raise
@@ -171,13 +177,50 @@ class EngineCore:
                        num_cached_tokens=held)  # fmt: skip
         self.requests.generate(request_id, seq, generator)
         self.scheduler.add(seq)
+        if first_token is None:
+            return None
+        seq.output_token_ids.append(first_token)
+        final = self._finishes(seq, first_token)
+        out = self._output(seq, [first_token], None, final)
+        if final:
+            self._remove(seq)
+        return out
+
+    def _check_first_token(self, prompt: list[int], params: SamplingParams, begin: int,
+                           first_token: int) -> None:
+        n = len(prompt)
+        if begin != n:
+            raise MicroservingError(
+                400, f"first_token comes with the KV of the whole prompt: begin must be the "
+                f"prompt length {n}, got {begin}", "begin")  # fmt: skip
+        if not 0 <= first_token < self.info.vocab_size:
+            raise MicroservingError(400, f"first_token {first_token} out of range [0, "
+                                    f"{self.info.vocab_size})", "first_token")  # fmt: skip
+        if params.logprobs is not None or params.grammar is not None:
+            raise MicroservingError(
+                400, "a handed-over first_token has no logprobs and follows no grammar: sample "
+                "it here (begin below the prompt length)", "first_token")  # fmt: skip
+
+    def _finishes(self, seq: Sequence, token: int) -> bool:
+        """Whether `token`, just added to `seq`'s output, ends it: sets its finish reason."""
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+        return seq.finish_reason is not None
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                    kv_addr: KVAddr) -> None:  # fmt: skip
+                    kv_addr: KVAddr, sampling: SamplingParams | None = None) -> None:
         """Start a remote_send (KVExchange.remote_send); the answer comes from `poll()`. The KV
-        not cached here is computed by a send-only sequence in the scheduler."""
+        not cached here is computed by a send-only sequence in the scheduler, which also
+        samples the first output token with `sampling` if given (the whole prompt is sent)."""
+        generator = None
+        if sampling is not None:
+            check_request(prompt, sampling, self.info)
+            generator = make_generator(sampling.seed, self.runner.device)
         seq = self.exchange.remote_send(request_id, prompt, begin, end, kv_addr,
-                                        next(self._arrivals))  # fmt: skip
+                                        next(self._arrivals), sampling, generator)
         if seq is not None:
             self.scheduler.add(seq)
 
@@ -206,12 +249,14 @@ class EngineCore:
     def fail_requests(self, why: str) -> list[str]:
         """After a step raised: drop every request the step may have touched, so the engine
         goes on with a consistent state. Generations are removed and their ids returned (the
-        caller tells their clients); sends still computing fail with `why` (answered by
-        `poll()`). Reservations, waiting prep_recv calls and flushing sends are untouched: no
-        step works on them."""
+        caller tells their clients); sends still computing, or flushing but waiting for the
+        token they sample, fail with `why` (answered by `poll()`). Reservations, waiting
+        prep_recv calls and other flushing sends are untouched: no step works on them."""
         self._in_flight, self._pending_rows = None, {}
         for request_id in list(self.requests.in_state(RequestState.SENDING)):
             self.scheduler.remove(self.exchange.fail_send(request_id, MicroservingError(500, why)))
+        for request_id in self.exchange.unsampled():  # their token's step is lost
+            self.exchange.fail_send(request_id, MicroservingError(500, why))
         dropped = []
         for request_id, entry in list(self.requests.in_state(RequestState.GENERATING).items()):
             entry.seq.finish_reason = FinishReason.ABORT
@@ -279,6 +324,9 @@ class EngineCore:
             return None
         batch, input_ids, sample_rows, from_last, sends = self._build_batch(sched)
         sampled = [e.seq for e in sched.scheduled if e.sample]
+        # Params and generators now: a sequence may be removed before a deferred sample (a
+        # send's leaves the scheduler below).
+        args = ([seq.params for seq in sampled], self.requests.generators(sampled))
         logits = self.runner.forward(batch, input_ids, sample_rows, from_last=from_last,
                                      sends=sends)
         for seq in self.scheduler.advance(sched):  # sends computed: their pages stay for the flush
@@ -287,6 +335,9 @@ class EngineCore:
         slots, length_done = [], []
         self._pending_rows = {}
         for row, seq in enumerate(sampled):
+            if seq.send_only:  # done sending: its token goes back with the KV (_resolve)
+                slots.append(None)
+                continue
             seq.output_token_ids.append(PENDING)
             slots.append(len(seq.output_token_ids) - 1)
             self._pending_rows[seq.request_id] = row
@@ -295,8 +346,6 @@ class EngineCore:
                 seq.finish_reason = FinishReason.LENGTH  # known now; the scheduler skips it
                 length_done.append(seq)
         scheduled = [e.seq for e in sched.scheduled]
-        # Params and generators now: a sequence may be removed before a deferred sample.
-        args = ([seq.params for seq in sampled], self.requests.generators(sampled))
         launched = _Launched(scheduled, list(zip(sampled, slots)), None, length_done, logits,
                              args)
         if logits is not None and sample_now:
@@ -337,6 +386,9 @@ class EngineCore:
         outputs, done = [], list(launched.length_done)
         constrained = []  # requests whose grammar goes on: their next masks are computed below
         for k, (seq, slot) in enumerate(launched.sampled):
+            if seq.send_only:
+                self.exchange.sampled(seq.request_id, result.token_ids[k])
+                continue
             if seq.status is SeqStatus.FINISHED:  # aborted, or stopped at an earlier token
                 continue
             token = result.token_ids[k]

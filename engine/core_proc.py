@@ -173,13 +173,17 @@ class CoreLoop:
 
     def _generate(self, msg: Generate) -> None:
         try:
-            self.core.add_request(msg.request_id, msg.prompt, msg.params, msg.begin)
+            first = self.core.add_request(msg.request_id, msg.prompt, msg.params, msg.begin,
+                                         msg.first_token)
         except (RequestRejected, MicroservingError) as e:
             self.send(Rejected(msg.request_id, str(e), e.param, getattr(e, "status", 400)))
         except Exception as e:  # our bug: it fails this request, never the engine
             log.exception("request %s failed to start", msg.request_id)
             self.core.abort_request(msg.request_id)
             self.send(Rejected(msg.request_id, f"internal error: {type(e).__name__}", None, 500))
+        else:
+            if first is not None:  # a first token handed over by the KV's sender: out now
+                self.send(Outputs([first]))
 
     def _call(self, msg: Invoke) -> None:
         call = msg.call
@@ -211,7 +215,8 @@ class CoreLoop:
             case PrepRecv(request=r):
                 return exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
             case RemoteSend(request=r):
-                return core.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr)
+                return core.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
+                                        r.sampling)
             case Commit(request=r):
                 return exchange.commit(r.request_id, r.pin)
             case AbortCall(request=r):

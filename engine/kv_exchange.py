@@ -99,6 +99,8 @@ class SendJob:
     dst_slots: list[int]  # the receiver's slots for positions [begin, end)
     reused: int  # tokens of [begin, end) copied from this engine's prefix cache
     computed: int  # tokens this engine prefills for the job
+    samples: bool = False  # answers with the first output token, sampled after the prompt
+    first_token: int | None = None  # set when sampled (`KVExchange.sampled`)
 
 
 class KVExchange:
@@ -126,6 +128,8 @@ class KVExchange:
         self.max_wait_s = max_wait_s  # the longest prep_recv may name
         self._room_when_tried = _NEVER_TRIED  # _room() when the head last did not fit
         self._answers: list[tuple[str, Answer]] = []  # given by the next poll()
+        # sampling sends whose transfer is done before their token (-> the transfer's error)
+        self._flushed: dict[str, Exception | None] = {}
         self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0,
                          "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0}
 
@@ -224,10 +228,13 @@ class KVExchange:
     def _room(self) -> int:
         return self.kv.pool.num_free + self.kv.cache.num_evictable() - self.headroom()
 
-    def adopt_for_generate(self, request_id: str, prompt: list[int], begin: int) -> int:
+    def adopt_for_generate(self, request_id: str, prompt: list[int], begin: int,
+                           whole: bool = False) -> int:
         """Hold for a new sequence the KV of prompt[:begin]: received under its request_id, or
         already in the prefix cache. Returns how many leading tokens' KV it holds (its initial
         num_computed_tokens). Raises MicroservingError (nothing held) if it is not here.
+        `whole`: the prompt's first output token came with its KV (begin = len(prompt)): all
+        of it is held, none computed here.
         """
         rid, ps = request_id, self.kv.page_size
         entry = self.requests.get(rid)
@@ -243,9 +250,10 @@ class KVExchange:
             return held
         self._check_same_prompt(res, prompt, begin)
         self.backend.close_window(res.window)  # the core makes the request GENERATING
-        # At least the last prompt token is computed here (its logits are sampled). If the
-        # reservation's cached part reaches it, drop the pages from there on: they are shared.
-        start = min(max(begin, res.matched), len(prompt) - 1)
+        # At least the last prompt token is computed here (its logits are sampled), unless its
+        # token came with the KV. If the reservation's cached part reaches it, drop the pages
+        # from there on: they are shared.
+        start = min(max(begin, res.matched), len(prompt) - (not whole))
         if start < res.matched:
             start = start // ps * ps
             self.kv.truncate(rid, start // ps)
@@ -320,19 +328,26 @@ class KVExchange:
     # ---- sender --------------------------------------------------------------------------------
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                    kv_addr: KVAddr, arrival: int) -> Sequence | None:  # fmt: skip
+                    kv_addr: KVAddr, arrival: int, sampling: SamplingParams | None = None,
+                    generator: torch.Generator | None = None) -> Sequence | None:
         """Start sending KV of prompt[begin:end]; the answer comes from poll(). Returns the
         send-only sequence (made at `arrival`) that computes the KV not cached here, for the
-        caller to schedule; None if all of it was cached (the job is flushing already)."""
+        caller to schedule; None if all of it was cached (the job is flushing already).
+
+        With `sampling` (and its `generator`) the sequence also samples the first output
+        token after the prompt, which the answer carries: end must be the prompt's length,
+        and at least the last prompt token is computed here (its logits are sampled)."""
         check_prompt(prompt, self.vocab_size)
         n = len(prompt)
         begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
         if begin > end:
             raise MicroservingError(400, f"begin {begin} is after end {end}", "begin")
+        if sampling is not None:
+            _check_sampling(sampling, n, end)
         self._check_addr(kv_addr, begin, end)
         self._check_free(request_id)
         dst = kv_addr.slots()
-        matched = self.kv.open(request_id, prompt[:end])
+        matched = self.kv.open(request_id, prompt[:end - 1] if sampling else prompt[:end])
         try:
             self.sender.start(request_id, kv_addr.transfer, Window(*kv_addr.window))
         except TransferError as e:
@@ -348,13 +363,15 @@ class KVExchange:
                 self.sender.cancel(request_id)
                 self.kv.free(request_id)
                 raise
-        job = SendJob(begin, end, dst, reused, computed=end - matched if matched < end else 0)
+        job = SendJob(begin, end, dst, reused, computed=end - matched if matched < end else 0,
+                      samples=sampling is not None)
         if matched >= end:
             self._flush(request_id, job)
             return None
-        seq = Sequence(request_id, prompt[:end], SamplingParams(max_tokens=1), arrival,
-                       num_computed_tokens=matched, num_cached_tokens=matched, send_only=True)
-        self.requests.send(request_id, job, seq)
+        seq = Sequence(request_id, prompt[:end], sampling or SamplingParams(max_tokens=1),
+                       arrival, num_computed_tokens=matched, num_cached_tokens=matched,
+                       send_only=True, send_samples=sampling is not None)
+        self.requests.send(request_id, job, seq, generator)
         return seq
 
     def sends_for(self, seq: Sequence, start: int, num_new: int) -> KVSend | None:
@@ -378,6 +395,20 @@ class KVExchange:
         self.requests.flush(request_id, job)
         self.sender.finish(request_id)
 
+    def sampled(self, request_id: str, token: int) -> None:
+        """A sampling send's first output token is resolved: its answer may go out."""
+        entry = self.requests.get(request_id)
+        if entry is None or entry.state is not RequestState.FLUSHING:  # aborted or failed
+            return
+        entry.job.first_token = token
+        if request_id in self._flushed:  # the transfer was done already
+            self._settle(request_id, self._flushed.pop(request_id))
+
+    def unsampled(self) -> list[str]:
+        """The sends computed and flushing whose sampled token is not resolved yet."""
+        return [rid for rid, e in self.requests.in_state(RequestState.FLUSHING).items()
+                if e.job.samples and e.job.first_token is None]
+
     def drop_failed_sends(self) -> list[Sequence]:
         """Stop the sends still computing whose transfer failed (e.g. the receiver died); their
         502 answers come from the next poll(). Returns their sequences, for the caller to take
@@ -391,21 +422,30 @@ class KVExchange:
     def poll(self) -> list[tuple[str, Answer]]:
         """Answers for remote_send calls whose transfer has completed, failed or was aborted,
         and for prep_recv calls that waited and were granted, gave up or were aborted."""
-        out: list[tuple[str, Answer]] = list(self._answers)
-        self._answers.clear()
         for rid, error in self.sender.completed():
             entry = self.requests.get(rid)
             if entry is None or entry.state is not RequestState.FLUSHING:  # aborted meanwhile
                 continue
-            job = self.requests.finish(rid).job
-            self.kv.free(rid)
-            if error is not None:
-                out.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
-            else:
-                sent = job.end - job.begin
-                self.counters["kv_tokens_sent"] += sent
-                out.append((rid, RemoteSendResponse(sent, job.computed, job.reused)))
+            if entry.job.samples and entry.job.first_token is None and error is None:
+                self._flushed[rid] = error  # answered when its token is resolved (`sampled`)
+                continue
+            self._settle(rid, error)
+        out: list[tuple[str, Answer]] = list(self._answers)
+        self._answers.clear()
         return out
+
+    def _settle(self, request_id: str, error: Exception | None) -> None:
+        """A flushed send is done: free its pages, answer it (at the next poll)."""
+        job = self.requests.finish(request_id).job
+        self.kv.free(request_id)
+        if error is not None:
+            self._answers.append((request_id,
+                                  MicroservingError(502, f"KV transfer failed: {error}")))
+            return
+        sent = job.end - job.begin
+        self.counters["kv_tokens_sent"] += sent
+        self._answers.append((request_id, RemoteSendResponse(sent, job.computed, job.reused,
+                                                             job.first_token)))
 
     def _check_addr(self, addr: KVAddr, begin: int, end: int) -> None:
         try:  # first: nothing of an unsigned descriptor is looked at
@@ -466,6 +506,7 @@ class KVExchange:
         """End a send job wherever it is. Frees a flushing job's pages; a computing job's
         sequence is returned (its pages go when it leaves the scheduler)."""
         entry = self.requests.finish(request_id)
+        self._flushed.pop(request_id, None)
         self.sender.cancel(request_id)  # returns once no write reads the pages
         if entry.state is RequestState.FLUSHING:
             self.kv.free(request_id)
@@ -479,3 +520,16 @@ class KVExchange:
                              + self.requests.count(RequestState.FLUSHING)),
             **self.counters,
         }
+
+
+def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:
+    """What a remote_send can sample: the token after the whole prompt, without the options
+    that need the generating engine's state (a grammar, logprobs to return)."""
+    if end != n:
+        raise MicroservingError(
+            400, f"a remote_send that samples sends the whole prompt: end must be the prompt "
+            f"length {n}, got {end}", "end")  # fmt: skip
+    if sampling.grammar is not None or sampling.logprobs is not None:
+        raise MicroservingError(
+            400, "a remote_send samples no token under a grammar or with logprobs: leave the "
+            "last prompt token to the generating engine", "sampling")  # fmt: skip

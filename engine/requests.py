@@ -77,7 +77,8 @@ class Request:
     reservation: Reservation | None = None  # RESERVED
     job: SendJob | None = None  # SENDING, FLUSHING
     seq: Sequence | None = None  # SENDING, GENERATING
-    generator: torch.Generator | None = None  # GENERATING, when the request has a seed
+    # GENERATING, and SENDING when the send samples (both when the request has a seed)
+    generator: torch.Generator | None = None
 
 
 class RequestTable:
@@ -107,7 +108,7 @@ class RequestTable:
         return len(self._by_state[state])
 
     def generators(self, seqs: Iterable[Sequence]) -> list[torch.Generator | None]:
-        """The sampling generators of GENERATING sequences (once per step: kept cheap)."""
+        """The sampling generators of sampled sequences (once per step: kept cheap)."""
         entries = self._entries
         return [entries[seq.request_id].generator for seq in seqs]
 
@@ -119,8 +120,10 @@ class RequestTable:
     def reserve(self, request_id: str, reservation: Reservation) -> None:
         self._move(Request(request_id, RequestState.RESERVED, reservation=reservation))
 
-    def send(self, request_id: str, job: SendJob, seq: Sequence) -> None:
-        self._move(Request(request_id, RequestState.SENDING, job=job, seq=seq))
+    def send(self, request_id: str, job: SendJob, seq: Sequence,
+             generator: torch.Generator | None = None) -> None:
+        self._move(Request(request_id, RequestState.SENDING, job=job, seq=seq,
+                           generator=generator))
 
     def flush(self, request_id: str, job: SendJob) -> None:
         self._move(Request(request_id, RequestState.FLUSHING, job=job))

@@ -144,7 +144,7 @@ class Scheduler:
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         last = seq.num_computed_tokens + n == seq.num_tokens
-        return ScheduledSeq(seq, n, last and not seq.send_only)
+        return ScheduledSeq(seq, n, last and (not seq.send_only or seq.send_samples))
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Find pages for `seq` to hold `num_tokens`, preempting others as needed.

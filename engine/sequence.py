@@ -35,8 +35,10 @@ class Sequence:
     # prompt tokens whose KV was reused rather than computed: given at construction when the
     # KV was held then, else set by the Scheduler at first admission
     num_cached_tokens: int | None = None
-    # a remote_send job: computes KV for its tokens and sends it; never samples
+    # a remote_send job: computes KV for its tokens and sends it; samples only if
+    # `send_samples` (the first output token, handed to the receiver with the KV)
     send_only: bool = False
+    send_samples: bool = False
     # appended by EngineCore; the newest may be PENDING while its step is in flight
     output_token_ids: list[int] = field(default_factory=list, init=False)
     status: SeqStatus = field(default=SeqStatus.WAITING, init=False)  # set by the Scheduler

@@ -20,6 +20,10 @@ The microserving calls (DESIGN §4) split one request across engines (paper §3.
     P.remote_send(prompt, begin, end, kv_addr)               make KV of [begin, end) land there
     D.start_generate(prompt, begin)     -> chunks             KV of [0, begin) is on D already
 
+A remote_send with `sampling` covers the whole prompt (end = len(prompt)) and also samples the
+first output token, which it answers with (`first_token`); the router hands that token to
+D.start_generate(prompt, begin=len(prompt), first_token), which emits it at once and decodes
+on: D runs no step for the last prompt token (SGLang's and vLLM's P/D hand over the same way).
 plus `commit` (adopt received KV without generating: context migration), `abort`, `pin`/`unpin`
 and `stats`. `begin`/`end` index the prompt Python-style (negative counts from the end). Checks
 that need the prompt length or the engine's state are the engine's.
@@ -254,6 +258,9 @@ class RemoteSendRequest:
     begin: Index = 0
     end: Index = -1
     kv_addr: KVAddr
+    # Sample the first output token after the prompt with these (end must be the prompt's
+    # length; no logprobs, no grammar) and answer it as first_token. None: sample nothing.
+    sampling: SamplingParams | None = None
 
 
 @dataclass(slots=True)
@@ -261,6 +268,7 @@ class RemoteSendResponse:
     sent: int  # tokens whose KV now sits in the receiver's slots (= end - begin)
     computed: int  # tokens this engine prefilled to produce them (may start before begin)
     reused: int  # tokens of [begin, end) copied from this engine's prefix cache
+    first_token: int | None = None  # sampled when the call carried `sampling`
 
 
 @_CHECKED
@@ -271,6 +279,9 @@ class StartGenerateRequest:
     begin: Index = 0
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = True
+    # The first output token, sampled by the engine that sent the whole prompt's KV (its
+    # remote_send with `sampling`); begin must be the prompt's length. Emitted as is, first.
+    first_token: TokenId | None = None
 
 
 @_CHECKED
@@ -414,6 +425,7 @@ class Generate(Frame, tag="generate"):
     prompt: list[int]
     params: SamplingParams
     begin: int = 0
+    first_token: int | None = None
 
 
 class Abort(Frame, tag="abort"):

@@ -151,16 +151,19 @@ class EngineClient:
         return await self._post("prep_recv", body, PrepRecvResponse, read_timeout_s=read_timeout_s)
 
     async def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                          kv_addr: KVAddr) -> RemoteSendResponse:
-        """Make the KV of `prompt[begin:end]` land at `kv_addr`; returns once it all landed."""
+                          kv_addr: KVAddr, sampling: SamplingParams | None = None
+                          ) -> RemoteSendResponse:
+        """Make the KV of `prompt[begin:end]` land at `kv_addr`; returns once it all landed.
+        With `sampling` (end = len(prompt)) the answer also has the first output token."""
         body = RemoteSendRequest(request_id=request_id, prompt=prompt, begin=begin, end=end,
-                                 kv_addr=kv_addr)
+                                 kv_addr=kv_addr, sampling=sampling)
         return await self._post("remote_send", body, RemoteSendResponse, unbounded=True)
 
     async def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
-                             sampling: SamplingParams | None = None
-                             ) -> AsyncIterator[GenerateChunk]:
-        """Generate from `prompt`, whose KV of `prompt[:begin]` is on the engine already.
+                             sampling: SamplingParams | None = None,
+                             first_token: int | None = None) -> AsyncIterator[GenerateChunk]:
+        """Generate from `prompt`, whose KV of `prompt[:begin]` is on the engine already
+        (`first_token`: the first output, sampled by the sender of the whole prompt's KV).
 
         Yields the engine's chunks as they come; the last has finish_reason and usage.
         Raises MicroservingError / BackendUnavailable, before the first chunk or after (the
@@ -168,7 +171,8 @@ class EngineClient:
         first chunk is awaited. Closing the iterator early closes the HTTP connection, which
         makes the engine abort the request.
         """
-        body = StartGenerateRequest(request_id, prompt, begin, sampling or SamplingParams())
+        body = StartGenerateRequest(request_id, prompt, begin, sampling or SamplingParams(),
+                                    first_token=first_token)
         response = await self._open(b"POST", "start_generate", self._encode(body), None)
         decoder = FrameDecoder() if _is_msgpack(response) else _LineDecoder()
         finished = False

@@ -146,10 +146,11 @@ class EngineHandle:
         self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
         return answer
 
-    async def remote_send(self, request: Request, begin: int, end: int,
-                          kv_addr: KVAddr) -> RemoteSendResponse:
+    async def remote_send(self, request: Request, begin: int, end: int, kv_addr: KVAddr,
+                          sample: bool = False) -> RemoteSendResponse:
         """Make this engine put the KV of `prompt[begin:end]` into `kv_addr` (another engine's
-        reservation); returns once every byte landed there."""
+        reservation); returns once every byte landed there. `sample` (end = len(prompt)):
+        it also samples the first output token with the request's params (`first_token`)."""
         self._touch(request)
         tokens = _span(len(request.prompt), begin, end)
         # The receivers, and this engine itself: a sender cut off mid-send never answers.
@@ -159,7 +160,8 @@ class EngineHandle:
         try:
             answer = await self._pool.unless_down(
                 watched, self._call(self.client.remote_send(
-                    request.request_id, request.prompt, begin, end, kv_addr)),
+                    request.request_id, request.prompt, begin, end, kv_addr,
+                    request.sampling if sample else None)),
                 f"while engine {self.name} was sending it KV for request {request.request_id}")
         finally:
             self.open_sends -= 1
@@ -170,15 +172,32 @@ class EngineHandle:
         request.peer_cached_tokens += answer.reused
         return answer
 
-    async def start_generate(self, request: Request, begin: int = 0
-                             ) -> AsyncIterator[GenerateChunk]:
-        """Prefill `prompt[begin:]` here and decode: the engine's chunks as they come."""
+    async def send_prompt(self, request: Request, receiver: EngineHandle
+                          ) -> tuple[int, int | None]:
+        """Put the KV of the prompt (all but its last token, or all of it with the first
+        output token sampled here when `request.first_token_travels`) on `receiver`, which
+        lacks it, as P/D and context migration do: receiver.prep_recv, then this engine's
+        remote_send. Returns (begin, first_token) for `receiver.start_generate`."""
+        n = len(request.prompt)
+        end = n if request.first_token_travels else n - 1
+        recv = await receiver.prep_recv(request, end=end)
+        if recv.matched >= end:  # the receiver holds it all: it computes the last token
+            return n - 1, None
+        sent = await self.remote_send(request, recv.matched, end, recv.kv_addr,
+                                      sample=end == n)
+        return end, sent.first_token
+
+    async def start_generate(self, request: Request, begin: int = 0,
+                             first_token: int | None = None) -> AsyncIterator[GenerateChunk]:
+        """Prefill `prompt[begin:]` here and decode: the engine's chunks as they come.
+        `first_token`: the first output, sampled by the engine that sent the whole prompt's
+        KV (`send_prompt`); the engine emits it at once and decodes on."""
         self._touch(request)
         prefill = _span(len(request.prompt), begin, len(request.prompt))
         self.open_generations += 1
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
-                                            request.sampling)
+                                            request.sampling, first_token)
         watch = StreamWatch(self, self._pool.down_event(self.name))
         try:
             async for chunk in watch.chunks(chunks, f"engine {self.name} went down while "

@@ -57,6 +57,15 @@ class Request:
     received_tokens: int = field(default=0, compare=False)
     peer_cached_tokens: int = field(default=0, compare=False)
 
+    @property
+    def first_token_travels(self) -> bool:
+        """Whether the engine that prefills the prompt may also sample the first output token
+        and hand it to the generating engine with the KV. Not with logprobs or a grammar (the
+        generating engine computes those), nor for a seeded random sample (one generator
+        draws every token of it)."""
+        p = self.sampling
+        return p.logprobs is None and p.grammar is None and (p.greedy or p.seed is None)
+
 
 class Strategy(ABC):
     """Base of every strategy. Subclasses take their settings as keyword arguments to

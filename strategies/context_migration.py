@@ -5,9 +5,13 @@ the engine holding the longest prefix of it, so its context is reused. When that
 busier than the least loaded engine by more than `max_imbalance` open calls, the request goes
 to the least loaded engine instead, and the context moves with it:
 
-    target.prep_recv(end=-1)                      target reserves what it lacks of prompt[:-1]
-    holder.remote_send(matched, -1, kv_addr)      holder copies its cached pages, computes the rest
-    target.start_generate(begin=-1)               target decodes; it now holds the context too
+    target.prep_recv(end=n)                       target reserves what it lacks of the prompt
+    holder.remote_send(matched, n, kv_addr, ...)  holder copies its cached pages, computes the
+                                                  rest, samples the first token
+    target.start_generate(begin=n, first_token)   target decodes; it now holds the context too
+
+(`holder.send_prompt(request, target)`: as in `pd`, the last prompt token is left to the
+target where the first token must be sampled there).
 
 so a hot context spreads to where its traffic goes instead of queueing on one engine. A
 draining engine gets no new requests but still sends what it holds: draining it moves its
@@ -45,14 +49,11 @@ class ContextMigration(Strategy):
             self.followed += 1
         else:
             target, source = idle, holder
-        begin = 0
+        begin, first = 0, None
         if source is not None and last > 0:
-            recv = await target.prep_recv(request, end=last)
-            if recv.matched < last:
-                await source.remote_send(request, recv.matched, last, recv.kv_addr)
+            begin, first = await source.send_prompt(request, target)
             self.migrated += 1
-            begin = last
-        async for chunk in target.start_generate(request, begin=begin):
+        async for chunk in target.start_generate(request, begin=begin, first_token=first):
             yield chunk
 
     def describe(self) -> dict:

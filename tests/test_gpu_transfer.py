@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 
 import pytest
@@ -86,11 +87,17 @@ def engines_quiet(request):
             assert_quiet(engine.name, engine.url)
 
 
-async def collect(engine: EngineClient, rid: str, prompt: list[int], begin: int):
+async def collect(engine: EngineClient, rid: str, prompt: list[int], begin: int,
+                  first_token: int | None = None):
     tokens = []
-    async for chunk in engine.start_generate(rid, prompt, begin, GREEDY):
+    async for chunk in engine.start_generate(rid, prompt, begin, GREEDY, first_token):
         tokens += chunk.token_ids
     return tokens
+
+
+def text_ids(text: str) -> list[int]:
+    """The token ids of the tiny tokenizer's text (token i reads `<i>`)."""
+    return [int(t) for t in re.findall(r"<(\d+)>", text)]
 
 
 async def test_pd_and_balanced_splits_give_hf_greedy_tokens(kind, p, d, tiny_served_dir):
@@ -100,12 +107,15 @@ async def test_pd_and_balanced_splits_give_hf_greedy_tokens(kind, p, d, tiny_ser
         assert (await D.stats())["info"]["kv_transfer"] == kind
         for i, prompt in enumerate(PROMPTS):
             n = len(prompt)
-            for split, end in (("pd", n - 1), ("balanced", n - 1 - n // 5)):
+            for split, end in (("pd", n - 1), ("balanced", n - 1 - n // 5), ("p-samples", n)):
                 rid = f"{split}-{i}"
                 r = await D.prep_recv(rid, prompt, end=end)
-                sent = await P.remote_send(rid, prompt, r.matched, end, r.kv_addr)
+                sampling = GREEDY if end == n else None  # P also samples the first token
+                sent = await P.remote_send(rid, prompt, r.matched, end, r.kv_addr, sampling)
                 assert sent.sent == end - r.matched
-                assert await collect(D, rid, prompt, begin=end) == want[i], (split, i)
+                assert sent.first_token == (want[i][0] if sampling else None)
+                got = await collect(D, rid, prompt, end, sent.first_token)
+                assert got == want[i], (split, i)
     finally:
         await P.aclose()
         await D.aclose()
@@ -150,20 +160,23 @@ async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(kind, p, ti
 
 
 async def stream_tokens(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-                        leave_after: int | None = None) -> list[int] | str:
+                        leave_after: int | None = None, logprobs: bool = True
+                        ) -> list[int] | str:
     """Stream a greedy completion through the router; with `leave_after`, disconnect after
-    that many chunks (0: as soon as the response starts) and return "left"."""
+    that many chunks (0: as soon as the response starts) and return "left". Without
+    `logprobs` the tokens are read from the text (P/D then hands P's first token to D)."""
     tokens: list[int] = []
     async with http.stream("POST", "/v1/completions", json={
             "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0, "stream": True}) as r:
+            "stream": True, **({"logprobs": 0} if logprobs else {})}) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if leave_after is not None and len(tokens) >= leave_after:
                 return "left"  # closing the stream disconnects: the router aborts it
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
-                tokens += [int(t[1:-1]) for t in choice["logprobs"]["tokens"]]
+                tokens += ([int(t[1:-1]) for t in choice["logprobs"]["tokens"]] if logprobs
+                           else text_ids(choice["text"]))
     return tokens
 
 
@@ -171,7 +184,8 @@ def test_200_pd_requests_with_30_percent_aborted_leave_nothing(p, d, tiny_served
                                                                tmp_path_factory):
     """Through the router's pd strategy: 200 requests, 30% of them abandoned by their client
     at a random point (while P prefills and sends, or mid-decode on D). The others get HF's
-    greedy tokens; afterwards neither engine holds a page, reservation, window or send job."""
+    greedy tokens; afterwards neither engine holds a page, reservation, window or send job.
+    Half ask for logprobs (D samples the first token), half not (P samples it)."""
     rng = random.Random(19)
     batch = [[rng.randrange(256) for _ in range(rng.randrange(30, 300))] for _ in range(200)]
     leave = {i: rng.choice([0, 1, rng.randrange(2, 24)]) for i in rng.sample(range(200), 60)}
@@ -189,7 +203,7 @@ def test_200_pd_requests_with_30_percent_aborted_leave_nothing(p, d, tiny_served
 
             async def one(i):
                 async with gate:
-                    return await stream_tokens(http, batch[i], 24, leave.get(i))
+                    return await stream_tokens(http, batch[i], 24, leave.get(i), i % 2 == 0)
 
             return await asyncio.gather(*(one(i) for i in range(200)))
 
@@ -236,6 +250,11 @@ def test_every_strategy_through_the_router_on_one_gpu(kind, tiny_served_dir, tmp
                 assert r.status_code == 200, r.text
                 tokens = r.json()["choices"][0]["logprobs"]["tokens"]
                 assert tokens == [f"<{t}>" for t in expected], name
+                r = httpx.post(up.url + "/v1/completions", timeout=120, json={  # P samples
+                    "prompt": prompt, "max_tokens": N_NEW, "temperature": 0,
+                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert text_ids(r.json()["choices"][0]["text"]) == expected, name
             for engine, url in urls.items():
                 assert_quiet(engine, url)
         sent = httpx.get(urls["p"] + "/microserving/stats", headers={

@@ -55,9 +55,10 @@ def ref(tiny_model_dir, prompts):
     return hf_greedy(tiny_model_dir, prompts, N_NEW)
 
 
-def send(p: EngineCore, rid, prompt, begin, end, kv_addr, timeout_s=30.0):
-    """remote_send on P, stepping P until the call is answered (as its core loop would)."""
-    p.remote_send(rid, prompt, begin, end, kv_addr)
+def send(p: EngineCore, rid, prompt, begin, end, kv_addr, timeout_s=30.0, sampling=None):
+    """remote_send on P, stepping P until the call is answered (as its core loop would);
+    with `sampling` (end = len(prompt)) it also samples the first output token."""
+    p.remote_send(rid, prompt, begin, end, kv_addr, sampling)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if p.has_work():
@@ -152,6 +153,130 @@ def test_pd_skips_p_when_d_holds_the_prefix(pair, prompts, ref):
     assert r.matched == (len(prompt) - 1) // PAGE * PAGE
     tokens, cached = generate(d, "s", prompt, begin=r.matched)
     assert tokens == ref[0] and cached == r.matched
+    assert_clean(p, d)
+
+
+# ---- the first token sampled by the sender, handed over with the KV ------------------------------
+
+
+def generate_from(core: EngineCore, rid, prompt, first_token, params):
+    """start_generate with the handed-over first token: its output comes from add_request
+    itself, before any step; then the rest as `generate` steps them."""
+    first = core.add_request(rid, prompt, params, len(prompt), first_token)
+    assert first.request_id == rid and first.token_ids == [first_token]
+    outs = [first]
+    while core.has_work():
+        outs += core.step()
+    assert all(o.request_id == rid for o in outs)
+    assert [o.finish_reason is not None for o in outs] == [False] * (len(outs) - 1) + [True]
+    return [t for o in outs for t in o.token_ids], outs
+
+
+@pytest.mark.parametrize("p_cached", [0, 40, 44])
+def test_p_samples_the_first_token_and_d_decodes_on(pair, prompts, ref, p_cached):
+    """P computes the whole prompt (at least its last token, even when it holds all of it:
+    its logits are sampled), sends all its KV and answers with the first token; D emits it at
+    once and decodes on, computing no prompt token: the tokens are one engine's greedy ones."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]  # 61 tokens
+    n = len(prompt)
+    if p_cached:
+        generate(p, "warm", prompt[:p_cached] + [9])
+    r = d.exchange.prep_recv("f", prompt, n, None)
+    assert r.matched == 0 and r.kv_addr.end == n
+    out = send(p, "f", prompt, 0, n, r.kv_addr, sampling=greedy(N_NEW))
+    reused = min(p_cached, (n - 1) // PAGE * PAGE)
+    assert out == RemoteSendResponse(sent=n, computed=n - reused, reused=reused,
+                                     first_token=ref[2][0])
+    steps = d.stats()
+    tokens, outs = generate_from(d, "f", prompt, out.first_token, greedy(N_NEW))
+    assert tokens == ref[2]
+    assert outs[0].num_cached_tokens == n  # D computed no prompt token
+    assert d.stats().prompt_tokens - steps.prompt_tokens == n
+    assert_clean(p, d)
+
+
+def test_a_handed_over_first_token_can_end_the_request(pair, prompts, ref):
+    """max_tokens 1, or a stop token: the first token is the whole answer, out at once, and
+    the received KV is left cached on D, nothing held."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]
+    n = len(prompt)
+    for rid, params, reason in [("one", greedy(1), FinishReason.LENGTH),
+                                ("stop", greedy(N_NEW, stop_token_ids=(ref[0][0],)),
+                                 FinishReason.STOP)]:
+        r = d.exchange.prep_recv(rid, prompt, n, None)
+        out = send(p, rid, prompt, r.matched, n, r.kv_addr, sampling=params)
+        assert out.first_token == ref[0][0]
+        first = d.add_request(rid, prompt, params, n, out.first_token)
+        assert first.token_ids == [ref[0][0]] and first.finish_reason == reason
+        assert not d.has_work()
+        assert_clean(p, d)
+    assert d.kv.cache.match(prompt).matched_len == n // PAGE * PAGE  # cached for next time
+
+
+def test_handing_over_the_first_token_refuses_what_it_cannot_do(pair, prompts):
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]
+    n = len(prompt)
+    r = d.exchange.prep_recv("h", prompt, n, None)
+    with pytest.raises(MicroservingError, match="end must be the prompt length") as e:
+        p.remote_send("h", prompt, 0, n - 1, r.kv_addr, greedy())
+    assert e.value.param == "end"
+    for bad in (greedy(logprobs=0), greedy(grammar='{"grammars": []}')):
+        with pytest.raises(MicroservingError, match="grammar or with logprobs") as e:
+            p.remote_send("h", prompt, 0, n, r.kv_addr, bad)
+        assert e.value.param == "sampling"
+    with pytest.raises(RequestRejected, match="max_tokens"):  # the request's own bounds
+        p.remote_send("h", prompt, 0, n, r.kv_addr, greedy(10**6))
+    assert_clean(p)
+    with pytest.raises(MicroservingError, match="begin must be the prompt length") as e:
+        d.add_request("h", prompt, greedy(), n - 1, 5)
+    assert e.value.param == "begin"
+    with pytest.raises(MicroservingError, match="out of range") as e:
+        d.add_request("h", prompt, greedy(), n, 10**9)
+    assert e.value.param == "first_token"
+    with pytest.raises(MicroservingError, match="no logprobs") as e:
+        d.add_request("h", prompt, greedy(logprobs=1), n, 5)
+    d.abort_request("h")
+    # Without the whole prompt received there is nothing to decode from.
+    r = d.exchange.prep_recv("h", prompt, n - 1, None)
+    with pytest.raises(MicroservingError, match="beyond the") as e:
+        d.add_request("h", prompt, greedy(), n, 5)
+    d.abort_request("h")
+    with pytest.raises(MicroservingError, match="no prep_recv"):
+        d.add_request("h2", prompt, greedy(), n, 5)
+    assert_clean(p, d)
+
+
+def test_a_sampling_send_aborted_or_failed_before_its_token_leaves_nothing(pair, prompts):
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]
+    n = len(prompt)
+    r = d.exchange.prep_recv("ab", prompt, n, None)
+    p.remote_send("ab", prompt, 0, n, r.kv_addr, greedy())
+    assert p.abort_request("ab") is None
+    (rid, outcome), = p.poll()
+    assert rid == "ab" and isinstance(outcome, MicroservingError) and outcome.status == 409
+    d.abort_request("ab")
+    # A step that raises after the send computed, before its token is read: the send fails.
+    r = d.exchange.prep_recv("lost", prompt, n, None)
+    p.remote_send("lost", prompt, 0, n, r.kv_addr, greedy())
+    while p.requests.get("lost").state is RequestState.SENDING:
+        p._launch()  # launched, never resolved: the token stays unknown
+    assert p.exchange.unsampled() == ["lost"]
+    p.fail_requests("the step failed")
+    answers = []
+    deadline = time.monotonic() + 10
+    while not answers and time.monotonic() < deadline:
+        answers = p.poll()
+    (rid, outcome), = answers
+    assert rid == "lost" and outcome.status == 500
+    d.abort_request("lost")
     assert_clean(p, d)
 
 

@@ -58,9 +58,9 @@ CALLS = {
                    "wait_s": None}, None),
     "remote_send": ({"request_id": "r1", "prompt": PROMPT, "begin": 4, "end": 10,
                      "kv_addr": KV_ADDR},
-                    {"sent": 6, "computed": 10, "reused": 0},
+                    {"sent": 6, "computed": 10, "reused": 0, "first_token": None},
                     {"request_id": "r1", "prompt": PROMPT, "begin": 4, "end": 10,
-                     "kv_addr": KV_ADDR_ARGS}, None),
+                     "kv_addr": KV_ADDR_ARGS, "sampling": None}, None),
     "commit": ({"request_id": "r1", "pin": True}, {"cached": 8, "pinned": True},
                {"request_id": "r1", "pin": True}, 30.0),
     "abort": ({"request_id": "r1"}, {"aborted": True}, {"request_id": "r1"}, 30.0),
@@ -107,7 +107,7 @@ class FakeCore(GenerateBackend):
             await asyncio.Event().wait()
         return result
 
-    async def start_generate(self, request_id, prompt, begin, params):
+    async def start_generate(self, request_id, prompt, begin, params, first_token=None):
         self.generate_calls.append((request_id, prompt, begin, params))
         if self.error:
             raise self.error

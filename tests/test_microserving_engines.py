@@ -170,6 +170,33 @@ async def test_pd_splits_give_single_engine_tokens(p, d, tok, smollm2_dir):
         await D.aclose()
 
 
+async def test_p_hands_its_sampled_first_token_to_d(p, d, tok, smollm2_dir):
+    """remote_send with sampling sends the whole prompt and answers with the first token; D's
+    start_generate from the prompt's end emits it and decodes on: Hugging Face's tokens."""
+    prompt = ids(tok, f"First token handed over to {d.name}. " + TEXT)
+    want, = hf_greedy(smollm2_dir, [prompt], N_NEW)
+    n, rid = len(prompt), f"{d.name}-first"
+    P, D = client(p), client(d)
+    try:
+        r = await D.prep_recv(rid, prompt, end=n)
+        sent = await P.remote_send(rid, prompt, 0, n, r.kv_addr, GREEDY)
+        assert (sent.sent, sent.computed, sent.first_token) == (n, n, want[0])
+        with pytest.raises(MicroservingError, match="begin must be the prompt length") as e:
+            await anext(D.start_generate(rid + "-bad", prompt, n - 1, GREEDY,
+                                         first_token=want[0]))
+        assert (e.value.status, e.value.param) == (400, "begin")
+        tokens, usage = [], None
+        async for chunk in D.start_generate(rid, prompt, n, GREEDY, first_token=want[0]):
+            tokens += chunk.token_ids
+            usage = chunk.usage or usage
+        assert tokens == want
+        assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (
+            n, n, N_NEW)
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
 async def test_context_migration_of_1000_tokens(p, d, tok):
     """prep_recv + remote_send + commit move a 1,000-token context from P to D; the next
     request on D finds it cached, computes only the rest, and gives P's tokens."""

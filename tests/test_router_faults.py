@@ -106,10 +106,11 @@ def test_an_engine_refusal_reaches_the_client_unchanged(router, e1, e2):
     use(router, builtin="data_parallel")
     routed = completion(router.url, prompt)
     assert (routed.status_code, routed.json()) == (400, direct.json())
-    # Under P/D the decode engine's prep_recv refuses first, with its own 400.
+    # Under P/D the decode engine's prep_recv (of the whole prompt: P samples the first
+    # token of a greedy request) refuses first, with its own 400.
     use(router, builtin="pd")
     direct = httpx.post(e2.url + "/microserving/prep_recv", headers=ENGINE_AUTH,
-                        json={"request_id": "refused", "prompt": prompt, "end": -1})
+                        json={"request_id": "refused", "prompt": prompt, "end": len(prompt)})
     assert direct.status_code == 400, direct.text
     routed = completion(router.url, prompt)
     assert (routed.status_code, routed.json()) == (400, direct.json())

@@ -136,14 +136,42 @@ async def test_each_strategy_gives_the_greedy_tokens_of_one_engine(up, admin, to
     assert [text for text, _ in got] == want
     for (_, usage), prompt in zip(got, prompts):
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), N_NEW)
-    # The token-id prompt is new to both engines: what P sent is exactly the strategy's split.
+    # The token-id prompt is new to both engines: what P sent is exactly the strategy's split
+    # (pd: all of it, with the first token P sampled).
     n = len(ids_prompt)
-    expected_sent = {"data_parallel": 0, "pd": n - 1, "balanced_fixed": n - math.ceil(0.2 * n),
+    expected_sent = {"data_parallel": 0, "pd": n, "balanced_fixed": n - math.ceil(0.2 * n),
                      "context_migration": 0}
     if strategy in expected_sent:
         assert sent - sent_before == expected_sent[strategy]
     else:  # adaptive with both engines idle: half the prompt, capped at D's maximum share
         assert sent - sent_before == n - math.ceil(0.5 * n)
+
+
+async def test_pd_leaves_the_first_token_to_d_where_d_must_sample_it(up, admin, tok,
+                                                                       smollm2_dir):
+    """With logprobs asked for, or a seeded random sample, P sends all but the last prompt
+    token and D samples the first token itself: the same tokens and logprobs as one engine."""
+    use(admin, builtin="pd")
+    prompt = tok.encode("[pd, sampled on D] Completion: " + TEXT, add_special_tokens=False)
+    want, = hf_greedy(smollm2_dir, [prompt], N_NEW)
+    n, p = len(prompt), up.engine_urls["p"]
+    c = client(up)
+    try:
+        sent_before = engine_stats(p, check=False)["stats"]["kv_tokens_sent"]
+        r = await c.completions.create(model="test-model", prompt=prompt, logprobs=1, **GREEDY)
+        assert r.choices[0].text == tok.decode(want)
+        assert len(r.choices[0].logprobs.token_logprobs) == N_NEW
+        sent = engine_stats(p, check=False)["stats"]["kv_tokens_sent"]
+        assert sent - sent_before == n - 1
+        seeded = [await c.completions.create(
+            model="test-model", prompt=prompt, temperature=1.0, seed=11, max_tokens=N_NEW,
+            extra_body={"ignore_eos": True}) for _ in range(2)]
+        assert seeded[0].choices[0].text == seeded[1].choices[0].text
+        # D holds the prompt's whole pages now: P sends the rest of prompt[:-1].
+        rest = (n - 1) - (n - 1) // 16 * 16
+        assert engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent == 2 * rest
+    finally:
+        await c.close()
 
 
 async def test_hot_swap_under_load(up, admin, tok, smollm2_dir):
@@ -336,9 +364,10 @@ async def test_context_migration_moves_a_context_off_a_draining_engine(up, admin
         sent_before = engine_stats(p, check=False)["stats"]["kv_tokens_sent"]
         text, usage = await complete(c, second, stream=False)
         assert text == want[1]
-        # p sent all of second[:-1] to d: its cached pages of the context, and the rest.
+        # p sent all of second to d (its cached pages of the context, and the rest) with the
+        # first token it sampled.
         assert engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent_before == (
-            len(second) - 1)
+            len(second))
         # Cached: what p's prefix cache served (the pages second shares with first), not
         # the KV d received.
         common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
@@ -375,7 +404,7 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
         assert (run["input_tokens"], run["output_tokens"]) == (sum(n_in), sum(n_out)), label
         assert run["rate"] == 4 * gpus and all(run[k]["p99_ms"] > 0 for k in ("ttft", "jct"))
         c = run["engine_counters"]
-        moved = {"dp": 0, "dp@d": 0, "1p1d": sum(n - 1 for n in n_in),
+        moved = {"dp": 0, "dp@d": 0, "1p1d": sum(n_in),  # greedy: P samples the first token
                  "1p1d-balance-0.5": sum(n - max(1, math.ceil(0.5 * n)) for n in n_in)}[label]
         assert (c["p"]["kv_tokens_sent"], c["d"]["kv_tokens_received"]) == (moved, moved), label
         assert c["p"]["generation_tokens"] + c["d"]["generation_tokens"] == sum(n_out)

@@ -459,16 +459,17 @@ class CountingClient:
         self.aborts, self.fail, self.hang_send = 0, fail, hang_send
 
     async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None):
-        n = len(prompt) - 1
+        n = range(len(prompt) + 1)[end]
         return PrepRecvResponse(matched=0, kv_addr=KVAddr(
             begin=0, end=n, ranges=[(0, n)], layout={}, transfer={}, window=(0, 1)))
 
-    async def remote_send(self, request_id, prompt, begin, end, kv_addr):
+    async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None):
         if self.hang_send:
             await asyncio.sleep(3600)
-        return RemoteSendResponse(sent=end - begin, computed=end - begin, reused=0)
+        return RemoteSendResponse(sent=end - begin, computed=end - begin, reused=0,
+                                  first_token=None if sampling is None else 1)
 
-    async def start_generate(self, request_id, prompt, begin, sampling):
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None):
         yield GenerateChunk(token_ids=[1], cached_tokens=len(prompt) - 1)
         if self.fail:
             raise MicroservingError(500, "internal error in the engine step: ValueError")
@@ -550,7 +551,7 @@ class _SlowStream:
     def __init__(self):
         self.go = asyncio.Event()
 
-    async def start_generate(self, request_id, prompt, begin, sampling):
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None):
         yield GenerateChunk(token_ids=[1])
         await self.go.wait()
         yield GenerateChunk(token_ids=[2])

@@ -204,10 +204,12 @@ class CoreClient(GenerateBackend):
         return self.start_generate(request_id, prompt_token_ids, 0, params)
 
     async def start_generate(
-        self, request_id: str, prompt: list[int], begin: int, params: SamplingParams
+        self, request_id: str, prompt: list[int], begin: int, params: SamplingParams,
+        first_token: int | None = None,
     ) -> AsyncIterator[GenerateChunk]:
-        """generate() whose KV for prompt[:begin] is already on the engine (microserving).
-        Raises MicroservingError / RequestRejected before the first output on bad input."""
+        """generate() whose KV for prompt[:begin] is already on the engine (microserving),
+        `first_token` its first output if the sender sampled it. Raises MicroservingError /
+        RequestRejected before the first output on bad input."""
         if request_id in self._queues:
             raise MicroservingError(409, f"request_id {request_id!r} is already in use",
                                     "request_id")  # fmt: skip
@@ -215,7 +217,7 @@ class CoreClient(GenerateBackend):
         self._queues[request_id] = q
         num_generated = 0
         try:
-            self._send(Generate(request_id, prompt, params, begin))
+            self._send(Generate(request_id, prompt, params, begin, first_token))
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):

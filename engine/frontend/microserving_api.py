@@ -202,7 +202,7 @@ class _MicroservingAPI:
         """The request's outputs as chunks. Closed or cancelled before the engine finished the
         request (a client that went away), it aborts the request in the engine."""
         chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
-                                            body.sampling)
+                                            body.sampling, body.first_token)
         settled = False
         try:
             async for chunk in chunks:
