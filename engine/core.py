@@ -201,10 +201,14 @@ class EngineCore:
                 400, "a handed-over first_token has no logprobs and follows no grammar: sample "
                 "it here (begin below the prompt length)", "first_token")  # fmt: skip
 
+    def _stops(self, p: SamplingParams, token: int) -> bool:
+        """Whether sampling `token` stops a request with params `p` (eos or a stop token)."""
+        return (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+
     def _finishes(self, seq: Sequence, token: int) -> bool:
         """Whether `token`, just added to `seq`'s output, ends it: sets its finish reason."""
         p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if self._stops(p, token):
             seq.finish_reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
@@ -393,8 +397,7 @@ class EngineCore:
                 continue
             token = result.token_ids[k]
             seq.output_token_ids[slot] = token
-            p = seq.params
-            stop = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+            stop = self._stops(seq.params, token)
             if not stop and seq.request_id in self.grammars:
                 stop = self.grammars.accept(seq.request_id, token)  # the grammar is complete
             if stop:
