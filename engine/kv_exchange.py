@@ -128,8 +128,8 @@ class KVExchange:
         self.max_wait_s = max_wait_s  # the longest prep_recv may name
         self._room_when_tried = _NEVER_TRIED  # _room() when the head last did not fit
         self._answers: list[tuple[str, Answer]] = []  # given by the next poll()
-        # sampling sends whose transfer is done before their token (-> the transfer's error)
-        self._flushed: dict[str, Exception | None] = {}
+        # sampling sends whose transfer completed before their token was resolved
+        self._flushed: set[str] = set()
         self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0,
                          "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0}
 
@@ -402,7 +402,8 @@ class KVExchange:
             return
         entry.job.first_token = token
         if request_id in self._flushed:  # the transfer was done already
-            self._settle(request_id, self._flushed.pop(request_id))
+            self._flushed.remove(request_id)
+            self._settle(request_id, None)
 
     def unsampled(self) -> list[str]:
         """The sends computed and flushing whose sampled token is not resolved yet."""
@@ -427,7 +428,7 @@ class KVExchange:
             if entry is None or entry.state is not RequestState.FLUSHING:  # aborted meanwhile
                 continue
             if entry.job.samples and entry.job.first_token is None and error is None:
-                self._flushed[rid] = error  # answered when its token is resolved (`sampled`)
+                self._flushed.add(rid)  # answered when its token is resolved (`sampled`)
                 continue
             self._settle(rid, error)
         out: list[tuple[str, Answer]] = list(self._answers)
@@ -506,7 +507,7 @@ class KVExchange:
         """End a send job wherever it is. Frees a flushing job's pages; a computing job's
         sequence is returned (its pages go when it leaves the scheduler)."""
         entry = self.requests.finish(request_id)
-        self._flushed.pop(request_id, None)
+        self._flushed.discard(request_id)
         self.sender.cancel(request_id)  # returns once no write reads the pages
         if entry.state is RequestState.FLUSHING:
             self.kv.free(request_id)
