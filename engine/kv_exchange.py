@@ -61,7 +61,7 @@ from kvcache.transfer import KVLayout, TransferBackend, TransferError, Window
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError
 from microserve.messages import (CommitResponse, KVAddr, PrepRecvResponse, RemoteSendResponse,
-                                 SamplingParams, slot_ranges)
+                                 SamplingParams)
 from microserve.transfer_auth import TransferAuthError, verify
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class KVExchange:
         self.requests.reserve(request_id, Reservation(tokens, matched, window, lease_s, deadline))
         end = len(tokens)
         addr = KVAddr(
-            begin=matched, end=end, ranges=slot_ranges(self.kv.slots(request_id, matched, end)),
+            begin=matched, end=end, ranges=self.kv.slot_ranges(request_id, matched, end),
             layout=self.layout, transfer=self.backend.descriptor(),
             window=(window.index, window.tag),
         )  # fmt: skip

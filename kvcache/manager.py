@@ -138,6 +138,24 @@ class KVCacheManager:
             raise ValueError(f"positions up to {end} beyond the {len(table) * ps} held")
         return [table[i // ps] * ps + i % ps for i in range(begin, end)]
 
+    def slot_ranges(self, seq_id: str, begin: int, end: int) -> list[tuple[int, int]]:
+        """`slots(seq_id, begin, end)` in run-length form, [(first slot, count), ...], built
+        per page, not per token (a prep_recv of 5,000 tokens answers with it)."""
+        table, ps = self._tables[seq_id], self.page_size
+        if end > len(table) * ps:
+            raise ValueError(f"positions up to {end} beyond the {len(table) * ps} held")
+        out: list[list[int]] = []
+        pos = begin
+        while pos < end:
+            n = min(end, (pos // ps + 1) * ps) - pos  # the rest of this page
+            slot = table[pos // ps] * ps + pos % ps
+            if out and out[-1][0] + out[-1][1] == slot:
+                out[-1][1] += n
+            else:
+                out.append([slot, n])
+            pos += n
+        return [(a, n) for a, n in out]
+
     def can_allocate(self, num_pages: int) -> bool:
         free = self.pool.num_free
         return num_pages <= free or num_pages <= free + self.cache.num_evictable()

@@ -218,17 +218,6 @@ class KVAddr:
         return [s for start, n in self.ranges for s in range(start, start + n)]
 
 
-def slot_ranges(slots: list[int]) -> list[tuple[int, int]]:
-    """Run-length form of a slot list: [5, 6, 7, 20, 21] -> [(5, 3), (20, 2)]."""
-    out: list[list[int]] = []
-    for s in slots:
-        if out and out[-1][0] + out[-1][1] == s:
-            out[-1][1] += 1
-        else:
-            out.append([s, 1])
-    return [(a, n) for a, n in out]
-
-
 # -- the microserving calls' bodies and answers -------------------------------------------------
 
 @_CHECKED

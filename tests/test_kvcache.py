@@ -281,8 +281,11 @@ def test_prep_recv_reserves_after_the_cached_prefix_and_gives_slots():
     assert m.prep_recv("r", toks(14)) == 8
     assert m.page_table("r") == [0, 1, 2, 3]
     assert m.slots("r", 8, 14) == [8, 9, 10, 11, 12, 13]
+    assert m.slot_ranges("r", 8, 14) == [(8, 6)]  # pages 2 and 3 are adjacent: one run
     with pytest.raises(ValueError, match="positions up to 17 beyond the 16 held"):
         m.slots("r", 8, 17)
+    with pytest.raises(ValueError, match="positions up to 17 beyond the 16 held"):
+        m.slot_ranges("r", 8, 17)
     m.check_integrity()
     # Not enough pages: None, and nothing is held.
     assert m.prep_recv("big", toks(40, start=100)) is None
@@ -290,6 +293,26 @@ def test_prep_recv_reserves_after_the_cached_prefix_and_gives_slots():
     m.free("r")
     m.check_integrity()
     assert m.stats().used_pages == 0
+
+
+def test_slot_ranges_are_the_run_length_form_of_slots_over_scattered_pages():
+    m = KVCacheManager(num_pages=16, page_size=PS)
+    for rid, n in (("a", 6), ("b", 8), ("c", 4)):  # interleave so "c"'s pages are not adjacent
+        m.open(rid, toks(n, start=100 * len(rid) + n))
+        m.allocate(rid, n)
+    m.free("b")
+    m.allocate("a", 30)  # "a" grows into b's freed pages and then fresh ones
+    table = m.page_table("a")
+    for begin in range(0, 30):
+        for end in range(begin, 31):
+            runs = []
+            for s in m.slots("a", begin, end):
+                if runs and runs[-1][0] + runs[-1][1] == s:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([s, 1])
+            assert m.slot_ranges("a", begin, end) == [tuple(r) for r in runs], (table, begin, end)
+    assert len(m.slot_ranges("a", 0, 30)) > 1  # the table really is scattered
 
 
 def test_truncate_releases_trailing_pages_and_restarts_caching():
