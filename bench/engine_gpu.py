@@ -12,6 +12,8 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
   offline    1,000 requests, inputs 128-2,048, outputs 128-1,024: total and output tokens/s,
              and the GPU's time on the same steps (CUDA events around each step's work)
   offline300 the same with 300 requests
+  serve400   `bench.serve`'s 400 x (1,024 in / 128 out) sent at once, in-process: what the
+             engine core alone does with the load of issue 20's HTTP figure
   ttft       an idle engine's time to first token (max_tokens 1) against the GPU time of the
              same steps: a cold 1,000-token prompt, and 500 new tokens over a cached 2,500
   decode256short  256 sequences decoding at context ~128: step wall time against GPU time
@@ -214,10 +216,12 @@ class StepTimer:
                 "gpu_idle_between_steps_s": sum(max(g, 0.0) for g in gaps) / 1e3}
 
 
-def offline(core: EngineCore, vocab: int, n: int = 1000, cprofile: bool = False) -> dict:
+def offline(core: EngineCore, vocab: int, n: int = 1000, cprofile: bool = False,
+            input_len: int | tuple[int, int] = (128, 2048),
+            output_len: tuple[int, int] = (128, 1024)) -> dict:
     rng = random.Random(5)
-    n_out = [rng.randint(128, 1024) for _ in range(n)]
-    ps = prompts(n, (128, 2048), vocab, 6)
+    n_out = [rng.randint(*output_len) for _ in range(n)]
+    ps = prompts(n, input_len, vocab, 6)
     for i, (p, o) in enumerate(zip(ps, n_out)):
         core.add_request(f"o{i}", p, params(o))
     before = core.stats().preemptions
@@ -318,6 +322,8 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "decode256short": decode_short, "mixed": mixed,
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),
+           "serve400": lambda core, vocab: offline(core, vocab, n=400, input_len=1024,
+                                                   output_len=(128, 128)),
            }  # fmt: skip
 
 

@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.requests import IllegalTransition, RequestState, RequestTable
@@ -96,7 +97,7 @@ class WaitingRecv:
 class SendJob:
     begin: int
     end: int
-    dst_slots: list[int]  # the receiver's slots for positions [begin, end)
+    dst_slots: torch.Tensor  # the receiver's slots for positions [begin, end) (int64, CPU)
     reused: int  # tokens of [begin, end) copied from this engine's prefix cache
     computed: int  # tokens this engine prefills for the job
     samples: bool = False  # answers with the first output token, sampled after the prompt
@@ -346,7 +347,7 @@ class KVExchange:
             _check_sampling(sampling, n, end)
         self._check_addr(kv_addr, begin, end)
         self._check_free(request_id)
-        dst = kv_addr.slots()
+        dst = slot_tensor(kv_addr.ranges)
         matched = self.kv.open(request_id, prompt[:end - 1] if sampling else prompt[:end])
         try:
             self.sender.start(request_id, kv_addr.transfer, Window(*kv_addr.window))
@@ -357,8 +358,8 @@ class KVExchange:
         reused = max(0, copy_end - begin)
         if reused:
             try:
-                src = torch.tensor(self.kv.slots(request_id, begin, copy_end))
-                self.sender.write_all_layers(request_id, src, torch.tensor(dst[:reused]))
+                src = slot_tensor(self.kv.slot_ranges(request_id, begin, copy_end))
+                self.sender.write_all_layers(request_id, src, dst[:reused])
             except BaseException:  # nothing may outlive the refused call
                 self.sender.cancel(request_id)
                 self.kv.free(request_id)
@@ -380,7 +381,7 @@ class KVExchange:
         lo, hi = max(start, job.begin), min(start + num_new, job.end)
         if lo >= hi:
             return None
-        src = self.kv.slots(seq.request_id, lo, hi)
+        src = slot_tensor(self.kv.slot_ranges(seq.request_id, lo, hi))
         return KVSend(seq.request_id, src, job.dst_slots[lo - job.begin : hi - job.begin])
 
     def computed(self, seq: Sequence) -> None:
@@ -534,3 +535,17 @@ def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:
         raise MicroservingError(
             400, "a remote_send samples no token under a grammar or with logprobs: leave the "
             "last prompt token to the generating engine", "sampling")  # fmt: skip
+
+
+def slot_tensor(ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The flat slots of run-length `ranges` [(first slot, count), ...] as an int64 CPU tensor,
+    built without a Python int per slot (a 5,000-token send names 5,000 slots). In numpy: on
+    the H100's 16-core host torch's CPU `repeat_interleave` took ~1.4 ms here (its thread pool
+    beside the engine's other threads), numpy's `repeat` microseconds."""
+    if not ranges:
+        return torch.empty(0, dtype=torch.long)
+    runs = np.asarray(ranges, dtype=np.int64)
+    starts, counts = runs[:, 0], runs[:, 1]
+    index_of_first = np.cumsum(counts) - counts  # where each run starts in the output
+    slots = np.repeat(starts - index_of_first, counts) + np.arange(int(counts.sum()))
+    return torch.from_numpy(slots)

@@ -15,8 +15,12 @@ Tokens of a step are packed, sequence after sequence, with no padding:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcache.manager import TableChanges
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,8 @@ class KVSend:
     (flat slots, equal lengths) under transfer job `job_id`."""
 
     job_id: str
-    src_slots: list[int]
-    dst_slots: list[int]
+    src_slots: torch.Tensor  # int64, on the host
+    dst_slots: torch.Tensor
 
 
 @dataclass(frozen=True)

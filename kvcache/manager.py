@@ -131,16 +131,10 @@ class KVCacheManager:
             return None
         return matched
 
-    def slots(self, seq_id: str, begin: int, end: int) -> list[int]:
-        """Flat slots (page * page_size + offset) of positions [begin, end) of a sequence."""
-        table, ps = self._tables[seq_id], self.page_size
-        if end > len(table) * ps:
-            raise ValueError(f"positions up to {end} beyond the {len(table) * ps} held")
-        return [table[i // ps] * ps + i % ps for i in range(begin, end)]
-
     def slot_ranges(self, seq_id: str, begin: int, end: int) -> list[tuple[int, int]]:
-        """`slots(seq_id, begin, end)` in run-length form, [(first slot, count), ...], built
-        per page, not per token (a prep_recv of 5,000 tokens answers with it)."""
+        """The flat slots (page * page_size + offset) of positions [begin, end) of a sequence,
+        in run-length form [(first slot, count), ...], built per page, not per token (a
+        prep_recv of 5,000 tokens answers with it)."""
         table, ps = self._tables[seq_id], self.page_size
         if end > len(table) * ps:
             raise ValueError(f"positions up to {end} beyond the {len(table) * ps} held")

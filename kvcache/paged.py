@@ -101,10 +101,8 @@ class PagedKVCache:
         self._batch = batch
         self.backend.plan(batch)
         dev = self.kv.device
-        self._sends = [
-            (s.job_id, torch.tensor(s.src_slots, device=dev), torch.tensor(s.dst_slots, device=dev))
-            for s in self._marked
-        ]
+        self._sends = [(s.job_id, _upload(s.src_slots, dev), _upload(s.dst_slots, dev))
+                       for s in self._marked]
         self._marked = []
 
     def begin_forward_static(self) -> None:
@@ -138,3 +136,11 @@ class PagedKVCache:
         """Execute fork copies (partial pages) for all layers before the next forward."""
         for c in copies:
             self.kv[:, :, c.dst, : c.num_tokens] = self.kv[:, :, c.src, : c.num_tokens]
+
+
+def _upload(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`slots` on `device` without making the host wait: a copy from pageable memory would
+    block until the GPU finished the step before (engine/device.py says more)."""
+    if device.type != "cuda":
+        return slots.to(device)
+    return slots.pin_memory().to(device, non_blocking=True)

@@ -214,9 +214,6 @@ class KVAddr:
     def num_slots(self) -> int:
         return sum(n for _, n in self.ranges)
 
-    def slots(self) -> list[int]:
-        return [s for start, n in self.ranges for s in range(start, start + n)]
-
 
 # -- the microserving calls' bodies and answers -------------------------------------------------
 

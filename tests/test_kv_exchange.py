@@ -14,11 +14,13 @@ import math
 import time
 
 import pytest
+import torch
 from conftest import hf_greedy
 from test_engine_core import greedy, random_prompts
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.kv_exchange import slot_tensor
 from engine.requests import RequestState
 from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
@@ -94,6 +96,15 @@ def reset(*cores):
     """Forget cached prefixes so each test starts from an empty cache."""
     for core in cores:
         core.kv.cache.evict(core.kv.cache.num_evictable())
+
+
+def test_slot_tensor_expands_run_length_ranges_to_every_slot():
+    ranges = [(48, 5), (16, 16), (7, 1), (100, 3)]
+    want = [s for start, n in ranges for s in range(start, start + n)]
+    got = slot_tensor(ranges)
+    assert got.dtype == torch.long and got.tolist() == want
+    assert slot_tensor([]).tolist() == []
+    assert slot_tensor([(3, 1)]).tolist() == [3]
 
 
 def test_pd_no_cache(pair, prompts, ref):

@@ -280,10 +280,7 @@ def test_prep_recv_reserves_after_the_cached_prefix_and_gives_slots():
     # Receive 14 tokens: 8 are cached (pages 0, 1), the rest get fresh pages (LIFO: 2, 3).
     assert m.prep_recv("r", toks(14)) == 8
     assert m.page_table("r") == [0, 1, 2, 3]
-    assert m.slots("r", 8, 14) == [8, 9, 10, 11, 12, 13]
-    assert m.slot_ranges("r", 8, 14) == [(8, 6)]  # pages 2 and 3 are adjacent: one run
-    with pytest.raises(ValueError, match="positions up to 17 beyond the 16 held"):
-        m.slots("r", 8, 17)
+    assert m.slot_ranges("r", 8, 14) == [(8, 6)]  # slots 8..13: pages 2 and 3 are adjacent
     with pytest.raises(ValueError, match="positions up to 17 beyond the 16 held"):
         m.slot_ranges("r", 8, 17)
     m.check_integrity()
@@ -295,7 +292,7 @@ def test_prep_recv_reserves_after_the_cached_prefix_and_gives_slots():
     assert m.stats().used_pages == 0
 
 
-def test_slot_ranges_are_the_run_length_form_of_slots_over_scattered_pages():
+def test_slot_ranges_are_the_run_length_form_of_each_positions_slot_over_scattered_pages():
     m = KVCacheManager(num_pages=16, page_size=PS)
     for rid, n in (("a", 6), ("b", 8), ("c", 4)):  # interleave so "c"'s pages are not adjacent
         m.open(rid, toks(n, start=100 * len(rid) + n))
@@ -306,7 +303,7 @@ def test_slot_ranges_are_the_run_length_form_of_slots_over_scattered_pages():
     for begin in range(0, 30):
         for end in range(begin, 31):
             runs = []
-            for s in m.slots("a", begin, end):
+            for s in (table[i // PS] * PS + i % PS for i in range(begin, end)):
                 if runs and runs[-1][0] + runs[-1][1] == s:
                     runs[-1][1] += 1
                 else:
