@@ -59,6 +59,11 @@ class _Capturer:
 
     def __call__(self, fn) -> tuple[torch.cuda.CUDAGraph, object]:
         """A graph of fn() and what the captured call returned (its static output)."""
+        # The side stream must see what the caller queued before: the static buffers' zero
+        # fill, the step metadata plan_graph uploads. Without this wait the warm-up could read
+        # a buffer before its fill ran (an engine once failed to start on garbage token ids:
+        # docs/benchmarks.md, "Seen once").
+        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # compile Triton kernels and settle allocations first
                 fn()
