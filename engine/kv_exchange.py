@@ -539,9 +539,9 @@ def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:
 
 def slot_tensor(ranges: list[tuple[int, int]]) -> torch.Tensor:
     """The flat slots of run-length `ranges` [(first slot, count), ...] as an int64 CPU tensor,
-    built without a Python int per slot (a 5,000-token send names 5,000 slots). In numpy: on
-    the H100's 16-core host torch's CPU `repeat_interleave` took ~1.4 ms here (its thread pool
-    beside the engine's other threads), numpy's `repeat` microseconds."""
+    built without a Python int per slot (a 5,000-token send names 5,000 slots). In numpy:
+    torch's CPU `repeat_interleave` took ~1.4 ms a call inside the engine on the H100's host
+    (py-spy, 2026-11-24; why was not isolated), where numpy's `repeat` takes microseconds."""
     if not ranges:
         return torch.empty(0, dtype=torch.long)
     runs = np.asarray(ranges, dtype=np.int64)
