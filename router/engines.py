@@ -34,12 +34,12 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from microserve.backend import BackendUnavailable
+from microserve.backend import BackendUnavailable, MicroservingError
 from microserve.messages import (
     CommitResponse,
     EngineInfo,
@@ -188,11 +188,21 @@ class EngineHandle:
         return end, sent.first_token
 
     async def start_generate(self, request: Request, begin: int = 0,
-                             first_token: int | None = None) -> AsyncIterator[GenerateChunk]:
+                             first_token: int | None = None, emit_first: bool = True
+                             ) -> AsyncIterator[GenerateChunk]:
         """Prefill `prompt[begin:]` here and decode: the engine's chunks as they come.
         `first_token`: the first output, sampled by the engine that sent the whole prompt's
-        KV (`send_prompt`); the engine emits it at once and decodes on."""
+        KV (`send_prompt`); the engine emits it at once and decodes on.
+
+        With `emit_first` (the default) a handed-over first token that does not end the
+        request is yielded before this engine is called, so the client has it one round trip
+        sooner; the engine's own copy of it is left out of its first chunk. The price: if this
+        engine fails before its first chunk, the request has produced output and the router
+        does not try it again (it ends with the error, as a failure after any token does)."""
         self._touch(request)
+        early = emit_first and first_token is not None and not self._stops(request, first_token)
+        if early:  # as this engine would report it: it holds prompt[:begin] already
+            yield GenerateChunk([first_token], cached_tokens=begin)
         prefill = _span(len(request.prompt), begin, len(request.prompt))
         self.open_generations += 1
         self.pending_prefill_tokens += prefill
@@ -204,6 +214,11 @@ class EngineHandle:
                                                     f"generating {request.request_id}"):
                 self.pending_prefill_tokens -= prefill
                 prefill = 0
+                if early:
+                    early = False
+                    chunk = _without_first(chunk, first_token, self.name)
+                    if chunk is None:
+                        continue
                 if chunk.finish_reason is not None:
                     self._pool.prefix_index.insert(request.prompt, self.name)
                     request.settled.add(self.name)
@@ -237,6 +252,12 @@ class EngineHandle:
 
     # -- plumbing -------------------------------------------------------------------------------
 
+    def _stops(self, request: Request, token: int) -> bool:
+        """Whether `token` ends the request (an eos of this engine's model, a stop token)."""
+        p = request.sampling
+        eos = self.info.eos_token_ids if self.info is not None else ()
+        return (token in eos and not p.ignore_eos) or token in p.stop_token_ids
+
     def _touch(self, request: Request) -> None:
         """A call for `request` goes out: this engine may hold something for it until the
         call finishes."""
@@ -249,6 +270,18 @@ class EngineHandle:
         except BackendUnavailable as e:
             self._pool.mark_down(self, str(e))
             raise
+
+
+def _without_first(chunk: GenerateChunk, token: int, engine: str) -> GenerateChunk | None:
+    """An engine's first chunk less the handed-over first token, already yielded; None if
+    nothing is left of it."""
+    if not chunk.token_ids or chunk.token_ids[0] != token:
+        raise MicroservingError(500, f"engine {engine} began its stream with {chunk.token_ids[:1]}"
+                                f", not the handed-over first token {token}")
+    if len(chunk.token_ids) == 1 and chunk.finish_reason is None and chunk.usage is None:
+        return None
+    logprobs = chunk.logprobs[1:] if chunk.logprobs else chunk.logprobs
+    return replace(chunk, token_ids=chunk.token_ids[1:], logprobs=logprobs, cached_tokens=None)
 
 
 def _span(n: int, begin: int, end: int) -> int:

@@ -607,3 +607,80 @@ def test_dns_names_parse_with_port_and_role():
                      ("p,gpu", "role 'gpu' is not one of"), (":80", "must be non-empty")]:
         with pytest.raises(ValueError, match=why):
             DnsName.parse(bad)
+
+
+# ---- a handed-over first token goes to the client before the generating engine is called ----
+
+
+class _HandOver:
+    """start_generate of an engine that got the first token with the KV: emits it, decodes."""
+
+    def __init__(self, chunks: list[GenerateChunk]):
+        self.chunks, self.called = chunks, asyncio.Event()
+
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None):
+        self.called.set()
+        for chunk in self.chunks:
+            yield chunk
+
+    def retire(self):
+        pass
+
+
+def _handing_over(chunks, **sampling):
+    from router.strategy import Request
+
+    pool = make_pool(("d", "decode"))
+    client = pool["d"].client = _HandOver(chunks)
+    request = Request("r1", [5, 6, 7], SamplingParams(**sampling))
+    return pool["d"], client, request
+
+
+async def test_a_handed_over_first_token_is_yielded_before_the_engine_is_called():
+    usage = Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=3)
+    d, client, request = _handing_over([
+        GenerateChunk([9], cached_tokens=3), GenerateChunk([10]),
+        GenerateChunk([11], finish_reason="length", usage=usage)])
+    chunks = d.start_generate(request, begin=3, first_token=9)
+    assert await anext(chunks) == GenerateChunk([9], cached_tokens=3)
+    assert not client.called.is_set()
+    assert [c async for c in chunks] == [GenerateChunk([10]), GenerateChunk(
+        [11], finish_reason="length", usage=usage)]  # the engine's own 9 left out
+    assert d.open_generations == 0
+
+
+async def test_the_engines_first_chunk_keeps_what_follows_the_handed_over_token():
+    usage = Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=3)
+    d, _, request = _handing_over([GenerateChunk([9], finish_reason="length", usage=usage,
+                                                 cached_tokens=3)], max_tokens=1)
+    assert [c async for c in d.start_generate(request, begin=3, first_token=9)] == [
+        GenerateChunk([9], cached_tokens=3),
+        GenerateChunk([], finish_reason="length", usage=usage)]
+
+
+@pytest.mark.parametrize("first, sampling", [(0, {}), (4, {"stop_token_ids": (4,)})])
+async def test_a_handed_over_stop_token_comes_from_the_engine_with_its_finish(first, sampling):
+    last = GenerateChunk([first], finish_reason="stop", cached_tokens=3)  # eos of engine_info: 0
+    d, client, request = _handing_over([last], **sampling)
+    assert [c async for c in d.start_generate(request, begin=3, first_token=first)] == [last]
+    d, _, request = _handing_over([last], **sampling, ignore_eos=True)
+    if not sampling:  # eos with ignore_eos does not stop: it goes first, as any token
+        assert [c async for c in d.start_generate(request, begin=3, first_token=first)] == [
+            GenerateChunk([first], cached_tokens=3), GenerateChunk([], finish_reason="stop")]
+
+
+async def test_an_engine_that_does_not_begin_with_the_handed_over_token_fails_the_stream():
+    d, _, request = _handing_over([GenerateChunk([8]), GenerateChunk([9])])
+    chunks = d.start_generate(request, begin=3, first_token=9)
+    assert (await anext(chunks)).token_ids == [9]
+    with pytest.raises(MicroservingError, match=r"engine d began its stream with \[8\], not the "
+                                                r"handed-over first token 9"):
+        await anext(chunks)
+
+
+async def test_emit_first_false_leaves_the_first_token_to_the_engine():
+    d, client, request = _handing_over([GenerateChunk([9], cached_tokens=3),
+                                        GenerateChunk([10], finish_reason="length")])
+    chunks = [c async for c in d.start_generate(request, begin=3, first_token=9,
+                                                emit_first=False)]
+    assert client.called.is_set() and [c.token_ids for c in chunks] == [[9], [10]]
