@@ -27,7 +27,10 @@ migrate (paper §4.2, Fig. 12 and Table 3): a prompt of N tokens whose first N -
   prep_recv of the whole prompt, P: remote_send that also samples the first token, D:
   start_generate from the prompt's end with that token, max_tokens=1)
   migration  P's remote_send copies its cached pages and computes the rest; its time is "P's
-             prefill", the paper's figure; then D's first token (the whole flow, as a TTFT);
+             prefill", the paper's figure (P starts beside D's prep_recv and is told where to
+             send by send_to, as the router does); the first token is the client's: the
+             router emits P's sampled token when P answers; D's first chunk comes after D's
+             start_generate;
              also the flow where D samples the first token (P sends prompt[:-1], D computes
              the last token: what the strategies do for logprobs, a grammar or a seed)
   recompute  the same flow for a fresh prompt: P computes all N tokens
@@ -134,20 +137,27 @@ def fresh(rng, vocab: int, n: int) -> list[int]:
 
 
 async def pd_first_token(p: EngineClient, d: EngineClient, rid: str, prompt: list[int],
-                         p_samples: bool = True) -> tuple[float, float]:
-    """The P/D flow of the router's pd and context_migration strategies, up to the first
-    token: (seconds of P's remote_send, seconds to D's first token). `p_samples`: P samples
-    the first token and D emits it (greedy requests); else D computes the last prompt token."""
+                         p_samples: bool = True) -> tuple[float, float, float]:
+    """The P/D flow of the router's pd and context_migration strategies
+    (EngineHandle.send_prompt, then start_generate), up to the first token: P's remote_send
+    starts beside D's prep_recv and is told where to send when that answers (send_to).
+    `p_samples`: P samples the first token, which the router gives the client as soon as P
+    answers (greedy requests); else D computes the last prompt token. Returns seconds of P's
+    remote_send, to the client's first token, and to D's first chunk."""
     t0 = time.perf_counter()
     n = len(prompt)
     end = n if p_samples else n - 1
     params = SamplingParams(max_tokens=1, temperature=0)
-    r = await d.prep_recv(rid, prompt, end=end)
-    send_s, sent = await timed(p.remote_send(rid, prompt, r.matched, end, r.kv_addr,
-                                             params if p_samples else None))
+    sending = asyncio.ensure_future(p.remote_send(rid, prompt, 0, end, None,
+                                                  params if p_samples else None))
+    r = await d.prep_recv(rid, prompt, end=end, wait_s=0)
+    await p.send_to(rid, r.matched, r.kv_addr)
+    sent = await sending
+    send_s = first_s = time.perf_counter() - t0
     async for _ in d.start_generate(rid, prompt, end, params, first_token=sent.first_token):
         pass
-    return send_s, time.perf_counter() - t0
+    d_first_s = time.perf_counter() - t0
+    return send_s, first_s if p_samples else d_first_s, d_first_s
 
 
 async def measure_migration(p: EngineClient, d: EngineClient, n: int, new: int, vocab: int,
@@ -161,16 +171,19 @@ async def measure_migration(p: EngineClient, d: EngineClient, n: int, new: int, 
     r = await d.prep_recv(f"copy-{tag}", ctx, end=cached)
     copy_s, _ = await timed(p.remote_send(f"copy-{tag}", ctx, 0, cached, r.kv_addr))
     await d.abort(f"copy-{tag}")
-    migrate_s, migrate_ttft = await pd_first_token(p, d, f"mig-{tag}", ctx + fresh(rng, vocab, new))
+    migrate_s, migrate_ttft, migrate_d = await pd_first_token(p, d, f"mig-{tag}",
+                                                              ctx + fresh(rng, vocab, new))
     ctx = fresh(rng, vocab, n - new)  # D holds the first context now
     await prefill_on(p, f"warm2-{tag}", ctx)
-    _, d_samples_ttft = await pd_first_token(p, d, f"mig-d-{tag}", ctx + fresh(rng, vocab, new),
-                                             p_samples=False)
-    recompute_s, recompute_ttft = await pd_first_token(p, d, f"cold-{tag}", fresh(rng, vocab, n))
+    _, d_samples_ttft, _ = await pd_first_token(p, d, f"mig-d-{tag}",
+                                                ctx + fresh(rng, vocab, new), p_samples=False)
+    recompute_s, recompute_ttft, _ = await pd_first_token(p, d, f"cold-{tag}",
+                                                          fresh(rng, vocab, n))
     ctx = fresh(rng, vocab, n - new)
     await prefill_on(d, f"dwarm-{tag}", ctx)  # D caches it
     hit_s, _ = await timed(prefill_on(d, f"hit-{tag}", ctx + fresh(rng, vocab, new)))
     return {"migrate_s": migrate_s, "recompute_s": recompute_s, "migrate_ttft": migrate_ttft,
+            "migrate_d": migrate_d,
             "recompute_ttft": recompute_ttft, "hit_s": hit_s, "copy_s": copy_s,
             "d_samples_ttft": d_samples_ttft}
 
@@ -271,10 +284,10 @@ async def table_send(clients, kinds, lengths, mc, kv_bytes_per_token, repeat, rn
 
 async def table_migrate(clients, kinds, lengths, mc, new, repeat, rng) -> None:
     print(f"\n| backend | tokens ({new} new) | P's prefill: migration / recompute | speedup | "
-          "first token on D: migration / recompute | local hit on D | local hit / migration: "
-          "P's prefill, first token | first token if D samples it: migration, local hit / it | "
-          "per layer: copy of the context / local prefill of the rest |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "first token: migration / recompute | D's first chunk | local hit on D | local hit / "
+          "migration: P's prefill, first token | first token if D samples it: migration, "
+          "local hit / it | per layer: copy of the context / local prefill of the rest |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     layers = mc.num_layers
     for kind in kinds:
         for n in lengths:
@@ -283,7 +296,8 @@ async def table_migrate(clients, kinds, lengths, mc, new, repeat, rng) -> None:
             print(f"| {kind} | {n:,} | {m['migrate_s'] * 1e3:.1f} / {m['recompute_s'] * 1e3:.1f} "
                   f"ms | {m['recompute_s'] / m['migrate_s']:.2f}x | "
                   f"{m['migrate_ttft'] * 1e3:.1f} / {m['recompute_ttft'] * 1e3:.1f} ms | "
-                  f"{m['hit_s'] * 1e3:.1f} ms | {m['hit_s'] / m['migrate_s']:.0%}, "
+                  f"{m['migrate_d'] * 1e3:.1f} ms | {m['hit_s'] * 1e3:.1f} ms | "
+                  f"{m['hit_s'] / m['migrate_s']:.0%}, "
                   f"{m['hit_s'] / m['migrate_ttft']:.0%} | "
                   f"{m['d_samples_ttft'] * 1e3:.1f} ms, {m['hit_s'] / m['d_samples_ttft']:.0%} | "
                   f"{m['copy_s'] * 1e3 / layers:.2f} / {m['hit_s'] * 1e3 / layers:.2f} ms |",

@@ -215,10 +215,11 @@ class EngineCore:
         return seq.finish_reason is not None
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                    kv_addr: KVAddr, sampling: SamplingParams | None = None) -> None:
+                    kv_addr: KVAddr | None, sampling: SamplingParams | None = None) -> None:
         """Start a remote_send (KVExchange.remote_send); the answer comes from `poll()`. The KV
         not cached here is computed by a send-only sequence in the scheduler, which also
-        samples the first output token with `sampling` if given (the whole prompt is sent)."""
+        samples the first output token with `sampling` if given (the whole prompt is sent).
+        Without `kv_addr` nothing is sent until `exchange.send_to` names the destination."""
         generator = None
         if sampling is not None:
             check_request(prompt, sampling, self.info)
@@ -240,6 +241,7 @@ class EngineCore:
         generation; None for a transfer (no token stream) or an unknown id."""
         entry = self.requests.get(request_id)
         if entry is None:
+            self.exchange.forget_address(request_id)  # a send_to ahead of its remote_send
             return None
         if entry.state is not RequestState.GENERATING:
             if (seq := self.exchange.abort(request_id)) is not None:

@@ -7,7 +7,7 @@ socket of length-prefixed msgpack frames (microserve/wire.py), each a typed mess
 microserve/messages.py, decoded by its "type" tag:
 
     frontend -> core: Generate, Abort, Invoke (a Call: Stats, CheckIntegrity, PrepRecv,
-                      RemoteSend, Commit, AbortCall, Pin, Unpin), Shutdown
+                      RemoteSend, SendTo, Commit, AbortCall, Pin, Unpin), Shutdown
     core -> frontend: Ready | StartFailed (once), Outputs (one frame per step, all requests),
                       Rejected, Reply
 
@@ -52,6 +52,7 @@ from microserve.messages import (
     Rejected,
     RemoteSend,
     Reply,
+    SendTo,
     Shutdown,
     StartFailed,
     Stats,
@@ -217,6 +218,8 @@ class CoreLoop:
             case RemoteSend(request=r):
                 return core.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
                                         r.sampling)
+            case SendTo(request=r):
+                return exchange.send_to(r.request_id, r.begin, r.kv_addr)
             case Commit(request=r):
                 return exchange.commit(r.request_id, r.pin)
             case AbortCall(request=r):

@@ -34,6 +34,14 @@ Cached KV is written to the receiver at once; computed KV is marked for sending
 When the last chunk is computed, the job's pages stay held until the transfer stream has
 flushed every write; only then does the remote_send call answer.
 
+A remote_send may come before its destination is known (no kv_addr: the router asks P to start
+while D's prep_recv runs, so P's compute is not held up by D's round trip). The job computes
+prompt[:end] into this engine's pages, sending nothing; `send_to(begin, kv_addr)` then copies
+what exists of [begin, end) at once (cached or computed: `write_all_layers`, ordered after the
+steps already launched) and the later chunks are sent layer by layer as above. A job computed
+before its send_to is PARKED, holding its pages; one whose send_to does not come within the
+engine's lease (`--kv-lease-s`, counted from the remote_send) is dropped with a 504.
+
 A request's place is its entry in the core's request table (engine/requests.py): RECV_WAITING
 or RESERVED on the receiver, SENDING (a send-only sequence computing) or FLUSHING (computed, its
 pages held until the transfer thread flushed) on the sender. The exchange moves requests
@@ -62,12 +70,13 @@ from kvcache.transfer import KVLayout, TransferBackend, TransferError, Window
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError
 from microserve.messages import (CommitResponse, KVAddr, PrepRecvResponse, RemoteSendResponse,
-                                 SamplingParams)
+                                 SamplingParams, SendToResponse)
 from microserve.transfer_auth import TransferAuthError, verify
 
 log = logging.getLogger(__name__)
 
 
+MAX_EARLY_ADDRESSES = 4096  # send_to calls kept for a remote_send still on its way
 # What poll() answers a deferred call with: its response, or its error.
 Answer = PrepRecvResponse | RemoteSendResponse | MicroservingError
 _NEVER_TRIED = -(1 << 62)  # below any _room(): the waiting head is tried at the next chance
@@ -97,11 +106,16 @@ class WaitingRecv:
 class SendJob:
     begin: int
     end: int
-    dst_slots: torch.Tensor  # the receiver's slots for positions [begin, end) (int64, CPU)
+    # The receiver's slots for positions [begin, end) (int64, CPU); None until send_to names
+    # them (a remote_send made without kv_addr: begin is set then too).
+    dst_slots: torch.Tensor | None
     reused: int  # tokens of [begin, end) copied from this engine's prefix cache
     computed: int  # tokens this engine prefills for the job
     samples: bool = False  # answers with the first output token, sampled after the prompt
     first_token: int | None = None  # set when sampled (`KVExchange.sampled`)
+    matched: int = 0  # leading prompt tokens found in this engine's prefix cache
+    # time.monotonic() by which send_to must name the destination; None once it did
+    address_by: float | None = None
 
 
 class KVExchange:
@@ -131,6 +145,8 @@ class KVExchange:
         self._answers: list[tuple[str, Answer]] = []  # given by the next poll()
         # sampling sends whose transfer completed before their token was resolved
         self._flushed: set[str] = set()
+        # send_to calls that overtook their remote_send on the way: (begin, kv_addr, deadline)
+        self._addresses: dict[str, tuple[int, KVAddr, float]] = {}
         self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0,
                          "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0}
 
@@ -296,12 +312,36 @@ class KVExchange:
             self._close(rid, res)
             self.kv.free(rid)
         self.counters["kv_leases_expired"] += len(expired)
-        return len(expired)
+        return len(expired) + self._expire_parked(now)
+
+    def forget_address(self, request_id: str) -> bool:
+        """Drop a send_to kept for a remote_send that has not come (an abort). True if any."""
+        return self._addresses.pop(request_id, None) is not None
+
+    def _expire_parked(self, now: float) -> int:
+        """Drop parked sends whose send_to did not come in time (their router is gone, say),
+        and kept send_to calls whose remote_send did not come."""
+        for rid in [r for r, (_, _, deadline) in self._addresses.items() if deadline <= now]:
+            del self._addresses[rid]
+        late = [rid for rid, e in self.requests.in_state(RequestState.PARKED).items()
+                if e.job.address_by <= now]
+        for rid in late:
+            log.warning("remote_send %r got no send_to within %g s; its KV dropped", rid,
+                        self.lease_s)
+            self._drop_send(rid)
+            self._answers.append((rid, MicroservingError(
+                504, f"no send_to named where to send request {rid!r} within {self.lease_s:g} s "
+                "of its remote_send (this engine's --kv-lease-s)", "request_id")))
+        return len(late)
 
     def next_deadline(self) -> float | None:
-        """When a lease is next due, or a waiting prep_recv gives up."""
+        """When a lease is next due, a parked send's send_to is late, or a waiting prep_recv
+        gives up."""
         reserved = self.requests.in_state(RequestState.RESERVED)
-        lease = min((e.reservation.deadline for e in reserved.values()), default=None)
+        parked = self.requests.in_state(RequestState.PARKED)
+        lease = min([*(e.reservation.deadline for e in reserved.values()),
+                     *(e.job.address_by for e in parked.values()),
+                     *(deadline for _, _, deadline in self._addresses.values())], default=None)
         waiting = self.requests.in_state(RequestState.RECV_WAITING)
         if not waiting:
             return lease
@@ -329,11 +369,13 @@ class KVExchange:
     # ---- sender --------------------------------------------------------------------------------
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                    kv_addr: KVAddr, arrival: int, sampling: SamplingParams | None = None,
+                    kv_addr: KVAddr | None, arrival: int,
+                    sampling: SamplingParams | None = None,
                     generator: torch.Generator | None = None) -> Sequence | None:
         """Start sending KV of prompt[begin:end]; the answer comes from poll(). Returns the
         send-only sequence (made at `arrival`) that computes the KV not cached here, for the
-        caller to schedule; None if all of it was cached (the job is flushing already).
+        caller to schedule; None if all of it was cached (the job is flushing already, or
+        parked until send_to when `kv_addr` is None: then begin comes with send_to).
 
         With `sampling` (and its `generator`) the sequence also samples the first output
         token after the prompt, which the answer carries: end must be the prompt's length,
@@ -343,31 +385,36 @@ class KVExchange:
         begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
         if begin > end:
             raise MicroservingError(400, f"begin {begin} is after end {end}", "begin")
+        if kv_addr is None and begin:
+            raise MicroservingError(400, f"begin {begin} without kv_addr: a remote_send that "
+                                    "does not know its destination yet gets begin with send_to",
+                                    "begin")  # fmt: skip
+        if kv_addr is None and request_id in self._addresses:  # its send_to came first
+            begin, kv_addr, _ = self._addresses.pop(request_id)
+            if begin > end:
+                raise MicroservingError(400, f"send_to's begin {begin} is after end {end}",
+                                        "begin")  # fmt: skip
         if sampling is not None:
             _check_sampling(sampling, n, end)
-        self._check_addr(kv_addr, begin, end)
+        if kv_addr is not None:
+            self._check_addr(kv_addr, begin, end)
         self._check_free(request_id)
-        dst = slot_tensor(kv_addr.ranges)
         matched = self.kv.open(request_id, prompt[:end - 1] if sampling else prompt[:end])
-        try:
-            self.sender.start(request_id, kv_addr.transfer, Window(*kv_addr.window))
-        except TransferError as e:
-            self.kv.free(request_id)
-            raise MicroservingError(502, f"cannot reach the receiver: {e}") from None
-        copy_end = min(matched, end)
-        reused = max(0, copy_end - begin)
-        if reused:
+        job = SendJob(begin, end, None, 0, computed=end - matched if matched < end else 0,
+                      samples=sampling is not None, matched=matched)
+        if kv_addr is None:
+            job.address_by = time.monotonic() + self.lease_s
+        else:
             try:
-                src = slot_tensor(self.kv.slot_ranges(request_id, begin, copy_end))
-                self.sender.write_all_layers(request_id, src, dst[:reused])
+                self._address(request_id, job, begin, kv_addr, min(matched, end))
             except BaseException:  # nothing may outlive the refused call
-                self.sender.cancel(request_id)
                 self.kv.free(request_id)
                 raise
-        job = SendJob(begin, end, dst, reused, computed=end - matched if matched < end else 0,
-                      samples=sampling is not None)
         if matched >= end:
-            self._flush(request_id, job)
+            if kv_addr is None:
+                self.requests.park(request_id, job)
+            else:
+                self._flush(request_id, job)
             return None
         seq = Sequence(request_id, prompt[:end], sampling or SamplingParams(max_tokens=1),
                        arrival, num_computed_tokens=matched, num_cached_tokens=matched,
@@ -375,9 +422,62 @@ class KVExchange:
         self.requests.send(request_id, job, seq, generator)
         return seq
 
+    def send_to(self, request_id: str, begin: int, kv_addr: KVAddr) -> SendToResponse:
+        """Name the destination of a remote_send made without one: [begin, end) goes to
+        `kv_addr`. What this engine holds of it already (cached, or computed by the steps
+        launched so far) is queued for writing now; a parked job flushes after it. A send_to
+        that overtook its remote_send on the way is kept for it (until the lease runs out)."""
+        entry = self.requests.get(request_id)
+        if entry is None:
+            if request_id in self._addresses:
+                raise MicroservingError(409, f"send_to for request_id {request_id!r} was made "
+                                        "already", "request_id")  # fmt: skip
+            if len(self._addresses) >= MAX_EARLY_ADDRESSES:
+                raise MicroservingError(503, f"{len(self._addresses)} send_to calls are waiting "
+                                        "for their remote_send already")  # fmt: skip
+            deadline = time.monotonic() + self.lease_s
+            self._addresses[request_id] = (begin, kv_addr, deadline)
+            return SendToResponse(copied=0)
+        job = entry.job
+        if job is None or job.address_by is None:
+            raise MicroservingError(
+                404, f"no remote_send waiting for its destination under request_id "
+                f"{request_id!r}", "request_id")  # fmt: skip
+        if begin > job.end:
+            raise MicroservingError(400, f"begin {begin} is after the send's end {job.end}",
+                                    "begin")  # fmt: skip
+        self._check_addr(kv_addr, begin, job.end)
+        parked = entry.state is RequestState.PARKED
+        have = job.end if parked else min(entry.seq.num_computed_tokens, job.end)
+        self._address(request_id, job, begin, kv_addr, have)
+        if parked:
+            self._flush(request_id, job)
+        return SendToResponse(copied=max(0, have - begin))
+
+    def _address(self, request_id: str, job: SendJob, begin: int, kv_addr: KVAddr,
+                 have: int) -> None:
+        """Give `job` its destination (a checked `kv_addr` for [begin, job.end)): start the
+        transfer job and queue the writes of [begin, have), whose KV this engine holds now."""
+        try:
+            self.sender.start(request_id, kv_addr.transfer, Window(*kv_addr.window))
+        except TransferError as e:
+            raise MicroservingError(502, f"cannot reach the receiver: {e}") from None
+        dst = slot_tensor(kv_addr.ranges)
+        if have > begin:
+            try:
+                src = slot_tensor(self.kv.slot_ranges(request_id, begin, have))
+                self.sender.write_all_layers(request_id, src, dst[:have - begin])
+            except BaseException:
+                self.sender.cancel(request_id)
+                raise
+        job.begin, job.dst_slots, job.address_by = begin, dst, None
+        job.reused = max(0, min(job.matched, job.end) - begin)
+
     def sends_for(self, seq: Sequence, start: int, num_new: int) -> KVSend | None:
         """The share of a step's chunk [start, start + num_new) that goes to the receiver."""
         job = self.requests.get(seq.request_id).job
+        if job.dst_slots is None:  # no destination yet: send_to copies it later
+            return None
         lo, hi = max(start, job.begin), min(start + num_new, job.end)
         if lo >= hi:
             return None
@@ -386,10 +486,14 @@ class KVExchange:
 
     def computed(self, seq: Sequence) -> None:
         """A send's last chunk is computed and its sequence out of the scheduler, pages kept:
-        they stay held until the transfer is flushed."""
+        they stay held until the transfer is flushed (or parked until send_to)."""
         rid = seq.request_id
         self.kv.cache_tokens(rid, seq.prompt_token_ids)
-        self._flush(rid, self.requests.get(rid).job)
+        job = self.requests.get(rid).job
+        if job.dst_slots is None:
+            self.requests.park(rid, job)
+        else:
+            self._flush(rid, job)
 
     def _flush(self, request_id: str, job: SendJob) -> None:
         """The job is FLUSHING: the sender flushes its writes, then poll() answers it."""
@@ -399,7 +503,7 @@ class KVExchange:
     def sampled(self, request_id: str, token: int) -> None:
         """A sampling send's first output token is resolved: its answer may go out."""
         entry = self.requests.get(request_id)
-        if entry is None or entry.state is not RequestState.FLUSHING:  # aborted or failed
+        if entry is None or entry.state not in _COMPUTED:  # aborted or failed
             return
         entry.job.first_token = token
         if request_id in self._flushed:  # the transfer was done already
@@ -407,8 +511,8 @@ class KVExchange:
             self._settle(request_id, None)
 
     def unsampled(self) -> list[str]:
-        """The sends computed and flushing whose sampled token is not resolved yet."""
-        return [rid for rid, e in self.requests.in_state(RequestState.FLUSHING).items()
+        """The sends computed (flushing or parked) whose sampled token is not resolved yet."""
+        return [rid for state in _COMPUTED for rid, e in self.requests.in_state(state).items()
                 if e.job.samples and e.job.first_token is None]
 
     def drop_failed_sends(self) -> list[Sequence]:
@@ -488,7 +592,7 @@ class KVExchange:
             self.requests.finish(request_id)
             self._room_when_tried = _NEVER_TRIED  # the head may have changed
             seq = None
-        elif state in (RequestState.SENDING, RequestState.FLUSHING):
+        elif state in (RequestState.SENDING, *_COMPUTED):
             seq = self._drop_send(request_id)
         else:
             raise IllegalTransition(f"request {request_id!r} ({state}) is not the exchange's")
@@ -510,7 +614,7 @@ class KVExchange:
         entry = self.requests.finish(request_id)
         self._flushed.discard(request_id)
         self.sender.cancel(request_id)  # returns once no write reads the pages
-        if entry.state is RequestState.FLUSHING:
+        if entry.state in _COMPUTED:
             self.kv.free(request_id)
         return entry.seq
 
@@ -518,10 +622,14 @@ class KVExchange:
         return {
             "kv_reservations": self.requests.count(RequestState.RESERVED),
             "kv_recv_waiting": self.requests.count(RequestState.RECV_WAITING),
-            "kv_send_jobs": (self.requests.count(RequestState.SENDING)
-                             + self.requests.count(RequestState.FLUSHING)),
+            "kv_send_jobs": sum(self.requests.count(s) for s in (RequestState.SENDING,
+                                                                 *_COMPUTED)),
             **self.counters,
         }
+
+
+# A send's states once its sequence is done: its pages held by the request, not a sequence.
+_COMPUTED = (RequestState.FLUSHING, RequestState.PARKED)
 
 
 def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:

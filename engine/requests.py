@@ -4,6 +4,9 @@
     new ─prep_recv, pages free now─────────────▶ RESERVED
     new ─remote_send─▶ SENDING ─last chunk computed─▶ FLUSHING
     new ─remote_send, all of it cached here─────────▶ FLUSHING
+    new ─remote_send, no kv_addr─▶ SENDING ─computed, no send_to yet─▶ PARKED
+    new ─remote_send, no kv_addr, all of it cached here─────────────▶ PARKED ─send_to─▶ FLUSHING
+    (a send_to for a send still computing leaves it SENDING: it sends from then on)
     new ─generate─▶ GENERATING
     any state ─▶ gone: finished, flushed, committed, aborted, failed, its wait or lease over
 
@@ -12,6 +15,7 @@
     RESERVED      Reservation (an open window)          the request (KVCacheManager)
     SENDING       SendJob + its send-only Sequence      the sequence (in the scheduler)
     FLUSHING      SendJob                               the request, until the flush ran
+    PARKED        SendJob (no destination yet)          the request, until send_to names one
     GENERATING    Sequence + its sampling generator     the sequence (in the scheduler)
 
 An entry is immutable: a transition replaces it, through one of the table's methods, which
@@ -19,8 +23,8 @@ refuses any transition not drawn above with IllegalTransition. So "already in us
 lookup, and what the scheduler, the KV manager and the grammar matchers hold is checked
 against one table (`check_integrity`) instead of reconciled across registries.
 
-Who moves what: the KV exchange moves requests through the states of a transfer (the first
-four: they hold pages and windows that are the exchange's to give back); the core moves
+Who moves what: the KV exchange moves requests through the states of a transfer (all but
+GENERATING: they hold pages and windows that are the exchange's to give back); the core moves
 GENERATING. What crosses into the scheduler (a send-only sequence to schedule, or to take out)
 the exchange returns to the core, which alone adds to and removes from the scheduler.
 """
@@ -49,6 +53,7 @@ class RequestState(enum.Enum):
     RESERVED = "reserved"  # pages and an open transfer window, for a peer to write into
     SENDING = "sending"  # a remote_send computing KV as a send-only sequence
     FLUSHING = "flushing"  # a remote_send computed; pages held until the transfer flushed
+    PARKED = "parked"  # a remote_send computed before send_to named its destination
     GENERATING = "generating"  # a sequence in the scheduler, waiting or running
 
 
@@ -57,8 +62,9 @@ _NEXT: dict[RequestState | None, frozenset[RequestState]] = {
     None: frozenset(RequestState),
     RequestState.RECV_WAITING: frozenset({RequestState.RESERVED}),
     RequestState.RESERVED: frozenset({RequestState.GENERATING}),
-    RequestState.SENDING: frozenset({RequestState.FLUSHING}),
+    RequestState.SENDING: frozenset({RequestState.FLUSHING, RequestState.PARKED}),
     RequestState.FLUSHING: frozenset(),
+    RequestState.PARKED: frozenset({RequestState.FLUSHING}),
     RequestState.GENERATING: frozenset(),
 }
 
@@ -75,7 +81,7 @@ class Request:
     state: RequestState
     waiting: WaitingRecv | None = None  # RECV_WAITING
     reservation: Reservation | None = None  # RESERVED
-    job: SendJob | None = None  # SENDING, FLUSHING
+    job: SendJob | None = None  # SENDING, FLUSHING, PARKED
     seq: Sequence | None = None  # SENDING, GENERATING
     # GENERATING, and SENDING when the send samples (both when the request has a seed)
     generator: torch.Generator | None = None
@@ -128,6 +134,9 @@ class RequestTable:
     def flush(self, request_id: str, job: SendJob) -> None:
         self._move(Request(request_id, RequestState.FLUSHING, job=job))
 
+    def park(self, request_id: str, job: SendJob) -> None:
+        self._move(Request(request_id, RequestState.PARKED, job=job))
+
     def generate(self, request_id: str, seq: Sequence, generator: torch.Generator | None) -> None:
         self._move(Request(request_id, RequestState.GENERATING, seq=seq, generator=generator))
 
@@ -156,8 +165,8 @@ class RequestTable:
         """The table against itself and against what holds resources for requests: the
         scheduler holds exactly the SENDING and GENERATING sequences (the very objects);
         pages are held by running sequences, waiting ones whose KV was held before admission,
-        RESERVED and FLUSHING requests, and nobody else; grammar matchers only by GENERATING
-        requests. Raises IntegrityError."""
+        RESERVED, FLUSHING and PARKED requests, and nobody else; grammar matchers only by
+        GENERATING requests. Raises IntegrityError."""
         if sum(map(len, self._by_state.values())) != len(self._entries) or any(
             self._entries.get(rid) is not e or e.state is not state
             for state, entries in self._by_state.items() for rid, e in entries.items()
@@ -176,7 +185,8 @@ class RequestTable:
             raise IntegrityError(f"the scheduler runs other sequences than the table's: {stray}")
         held = kv.seq_ids()
         holders = (running | (waiting & held) | self._by_state[RequestState.RESERVED].keys()
-                   | self._by_state[RequestState.FLUSHING].keys())  # fmt: skip
+                   | self._by_state[RequestState.FLUSHING].keys()
+                   | self._by_state[RequestState.PARKED].keys())  # fmt: skip
         if held != holders:
             raise IntegrityError(f"pages held by {held ^ holders}")
         stale = set(grammar_ids) - self._by_state[RequestState.GENERATING].keys()

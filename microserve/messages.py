@@ -24,7 +24,11 @@ A remote_send with `sampling` covers the whole prompt (end = len(prompt)) and al
 first output token, which it answers with (`first_token`); the router hands that token to
 D.start_generate(prompt, begin=len(prompt), first_token), which emits it at once and decodes
 on: D runs no step for the last prompt token (SGLang's and vLLM's P/D hand over the same way).
-plus `commit` (adopt received KV without generating: context migration), `abort`, `pin`/`unpin`
+
+P need not wait for D's answer to start: a remote_send without kv_addr computes at once and
+holds the KV; `P.send_to(begin, kv_addr)`, made when D's prep_recv answers, names where
+[begin, end) goes (what is computed by then is copied at once, the rest as it is computed),
+and the remote_send answers as before. Plus `commit` (adopt received KV without generating: context migration), `abort`, `pin`/`unpin`
 and `stats`. `begin`/`end` index the prompt Python-style (negative counts from the end). Checks
 that need the prompt length or the engine's state are the engine's.
 """
@@ -243,7 +247,9 @@ class RemoteSendRequest:
     prompt: Prompt
     begin: Index = 0
     end: Index = -1
-    kv_addr: KVAddr
+    # Where the KV goes. None: not known yet (the receiver's prep_recv runs meanwhile); the
+    # engine computes prompt[:end] now and holds it until a send_to names begin and kv_addr.
+    kv_addr: KVAddr | None = None
     # Sample the first output token after the prompt with these (end must be the prompt's
     # length; no logprobs, no grammar) and answer it as first_token. None: sample nothing.
     sampling: SamplingParams | None = None
@@ -255,6 +261,22 @@ class RemoteSendResponse:
     computed: int  # tokens this engine prefilled to produce them (may start before begin)
     reused: int  # tokens of [begin, end) copied from this engine's prefix cache
     first_token: int | None = None  # sampled when the call carried `sampling`
+
+
+@_CHECKED
+@dataclass(slots=True)
+class SendToRequest:
+    """Where a remote_send made without kv_addr sends prompt[begin:end] (its receiver's
+    prep_recv answer: begin = matched)."""
+
+    request_id: RequestId
+    begin: Position
+    kv_addr: KVAddr
+
+
+@dataclass(slots=True)
+class SendToResponse:
+    copied: int  # tokens of [begin, end) whose KV was here already, queued for writing at once
 
 
 @_CHECKED
@@ -370,6 +392,11 @@ class RemoteSend(Call, tag="remote_send"):
     request: RemoteSendRequest
 
 
+class SendTo(Call, tag="send_to"):
+    answer = SendToResponse
+    request: SendToRequest
+
+
 class Commit(Call, tag="commit"):
     answer = CommitResponse
     request: CommitRequest
@@ -398,7 +425,7 @@ class CheckIntegrity(Call, tag="check_integrity"):
     answer = bool  # True; a failed check is an error reply
 
 
-AnyCall = PrepRecv | RemoteSend | Commit | AbortCall | Pin | Unpin | Stats | CheckIntegrity
+AnyCall = PrepRecv | RemoteSend | SendTo | Commit | AbortCall | Pin | Unpin | Stats | CheckIntegrity
 
 
 class Frame(Struct, tag_field="type", frozen=True):

@@ -45,6 +45,8 @@ from microserve.messages import (
     RemoteSendRequest,
     RemoteSendResponse,
     SamplingParams,
+    SendToRequest,
+    SendToResponse,
     StartGenerateRequest,
 )
 from microserve.wire import FrameDecoder
@@ -151,13 +153,21 @@ class EngineClient:
         return await self._post("prep_recv", body, PrepRecvResponse, read_timeout_s=read_timeout_s)
 
     async def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                          kv_addr: KVAddr, sampling: SamplingParams | None = None
+                          kv_addr: KVAddr | None, sampling: SamplingParams | None = None
                           ) -> RemoteSendResponse:
         """Make the KV of `prompt[begin:end]` land at `kv_addr`; returns once it all landed.
-        With `sampling` (end = len(prompt)) the answer also has the first output token."""
+        With `sampling` (end = len(prompt)) the answer also has the first output token.
+        `kv_addr` None (begin 0): the engine starts computing now and sends once `send_to`
+        names where."""
         body = RemoteSendRequest(request_id=request_id, prompt=prompt, begin=begin, end=end,
                                  kv_addr=kv_addr, sampling=sampling)
         return await self._post("remote_send", body, RemoteSendResponse, unbounded=True)
+
+    async def send_to(self, request_id: str, begin: int, kv_addr: KVAddr) -> SendToResponse:
+        """Name the destination of a remote_send made without kv_addr: [begin, end) goes to
+        `kv_addr` (the receiver's prep_recv answer: begin = its matched)."""
+        return await self._post("send_to", SendToRequest(request_id, begin, kv_addr),
+                                SendToResponse)
 
     async def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
                              sampling: SamplingParams | None = None,

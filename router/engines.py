@@ -30,6 +30,7 @@ abort then stops the sender.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -146,11 +147,14 @@ class EngineHandle:
         self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
         return answer
 
-    async def remote_send(self, request: Request, begin: int, end: int, kv_addr: KVAddr,
+    async def remote_send(self, request: Request, begin: int, end: int, kv_addr: KVAddr | None,
                           sample: bool = False) -> RemoteSendResponse:
         """Make this engine put the KV of `prompt[begin:end]` into `kv_addr` (another engine's
         reservation); returns once every byte landed there. `sample` (end = len(prompt)):
-        it also samples the first output token with the request's params (`first_token`)."""
+        it also samples the first output token with the request's params (`first_token`).
+        `kv_addr` None (begin 0): the engine computes at once and sends once `send_to` named
+        where (the receiver must be in `request.touched` before this is called: it is
+        watched)."""
         self._touch(request)
         tokens = _span(len(request.prompt), begin, end)
         # The receivers, and this engine itself: a sender cut off mid-send never answers.
@@ -172,20 +176,73 @@ class EngineHandle:
         request.peer_cached_tokens += answer.reused
         return answer
 
-    async def send_prompt(self, request: Request, receiver: EngineHandle
+    async def send_to(self, request: Request, begin: int, kv_addr: KVAddr) -> None:
+        """Name where this engine's remote_send of `request`, made without kv_addr, sends
+        [begin, end)."""
+        self._touch(request)
+        await self._call(self.client.send_to(request.request_id, begin, kv_addr))
+
+    async def send_prompt(self, request: Request, receiver: EngineHandle, early: bool = True
                           ) -> tuple[int, int | None]:
         """Put the KV of the prompt (all but its last token, or all of it with the first
         output token sampled here when `request.first_token_travels`) on `receiver`, which
         lacks it, as P/D and context migration do: receiver.prep_recv, then this engine's
-        remote_send. Returns (begin, first_token) for `receiver.start_generate`."""
+        remote_send. Returns (begin, first_token) for `receiver.start_generate`.
+
+        `early` (the default): this engine starts computing at once, beside the receiver's
+        prep_recv, and is told where to send when that answers (remote_send without kv_addr,
+        then send_to), so the prep_recv round trip is off the request's path. Only when the
+        receiver has pages free now: if it must wait for them, or already holds the whole
+        prompt, the early send is dropped and the calls go one after the other."""
         n = len(request.prompt)
         end = n if request.first_token_travels else n - 1
+        if early and self._pool.prefix_index.match(request.prompt).get(receiver.name, 0) < end:
+            sent = await self._send_early(request, receiver, end)
+            if sent is not None:
+                return sent
         recv = await receiver.prep_recv(request, end=end)
         if recv.matched >= end:  # the receiver holds it all: it computes the last token
             return n - 1, None
         sent = await self.remote_send(request, recv.matched, end, recv.kv_addr,
                                       sample=end == n)
         return end, sent.first_token
+
+    async def _send_early(self, request: Request, receiver: EngineHandle, end: int
+                          ) -> tuple[int, int | None] | None:
+        """send_prompt's early start; None if it fell through (nothing held for it then)."""
+        n = len(request.prompt)
+        receiver._touch(request)  # watched by the send from its start
+        sending = asyncio.ensure_future(self.remote_send(request, 0, end, None, sample=end == n))
+        try:
+            try:
+                recv = await receiver.prep_recv(request, end=end, wait_s=0)
+            except MicroservingError as e:
+                if e.status != 503:
+                    raise
+                recv = None  # no pages free there now: it waits its turn, this engine idle
+            if sending.done():  # refused, or this engine failed: nothing to send to
+                sending.result()
+            if recv is not None and recv.matched < end:
+                await self.send_to(request, recv.matched, recv.kv_addr)
+                return end, (await sending).first_token
+            await self._drop(request, sending)
+            return None if recv is None else (n - 1, None)
+        finally:
+            if not sending.done():  # closing the call makes the engine abort the send
+                sending.cancel()
+                await asyncio.gather(sending, return_exceptions=True)
+
+    async def _drop(self, request: Request, sending: asyncio.Future) -> None:
+        """Abort the early send in flight as `sending`, and be sure it is gone before the
+        request's next call here reuses its id: an abort that overtook the send on the way
+        (its answer: aborted False) is made again until one finds it."""
+        while not sending.done():
+            if not (await self.abort(request)) and not sending.done():
+                await asyncio.sleep(0.001)
+            else:
+                break
+        with contextlib.suppress(MicroservingError):  # the send's answer to it: a 409
+            await sending
 
     async def start_generate(self, request: Request, begin: int = 0,
                              first_token: int | None = None, emit_first: bool = True

@@ -61,6 +61,11 @@ def send(p: EngineCore, rid, prompt, begin, end, kv_addr, timeout_s=30.0, sampli
     """remote_send on P, stepping P until the call is answered (as its core loop would);
     with `sampling` (end = len(prompt)) it also samples the first output token."""
     p.remote_send(rid, prompt, begin, end, kv_addr, sampling)
+    return answered(p, rid, timeout_s)
+
+
+def answered(p: EngineCore, rid, timeout_s=30.0):
+    """Step P until its remote_send `rid` is answered; the answer (an error is raised)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if p.has_work():
@@ -454,16 +459,20 @@ def into_state(p: EngineCore, d: EngineCore, prompt: list[int], hog: list[int],
         d.add_request("x", prompt, greedy())
         d.step()
         assert d.stats().kv_pages_used == 12 and d.stats().running == 1
-    else:
-        r = d.exchange.prep_recv("x", prompt, -1, None)
-        p.remote_send("x", prompt, 0, -1, r.kv_addr)
+    else:  # PARKED: a send not told where to send yet
+        addr = None if state is RequestState.PARKED else d.exchange.prep_recv(
+            "x", prompt, -1, None).kv_addr
+        p.remote_send("x", prompt, 0, -1, addr)
         p.step()
         assert p.stats().kv_pages_used == 4 and p.stats().running == 1  # 16 of 44 tokens
-        while state is RequestState.FLUSHING and p.requests.get("x").state is not state:
+        while state is not RequestState.SENDING and p.requests.get("x").state is not state:
             p.step()
-    core = p if state in (RequestState.SENDING, RequestState.FLUSHING) else d
+    core = p if state in SENDER_STATES else d
     assert core.requests.get("x").state is state
     return core
+
+
+SENDER_STATES = (RequestState.SENDING, RequestState.FLUSHING, RequestState.PARKED)
 
 
 def abort_the_rest(p: EngineCore, d: EngineCore) -> None:
@@ -494,7 +503,7 @@ def test_an_abort_in_any_state_leaves_no_request_and_every_page_free(bare, promp
         assert out.finish_reason == FinishReason.ABORT and out.token_ids == []
     else:
         assert out is None
-    if state in (RequestState.RECV_WAITING, RequestState.SENDING, RequestState.FLUSHING):
+    if state is RequestState.RECV_WAITING or state in SENDER_STATES:
         (rid, answer), = core.poll()  # the call waiting for its answer gets a 409
         assert rid == "x" and answer.status == 409
     abort_the_rest(p, d)
@@ -781,4 +790,125 @@ def test_a_remote_send_failing_while_it_copies_its_cached_prefix_leaves_nothing(
     addr = d.exchange.prep_recv("copy-fails", prompt, -1, None).kv_addr
     assert send(p, "copy-fails", prompt, 0, -1, addr).reused > 0
     d.exchange.abort("copy-fails")
+    assert_clean(p, d)
+
+
+# ---- a remote_send started before its destination is known (send_to) ------------------------
+
+
+@pytest.mark.parametrize("parked", [False, True])
+def test_send_to_names_the_destination_of_a_send_that_started_without_it(
+        pair, prompts, ref, parked):
+    """P starts computing before D's prep_recv answered (the router runs them side by side);
+    send_to then copies what P holds (its cached prefix, or all of it once parked) from D's
+    match on, and the rest goes as computed. Both prefix cases of §3.5 at once: P holds
+    prompt[:40], D prompt[:8]. D's tokens are one engine's greedy ones."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]  # 61 tokens
+    n = len(prompt)
+    generate(p, "warm", prompt[:40] + [9])
+    generate(d, "warm", prompt[:8] + [9])
+    p.remote_send("e", prompt, 0, n, None, greedy(N_NEW))
+    assert p.requests.get("e").state is RequestState.SENDING
+    while parked and p.requests.get("e").state is not RequestState.PARKED:
+        p.step()
+    assert p.poll() == []  # nothing to answer before it was sent
+    r = d.exchange.prep_recv("e", prompt, n, None)
+    assert r.matched == 8
+    copied = p.exchange.send_to("e", r.matched, r.kv_addr).copied
+    assert copied == (n - 8 if parked else 40 - 8)
+    out = answered(p, "e")
+    assert out == RemoteSendResponse(sent=n - 8, computed=n - 40, reused=32,
+                                     first_token=ref[2][0])
+    tokens, outs = generate_from(d, "e", prompt, out.first_token, greedy(N_NEW))
+    assert tokens == ref[2] and outs[0].num_cached_tokens == n
+    assert_clean(p, d)
+
+
+def test_send_to_mid_compute_copies_the_chunks_done_and_sends_the_rest(bare, prompts, ref):
+    p, d = bare  # P computes 16 tokens a step
+    prompt = prompts[0]  # 45 tokens
+    p.remote_send("m", prompt, 0, -1, None)
+    p.step()
+    r = d.exchange.prep_recv("m", prompt, -1, None)
+    assert p.exchange.send_to("m", r.matched, r.kv_addr).copied == 16
+    assert answered(p, "m") == RemoteSendResponse(sent=44, computed=44, reused=0)
+    tokens, cached = generate(d, "m", prompt, begin=44)
+    assert tokens == ref[0] and cached == 44
+    abort_the_rest(p, d)
+
+
+def test_send_to_and_remote_send_without_kv_addr_refuse_what_they_cannot_do(pair, prompts):
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]
+    addr = d.exchange.prep_recv("r", prompt, -1, None).kv_addr
+    with pytest.raises(MicroservingError, match="begin 4 without kv_addr: a remote_send that "
+                       "does not know its destination yet gets begin with send_to") as e:
+        p.remote_send("q", prompt, 4, -1, None)
+    assert e.value.status == 400 and "q" not in p.requests
+    p.remote_send("sent", prompt, 0, -1, addr)  # a send that has its destination already
+    with pytest.raises(MicroservingError, match="no remote_send waiting for its destination "
+                       "under request_id 'sent'") as e:
+        p.exchange.send_to("sent", 0, addr)
+    assert e.value.status == 404
+    p.abort_request("sent")
+    p.remote_send("q", prompt, 0, -1, None)
+    with pytest.raises(MicroservingError, match="begin 45 is after the send's end 44") as e:
+        p.exchange.send_to("q", 45, addr)
+    with pytest.raises(MicroservingError, match="kv_addr holds 44 slots but end - begin = 40"):
+        p.exchange.send_to("q", 4, addr)
+    assert p.requests.get("q").job.dst_slots is None  # still waiting for a good one
+    for rid in ("q", "r"):
+        p.abort_request(rid)
+        d.abort_request(rid)
+    p.poll()
+    assert_clean(p, d)
+
+
+def test_a_parked_send_whose_send_to_never_comes_is_dropped_after_the_lease(pair, prompts):
+    p, _ = pair
+    reset(p)
+    lease = p.exchange.lease_s
+    p.exchange.lease_s = 0.05
+    try:
+        p.remote_send("late", prompts[1], 0, -1, None)
+        while p.requests.get("late").state is not RequestState.PARKED:
+            p.step()
+        assert p.exchange.next_deadline() <= time.monotonic() + 0.05
+        assert p.exchange.expire_leases(time.monotonic()) == 0  # not yet
+        time.sleep(0.06)
+        assert p.exchange.expire_leases(time.monotonic()) == 1
+    finally:
+        p.exchange.lease_s = lease
+    (rid, error), = p.poll()
+    assert rid == "late" and error.status == 504
+    assert str(error) == ("no send_to named where to send request 'late' within 0.05 s of its "
+                          "remote_send (this engine's --kv-lease-s)")
+    assert_clean(p)
+
+
+def test_a_send_to_that_overtook_its_remote_send_is_kept_for_it(pair, prompts, ref):
+    """The router makes send_to as soon as D answers; on the way to P it may pass the
+    remote_send it names. P keeps it: the send then starts with its destination."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]
+    r = d.exchange.prep_recv("o", prompt, -1, None)
+    assert p.exchange.send_to("o", r.matched, r.kv_addr).copied == 0
+    with pytest.raises(MicroservingError, match="send_to for request_id 'o' was made already"):
+        p.exchange.send_to("o", r.matched, r.kv_addr)
+    assert "o" not in p.requests
+    out = send(p, "o", prompt, 0, -1, None)
+    assert out == RemoteSendResponse(sent=len(prompt) - 1, computed=len(prompt) - 1, reused=0)
+    tokens, _ = generate(d, "o", prompt, begin=len(prompt) - 1)
+    assert tokens == ref[0]
+    # one kept for a send that never comes goes with an abort, or after the lease
+    p.exchange.send_to("gone", 0, r.kv_addr)
+    assert p.abort_request("gone") is None and not p.exchange.forget_address("gone")
+    p.exchange.send_to("late", 0, r.kv_addr)
+    assert p.exchange.next_deadline() <= time.monotonic() + p.exchange.lease_s
+    p.exchange.expire_leases(time.monotonic() + p.exchange.lease_s + 1)
+    assert not p.exchange.forget_address("late") and p.exchange.next_deadline() is None
     assert_clean(p, d)

@@ -197,6 +197,32 @@ async def test_p_hands_its_sampled_first_token_to_d(p, d, tok, smollm2_dir):
         await D.aclose()
 
 
+async def test_p_starts_before_d_answers_and_send_to_names_where(p, d, tok, smollm2_dir):
+    """The router's flow: P's remote_send without kv_addr goes out beside D's prep_recv; P
+    computes (128 tokens a step) into its own pages; send_to, made when D answers, copies what
+    P holds and the rest follows as computed. Hugging Face's tokens; nothing left held."""
+    prompt = ids(tok, f"Started before its destination, to {d.name}. " + TEXT)
+    want, = hf_greedy(smollm2_dir, [prompt], N_NEW)
+    n, rid = len(prompt), f"{d.name}-early"
+    P, D = client(p), client(d)
+    try:
+        sending = asyncio.ensure_future(P.remote_send(rid, prompt, 0, n, None, GREEDY))
+        r = await D.prep_recv(rid, prompt, end=n, wait_s=0)
+        await asyncio.sleep(0.05)  # P is well into its compute, or done and parked
+        assert not sending.done()
+        addressed = await P.send_to(rid, r.matched, r.kv_addr)
+        assert 0 < addressed.copied <= n
+        sent = await sending
+        assert (sent.sent, sent.computed, sent.first_token) == (n, n, want[0])
+        tokens = []
+        async for chunk in D.start_generate(rid, prompt, n, GREEDY, first_token=want[0]):
+            tokens += chunk.token_ids
+        assert tokens == want
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
 async def test_context_migration_of_1000_tokens(p, d, tok):
     """prep_recv + remote_send + commit move a 1,000-token context from P to D; the next
     request on D finds it cached, computes only the rest, and gives P's tokens."""

@@ -17,11 +17,11 @@ from kvcache.integrity import IntegrityError
 from kvcache.manager import KVCacheManager
 from microserve.messages import SamplingParams
 
-RW, RES, SEND, FLUSH, GEN = (RequestState.RECV_WAITING, RequestState.RESERVED,
-                             RequestState.SENDING, RequestState.FLUSHING,
-                             RequestState.GENERATING)  # fmt: skip
-LEGAL = {(None, RW), (None, RES), (None, SEND), (None, FLUSH), (None, GEN),
-         (RW, RES), (RES, GEN), (SEND, FLUSH)}  # fmt: skip
+RW, RES, SEND, FLUSH, PARK, GEN = (RequestState.RECV_WAITING, RequestState.RESERVED,
+                                   RequestState.SENDING, RequestState.FLUSHING,
+                                   RequestState.PARKED, RequestState.GENERATING)  # fmt: skip
+LEGAL = {(None, RW), (None, RES), (None, SEND), (None, FLUSH), (None, PARK), (None, GEN),
+         (RW, RES), (RES, GEN), (SEND, FLUSH), (SEND, PARK), (PARK, FLUSH)}  # fmt: skip
 PAYLOAD = {"waiting": "a WaitingRecv", "reservation": "a Reservation", "job": "a SendJob",
            "generator": "a generator"}  # the table keeps them, never looks inside
 
@@ -41,6 +41,8 @@ def move(table: RequestTable, rid: str, to: RequestState) -> None:
             table.send(rid, PAYLOAD["job"], seq(rid, send_only=True))
         case RequestState.FLUSHING:
             table.flush(rid, PAYLOAD["job"])
+        case RequestState.PARKED:
+            table.park(rid, PAYLOAD["job"])
         case RequestState.GENERATING:
             table.generate(rid, seq(rid), PAYLOAD["generator"])
 
@@ -65,7 +67,8 @@ def test_each_transition_is_made_or_refused_as_the_diagram_says(was, to):
         held = {f.name for f in dataclasses.fields(entry)
                 if f.name not in ("request_id", "state") and getattr(entry, f.name) is not None}
         assert held == {RW: {"waiting"}, RES: {"reservation"}, SEND: {"job", "seq"},
-                        FLUSH: {"job"}, GEN: {"seq", "generator"}}[to]  # and nothing else
+                        FLUSH: {"job"}, PARK: {"job"},
+                        GEN: {"seq", "generator"}}[to]  # and nothing else
     else:
         name = "(none)" if was is None else was.name
         with pytest.raises(IllegalTransition, match=re.escape(f"request 'r': {name} -> {to.name}")):
@@ -116,8 +119,8 @@ PS = 4
 @pytest.fixture
 def engine_parts():
     """A consistent state: a generation running (pages), one waiting (none), a send computing
-    (running), a reservation and a flushing send (pages held outside the scheduler), and a
-    prep_recv waiting (nothing)."""
+    (running), a reservation, a flushing and a parked send (pages held outside the scheduler),
+    and a prep_recv waiting (nothing)."""
     kv = KVCacheManager(num_pages=32, page_size=PS)
     scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=2)
     table = RequestTable()
@@ -127,7 +130,7 @@ def engine_parts():
          else table.generate(rid, s, None))  # fmt: skip
         scheduler.add(s)
     scheduler.schedule()  # "gen" and "send" run (max_num_seqs 2); "queued" waits
-    for rid, state in (("res", RES), ("flush", FLUSH)):
+    for rid, state in (("res", RES), ("flush", FLUSH), ("park", PARK)):
         kv.open(rid, [])
         assert kv.allocate(rid, 8)
         move(table, rid, state)
@@ -141,7 +144,7 @@ def test_a_consistent_engine_passes(engine_parts):
     table, scheduler, kv = engine_parts
     table.check_integrity(scheduler, kv, [])
     assert {s: table.count(s) for s in RequestState} == {RW: 1, RES: 1, SEND: 1, FLUSH: 1,
-                                                          GEN: 2}  # fmt: skip
+                                                          PARK: 1, GEN: 2}  # fmt: skip
 
 
 def test_a_generation_the_scheduler_lost_is_caught(engine_parts):

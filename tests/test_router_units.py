@@ -457,6 +457,7 @@ class CountingClient:
 
     def __init__(self, fail: bool = False, hang_send: bool = False):
         self.aborts, self.fail, self.hang_send = 0, fail, hang_send
+        self.addressed = asyncio.Event()  # a remote_send without kv_addr waits for send_to
 
     async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None):
         n = range(len(prompt) + 1)[end]
@@ -466,8 +467,13 @@ class CountingClient:
     async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None):
         if self.hang_send:
             await asyncio.sleep(3600)
+        if kv_addr is None:
+            await self.addressed.wait()
         return RemoteSendResponse(sent=end - begin, computed=end - begin, reused=0,
                                   first_token=None if sampling is None else 1)
+
+    async def send_to(self, request_id, begin, kv_addr):
+        self.addressed.set()
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None):
         yield GenerateChunk(token_ids=[1], cached_tokens=len(prompt) - 1)
@@ -684,3 +690,99 @@ async def test_emit_first_false_leaves_the_first_token_to_the_engine():
     chunks = [c async for c in d.start_generate(request, begin=3, first_token=9,
                                                 emit_first=False)]
     assert client.called.is_set() and [c.token_ids for c in chunks] == [[9], [10]]
+
+
+# ---- send_prompt: P starts computing beside D's prep_recv ------------------------------------
+
+
+class _Sender:
+    """P: a remote_send without kv_addr runs until send_to (or an abort, answered 409);
+    an abort that comes before the send is in the engine finds nothing (the race `_drop`
+    handles), as on a real engine."""
+
+    def __init__(self, log: list):
+        self.log, self.job, self.early = log, None, None
+
+    async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None):
+        await asyncio.sleep(0.005)  # on its way: an abort may overtake it
+        self.log.append(("p.remote_send", begin, end, kv_addr is None))
+        self.job = asyncio.get_running_loop().create_future()
+        if kv_addr is None:  # a send_to that overtook it was kept for it
+            begin = self.early if self.early is not None else await self.job
+        return RemoteSendResponse(sent=end - begin, computed=end, reused=0,
+                                  first_token=None if sampling is None else 7)
+
+    async def send_to(self, request_id, begin, kv_addr):
+        self.log.append(("p.send_to", begin))
+        if self.job is None:
+            self.early = begin
+        else:
+            self.job.set_result(begin)
+
+    async def abort(self, request_id):
+        found = self.job is not None and not self.job.done()
+        self.log.append(("p.abort", found))
+        if found:
+            self.job.set_exception(MicroservingError(409, f"request {request_id!r} was aborted"))
+        return AbortResponse(aborted=found)
+
+
+class _Receiver:
+    def __init__(self, log: list, matched: int = 8, full: bool = False):
+        self.log, self.matched, self.full = log, matched, full
+
+    async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None):
+        self.log.append(("d.prep_recv", end, wait_s))
+        if self.full and wait_s == 0:
+            raise MicroservingError(503, "no KV pages free to receive 20 tokens")
+        n = range(len(prompt) + 1)[end]
+        matched = min(self.matched, n)
+        return PrepRecvResponse(matched=matched, kv_addr=KVAddr(
+            begin=matched, end=n, ranges=[(0, n - matched)] if n > matched else [],
+            layout={}, transfer={}, window=(0, 1)))
+
+
+async def _send_prompt(receiver: _Receiver, log: list, early: bool = True):
+    from router.strategy import Request
+
+    pool = make_pool(("p", "prefill"), ("d", "decode"))
+    pool["p"].client, pool["d"].client = _Sender(log), receiver
+    request = Request("r1", list(range(20)), SamplingParams(temperature=0))
+    sent = await pool["p"].send_prompt(request, pool["d"], early=early)
+    return sent, request
+
+
+async def test_p_computes_beside_ds_prep_recv_and_is_told_where_to_send():
+    log = []
+    (begin, first), request = await _send_prompt(_Receiver(log), log)
+    assert (begin, first) == (20, 7)
+    # D's prep_recv went out first and did not wait; P's send, started without an address,
+    # was overtaken on the way by its send_to (the engine keeps it for the send)
+    assert log == [("d.prep_recv", 20, 0), ("p.send_to", 8), ("p.remote_send", 0, 20, True)]
+    assert request.received_tokens == 12 and request.touched == {"p", "d"}
+
+
+async def test_a_receiver_without_room_now_makes_the_send_wait_for_it_in_line():
+    log = []
+    (begin, first), _ = await _send_prompt(_Receiver(log, full=True), log)
+    assert (begin, first) == (20, 7)
+    assert log[0] == ("d.prep_recv", 20, 0)
+    # the abort overtook the send on the way (made again every millisecond), then found it;
+    # the calls go one after the other then
+    assert log[1] == ("p.abort", False)
+    assert [e for e in log[1:] if e != ("p.abort", False)] == [
+        ("p.remote_send", 0, 20, True), ("p.abort", True), ("d.prep_recv", 20, 60.0),
+        ("p.remote_send", 8, 20, False)]
+
+
+async def test_a_receiver_holding_the_whole_prompt_computes_the_last_token_itself():
+    log = []
+    (begin, first), _ = await _send_prompt(_Receiver(log, matched=20), log)
+    assert (begin, first) == (19, None)
+    assert ("p.send_to", 20) not in log and log[-1] == ("p.abort", True)
+
+
+async def test_send_prompt_not_early_goes_one_call_after_the_other():
+    log = []
+    assert (await _send_prompt(_Receiver(log), log, early=False))[0] == (20, 7)
+    assert log == [("d.prep_recv", 20, 60.0), ("p.remote_send", 8, 20, False)]

@@ -2,7 +2,8 @@
 
     add_microserving_routes(app, client, api_key=key)
 
-    POST /microserving/{prep_recv, remote_send, start_generate, commit, abort, pin, unpin}
+    POST /microserving/{prep_recv, remote_send, send_to, start_generate, commit, abort, pin,
+                        unpin}
     GET  /microserving/stats[?check=1]
 
 Bodies are JSON, or msgpack with `Content-Type: application/msgpack` (token lists are the bulk);
@@ -56,6 +57,8 @@ from microserve.messages import (
     PrepRecvRequest,
     RemoteSend,
     RemoteSendRequest,
+    SendTo,
+    SendToRequest,
     StartGenerateRequest,
     Stats,
     Unpin,
@@ -140,6 +143,7 @@ _CALLS = {
     "prep_recv": _Call(PrepRecvRequest, PrepRecv, timeout_s=None),  # waits for pages
     # Prefills and transfers: it answers when every write landed, however long that takes.
     "remote_send": _Call(RemoteSendRequest, RemoteSend, timeout_s=None),
+    "send_to": _Call(SendToRequest, SendTo),
     "commit": _Call(CommitRequest, Commit),
     "abort": _Call(AbortRequest, AbortCall),
     "pin": _Call(PinRequest, Pin),
