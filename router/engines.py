@@ -196,7 +196,8 @@ class EngineHandle:
         prompt, the early send is dropped and the calls go one after the other."""
         n = len(request.prompt)
         end = n if request.first_token_travels else n - 1
-        if early and self._pool.prefix_index.match(request.prompt).get(receiver.name, 0) < end:
+        if early and _room_now(receiver, end) and (
+                self._pool.prefix_index.match(request.prompt).get(receiver.name, 0) < end):
             sent = await self._send_early(request, receiver, end)
             if sent is not None:
                 return sent
@@ -327,6 +328,16 @@ class EngineHandle:
         except BackendUnavailable as e:
             self._pool.mark_down(self, str(e))
             raise
+
+
+def _room_now(receiver: EngineHandle, tokens: int) -> bool:
+    """Whether, by its last polled stats, `receiver` can reserve `tokens` at once: no prep_recv
+    waits in its line (a new one would queue behind), and enough pages free or evictable."""
+    load, info = receiver.load, receiver.info
+    if load is None or info is None:
+        return True  # not polled yet: prep_recv with wait_s 0 answers the question
+    room = (load.kv_pages_free + load.kv_pages_cached) * info.page_size
+    return load.kv_recv_waiting == 0 and room >= tokens
 
 
 def _without_first(chunk: GenerateChunk, token: int, engine: str) -> GenerateChunk | None:

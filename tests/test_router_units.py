@@ -742,11 +742,13 @@ class _Receiver:
             layout={}, transfer={}, window=(0, 1)))
 
 
-async def _send_prompt(receiver: _Receiver, log: list, early: bool = True):
+async def _send_prompt(receiver: _Receiver, log: list, early: bool = True,
+                       d_load: EngineStats | None = None):
     from router.strategy import Request
 
     pool = make_pool(("p", "prefill"), ("d", "decode"))
     pool["p"].client, pool["d"].client = _Sender(log), receiver
+    pool["d"].load = d_load
     request = Request("r1", list(range(20)), SamplingParams(temperature=0))
     sent = await pool["p"].send_prompt(request, pool["d"], early=early)
     return sent, request
@@ -786,3 +788,18 @@ async def test_send_prompt_not_early_goes_one_call_after_the_other():
     log = []
     assert (await _send_prompt(_Receiver(log), log, early=False))[0] == (20, 7)
     assert log == [("d.prep_recv", 20, 60.0), ("p.remote_send", 8, 20, False)]
+
+
+@pytest.mark.parametrize("d_load", [engine_load(kv_recv_waiting=1),  # a line: it would queue
+                                    engine_load(kv_pages_free=3, kv_pages_cached=1)])  # 16 < 20
+async def test_a_receiver_polled_without_room_gets_the_calls_in_order(d_load):
+    log = []
+    assert (await _send_prompt(_Receiver(log), log, d_load=d_load))[0] == (20, 7)
+    assert log == [("d.prep_recv", 20, 60.0), ("p.remote_send", 8, 20, False)]
+
+
+async def test_a_receiver_polled_with_room_gets_the_early_start():
+    log = []
+    d_load = engine_load(kv_pages_free=4, kv_pages_cached=1)  # 20 tokens of 4-token pages
+    assert (await _send_prompt(_Receiver(log), log, d_load=d_load))[0] == (20, 7)
+    assert log[0] == ("d.prep_recv", 20, 0)
