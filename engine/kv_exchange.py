@@ -40,7 +40,7 @@ prompt[:end] into this engine's pages, sending nothing; `send_to(begin, kv_addr)
 what exists of [begin, end) at once (cached or computed: `write_all_layers`, ordered after the
 steps already launched) and the later chunks are sent layer by layer as above. A job computed
 before its send_to is PARKED, holding its pages; one whose send_to does not come within the
-engine's lease (`--kv-lease-s`, counted from the remote_send) is dropped with a 504.
+engine's lease (`--kv-lease-s`, counted from the remote_send) is dropped with a 408.
 
 A request's place is its entry in the core's request table (engine/requests.py): RECV_WAITING
 or RESERVED on the receiver, SENDING (a send-only sequence computing) or FLUSHING (computed, its
@@ -330,7 +330,7 @@ class KVExchange:
                         self.lease_s)
             self._drop_send(rid)
             self._answers.append((rid, MicroservingError(
-                504, f"no send_to named where to send request {rid!r} within {self.lease_s:g} s "
+                408, f"no send_to named where to send request {rid!r} within {self.lease_s:g} s "
                 "of its remote_send (this engine's --kv-lease-s)", "request_id")))
         return len(late)
 

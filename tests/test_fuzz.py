@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 
 import httpx
 import msgpack
@@ -35,6 +36,7 @@ from microserve.messages import (
     PrepRecvRequest,
     RemoteSendRequest,
     SamplingParams,
+    SendToRequest,
     StartGenerateRequest,
 )
 from microserve.protocol import ChatCompletionRequest, CompletionRequest
@@ -46,7 +48,7 @@ ADMIN = "fuzz-admin"
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 ENGINE_ARGS = ("--num-pages", "64", "--max-model-len", "256", "--api-key", ENGINE_KEY)
 EXAMPLES = 200  # per endpoint
-REQUEST_IDS = ("fz-1", "fz-2", "fz-3")
+REQUEST_IDS = ("fz-1", "fz-2", "fz-3", "fz-4")
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
@@ -234,6 +236,8 @@ MICROSERVING = {
     "start_generate": bodies(
         StartGenerateRequest, {"request_id": "fz-3", "prompt": SMALL_PROMPT, "sampling": GREEDY},
         sampling=sampling_bodies() | nested(SamplingParams, GREEDY)),
+    "send_to": bodies(SendToRequest, {"request_id": "fz-4", "begin": 0, "kv_addr": REAL},
+                      kv_addr=kv_addr_bodies() | nested(KVAddr, {"real": True}) | st.just(REAL)),
     "commit": bodies(CommitRequest, {"request_id": "fz-1"}),
     "abort": bodies(AbortRequest, {"request_id": "fz-1"}),
     "pin": bodies(PinRequest, {"prompt": SMALL_PROMPT}),
@@ -256,12 +260,24 @@ def with_real_kv_addr(body, d: Daemon):
     return {**body, "kv_addr": {**r.json()["kv_addr"], **changes}}
 
 
+def abort_soon_if_waiting(call: str, body, engine: Daemon) -> None:
+    """A valid remote_send without kv_addr computes and waits for its send_to (up to the
+    engine's lease): abort it shortly, so that its call answers (a 409) within the test."""
+    if ("remote_send" in call and isinstance(body, dict) and body.get("kv_addr") is None
+            and isinstance(body.get("request_id"), str)):
+        rid = body["request_id"]
+        threading.Timer(0.3, lambda: httpx.post(
+            engine.url + "/microserving/abort", json={"request_id": rid}, headers=ENGINE_AUTH,
+            timeout=30)).start()
+
+
 @pytest.mark.parametrize("call", list(MICROSERVING))
 def test_microserving_calls_never_answer_5xx(call, d, p):
     @FUZZ
     @given(body=MICROSERVING[call], use_msgpack=st.booleans(), engine=st.sampled_from([p, d]))
     def run(body, use_msgpack, engine):
         body = noted(with_real_kv_addr(body, d))
+        abort_soon_if_waiting(call, body, engine)
         data, headers = encode(body, use_msgpack)
         r = engine.http.post(f"/microserving/{call}", content=data,
                              headers={**headers, **ENGINE_AUTH})
@@ -298,6 +314,9 @@ EDGE_ENDPOINTS = {
     "/microserving/remote_send": edge_cases(
         RemoteSendRequest, {"request_id": "fz-2", "prompt": SMALL_PROMPT, "kv_addr": REAL},
         {"kv_addr": (KVAddr, {"real": True})}),
+    "/microserving/send_to": edge_cases(
+        SendToRequest, {"request_id": "fz-4", "begin": 0, "kv_addr": REAL},
+        {"kv_addr": (KVAddr, {"real": True})}),
     "/microserving/pin": edge_cases(PinRequest, {"prompt": SMALL_PROMPT}),
     "/v1/completions": edge_cases(CompletionRequest, {"prompt": "Hello there", **GREEDY}),
     "/v1/chat/completions": edge_cases(
@@ -316,6 +335,7 @@ def test_every_field_at_every_edge(path, p, d, router):
         else:
             targets = [(p.url if "remote_send" in path else d.url, ENGINE_AUTH)]
         for url, headers in targets:
+            abort_soon_if_waiting(path, body, p)
             r = httpx.post(url + path, content=json.dumps(body), timeout=60,
                            headers={**headers, "Content-Type": "application/json"})
             check_answer(r, body)

@@ -883,7 +883,7 @@ def test_a_parked_send_whose_send_to_never_comes_is_dropped_after_the_lease(pair
     finally:
         p.exchange.lease_s = lease
     (rid, error), = p.poll()
-    assert rid == "late" and error.status == 504
+    assert rid == "late" and error.status == 408
     assert str(error) == ("no send_to named where to send request 'late' within 0.05 s of its "
                           "remote_send (this engine's --kv-lease-s)")
     assert_clean(p)
