@@ -237,11 +237,8 @@ class EngineHandle:
         """Abort the early send in flight as `sending`, and be sure it is gone before the
         request's next call here reuses its id: an abort that overtook the send on the way
         (its answer: aborted False) is made again until one finds it."""
-        while not sending.done():
-            if not (await self.abort(request)) and not sending.done():
-                await asyncio.sleep(0.001)
-            else:
-                break
+        while not sending.done() and not await self.abort(request):
+            await asyncio.sleep(0.001)
         with contextlib.suppress(MicroservingError):  # the send's answer to it: a 409
             await sending
 
