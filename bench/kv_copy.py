@@ -3,6 +3,15 @@ cuda_ipc peer end to end (issue 19's page-copy target: >= 400 GB/s alone on one 
 beside the forward pass with <= 2% slowdown).
 
     python -m bench.kv_copy [--tokens 3000] [--grids 66,132,264] [--rows 1,2,4,8]
+    python -m bench.kv_copy --beside-forward random:llama-3.1-8b [--step-tokens 512,2048]
+        [--grids 16,32,66,132] [--rows 4,8,16]
+
+The second form is the target's own measurement: the engine's real forward pass of a prefill
+step (ModelRunner, CUDA graphs as the engine runs them) on the default stream, and one step's
+copy (all layers, one launch, as a cuda_ipc sender queues it when a step's last layer is
+written) on a transfer stream launched with it, into a second pool on the same GPU. Per
+configuration and step size: the copy's own time (events on its stream) as bandwidth, and the
+forward pass's time against the same pass alone, alternated so clocks and drift hit both.
 
 Layout of Llama-3.1-8B (32 layers, 8 KV heads, head dim 128, bf16, page size 16): a token's KV
 is 128 KiB over all layers. Bandwidth counts bytes moved (read + written), each copy of a whole
@@ -80,11 +89,20 @@ def name(config) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=3000)
-    ap.add_argument("--step-tokens", type=int, default=512,
-                    help="beside GEMMs: the tokens of one step's copy (the engine's chunk)")
+    ap.add_argument("--step-tokens", default="512",
+                    help="beside GEMMs / the forward pass: the tokens of one step (its copy), "
+                         "comma-separated")
     ap.add_argument("--grids", default="66,132,264")
     ap.add_argument("--rows", default="1,2,4,8", help="rows each program moves at once")
+    ap.add_argument("--beside-forward", metavar="MODEL",
+                    help="measure beside this model's real prefill steps instead")
+    ap.add_argument("--repeat", type=int, default=15, help="beside the forward pass: pairs")
+    ap.add_argument("--priorities", default="normal",
+                    help="beside the forward pass: the copy stream's priorities (normal,high)")
     args = ap.parse_args()
+    if args.beside_forward:
+        print(json.dumps(beside_forward(args), indent=1))
+        return
     src, dst, s, d = pools(args.tokens)
     nbytes = bytes_moved(args.tokens)
     out = {"device": torch.cuda.get_device_name(), "tokens": args.tokens,
@@ -104,7 +122,7 @@ def main() -> None:
     # another, as fast as they go: harsher than an engine, which copies once per step.
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     gemm_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    step = args.step_tokens
+    step = int(args.step_tokens.split(",")[0])
     step_s, step_d, step_bytes = s[:step], d[:step], bytes_moved(step)
 
     def gemms_with(config) -> tuple[float, float]:
@@ -138,6 +156,90 @@ def main() -> None:
             "gemm_slowdown_pct": 100 * (gemm_s / alone - 1)}
     out["peer"] = peer_end_to_end(args.tokens)
     print(json.dumps(out, indent=1))
+
+
+def beside_forward(args) -> dict:
+    """The copy of one step's KV beside the next step's forward pass (module docstring)."""
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner, resolve_dtype
+    from kvcache.forward import ForwardBatch, SeqForward
+    from microserve.model_files import resolve_model
+
+    steps = [int(t) for t in args.step_tokens.split(",")]
+    config = EngineConfig(model=str(resolve_model(args.beside_forward)), device="cuda",
+                          max_num_batched_tokens=max(steps), num_pages=64 + 3 * max(steps) // 16)
+    runner = ModelRunner(config, resolve_dtype("auto", "cuda"))
+    runner.allocate_kv(config.num_pages, 4 * max(steps))
+    pool = runner.kv.kv  # [layers, 2, pages, page_size, kv_heads, head_dim]
+    dst = torch.zeros_like(pool)
+    vocab = runner.config.vocab_size
+    grids, at_once = [int(g) for g in args.grids.split(",")], [int(r) for r in args.rows.split(",")]
+    out = {"device": torch.cuda.get_device_name(), "model": args.beside_forward,
+           "date": time.strftime("%Y-%m-%d"), "pool": list(pool.shape), "steps": {}}
+    streams = [(p, torch.cuda.Stream(priority=-1 if p == "high" else 0))
+               for p in args.priorities.split(",")]
+    for step in steps:
+        pages = step // 16
+        batch = ForwardBatch([SeqForward("s", 0, step, list(range(pages)))], 16)
+        ids = torch.randint(vocab, (step,)).tolist()
+        # the previous step's tokens live in other pages; the copy shuffles them into D's pool
+        s = torch.arange(step, 2 * step, device="cuda")
+        d = torch.randperm(2 * step, device="cuda")[:step] + step
+        nbytes = 2 * 2 * step * pool.shape[0] * pool[0, 0, 0, 0].numel() * pool.element_size()
+
+        def forward():
+            runner.forward(batch, ids, [])
+
+        def memcpy():
+            """The copy engines' way (cudaMemcpyAsync, no SMs): a step's pages are one run
+            per layer and K/V here, so 2 x layers contiguous copies."""
+            p0, n = step // 16, step // 16
+            for layer in range(pool.shape[0]):
+                for kv in (0, 1):
+                    dst[layer, kv, p0 + n:p0 + 2 * n].copy_(pool[layer, kv, p0:p0 + n])
+
+        def one(copy, stream):
+            """(forward seconds, copy seconds or None) of one forward with `copy` beside it."""
+            torch.cuda.synchronize()
+            f0, f1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if copy is not None:  # queued first, so its host time does not delay the forward
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    c0.record()
+                    copy()
+                    c1.record()
+            f0.record()
+            forward()
+            f1.record()
+            torch.cuda.synchronize()
+            return (f0.elapsed_time(f1) / 1e3,
+                    None if copy is None else c0.elapsed_time(c1) / 1e3)
+
+        for _ in range(5):
+            forward()
+        copy_rows(pool, dst, s, d, 132, 4)
+        rows_view = (2, -1, pool.shape[-2] * pool.shape[-1])
+        for layer in (0, pool.shape[0] - 1):
+            assert torch.equal(dst[layer].view(rows_view)[:, d], pool[layer].view(rows_view)[:, s])
+        configs = [(f"{g} programs x {r} rows", (lambda g=g, r=r: copy_rows(pool, dst, s, d, g, r)))
+                   for g in grids for r in at_once] + [("cudaMemcpyAsync per layer and K/V", memcpy)]
+        results = {}
+        for label, copy in configs:
+            for prio, stream in streams:
+                copy_alone = timed(copy, 5)
+                pairs = [(one(None, None)[0], one(copy, stream)) for _ in range(args.repeat)]
+                fwd_alone = statistics.median(p[0] for p in pairs)
+                fwd_with = statistics.median(p[1][0] for p in pairs)
+                copy_s = statistics.median(p[1][1] for p in pairs)
+                results[f"{label}, {prio} priority"] = {
+                    "copy_ms": copy_s * 1e3, "GB/s": nbytes / copy_s / 1e9,
+                    "copy_alone_GB/s": nbytes / copy_alone / 1e9,
+                    "forward_ms": fwd_with * 1e3, "forward_alone_ms": fwd_alone * 1e3,
+                    "slowdown_pct": 100 * (fwd_with / fwd_alone - 1)}
+        out["steps"][str(step)] = {"bytes_moved": nbytes, "configs": results}
+        print(json.dumps({step: results}), flush=True, file=sys.stderr)
+    return out
 
 
 RECEIVER = """

@@ -68,8 +68,12 @@ class CudaIpcPeer(ShmPeer):
 
     kind = "cuda_ipc"
     whole_steps = True
-    num_programs = 132  # the copy kernel's grid and rows per program at once (bench.kv_copy
-    rows_at_once = 4  # measures the choice)
+    # The copy kernel's grid and rows per program at once. `bench.kv_copy --beside-forward`
+    # (H100, 2026-11-24, three runs): beside the sender's own 512- and 2,048-token prefill
+    # steps, 132 x 8 moved a step's KV at 480-513 / 879-1,036 GB/s, 132 x 4 at 460-520 /
+    # 798-899, neither slowing the pass outside the +-1% noise; alone 0.9-1.9 TB/s vs 0.8-1.3.
+    num_programs = 132
+    rows_at_once = 8
     _stream: torch.cuda.Stream | None = None
     _held: Window | None = None  # the window whose entry this peer holds locked, copies queued
 
