@@ -2,7 +2,8 @@
 cuda_ipc`) or through NVSHMEM (`--kv-transfer nvshmem`, both engines in one group). Every split
 of a request gives exactly Hugging Face's greedy tokens (the tiny Llama in fp32), through the
 microserving API and through `microserve up`'s router with each built-in strategy; a dead
-receiver leaves nothing held on the sender. Each test runs with both backends."""
+receiver leaves nothing held on the sender, a sender or receiver killed mid-send behind the
+router leaves the other serving. Each test runs with both backends."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import httpx
 import torch
 from daemons import ENGINE_KEY, Daemon, serve
 from deployments import RouterProcess, Up, assert_quiet, engine_stats, stop_and_check, write_config
+from pd_faults import check_killing_decode, check_killing_prefill
 
 from microserve.backend import MicroservingError
 from microserve.messages import SamplingParams
@@ -157,6 +159,20 @@ async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(kind, p, ti
         victim.stop()
         if sender is not p:
             assert sender.stop() == 0, sender.log()
+
+
+@pytest.mark.parametrize("victim_role", ["prefill", "decode"])
+def test_an_engine_killed_mid_send_through_the_router(kind, victim_role, tiny_served_dir,
+                                                      tmp_path_factory):
+    """tests/pd_faults.py's checks with P and D on the GPU, D receiving by `kind`: P killed
+    while it sends leaves D serving every request whole (HF's greedy tokens) and D frees the
+    dead sender's reservations; D killed ends P's sends to it at once and P serves the
+    requests whole. Nothing stays held on the survivor."""
+    def pair(names, args):
+        return start_pair(kind, tiny_served_dir, tmp_path_factory, names, args)
+
+    check = check_killing_prefill if victim_role == "prefill" else check_killing_decode
+    check(tiny_served_dir, tmp_path_factory, pair)
 
 
 async def stream_tokens(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
