@@ -43,9 +43,9 @@ from microserve.client_streams import ClientDisconnected, EventStream, unless_di
 from microserve.errors import (OpenAIError, as_openai_error, from_validation_errors,
                                install_error_handlers, invalid_request, model_not_found)
 from microserve.metrics import CONTENT_TYPE, Counter, Registry
-from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
-                                 CompletionWire, GenerationRequest, model_card, model_list,
-                                 usage)
+from microserve.protocol import (MAX_CHOICES, ChatCompletionRequest, ChatWire,
+                                 CompletionRequest, CompletionWire, GenerationRequest, model_card,
+                                 model_list, usage)
 from microserve.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 from microserve.tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
@@ -174,6 +174,41 @@ async def _collect(deltas: AsyncIterator[_Delta]) -> _Delta:
     return whole
 
 
+def _run_id(response_id: str, index: int, total: int) -> str:
+    """The engines' request id of choice `index`: the response's own id when it is the only
+    one."""
+    return response_id if total == 1 else f"{response_id}-{index}"
+
+
+async def _all_or_none(coros: list) -> list:
+    """The results of `coros` run side by side; when one fails (or this is cancelled) the
+    others are cancelled before the error goes on. One is awaited as it is (no task: the
+    common case of one choice pays nothing)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_all(gens: list[AsyncGenerator]) -> None:
+    """Close generators that may be left at a yield (their cleanup aborts their requests)."""
+    for gen in gens:
+        await gen.aclose()
+
+
+def _stream_error(e: Exception, request_id: str) -> dict:
+    """The last event of a stream whose backend failed: the status line is gone already."""
+    error = as_openai_error(e)
+    if error.status_code == 500 and not isinstance(e, BackendError):  # a bug or a crash
+        log.exception("request %s failed while streaming", request_id)
+    return error.body()
+
+
 class OpenAIFrontend:
     """The OpenAI endpoints over one backend and its tokenizer; see `build_openai_app`."""
 
@@ -206,34 +241,50 @@ class OpenAIFrontend:
         arrival = time.perf_counter()
         body = await _parse_body(raw, CompletionRequest)
         self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = await self.tokenizer.encode_async(body.prompt)
-        else:
-            prompt_ids = self._checked_token_ids(body.prompt)
-        max_tokens = self._fit_context(len(prompt_ids), body.max_tokens, "max_tokens", "prompt")
+        prompts = body.prompts
+        self._check_choices(len(prompts), body.n)
         grammar, _ = request_grammar(body.guided_fields())
-        run = self._new_run("cmpl", body, prompt_ids, max_tokens, body.logprobs, arrival, grammar)
         token_text = self.tokenizer.token_text if body.logprobs is not None else None
-        wire = CompletionWire(run.request_id, self.backend.model_name, int(time.time()), token_text)
-        return await self._respond(raw, body, run, wire)
+        response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        choices = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                prompt_ids = await self.tokenizer.encode_async(prompt)
+            else:
+                prompt_ids = self._checked_token_ids(prompt)
+            max_tokens = self._fit_context(len(prompt_ids), body.max_tokens, "max_tokens",
+                                           "prompt")
+            for i in range(body.n):
+                index = len(choices)
+                run = self._new_run(_run_id(response_id, index, len(prompts) * body.n), body,
+                                    prompt_ids, max_tokens, body.logprobs, arrival, grammar, i)
+                wire = CompletionWire(response_id, self.backend.model_name, created, token_text,
+                                      index)
+                choices.append((run, wire))
+        return await self._respond(raw, body, choices)
 
     async def chat_completions(self, raw: Request) -> Response:
         arrival = time.perf_counter()
         body = await _parse_body(raw, ChatCompletionRequest)
         self._check_model(body.model)
+        self._check_choices(1, body.n)
         grammar = self._chat_grammar(body)
         text = self._render_chat(body)
         # The template writes the BOS itself.
         prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
         max_tokens = self._fit_context(len(prompt_ids), body.requested_max_tokens,
                                        body.max_tokens_field, "messages")
-        run = self._new_run("chatcmpl", body, prompt_ids, max_tokens, body.requested_logprobs,
-                            arrival, grammar)
-        if parses_calls(body.tools, body.tool_choice):
-            run.tool_calls = self.tool_parser.stream()
         token_bytes = self.tokenizer.token_bytes if body.logprobs else None
-        wire = ChatWire(run.request_id, self.backend.model_name, int(time.time()), token_bytes)
-        return await self._respond(raw, body, run, wire)
+        response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        choices = []
+        for i in range(body.n):
+            run = self._new_run(_run_id(response_id, i, body.n), body, prompt_ids, max_tokens,
+                                body.requested_logprobs, arrival, grammar, i)
+            if parses_calls(body.tools, body.tool_choice):
+                run.tool_calls = self.tool_parser.stream()
+            choices.append((run, ChatWire(response_id, self.backend.model_name, created,
+                                          token_bytes, i)))
+        return await self._respond(raw, body, choices)
 
     async def models(self) -> JSONResponse:
         return JSONResponse(model_list(self.backend.model_name, self.started,
@@ -282,6 +333,13 @@ class OpenAIFrontend:
         parallel = body.tool_choice == "required" and body.parallel_tool_calls
         lark = self.tool_parser.grammar(functions, parallel)
         return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
+
+    @staticmethod
+    def _check_choices(prompts: int, n: int) -> None:
+        if prompts * n > MAX_CHOICES:
+            raise invalid_request(f"{prompts} prompt{'s' if prompts > 1 else ''} x n {n} = "
+                                  f"{prompts * n} generations; at most {MAX_CHOICES} in one "
+                                  "request", "n")
 
     def _check_model(self, model: str | None) -> None:
         # An absent or empty model means the served one, as in vLLM.
@@ -332,31 +390,47 @@ class OpenAIFrontend:
             raise invalid_request(f"stop token id {bad} is out of range for a vocabulary of "
                                   f"{vocab_size} tokens", "stop_token_ids")
 
-    def _new_run(self, id_prefix: str, body: GenerationRequest, prompt_ids: list[int],
+    def _new_run(self, request_id: str, body: GenerationRequest, prompt_ids: list[int],
                  max_tokens: int, logprobs: int | None, arrival: float,
-                 grammar: str | None) -> _Run:
+                 grammar: str | None, choice: int = 0) -> _Run:
         self._check_vocab_fields(body)
-        return _Run(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_ids=prompt_ids,
-                    params=body.sampling_params(max_tokens, logprobs, grammar), stop=body.stop,
-                    arrival=arrival)
+        return _Run(request_id=request_id, prompt_ids=prompt_ids,
+                    params=body.sampling_params(max_tokens, logprobs, grammar, choice),
+                    stop=body.stop, arrival=arrival)
 
     # -- generation -----------------------------------------------------------------------
 
-    async def _respond(self, raw: Request, body: GenerationRequest, run: _Run,
-                       wire: CompletionWire | ChatWire) -> Response:
-        deltas = self._deltas(run)
+    async def _respond(self, raw: Request, body: GenerationRequest,
+                       choices: list[tuple[_Run, CompletionWire | ChatWire]]) -> Response:
+        """Answer the request's generations: one body, or one event stream. With several
+        choices they run side by side and any one failing fails (and aborts) them all."""
+        gens = [self._deltas(run) for run, _ in choices]
         try:
             if not body.stream:
-                whole = await unless_disconnected(raw.receive, _collect(deltas))
-                return JSONResponse(wire.body(whole.text, whole.logprobs, whole.finish_reason,
-                                              self._usage(run), whole.tool_calls))
+                wholes = await unless_disconnected(raw.receive,
+                                                   _all_or_none([_collect(g) for g in gens]))
+                bodies = [wire.body(w.text, w.logprobs, w.finish_reason, None, w.tool_calls)
+                          for (_, wire), w in zip(choices, wholes)]
+                answer = bodies[0]
+                answer["choices"] = [b["choices"][0] for b in bodies]
+                answer["usage"] = self._usage([run for run, _ in choices])
+                return JSONResponse(answer)
             # Wait for the first output before answering, so that a backend that cannot take
             # the request still gets a 503 status rather than an error event inside a 200.
-            first = await unless_disconnected(raw.receive, anext(deltas))
+            firsts = await unless_disconnected(raw.receive,
+                                               _all_or_none([anext(g) for g in gens]))
         except ClientDisconnected:
+            await _close_all(gens)
             return Response(status_code=499)  # nginx's "client closed request", for the metrics
-        return EventStream(self._events(run, wire, first, deltas, body.include_usage),
-                           headers={"Cache-Control": "no-cache"})
+        except BaseException:
+            await _close_all(gens)
+            raise
+        if len(choices) == 1:
+            run, wire = choices[0]
+            events = self._events(run, wire, firsts[0], gens[0], body.include_usage)
+        else:
+            events = self._events_of_all(choices, firsts, gens, body.include_usage)
+        return EventStream(events, headers={"Cache-Control": "no-cache"})
 
     async def _events(self, run: _Run, wire: CompletionWire | ChatWire, first: _Delta,
                       deltas: AsyncGenerator[_Delta, None], include_usage: bool
@@ -372,14 +446,58 @@ class OpenAIFrontend:
                     yield _sse(chunk)
                 delta = await anext(deltas, None)
             if include_usage:
-                yield _sse(wire.usage_chunk(self._usage(run)))
+                yield _sse(wire.usage_chunk(self._usage([run])))
         except Exception as e:  # the backend failed mid-stream: the status line is gone already
-            error = as_openai_error(e)
-            if error.status_code == 500 and not isinstance(e, BackendError):  # a bug or a crash
-                log.exception("request %s failed while streaming", run.request_id)
-            yield _sse(error.body())
+            yield _sse(_stream_error(e, run.request_id))
         finally:
             await deltas.aclose()
+        yield _sse("[DONE]")
+
+    async def _events_of_all(self, choices: list[tuple[_Run, CompletionWire | ChatWire]],
+                             firsts: list[_Delta], gens: list[AsyncGenerator[_Delta, None]],
+                             include_usage: bool) -> AsyncGenerator[bytes, None]:
+        """`_events` for several choices: each one's chunks as its generation makes them,
+        tagged with its index; one usage chunk for all. One failing ends them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, gen: AsyncGenerator[_Delta, None]) -> None:
+            try:
+                async for delta in gen:
+                    queue.put_nowait((k, delta, None))
+                queue.put_nowait((k, None, None))
+            except Exception as e:
+                queue.put_nowait((k, None, e))
+
+        pumps: list[asyncio.Task] = []
+        try:
+            for _, wire in choices:
+                for chunk in wire.opening_chunks():
+                    yield _sse(chunk)
+            for (_, wire), delta in zip(choices, firsts):
+                for chunk in wire.delta_chunks(delta.text, delta.logprobs, delta.finish_reason,
+                                               delta.tool_calls):
+                    yield _sse(chunk)
+            pumps = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
+            running = len(gens)
+            while running:
+                k, delta, error = await queue.get()
+                if error is not None:
+                    raise error
+                if delta is None:
+                    running -= 1
+                    continue
+                for chunk in choices[k][1].delta_chunks(delta.text, delta.logprobs,
+                                                        delta.finish_reason, delta.tool_calls):
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(choices[0][1].usage_chunk(self._usage([r for r, _ in choices])))
+        except Exception as e:
+            yield _sse(_stream_error(e, choices[0][1].request_id))
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await _close_all(gens)
         yield _sse("[DONE]")
 
     async def _deltas(self, run: _Run) -> AsyncGenerator[_Delta, None]:
@@ -471,8 +589,16 @@ class OpenAIFrontend:
             elapsed = run.last_token_at - run.first_token_at
             self._tpot.observe(elapsed / (run.num_generated - 1))
 
-    def _usage(self, run: _Run) -> dict:
-        return usage(len(run.prompt_ids), run.num_generated, run.num_cached)
+    @staticmethod
+    def _usage(runs: list[_Run]) -> dict:
+        """The usage of a request's generations: each distinct prompt counted once (n choices
+        share theirs), with the most of it any of its choices found cached."""
+        prompts: dict[int, tuple[int, int]] = {}  # id(prompt_ids) -> (length, cached)
+        for run in runs:
+            _, cached = prompts.get(id(run.prompt_ids), (0, 0))
+            prompts[id(run.prompt_ids)] = (len(run.prompt_ids), max(cached, run.num_cached))
+        return usage(sum(n for n, _ in prompts.values()), sum(r.num_generated for r in runs),
+                     sum(c for _, c in prompts.values()))
 
 
 # How long an idle client connection stays open. Longer than the clients' own reuse window

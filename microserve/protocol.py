@@ -9,7 +9,9 @@ Ranges are OpenAI's documented ones: `temperature` in [0, 2], `top_p` in (0, 1],
 required except on an assistant turn. `model` may be absent or empty, meaning the served model
 (as in vLLM).
 Options we do not implement are refused rather than ignored when ignoring them would silently
-change the output: n > 1, best_of > 1, echo, suffix, non-zero penalties, logit_bias.
+change the output: best_of > 1, echo, suffix, non-zero penalties, logit_bias. `n` choices per
+prompt and a batch of completion prompts are served as that many generations (at most
+MAX_CHOICES in one request).
 
 Structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`, SGLang's
 `regex` and `json_schema`) are shape-checked here and turned into a grammar by guided.py; tools
@@ -25,12 +27,15 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from microserve.bounds import FINITE, MAX_LOGPROBS, Count, Seed, TokenId, TopK
+from microserve.bounds import FINITE, INT64_MAX, MAX_LOGPROBS, Count, Seed, TokenId, TopK
 from microserve.tool_parsers import ParsedCall
 from microserve.tools import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
 from microserve.messages import SamplingParams, TokenLogprob
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+# Generations one request may start: n choices for each prompt of a batch. Each is a request to
+# the engines (sharing the prompt's KV through the prefix cache).
+MAX_CHOICES = 128
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -79,7 +84,7 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)  # None: 1.0; 0: greedy
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: TopK | None = None  # vLLM extension; -1 and 0 disable it; <= the vocabulary
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: list[str] = []  # a single string is accepted too
@@ -112,13 +117,6 @@ class GenerationRequest(BaseModel):
             raise ValueError("must be a string or a list of strings")
         if len(value) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(value)}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -158,13 +156,20 @@ class GenerationRequest(BaseModel):
         }
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        grammar: str | None = None) -> SamplingParams:
+                        grammar: str | None = None, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for choice `choice` of a prompt: a seeded request's choices
+        are seeded seed, seed + 1, ... (wrapping within 64 bits), so each is reproducible and
+        they differ."""
+        seed = self.seed
+        if seed is not None and choice:
+            seed = (seed + choice + 2**63) % 2**64 - 2**63
+            assert seed <= INT64_MAX
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
-            seed=self.seed,
+            seed=seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -173,7 +178,8 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int]  # also [str] or [[int]] of one prompt; batches are refused
+    # One prompt (a string or token ids) or a batch of them ([str] or [[int]]); `prompts`.
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -181,19 +187,29 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
+    def _prompts(cls, value: Any) -> Any:
+        # Checked here rather than by the union type, whose errors would name its members.
         if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-            if len(value) > 1:
-                raise ValueError(f"a batch of {len(value)} prompts is not supported; "
-                                 "send one prompt per request")
-            value = value[0]
+            if len(value) > MAX_CHOICES:
+                raise ValueError(f"a batch of at most {MAX_CHOICES} prompts, got {len(value)}")
+            for i, prompt in enumerate(value):
+                if isinstance(prompt, list) and not _token_ids(prompt):
+                    raise ValueError(f"prompt {i} of the batch must be a string or a non-empty "
+                                     "list of token ids")
+            if not all(isinstance(p, type(value[0])) for p in value):
+                raise ValueError("a batch is all strings or all lists of token ids")
+            return value
         if isinstance(value, list) and not value:
             raise ValueError("the prompt is empty")
-        # Checked here rather than by the union type, whose errors would name its members.
-        if not (isinstance(value, str) or isinstance(value, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in value)):
-            raise ValueError("must be a string, a list of token ids, or a list of one of those")
+        if not (isinstance(value, str) or isinstance(value, list) and _token_ids(value)):
+            raise ValueError("must be a string, a list of token ids, or a list of either")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts (one for a single prompt)."""
+        p = self.prompt
+        return p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
     @field_validator("echo")
     @classmethod
@@ -315,6 +331,11 @@ def model_list(model: str, created: int, max_model_len: int) -> dict:
     return {"object": "list", "data": [model_card(model, created, max_model_len)]}
 
 
+def _token_ids(value: list) -> bool:
+    """A non-empty list of ints (not bools)."""
+    return bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def _finite(logprob: float) -> float:
     # -inf is not JSON; vLLM reports impossible tokens as -9999.0 too.
     return max(logprob, -9999.0)
@@ -326,8 +347,9 @@ class _ResponseWire:
     object = ""  # set by subclasses
     chunk_object = ""
 
-    def __init__(self, request_id: str, model: str, created: int):
+    def __init__(self, request_id: str, model: str, created: int, index: int = 0):
         self.request_id, self.model, self.created = request_id, model, created
+        self.index = index  # the choice this wire writes (n > 1, a batch of prompts)
 
     def _envelope(self, object_name: str, choices: list[dict], **extra) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created,
@@ -356,13 +378,13 @@ class CompletionWire(_ResponseWire):
     chunk_object = "text_completion"
 
     def __init__(self, request_id: str, model: str, created: int,
-                 token_text: Callable[[int], str] | None):
-        super().__init__(request_id, model, created)
+                 token_text: Callable[[int], str] | None, index: int = 0):
+        super().__init__(request_id, model, created, index)
         self._token_text = token_text  # None: the client did not ask for logprobs
         self._text_offset = 0  # where the next token's text starts; advanced by _logprobs
 
     def chunk(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
+        choice = {"index": self.index, "text": text, "logprobs": self._logprobs(logprobs),
                   "finish_reason": finish_reason}
         return self._envelope(self.chunk_object, [choice])
 
@@ -394,19 +416,19 @@ class ChatWire(_ResponseWire):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, created: int,
-                 token_bytes: Callable[[int], bytes] | None):
-        super().__init__(request_id, model, created)
+                 token_bytes: Callable[[int], bytes] | None, index: int = 0):
+        super().__init__(request_id, model, created, index)
         self._token_bytes = token_bytes  # None: the client did not ask for logprobs
 
     def opening_chunks(self) -> list[dict]:
         """Chat streams announce the role first, with empty content."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         return [self._envelope(self.chunk_object, [choice])]
 
     def chunk(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+        choice = {"index": self.index, "delta": delta, "logprobs": self._logprobs(logprobs),
                   "finish_reason": finish_reason}
         return self._envelope(self.chunk_object, [choice])
 
@@ -427,7 +449,7 @@ class ChatWire(_ResponseWire):
         return chunks
 
     def _tool_call_chunk(self, tool_call: dict) -> dict:
-        choice = {"index": 0, "delta": {"tool_calls": [tool_call]}, "logprobs": None,
+        choice = {"index": self.index, "delta": {"tool_calls": [tool_call]}, "logprobs": None,
                   "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
 
@@ -440,7 +462,7 @@ class ChatWire(_ResponseWire):
                 {"id": call.id, "type": "function",
                  "function": {"name": call.name, "arguments": call.arguments}}
                 for _, call in tool_calls]
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs),
+        choice = {"index": self.index, "message": message, "logprobs": self._logprobs(logprobs),
                   "finish_reason": finish_reason}
         return self._envelope(self.object, [choice], usage=usage)
 

@@ -20,6 +20,7 @@ from test_tokenizer import byte_token_ids, make_tokenizer_dir
 from microserve.backend import BackendUnavailable, GenerateBackend
 from microserve.metrics import Registry
 from microserve.openai_app import build_openai_app, listen_socket
+from microserve.protocol import CompletionRequest
 from microserve.tokenizer import Tokenizer
 from microserve.messages import GenerateChunk, SamplingParams, TokenLogprob
 
@@ -186,6 +187,100 @@ async def test_chat_completion(tok):
     assert body["usage"]["completion_tokens"] == 2 and backend.calls[0][2].max_tokens == 4
 
 
+# -- n choices and batches of prompts -------------------------------------------------------
+
+class FailsOne(ScriptedBackend):
+    """Generation `victim` (its request id ends with it) fails after the script; the others
+    hang until aborted."""
+
+    def __init__(self, steps, victim: str):
+        super().__init__(steps, hang=True)
+        self.victim = victim
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        async for chunk in super().generate(request_id, prompt_token_ids, params):
+            yield chunk
+            if request_id.endswith(self.victim):
+                raise RuntimeError("engine died")
+
+
+async def test_n_choices_each_a_generation_seeded_apart(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"), cached=3)
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions", json={
+            "prompt": "the quick", "max_tokens": 5, "n": 3, "seed": 7, "temperature": 0.8})
+    body = response.json()
+    prompt_ids = tok.encode("the quick")
+    assert response.status_code == 200
+    assert body["choices"] == [{"index": i, "text": "hello world", "logprobs": None,
+                                "finish_reason": "length"} for i in range(3)]
+    # the prompt counted once, with what its choices found cached
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 6,
+                             "total_tokens": len(prompt_ids) + 6,
+                             "prompt_tokens_details": {"cached_tokens": 3}}
+    assert [(rid, ids, p.seed) for rid, ids, p in backend.calls] == [
+        (f"{body['id']}-{i}", prompt_ids, 7 + i) for i in range(3)]
+    assert backend.aborted == []
+
+
+def test_choice_seeds_wrap_within_64_bits():
+    body = CompletionRequest(prompt="hi", seed=2**63 - 1, n=2)
+    assert [body.sampling_params(4, None, choice=i).seed for i in range(2)] == [2**63 - 1,
+                                                                              -(2**63)]
+    assert CompletionRequest(prompt="hi").sampling_params(4, None, choice=1).seed is None
+
+
+async def test_a_batch_of_prompts_with_n_answers_prompt_by_prompt(tok):
+    backend = ScriptedBackend(steps(tok, "ok", "ay"), logprobs=True)
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions", json={
+            "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4, "n": 2, "logprobs": 0})
+    body = response.json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(i, "okay") for i in range(4)]
+    offsets = [c["logprobs"]["text_offset"] for c in body["choices"]]
+    assert offsets[0][0] == 0 and offsets == [offsets[0]] * 4  # each choice counts its own
+    assert [ids for _, ids, _ in backend.calls] == [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    per_choice = sum(len(ids) for ids in backend.steps)
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (
+        5, 4 * per_choice)
+
+
+async def test_chat_n_choices_stream_side_by_side(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"))
+    async with client_for(backend, tok) as client:
+        response = await client.post(CHAT, json={
+            "messages": HI, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = events(response)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"] == []
+    assert chunks[-2]["usage"]["completion_tokens"] == 4
+    by_index = {0: [], 1: []}
+    for chunk in chunks[:-2]:
+        (choice,) = chunk["choices"]
+        by_index[choice["index"]].append((choice["delta"], choice["finish_reason"]))
+    for index in (0, 1):
+        assert by_index[index] == [({"role": "assistant", "content": ""}, None),
+                                   ({"content": "hello"}, None),
+                                   ({"content": " world"}, "length")]
+    assert {c["id"] for c in chunks[:-1]} == {chunks[0]["id"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_choice_failing_fails_and_aborts_the_others(tok, stream):
+    backend = FailsOne(steps(tok, "hello"), victim="-1")
+    async with client_for(backend, tok) as client:
+        response = await client.post("/v1/completions", json={
+            "prompt": "hi", "n": 3, "stream": stream})
+    ids = [rid for rid, _, _ in backend.calls]
+    if stream:
+        chunks = events(response)
+        assert chunks[-2:] == [{"error": {"message": "Internal server error (RuntimeError)",
+                                          "type": "server_error", "param": None, "code": None}},
+                               "[DONE]"]
+    else:
+        assert response.status_code == 500
+    await eventually(lambda: sorted(backend.aborted) == sorted(ids))  # the victim's too
+
+
 # -- text: stop strings, stop tokens, multi-byte characters ---------------------------------
 
 async def test_stop_string_split_across_outputs_streaming(tok):
@@ -312,10 +407,22 @@ async def test_errors(tok):
          f"{tok.vocab_size} tokens"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt",
          "The prompt is empty after tokenization"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "a batch of 2 prompts"),
+        ("/v1/completions", {"prompt": ["a"] * 129}, 400, "prompt",
+         "a batch of at most 128 prompts, got 129"),
+        ("/v1/completions", {"prompt": ["a", [5]]}, 400, "prompt",
+         "a batch is all strings or all lists of token ids"),
+        ("/v1/completions", {"prompt": [[5], []]}, 400, "prompt",
+         "prompt 1 of the batch must be a string or a non-empty list of token ids"),
+        ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 43}, 400, "n",
+         "3 prompts x n 43 = 129 generations; at most 128 in one request"),
+        ("/v1/completions", {"prompt": ["the quick", "the quick brown fox"], "max_tokens": 63},
+         400, "max_tokens", context_error(n_prompt + 63, n_prompt, 63, "prompt", "prompt")),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature",
          "Invalid value for 'temperature': Input should be greater than or equal to 0 (got -1)"),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "only n=1 is supported (got 2)"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n",
+         "Invalid value for 'n': Input should be greater than or equal to 1 (got 0)"),
+        (CHAT, {"messages": HI, "n": 129}, 400, "n",
+         "Invalid value for 'n': Input should be less than or equal to 128 (got 129)"),
         (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role",
          "Invalid value for 'messages[0].role': Input should be 'system', 'developer', 'user', "
          "'assistant' or 'tool' (got \"robot\")"),

@@ -22,10 +22,11 @@ def error_of(model, body: dict):
 # -- requests --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt, expected", [
-    ("hi", "hi"), ([5, 6], [5, 6]), (["hi"], "hi"), ([[5, 6]], [5, 6]),
+    ("hi", ["hi"]), ([5, 6], [[5, 6]]), (["hi"], ["hi"]), ([[5, 6]], [[5, 6]]),
+    (["hi", "yo"], ["hi", "yo"]), ([[5], [6, 7]], [[5], [6, 7]]),
 ])
 def test_prompt_forms(prompt, expected):
-    assert CompletionRequest(prompt=prompt).prompt == expected
+    assert CompletionRequest(prompt=prompt).prompts == expected
 
 
 def test_defaults_become_sampling_params():
@@ -83,7 +84,8 @@ def test_include_usage_only_when_streaming():
     ("top_p", 1.5, "less than or equal to 1"),
     ("top_k", -2, "greater than or equal to -1"),
     ("logprobs", 21, "less than or equal to 20"),
-    ("n", 2, "only n=1"),
+    ("n", 0, "greater than or equal to 1"),
+    ("n", 129, "less than or equal to 128"),
     ("echo", True, "echo is not supported"),
     ("suffix", "end", "suffix is not supported"),
     ("best_of", 3, "only best_of=1"),
@@ -101,15 +103,21 @@ def test_bad_completion_field_is_a_400_naming_field_and_value(field, value, says
     assert message.endswith(f"(got {value!r})".replace("True", "true").replace("'", '"'))
 
 
-def test_batched_and_empty_prompts_are_refused():
-    assert error_of(CompletionRequest, {"prompt": ["a", "b"]})[1:] == (
-        "prompt", 'Invalid value for \'prompt\': a batch of 2 prompts is not supported; '
-                  'send one prompt per request (got ["a", "b"])')
+def test_prompt_batches_and_refused_prompts():
+    assert CompletionRequest(prompt="hi").prompts == ["hi"]
+    assert CompletionRequest(prompt=[1, 2]).prompts == [[1, 2]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+    param, message = error_of(CompletionRequest, {"prompt": ["a"] * 129})[1:]
+    assert param == "prompt" and message.startswith(
+        "Invalid value for 'prompt': a batch of at most 128 prompts, got 129 (got [\"a\", ")
     assert error_of(CompletionRequest, {"prompt": []})[1] == "prompt"
     assert error_of(CompletionRequest, {"prompt": {"text": "hi"}})[1:] == (
         "prompt", "Invalid value for 'prompt': must be a string, a list of token ids, or a list "
-                  'of one of those (got {"text": "hi"})')
+                  'of either (got {"text": "hi"})')
     assert error_of(CompletionRequest, {"prompt": [1, "a"]})[1] == "prompt"
+    assert error_of(CompletionRequest, {"prompt": [[1], [True]]})[1] == "prompt"
+    assert error_of(CompletionRequest, {"prompt": ["a", [1]]})[1] == "prompt"
 
 
 def test_missing_field_and_malformed_json():

@@ -174,6 +174,38 @@ async def test_pd_leaves_the_first_token_to_d_where_d_must_sample_it(up, admin, 
         await c.close()
 
 
+async def test_n_choices_and_a_batch_of_prompts_through_pd(up, admin, tok, smollm2_dir):
+    """n > 1 and a batch of completion prompts, through the pd strategy: each choice is its own
+    request to the engines. Greedy choices are each prompt's single-engine greedy text, in
+    prompt-major order, streamed or not; seeded sampled choices differ from one another and
+    repeat exactly when the request does."""
+    use(admin, builtin="pd")
+    prompts = [tok.encode(f"[batch {i}] " + TEXT, add_special_tokens=False) for i in range(2)]
+    want = [tok.decode(t) for t in hf_greedy(smollm2_dir, prompts, N_NEW)]
+    c = client(up)
+    try:
+        r = await c.completions.create(model="test-model", prompt=prompts, n=2, **GREEDY)
+        assert [(x.index, x.text) for x in r.choices] == list(enumerate(
+            [want[0], want[0], want[1], want[1]]))
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
+            len(prompts[0]) + len(prompts[1]), 4 * N_NEW)
+        texts = {}
+        async for chunk in await c.chat.completions.create(
+                model="test-model", messages=[{"role": "user", "content": "[n] " + TEXT}], n=2,
+                stream=True, **GREEDY):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        chat_want = tok.decode(hf_greedy(smollm2_dir, [chat_ids(tok, "[n] " + TEXT)], N_NEW)[0])
+        assert texts == {0: chat_want, 1: chat_want}
+        sampled = [await c.completions.create(
+            model="test-model", prompt=prompts[0], n=3, seed=5, temperature=1.0,
+            max_tokens=N_NEW, extra_body={"ignore_eos": True}) for _ in range(2)]
+        runs = [[x.text for x in r.choices] for r in sampled]
+        assert runs[0] == runs[1] and len(set(runs[0])) == 3
+    finally:
+        await c.close()
+
+
 async def test_hot_swap_under_load(up, admin, tok, smollm2_dir):
     """50 concurrent streams while the strategy is swapped back and forth: none fails, each
     gives the greedy text, and each finished on the instance it started on."""
