@@ -29,8 +29,10 @@ cubin (cuobjdump from Triton's wheel): a free first look before a GPU run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
+import inspect
 import json
 import math
 import re
@@ -168,7 +170,8 @@ class KernelStats:
 
 
 EXTEND_SHAPES = {"engine": [(0, 4096)] * 2, "8x4096": [(0, 4096)] * 8,
-                 "prefix": [(4096, 4096)] * 2}  # (cached, new) per sequence  # fmt: skip
+                 "prefix": [(4096, 4096)] * 2, "long": [(0, 16384)],
+                 "chunk": [(14336, 2048)]}  # (cached, new) per sequence  # fmt: skip
 
 
 def sweep_extend(pa, variant: str, rows: list[dict]) -> None:
@@ -191,13 +194,17 @@ def _extend_shape(pa, variant, shape, specs, gen, stats, rows) -> None:
         k, v = kv.dense(0, s)
         ref[row : row + n] = sdpa(q[row : row + n].transpose(0, 1), k, v, ctx).transpose(0, 1)
         row += n
+    # the new tokens' K/V, contiguous [tokens, kv_heads, head_dim] (variants that read them)
+    new_kv = [torch.cat([kv.dense(0, s)[i][:, c:].transpose(0, 1) for s, (c, _) in
+                         enumerate(specs)]).contiguous() for i in (0, 1)]  # fmt: skip
     flops = sum(4 * HEADS * HEAD_DIM * (n * c + n * (n + 1) // 2) for c, n in specs)
     if variant == "main" and specs[0][0] == 0:
         rows.extend(_sdpa_rows(shape, specs, q, kv, flops))
     out = torch.empty_like(q)
     max_q_len = max(n for _, n in specs)
     for index, config in enumerate(candidates(pa)["extend"]):
-        run = functools.partial(_run_extend, pa, q, kv, cu, max_q_len, out, config)
+        run = functools.partial(_run_extend, pa, q, kv, cu, max_q_len, out, config,
+                                new_kv=new_kv)
         out.fill_(float("nan"))
         try:
             run()
@@ -217,9 +224,12 @@ def _extend_shape(pa, variant, shape, specs, gen, stats, rows) -> None:
         _print_row(rows[-1])
 
 
-def _run_extend(pa, q, kv, cu, max_q_len, out, config, _=0) -> None:
+def _run_extend(pa, q, kv, cu, max_q_len, out, config, _=0, new_kv=None) -> None:
+    extra = {}
+    if "k_new" in inspect.signature(pa.paged_extend_attention).parameters:
+        extra = {"k_new": new_kv[0], "v_new": new_kv[1]}
     pa.paged_extend_attention(q, kv.kv[0, 0], kv.kv[0, 1], kv.page_table, cu, kv.kv_lens,
-                              max_q_len, HEAD_DIM**-0.5, out, config=config)  # fmt: skip
+                              max_q_len, HEAD_DIM**-0.5, out, config=config, **extra)  # fmt: skip
 
 
 def _sdpa_rows(shape: str, specs, q, kv: PagedKV, flops: int) -> list[dict]:
@@ -230,11 +240,22 @@ def _sdpa_rows(shape: str, specs, q, kv: PagedKV, flops: int) -> list[dict]:
     k, v = (torch.stack([kv.dense(0, s)[i] for s in range(b)]).contiguous() for i in (0, 1))
     rows = []
     group = HEADS // KV_HEADS
-    for name, kk, vv in (("sdpa-gqa", k, v), ("sdpa-mha", k.repeat_interleave(group, 1),
-                                                v.repeat_interleave(group, 1))):  # fmt: skip
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mha = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+    cases = [("sdpa-gqa", k, v, None), ("sdpa-mha", *mha, None),
+             ("flash-gqa", k, v, SDPBackend.FLASH_ATTENTION),
+             ("cudnn-mha", *mha, SDPBackend.CUDNN_ATTENTION),
+             ("cudnn-gqa", k, v, SDPBackend.CUDNN_ATTENTION)]
+    for name, kk, vv, backend in cases:
         run = functools.partial(torch.nn.functional.scaled_dot_product_attention, qd, kk, vv,
                                 is_causal=True, enable_gqa=True)  # fmt: skip
-        ms = graph_ms(lambda _=0, run=run: run(), 1)
+        try:
+            with sdpa_kernel(backend) if backend else contextlib.nullcontext():
+                ms = graph_ms(lambda _=0, run=run: run(), 1)
+        except RuntimeError as e:
+            print(f"{name}: {str(e)[:160]}", flush=True)
+            continue
         rows.append({"kernel": "extend", "shape": shape, "variant": name, "config": None,
                      "rel_err": 0.0, "us": ms * 1e3, "tflops": flops / ms / 1e9})  # fmt: skip
         _print_row(rows[-1])
