@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarMatchers
 from engine.kv_exchange import Answer, KVExchange
 from engine.model_runner import ModelRunner, resolve_dtype
+from engine.penalties import PenaltyPool, StepAdjustments
 from engine.requests import RequestState, RequestTable
 from engine.sampler import PendingSample, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -51,7 +52,8 @@ class _Launched:
     pending: PendingSample | None  # None until sampled, and when no row is
     length_done: list[Sequence]  # reach max_tokens / max_model_len with this step's token
     logits: torch.Tensor | None = None  # forward done, sampling deferred (see step)
-    sample_args: tuple[list, list] = ([], [])  # the sampled rows' params and generators
+    # the sampled rows' params, generators and logit adjustments
+    sample_args: tuple[list, list, StepAdjustments | None] = ([], [], None)
 
 
 class EngineCore:
@@ -97,6 +99,7 @@ class EngineCore:
                                    config.kv_recv_wait_s, config.kv_recv_wait_max_s)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.grammars = GrammarMatchers(config.model, mc.vocab_size, sorted(self.eos_token_ids))
+        self.penalties = PenaltyPool(mc.vocab_size, self.runner.device, sorted(self.eos_token_ids))
         self._arrivals = itertools.count()
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None
@@ -163,16 +166,18 @@ class EngineCore:
                 400, f"begin {begin} leaves no prompt token to prefill: it must be below the "
                 f"prompt length {len(prompt)}", "begin")  # fmt: skip
         generator = make_generator(params.seed, self.runner.device)
-        if params.grammar is not None:
-            self.grammars.add(request_id, params.grammar)  # RequestRejected if it does not build
         arrival, held = next(self._arrivals), None
-        if begin or entry is not None:
-            try:
+        try:
+            if params.grammar is not None:
+                self.grammars.add(request_id, params.grammar)  # RequestRejected: no grammar
+            self.penalties.add(request_id, prompt, params)  # nothing unless it adjusts logits
+            if begin or entry is not None:
                 held = self.exchange.adopt_for_generate(request_id, prompt, begin,
                                                         whole=first_token is not None)
-            except BaseException:
-                self.grammars.remove(request_id)
-                raise
+        except BaseException:
+            self.grammars.remove(request_id)
+            self.penalties.remove(request_id)
+            raise
         seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
                        num_cached_tokens=held)  # fmt: skip
         self.requests.generate(request_id, seq, generator)
@@ -196,10 +201,11 @@ class EngineCore:
         if not 0 <= first_token < self.info.vocab_size:
             raise MicroservingError(400, f"first_token {first_token} out of range [0, "
                                     f"{self.info.vocab_size})", "first_token")  # fmt: skip
-        if params.logprobs is not None or params.grammar is not None:
+        if params.logprobs is not None or params.grammar is not None or params.adjusts_logits:
             raise MicroservingError(
-                400, "a handed-over first_token has no logprobs and follows no grammar: sample "
-                "it here (begin below the prompt length)", "first_token")  # fmt: skip
+                400, "a handed-over first_token has no logprobs, follows no grammar and had no "
+                "logit_bias, min_tokens or penalties applied: sample it here (begin below the "
+                "prompt length)", "first_token")  # fmt: skip
 
     def _stops(self, p: SamplingParams, token: int) -> bool:
         """Whether sampling `token` stops a request with params `p` (eos or a stop token)."""
@@ -330,9 +336,11 @@ class EngineCore:
             return None
         batch, input_ids, sample_rows, from_last, sends = self._build_batch(sched)
         sampled = [e.seq for e in sched.scheduled if e.sample]
-        # Params and generators now: a sequence may be removed before a deferred sample (a
-        # send's leaves the scheduler below).
-        args = ([seq.params for seq in sampled], self.requests.generators(sampled))
+        # Params, generators and adjustments now: a sequence may be removed before a deferred
+        # sample (a send's leaves the scheduler below), and min_tokens counts the outputs
+        # before this step's.
+        args = ([seq.params for seq in sampled], self.requests.generators(sampled),
+                self.penalties.step(sampled))
         logits = self.runner.forward(batch, input_ids, sample_rows, from_last=from_last,
                                      sends=sends)
         for seq in self.scheduler.advance(sched):  # sends computed: their pages stay for the flush
@@ -364,7 +372,8 @@ class EngineCore:
         mask = None
         if len(self.grammars):
             mask = self.grammars.step_mask([seq.request_id for seq, _ in launched.sampled])
-        launched.pending = self.runner.sample(launched.logits, *launched.sample_args, mask)
+        params, generators, adjust = launched.sample_args
+        launched.pending = self.runner.sample(launched.logits, params, generators, mask, adjust)
         launched.logits = None
 
     def _build_batch(self, sched: SchedulerOutput):
@@ -433,6 +442,7 @@ class EngineCore:
         self.scheduler.remove(seq)
         self.requests.finish(seq.request_id)
         self.grammars.remove(seq.request_id)
+        self.penalties.remove(seq.request_id)
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
         self.counters["cached_prompt_tokens"] += seq.num_cached_tokens or 0
         self.counters["generation_tokens"] += sum(t != PENDING for t in seq.output_token_ids)
@@ -465,7 +475,10 @@ class EngineCore:
         )
 
     def check_integrity(self) -> None:
-        """The KV pages, then the request table against the scheduler, the pages and the
-        grammar matchers. Raises IntegrityError."""
+        """The KV pages and the penalty pool's rows, then the request table against the
+        scheduler, the pages, the grammar matchers and the penalty pool. Raises
+        IntegrityError."""
         self.kv.check_integrity()
-        self.requests.check_integrity(self.scheduler, self.kv, self.grammars.request_ids())
+        self.penalties.check_integrity()
+        self.requests.check_integrity(self.scheduler, self.kv, self.grammars.request_ids(),
+                                      self.penalties.request_ids())

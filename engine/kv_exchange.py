@@ -634,7 +634,8 @@ _COMPUTED = (RequestState.FLUSHING, RequestState.PARKED)
 
 def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:
     """What a remote_send can sample: the token after the whole prompt, without the options
-    that need the generating engine's state (a grammar, logprobs to return)."""
+    that need the generating engine's state (a grammar, logprobs to return, the token history
+    behind logit_bias, min_tokens and the penalties)."""
     if end != n:
         raise MicroservingError(
             400, f"a remote_send that samples sends the whole prompt: end must be the prompt "
@@ -643,6 +644,10 @@ def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:
         raise MicroservingError(
             400, "a remote_send samples no token under a grammar or with logprobs: leave the "
             "last prompt token to the generating engine", "sampling")  # fmt: skip
+    if sampling.adjusts_logits:
+        raise MicroservingError(
+            400, "a remote_send samples no token with logit_bias, min_tokens or penalties: "
+            "leave the last prompt token to the generating engine", "sampling")  # fmt: skip
 
 
 def slot_tensor(ranges: list[tuple[int, int]]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.device import to_device
 from engine.models.loader import load_model
+from engine.penalties import StepAdjustments
 from engine.sampler import PendingSample, Sampler, TokenMask
 from kvcache.forward import ForwardBatch, KVSend, SeqForward
 from kvcache.manager import PageCopy
@@ -177,11 +178,14 @@ class ModelRunner:
         from_last: list[tuple[int, int]] = (),
         sends: list[KVSend] = (),
         mask: TokenMask | None = None,
+        adjust: StepAdjustments | None = None,
     ) -> PendingSample | None:
-        """`forward`, then `sample` its logits (with `mask`'s constrained rows), if any row is
-        sampled. Returns without waiting for the GPU."""
+        """`forward`, then `sample` its logits (with `mask`'s constrained rows and `adjust`'s
+        logit adjustments), if any row is sampled. Returns without waiting for the GPU."""
         logits = self.forward(batch, input_ids, sample_rows, copies, from_last, sends)
-        return None if logits is None else self.sample(logits, params, generators, mask)
+        if logits is None:
+            return None
+        return self.sample(logits, params, generators, mask, adjust)
 
     @torch.inference_mode()
     def forward(
@@ -225,11 +229,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None], mask: TokenMask | None = None
-               ) -> PendingSample:
+               generators: list[torch.Generator | None], mask: TokenMask | None = None,
+               adjust: StepAdjustments | None = None) -> PendingSample:
         """Sample the logits `forward` returned (one row per params); the next step's
-        `from_last` inputs come from these tokens."""
-        pending = self.sampler.sample_async(logits, params, generators, mask)
+        `from_last` inputs come from these tokens, and the penalties' counts (`adjust`) get
+        them on the device."""
+        pending = self.sampler.sample_async(logits, params, generators, mask, adjust)
         self._last_tokens = pending.token_ids
         return pending
 

@@ -161,12 +161,12 @@ class RequestTable:
     # ---- checks -------------------------------------------------------------------------------
 
     def check_integrity(self, scheduler: Scheduler, kv: KVCacheManager,
-                        grammar_ids: Iterable[str]) -> None:  # fmt: skip
+                        grammar_ids: Iterable[str], penalty_ids: Iterable[str] = ()) -> None:
         """The table against itself and against what holds resources for requests: the
         scheduler holds exactly the SENDING and GENERATING sequences (the very objects);
         pages are held by running sequences, waiting ones whose KV was held before admission,
-        RESERVED, FLUSHING and PARKED requests, and nobody else; grammar matchers only by
-        GENERATING requests. Raises IntegrityError."""
+        RESERVED, FLUSHING and PARKED requests, and nobody else; grammar matchers and
+        penalty pool entries only by GENERATING requests. Raises IntegrityError."""
         if sum(map(len, self._by_state.values())) != len(self._entries) or any(
             self._entries.get(rid) is not e or e.state is not state
             for state, entries in self._by_state.items() for rid, e in entries.items()
@@ -189,9 +189,13 @@ class RequestTable:
                    | self._by_state[RequestState.PARKED].keys())  # fmt: skip
         if held != holders:
             raise IntegrityError(f"pages held by {held ^ holders}")
-        stale = set(grammar_ids) - self._by_state[RequestState.GENERATING].keys()
+        generating = self._by_state[RequestState.GENERATING].keys()
+        stale = set(grammar_ids) - generating
         if stale:
             raise IntegrityError(f"grammar matchers of gone requests: {stale}")
+        stale = set(penalty_ids) - generating
+        if stale:
+            raise IntegrityError(f"penalty pool entries of gone requests: {stale}")
 
 
 def _name(state: RequestState | None) -> str:

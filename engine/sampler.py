@@ -18,6 +18,12 @@ Constrained rows (structured outputs, forced tool calls) come with a `TokenMask`
 host by engine/grammar.py: before anything else, their disallowed tokens are set to -inf, so
 greedy, temperature, top-k and top-p all choose among allowed tokens only. Rows without a mask
 are not touched, and a step without one costs nothing extra.
+
+Rows whose params adjust logits (logit_bias, min_tokens, repetition / frequency / presence
+penalties) come with `StepAdjustments` (engine/penalties.py), applied right after the mask;
+greedy rows take the argmax of the adjusted logits. The penalties' token counts live on the
+device and the sampler adds each step's tokens to them as it samples, so the next step sees
+them without a trip through the host.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.device import to_device
+from engine.penalties import StepAdjustments, adjust_logits, record_tokens
 from microserve.messages import SamplingParams, TokenLogprob
 
 # Slack for "the nucleus's mass reaches top_p": a set whose true mass equals top_p (0.4 + 0.2 + 0.2
@@ -131,9 +138,10 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         mask: TokenMask | None = None,
+        adjust: StepAdjustments | None = None,
     ) -> SampleResult:
         """`sample_async(...).result()`: sample and wait for the host copy."""
-        return self.sample_async(logits, params, generators, mask).result()
+        return self.sample_async(logits, params, generators, mask, adjust).result()
 
     def sample_async(
         self,
@@ -141,6 +149,7 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         mask: TokenMask | None = None,
+        adjust: StepAdjustments | None = None,
     ) -> PendingSample:
         """Sample one token per row, without waiting for the result to reach the host.
 
@@ -151,6 +160,8 @@ class Sampler:
                 params have a seed (advanced by this call if the row is not greedy), else None.
             mask: the allowed tokens of constrained rows (None: no row is constrained). Each
                 masked row must allow at least one token.
+            adjust: the logit adjustments of the rows whose params have any (None: no row
+                has). The counted rows' penalty counts get this call's tokens, on the device.
 
         Returns:
             The token ids on the device, and (on `.result()`) each row's id and its logprobs
@@ -162,6 +173,8 @@ class Sampler:
         logits = raw_logits = logits[:, : self.vocab_size].float()
         if mask is not None:
             logits = self._apply_mask(logits, mask)
+        if adjust is not None:
+            logits = adjust_logits(logits, adjust)
 
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
@@ -177,6 +190,7 @@ class Sampler:
                 [generators[i] for i in sampled_rows],
             )
             token_ids.index_copy_(0, rows, sampled)
+        record_tokens(adjust, token_ids)
 
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         parts = self._logprobs(raw_logits, token_ids, wanted, params) if wanted else None

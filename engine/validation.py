@@ -46,6 +46,13 @@ def check_request(prompt: list[int], params: SamplingParams, info: EngineInfo) -
     if bad is not None:
         raise RequestRejected(f"stop token id {bad} out of range [0, {vocab})",
                               "stop_token_ids")
+    bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestRejected(f"logit_bias token id {bad} out of range [0, {vocab})",
+                              "logit_bias")
+    if params.min_tokens > params.max_tokens:
+        raise RequestRejected(f"min_tokens ({params.min_tokens}) exceeds max_tokens "
+                              f"({params.max_tokens})", "min_tokens")
     if params.seed is not None and not INT64_MIN <= params.seed <= INT64_MAX:
         raise RequestRejected(f"seed {params.seed} does not fit in 64 bits", "seed")
     if total > info.kv_capacity_tokens:

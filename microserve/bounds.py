@@ -24,9 +24,18 @@ FINITE = ConfigDict(allow_inf_nan=False)
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the engine checks it is < its vocabulary
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what torch.Generator.manual_seed takes
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # max_tokens and other counts of tokens
+MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]  # vLLM's min_tokens; at most max_tokens
 Index = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # begin/end; the engine checks the prompt
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1 and 0 disable it; at most the vocabulary
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+# Sampling penalties: OpenAI's range for presence/frequency, and SGLang's upper bound for the
+# repetition penalty (vLLM's and Hugging Face's take any positive value; past 2 the penalty
+# only pushes every seen token out).
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+MAX_REPETITION_PENALTY = 2.0
+RepetitionPenalty = Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]  # OpenAI's range
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
 # An llguidance grammar's JSON (structured outputs, forced tool calls); the OpenAI frontend caps
 # the schemas it is built from at MAX_SCHEMA_CHARS.
 MAX_GRAMMAR_CHARS = 1 << 20

@@ -41,8 +41,9 @@ from typing import Annotated, Any, ClassVar, TypeVar
 from msgspec import Struct
 from pydantic import ConfigDict, Field, TypeAdapter, with_config
 
-from microserve.bounds import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_GRAMMAR_CHARS, MAX_LOGPROBS,
-                               Count, Index, Seed, TokenId)
+from microserve.bounds import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS,
+                               MAX_LOGPROBS, Count, Index, LogitBias, MinTokens, Penalty,
+                               RepetitionPenalty, Seed, TokenId)
 
 T = TypeVar("T")
 
@@ -75,6 +76,13 @@ class SamplingParams:
     Text-level options (stop strings, echo, chat formatting) are the frontend's, which owns the
     tokenizer; the core sees token ids only. Bounds that need the model (top_k and token ids
     within the vocabulary, max_tokens within the context) are the engine's to check.
+
+    The logit adjustments (vLLM's semantics, applied in this order after a grammar's mask):
+    `logit_bias` adds to its tokens' logits; while fewer than `min_tokens` tokens are out,
+    the stop token ids (and the eos ids unless ignore_eos) are impossible;
+    `repetition_penalty` divides a positive logit (multiplies a negative one) of every token
+    seen in the prompt or the output; `frequency_penalty` x its count in the output plus
+    `presence_penalty` if it occurs there at all is subtracted.
     """
 
     max_tokens: Count = 16
@@ -89,10 +97,28 @@ class SamplingParams:
     # An llguidance grammar (JSON) the output must follow: structured outputs and forced tool
     # calls, built and validated by the frontend (microserve/guided.py); None: unconstrained.
     grammar: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0  # 1 disables it
+    # (token id, bias) pairs, ids below the vocabulary (the engine checks)
+    logit_bias: Annotated[tuple[tuple[TokenId, LogitBias], ...],
+                          Field(max_length=MAX_LOGIT_BIAS)] = ()
+    min_tokens: MinTokens = 0  # at most max_tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_token_counts(self) -> bool:
+        """Whether the penalties need the tokens seen so far (engine/penalties.py)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logit adjustment is set (penalties, logit_bias, min_tokens)."""
+        return self.needs_token_counts or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass(slots=True)

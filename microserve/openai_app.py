@@ -389,11 +389,18 @@ class OpenAIFrontend:
         if bad is not None:
             raise invalid_request(f"stop token id {bad} is out of range for a vocabulary of "
                                   f"{vocab_size} tokens", "stop_token_ids")
+        bad = next((t for t in body.logit_bias or () if t >= vocab_size), None)
+        if bad is not None:
+            raise invalid_request(f"logit_bias token id {bad} is out of range for a vocabulary "
+                                  f"of {vocab_size} tokens", "logit_bias")
 
     def _new_run(self, request_id: str, body: GenerationRequest, prompt_ids: list[int],
                  max_tokens: int, logprobs: int | None, arrival: float,
                  grammar: str | None, choice: int = 0) -> _Run:
         self._check_vocab_fields(body)
+        if body.min_tokens > max_tokens:
+            raise invalid_request(f"min_tokens ({body.min_tokens}) exceeds the completion's "
+                                  f"max_tokens ({max_tokens})", "min_tokens")
         return _Run(request_id=request_id, prompt_ids=prompt_ids,
                     params=body.sampling_params(max_tokens, logprobs, grammar, choice),
                     stop=body.stop, arrival=arrival)

@@ -4,14 +4,16 @@ Field validation lives here, so a bad field becomes a 400 that names the field a
 (errors.py formats pydantic's errors). Defaults that need the model, such as max_tokens (what
 is left of the context), are resolved by the frontend. Unknown fields are ignored, as OpenAI does.
 
-Ranges are OpenAI's documented ones: `temperature` in [0, 2], `top_p` in (0, 1], at most 4
-`stop` strings, message roles system, developer, user, assistant and tool, and `content`
-required except on an assistant turn. `model` may be absent or empty, meaning the served model
-(as in vLLM).
+Ranges are OpenAI's documented ones: `temperature` in [0, 2], `top_p` in (0, 1],
+`presence_penalty` and `frequency_penalty` in [-2, 2], `logit_bias` values in [-100, 100]
+(keys are token ids, at most MAX_LOGIT_BIAS of them), at most 4 `stop` strings, message roles
+system, developer, user, assistant and tool, and `content` required except on an assistant
+turn. vLLM's extensions `repetition_penalty` (in (0, 2], SGLang's bound) and `min_tokens`
+(at most the completion budget, checked by the frontend once that is resolved) are accepted.
+`model` may be absent or empty, meaning the served model (as in vLLM).
 Options we do not implement are refused rather than ignored when ignoring them would silently
-change the output: best_of > 1, echo, suffix, non-zero penalties, logit_bias. `n` choices per
-prompt and a batch of completion prompts are served as that many generations (at most
-MAX_CHOICES in one request).
+change the output: best_of > 1, echo, suffix. `n` choices per prompt and a batch of
+completion prompts are served as that many generations (at most MAX_CHOICES in one request).
 
 Structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`, SGLang's
 `regex` and `json_schema`) are shape-checked here and turned into a grammar by guided.py; tools
@@ -20,6 +22,7 @@ and tool_choice are modelled in tools.py.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +30,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from microserve.bounds import FINITE, INT64_MAX, MAX_LOGPROBS, Count, Seed, TokenId, TopK
+from microserve.bounds import (FINITE, INT32_MAX, INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, Count,
+                               MinTokens, Penalty, RepetitionPenalty, Seed, TokenId, TopK)
 from microserve.tool_parsers import ParsedCall
 from microserve.tools import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
 from microserve.messages import SamplingParams, TokenLogprob
@@ -92,10 +96,12 @@ class GenerationRequest(BaseModel):
     seed: Seed | None = None
     ignore_eos: bool = False  # vLLM / SGLang extension
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM extension
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None  # None: 0
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM extension; None: 1
+    # OpenAI's {"token id": bias}, parsed into int ids by _logit_bias; ids < the vocabulary
+    logit_bias: dict[int, float] | None = None
+    min_tokens: MinTokens = 0  # vLLM extension; at most max_tokens
     # Structured outputs (guided.py): OpenAI's, vLLM's and SGLang's fields, one per request.
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -119,26 +125,28 @@ class GenerationRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(value)}")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0):
-            raise ValueError("penalties are not supported; only 0 is accepted")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 1):
-            raise ValueError("repetition_penalty is not supported; only 1 is accepted")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    def _logit_bias(cls, value: Any) -> dict[int, float] | None:
+        """{"token id": bias} with ids as decimal strings (JSON keys) or ints."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("must be an object mapping token ids to biases")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+        parsed = {}
+        for key, bias in value.items():
+            token = _token_id_key(key)
+            if token is None:
+                raise ValueError(f"key {key!r} is not a token id (an integer in [0, "
+                                 f"{INT32_MAX}])")
+            if (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                    or not -100 <= bias <= 100):  # NaN fails the comparison too
+                raise ValueError(f"bias {bias!r} for token {key} is not a number in "
+                                 "[-100, 100]")
+            parsed[token] = float(bias)
+        return parsed
 
     @property
     def include_usage(self) -> bool:
@@ -174,6 +182,12 @@ class GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             grammar=grammar,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            min_tokens=self.min_tokens,
         )
 
 
@@ -329,6 +343,15 @@ def model_card(model: str, created: int, max_model_len: int) -> dict:
 
 def model_list(model: str, created: int, max_model_len: int) -> dict:
     return {"object": "list", "data": [model_card(model, created, max_model_len)]}
+
+
+def _token_id_key(key: Any) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of decimal digits; None if not."""
+    if isinstance(key, str) and re.fullmatch(r"[0-9]+", key):
+        key = int(key)
+    if isinstance(key, int) and not isinstance(key, bool) and 0 <= key <= INT32_MAX:
+        return key
+    return None
 
 
 def _token_ids(value: list) -> bool:

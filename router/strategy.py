@@ -60,11 +60,12 @@ class Request:
     @property
     def first_token_travels(self) -> bool:
         """Whether the engine that prefills the prompt may also sample the first output token
-        and hand it to the generating engine with the KV. Not with logprobs or a grammar (the
-        generating engine computes those), nor for a seeded random sample (one generator
-        draws every token of it)."""
+        and hand it to the generating engine with the KV. Not with logprobs, a grammar or
+        logit adjustments (logit_bias, min_tokens, penalties: the generating engine keeps
+        their state), nor for a seeded random sample (one generator draws every token of it)."""
         p = self.sampling
-        return p.logprobs is None and p.grammar is None and (p.greedy or p.seed is None)
+        return (p.logprobs is None and p.grammar is None and not p.adjusts_logits
+                and (p.greedy or p.seed is None))
 
 
 class Strategy(ABC):

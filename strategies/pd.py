@@ -7,7 +7,8 @@
     D.start_generate(begin=n, first_token) D emits that token at once and decodes
 
 (`prefill.send_prompt(request, decode)`). Where the first token must be sampled on D (logprobs,
-a grammar, a seeded random sample) P sends prompt[:-1] and D computes the last token.
+a grammar, logit_bias, min_tokens or penalties, a seeded random sample) P sends prompt[:-1]
+and D computes the last token.
 
 P is skipped when D already holds all of prompt[:-1]. With several engines of a role (1PnD,
 nPnD) the least loaded one is picked; engines with role "any" can serve either side. With no

@@ -99,6 +99,20 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     return out
 
 
+def hf_generate(model_dir: str, prompt: list[int], max_new_tokens: int, **options) -> list[int]:
+    """Hugging Face's `generate(do_sample=False, **options)` continuation of one prompt: it
+    stops at the model's eos (included) or after max_new_tokens, as our engine does without
+    ignore_eos. `options` are generate's logits processors (repetition_penalty,
+    min_new_tokens, sequence_bias, ...)."""
+    import torch
+
+    model = _hf_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False,
+                             max_new_tokens=max_new_tokens, **options)
+    return out[0, len(prompt):].tolist()
+
+
 _HF_MODELS: dict = {}
 
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import DAEMON_LOGS, _hf_model, hf_greedy
+from conftest import DAEMON_LOGS, _hf_model, hf_generate, hf_greedy
 from daemons import IDLE_KEYS, LIVE, Daemon, gone_within, serve
 
 from microserve.tokenizer import Tokenizer
@@ -264,6 +264,29 @@ def test_seed_makes_sampling_reproducible_whatever_the_batch(client):
         neighbour.result()
     assert batched.result() == alone
     assert sample(1235) != alone  # checked: a different story for this prompt and these seeds
+
+
+def test_penalties_logit_bias_and_min_tokens_equal_hf(client, tok, smollm2_dir):
+    """The engine's own server: min_tokens is HF's min_new_tokens (greedy would end after
+    3 tokens), repetition_penalty HF's, a -100 logit_bias bans its token; a bias on a token
+    past the vocabulary is a 400 naming logit_bias."""
+    yes_no = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    want = hf_generate(smollm2_dir, chat_prompt_ids(tok, yes_no), 24, min_new_tokens=8)
+    r = chat(client, 24, yes_no, extra_body={"min_tokens": 8})
+    assert (r.choices[0].message.content, r.usage.completion_tokens) == (tok.decode(want),
+                                                                         len(want))
+    assert len(want) >= 8 and len(chat(client, 24, yes_no).choices[0].message.content) < 10
+    prompt = tok.encode(FOX)
+    want = hf_generate(smollm2_dir, prompt, 16, repetition_penalty=1.3)
+    assert complete(client, FOX, 16, extra_body={"repetition_penalty": 1.3}).choices[0].text \
+        == tok.decode(want)
+    banned = hf_generate(smollm2_dir, prompt, 1)[0]
+    want = hf_generate(smollm2_dir, prompt, 16, sequence_bias={(banned,): -100.0})
+    r = complete(client, FOX, 16, logit_bias={str(banned): -100})
+    assert r.choices[0].text == tok.decode(want) and want[0] != banned
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, FOX, 4, logit_bias={str(tok.vocab_size): 1})
+    assert e.value.body["param"] == "logit_bias"
 
 
 def test_completion_logprobs_are_hf_top_alternatives(client, tok, smollm2_dir):

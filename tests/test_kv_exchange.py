@@ -246,6 +246,13 @@ def test_handing_over_the_first_token_refuses_what_it_cannot_do(pair, prompts):
         with pytest.raises(MicroservingError, match="grammar or with logprobs") as e:
             p.remote_send("h", prompt, 0, n, r.kv_addr, bad)
         assert e.value.param == "sampling"
+    for bad in (greedy(repetition_penalty=1.2), greedy(frequency_penalty=0.1),
+                greedy(presence_penalty=-0.1), greedy(logit_bias=((5, 1.0),)),
+                greedy(min_tokens=1)):
+        with pytest.raises(MicroservingError, match="a remote_send samples no token with "
+                           "logit_bias, min_tokens or penalties") as e:
+            p.remote_send("h", prompt, 0, n, r.kv_addr, bad)
+        assert (e.value.status, e.value.param) == (400, "sampling")
     with pytest.raises(RequestRejected, match="max_tokens"):  # the request's own bounds
         p.remote_send("h", prompt, 0, n, r.kv_addr, greedy(10**6))
     assert_clean(p)
@@ -257,6 +264,12 @@ def test_handing_over_the_first_token_refuses_what_it_cannot_do(pair, prompts):
     assert e.value.param == "first_token"
     with pytest.raises(MicroservingError, match="no logprobs") as e:
         d.add_request("h", prompt, greedy(logprobs=1), n, 5)
+    for bad in (greedy(repetition_penalty=1.2), greedy(logit_bias=((5, 1.0),)),
+                greedy(min_tokens=2)):
+        with pytest.raises(MicroservingError, match="no logit_bias, min_tokens or penalties "
+                           "applied") as e:
+            d.add_request("h", prompt, bad, n, 5)
+        assert (e.value.status, e.value.param) == (400, "first_token")
     d.abort_request("h")
     # Without the whole prompt received there is nothing to decode from.
     r = d.exchange.prep_recv("h", prompt, n - 1, None)
@@ -265,6 +278,9 @@ def test_handing_over_the_first_token_refuses_what_it_cannot_do(pair, prompts):
     d.abort_request("h")
     with pytest.raises(MicroservingError, match="no prep_recv"):
         d.add_request("h2", prompt, greedy(), n, 5)
+    with pytest.raises(MicroservingError, match="no prep_recv"):  # nothing kept for it
+        d.add_request("h3", prompt, greedy(repetition_penalty=1.2), n - 1)
+    assert len(d.penalties) == 0
     assert_clean(p, d)
 
 

@@ -28,12 +28,14 @@ from microserve import wire
 from microserve.backend import BackendUnavailable, GenerateBackend, MicroservingError
 from microserve.errors import install_error_handlers
 from microserve.messages import (
+    Generate,
     KVAddr,
     PrepRecvResponse,
     RemoteSendResponse,
     SamplingParams,
     TokenLogprob,
     TokenOutput,
+    ToCore,
     validator,
 )
 from microserve.microserving_client import EngineClient
@@ -296,6 +298,14 @@ async def test_engine_core_gone_is_503():
       "parse string as an integer (got \"a\")")),
     ("start_generate", {**GENERATE, "sampling": {"top_p": 0}}, "sampling.top_p",
      "Invalid value for 'sampling.top_p': Input should be greater than 0 (got 0)"),
+    ("start_generate", {**GENERATE, "sampling": {"logit_bias": [[5, 101]]}},
+     "sampling.logit_bias[0][1]",
+     "Invalid value for 'sampling.logit_bias[0][1]': Input should be less than or equal to 100 "
+     "(got 101)"),
+    ("start_generate", {**GENERATE, "sampling": {"repetition_penalty": 2.5}},
+     "sampling.repetition_penalty",
+     "Invalid value for 'sampling.repetition_penalty': Input should be less than or equal to 2 "
+     "(got 2.5)"),
     ("commit", {}, "request_id", "Missing required field 'request_id'"),
 ])
 async def test_validation_error_names_the_field(route, body, param, message, fmt):
@@ -514,14 +524,27 @@ async def test_engine_client_calls(use_msgpack):
 
 @pytest.mark.parametrize("use_msgpack", [True, False])
 async def test_engine_client_start_generate(use_msgpack):
+    """The router's client to the engine: every sampling option arrives as sent."""
     core = FakeCore(logprobs=True)
-    sampling = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
+    sampling = SamplingParams(max_tokens=4, temperature=0, logprobs=1, presence_penalty=0.5,
+                              frequency_penalty=-1.25, repetition_penalty=1.3,
+                              logit_bias=((5, -100.0), (9, 2.5)), min_tokens=2)
     async with engine_client(core, use_msgpack=use_msgpack) as engine:
         chunks = [c async for c in engine.start_generate("g1", PROMPT, 3, sampling)]
     assert [plain(c) for c in chunks] == [
         chunk([11], logprobs=logprobs(11), first=True), chunk([12, 13], logprobs=logprobs(12, 13)),
         chunk([14], "stop", 4, logprobs(14))]
     assert core.generate_calls == [("g1", PROMPT, 3, sampling)]
+
+
+def test_generate_frames_carry_every_sampling_option_to_the_core():
+    """The engine frontend -> core hop (msgspec frames)."""
+    params = SamplingParams(max_tokens=4, seed=-3, stop_token_ids=(2,), presence_penalty=-2.0,
+                            frequency_penalty=2.0, repetition_penalty=0.5,
+                            logit_bias=((0, 1.5),), min_tokens=4)
+    frame = Generate(request_id="g1", prompt=PROMPT, params=params, begin=3)
+    [decoded] = wire.FrameDecoder(ToCore).feed(wire.encode(frame))
+    assert decoded == frame and decoded.params.logit_bias == ((0, 1.5),)
 
 
 async def test_engine_client_errors():

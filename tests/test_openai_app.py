@@ -136,6 +136,22 @@ async def test_completion(tok):
     assert backend.aborted == []  # the backend finished the request itself
 
 
+async def test_penalties_logit_bias_and_min_tokens_reach_the_backend(tok):
+    backend = ScriptedBackend(steps(tok, "hello"))
+    async with client_for(backend, tok) as client:
+        chat = await client.post(CHAT, json={
+            "messages": HI, "max_completion_tokens": 6, "min_tokens": 6, "presence_penalty": 1,
+            "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logit_bias": {"7": -100}})
+        completion = await client.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 3, "logit_bias": {"0": 100, "9": 0.5}})
+    assert (chat.status_code, completion.status_code) == (200, 200)
+    assert backend.calls[0][2] == SamplingParams(
+        max_tokens=6, min_tokens=6, presence_penalty=1.0, frequency_penalty=-0.5,
+        repetition_penalty=1.1, logit_bias=((7, -100.0),))
+    assert backend.calls[1][2] == SamplingParams(max_tokens=3,
+                                                 logit_bias=((0, 100.0), (9, 0.5)))
+
+
 async def test_max_tokens_defaults_to_the_rest_of_the_context(tok):
     backend = ScriptedBackend(steps(tok, "hello"))
     async with client_for(backend, tok) as client:
@@ -466,6 +482,18 @@ async def test_errors(tok):
          "stop_token_ids", f"stop token id {tok.vocab_size} is out of range for a vocabulary"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, 400, "max_tokens",
          "Input should be less than or equal to 2147483647"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"3": 1, str(tok.vocab_size): 2}},
+         400, "logit_bias", f"logit_bias token id {tok.vocab_size} is out of range for a "
+         f"vocabulary of {tok.vocab_size} tokens"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1e3": 1}}, 400, "logit_bias",
+         "key '1e3' is not a token id"),
+        (CHAT, {"messages": HI, "presence_penalty": -3}, 400, "presence_penalty",
+         "Input should be greater than or equal to -2 (got -3)"),
+        (CHAT, {"messages": HI, "max_completion_tokens": 5, "min_tokens": 6}, 400, "min_tokens",
+         "min_tokens (6) exceeds the completion's max_tokens (5)"),
+        # without max_tokens the budget is what is left of the context
+        ("/v1/completions", {"prompt": [5] * 60, "min_tokens": 5}, 400, "min_tokens",
+         "min_tokens (5) exceeds the completion's max_tokens (4)"),
         ("/v1/completions", {"prompt": [5, 2**64]}, 400, "prompt",
          "Token id 18446744073709551616 at prompt position 1 is out of range"),
     ]

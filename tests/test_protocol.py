@@ -44,6 +44,37 @@ def test_sampling_fields_map_to_params():
     assert params.greedy and request.stop == ["x"]
 
 
+def test_penalties_logit_bias_and_min_tokens_map_to_params():
+    request = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "presence_penalty": -2,
+        "frequency_penalty": 1.5, "repetition_penalty": 1.3, "min_tokens": 3,
+        "logit_bias": {"50": 100, "7": -0.5, "07": -1}})  # "07" is token 7 too: the last wins
+    params = request.sampling_params(max_tokens=8, logprobs=None)
+    assert params == SamplingParams(max_tokens=8, presence_penalty=-2.0, frequency_penalty=1.5,
+                                    repetition_penalty=1.3, logit_bias=((7, -1.0), (50, 100.0)),
+                                    min_tokens=3)
+    assert params.needs_token_counts and params.adjusts_logits
+    for only in ({"presence_penalty": 0.1}, {"frequency_penalty": -0.1},
+                 {"repetition_penalty": 0.9}):
+        assert CompletionRequest(prompt="hi", **only).sampling_params(4, None).needs_token_counts
+    for only in ({"logit_bias": {"5": 0}}, {"min_tokens": 1}):
+        p = CompletionRequest(prompt="hi", **only).sampling_params(4, None)
+        assert p.adjusts_logits and not p.needs_token_counts
+    plain = CompletionRequest(prompt="hi", presence_penalty=0, frequency_penalty=0,
+                              repetition_penalty=1, logit_bias={}, min_tokens=0)
+    assert plain.sampling_params(4, None) == SamplingParams(max_tokens=4)
+    assert not SamplingParams().adjusts_logits
+
+
+def test_too_many_logit_bias_entries_is_a_400():
+    bias = {str(t): 1.0 for t in range(1025)}
+    assert CompletionRequest(prompt="hi", logit_bias=dict(list(bias.items())[:1024]))
+    status, param, message = error_of(CompletionRequest, {"prompt": "hi", "logit_bias": bias})
+    assert (status, param) == (400, "logit_bias")
+    assert message.startswith("Invalid value for 'logit_bias': at most 1024 entries, got 1025 "
+                              '(got {"0": 1.0, ')
+
+
 def test_openai_ranges_are_enforced_with_the_field_named():
     """OpenAI's documented ranges: temperature in [0, 2], at most 4 stop strings, known roles,
     content required except on assistant turns."""
@@ -89,10 +120,16 @@ def test_include_usage_only_when_streaming():
     ("echo", True, "echo is not supported"),
     ("suffix", "end", "suffix is not supported"),
     ("best_of", 3, "only best_of=1"),
-    ("presence_penalty", 0.5, "penalties are not supported"),
-    ("frequency_penalty", -1, "penalties are not supported"),
-    ("repetition_penalty", 1.2, "repetition_penalty is not supported"),
-    ("logit_bias", {"5": 1.0}, "logit_bias is not supported"),
+    ("presence_penalty", 2.5, "less than or equal to 2"),
+    ("frequency_penalty", -2.01, "greater than or equal to -2"),
+    ("repetition_penalty", 0, "greater than 0"),
+    ("repetition_penalty", 2.5, "less than or equal to 2"),
+    ("logit_bias", {"abc": 1.0}, "key 'abc' is not a token id (an integer in [0, 2147483647])"),
+    ("logit_bias", {"-5": 1.0}, "key '-5' is not a token id"),
+    ("logit_bias", {"5": 150}, "bias 150 for token 5 is not a number in [-100, 100]"),
+    ("logit_bias", {"5": "x"}, "bias 'x' for token 5 is not a number in [-100, 100]"),
+    ("logit_bias", [5], "must be an object mapping token ids to biases"),
+    ("min_tokens", -1, "greater than or equal to 0"),
     ("stop", 5, "must be a string or a list of strings"),
     ("stop", ["a", 1], "must be a string or a list of strings"),
 ])

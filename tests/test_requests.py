@@ -196,6 +196,14 @@ def test_a_grammar_of_a_gone_request_is_caught(engine_parts):
         table.check_integrity(scheduler, kv, ["gen", "res"])
 
 
+def test_a_penalty_entry_of_a_gone_request_is_caught(engine_parts):
+    table, scheduler, kv = engine_parts
+    table.check_integrity(scheduler, kv, [], ["gen", "queued"])
+    with pytest.raises(IntegrityError, match=r"penalty pool entries of gone requests: "
+                       r"\{'send'\}"):
+        table.check_integrity(scheduler, kv, [], ["gen", "send"])
+
+
 def test_an_id_indexed_under_two_states_is_caught(engine_parts):
     table, scheduler, kv = engine_parts
     table._by_state[RES]["line"] = table.get("line")  # corrupt the index by hand

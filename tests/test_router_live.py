@@ -17,7 +17,7 @@ import stat
 
 import httpx
 import pytest
-from conftest import DAEMON_LOGS, hf_greedy
+from conftest import DAEMON_LOGS, hf_generate, hf_greedy
 from daemons import ENGINE_AUTH
 from deployments import RouterProcess, assert_quiet, engine_stats, up_prefill_decode
 from openai import AsyncOpenAI
@@ -170,6 +170,39 @@ async def test_pd_leaves_the_first_token_to_d_where_d_must_sample_it(up, admin, 
         # D holds the prompt's whole pages now: P sends the rest of prompt[:-1].
         rest = (n - 1) - (n - 1) // 16 * 16
         assert engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent == 2 * rest
+    finally:
+        await c.close()
+
+
+async def test_logit_bias_and_repetition_penalty_through_pd(up, admin, tok, smollm2_dir):
+    """Through P/D with the official client: a +100 logit_bias makes every token that token,
+    streamed chat or not, sampled or greedy; repetition_penalty gives Hugging Face's tokens.
+    P sends prompt[:-1] and D samples the first token itself (with the penalty's history)."""
+    use(admin, builtin="pd")
+    yes = tok.encode(" yes", add_special_tokens=False)[0]
+    prompt = tok.encode("[pd, penalized] Completion: " + TEXT, add_special_tokens=False)
+    n, p = len(prompt), up.engine_urls["p"]
+    want = hf_generate(smollm2_dir, prompt, N_NEW, repetition_penalty=1.3)
+    assert len(want) == N_NEW and want != hf_greedy(smollm2_dir, [prompt], N_NEW)[0]
+    c = client(up)
+    try:
+        sent_before = engine_stats(p, check=False)["stats"]["kv_tokens_sent"]
+        r = await c.completions.create(model="test-model", prompt=prompt, temperature=0,
+                                       max_tokens=N_NEW,
+                                       extra_body={"repetition_penalty": 1.3})
+        assert r.choices[0].text == tok.decode(want)
+        assert engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent_before == n - 1
+        messages = [{"role": "user", "content": "[pd, biased] Say something."}]
+        r = await c.chat.completions.create(model="test-model", messages=messages,
+                                            max_tokens=N_NEW, logit_bias={str(yes): 100})
+        assert r.choices[0].message.content == tok.decode([yes] * N_NEW)
+        assert r.usage.completion_tokens == N_NEW
+        text = ""
+        async for chunk in await c.chat.completions.create(
+                model="test-model", messages=messages, max_tokens=N_NEW, temperature=0,
+                logit_bias={str(yes): 100}, stream=True):
+            text += "".join(ch.delta.content or "" for ch in chunk.choices)
+        assert text == tok.decode([yes] * N_NEW)
     finally:
         await c.close()
 

@@ -642,6 +642,20 @@ def _handing_over(chunks, **sampling):
     return pool["d"], client, request
 
 
+@pytest.mark.parametrize(("sampling", "travels"), [
+    ({"temperature": 0}, True), ({"temperature": 1.0}, True),
+    ({"temperature": 1.0, "seed": 3}, False), ({"logprobs": 0}, False),
+    ({"grammar": '{"grammars": []}'}, False), ({"repetition_penalty": 1.1}, False),
+    ({"frequency_penalty": 0.5}, False), ({"presence_penalty": -0.5}, False),
+    ({"logit_bias": ((5, 1.0),)}, False), ({"min_tokens": 1}, False),
+])
+def test_the_first_token_travels_only_without_state_kept_by_the_generating_engine(sampling,
+                                                                                  travels):
+    from router.strategy import Request
+
+    assert Request("r1", [5, 6, 7], SamplingParams(**sampling)).first_token_travels is travels
+
+
 async def test_a_handed_over_first_token_is_yielded_before_the_engine_is_called():
     usage = Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=3)
     d, client, request = _handing_over([
