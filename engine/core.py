@@ -170,7 +170,7 @@ class EngineCore:
         try:
             if params.grammar is not None:
                 self.grammars.add(request_id, params.grammar)  # RequestRejected: no grammar
-            self.penalties.add(request_id, prompt, params)  # nothing unless it adjusts logits
+            self.penalties.add(request_id, params)  # nothing unless it adjusts logits
             if begin or entry is not None:
                 held = self.exchange.adopt_for_generate(request_id, prompt, begin,
                                                         whole=first_token is not None)

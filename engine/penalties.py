@@ -10,7 +10,8 @@ step's token to its row right after choosing it, on the same stream as everythin
     counts     [rows, V] int32   occurrences of each token in the output so far
     in_prompt  [rows, V] bool    the token occurs in the prompt
 
-    add(request)          take a free row (grow the pool if none), zero it, mark the prompt
+    add(request)          keep its options (no device memory: it may wait in line long)
+    its first sample      take a free row (grow the pool if none), zero it, mark the prompt
     step N sample         logits[r] adjusted from counts[row(r)]; token t sampled;
                           counts[row(r), t] += 1 (one index_add_ for the whole step)
     step N+1 sample       sees step N's token, whether or not the host has read it
@@ -53,9 +54,10 @@ _MIN_ROWS = 4  # the pool's first allocation
 
 @dataclass(slots=True)
 class _Entry:
-    """What the pool keeps for one request (fixed when it is added)."""
+    """What the pool keeps for one request (fixed when it is added, but for its row)."""
 
-    row: int | None  # its row of counts and in_prompt; None: no penalty needs them
+    counted: bool  # a penalty needs the token counts
+    row: int | None  # its row of counts and in_prompt, taken when it is first sampled
     bias_ids: list[int]  # distinct
     bias_values: list[float]
     stop_ids: list[int]  # made impossible while fewer than min_tokens tokens are out
@@ -147,19 +149,14 @@ class PenaltyPool:
     def request_ids(self) -> list[str]:
         return list(self._entries)
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Keep the request's adjustments if its params have any (else do nothing); give it a
-        row marking its prompt's tokens when a penalty needs counts. Its output must be empty
-        (a handed-over first token is refused with these params)."""
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        """Keep the request's adjustments if its params have any (else do nothing). Its output
+        must be empty (a handed-over first token is refused with these params). A request
+        that needs counts gets its row when it is first sampled (`step`), not here: requests
+        waiting in line, however many, hold no device memory."""
         if not params.adjusts_logits:
             return
         assert request_id not in self._entries, request_id
-        row = None
-        if params.needs_token_counts:
-            row = self._take_row()
-            self.counts[row].zero_()
-            self.in_prompt[row].zero_()
-            self.in_prompt[row].index_fill_(0, to_device(prompt, torch.long, self.device), True)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
@@ -168,7 +165,7 @@ class PenaltyPool:
             bias[token] = bias.get(token, 0.0) + value
         penalties = (params.repetition_penalty, params.frequency_penalty,
                      params.presence_penalty)
-        self._entries[request_id] = _Entry(row, list(bias), list(bias.values()), sorted(stops),
+        self._entries[request_id] = _Entry(params.needs_token_counts, None, list(bias), list(bias.values()), sorted(stops),
                                            params.min_tokens, penalties)
 
     def remove(self, request_id: str) -> None:
@@ -188,8 +185,10 @@ class PenaltyPool:
             if entry is None:
                 continue
             ban = len(seq.output_token_ids) < entry.min_tokens and entry.stop_ids
-            if not (ban or entry.bias_ids or entry.row is not None):
+            if not (ban or entry.bias_ids or entry.counted):
                 continue  # min_tokens reached, and nothing else
+            if entry.counted and entry.row is None:  # its first sample: nothing out yet
+                entry.row = self._start_row(seq.prompt_token_ids)
             j = len(adjust.rows)
             adjust.rows.append(i)
             if entry.bias_ids:
@@ -197,7 +196,7 @@ class PenaltyPool:
                 adjust.bias_values.extend(entry.bias_values)
             if ban:
                 adjust.banned_at.extend([j * vocab + t for t in entry.stop_ids])
-            if entry.row is not None:
+            if entry.counted:
                 adjust.counted.append(j)
                 adjust.pool_rows.append(entry.row)
                 adjust.penalties.append(entry.penalties)
@@ -206,6 +205,15 @@ class PenaltyPool:
         if adjust.counted:
             adjust.pool = self
         return adjust
+
+    def _start_row(self, prompt: list[int]) -> int:
+        """A free row, its counts zero and its prompt's tokens marked (queued on the stream
+        after every earlier step's counts, so a row given back and taken again starts clean)."""
+        row = self._take_row()
+        self.counts[row].zero_()
+        self.in_prompt[row].zero_()
+        self.in_prompt[row].index_fill_(0, to_device(prompt, torch.long, self.device), True)
+        return row
 
     def _take_row(self) -> int:
         if not self._free_rows:

@@ -37,7 +37,7 @@ def pool_with(device, vocab: int, *requests: tuple[str, list[int], SamplingParam
     pool = PenaltyPool(vocab, device, [EOS])
     seqs = []
     for rid, prompt, p in requests:
-        pool.add(rid, prompt, p)
+        pool.add(rid, p)
         seqs.append(Sequence(rid, prompt, p, 0))
     return pool, seqs
 
@@ -186,17 +186,26 @@ def test_pool_grows_reuses_rows_and_starts_them_clean(device):
     vocab = 8
     counted = params(repetition_penalty=1.2)
     pool = PenaltyPool(vocab, device, [EOS])
-    for i in range(5):  # past the first allocation of 4 rows
-        pool.add(f"r{i}", [i], counted)
-    pool.add("bias", [1], params(logit_bias=((2, 1.0),)))  # no row
-    assert pool.counts.shape == (8, vocab) and len(pool) == 6
-    pool.check_integrity()
+    seqs = [Sequence(f"r{i}", [i], counted, 0) for i in range(5)]
+    for seq in seqs:  # queued requests hold no row until they are first sampled
+        pool.add(seq.request_id, counted)
+    assert pool.counts.shape == (0, vocab)
+    pool.add("bias", params(logit_bias=((2, 1.0),)))  # never a row
+    adjust = pool.step(seqs + [Sequence("bias", [1], params(logit_bias=((2, 1.0),)), 0)])
+    assert adjust.counted == [0, 1, 2, 3, 4] and adjust.rows == [0, 1, 2, 3, 4, 5]
+    assert pool.counts.shape == (8, vocab) and len(pool) == 6  # past the first 4 rows
+    assert pool._entries["bias"].row is None
     row = pool._entries["r2"].row
+    assert pool.in_prompt[row].tolist() == [t == 2 for t in range(vocab)]
+    pool.check_integrity()
+    pool.step(seqs)  # later steps keep the rows
+    assert pool._entries["r2"].row == row
     pool.counts[row, 5] = 3  # as if it had sampled token 5 three times
     pool.remove("r2")
     pool.remove("bias")
     pool.remove("unknown")
-    pool.add("new", [6], counted)
+    pool.add("new", counted)
+    pool.step([Sequence("new", [6], counted, 0)])
     assert pool._entries["new"].row == row
     assert pool.counts[row].tolist() == [0] * vocab
     assert pool.in_prompt[row].tolist() == [t == 6 for t in range(vocab)]
@@ -208,7 +217,7 @@ def test_pool_grows_reuses_rows_and_starts_them_clean(device):
 
 def test_params_without_options_take_no_entry(device):
     pool = PenaltyPool(8, device, [EOS])
-    pool.add("plain", [1], params(temperature=0.5, top_p=0.9, stop_token_ids=(3,)))
+    pool.add("plain", params(temperature=0.5, top_p=0.9, stop_token_ids=(3,)))
     assert len(pool) == 0
     assert pool.step([Sequence("plain", [1], params(), 0)]) is None
 
