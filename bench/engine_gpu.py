@@ -10,6 +10,8 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              of 3 rounds), and the GPU's time on the same steps
   decode128  128 sequences at context ~1,024: output tokens/s over decode-only steps, and the
              host overhead of a step: wall time minus the GPU's busy span, over wall time
+  decode128penalized  the same, every request with repetition, frequency and presence
+             penalties (engine/penalties.py): what the penalties cost a step
   offline    1,000 requests, inputs 128-2,048, outputs 128-1,024: total and output tokens/s,
              and the GPU's time on the same steps (CUDA events around each step's work)
   offline300 the same with 300 requests
@@ -106,9 +108,9 @@ def prefill(core: EngineCore, vocab: int, rounds: int = 3) -> dict:
     return {**best, "rounds": runs}
 
 
-def decode128(core: EngineCore, vocab: int) -> dict:
+def decode128(core: EngineCore, vocab: int, sampling: SamplingParams | None = None) -> dict:
     for i, p in enumerate(prompts(128, 1024, vocab, 3)):
-        core.add_request(f"b{i}", p, params(129))
+        core.add_request(f"b{i}", p, sampling or params(129))
     while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in generating(core)):
         core.step()
     ms, n = steady_step_ms(core, 100, lambda: len(core.requests) == 128)
@@ -329,6 +331,9 @@ def hf_baseline(model_dir: str, vocab: int) -> dict:
 FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "overhead": host_overhead, "offline": offline,
            "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1),
+           "decode128penalized": lambda core, vocab: decode128(core, vocab, SamplingParams(
+               max_tokens=129, temperature=0.0, ignore_eos=True, repetition_penalty=1.1,
+               frequency_penalty=0.5, presence_penalty=0.5)),
            "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
            "decode256short": decode_short, "mixed": mixed,
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
