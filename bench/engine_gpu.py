@@ -361,6 +361,8 @@ def main() -> None:
                     help="torch's GEMM library in CUDA graphs (default: the engine's)")
     ap.add_argument("--eager-blas", choices=("cublas", "cublaslt"), default=None,
                     help="torch's GEMM library in steps run eagerly (default: the engine's)")
+    ap.add_argument("--quantization", choices=("fp8",), default=None,
+                    help="the engine's --quantization (fp8 weights)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.blas:
@@ -384,13 +386,14 @@ def main() -> None:
     results["blas"] = runner.BLAS_LIBRARY
     results["eager_blas"] = runner.EAGER_BLAS_LIBRARY
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
+    results["quantization"] = args.quantization
     t = time.perf_counter()
     core = EngineCore(EngineConfig(
         model=model_dir, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
         **({} if args.max_piecewise_tokens is None else
            {"max_piecewise_tokens": args.max_piecewise_tokens}),
-        decode_gemv=not args.no_gemv,
+        decode_gemv=not args.no_gemv, quantization=args.quantization,
     ))  # fmt: skip
     results["startup_s"] = time.perf_counter() - t
     results["max_piecewise_tokens"] = core.config.max_piecewise_tokens

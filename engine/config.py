@@ -48,6 +48,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA, 16-bit weights: batch-1 decode projections through the Triton GEMV (not cuBLAS)
     decode_gemv: bool = True
+    # fp8: the decoder layers' projections quantized to float8 e4m3 at load, one scale per
+    # output channel; activations per token (engine/models/fp8.py). None: the model's dtype.
+    quantization: str | None = None
     seed: int = 0  # engine-wide generator for requests without a seed
     # torch's CPU threads; None: torch's default (every core). Engines sharing a host must
     # split the cores: two engines each spinning on every core run ~10x slower (measured).
@@ -115,6 +118,8 @@ class EngineConfig:
             raise ValueError(f"need 0 <= kv_recv_wait_s ({self.kv_recv_wait_s}) <= "
                              f"kv_recv_wait_max_s ({self.kv_recv_wait_max_s}) <= "
                              f"{MAX_LEASE_S:.0f}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or None, got {self.quantization!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

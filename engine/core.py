@@ -125,6 +125,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             kv_transfer=self.transfer.kind,
+            quantization=config.quantization,
         )
         log.info("engine core ready: %s", self.info)
 

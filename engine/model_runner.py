@@ -65,7 +65,8 @@ class ModelRunner:
             # are made there: --device cuda:N makes N current for the whole core process.
             torch.cuda.set_device(self.device)
         self.dtype = dtype
-        self.model, self.config = load_model(config.model, dtype=dtype, device=self.device)
+        self.model, self.config = load_model(config.model, dtype=dtype, device=self.device,
+                                             quantization=config.quantization)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             # cuBLASLt heuristics for torch's GEMMs: at batch 128 the down projection (K 14,336)

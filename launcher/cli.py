@@ -50,6 +50,10 @@ def _engine_args(sub) -> None:
     _config_option(p, "--device")
     _config_option(p, "--dtype", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, "
                                       "float16")
+    _config_option(p, "--quantization", choices=("fp8",),
+                   help="fp8: the decoder layers' weights as float8 e4m3, quantized at load "
+                        "with a scale per output channel; activations quantized per token "
+                        "(CUDA: compute capability 8.9+; default: the model's dtype)")
     _config_option(p, "--page-size", type=int)
     _config_option(p, "--kv-cache-memory-gb", type=float, help="size of the KV pool (CPU)")
     _config_option(p, "--gpu-memory-utilization", type=float,

@@ -372,6 +372,7 @@ class EngineInfo:
     max_num_batched_tokens: int
     max_num_seqs: int
     kv_transfer: str  # how this engine receives KV: shm, tcp, cuda_ipc, nvshmem or none
+    quantization: str | None = None  # fp8: the projections' weights (dtype is the activations')
     deployment: str | None = None  # set by the engine frontend: the deployment it belongs to
 
 

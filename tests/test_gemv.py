@@ -124,7 +124,7 @@ def test_gemv_rejects_bad_shapes():
         gemv_mod.gemv(torch.zeros(2, 16, device=DEVICE), w)
     with pytest.raises(ValueError, match=r"x must be \[1, 32\]"):
         gemv_mod.gemv(torch.zeros(1, 16, device=DEVICE), w, gated=True)
-    with pytest.raises(ValueError, match="share a dtype"):
+    with pytest.raises(ValueError, match="must be x.s dtype torch.bfloat16, got torch.float32"):
         gemv_mod.gemv(torch.zeros(1, 16, device=DEVICE, dtype=torch.bfloat16), w)
 
 

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from engine.kernels.pdl import launch_options as pdl_options
 from engine.kernels.pdl import use_pdl
+from engine.models.fp8 import FP8_MAX, MIN_AMAX
 
 # RMSNorm rows up to this many elements stay in registers (one read, one write; 16 warps keep
 # an 8192 row at 64 registers a thread). Longer rows are read twice in chunks of _NORM_LOOP_BLOCK
@@ -62,12 +63,20 @@ def _rms_norm_kernel(
     weight_ptr,
     hidden,
     eps,
+    q_ptr,
+    q_row_stride,
+    scale_ptr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per row. With HAS_RESIDUAL: residual += x, then normalize residual."""
+    """One program per row. With HAS_RESIDUAL: residual += x, then normalize residual.
+    QUANT (one chunk only): the normalized row, rounded to out's dtype, goes to q as fp8 with
+    its scale (engine/kernels/quant.py's arithmetic) instead of to out."""
     if PDL:  # wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -89,7 +98,15 @@ def _rms_norm_kernel(
         inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
         normed = (h * inv_rms).to(dtype).to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_row + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (normed * w).to(out_ptr.dtype.element_ty)
+        if QUANT:
+            y = y.to(tl.float32)
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), 0), MIN_AMAX), FP8_MAX)
+            q = tl.clamp(y * tl.math.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + row * q_row_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(scale_ptr + row, scale)
+        else:
+            tl.store(out_row + cols, y, mask=mask)
     else:
         # pass 1: (residual add and store) and the sum of squares
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -118,7 +135,7 @@ def _rms_norm_kernel(
             tl.store(out_row + c, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x, residual, weight, eps, out) -> None:
+def _launch_rms_norm(x, residual, weight, eps, out, quant=None) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(
             f"x must be [T, hidden] and weight [hidden]; got x {tuple(x.shape)}, "
@@ -133,15 +150,18 @@ def _launch_rms_norm(x, residual, weight, eps, out) -> None:
     block = triton.next_power_of_2(hidden)
     if block > _MAX_NORM_BLOCK:
         block = _NORM_LOOP_BLOCK
+    x8, scale = quant or (out, out)
     pdl = use_pdl(x)
     _rms_norm_kernel[(num_rows,)](
         x, x.stride(0),
         residual, residual.stride(0),
         out, out.stride(0),
         weight, hidden, eps,
+        x8, x8.stride(0), scale,
         HAS_RESIDUAL=residual is not x,
         BLOCK=block,
         NUM_CHUNKS=triton.cdiv(hidden, block),
+        QUANT=quant is not None, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
         PDL=pdl,
         num_warps=_num_warps(block, max_warps=16),
         **pdl_options(pdl),
@@ -184,6 +204,36 @@ def fused_add_rms_norm(
     if residual.data_ptr() == x.data_ptr():
         raise ValueError("x and residual must be different tensors")
     _launch_rms_norm(x, residual, weight, eps, x)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` (residual None) or `fused_add_rms_norm`, its normalized rows quantized to fp8
+    per row in the same kernel, as `engine.kernels.quant.quantize_fp8` would quantize them
+    (the fp8 projection after the norm reads one byte a value, and no quantization kernel runs
+    between). x is left as it was; residual, when given, becomes x + residual.
+
+    Returns:
+        (x8 [T, hidden] float8_e4m3fn, scale [T, 1] float32).
+    Raises:
+        ValueError when hidden > the one-chunk limit (`rms_norm_fp8_fits`).
+    """
+    if not rms_norm_fp8_fits(x.shape[-1]):
+        raise ValueError(f"rms_norm_fp8 needs hidden <= {_MAX_NORM_BLOCK}, got {x.shape[-1]}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.data_ptr() == x.data_ptr()):  # fmt: skip
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype} and be another tensor")
+    x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    _launch_rms_norm(x, x if residual is None else residual, weight, eps, x, quant=(x8, scale))
+    return x8, scale
+
+
+def rms_norm_fp8_fits(hidden: int) -> bool:
+    """Whether `rms_norm_fp8` takes rows of `hidden` (one chunk in registers)."""
+    return triton.next_power_of_2(hidden) <= _MAX_NORM_BLOCK
 
 
 # ---------------------------------------------------------------------------------------------

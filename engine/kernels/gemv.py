@@ -47,19 +47,21 @@ class GemvConfig:
     num_stages: int = 1
 
 
-def gemv_config(n: int, k: int) -> GemvConfig:
+def gemv_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     """The tile from the 2026-11-23 H100 sweep of this kernel (`python -m bench.gemv_sweep
     --engine`): a row of up to 4,096 columns loads whole, 2 rows a program (1 for a vocabulary-
     sized N), 8 warps; longer rows (the down projection) go 2,048 columns at a time, 4 rows a
     program. Against the 4 x 1,024 tile before, per Llama-3.1-8B projection: qkv 21.3 -> 19.5
     us, o 13.5 -> 13.0, gate_up 86.4 -> 79.6 (2.95 TB/s), down 44.9 -> 43.7, LM head 356.8 ->
     338.9 (3.10 TB/s); each within 0.4 us of the fastest tile of 54 (the LM head's is this
-    one), and 1 or 2 pipeline stages made no difference."""
+    one), and 1 or 2 pipeline stages made no difference. fp8 weights: twice the rows a
+    program, so each load moves as many bytes."""
+    rows = 2 if fp8 else 1
     if k <= 4096:
         block_k = triton.next_power_of_2(k)
-        return GemvConfig(block_n=1 if n >= 65536 else 2, block_k=block_k,
+        return GemvConfig(block_n=(1 if n >= 65536 else 2) * rows, block_k=block_k,
                           num_warps=8 if block_k >= 2048 else 4)
-    return GemvConfig(block_n=4, block_k=2048, num_warps=8)
+    return GemvConfig(block_n=4 * rows, block_k=2048, num_warps=8)
 
 
 @triton.jit
@@ -111,12 +113,14 @@ def _input_tile(x_ptr, r_ptr, g_ptr, inv_rms, c, K, GATED: tl.constexpr, NORM: t
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, N, K, stride_wn,
-    r_ptr, res_out_ptr, g_ptr, eps,
-    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+    r_ptr, res_out_ptr, g_ptr, eps, ws_ptr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SCALED: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    """out[n] = sum_k w[n, k] * x[k] for this program's BLOCK_N rows n (x: see _input_tile).
+    """out[n] = sum_k w[n, k] * x[k] for this program's BLOCK_N rows n (x: see _input_tile);
+    SCALED: times ws[n] (fp8 weights and their per-row scales).
 
     NORM first walks the row once for its sum of squares (from L2: every program reads the
     same row); with HAS_RES program 0 also writes the summed residual to res_out.
@@ -150,7 +154,10 @@ def _gemv_kernel(
         w = _weight_tile(w_ptrs, k0, row_ok, cols, K, EVEN_N and EVEN_K)
         acc += w.to(tl.float32) * _input_tile(x_ptr, r_ptr, g_ptr, inv_rms, k0 + cols, K, GATED,
                                               NORM, HAS_RES, EVEN_K)[None, :]  # fmt: skip
-    y = tl.sum(acc, 1).to(out_ptr.dtype.element_ty)
+    y = tl.sum(acc, 1)
+    if SCALED:
+        y *= tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
+    y = y.to(out_ptr.dtype.element_ty)
     if EVEN_N:
         tl.store(out_ptr + rows, y)
     else:
@@ -163,15 +170,17 @@ def gemv(
     out: torch.Tensor | None = None,
     gated: bool = False,
     config: GemvConfig | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight)` for one row x.
+    """`F.linear(x, weight)` for one row x (fp8 weights: `F.linear(x, weight * scale[:, None])`).
 
     Args:
         x: [1, K] (gated: [1, 2K] = [gate | up]), contiguous.
-        weight: [N, K], last dim contiguous, x's dtype.
+        weight: [N, K], last dim contiguous, x's dtype (or float8_e4m3fn with `scale`).
         out: [1, N], x's dtype or float32 (allocated in x's dtype if None).
         gated: the input is silu(gate) * up (the MLP's down projection).
         config: launch parameters; default `gemv_config(N, K)`.
+        scale: [N] float32, the fp8 weight's per-row scales (engine/models/fp8.py).
     Returns:
         out.
     """
@@ -179,10 +188,10 @@ def gemv(
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * k if gated else k):
         want = f"[1, {2 * k if gated else k}]"
         raise ValueError(f"x must be {want} for weight [{n}, {k}], got {tuple(x.shape)}")
-    _check(x, weight)
+    _check(x, weight, scale)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, config, gated=gated)
+    _launch(x, weight, out, config, scale, gated=gated)
     return out
 
 
@@ -193,6 +202,7 @@ def rms_norm_gemv(
     eps: float,
     weight: torch.Tensor,
     config: GemvConfig | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layer's `norm(x, residual)` then `F.linear(normed, weight)`, for one row, in
     one kernel (the RMSNorm kernel before a batch-1 projection costs more in launch and latency
@@ -201,7 +211,7 @@ def rms_norm_gemv(
     Args:
         x: [1, K] contiguous; residual: [1, K] or None (the first layer: x is the residual).
         norm_weight: [K]; eps: the norm's epsilon.
-        weight: [N, K], x's dtype.
+        weight: [N, K], x's dtype (or float8_e4m3fn with `scale`, as for `gemv`).
     Returns:
         (out [1, N], the residual stream x + residual: a new tensor, or x when residual is
         None).
@@ -212,27 +222,36 @@ def rms_norm_gemv(
                          f"x {tuple(x.shape)}, norm_weight {tuple(norm_weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(f"residual must be [1, {k}] and contiguous, got {tuple(residual.shape)}")
-    _check(x, weight)
+    _check(x, weight, scale)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = x if residual is None else torch.empty_like(x)
-    _launch(x, weight, out, config, norm=(residual, res_out, norm_weight, eps))
+    _launch(x, weight, out, config, scale, norm=(residual, res_out, norm_weight, eps))
     return out, res_out
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.stride(-1) != 1 or weight.stride(-1) != 1 or x.dtype != weight.dtype:
-        raise ValueError("x and weight must share a dtype and be contiguous in their last dim")
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("x and weight must be contiguous in their last dim")
+    if scale is None and x.dtype != weight.dtype:
+        raise ValueError(f"weight must be x's dtype {x.dtype}, got {weight.dtype}")
+    if scale is not None and (weight.dtype != torch.float8_e4m3fn
+                              or scale.shape != (weight.shape[0],)
+                              or scale.dtype != torch.float32):  # fmt: skip
+        raise ValueError(f"scaled weights must be float8_e4m3fn with float32 scales [N]; got "
+                         f"{weight.dtype}, scale {scale.dtype} {tuple(scale.shape)}")
 
 
-def _launch(x, weight, out, config, gated: bool = False, norm=None) -> None:
+def _launch(x, weight, out, config, scale, gated: bool = False, norm=None) -> None:
     n, k = weight.shape
-    config = config or gemv_config(n, k)
+    config = config or gemv_config(n, k, fp8=scale is not None)
     residual, res_out, norm_weight, eps = norm or (None, x, x, 0.0)
     pdl = _pdl.use_pdl(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, out, n, k, weight.stride(0),
         x if residual is None else residual, res_out, norm_weight, eps,
-        GATED=gated, NORM=norm is not None, HAS_RES=residual is not None, PDL=pdl,
+        out if scale is None else scale,
+        GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
+        SCALED=scale is not None, PDL=pdl,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_options(pdl),

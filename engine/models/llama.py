@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.fp8 import Fp8Activation, Fp8Linear
 from microserve.model_config import ModelConfig
 
 
@@ -48,7 +49,8 @@ class RMSNorm(nn.Module):
         norm(x, residual)    -> (normed(x + residual), x + residual)
 
     `use_triton` (set by `LlamaForCausalLM.use_triton_kernels`) runs the Triton kernel, which
-    works in place on x and residual; the torch path allocates.
+    works in place on x and residual; the torch path allocates. `quant_fp8` (also set there,
+    when an fp8 projection follows) returns the normed rows quantized, as an `Fp8Activation`.
     """
 
     def __init__(self, hidden_size: int, eps: float):
@@ -56,8 +58,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_triton = False
+        self.quant_fp8 = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.quant_fp8:
+            from engine.kernels.fused import rms_norm_fp8
+
+            normed = Fp8Activation(*rms_norm_fp8(x, residual, self.weight, self.eps))
+            return normed if residual is None else (normed, residual)
         if self.use_triton:
             from engine.kernels.fused import fused_add_rms_norm, rms_norm
 
@@ -199,6 +207,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, Fp8Linear):  # SiLU·mul inside its input's quantization
+            return self.down_proj(gate_up, gated=True)
         if self.use_triton:
             from engine.kernels.fused import silu_and_mul
 
@@ -244,11 +254,26 @@ class LlamaDecoderLayer(nn.Module):
 
         sa, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = rms_norm_gemv(x, residual, norm1.weight, norm1.eps, sa.qkv_proj.weight)
-        x = gemv(sa.attend(qkv, positions, rotary, attn), sa.o_proj.weight)
+        qkv, residual = rms_norm_gemv(x, residual, norm1.weight, norm1.eps,
+                                      **_gemv_weight(sa.qkv_proj))  # fmt: skip
+        x = gemv(sa.attend(qkv, positions, rotary, attn), **_gemv_weight(sa.o_proj))
         gate_up, residual = rms_norm_gemv(x, residual, norm2.weight, norm2.eps,
-                                          mlp.gate_up_proj.weight)  # fmt: skip
-        return gemv(gate_up, mlp.down_proj.weight, gated=True), residual
+                                          **_gemv_weight(mlp.gate_up_proj))  # fmt: skip
+        return gemv(gate_up, gated=True, **_gemv_weight(mlp.down_proj)), residual
+
+
+def _gemv_weight(proj: nn.Module) -> dict:
+    """A projection's weight for the GEMV; fp8 weights bring their scales."""
+    return {"weight": proj.weight,
+            "scale": proj.weight_scale if isinstance(proj, Fp8Linear) else None}
+
+
+def _project_into(proj: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = proj(x), written into out (a CUDA graph's static buffer)."""
+    if isinstance(proj, Fp8Linear):
+        proj(x, out=out)
+    else:
+        torch.mm(x, proj.weight.t(), out=out)
 
 
 class LlamaModel(nn.Module):
@@ -318,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
                 return
         sa = m.layers[i].self_attn
         qkv = bufs.qkv[:t]
-        torch.mm(x, sa.qkv_proj.weight.t(), out=qkv)
+        _project_into(sa.qkv_proj, x, qkv)
         q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
         store_kv(i, q.view(t, sa.num_heads, sa.head_dim), k.view(t, sa.num_kv_heads, sa.head_dim),
                  v.view(t, sa.num_kv_heads, sa.head_dim))  # fmt: skip
@@ -336,14 +361,25 @@ class LlamaForCausalLM(nn.Module):
     def use_triton_kernels(self, enabled: bool = True, gemv: bool = False) -> None:
         """Run norms and SiLU*mul as the fused Triton kernels (CUDA); attention and RoPE are
         the attention backend's choice. `gemv`: one-row projections (batch-1 decode) through
-        the Triton GEMV, for 16-bit weights (fp32 keeps cuBLAS and its exact greedy tokens)."""
+        the Triton GEMV, for 16-bit weights (fp32 keeps cuBLAS and its exact greedy tokens).
+        fp8 projections on CUDA quantize their inputs with Triton kernels: the norm before
+        qkv and gate_up, the down projection's own (with SiLU·mul), o's own."""
+        from engine.kernels.fused import rms_norm_fp8_fits
+
         gemv = enabled and gemv and self.model.embed_tokens.weight.dtype in (
             torch.bfloat16, torch.float16)
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.use_triton = enabled
+            elif isinstance(module, Fp8Linear):
+                module.use_triton = enabled and module.weight.is_cuda
             elif isinstance(module, LlamaDecoderLayer):
                 module.use_gemv = gemv
+        for layer in self.model.layers:  # the norms before fp8 projections quantize for them
+            for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                               (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+                norm.quant_fp8 = (isinstance(proj, Fp8Linear) and proj.use_triton
+                                  and rms_norm_fp8_fits(norm.weight.shape[0]))
         self.gemv_logits = gemv
 
     def reset_cache(self) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.models import fp8
 from engine.models.llama import LlamaForCausalLM
 from microserve.model_config import ModelConfig
 from microserve.random_models import RANDOM_WEIGHTS_MARKER
@@ -23,16 +24,23 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for `model_dir`'s config.json and load its weights.
+    """Build the model for `model_dir`'s config.json and load its weights; `quantization`
+    "fp8" then quantizes the decoder layers' projections (engine/models/fp8.py).
 
     Returns the model in eval mode with gradients off, and its config. Raises ValueError naming
     the weights when the checkpoint lacks some the model needs, has ones it does not know, or
-    has a tensor of the wrong shape.
+    has a tensor of the wrong shape, and when the device cannot run the quantization.
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    if quantization is not None:
+        if quantization not in fp8.QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(fp8.QUANTIZATIONS)} or "
+                             f"None; got {quantization!r}")
+        fp8.check_supported(torch.device(device))  # before the weights load, not after
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to(dtype=dtype)
@@ -42,6 +50,8 @@ def load_model(
         _random_weights(model, seed=int(marker.read_text().strip() or 0))
     else:
         _load_weights(model, _safetensors_files(model_dir))
+    if quantization == "fp8":
+        fp8.quantize_model(model)
     model.reset_cache()
     model.eval()
     model.requires_grad_(False)

@@ -1,0 +1,149 @@
+"""FP8 weights (`--quantization fp8`): the decoder layers' projections stored as float8 e4m3 with
+one scale per output channel, quantized from the checkpoint's 16-bit weights when the model loads
+(what vLLM calls online dynamic fp8; the embedding and the LM head keep the model's dtype, as
+there).
+
+Why: at batch 1 a decode step reads every weight once (Llama-3.1-8B: 15 GB in bf16), and a
+prompt's step is mostly GEMMs; fp8 halves the bytes and doubles the tensor-core rate on
+Hopper.
+
+Numerics, for a projection y = x W^T with W [N, K]:
+- weights: `s_w[n] = max_k |W[n, k]| / 448`, `W8[n, k] = fp8(W[n, k] / s_w[n])` (round to
+  nearest even, e4m3's largest finite value 448). A scale per output row is also a scale per
+  row of each part of a fused qkv or gate_up matrix: fusing changes nothing.
+- rows of more than one token (W8A8): each token's activations are quantized the same way with
+  their own scale `s_x[t] = max_k |x[t, k]| / 448`, and `y = (x8 s_x)(W8 s_w)^T` accumulates in
+  fp32 (`torch._scaled_mm` on CUDA; the same arithmetic in fp32 elsewhere, the reference the
+  CPU tests hold the model to);
+- one token (the batch-1 decode path, engine/kernels/gemv.py): W8A16, the weights are
+  dequantized in the GEMV and the activations stay in the model's dtype (there the step is
+  bound by reading weights, and quantizing the row would cost accuracy for nothing).
+
+The CPU path is there for the tests and for a model that must fit in less memory: it keeps
+the fp8 weights but is slower than the model's own dtype (it dequantizes per call).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# a row of zeros (a padded token in a CUDA graph) quantizes to zeros, not NaN
+MIN_AMAX = 1e-12
+QUANTIZATIONS = ("fp8",)
+# the projections quantized in each decoder layer (the embedding and LM head are not)
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class Fp8Activation(NamedTuple):
+    """A projection's input already quantized per token (by the RMSNorm kernel before it)."""
+
+    x8: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] float32
+
+
+def check_supported(device: torch.device) -> None:
+    """Raise ValueError naming the device when fp8 weights cannot run on it: CUDA needs
+    compute capability 8.9 (Ada, Hopper) or later for fp8 tensor cores."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"quantization fp8 needs a GPU of compute capability 8.9 or later "
+                         f"(Ada, Hopper); {device} is {name} ({major}.{minor})")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, scale): x [R, K] as fp8 with one fp32 scale per row [R, 1], x ~ x8 * scale.
+
+    The reference of the Triton kernel (engine/kernels/quant.py), same operations in the same
+    order: amax, scale = amax / 448, then x * (1 / scale), saturated to +-448.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
+    scale = amax / FP8_MAX
+    x8 = (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x8, scale
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free projection with fp8 weights [N, K] and fp32 scales [N] (see the module doc).
+
+    `use_triton` (set by `LlamaForCausalLM.use_triton_kernels` for weights on CUDA) quantizes
+    activations with the Triton kernel (and, for the down projection, computes SiLU·mul in the
+    same pass); otherwise torch ops do, as `quantize_rows` (the interpreter's fp8 rounding is
+    not the GPU's: engine/kernels/quant.py).
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", weight)  # [N, K] float8_e4m3fn
+        self.register_buffer("weight_scale", scale)  # [N] float32
+        self.out_dtype = out_dtype
+        self.use_triton = False
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        if linear.bias is not None:
+            raise ValueError("fp8 projections have no bias")
+        weight, scale = quantize_rows(linear.weight)
+        return cls(weight, scale.view(-1), linear.weight.dtype)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor | Fp8Activation, gated: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x W^T` for x [T, K] (or already quantized), or for `silu(gate) * up` of x =
+        [gate | up] [T, 2K] (gated); into out [T, N] when given."""
+        if isinstance(x, Fp8Activation):
+            x8, scale = x
+        elif self.use_triton:
+            from engine.kernels.quant import quantize_fp8
+
+            x8, scale = quantize_fp8(x, gated=gated)
+        else:
+            if gated:
+                gate, up = x.chunk(2, dim=-1)
+                x = nn.functional.silu(gate) * up
+            x8, scale = quantize_rows(x)
+        return self.matmul(x8, scale, out)
+
+    def matmul(self, x8: torch.Tensor, scale: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """(x8 scale)(W8 s_w)^T for quantized activations x8 [T, K] and their scales [T, 1]."""
+        if x8.is_cuda:
+            kwargs = {} if out is None else {"out": out}
+            return torch._scaled_mm(x8, self.weight.t(), scale_a=scale,
+                                    scale_b=self.weight_scale.view(1, -1),
+                                    out_dtype=self.out_dtype, **kwargs)  # fmt: skip
+        y = torch.mm(x8.float() * scale, self.dequantized().t()).to(self.out_dtype)
+        return y if out is None else out.copy_(y)
+
+    def dequantized(self) -> torch.Tensor:
+        """W8 s_w in fp32 [N, K] (tests, references)."""
+        return self.weight.float() * self.weight_scale[:, None]
+
+    def extra_repr(self) -> str:
+        n, k = self.weight.shape
+        return f"in_features={k}, out_features={n}, weight=float8_e4m3fn, per-channel scales"
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module) -> None:
+    """Replace every decoder layer's projections with `Fp8Linear`, one at a time, so the peak
+    memory is the model plus one projection's copy."""
+    for layer in model.model.layers:
+        for path in PROJECTIONS:
+            parent_name, _, name = path.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            linear = getattr(parent, name)
+            setattr(parent, name, Fp8Linear.from_linear(linear))
+            del linear
