@@ -28,7 +28,7 @@ import triton.language as tl
 
 from engine.kernels.pdl import launch_options as pdl_options
 from engine.kernels.pdl import use_pdl
-from engine.models.fp8 import FP8_MAX, MIN_AMAX
+from engine.models.fp8 import FP8_MAX, INV_FP8_MAX, MIN_AMAX
 
 # RMSNorm rows up to this many elements stay in registers (one read, one write; 16 warps keep
 # an 8192 row at 64 registers a thread). Longer rows are read twice in chunks of _NORM_LOOP_BLOCK
@@ -71,6 +71,7 @@ def _rms_norm_kernel(
     NUM_CHUNKS: tl.constexpr,
     QUANT: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,
     MIN_AMAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -101,7 +102,7 @@ def _rms_norm_kernel(
         y = (normed * w).to(out_ptr.dtype.element_ty)
         if QUANT:
             y = y.to(tl.float32)
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), 0), MIN_AMAX), FP8_MAX)
+            scale = tl.maximum(tl.max(tl.abs(y), 0), MIN_AMAX) * INV_FP8_MAX
             q = tl.clamp(y * tl.math.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
             tl.store(q_ptr + row * q_row_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(scale_ptr + row, scale)
@@ -161,7 +162,8 @@ def _launch_rms_norm(x, residual, weight, eps, out, quant=None) -> None:
         HAS_RESIDUAL=residual is not x,
         BLOCK=block,
         NUM_CHUNKS=triton.cdiv(hidden, block),
-        QUANT=quant is not None, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        QUANT=quant is not None, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX,
+        MIN_AMAX=MIN_AMAX,
         PDL=pdl,
         num_warps=_num_warps(block, max_warps=16),
         **pdl_options(pdl),

@@ -7,8 +7,9 @@ saturated to e4m3's +-448 and rounded to nearest even. `gated=True` quantizes `s
 reads the gate_up output once instead of SiLU·mul writing a tensor this kernel reads back.
 
 Bit-identical to `engine.models.fp8.quantize_rows` (of the `silu_and_mul` output when gated):
-the max is exact, and the scale, its reciprocal and the product are IEEE-rounded fp32 (the
-divisions are `div_rn`, not the approximate division Triton emits for `/`), and the GPU
+the max is exact, the scale is the max times fp32(1/448) and the values are times the scale's
+reciprocal, each IEEE-rounded in fp32 (the reciprocal is `div_rn`, not the approximate
+division Triton emits for `/`), and the GPU
 converts to e4m3 rounding to nearest even, as torch does. The CPU interpreter (Triton 3.x)
 does not: it rounds halves up, flushes e4m3's subnormals (below 2^-6 after scaling) to zero,
 and loses the carry when rounding up reaches the next power of two (125.9 becomes 64, not
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from engine.kernels.pdl import launch_options as pdl_options
 from engine.kernels.pdl import use_pdl
-from engine.models.fp8 import FP8_MAX, MIN_AMAX
+from engine.models.fp8 import FP8_MAX, INV_FP8_MAX, MIN_AMAX
 
 FP8 = torch.float8_e4m3fn
 # a row of up to this many values stays in registers (16 warps: 32 a thread); longer rows
@@ -53,9 +54,10 @@ def _row_values(x_row, c, K, GATED: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _quantize_tile(x, q_ptrs, mask, scale_ptr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+def _quantize_tile(x, q_ptrs, mask, scale_ptr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                   MIN_AMAX: tl.constexpr):  # fmt: skip
     """Store a whole row x (fp32, in registers) as fp8 at q_ptrs and its scale at scale_ptr."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), MIN_AMAX), FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), 0), MIN_AMAX) * INV_FP8_MAX
     q = tl.clamp(x * tl.math.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
     tl.store(scale_ptr, scale)
@@ -64,7 +66,8 @@ def _quantize_tile(x, q_ptrs, mask, scale_ptr, FP8_MAX: tl.constexpr, MIN_AMAX: 
 @triton.jit
 def _quant_fp8_kernel(
     x_ptr, x_row_stride, q_ptr, q_row_stride, scale_ptr, K,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, GATED: tl.constexpr,
+    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per row: a row of one chunk stays in registers (one read); longer rows
@@ -78,12 +81,13 @@ def _quant_fp8_kernel(
     cols = tl.arange(0, BLOCK)
     if NUM_CHUNKS == 1:
         x = _row_values(x_row, cols, K, GATED, EVEN)
-        _quantize_tile(x, q_row + cols, cols < K, scale_ptr + row, FP8_MAX, MIN_AMAX)
+        _quantize_tile(x, q_row + cols, cols < K, scale_ptr + row, FP8_MAX, INV_FP8_MAX,
+                       MIN_AMAX)  # fmt: skip
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             amax = tl.maximum(amax, tl.abs(_row_values(x_row, k0 + cols, K, GATED, EVEN)))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), MIN_AMAX), FP8_MAX)
+        scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) * INV_FP8_MAX
         inv = tl.math.div_rn(1.0, scale)
         tl.store(scale_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
@@ -113,7 +117,8 @@ def quantize_fp8(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, to
         block = _LOOP_BLOCK
     pdl = use_pdl(x)
     _quant_fp8_kernel[(rows,)](
-        x, x.stride(0), x8, x8.stride(0), scale, k, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        x, x.stride(0), x8, x8.stride(0), scale, k, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX,
+        MIN_AMAX=MIN_AMAX,
         GATED=gated, BLOCK=block, NUM_CHUNKS=triton.cdiv(k, block), EVEN=k % block == 0,
         PDL=pdl, num_warps=min(max(block // 512, 4), 16), **pdl_options(pdl),
     )  # fmt: skip

@@ -8,11 +8,11 @@ prompt's step is mostly GEMMs; fp8 halves the bytes and doubles the tensor-core 
 Hopper.
 
 Numerics, for a projection y = x W^T with W [N, K]:
-- weights: `s_w[n] = max_k |W[n, k]| / 448`, `W8[n, k] = fp8(W[n, k] / s_w[n])` (round to
+- weights: `s_w[n] = max_k |W[n, k]| * (1/448)`, `W8[n, k] = fp8(W[n, k] / s_w[n])` (round to
   nearest even, e4m3's largest finite value 448). A scale per output row is also a scale per
   row of each part of a fused qkv or gate_up matrix: fusing changes nothing.
 - rows of more than one token (W8A8): each token's activations are quantized the same way with
-  their own scale `s_x[t] = max_k |x[t, k]| / 448`, and `y = (x8 s_x)(W8 s_w)^T` accumulates in
+  their own scale `s_x[t] = max_k |x[t, k]| * (1/448)`, and `y = (x8 s_x)(W8 s_w)^T` accumulates in
   fp32 (`torch._scaled_mm` on CUDA; the same arithmetic in fp32 elsewhere, the reference the
   CPU tests hold the model to);
 - one token (the batch-1 decode path, engine/kernels/gemv.py): W8A16, the weights are
@@ -32,6 +32,9 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+# scale = amax * (1 / 448): a product rounds the same in torch (CPU and CUDA) and Triton, while
+# torch on CUDA divides by a Python number as a product with its reciprocal anyway
+INV_FP8_MAX = 1.0 / FP8_MAX
 # a row of zeros (a padded token in a CUDA graph) quantizes to zeros, not NaN
 MIN_AMAX = 1e-12
 QUANTIZATIONS = ("fp8",)
@@ -62,11 +65,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, scale): x [R, K] as fp8 with one fp32 scale per row [R, 1], x ~ x8 * scale.
 
     The reference of the Triton kernel (engine/kernels/quant.py), same operations in the same
-    order: amax, scale = amax / 448, then x * (1 / scale), saturated to +-448.
+    order: amax, scale = amax * fp32(1/448), then x * (1 / scale), saturated to +-448.
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
-    scale = amax / FP8_MAX
+    scale = amax * INV_FP8_MAX
     x8 = (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return x8, scale
 
