@@ -1,0 +1,103 @@
+"""What `--quantization fp8` costs in quality: a model's perplexity on a text, and how often its
+next-token choice stays the same, with its projections in fp8 against as they were (CPU).
+
+    python -m bench.fp8_quality [--model smollm2-135m-instruct] [--text FILE] [--tokens 4096]
+
+The fp8 model is Hugging Face's with each decoder projection computing the engine's W8A8
+arithmetic (`hf_fp8_projections`: per-channel e4m3 weights, per-token e4m3 activations, as
+engine/models/fp8.py), so the figure is the quantization's, not an implementation's. The text
+is cut into windows of `--window` tokens, each scored on its own. The default text is the
+LLM microserving paper shipped with the design notes, if present, else this repository's
+README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from engine.models.fp8 import quantize_rows
+from microserve.model_files import resolve_model
+
+
+@contextlib.contextmanager
+def hf_fp8_projections(model):
+    """Within the block, every q/k/v/o/gate/up/down projection of a Hugging Face Llama computes
+    (x8 s_x)(W8 s_w)^T in fp32, as the engine's fp8 path does."""
+    patched = []
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                     layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                     layer.mlp.down_proj):  # fmt: skip
+            w8, ws = quantize_rows(proj.weight)
+            dequant = w8.float() * ws
+
+            def forward(x, dequant=dequant):
+                x8, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+                return ((x8.float() * sx) @ dequant.t()).view(*x.shape[:-1], -1).to(x.dtype)
+
+            proj.forward = forward
+            patched.append(proj)
+    try:
+        yield model
+    finally:
+        for proj in patched:
+            del proj.forward
+
+
+def _default_text() -> Path:
+    paper = Path(__file__).resolve().parents[2] / "shared/seeds/002_b20dd62cb4e4e59a.txt"
+    return paper if paper.is_file() else Path(__file__).resolve().parents[1] / "README.md"
+
+
+@torch.no_grad()
+def score(model, ids: torch.Tensor, window: int) -> tuple[float, torch.Tensor]:
+    """(mean negative log-likelihood per predicted token, the argmax predictions)."""
+    nll, count, preds = 0.0, 0, []
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window + 1]
+        logits = model(chunk[None, :-1]).logits[0].float()
+        nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+        count += len(chunk) - 1
+        preds.append(logits.argmax(-1))
+    return nll / count, torch.cat(preds)
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--text", default=None)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    model_dir = resolve_model(args.model)
+    text = Path(args.text) if args.text else _default_text()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = torch.tensor(tokenizer(text.read_text())["input_ids"][: args.tokens + 1])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    t = time.perf_counter()
+    nll, preds = score(model, ids, args.window)
+    with hf_fp8_projections(model):
+        nll8, preds8 = score(model, ids, args.window)
+    result = {"model": str(args.model or "smollm2-135m-instruct"), "text": text.name,
+              "tokens": len(ids) - 1, "window": args.window, "date": time.strftime("%Y-%m-%d"),
+              "perplexity": math.exp(nll), "perplexity_fp8": math.exp(nll8),
+              "perplexity_change": math.exp(nll8) / math.exp(nll) - 1,
+              "same_next_token": (preds == preds8).float().mean().item(),
+              "seconds": time.perf_counter() - t}  # fmt: skip
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
