@@ -8,6 +8,7 @@ For each projection (qkv, o, gate_up, down) and each M, the time of:
   quantization of the input (gated for down) + `torch._scaled_mm` with per-token and
   per-channel scales, and each of the two alone;
 - fp8 tensorwise: `torch._scaled_mm` with one scale each (cuBLASLt's fp8 GEMM), for scale;
+- M <= 256: the rowwise GEMM with its operands swapped (y^T = W8 x8^T, then transposed);
 - M = 1: the Triton GEMV over bf16 and over fp8 weights (the batch-1 decode path).
 Weights rotate over copies larger than L2, so each call reads its weight from HBM as in a
 step. Each figure is `--iters` calls captured in a CUDA graph, as the engine replays them,
@@ -79,6 +80,12 @@ def sweep(ms: list[int], iters: int) -> dict:
             row["fp8_tensorwise_mm_us"] = _time(lambda: torch._scaled_mm(
                 x8, projs[next(i) % copies].weight.t(), scale_a=ones, scale_b=ones,
                 out_dtype=torch.bfloat16), iters)  # fmt: skip
+            if m <= 256:  # swapped operands: y^T = W8 x8^T, scales swapped, then transposed
+                proj = projs[0]
+                row["fp8_rowwise_swapped_mm_us"] = _time(lambda: torch._scaled_mm(
+                    proj.weight, x8.t(), scale_a=proj.weight_scale.view(-1, 1),
+                    scale_b=sx.view(1, -1), out_dtype=torch.bfloat16).t().contiguous(),
+                    iters)  # fmt: skip
             if m == 1:
                 row["gemv_bf16_us"] = _time(lambda: gemv(x, linears[next(i) % copies].weight,
                                                          gated=gated), iters)  # fmt: skip

@@ -2,9 +2,10 @@
 
 One program per token row, held in registers up to 16,384 values (longer rows are read twice,
 the second time from L2): the row's largest magnitude, then each element times 1/scale,
-saturated to e4m3's +-448 and rounded to nearest even. `gated=True` quantizes `silu(gate) * up` of a [gate | up] row, computed as
-`silu_and_mul` computes it (fp32, rounded once to the input's dtype), so the down projection
-reads the gate_up output once instead of SiLU·mul writing a tensor this kernel reads back.
+saturated to e4m3's +-448 and rounded to nearest even. `gated=True` quantizes
+`silu(gate) * up` of a [gate | up] row, computed as `silu_and_mul` computes it (fp32, rounded
+once to the input's dtype), so the down projection reads the gate_up output once instead of
+SiLU·mul writing a tensor this kernel reads back.
 
 Bit-identical to `engine.models.fp8.quantize_rows` (of the `silu_and_mul` output when gated):
 the max is exact, the scale is the max times fp32(1/448) and the values are times the scale's
