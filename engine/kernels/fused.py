@@ -100,7 +100,8 @@ def _rms_norm_kernel(
         normed = (h * inv_rms).to(dtype).to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = (normed * w).to(out_ptr.dtype.element_ty)
-        if QUANT:
+        if QUANT:  # quant.py's _quantize_tile, inline (jit helpers shared across modules
+            # break the interpreter's reloads in the tests: engine/kernels/pdl.py)
             y = y.to(tl.float32)
             scale = tl.maximum(tl.max(tl.abs(y), 0), MIN_AMAX) * INV_FP8_MAX
             q = tl.clamp(y * tl.math.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
