@@ -179,7 +179,7 @@ def gemv(
         weight: [N, K], last dim contiguous, x's dtype (or float8_e4m3fn with `scale`).
         out: [1, N], x's dtype or float32 (allocated in x's dtype if None).
         gated: the input is silu(gate) * up (the MLP's down projection).
-        config: launch parameters; default `gemv_config(N, K)`.
+        config: launch parameters; default `gemv_config(N, K, fp8=scale is not None)`.
         scale: [N] float32, the fp8 weight's per-row scales (engine/models/fp8.py).
     Returns:
         out.
