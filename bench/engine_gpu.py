@@ -363,6 +363,8 @@ def main() -> None:
                     help="torch's GEMM library in steps run eagerly (default: the engine's)")
     ap.add_argument("--quantization", choices=("fp8",), default=None,
                     help="the engine's --quantization (fp8 weights)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                    help="the engine's --kv-cache-dtype (fp8: an e4m3 KV cache)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.blas:
@@ -387,6 +389,7 @@ def main() -> None:
     results["eager_blas"] = runner.EAGER_BLAS_LIBRARY
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
     results["quantization"] = args.quantization
+    results["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     core = EngineCore(EngineConfig(
         model=model_dir, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
@@ -394,6 +397,7 @@ def main() -> None:
         **({} if args.max_piecewise_tokens is None else
            {"max_piecewise_tokens": args.max_piecewise_tokens}),
         decode_gemv=not args.no_gemv, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     ))  # fmt: skip
     results["startup_s"] = time.perf_counter() - t
     results["max_piecewise_tokens"] = core.config.max_piecewise_tokens

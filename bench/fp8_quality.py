@@ -1,11 +1,13 @@
-"""What `--quantization fp8` costs in quality: a model's perplexity on a text, and how often its
-next-token choice stays the same, with its projections in fp8 against as they were (CPU).
+"""What `--quantization fp8` and `--kv-cache-dtype fp8` cost in quality: a model's perplexity on
+a text, and how often its next-token choice stays the same, with its projections, its KV cache,
+or both in fp8 against as they were (CPU).
 
     python -m bench.fp8_quality [--model smollm2-135m-instruct] [--text FILE] [--tokens 4096]
 
 The fp8 model is Hugging Face's with each decoder projection computing the engine's W8A8
 arithmetic (`hf_fp8_projections`: per-channel e4m3 weights, per-token e4m3 activations, as
-engine/models/fp8.py), so the figure is the quantization's, not an implementation's. The text
+engine/models/fp8.py) and with attention reading K and V rounded to e4m3 (`hf_fp8_kv`), so
+the figures are the quantization's, not an implementation's. The text
 is cut into windows of `--window` tokens, each scored on its own. The default text is the
 LLM microserving paper shipped with the design notes, if present, else this repository's
 README.
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.fp8 import quantize_rows
+from engine.models.fp8 import FP8, FP8_MAX, quantize_rows
 from microserve.model_files import resolve_model
 
 
@@ -49,6 +51,33 @@ def hf_fp8_projections(model):
     finally:
         for proj in patched:
             del proj.forward
+
+
+def round_to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x through an fp8 KV cache (`--kv-cache-dtype fp8`): e4m3 with scale 1, saturated at
+    +-448, back in x's dtype (engine/attention/torch_backend.py `store`)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).to(x.dtype)
+
+
+@contextlib.contextmanager
+def hf_fp8_kv(model):
+    """A Hugging Face Llama whose attention reads its keys (after RoPE) and values as an fp8
+    KV cache holds them: its SDPA attention with K and V rounded to e4m3 first. Rounding is
+    idempotent, so rounding the whole cache at each step equals storing each token rounded."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):
+        return sdpa_attention_forward(module, query, round_to_fp8(key), round_to_fp8(value),
+                                      *args, **kwargs)  # fmt: skip
+
+    AttentionInterface.register("microserve_fp8_kv", attention)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("microserve_fp8_kv")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
 
 
 def _default_text() -> Path:
@@ -86,14 +115,23 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     t = time.perf_counter()
     nll, preds = score(model, ids, args.window)
-    with hf_fp8_projections(model):
-        nll8, preds8 = score(model, ids, args.window)
     result = {"model": str(args.model or "smollm2-135m-instruct"), "text": text.name,
               "tokens": len(ids) - 1, "window": args.window, "date": time.strftime("%Y-%m-%d"),
-              "perplexity": math.exp(nll), "perplexity_fp8": math.exp(nll8),
-              "perplexity_change": math.exp(nll8) / math.exp(nll) - 1,
-              "same_next_token": (preds == preds8).float().mean().item(),
-              "seconds": time.perf_counter() - t}  # fmt: skip
+              "perplexity": math.exp(nll)}  # fmt: skip
+    variants = {  # suffix: what is in fp8
+        "": [hf_fp8_projections],  # --quantization fp8 (the keys of the first record)
+        "_kv": [hf_fp8_kv],  # --kv-cache-dtype fp8
+        "_both": [hf_fp8_projections, hf_fp8_kv],
+    }
+    for suffix, patches in variants.items():
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch(model))
+            nll8, preds8 = score(model, ids, args.window)
+        result[f"perplexity_fp8{suffix}"] = math.exp(nll8)
+        result[f"perplexity_change{suffix}"] = math.exp(nll8) / math.exp(nll) - 1
+        result[f"same_next_token{suffix}"] = (preds == preds8).float().mean().item()
+    result["seconds"] = time.perf_counter() - t
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

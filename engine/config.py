@@ -18,6 +18,9 @@ DEVICE_DEFAULTS = {
     "cuda": {"max_num_batched_tokens": 2048, "max_num_seqs": 256},
 }
 
+# --kv-cache-dtype: auto is the model's dtype; fp8_e4m3 is fp8's other name (vLLM takes both)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -51,6 +54,11 @@ class EngineConfig:
     # fp8: the decoder layers' projections quantized to float8 e4m3 at load, one scale per
     # output channel; activations per token (engine/models/fp8.py). None: the model's dtype.
     quantization: str | None = None
+    # The KV cache's element type. auto: the model's dtype. fp8 (or fp8_e4m3): float8 e4m3,
+    # stored with scale 1 and saturated at +-448 (as vLLM does without calibrated scales);
+    # half the bytes of bf16, so twice the tokens in the same memory and half the KV a
+    # decode step reads. Engines exchange KV only with engines of the same KV dtype.
+    kv_cache_dtype: str = "auto"
     seed: int = 0  # engine-wide generator for requests without a seed
     # torch's CPU threads; None: torch's default (every core). Engines sharing a host must
     # split the cores: two engines each spinning on every core run ~10x slower (measured).
@@ -120,6 +128,9 @@ class EngineConfig:
                              f"{MAX_LEASE_S:.0f}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got "
+                             f"{self.kv_cache_dtype!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

@@ -72,7 +72,8 @@ class EngineCore:
         mc = self.runner.config
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
         num_pages = self.runner.num_pages_for(self.max_model_len)
-        layout = KVLayout(mc.name, str(dtype).removeprefix("torch."), config.page_size,
+        kv_dtype = str(self.runner.kv_dtype).removeprefix("torch.")
+        layout = KVLayout(mc.name, kv_dtype, config.page_size,
                           mc.num_layers, mc.num_kv_heads, mc.head_dim)  # fmt: skip
         kind = config.resolved_kv_transfer(has_key=transfer_key is not None)
         if kind != config.resolved_kv_transfer(has_key=True):
@@ -126,6 +127,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             kv_transfer=self.transfer.kind,
             quantization=config.quantization,
+            kv_cache_dtype=kv_dtype,
         )
         log.info("engine core ready: %s", self.info)
 

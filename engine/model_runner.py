@@ -15,6 +15,7 @@ import torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.device import to_device
+from engine.models import fp8
 from engine.models.loader import load_model
 from engine.penalties import StepAdjustments
 from engine.sampler import PendingSample, Sampler, TokenMask
@@ -51,6 +52,12 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for --kv-cache-dtype `name` (EngineConfig.kv_cache_dtype)
+    and the model's `dtype`."""
+    return torch.float8_e4m3fn if name in ("fp8", "fp8_e4m3") else dtype
+
+
 class ModelRunner:
     """Args: config (sizes, device), dtype. On CUDA the model runs its Triton kernels, attention
     is the Triton backend, and steps replay CUDA graphs unless config.enforce_eager: whole
@@ -65,6 +72,9 @@ class ModelRunner:
             # are made there: --device cuda:N makes N current for the whole core process.
             torch.cuda.set_device(self.device)
         self.dtype = dtype
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+        if self.kv_dtype == torch.float8_e4m3fn:
+            fp8.check_supported(self.device, "kv_cache_dtype fp8")
         self.model, self.config = load_model(config.model, dtype=dtype, device=self.device,
                                              quantization=config.quantization)
         self.cuda = self.device.type == "cuda"
@@ -88,7 +98,7 @@ class ModelRunner:
     def kv_bytes_per_page(self, page_size: int) -> int:
         c = self.config
         return PagedKVCache.bytes_per_page(
-            c.num_layers, page_size, c.num_kv_heads, c.head_dim, self.dtype
+            c.num_layers, page_size, c.num_kv_heads, c.head_dim, self.kv_dtype
         )
 
     def num_pages_for(self, max_model_len: int) -> int:
@@ -150,7 +160,7 @@ class ModelRunner:
             backend = TorchAttentionBackend(self.device)
         self.kv = PagedKVCache(
             c.num_layers, num_pages, config.page_size, c.num_kv_heads, c.head_dim,
-            self.dtype, self.device, backend, pool,
+            self.kv_dtype, self.device, backend, pool,
         )  # fmt: skip
         self.graphs = self.pieces = None
         if self.cuda and self.triton and capture_graphs and not config.enforce_eager:

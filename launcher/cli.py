@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from engine.config import EngineConfig  # plain data: no torch
+from engine.config import KV_CACHE_DTYPES, EngineConfig  # plain data: no torch
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -54,6 +54,10 @@ def _engine_args(sub) -> None:
                    help="fp8: the decoder layers' weights as float8 e4m3, quantized at load "
                         "with a scale per output channel; activations quantized per token "
                         "(CUDA: compute capability 8.9+; default: the model's dtype)")
+    _config_option(p, "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; fp8 (fp8_e4m3): the KV cache as float8 e4m3, "
+                        "scale 1, saturated at +-448: twice the tokens in the same memory "
+                        "(CUDA: compute capability 8.9+)")
     _config_option(p, "--page-size", type=int)
     _config_option(p, "--kv-cache-memory-gb", type=float, help="size of the KV pool (CPU)")
     _config_option(p, "--gpu-memory-utilization", type=float,

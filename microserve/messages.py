@@ -373,6 +373,7 @@ class EngineInfo:
     max_num_seqs: int
     kv_transfer: str  # how this engine receives KV: shm, tcp, cuda_ipc, nvshmem or none
     quantization: str | None = None  # fp8: the projections' weights (dtype is the activations')
+    kv_cache_dtype: str | None = None  # the KV pool's element type, e.g. float8_e4m3fn
     deployment: str | None = None  # set by the engine frontend: the deployment it belongs to
 
 

@@ -51,6 +51,28 @@ def test_fp32_tiny_equals_hf_on_gpu(tiny_model_dir, tiny_ref, eager):
         assert got[f"again{i}"][0] == expected
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_fp32_tiny_with_an_fp8_cache_equals_hf_reading_fp8_kv(tiny_model_dir, tiny_ref, eager):
+    """--kv-cache-dtype fp8 on the GPU (compiled kernels: the store rounds to nearest even,
+    as torch does): Hugging Face's greedy tokens with its attention reading K and V rounded to
+    e4m3 (bench.fp8_quality.hf_fp8_kv), through graphs and prefix-cache hits."""
+    import torch
+
+    from bench.fp8_quality import hf_fp8_kv
+    from conftest import _hf_model
+
+    prompts, _ = tiny_ref
+    with hf_fp8_kv(_hf_model(tiny_model_dir)):
+        ref = hf_greedy(tiny_model_dir, prompts, 32)
+    core = make_core(tiny_model_dir, dtype="float32", enforce_eager=eager,
+                     max_num_batched_tokens=40, kv_cache_dtype="fp8")  # fmt: skip
+    assert core.runner.kv.kv.dtype == torch.float8_e4m3fn
+    for tag in ("first", "again"):  # again: the prompts' prefixes come from the cache
+        got = run_all(core, {f"{tag}{i}": p for i, p in enumerate(prompts)})
+        for i, expected in enumerate(ref):
+            assert got[f"{tag}{i}"][0] == expected, f"{tag} prompt {i}"
+
+
 def test_bf16_graph_replay_matches_eager(tiny_model_dir):
     import torch
 

@@ -123,6 +123,39 @@ async def test_pd_and_balanced_splits_give_hf_greedy_tokens(kind, p, d, tiny_ser
         await D.aclose()
 
 
+async def test_pd_between_fp8_kv_engines_gives_hf_greedy_tokens_over_fp8_kv(
+        kind, tiny_served_dir, tmp_path_factory):
+    """--kv-cache-dtype fp8 on both: P's e4m3 pages land in D's pool (copied as bytes), and D
+    continues with the tokens of Hugging Face's model reading K and V rounded to e4m3."""
+    from bench.fp8_quality import hf_fp8_kv
+    from conftest import _hf_model
+
+    with hf_fp8_kv(_hf_model(tiny_served_dir)):
+        want = hf_greedy(tiny_served_dir, PROMPTS, N_NEW)
+    fp8 = ("--kv-cache-dtype", "fp8")
+    pair = start_pair(kind, tiny_served_dir, tmp_path_factory,
+                      (f"gpu-p8-{kind}", f"gpu-d8-{kind}"), (fp8, fp8))
+    P = EngineClient(pair[0].url, api_key=ENGINE_KEY)
+    D = EngineClient(pair[1].url, api_key=ENGINE_KEY)
+    try:
+        for engine in pair:
+            engine.wait_ready()
+        assert (await D.stats())["info"]["kv_cache_dtype"] == "float8_e4m3fn"
+        for i, prompt in enumerate(PROMPTS):
+            r = await D.prep_recv(f"fp8-{i}", prompt)
+            assert r.kv_addr.layout.dtype == "float8_e4m3fn"
+            sent = await P.remote_send(f"fp8-{i}", prompt, r.matched, -1, r.kv_addr)
+            assert sent.sent == len(prompt) - 1 - r.matched
+            assert await collect(D, f"fp8-{i}", prompt, len(prompt) - 1) == want[i], i
+        for engine in pair:
+            assert_quiet(engine.name, engine.url)
+    finally:
+        await P.aclose()
+        await D.aclose()
+        for engine in pair:
+            engine.stop()
+
+
 async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(kind, p, tiny_served_dir,
                                                                      tmp_path_factory):
     """The receiver is killed mid-send: the sender answers (502 or done), holds nothing and

@@ -31,7 +31,10 @@ def cdiv(a: int, b: int) -> int:
 class PagedCase:
     """Sequences given as (cached prefix, new tokens), their K/V scattered over shuffled pages."""
 
-    def __init__(self, specs, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=0):
+    def __init__(self, specs, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=0,
+                 kv_dtype=None):
+        """kv_dtype: the caches' (default: dtype, q's); the reference reads what they hold."""
+        kv_dtype = kv_dtype or dtype
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.specs, self.num_heads, self.page_size = specs, num_heads, page_size
         kv_lens = [ctx + new for ctx, new in specs]
@@ -39,8 +42,8 @@ class PagedCase:
         poison = sum(n_pages)  # the last page, never allocated
         order = torch.randperm(poison, generator=gen, device=DEVICE)
         shape = (poison + 1, page_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        self.k_cache = torch.full(shape, float("nan"), dtype=kv_dtype, device=DEVICE)
+        self.v_cache = torch.full(shape, float("nan"), dtype=kv_dtype, device=DEVICE)
         table = torch.full((len(specs), max(n_pages) + 2), poison, dtype=torch.int32)
         self.keys, self.values, first = [], [], 0
         slot_in_page = torch.arange(page_size, device=DEVICE)
@@ -51,8 +54,8 @@ class PagedCase:
             slots = (pages[:, None] * page_size + slot_in_page).flatten()[:kv_len]
             for cache, store in ((self.k_cache, self.keys), (self.v_cache, self.values)):
                 x = torch.randn(kv_len, num_kv_heads, head_dim, generator=gen, device=DEVICE)
-                cache.view(-1, num_kv_heads, head_dim)[slots] = x.to(dtype)
-                store.append(x.to(dtype).float())
+                cache.view(-1, num_kv_heads, head_dim)[slots] = x.to(kv_dtype)
+                store.append(x.to(kv_dtype).float())
         self.page_table = table.to(DEVICE)
         self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
         q_lens = [new for _, new in specs]
@@ -151,6 +154,26 @@ def test_extend_decode_rows_and_fp16():
     assert_close(case.extend(), case.reference(), 2e-3)
 
 
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_an_fp8_cache(dtype, tol, num_splits):
+    """--kv-cache-dtype fp8: K and V are e4m3 (scale 1); the kernel widens each tile to q's
+    dtype, so the output is attention over exactly the values the cache holds."""
+    specs = [(n - 1, 1) for n in CONTEXTS]
+    case = PagedCase(specs, 4, 2, 32, 4, dtype, seed=4, kv_dtype=FP8)
+    assert_close(case.decode(num_splits, config=TILES16), case.reference(), tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_extend_reads_an_fp8_cache(dtype, tol):
+    case = PagedCase(EXTEND_SPECS, 4, 2, 32, 4, dtype, seed=5, kv_dtype=FP8)
+    assert_close(case.extend(), case.reference(), tol)
+    assert_close(case.extend(config=TILES16), case.reference(), tol)
+
+
 def test_kernels_agree_with_torch_backend():
     """A mixed step (prefill over a prefix, fresh prefill, decodes) through the torch reference
     backend, which also writes the step's K/V; the kernels then attend over that same cache."""
@@ -215,6 +238,11 @@ def test_rejects_bad_arguments():
     case = PagedCase([(4, 1)], 4, 2, 16, 4, torch.float32)
     with pytest.raises(ValueError, match="workspace must be fp32"):
         case.decode(num_splits=2, workspace=torch.empty(1, 4, 3, 17, device=DEVICE))
+    with pytest.raises(ValueError, match="k_cache and v_cache must both be q's dtype or "
+                                         "float8_e4m3fn: q torch.float32, k_cache torch.float16"):
+        pa.paged_decode_attention(case.q, case.k_cache.half(), case.v_cache.half(),
+                                  case.page_table, case.kv_lens, case.scale,
+                                  torch.empty_like(case.q))
     with pytest.raises(ValueError, match="kv_lens must be int32"):
         pa.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.page_table,
                                   case.kv_lens.long(), case.scale, torch.empty_like(case.q))
@@ -290,6 +318,16 @@ def test_decode_llama8b_tile_configs(compiled, config):
 
 
 @pytest.mark.gpu
+def test_decode_and_extend_llama8b_read_an_fp8_cache(compiled):
+    case = PagedCase([(n - 1, 1) for n in _decode_lens(64)], **L8B, kv_dtype=FP8)
+    expected = case.reference()
+    for num_splits in (None, 1, 7):
+        assert_close(case.decode(num_splits), expected, BF16_TOL)
+    case = PagedCase([(100, n) for n in (1, 17, 512, 4096)], **L8B, kv_dtype=FP8)
+    assert_close(case.extend(), case.reference(), BF16_TOL)
+
+
+@pytest.mark.gpu
 def test_extend_llama8b_decode_rows(compiled):
     case = PagedCase([(n - 1, 1) for n in (1, 17, 1024, 4097)], **L8B)
     assert_close(case.extend(), case.reference(), BF16_TOL)
@@ -344,9 +382,9 @@ def _time_ms(fn, iters: int = 20) -> float:
 def test_print_timings(compiled, capsys):
     """Not a speed assertion (DESIGN §9): prints one layer's kernel times for the lead to read."""
     lines = [f"paged attention timings, {torch.cuda.get_device_name()}, one layer:"]
-    kv_bytes_per_token = 2 * 8 * 128 * 2
-    for batch in (1, 128):
-        case = PagedCase([(1023, 1)] * batch, **L8B)
+    for batch, kv_dtype in ((1, None), (128, None), (128, FP8)):
+        case = PagedCase([(1023, 1)] * batch, **L8B, kv_dtype=kv_dtype)
+        kv_bytes_per_token = 2 * 8 * 128 * case.k_cache.element_size()
         splits = pa.choose_num_splits(batch, 1024, 8)
         ws = pa.decode_workspace(batch, 32, 128, splits, DEVICE)
         out = torch.empty_like(case.q)
@@ -354,13 +392,15 @@ def test_print_timings(compiled, capsys):
             case.q, case.k_cache, case.v_cache, case.page_table, case.kv_lens, case.scale, out,
             ws, splits))
         gbs = batch * 1024 * kv_bytes_per_token / ms / 1e6
-        lines.append(f"  decode batch {batch:3d} ctx 1024 splits {splits:2d}: "
-                     f"{ms * 1e3:8.1f} us  {gbs:7.1f} GB/s of KV")
-    case = PagedCase([(0, 4096)] * 8, **L8B)
-    ms = _time_ms(case.extend, iters=5)
+        lines.append(f"  decode batch {batch:3d} ctx 1024 splits {splits:2d} "
+                     f"{str(case.k_cache.dtype)[6:]:14s}: {ms * 1e3:8.1f} us  "
+                     f"{gbs:7.1f} GB/s of KV")
     flops = 8 * 4 * 32 * 128 * (4096 * 4097 // 2)  # QK^T and PV over the causal half
-    lines.append(f"  extend 8 x 4096 (no prefix):      {ms:8.3f} ms  "
-                 f"{flops / ms / 1e9:7.1f} TFLOP/s")
+    for kv_dtype in (None, FP8):
+        case = PagedCase([(0, 4096)] * 8, **L8B, kv_dtype=kv_dtype)
+        ms = _time_ms(case.extend, iters=5)
+        lines.append(f"  extend 8 x 4096 (no prefix) {str(case.k_cache.dtype)[6:]:14s}: "
+                     f"{ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
     dense = [torch.randn(8, 32, 4096, 128, device=DEVICE, dtype=torch.bfloat16) for _ in "qkv"]
     ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
         *dense, is_causal=True), iters=5)

@@ -82,13 +82,13 @@ class TorchAttentionBackend(AttentionBackend):
         q, k = apply_rope(q, k, positions, cos_sin)
         heads_dim = kv_layer.shape[-2:]
         k_cache, v_cache = kv_layer[0], kv_layer[1]  # [pages, page_size, kv_heads, head_dim]
-        k_cache.view(-1, *heads_dim).index_copy_(0, self._slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, *heads_dim).index_copy_(0, self._slot_mapping, v.to(v_cache.dtype))
+        store(k_cache, self._slot_mapping, k)
+        store(v_cache, self._slot_mapping, v)
         out = torch.empty_like(q)
         for p in self._prefills:
             qs = q[p.token_start : p.token_end].transpose(0, 1)  # [heads, new, dim]
-            ks = k_cache[p.pages].view(-1, *heads_dim)[: p.kv_len].transpose(0, 1)
-            vs = v_cache[p.pages].view(-1, *heads_dim)[: p.kv_len].transpose(0, 1)
+            ks = k_cache[p.pages].view(-1, *heads_dim)[: p.kv_len].transpose(0, 1).to(q.dtype)
+            vs = v_cache[p.pages].view(-1, *heads_dim)[: p.kv_len].transpose(0, 1).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
             )
@@ -97,8 +97,24 @@ class TorchAttentionBackend(AttentionBackend):
             d = self._decode
             batch = d.pages.shape[0]
             qs = q[d.rows].unsqueeze(2)  # [B, heads, 1, dim]
-            ks = k_cache[d.pages].view(batch, -1, *heads_dim).transpose(1, 2)  # [B, kv, L, dim]
-            vs = v_cache[d.pages].view(batch, -1, *heads_dim).transpose(1, 2)
+            ks = k_cache[d.pages].view(batch, -1, *heads_dim).transpose(1, 2).to(q.dtype)
+            vs = v_cache[d.pages].view(batch, -1, *heads_dim).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=d.mask, enable_gqa=True)
             out[d.rows] = o.squeeze(2)
         return out
+
+
+FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
+
+
+def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """x [T, kv_heads, head_dim] into slots of one layer's K or V cache [pages, page_size,
+    kv_heads, head_dim], in the cache's dtype. An fp8 cache takes x with scale 1, saturated at
+    +-448 then rounded to nearest even: the bytes the Triton kernel `rope_and_store_kv` writes.
+    (torch has no CPU `index_copy_` for float8; the bytes are copied as uint8.)"""
+    rows = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == torch.float8_e4m3fn:
+        x8 = x.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+        rows.view(torch.uint8).index_copy_(0, slots, x8.view(torch.uint8))
+    else:
+        rows.index_copy_(0, slots, x.to(cache.dtype))

@@ -300,6 +300,7 @@ def _rope_store_kv_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    CACHE_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per token: rotate its q and k heads in place, copy rotated k and v into the
@@ -351,16 +352,25 @@ def _rope_store_kv_kernel(
         heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]
         k_slot = k_cache_ptr + slot * k_cache_slot_stride + heads * k_cache_head_stride + dims
         k_cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_slot, k1.to(k_dtype).to(k_cache_dtype), mask=mask)
-        tl.store(k_slot + HALF, k2.to(k_dtype).to(k_cache_dtype), mask=mask)
+        tl.store(k_slot, _to_cache(k1.to(k_dtype), k_cache_dtype, CACHE_FP8), mask=mask)
+        tl.store(k_slot + HALF, _to_cache(k2.to(k_dtype), k_cache_dtype, CACHE_FP8), mask=mask)
 
         v_row = v_ptr + token * v_token_stride + heads * v_head_stride + dims
         v_slot = v_cache_ptr + slot * v_cache_slot_stride + heads * v_cache_head_stride + dims
         v_cache_dtype = v_cache_ptr.dtype.element_ty
         v1 = tl.load(v_row, mask=mask, other=0.0)
         v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
-        tl.store(v_slot, v1.to(v_cache_dtype), mask=mask)
-        tl.store(v_slot + HALF, v2.to(v_cache_dtype), mask=mask)
+        tl.store(v_slot, _to_cache(v1, v_cache_dtype, CACHE_FP8), mask=mask)
+        tl.store(v_slot + HALF, _to_cache(v2, v_cache_dtype, CACHE_FP8), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, cache_dtype: tl.constexpr, FP8: tl.constexpr):
+    """x in the KV cache's dtype; an fp8 cache (scale 1) saturates at +-448 first, as torch's
+    reference does (engine/attention/torch_backend.py `store`), then rounds to nearest even."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_dtype)
 
 
 def rope_and_store_kv(
@@ -384,7 +394,8 @@ def rope_and_store_kv(
         positions: [T] integer; every entry must index cos_sin, padding rows included.
         cos_sin: fp32 [max_pos, 2, head_dim], cos then sin (RotaryEmbedding.cos_sin).
         k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]; token t's k and v go
-            to slot slot_mapping[t] of `cache.view(-1, num_kv_heads, head_dim)`.
+            to slot slot_mapping[t] of `cache.view(-1, num_kv_heads, head_dim)`. A
+            float8_e4m3fn cache takes them with scale 1, saturated at +-448.
         slot_mapping: [T] integer; negative slots are skipped (q and k are still rotated).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -437,6 +448,7 @@ def rope_and_store_kv(
         BLOCK_HEADS=block_heads,
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
+        CACHE_FP8=k_cache.dtype == torch.float8_e4m3fn,
         PDL=pdl,
         num_warps=_num_warps(block_heads * block_half),
         **pdl_options(pdl),

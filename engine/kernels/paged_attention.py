@@ -166,6 +166,7 @@ def _attend_tiles(
             k = tl.load(k_ptr + k_offs)
         else:
             k = tl.load(k_ptr + k_offs, mask=in_range[:, None], other=0.0)
+        k = k.to(q.dtype)  # an fp8 cache (scale 1) widens to q's dtype; else a no-op
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # unscaled scores
         if CAUSAL:
             s = tl.where((offs_n[None, :] <= pos_m[:, None]) & in_range[None, :], s, float("-inf"))
@@ -182,6 +183,7 @@ def _attend_tiles(
             v = tl.load(v_ptr + v_offs)
         else:
             v = tl.load(v_ptr + v_offs, mask=in_range[:, None], other=0.0)
+        v = v.to(q.dtype)
         # P V accumulates into the rescaled acc (the tensor cores' accumulator), not into a
         # fresh zero tile added afterwards: one [rows, head_dim] fp32 tile fewer in registers.
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -353,9 +355,9 @@ def _check_common(q, k_cache, v_cache, page_table, kv_lens, out) -> tuple[int, i
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must match q: {tuple(q.shape)} {q.dtype}, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"k_cache and v_cache must both be q's dtype or float8_e4m3fn: q "
+                         f"{q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if page_size & (page_size - 1):

@@ -49,15 +49,16 @@ class Fp8Activation(NamedTuple):
     scale: torch.Tensor  # [T, 1] float32
 
 
-def check_supported(device: torch.device) -> None:
-    """Raise ValueError naming the device when fp8 weights cannot run on it: CUDA needs
-    compute capability 8.9 (Ada, Hopper) or later for fp8 tensor cores."""
+def check_supported(device: torch.device, what: str = "quantization fp8") -> None:
+    """Raise ValueError naming the device when fp8 (`what`: weights, or the KV cache) cannot
+    run on it: CUDA needs compute capability 8.9 (Ada, Hopper) or later for fp8 tensor cores
+    and Triton's e4m3 conversions."""
     if device.type != "cuda":
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise ValueError(f"quantization fp8 needs a GPU of compute capability 8.9 or later "
+        raise ValueError(f"{what} needs a GPU of compute capability 8.9 or later "
                          f"(Ada, Hopper); {device} is {name} ({major}.{minor})")
 
 

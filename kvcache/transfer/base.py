@@ -46,6 +46,13 @@ from microserve.transfer_auth import new_window_tag
 RENEW_INTERVAL_S = 0.25
 
 
+def copyable(kv: torch.Tensor) -> torch.Tensor:
+    """`kv` as a tensor torch can index and copy rows of on every device: a float8 pool's
+    bytes as uint8 (the same shape, one byte an element; torch has no CPU `index_copy_` for
+    float8), any other pool as it is. Transfers move bytes, never values."""
+    return kv.view(torch.uint8) if kv.dtype == torch.float8_e4m3fn else kv
+
+
 class TransferError(Exception):
     """A write or flush could not complete: the receiver is gone, the connection broke, or the
     receiver closed the window (the request was aborted or its lease expired there)."""

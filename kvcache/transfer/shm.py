@@ -62,6 +62,7 @@ from kvcache.transfer.base import (
     TransferError,
     Window,
     WindowIds,
+    copyable,
 )
 
 log = logging.getLogger(__name__)
@@ -308,9 +309,9 @@ class ShmPeer(Peer):
         self._pid = pid
         self._num_windows = descriptor["num_windows"]
         self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
-        self._local = local_kv
+        self._local = copyable(local_kv)
         try:
-            self._remote: torch.Tensor | None = self._open_pool(descriptor, shape, dtype)
+            self._remote: torch.Tensor | None = copyable(self._open_pool(descriptor, shape, dtype))
         except BaseException:
             self._mmap.close()
             os.close(self._fd)

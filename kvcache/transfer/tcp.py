@@ -54,6 +54,7 @@ from kvcache.transfer.base import (
     TransferError,
     Window,
     WindowIds,
+    copyable,
 )
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class TcpBackend(TransferBackend):
         self.num_windows = num_windows
         self._num_slots = num_pages * layout.page_size
         self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
+        self._rows_dtype = copyable(self.kv).dtype  # what a frame's rows are copied as
         self._row_bytes = layout.num_kv_heads * layout.head_dim * self.kv.element_size()
         # Received rows are copied on a stream of their own, so waiting for a copy does not
         # wait for the engine's queued work.
@@ -307,7 +309,7 @@ class TcpBackend(TransferBackend):
                 buf.reserve(frame_end)
                 _recv_exactly(conn, buf.view[:frame_end])
                 slots = buf.bytes[:slots_end].view(torch.int64)
-                rows = buf.bytes[slots_end:frame_end].view(self.kv.dtype).view(self._rows)
+                rows = buf.bytes[slots_end:frame_end].view(self._rows_dtype).view(self._rows)
                 error = self._write(index, tag, layer, slots, rows)
                 if error is not None:
                     errors.setdefault((index, tag), error)
@@ -345,7 +347,7 @@ class TcpBackend(TransferBackend):
             if self._windows.get(index) != tag:
                 return None  # closed: dropped; the next flush of this window reports it
             self._renewed[index] = time.monotonic()
-            layer_kv = self.kv[layer].view(self._rows)
+            layer_kv = copyable(self.kv[layer]).view(self._rows)
             if self._stream is None:
                 layer_kv.index_copy_(1, slots, rows)
             else:
@@ -386,7 +388,7 @@ class TcpPeer(Peer):
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self._address = f"{descriptor['host']}:{descriptor['port']}"
-        self._local = local_kv
+        self._local = copyable(local_kv)
         self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
         self._row_bytes = layout.num_kv_heads * layout.head_dim * local_kv.element_size()
         self._buf = _Buffer()
