@@ -233,6 +233,10 @@ def test_tile_configs():
     assert pa.extend_config(128, 9).block_m == 16
     assert pa.extend_config(128, 9).maxnreg is None
     assert pa.decode_config(256).block_n == 32
+    # over an fp8 cache (measured on an H100: docs/benchmarks.md, "fp8 KV cache")
+    assert pa.decode_config(128, kv_fp8=True) == pa.TileConfig(64, 2, 5)
+    assert pa.extend_config(128, 4096, kv_fp8=True) == pa.TileConfig(64, 4, 3, block_m=128)
+    assert pa.extend_config(128, 9, kv_fp8=True) == pa.extend_config(128, 9)
     assert pa.TileConfig(64, 4, 3).launch_options() == {"num_warps": 4, "num_stages": 3}
     capped = pa.TileConfig(64, 8, 3, block_m=64, maxnreg=128).launch_options()
     assert capped == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}

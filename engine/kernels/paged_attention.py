@@ -118,12 +118,19 @@ class TileConfig:
         return opts
 
 
-def decode_config(head_dim: int) -> TileConfig:
-    """Default decode launch: 64-key tiles (32 above head_dim 128), 4 warps, 3 stages."""
+def decode_config(head_dim: int, kv_fp8: bool = False) -> TileConfig:
+    """Default decode launch: 64-key tiles (32 above head_dim 128), 4 warps, 3 stages.
+
+    Over an fp8 cache (kv_fp8), 2 warps and 5 stages: with half the bytes a tile, more tiles
+    in flight and fewer threads converting them; on an H100 at head_dim 128, batch 128 at
+    context 1,024 took 116 us a layer against 138 us with the 16-bit defaults
+    (`bench/scripts/fp8_kv_tiles.py`, 2026-11-24; docs/benchmarks.md, "fp8 KV cache")."""
+    if kv_fp8 and head_dim <= 128:
+        return TileConfig(block_n=64, num_warps=2, num_stages=5)
     return TileConfig(block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)
 
 
-def extend_config(head_dim: int, max_q_len: int) -> TileConfig:
+def extend_config(head_dim: int, max_q_len: int, kv_fp8: bool = False) -> TileConfig:
     """Default extend launch: query tiles no taller than the longest chunk needs (16/64/128
     rows), 64-key tiles (32 above head_dim 128), 8 warps for 128-row tiles, 3 stages.
 
@@ -133,6 +140,11 @@ def extend_config(head_dim: int, max_q_len: int) -> TileConfig:
     2.01 ms); the compiler spills 16 bytes for it, and it was the fastest launch at every
     extend shape swept."""
     block_m = 16 if max_q_len <= 16 else 64 if max_q_len <= 64 else 128
+    if kv_fp8 and block_m == 128 and head_dim <= 128:
+        # Over an fp8 cache each K/V tile is widened to fp16 in registers: 4 warps without a
+        # register cap measured fastest (H100, 8 x 4,096: 3.35 ms against 4.19 ms with the
+        # 16-bit launch below; 2.51 ms for a bf16 cache)
+        return TileConfig(block_n=64, num_warps=4, num_stages=3, block_m=128)
     capped = block_m >= 128 and head_dim <= 128
     return TileConfig(block_n=64 if head_dim <= 128 else 32, num_warps=8 if block_m >= 128 else 4,
                       num_stages=3, block_m=block_m, maxnreg=128 if capped else None)  # fmt: skip
@@ -420,12 +432,13 @@ def paged_decode_attention(
             when num_splits > 1, allocated here when None.
         num_splits: splits per sequence; None takes workspace.shape[2], else
             `choose_num_splits` over the page table's capacity.
-        config: tiles and launch options (block_m unused); None: `decode_config(head_dim)`.
+        config: tiles and launch options (block_m unused); None: `decode_config`'s for
+            head_dim and the cache's dtype.
     Returns:
         out.
     """
     group, head_dim, page_size = _check_common(q, k_cache, v_cache, page_table, kv_lens, out)
-    config = config or decode_config(head_dim)
+    config = config or decode_config(head_dim, k_cache.dtype == torch.float8_e4m3fn)
     batch, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_splits is None:
@@ -484,7 +497,8 @@ def paged_extend_attention(
         kv_lens: int32 [seqs], prefix + new tokens; new token i of s sits at position
             kv_lens[s] - q_len_s + i.
         max_q_len: a bound on the new tokens of any sequence (sizes the grid; host int).
-        config: tiles and launch options; None: `extend_config(head_dim, max_q_len)`.
+        config: tiles and launch options; None: `extend_config`'s for head_dim, max_q_len
+            and the cache's dtype.
     Returns:
         out.
     """
@@ -495,7 +509,7 @@ def paged_extend_attention(
     num_seqs, num_heads = kv_lens.shape[0], q.shape[1]
     if num_seqs == 0 or max_q_len <= 0:
         return out
-    config = config or extend_config(head_dim, max_q_len)
+    config = config or extend_config(head_dim, max_q_len, k_cache.dtype == torch.float8_e4m3fn)
     grid = (num_heads, triton.cdiv(max_q_len, config.block_m), num_seqs)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, cu_seqlens_q, kv_lens, scale * LOG2E,
