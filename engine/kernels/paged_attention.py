@@ -5,7 +5,9 @@ Both kernels read the KV layout of `kvcache.paged`, one layer at a time:
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]    # [num_pages, page_size, kv_heads, head_dim]
     key at position t of sequence b:  k_cache[page_table[b, t // page_size], t % page_size, kvh]
 
-K/V of the step's own tokens are already in the cache. Keys are gathered token by token through
+K/V of the step's own tokens are already in the cache. The cache is q's dtype or float8 e4m3
+(`--kv-cache-dtype fp8`, scale 1): each K/V tile is widened as it is read, and with a bf16 q both
+dots then run in fp16 (`_compute_dtype`). Keys are gathered token by token through
 the page table (page_size is a constexpr power of two, so `//` and `%` are shifts), so a tile of
 BLOCK_N keys may span several pages (or part of one) and any page size works.
 
@@ -121,8 +123,7 @@ class TileConfig:
 def decode_config(head_dim: int, kv_fp8: bool = False) -> TileConfig:
     """Default decode launch: 64-key tiles (32 above head_dim 128), 4 warps, 3 stages.
 
-    Over an fp8 cache (kv_fp8), 2 warps and 5 stages: with half the bytes a tile, more tiles
-    in flight and fewer threads converting them; on an H100 at head_dim 128, batch 128 at
+    Over an fp8 cache (kv_fp8), 2 warps and 5 stages: on an H100 at head_dim 128, batch 128 at
     context 1,024 took 116 us a layer against 138 us with the 16-bit defaults
     (`bench/scripts/fp8_kv_tiles.py`, 2026-11-24; docs/benchmarks.md, "fp8 KV cache")."""
     if kv_fp8 and head_dim <= 128:
