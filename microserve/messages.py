@@ -187,7 +187,7 @@ class KVLayout:
     """What must be equal for two engines to exchange KV pages (kvcache/transfer/)."""
 
     model: str
-    dtype: str  # the pool's element type: "float32", "bfloat16", "float8_e4m3fn" (--kv-cache-dtype fp8)
+    dtype: str  # the pool's element type: float32, bfloat16, float8_e4m3fn (--kv-cache-dtype)
     page_size: Annotated[int, Field(ge=1, le=INT32_MAX)]
     num_layers: Annotated[int, Field(ge=1, le=INT32_MAX)]
     num_kv_heads: Annotated[int, Field(ge=1, le=INT32_MAX)]
