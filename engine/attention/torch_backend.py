@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.models.fp8 import FP8, FP8_MAX
 from engine.models.llama import apply_rope
 from kvcache.forward import ForwardBatch
 from kvcache.paged import AttentionBackend
@@ -104,17 +105,14 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
-
-
 def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """x [T, kv_heads, head_dim] into slots of one layer's K or V cache [pages, page_size,
     kv_heads, head_dim], in the cache's dtype. An fp8 cache takes x with scale 1, saturated at
     +-448 then rounded to nearest even: the bytes the Triton kernel `rope_and_store_kv` writes.
     (torch has no CPU `index_copy_` for float8; the bytes are copied as uint8.)"""
     rows = cache.view(-1, *cache.shape[2:])
-    if cache.dtype == torch.float8_e4m3fn:
-        x8 = x.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+    if cache.dtype == FP8:
+        x8 = x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
         rows.view(torch.uint8).index_copy_(0, slots, x8.view(torch.uint8))
     else:
         rows.index_copy_(0, slots, x.to(cache.dtype))
