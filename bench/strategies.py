@@ -307,7 +307,7 @@ async def main_async(args) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(), "deployment": args.deployment, "model": args.model,
         "workload": args.workload, "lengths": {"input": dists[0], "output": dists[1]},
-        "duration_s": args.duration_s, "seed": args.seed,
+        "duration_s": args.duration_s, "seed": args.seed, "note": args.note,
         "command": " ".join(["python -m bench.strategies"] + sys.argv[1:]), "runs": [],
     }  # fmt: skip
     try:
@@ -399,6 +399,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are < this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write every run here (after each run)")
+    ap.add_argument("--note", default=None,
+                    help="recorded in the JSON: what a --base-url deployment is, for instance")
     return ap
 
 

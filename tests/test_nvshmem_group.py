@@ -115,8 +115,10 @@ def test_up_refuses_an_nvshmem_group_that_cannot_work(tmp_path, engines, message
         load_deployment(config)
 
 
-def test_the_shipped_nvshmem_deployment_forms_a_group_of_two():
-    deployment = load_deployment("deploy/gpu-1p1d-shared-nvshmem.toml")
+@pytest.mark.parametrize("path", ["deploy/gpu-1p1d-shared-nvshmem.toml",
+                                  "deploy/gpu-1p1d-nvshmem.toml"])
+def test_the_shipped_nvshmem_deployments_form_a_group_of_two(path):
+    deployment = load_deployment(path)
     launches = with_nvshmem_group(list(deployment.engines), "/tmp/rv")
     assert [(launch.role, launch.env[GROUP_ENV]) for launch in launches] == [
         ("prefill", "0/2@/tmp/rv"), ("decode", "1/2@/tmp/rv")]
