@@ -7,7 +7,9 @@ For each projection (qkv, o, gate_up, down) and each M, the time of:
 - fp8 rowwise: the engine's W8A8 path (engine/models/fp8.py): the Triton per-token
   quantization of the input (gated for down) + `torch._scaled_mm` with per-token and
   per-channel scales, and each of the two alone;
-- fp8 tensorwise: `torch._scaled_mm` with one scale each (cuBLASLt's fp8 GEMM), for scale;
+- fp8 tensorwise: `torch._scaled_mm` with one scale each (cuBLASLt's fp8 GEMM), for scale,
+  with bf16 out and with fp32 out (what o and down run at small M, their scales applied by the
+  norm after them: engine/models/fp8.py);
 - M <= 256: the rowwise GEMM with its operands swapped (y^T = W8 x8^T, then transposed);
 - M = 1: the Triton GEMV over bf16 and over fp8 weights (the batch-1 decode path).
 Weights rotate over copies larger than L2, so each call reads its weight from HBM as in a
@@ -80,6 +82,9 @@ def sweep(ms: list[int], iters: int) -> dict:
             row["fp8_tensorwise_mm_us"] = _time(lambda: torch._scaled_mm(
                 x8, projs[next(i) % copies].weight.t(), scale_a=ones, scale_b=ones,
                 out_dtype=torch.bfloat16), iters)  # fmt: skip
+            row["fp8_tensorwise_f32_mm_us"] = _time(lambda: torch._scaled_mm(
+                x8, projs[next(i) % copies].weight.t(), scale_a=ones, scale_b=ones,
+                out_dtype=torch.float32), iters)  # fmt: skip
             if m <= 256:  # swapped operands: y^T = W8 x8^T, scales swapped, then transposed
                 proj = projs[0]
                 row["fp8_rowwise_swapped_mm_us"] = _time(lambda: torch._scaled_mm(

@@ -151,6 +151,47 @@ def test_rms_norm_fp8_equals_the_norm_then_the_quantization(hidden):
                            torch.ones(16384, device=DEVICE), 1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("hidden", [576, 4096])
+@pytest.mark.parametrize("values", ["exact", pytest.param("random", marks=pytest.mark.gpu)])
+def test_the_norm_applies_the_scales_an_fp8_projection_left_out(hidden, values):
+    """o and down at decode sizes leave `s_x[t] * s_w[n]` to the norm after them (fp8.Fp8Output):
+    it gives the bytes of the projection's output rounded to bf16 first, then the plain norms
+    (fused_add_rms_norm, rms_norm_fp8), and the same summed residual. The interpreter rounds
+    fp32 to bf16 by truncation, torch to nearest even: on CPU the scaled values are exact in
+    bf16 (integers up to 256 times powers of two); on the GPU, random."""
+    fused = load("engine.kernels.fused")
+    torch.manual_seed(hidden + 1)
+    if values == "exact":
+        acc = torch.randint(-256, 257, (9, hidden), device=DEVICE).float()
+        row_scale = 2.0 ** -torch.randint(8, 12, (9, 1), device=DEVICE).float()
+        col_scale = 2.0 ** -torch.randint(0, 4, (hidden,), device=DEVICE).float()
+    else:
+        acc = torch.randn(9, hidden, device=DEVICE) * 300
+        row_scale = torch.rand(9, 1, device=DEVICE) * 1e-3
+        col_scale = torch.rand(hidden, device=DEVICE) * 1e-2
+    residual = torch.randn(9, hidden, device=DEVICE).bfloat16()
+    weight = (torch.rand(hidden, device=DEVICE) + 0.5).bfloat16()
+    out = fp8.Fp8Output(acc, row_scale, col_scale, torch.bfloat16)
+    y = out.materialize()
+    assert torch.equal(y, (acc * row_scale * col_scale).bfloat16())
+    normed, ref_residual = y.clone(), residual.clone()
+    fused.fused_add_rms_norm(normed, ref_residual, weight, 1e-5)
+    got_residual = residual.clone()
+    got = fused.rms_norm_scaled(out, got_residual, weight, 1e-5)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, normed) and torch.equal(got_residual, ref_residual)
+    ref8, ref_scale = fused.rms_norm_fp8(y, residual.clone(), weight, 1e-5)
+    got_residual = residual.clone()
+    x8, scale = fused.rms_norm_scaled(out, got_residual, weight, 1e-5, quant=True)
+    assert torch.equal(got_residual, ref_residual) and torch.equal(scale, ref_scale)
+    assert torch.equal(x8.view(torch.uint8), ref8.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"residual \(9, 5\) torch.bfloat16 must be"):
+        fused.rms_norm_scaled(out, residual[:, :5], weight, 1e-5)
+    with pytest.raises(ValueError, match=r"row scales \[9, 1\] and column scales"):
+        fused.rms_norm_scaled(out._replace(col_scale=col_scale[:3]), residual.clone(), weight,
+                              1e-5)  # fmt: skip
+
+
 # ---- the fp8 GEMV (batch-1 decode) ----------------------------------------
 
 @pytest.mark.parametrize("n,k", [(40, 64), (33, 96), (16, 5000)])
@@ -282,6 +323,28 @@ def test_fp8_linear_on_gpu_matches_the_cpu_arithmetic():
     assert torch.allclose(one.float(), ref, rtol=2e-2, atol=1e-2 * ref.abs().max())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 77, 256, 257])
+def test_o_and_down_leave_their_scales_to_the_norm_at_decode_sizes(m):
+    """Up to DEFER_MAX_TOKENS rows a deferring projection returns the tensorwise GEMM and the
+    scales (what the norm applies), equal to the rowwise GEMM's output within fp32 accumulation
+    order; above, the rowwise output itself."""
+    torch.manual_seed(m)
+    proj = Fp8Linear.from_linear(torch.nn.Linear(14336, 4096, bias=False).cuda().bfloat16())
+    proj.use_triton = proj.defer_scales = True
+    x = torch.randn(m, 2 * 14336, device="cuda").bfloat16()
+    got = proj(x, gated=True)
+    proj.defer_scales = False
+    rowwise = proj(x, gated=True)
+    if m > fp8.DEFER_MAX_TOKENS:
+        assert isinstance(got, torch.Tensor) and torch.equal(got, rowwise)
+        return
+    assert isinstance(got, fp8.Fp8Output) and got.acc.dtype == torch.float32
+    y = got.materialize()
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), rowwise.float(), rtol=1e-2, atol=1e-3 * rowwise.abs().max())
+
+
 def _first_tokens(core, prompts: dict) -> dict:
     """Each prompt's greedy first token and its logprob (one prefill)."""
     for rid, prompt in prompts.items():
@@ -315,3 +378,33 @@ def test_engine_fp8_on_gpu_in_fp32_gives_the_cpu_first_tokens(tiny_model_dir):
     assert norm.quant_fp8  # the Triton kernels quantize
     assert len(run_all(graphs, {"one": prompts["r1"]}, greedy(16))["one"][0]) == 16  # GEMV
     assert len(run_all(graphs, prompts, greedy(16))["r2"][0]) == 16
+
+
+@pytest.mark.gpu
+def test_engine_with_scales_left_to_the_norms_gives_the_rowwise_engines_tokens(tiny_model_dir,
+                                                                                monkeypatch):
+    """The fp8 engine on CUDA (fp32, CUDA graphs) with o's and down's scales applied by the norms
+    at decode sizes gives the tokens of the same engine with the rowwise GEMM everywhere, and
+    logprobs within fp32 accumulation order."""
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts([5, 33, 80, 120]))}
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+
+    def generate() -> dict:
+        core = make_core(tiny_model_dir, quantization="fp8", device="cuda", dtype="float32")
+        o_proj = core.runner.model.model.layers[0].self_attn.o_proj
+        for rid, prompt in prompts.items():
+            core.add_request(rid, prompt, sampling)
+        out = {rid: ([], []) for rid in prompts}
+        while core.has_work():
+            for o in core.step():
+                out[o.request_id][0].extend(o.token_ids)
+                out[o.request_id][1].extend(lp.logprob for lp in o.logprobs)
+        return o_proj.defer_scales, out
+
+    deferred, got = generate()
+    monkeypatch.setattr(fp8, "DEFER_MAX_TOKENS", 0)
+    _, rowwise = generate()
+    assert deferred
+    for rid in prompts:
+        assert got[rid][0] == rowwise[rid][0] and len(got[rid][0]) == 12, rid
+        assert got[rid][1] == pytest.approx(rowwise[rid][1], abs=2e-3), rid

@@ -66,7 +66,10 @@ def _rms_norm_kernel(
     q_ptr,
     q_row_stride,
     scale_ptr,
+    row_scale_ptr,
+    col_scale_ptr,
     HAS_RESIDUAL: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     QUANT: tl.constexpr,
@@ -77,7 +80,10 @@ def _rms_norm_kernel(
 ):
     """One program per row. With HAS_RESIDUAL: residual += x, then normalize residual.
     QUANT (one chunk only): the normalized row, rounded to out's dtype, goes to q as fp8 with
-    its scale (engine/kernels/quant.py's arithmetic) instead of to out."""
+    its scale (engine/kernels/quant.py's arithmetic) instead of to out. SCALED (one chunk, with
+    a residual): x is an fp8 GEMM's fp32 output without its scales (engine/models/fp8.py
+    `Fp8Output`); x * row_scale[row] * col_scale[col], rounded to the residual's dtype, is the
+    projection's output."""
     if PDL:  # wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -85,12 +91,17 @@ def _rms_norm_kernel(
     x_row = x_ptr + row * x_row_stride
     res_row = residual_ptr + row * residual_row_stride
     out_row = out_ptr + row * out_row_stride
-    dtype = x_ptr.dtype.element_ty  # llama.py casts the normalized row back to the input dtype
+    # llama.py casts the normalized row back to the input dtype, the residual's (x's unless
+    # SCALED; x is the residual itself without one)
+    dtype = residual_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
 
     if NUM_CHUNKS == 1:
         mask = cols < hidden
         h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:  # the rowwise GEMM's epilogue: both scales, then the model's dtype
+            col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+            h = (h * tl.load(row_scale_ptr + row) * col_scale).to(dtype).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
             h_rounded = (h + r).to(dtype)  # the add rounds to the model dtype, as in eager torch
@@ -137,7 +148,7 @@ def _rms_norm_kernel(
             tl.store(out_row + c, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, quant=None) -> None:
+def _launch_rms_norm(x, residual, weight, eps, out, quant=None, scales=None) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(
             f"x must be [T, hidden] and weight [hidden]; got x {tuple(x.shape)}, "
@@ -153,6 +164,10 @@ def _launch_rms_norm(x, residual, weight, eps, out, quant=None) -> None:
     if block > _MAX_NORM_BLOCK:
         block = _NORM_LOOP_BLOCK
     x8, scale = quant or (out, out)
+    row_scale, col_scale = scales or (weight, weight)
+    if scales is not None and (hidden > block or residual is x):
+        raise ValueError("scaled rows need a residual and hidden <= "
+                         f"{_MAX_NORM_BLOCK}, got hidden {hidden}")
     pdl = use_pdl(x)
     _rms_norm_kernel[(num_rows,)](
         x, x.stride(0),
@@ -160,7 +175,9 @@ def _launch_rms_norm(x, residual, weight, eps, out, quant=None) -> None:
         out, out.stride(0),
         weight, hidden, eps,
         x8, x8.stride(0), scale,
+        row_scale, col_scale,
         HAS_RESIDUAL=residual is not x,
+        SCALED=scales is not None,
         BLOCK=block,
         NUM_CHUNKS=triton.cdiv(hidden, block),
         QUANT=quant is not None, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX,
@@ -231,6 +248,41 @@ def rms_norm_fp8(
     x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     _launch_rms_norm(x, x if residual is None else residual, weight, eps, x, quant=(x8, scale))
+    return x8, scale
+
+
+def rms_norm_scaled(y, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    quant: bool = False):
+    """`fused_add_rms_norm` (quant False) or `rms_norm_fp8` (quant True) of an fp8 projection's
+    output whose scales the GEMM left out (`engine.models.fp8.Fp8Output`): the kernel applies
+    them, rounds to the model's dtype, then adds and normalizes as those do. residual becomes
+    the projection's output + residual.
+
+    Returns:
+        the normalized rows [T, hidden] in the model's dtype (quant False), or (x8, scale) as
+        `rms_norm_fp8` returns them.
+    Raises:
+        ValueError when residual is not [T, hidden] of the output's dtype, or hidden > the
+        one-chunk limit (`rms_norm_fp8_fits`).
+    """
+    acc, row_scale, col_scale, dtype = y
+    if residual.shape != acc.shape or residual.dtype != dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must be "
+                         f"{tuple(acc.shape)} {dtype}")
+    if acc.dtype != torch.float32 or row_scale.shape != (acc.shape[0], 1) or \
+            col_scale.shape != (acc.shape[1],):  # fmt: skip
+        raise ValueError(f"scaled rows: acc {tuple(acc.shape)} {acc.dtype} needs float32 with "
+                         f"row scales [{acc.shape[0]}, 1] and column scales [{acc.shape[1]}]; "
+                         f"got {tuple(row_scale.shape)} and {tuple(col_scale.shape)}")
+    scales = (row_scale, col_scale)
+    if not quant:
+        out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+        _launch_rms_norm(acc, residual, weight, eps, out, scales=scales)
+        return out
+    x8 = torch.empty(acc.shape, dtype=torch.float8_e4m3fn, device=acc.device)
+    scale = torch.empty(acc.shape[0], 1, dtype=torch.float32, device=acc.device)
+    # out (not written with quant) only gives the dtype the normalized row rounds to
+    _launch_rms_norm(acc, residual, weight, eps, residual, quant=(x8, scale), scales=scales)
     return x8, scale
 
 

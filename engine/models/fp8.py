@@ -18,6 +18,12 @@ Numerics, for a projection y = x W^T with W [N, K]:
 - one token (the batch-1 decode path, engine/kernels/gemv.py): W8A16, the weights are
   dequantized in the GEMV and the activations stay in the model's dtype (there the step is
   bound by reading weights, and quantizing the row would cost accuracy for nothing).
+- o and down at up to `DEFER_MAX_TOKENS` rows on CUDA (decode steps): the GEMM runs with unit
+  scales (cuBLASLt's tensorwise fp8 GEMM, fp32 out) and the RMSNorm after the projection,
+  which reads its output anyway, applies `s_x[t] * s_w[n]` and rounds to the model's dtype, as
+  the rowwise GEMM's epilogue would (`Fp8Output`). At M = 128 torch's rowwise GEMM (CUTLASS)
+  takes 14.3 and 37.6 us for o and down, the tensorwise one 10.0 and 26.1; from 512 rows on
+  the two are equal and the fp32 output costs more (docs/benchmarks.md, `bench.fp8_sweep`).
 
 The CPU path is there for the tests and for a model that must fit in less memory: it keeps
 the fp8 weights but is slower than the model's own dtype (it dequantizes per call).
@@ -38,6 +44,8 @@ INV_FP8_MAX = 1.0 / FP8_MAX
 # a row of zeros (a padded token in a CUDA graph) quantizes to zeros, not NaN
 MIN_AMAX = 1e-12
 QUANTIZATIONS = ("fp8",)
+# o and down leave their scales to the norm after them up to this many rows (see above)
+DEFER_MAX_TOKENS = 256
 # the projections quantized in each decoder layer (the embedding and LM head are not)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -47,6 +55,20 @@ class Fp8Activation(NamedTuple):
 
     x8: torch.Tensor  # [T, K] float8_e4m3fn
     scale: torch.Tensor  # [T, 1] float32
+
+
+class Fp8Output(NamedTuple):
+    """A projection's output with its scales not yet applied: the value is
+    `(acc * row_scale * col_scale)` rounded to `dtype`, which the RMSNorm after it computes
+    (engine/kernels/fused.py); `materialize` for anything else."""
+
+    acc: torch.Tensor  # [T, N] float32, the GEMM of the fp8 operands with unit scales
+    row_scale: torch.Tensor  # [T, 1] float32, the activations' per-token scales
+    col_scale: torch.Tensor  # [N] float32, the weights' per-channel scales
+    dtype: torch.dtype  # the model's
+
+    def materialize(self) -> torch.Tensor:
+        return (self.acc * self.row_scale * self.col_scale).to(self.dtype)
 
 
 def check_supported(device: torch.device, what: str = "quantization fp8") -> None:
@@ -81,15 +103,21 @@ class Fp8Linear(nn.Module):
     `use_triton` (set by `LlamaForCausalLM.use_triton_kernels` for weights on CUDA) quantizes
     activations with the Triton kernel (and, for the down projection, computes SiLU·mul in the
     same pass); otherwise torch ops do, as `quantize_rows` (the interpreter's fp8 rounding is
-    not the GPU's: engine/kernels/quant.py).
+    not the GPU's: engine/kernels/quant.py). `defer_scales` (set there for o and down, whose
+    outputs go to a Triton RMSNorm) returns an `Fp8Output` for up to `DEFER_MAX_TOKENS` rows
+    on CUDA.
     """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype):
         super().__init__()
         self.register_buffer("weight", weight)  # [N, K] float8_e4m3fn
         self.register_buffer("weight_scale", scale)  # [N] float32
+        # the tensorwise GEMM's scales when the norm applies the real ones (`Fp8Output`)
+        self.register_buffer("unit_scale", torch.ones((), device=weight.device),
+                             persistent=False)  # fmt: skip
         self.out_dtype = out_dtype
         self.use_triton = False
+        self.defer_scales = False
 
     @classmethod
     @torch.no_grad()
@@ -104,9 +132,10 @@ class Fp8Linear(nn.Module):
         return self.weight.shape[1]
 
     def forward(self, x: torch.Tensor | Fp8Activation, gated: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor | Fp8Output:
         """`x W^T` for x [T, K] (or already quantized), or for `silu(gate) * up` of x =
-        [gate | up] [T, 2K] (gated); into out [T, N] when given."""
+        [gate | up] [T, 2K] (gated); into out [T, N] when given; an `Fp8Output` when
+        `defer_scales` and x has at most `DEFER_MAX_TOKENS` rows on CUDA."""
         if isinstance(x, Fp8Activation):
             x8, scale = x
         elif self.use_triton:
@@ -118,6 +147,11 @@ class Fp8Linear(nn.Module):
                 gate, up = x.chunk(2, dim=-1)
                 x = nn.functional.silu(gate) * up
             x8, scale = quantize_rows(x)
+        if (self.defer_scales and out is None and x8.is_cuda
+                and x8.shape[0] <= DEFER_MAX_TOKENS):  # fmt: skip
+            acc = torch._scaled_mm(x8, self.weight.t(), scale_a=self.unit_scale,
+                                   scale_b=self.unit_scale, out_dtype=torch.float32)
+            return Fp8Output(acc, scale, self.weight_scale, self.out_dtype)
         return self.matmul(x8, scale, out)
 
     def matmul(self, x8: torch.Tensor, scale: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.fp8 import Fp8Activation, Fp8Linear
+from engine.models.fp8 import Fp8Activation, Fp8Linear, Fp8Output
 from microserve.model_config import ModelConfig
 
 
@@ -51,6 +51,7 @@ class RMSNorm(nn.Module):
     `use_triton` (set by `LlamaForCausalLM.use_triton_kernels`) runs the Triton kernel, which
     works in place on x and residual; the torch path allocates. `quant_fp8` (also set there,
     when an fp8 projection follows) returns the normed rows quantized, as an `Fp8Activation`.
+    x may be an fp8 projection's `Fp8Output`, whose scales the kernel applies first.
     """
 
     def __init__(self, hidden_size: int, eps: float):
@@ -60,7 +61,14 @@ class RMSNorm(nn.Module):
         self.use_triton = False
         self.quant_fp8 = False
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | Fp8Output, residual: torch.Tensor | None = None):
+        if isinstance(x, Fp8Output):  # an fp8 projection left its scales to this kernel
+            from engine.kernels.fused import rms_norm_scaled
+
+            if residual is not None:
+                normed = rms_norm_scaled(x, residual, self.weight, self.eps, self.quant_fp8)
+                return (Fp8Activation(*normed) if self.quant_fp8 else normed), residual
+            x = x.materialize()
         if self.quant_fp8:
             from engine.kernels.fused import rms_norm_fp8
 
@@ -237,7 +245,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's MLP output (or the embeddings, residual None); returns
         this layer's MLP output and the residual stream before it."""
-        if self.use_gemv and x.shape[0] == 1:
+        if self.use_gemv and positions.shape[0] == 1:  # x may be an Fp8Output
             return self._forward_one_row(x, residual, positions, rotary, attn)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -380,6 +388,13 @@ class LlamaForCausalLM(nn.Module):
                                (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
                 norm.quant_fp8 = (isinstance(proj, Fp8Linear) and proj.use_triton
                                   and rms_norm_fp8_fits(norm.weight.shape[0]))
+        # o's and down's outputs go to a Triton norm (post-attention, the next layer's input
+        # norm, the final one), which applies their scales at decode sizes (fp8.Fp8Output)
+        for layer in self.model.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                if isinstance(proj, Fp8Linear):
+                    proj.defer_scales = (proj.use_triton
+                                         and rms_norm_fp8_fits(proj.weight.shape[0]))
         self.gemv_logits = gemv
 
     def reset_cache(self) -> None:
