@@ -29,15 +29,16 @@ from microserve.model_files import resolve_model
 
 
 @contextlib.contextmanager
-def hf_fp8_projections(model):
+def hf_fp8_projections(model, quantize_weight=quantize_rows):
     """Within the block, every q/k/v/o/gate/up/down projection of a Hugging Face Llama computes
-    (x8 s_x)(W8 s_w)^T in fp32, as the engine's fp8 path does."""
+    (x8 s_x)(W8 s_w)^T in fp32, as the engine's fp8 path does; `quantize_weight(W) -> (W8,
+    s_w [N, 1] or a scalar)` (default: per output channel, as `--quantization fp8`)."""
     patched = []
     for layer in model.model.layers:
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                      layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                      layer.mlp.down_proj):  # fmt: skip
-            w8, ws = quantize_rows(proj.weight)
+            w8, ws = quantize_weight(proj.weight)
             dequant = w8.float() * ws
 
             def forward(x, dequant=dequant):

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarMatchers
 from engine.kv_exchange import Answer, KVExchange
 from engine.model_runner import ModelRunner, resolve_dtype
+from engine.models import fp8
 from engine.penalties import PenaltyPool, StepAdjustments
 from engine.requests import RequestState, RequestTable
 from engine.sampler import PendingSample, make_generator
@@ -126,7 +127,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             kv_transfer=self.transfer.kind,
-            quantization=config.quantization,
+            quantization="fp8" if fp8.is_quantized(self.runner.model) else None,
             kv_cache_dtype=kv_dtype,
         )
         log.info("engine core ready: %s", self.info)

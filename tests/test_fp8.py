@@ -226,11 +226,13 @@ def test_fp8_gemv_refuses_mismatched_scales():
 
 # ---- the engine with SmolLM2 ------------------------------------------------------------------
 
-def _hf_fp8_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:
-    """HF's greedy loop with every decoder projection computing W8A8 (per-row weights, per-
-    token activations: `bench.fp8_quality.hf_fp8_projections`)."""
+def _hf_fp8_greedy(model_dir: str, prompt: list[int], n: int,
+                   quantize_weight=quantize_rows) -> list[int]:
+    """HF's greedy loop with every decoder projection computing W8A8 (per-row weights unless
+    `quantize_weight` says otherwise, per-token activations:
+    `bench.fp8_quality.hf_fp8_projections`)."""
     tokens = []
-    with torch.no_grad(), hf_fp8_projections(_hf_model(model_dir)) as model:
+    with torch.no_grad(), hf_fp8_projections(_hf_model(model_dir), quantize_weight) as model:
         step = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(n):
             tokens.append(int(step.logits[0, -1].argmax()))

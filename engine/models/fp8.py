@@ -120,6 +120,13 @@ class Fp8Linear(nn.Module):
         self.defer_scales = False
 
     @classmethod
+    def empty(cls, out_features: int, in_features: int, out_dtype: torch.dtype,
+              device: torch.device) -> "Fp8Linear":
+        """Unfilled, for an fp8 checkpoint's weights and scales to be copied in."""
+        return cls(torch.empty(out_features, in_features, dtype=FP8, device=device),
+                   torch.empty(out_features, dtype=torch.float32, device=device), out_dtype)
+
+    @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
         if linear.bias is not None:
@@ -130,6 +137,10 @@ class Fp8Linear(nn.Module):
     @property
     def in_features(self) -> int:
         return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor | Fp8Activation, gated: bool = False,
                 out: torch.Tensor | None = None) -> torch.Tensor | Fp8Output:
@@ -177,11 +188,69 @@ class Fp8Linear(nn.Module):
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> None:
     """Replace every decoder layer's projections with `Fp8Linear`, one at a time, so the peak
-    memory is the model plus one projection's copy."""
+    memory is the model plus one projection's copy (those an fp8 checkpoint filled already
+    stay as they are)."""
     for layer in model.model.layers:
         for path in PROJECTIONS:
             parent_name, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, name)
+            if isinstance(linear, Fp8Linear):
+                continue
             setattr(parent, name, Fp8Linear.from_linear(linear))
             del linear
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+# ---- fp8 checkpoints --------------------------------------------------------------------------
+# A checkpoint quantized ahead of time (llm-compressor's FP8 and FP8-dynamic, fbgemm's fp8, the
+# "fp8" method's per-tensor scales) stores each projection's weight as float8 e4m3 with a
+# `weight_scale` per output channel ([N, 1]) or per tensor ([1] or a scalar). Both are this
+# module's weights: a per-tensor scale is the same scale on every row. Activations are always
+# quantized per token as the step runs: a static `input_scale` is not used (per-token scales
+# are at least as fine as a per-tensor one, so the outputs are close to, not equal to, an
+# engine that applies it). Block-wise scales (`weight_block_size`) and other schemes (int4,
+# int8, nvfp4) are refused by name.
+
+# checkpoint tensors beside an fp8 weight that the engine does not use (see above; the KV
+# cache's k_scale / v_scale: --kv-cache-dtype fp8 uses scale 1)
+CHECKPOINT_UNUSED_SUFFIXES = (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale")
+
+
+def checkpoint_scheme(model_config: dict, where: str = "config.json") -> str | None:
+    """"fp8" when `quantization_config` in a checkpoint's config.json describes fp8 weights
+    with per-channel or per-tensor scales; None when there is none. Raises ValueError naming
+    the method or setting for any other scheme."""
+    qc = model_config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{where}: quantization_config {what} is not supported; this engine "
+                          "reads fp8 checkpoints with per-channel or per-tensor weight scales "
+                          "(compressed-tensors FP8 / FP8-dynamic, fbgemm_fp8, fp8 without "
+                          "weight_block_size), or a 16-bit checkpoint with --quantization fp8")
+
+    if method == "fbgemm_fp8":
+        return "fp8"
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise refuse(f"weight_block_size {qc['weight_block_size']} (block-wise fp8)")
+        return "fp8"
+    if method != "compressed-tensors":
+        raise refuse(f"quant_method {method!r}")
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if (w.get("type"), w.get("num_bits")) != ("float", 8):
+            raise refuse(f"{name} weights {w.get('type')!r} of {w.get('num_bits')} bits")
+        if w.get("strategy") not in ("channel", "tensor"):
+            raise refuse(f"{name} weight strategy {w.get('strategy')!r}")
+        a = group.get("input_activations")
+        if a and (a.get("type"), a.get("num_bits")) != ("float", 8):
+            raise refuse(f"{name} input activations {a.get('type')!r} of "
+                         f"{a.get('num_bits')} bits")
+    return "fp8"

@@ -28,7 +28,9 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `model_dir`'s config.json and load its weights; `quantization`
-    "fp8" then quantizes the decoder layers' projections (engine/models/fp8.py).
+    "fp8" then quantizes the decoder layers' projections (engine/models/fp8.py). A checkpoint
+    whose config.json has an fp8 `quantization_config` loads its fp8 projections as they are
+    stored, with or without `quantization` (fp8.checkpoint_scheme).
 
     Returns the model in eval mode with gradients off, and its config. Raises ValueError naming
     the weights when the checkpoint lacks some the model needs, has ones it does not know, or
@@ -36,11 +38,16 @@ def load_model(
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    config_json = model_dir / "config.json"
+    fp8_checkpoint = fp8.checkpoint_scheme(json.loads(config_json.read_text()),
+                                           where=str(config_json)) == "fp8"  # fmt: skip
     if quantization is not None:
         if quantization not in fp8.QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(fp8.QUANTIZATIONS)} or "
                              f"None; got {quantization!r}")
         fp8.check_supported(torch.device(device))  # before the weights load, not after
+    if fp8_checkpoint:
+        fp8.check_supported(torch.device(device), f"the fp8 checkpoint {model_dir}")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to(dtype=dtype)
@@ -49,7 +56,10 @@ def load_model(
     if marker.is_file():
         _random_weights(model, seed=int(marker.read_text().strip() or 0))
     else:
-        _load_weights(model, _safetensors_files(model_dir))
+        files = _safetensors_files(model_dir)
+        if fp8_checkpoint:
+            _fp8_projections(model, files)
+        _load_weights(model, files, fp8_checkpoint)
     if quantization == "fp8":
         fp8.quantize_model(model)
     model.reset_cache()
@@ -110,16 +120,47 @@ def _checkpoint_target(name: str, fused: dict) -> tuple[str, int, int]:
     return name, 0, -1
 
 
-def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
-    params = dict(model.named_parameters())
+def _fp8_projections(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Make each decoder projection whose checkpoint weights are float8 an empty `Fp8Linear`
+    (a fused one when all its parts are; a checkpoint may leave some projections unquantized,
+    as its `ignore` list says)."""
+    dtypes = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            dtypes |= {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for i, layer in enumerate(model.model.layers):
+        for path in fp8.PROJECTIONS:
+            parent_name, _, name = path.rpartition(".")
+            prefix = f"model.layers.{i}.{parent_name}"
+            stored = [dtypes.get(f"{prefix}.{part}.weight")
+                      for part in parts.get(name, (name,))]  # fmt: skip
+            if all(d != "F8_E4M3" for d in stored):
+                continue
+            if any(d != "F8_E4M3" for d in stored):
+                raise ValueError(f"{files[0].parent}: {prefix}.{name} is stored as "
+                                 f"{stored} for {list(parts.get(name, (name,)))}: the parts of "
+                                 "a fused projection must all be float8 e4m3 or none")
+            parent = layer.get_submodule(parent_name)
+            linear = getattr(parent, name)
+            setattr(parent, name, fp8.Fp8Linear.empty(
+                linear.out_features, linear.in_features, linear.weight.dtype,
+                linear.weight.device))  # fmt: skip
+
+
+def _load_weights(model: LlamaForCausalLM, files: list[Path], fp8_checkpoint: bool = False
+                  ) -> None:
+    # the parameters and the fp8 projections' weight and scale buffers
+    params = dict(model.state_dict(keep_vars=True))
     fused = _fused_rows(model.config)
+    unused = _IGNORED_SUFFIXES + (fp8.CHECKPOINT_UNUSED_SUFFIXES if fp8_checkpoint else ())
     # every (parameter, first row) still to fill; a fused parameter has one entry per part
     missing = {_checkpoint_target(name, fused)[:2]: name for name in _checkpoint_names(params)}
     unexpected = []
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or _is_tied_head(model, name):
+                if name.endswith(unused) or _is_tied_head(model, name):
                     continue
                 target, start, rows = _checkpoint_target(name, fused)
                 if target not in params:
@@ -160,6 +201,13 @@ def _copy_rows(
     param: torch.Tensor, start: int, rows: int, tensor: torch.Tensor, name: str
 ) -> None:
     dest = param if rows == -1 else param[start : start + rows]
+    if name.endswith(".weight_scale") and param.dtype == torch.float32:
+        # an fp8 checkpoint's scales, [N, 1] per channel or [1] / [] per tensor, as [N] fp32
+        tensor = tensor.float().reshape(-1)
+        if tensor.numel() == 1:
+            tensor = tensor.expand(dest.shape[0])
+    elif tensor.dtype == fp8.FP8 and dest.dtype != fp8.FP8:
+        raise ValueError(f"weight {name!r} is float8 e4m3 but its projection is not quantized")
     if dest.shape != tensor.shape:
         raise ValueError(
             f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
