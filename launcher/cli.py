@@ -241,6 +241,27 @@ def _up_args(sub) -> None:
     _secret_args(p, up=True)
 
 
+def _quantize_args(sub) -> None:
+    p = sub.add_parser("quantize", help="write a 16-bit checkpoint's fp8 copy (FP8-dynamic, "
+                                        "compressed-tensors layout), served without --quantization")
+    p.add_argument("model", help="a Hugging Face Llama directory, smollm2-135m-instruct, or "
+                                 "random:llama-3.1-8b")
+    p.add_argument("out", help="a new or empty directory for the copy")
+    p.add_argument("--device", default="cpu",
+                   help="where the weights are quantized (cuda is faster; the result is the same)")
+    p.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file")
+    p.add_argument("--log-level", default="info")
+
+
+def _run_quantize(args) -> None:
+    from engine.models.fp8_export import write_fp8_checkpoint
+    from microserve.model_files import resolve_model
+
+    out = write_fp8_checkpoint(resolve_model(args.model), args.out, device=args.device,
+                               shard_bytes=int(args.shard_gb * (1 << 30)))  # fmt: skip
+    print(f"microserve quantize: wrote {out} (serve it with: microserve engine --model {out})")
+
+
 def _drain_args(sub) -> None:
     p = sub.add_parser("drain", help="drain an engine at a router (a pod's preStop hook) and "
                                      "wait until the router has no call open on it")
@@ -325,6 +346,7 @@ def parser() -> argparse.ArgumentParser:
     _engine_args(sub)
     _router_args(sub)
     _drain_args(sub)
+    _quantize_args(sub)
     return ap
 
 
@@ -337,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
         {"engine": _run_engine, "router": _run_router, "up": _run_up,
-         "drain": _run_drain}[args.command](args)
+         "drain": _run_drain, "quantize": _run_quantize}[args.command](args)
     except (ValueError, RuntimeError, OSError) as e:
         # Start-up problems the user can fix (bad --model, bad sizes, core failed to start).
         print(f"microserve: error: {e}", file=sys.stderr)

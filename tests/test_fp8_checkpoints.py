@@ -194,3 +194,33 @@ def test_an_fp8_dynamic_checkpoint_on_gpu_equals_quantizing_at_load(tiny_model_d
     got = _run(make_core(ckpt, **kw), prompts)
     assert got == _run(make_core(tiny_model_dir, quantization="fp8", **kw), prompts)
     assert len(_run(make_core(ckpt, device="cuda", dtype="bfloat16"), prompts)["r0"]) == 24
+
+
+# ---- microserve quantize ------------------------------------------------------------------------
+
+
+def test_microserve_quantize_writes_a_checkpoint_that_serves_as_quantizing_at_load(
+        tiny_model_dir, tmp_path, capsys):
+    from launcher.cli import main
+
+    out = tmp_path / "tiny-fp8"
+    main(["quantize", tiny_model_dir, str(out), "--shard-gb", "0.0001"])  # several shards
+    assert "microserve quantize: wrote" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    assert index["weight_map"]["model.layers.0.self_attn.k_proj.weight_scale"] in shards
+    assert "lm_head.weight" in index["weight_map"]  # untied head, kept in 16/32 bits
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] == \
+        "channel"
+    assert fp8.checkpoint_scheme(cfg) == "fp8"
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts([2, 30, 70]))}
+    assert _run(make_core(str(out)), prompts) == _run(
+        make_core(tiny_model_dir, quantization="fp8"), prompts)
+    with pytest.raises(SystemExit):  # the directory is not empty: refused, nothing written over
+        main(["quantize", tiny_model_dir, str(out)])
+    assert "is not empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["quantize", str(out), str(tmp_path / "again")])
+    assert "is already quantized (compressed-tensors)" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def _fused_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+def fused_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """HF module name -> (fused module, first row, row count)::
 
         qkv_proj:     [ q: 0 .. q_size | k: q_size .. +kv_size | v: q_size+kv_size .. +kv_size ]
@@ -152,7 +152,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path], fp8_checkpoint: bo
                   ) -> None:
     # the parameters and the fp8 projections' weight and scale buffers
     params = dict(model.state_dict(keep_vars=True))
-    fused = _fused_rows(model.config)
+    fused = fused_rows(model.config)
     unused = _IGNORED_SUFFIXES + (fp8.CHECKPOINT_UNUSED_SUFFIXES if fp8_checkpoint else ())
     # every (parameter, first row) still to fill; a fused parameter has one entry per part
     missing = {_checkpoint_target(name, fused)[:2]: name for name in _checkpoint_names(params)}
