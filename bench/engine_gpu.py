@@ -388,7 +388,6 @@ def main() -> None:
     results["blas"] = runner.BLAS_LIBRARY
     results["eager_blas"] = runner.EAGER_BLAS_LIBRARY
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
-    results["quantization"] = args.quantization
     results["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     core = EngineCore(EngineConfig(
@@ -400,6 +399,8 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
     ))  # fmt: skip
     results["startup_s"] = time.perf_counter() - t
+    # the engine's: an fp8 checkpoint is fp8 without --quantization
+    results["quantization"] = core.info.quantization
     results["max_piecewise_tokens"] = core.config.max_piecewise_tokens
     results["kv_capacity_tokens"] = core.info.kv_capacity_tokens
     vocab = core.info.vocab_size
