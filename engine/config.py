@@ -44,6 +44,10 @@ class EngineConfig:
     # step 27.6 ms eager, 20.0 ms as pieces); beyond, the GPU's time hides them and padding
     # to a bucket would only cost.
     max_piecewise_tokens: int = 1024
+    # CUDA: before it reports ready, the engine serves a few requests of its own (EngineCore
+    # .warm_up) so that the Triton kernels a shape needs compile then, not during the first
+    # user requests of that shape (~1 s each on an H100)
+    warmup: bool = True
     # launch step N before reading step N-1's tokens back; None: on for CUDA, off for CPU
     # (where the host is not waiting on a device and overlap would only delay each token)
     async_scheduling: bool | None = None

@@ -17,6 +17,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +132,43 @@ class EngineCore:
             quantization="fp8" if fp8.is_quantized(self.runner.model) else None,
             kv_cache_dtype=kv_dtype,
         )
+        if self.runner.cuda and config.warmup:
+            log.info("warmed up in %.1f s", self.warm_up())
         log.info("engine core ready: %s", self.info)
+
+    # The start-up requests' prompt lengths, each alone in a step: one per extend tile height
+    # the kernels pick by the longest chunk (16 / 64 / 128 query rows) and a long prompt; then
+    # a batch over the step's token budget (an eager step, a chunk over its own prefix) with
+    # sampled rows beside greedy ones. On an H100 each first request of such a shape waited
+    # ~1 s for Triton's compiles without it (docs/benchmarks.md).
+    WARMUP_LENGTHS = (10, 40, 300, 1024)
+
+    def warm_up(self) -> float:
+        """Serve the start-up requests (random prompts, 3 tokens each), then forget them: their
+        cached pages are dropped and the counters zeroed. Returns the seconds it took."""
+        start = time.monotonic()
+        vocab = self.runner.config.vocab_size
+        rng = random.Random(0)
+        capacity = self.kv.pool.num_pages * self.config.page_size
+        limit = min(self.max_model_len, capacity // 4)  # a small pool: short prompts
+        fits = [n for n in self.WARMUP_LENGTHS if n + 3 <= limit] or [max(1, limit - 3)]
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20,
+                                 logprobs=2, seed=0, ignore_eos=True)  # its own generator
+        mid = fits[min(2, len(fits) - 1)]
+        batch = [(mid, greedy)] * max(1, min(8, self.config.max_num_seqs - 2,
+                                             capacity // (2 * (mid + 3))))
+        batch += [(fits[0], sampled)] * 2
+        for r, requests in enumerate([[(n, greedy)] for n in fits] + [batch]):
+            for i, (n, params) in enumerate(requests):
+                self.add_request(f"warmup-{r}-{i}", [rng.randrange(vocab) for _ in range(n)],
+                                 params)  # fmt: skip
+            while self.has_work():
+                self.step()
+        self.kv.evict_cached()
+        self.counters = dict.fromkeys(self.counters, 0)
+        self.scheduler.num_preemptions = 0
+        return time.monotonic() - start
 
     @staticmethod
     def _resolve_max_model_len(asked: int | None, mc) -> int:

@@ -150,6 +150,11 @@ class KVCacheManager:
             pos += n
         return [(a, n) for a, n in out]
 
+    def evict_cached(self) -> int:
+        """Drop every cached page that no sequence holds and no pin keeps (the engine's own
+        start-up requests, for one). Returns how many pages were freed."""
+        return self.cache.evict(self.cache.num_evictable())
+
     def can_allocate(self, num_pages: int) -> bool:
         free = self.pool.num_free
         return num_pages <= free or num_pages <= free + self.cache.num_evictable()

@@ -72,6 +72,9 @@ def _engine_args(sub) -> None:
     _config_option(p, "--max-model-len", type=int)
     _config_option(p, "--no-prefix-cache", "enable_prefix_cache", action="store_false")
     _config_option(p, "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    _config_option(p, "--skip-warmup", "warmup", action="store_false",
+                   help="CUDA: report ready without serving the start-up requests that compile "
+                        "the kernels first requests would otherwise wait for")
     _config_option(p, "--max-piecewise-tokens", type=int,
                    help="CUDA: steps with prompt tokens, up to this many in all, replay "
                         "piecewise CUDA graphs, attention eager (default: 1024; 0: eager)")

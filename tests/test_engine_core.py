@@ -127,6 +127,26 @@ def test_tiny_abort_frees_pages(tiny_model_dir, overlap):
     assert core.kv.stats().used_pages == 0
 
 
+@pytest.mark.parametrize("num_pages", [256, 40])
+def test_the_start_up_requests_leave_nothing_behind(tiny_model_dir, tiny_ref, num_pages):
+    """A CUDA engine serves its warm-up requests before it reports ready (here called on CPU,
+    where start-up skips it): afterwards no request, held or cached page, counter or
+    preemption remains, and the engine answers as one that never ran them. 40 pages of 4
+    tokens: the warm-up shortens its prompts to fit."""
+    core = make_core(tiny_model_dir, num_pages=num_pages)
+    assert core.warm_up() > 0
+    stats = core.kv.stats()
+    assert (stats.used_pages, stats.cached_pages, stats.free_pages) == (0, 0, num_pages)
+    assert core.counters == dict.fromkeys(core.counters, 0)
+    assert core.scheduler.num_preemptions == 0 and not core.has_work()
+    assert len(core.requests) == 0
+    core.check_integrity()
+    prompts, ref = tiny_ref
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"][0] == expected, f"prompt {i}"
+
+
 def test_bad_requests_are_refused_with_numbers(tiny_model_dir):
     core = make_core(tiny_model_dir, num_pages=8, max_model_len=100)
     with pytest.raises(ValueError, match=r"prompt \(90 tokens\) \+ max_tokens \(20\) = 110 exceeds "
