@@ -568,7 +568,7 @@ def test_leases_are_finite_and_bounded(pair, prompts):
         assert (e.value.status, e.value.param) == (400, "lease_s")
         assert str(e.value) == (f"lease_s {lease_s} must be in (0, 600.0] (this engine's "
                                 "--kv-lease-max-s)")
-    r = d.exchange.prep_recv("lease", prompts[0], -1, 600.0)  # the maximum is fine
+    d.exchange.prep_recv("lease", prompts[0], -1, 600.0)  # the maximum is fine
     assert d.requests.get("lease").reservation.deadline <= time.monotonic() + 600.0
     d.exchange.abort("lease")
     assert_clean(p, d)
@@ -658,7 +658,7 @@ def test_prep_recv_waits_in_order_for_pages_and_the_waited_reservation_works(
 
 
 def test_a_waiting_prep_recv_gives_up_after_wait_s_or_when_aborted(pair, small_d, prompts):
-    p, d = pair[0], small_d
+    d = small_d
     reset(d)
     d.exchange.prep_recv("hog", prompts[2], -1, None)
     before = d.stats().kv_recv_wait_timeouts
@@ -688,7 +688,7 @@ def test_a_waiting_prep_recv_gives_up_after_wait_s_or_when_aborted(pair, small_d
 def test_prep_recv_leaves_a_page_for_each_running_sequence(pair, small_d, prompts):
     """Reserving must not make D's next decode step preempt: one free page per running
     sequence stays free (or evictable)."""
-    p, d = pair[0], small_d
+    d = small_d
     reset(d)
     d.add_request("run", prompts[3], greedy(4))  # 23 tokens + 4: 7 pages once running
     d.step()
@@ -760,7 +760,7 @@ def test_a_closed_window_stops_the_sender_before_it_computes(tiny_model_dir, pro
 
 
 def test_a_smaller_call_behind_a_head_that_leaves_is_tried_at_once(pair, small_d, prompts):
-    p, d = pair[0], small_d
+    d = small_d
     reset(d)
     d.exchange.prep_recv("hog", prompts[2], -1, None)  # 15 of 24 pages
     assert d.exchange.prep_recv("big", prompts[0], -1, None) is None  # 11: waits

@@ -449,7 +449,7 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
     """bench.strategies on the running deployment: each strategy swapped in through the admin
     API, Poisson arrivals at rate x engines, every request answered, and the engines' counters
     show exactly where the prompt tokens were computed and how many KV tokens moved."""
-    from bench.strategies import main_async, parser, schedule, WORKLOADS, parse_lengths
+    from bench.strategies import main_async, parse_lengths, parser, schedule
 
     argv = ["--base-url", up.url, "--admin-token", ADMIN, "--rates", "4",
             "--duration-s", "1", "--min-requests", "6", "--input-len", "40:3",
