@@ -147,6 +147,14 @@ def test_the_start_up_requests_leave_nothing_behind(tiny_model_dir, tiny_ref, nu
         assert got[f"r{i}"][0] == expected, f"prompt {i}"
 
 
+def test_the_warm_up_is_on_by_default_and_skip_warmup_turns_it_off():
+    from launcher.cli import parser
+
+    assert parser().parse_args(["engine"]).warmup is True
+    assert parser().parse_args(["engine", "--skip-warmup"]).warmup is False
+    assert EngineConfig(model="x").warmup is True
+
+
 def test_bad_requests_are_refused_with_numbers(tiny_model_dir):
     core = make_core(tiny_model_dir, num_pages=8, max_model_len=100)
     with pytest.raises(ValueError, match=r"prompt \(90 tokens\) \+ max_tokens \(20\) = 110 exceeds "
