@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.models.loader import fused_rows, load_model
+from engine.models.loader import fused_parts, load_model
 from microserve.model_config import ModelConfig
 from microserve.random_models import RANDOM_WEIGHTS_MARKER
 
@@ -71,10 +71,7 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, device: str
 def _hf_tensors(model) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face's names, fused projections split back into their
     parts; an fp8 projection as its weight and `weight_scale` [rows, 1] (fp32)."""
-    fused = fused_rows(model.config)
-    parts: dict[str, list[tuple[str, int, int]]] = {}
-    for hf, (module, start, rows) in fused.items():
-        parts.setdefault(module, []).append((hf, start, rows))
+    parts = fused_parts(model.config)
     out = {}
     for name, tensor in model.state_dict().items():
         module_path, _, kind = name.rpartition(".")

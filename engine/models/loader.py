@@ -110,6 +110,14 @@ def fused_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
+def fused_parts(config: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """`fused_rows` the other way: fused module -> its HF parts, each (name, first row, rows)."""
+    parts: dict[str, list[tuple[str, int, int]]] = {}
+    for hf, (module, start, rows) in fused_rows(config).items():
+        parts.setdefault(module, []).append((hf, start, rows))
+    return parts
+
+
 def _checkpoint_target(name: str, fused: dict) -> tuple[str, int, int]:
     """(parameter name, first row, row count or -1 for all) that checkpoint tensor `name` fills."""
     module_path, _, tensor = name.rpartition(".")  # "model.layers.0.self_attn.q_proj", "weight"
@@ -128,19 +136,19 @@ def _fp8_projections(model: LlamaForCausalLM, files: list[Path]) -> None:
     for path in files:
         with safe_open(path, framework="pt") as f:
             dtypes |= {name: f.get_slice(name).get_dtype() for name in f.keys()}
-    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    fused = fused_parts(model.config)
     for i, layer in enumerate(model.model.layers):
         for path in fp8.PROJECTIONS:
             parent_name, _, name = path.rpartition(".")
             prefix = f"model.layers.{i}.{parent_name}"
-            stored = [dtypes.get(f"{prefix}.{part}.weight")
-                      for part in parts.get(name, (name,))]  # fmt: skip
+            parts = [hf for hf, _, _ in fused.get(name, [(name, 0, 0)])]
+            stored = [dtypes.get(f"{prefix}.{part}.weight") for part in parts]
             if all(d != "F8_E4M3" for d in stored):
                 continue
             if any(d != "F8_E4M3" for d in stored):
-                raise ValueError(f"{files[0].parent}: {prefix}.{name} is stored as "
-                                 f"{stored} for {list(parts.get(name, (name,)))}: the parts of "
-                                 "a fused projection must all be float8 e4m3 or none")
+                raise ValueError(f"{files[0].parent}: {prefix}.{name} is stored as {stored} "
+                                 f"for {parts}: the parts of a fused projection must all be "
+                                 "float8 e4m3 or none")
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, name)
             setattr(parent, name, fp8.Fp8Linear.empty(
