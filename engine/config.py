@@ -63,6 +63,9 @@ class EngineConfig:
     # half the bytes of bf16, so twice the tokens in the same memory and half the KV a
     # decode step reads. Engines exchange KV only with engines of the same KV dtype.
     kv_cache_dtype: str = "auto"
+    # While it works, the core logs its steps, throughput, load and where its time went every
+    # this many seconds (engine/loop_stats.py); 0: never
+    log_stats_interval_s: float = 10.0
     seed: int = 0  # engine-wide generator for requests without a seed
     # torch's CPU threads; None: torch's default (every core). Engines sharing a host must
     # split the cores: two engines each spinning on every core run ~10x slower (measured).
@@ -101,6 +104,9 @@ class EngineConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if not 0 <= self.log_stats_interval_s < float("inf"):  # NaN fails too
+            raise ValueError(f"log_stats_interval_s must be a number of seconds >= 0 (0: never), "
+                             f"got {self.log_stats_interval_s}")
         if self.max_piecewise_tokens < 0:
             raise ValueError(f"max_piecewise_tokens must be >= 0, got {self.max_piecewise_tokens}")
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -19,13 +19,14 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarMatchers
 from engine.kv_exchange import Answer, KVExchange
+from engine.loop_stats import LoopCounters
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models import fp8
 from engine.penalties import PenaltyPool, StepAdjustments
@@ -115,6 +116,7 @@ class EngineCore:
         self.stalled = False
         self._pending_rows: dict[str, int] = {}  # seq id -> its row in the last launch's sample
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
+        self.loop = LoopCounters()  # steps and tokens here; the core process adds its time
         self.info = EngineInfo(
             model_name=mc.name,
             model_dir=str(config.model),
@@ -167,6 +169,7 @@ class EngineCore:
                 self.step()
         self.kv.evict_cached()
         self.counters = dict.fromkeys(self.counters, 0)
+        self.loop.reset()
         self.scheduler.num_preemptions = 0
         return time.monotonic() - start
 
@@ -366,6 +369,15 @@ class EngineCore:
             self._sample(launched)
         return outputs
 
+    def _count(self, sched: SchedulerOutput) -> None:
+        loop = self.loop
+        loop.steps += 1
+        for e in sched.scheduled:
+            start, seq = e.seq.num_computed_tokens, e.seq
+            loop.prompt_tokens_computed += max(0, min(start + e.num_new_tokens,
+                                                      seq.num_prompt_tokens) - start)
+            loop.tokens_sampled += e.sample
+
     def _constrains(self, launched: "_Launched") -> bool:
         return len(self.grammars) > 0 and any(
             seq.request_id in self.grammars for seq, _ in launched.sampled)
@@ -376,6 +388,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
+        self._count(sched)
         batch, input_ids, sample_rows, from_last, sends = self._build_batch(sched)
         sampled = [e.seq for e in sched.scheduled if e.sample]
         # Params, generators and adjustments now: a sequence may be removed before a deferred
@@ -439,7 +452,11 @@ class EngineCore:
 
     def _resolve(self, launched: "_Launched") -> list[TokenOutput]:
         """Read a launched step's tokens back; emit outputs, finish and free sequences."""
-        result = launched.pending.result() if launched.pending is not None else None
+        result = None
+        if launched.pending is not None:
+            waited = time.perf_counter()
+            result = launched.pending.result()
+            self.loop.device_wait_seconds += time.perf_counter() - waited
         outputs, done = [], list(launched.length_done)
         constrained = []  # requests whose grammar goes on: their next masks are computed below
         for k, (seq, slot) in enumerate(launched.sampled):
@@ -514,6 +531,7 @@ class EngineCore:
             preemptions=self.scheduler.num_preemptions,
             **self.counters,
             **self.exchange.stats(),
+            **asdict(self.loop),
         )
 
     def check_integrity(self) -> None:

@@ -32,6 +32,7 @@ import traceback
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.loop_stats import LoopClock, StatsLog
 from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
 from microserve.messages import (
@@ -78,6 +79,8 @@ class CoreLoop:
         # request id -> id of the remote_send (or waiting prep_recv) call to answer
         self.sends: dict[str, int] = {}
         self.failed_steps = 0  # steps in a row that raised
+        self.clock = LoopClock(core.loop)
+        self.stats_log = StatsLog(core.config.log_stats_interval_s)
 
     def send(self, msg: Frame) -> None:
         self.sock.sendall(encode(msg))
@@ -97,6 +100,7 @@ class CoreLoop:
             exchange.admit_waiting(now)
             if self._answer_sends():
                 stalled = False
+            self.clock.charge("message")
             busy = self.core.has_work() and not stalled
             # Once work ends, the KV bookkeeping is checked (it catches a leak right where it
             # starts), but only after CHECK_AFTER_IDLE_S without news: the check walks the
@@ -104,10 +108,9 @@ class CoreLoop:
             # as the last one ends must not wait for it.
             check_due = check_due or (was_busy and not busy)
             was_busy = busy
-            timeout = 0 if busy else self._idle_timeout()
-            if check_due and not busy:
-                timeout = CHECK_AFTER_IDLE_S if timeout is None else min(timeout,
-                                                                         CHECK_AFTER_IDLE_S)
+            timeout = 0 if busy else _earliest(
+                self._idle_timeout(), CHECK_AFTER_IDLE_S if check_due else None,
+                self.stats_log.wait_at_most(now, self.core.loop))
             # A stalled engine waits, like an idle one, for a message, a finished send or a
             # deadline, instead of spinning on steps that schedule nothing.
             if self._receive(timeout=timeout):
@@ -115,16 +118,23 @@ class CoreLoop:
             elif check_due and not busy:
                 self.core.check_integrity()
                 check_due = False
+            self.clock.charge("message")
             if self.running and self.core.has_work() and not stalled:
                 try:
                     outputs = self.core.step()
                 except Exception as e:  # our bug: it fails the step's requests, not the engine
                     self._fail_step(e)
                     continue
+                finally:
+                    self.clock.charge("step")
                 self.failed_steps = 0
                 stalled = self.core.stalled
                 if outputs:
                     self.send(Outputs(outputs))
+                    self.clock.charge("send")
+            now = time.monotonic()
+            if self.stats_log.due(now):
+                self.stats_log.log(now, self.core.loop, self.core.stats())
 
     def _fail_step(self, error: Exception) -> None:
         """Fail every request in the engine (which of them made the step raise is unknown),
@@ -150,6 +160,7 @@ class CoreLoop:
         from the KV sender (a send completed or failed), so remote_send answers may be due."""
         wakeup = self.core.wakeup_fd
         ready, _, _ = select.select([self.sock, wakeup], [], [], timeout)
+        self.clock.charge("idle")
         if wakeup in ready:
             os.read(wakeup, 4096)
         if self.sock in ready:
@@ -255,6 +266,11 @@ class CoreLoop:
             else:
                 self._reply(call_id, outcome)
         return bool(answers)
+
+
+def _earliest(*timeouts: float | None) -> float | None:
+    given = [t for t in timeouts if t is not None]
+    return min(given) if given else None
 
 
 def main(argv: list[str] | None = None) -> int:

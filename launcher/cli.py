@@ -81,6 +81,10 @@ def _engine_args(sub) -> None:
     _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
                    help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
     _config_option(p, "--seed", type=int)
+    _config_option(p, "--log-stats-interval", "log_stats_interval_s", type=float,
+                   metavar="SECONDS",
+                   help="while it works, the engine logs its throughput, load and where its "
+                        "core's time went every this many seconds (default: 10; 0: never)")
     _tool_call_parser_arg(p)
     _config_option(p, "--cpu-threads", type=int,
                    help="torch CPU threads (default: every core); engines sharing a host "

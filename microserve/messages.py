@@ -400,6 +400,15 @@ class EngineStats:
     kv_tokens_received: int
     kv_recv_waited: int  # prep_recv calls that had to wait for pages
     kv_recv_wait_timeouts: int  # ... and waited their wait_s in vain (503)
+    # The core's steps and where its time went (engine/loop_stats.py)
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # through the forward pass (cached ones not)
+    tokens_sampled: int = 0
+    step_seconds: float = 0.0  # scheduling, launching, waiting for the GPU's last step
+    device_wait_seconds: float = 0.0  # of step_seconds: waiting for the sampled tokens
+    send_seconds: float = 0.0  # writing outputs to the frontend
+    message_seconds: float = 0.0  # handling the frontend's requests and calls
+    idle_seconds: float = 0.0  # waiting with nothing to run
 
 
 # -- frames between an engine's frontend and its core (engine/frontend/, engine/core_proc.py) --

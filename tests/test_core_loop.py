@@ -9,8 +9,12 @@ device) end the loop, so a supervisor restarts the engine.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import re
 import socket
 import threading
+import time
 
 import pytest
 from conftest import hf_greedy
@@ -19,8 +23,9 @@ from test_engine_core import greedy
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_proc import MAX_FAILED_STEPS, CoreLoop
-from microserve.messages import (CheckIntegrity, FromCore, Generate, Invoke, Outputs, Rejected,
-                                 Reply, Shutdown, Stats)
+from engine.loop_stats import LoopCounters, StatsLog, format_line
+from microserve.messages import (CheckIntegrity, EngineStats, FromCore, Generate, Invoke,
+                                 Outputs, Rejected, Reply, Shutdown, Stats)
 from microserve.wire import FrameDecoder, encode
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120, 64]
@@ -138,3 +143,49 @@ def test_steps_that_keep_failing_end_the_loop(harness, monkeypatch):
     harness.thread.join(30)
     assert not harness.thread.is_alive()
     assert str(harness.error) == f"{MAX_FAILED_STEPS} engine steps in a row failed"
+
+
+def test_the_core_counts_its_steps_and_logs_them_while_it_works(tiny_model_dir, caplog):
+    """The Stats call carries the core's steps, tokens and time; the line it logs every
+    interval counts the same steps, and an idle core logs the last interval's without news."""
+    caplog.set_level(logging.INFO, logger="microserve.core")
+    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64,
+                                   log_stats_interval_s=0.2))
+    h = LoopHarness(core)
+    try:
+        assert h.generate("a") == hf_greedy(tiny_model_dir, [PROMPT], N_NEW)[0]
+        time.sleep(0.5)  # idle: the line of the interval with the steps is logged all the same
+        h.send(Invoke(1, Stats()))
+        stats = EngineStats(**h.receive().result)
+    finally:
+        h.stop()
+        core.close()
+    # One step per token (CPU: no async scheduling), the first one over the whole prompt.
+    assert (stats.steps, stats.prompt_tokens_computed, stats.tokens_sampled) == (
+        N_NEW, len(PROMPT), N_NEW)
+    spent = (stats.step_seconds, stats.send_seconds, stats.message_seconds, stats.idle_seconds)
+    assert all(t > 0 for t in spent) and stats.idle_seconds > 0.4
+    assert 0 < stats.device_wait_seconds < stats.step_seconds
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")]
+    assert sum(int(re.search(r"s: (\d+) steps", line)[1]) for line in lines) == N_NEW, lines
+    assert "running 0, waiting 0, preempted 0; KV 0.0% used" in lines[-1]
+
+
+def test_the_stats_line_reports_the_interval_exactly():
+    before = LoopCounters(steps=10, prompt_tokens_computed=1000, tokens_sampled=100,
+                          step_seconds=1.0, device_wait_seconds=0.5, send_seconds=0.1,
+                          message_seconds=0.1, idle_seconds=0.0)
+    after = LoopCounters(steps=110, prompt_tokens_computed=21000, tokens_sampled=6100,
+                         step_seconds=1.97, device_wait_seconds=1.2, send_seconds=0.12,
+                         message_seconds=0.11, idle_seconds=0.0)
+    stats = EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
+    stats.running, stats.waiting, stats.kv_pages_total = 64, 3, 1000
+    stats.kv_pages_used, stats.kv_pages_cached = 500, 25
+    stats.prompt_tokens, stats.cached_prompt_tokens = 4000, 1000
+    assert format_line(1.0, before, after, stats) == (
+        "engine: 1.0 s: 100 steps (9.7 ms), prompt 20,000 tok/s, generation 6,000 tok/s; "
+        "running 64, waiting 3, preempted 0; KV 50.0% used, 2.5% cached; prefix cache hits "
+        "25.0% of prompt tokens (since start); core time: steps 97.0% (waiting for the device "
+        "70.0%), outputs to frontend 2.0%, messages 1.0%, idle 0.0%")
+    log = StatsLog(0.0)
+    assert not log.due(1e9) and log.wait_at_most(0.0, after) is None  # 0: never

@@ -155,6 +155,16 @@ def test_the_warm_up_is_on_by_default_and_skip_warmup_turns_it_off():
     assert EngineConfig(model="x").warmup is True
 
 
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
+def test_the_stats_interval_is_checked(seconds):
+    from launcher.cli import parser
+
+    assert parser().parse_args(["engine", "--log-stats-interval", "0"]).log_stats_interval_s == 0
+    assert EngineConfig(model="x").log_stats_interval_s == 10.0
+    with pytest.raises(ValueError, match=f"log_stats_interval_s must be .* got {seconds}"):
+        EngineConfig(model="x", log_stats_interval_s=seconds)
+
+
 def test_bad_requests_are_refused_with_numbers(tiny_model_dir):
     core = make_core(tiny_model_dir, num_pages=8, max_model_len=100)
     with pytest.raises(ValueError, match=r"prompt \(90 tokens\) \+ max_tokens \(20\) = 110 exceeds "

@@ -464,6 +464,12 @@ def test_metrics_count_requests_tokens_and_kv_pages(client, engine):
     assert delta("microserve_prompt_tokens_total") == 4
     assert delta("microserve_generation_tokens_total") == 3
     assert delta("microserve_engine_generation_tokens_total") == 3
+    # the core's steps (CPU: one per token) and what went through them
+    assert delta("microserve_engine_steps_total") == 3
+    assert delta("microserve_engine_tokens_sampled_total") == 3
+    assert delta("microserve_engine_prompt_tokens_computed_total") == 4 - delta(
+        "microserve_prefix_cache_hit_tokens_total")
+    assert delta("microserve_engine_step_seconds_total") > 0
     assert metric(after, "microserve_engine_kv_pages_total") == 256
     assert metric(after, "microserve_engine_kv_pages_free") == stats["kv_pages_free"]
     assert metric(after, "microserve_engine_kv_pages_used") == 0

@@ -295,6 +295,14 @@ _STAT_HELP = {
     "kv_leases_expired": ("counter", "prep_recv reservations freed because their lease ran out"),
     "kv_tokens_sent": ("counter", "Tokens of KV written into peers by remote_send"),
     "kv_tokens_received": ("counter", "Tokens of KV received from peers and adopted"),
+    "steps": ("counter", "Steps the engine core ran"),
+    "prompt_tokens_computed": ("counter", "Prompt tokens through the forward pass (not cached)"),
+    "tokens_sampled": ("counter", "Tokens sampled"),
+    "step_seconds": ("counter", "Core time in steps: scheduling, launching, waiting for the GPU"),
+    "device_wait_seconds": ("counter", "Of the step time: waiting for the sampled tokens"),
+    "send_seconds": ("counter", "Core time writing outputs to the frontend"),
+    "message_seconds": ("counter", "Core time handling the frontend's requests and calls"),
+    "idle_seconds": ("counter", "Core time waiting with nothing to run"),
 }
 
 

@@ -1,0 +1,115 @@
+"""What an engine's core did and where its time went.
+
+`LoopCounters` are cumulative (the microserving stats and Prometheus on /metrics carry them);
+`StatsLog` turns two snapshots of them into the line the core logs every few seconds while it
+works, the line an operator of vLLM ("Avg prompt throughput ... Running: N reqs") or SGLang
+("Decode batch. #running-req ...") reads to see whether the engine keeps its GPU busy:
+
+    engine: 10.0 s: 612 steps (16.3 ms), prompt 40,120 tok/s, generation 3,210 tok/s;
+    running 256, waiting 144, preempted 0; KV 91.2% used, 2.1% cached; prefix cache hits
+    0.0% of prompt tokens (since start); core time: steps 97.8% (waiting for the device
+    71.5%), outputs to frontend 1.1%, messages 0.9%, idle 0.2%
+
+The core's time splits four ways: `step` (scheduling, launching a step and, with async
+scheduling, waiting for the GPU to finish the step before it: `device_wait`), `send` (writing
+outputs to the frontend: a frontend that cannot keep up shows here, as the socket fills),
+`messages` (handling the frontend's requests and calls) and `idle` (waiting with nothing that
+could run).
+A GPU-bound engine spends nearly all of it in `step`, most of that waiting for the device; a
+host-bound one in `step` with little waiting (the GPU then waits for the host's launches).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields, replace
+
+log = logging.getLogger("microserve.core")
+
+
+@dataclass
+class LoopCounters:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens through the forward pass (cached ones not)
+    tokens_sampled: int = 0  # tokens sampled, of running and finished requests alike
+    step_seconds: float = 0.0
+    device_wait_seconds: float = 0.0  # of step_seconds: waiting for a step's sampled tokens
+    send_seconds: float = 0.0
+    message_seconds: float = 0.0
+    idle_seconds: float = 0.0
+
+    def snapshot(self) -> "LoopCounters":
+        return replace(self)
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+
+class LoopClock:
+    """Charges the time since its last charge to one of LoopCounters' *_seconds fields."""
+
+    def __init__(self, counters: LoopCounters):
+        self.counters = counters
+        self._last = time.perf_counter()
+
+    def charge(self, what: str) -> None:
+        now = time.perf_counter()
+        name = f"{what}_seconds"
+        setattr(self.counters, name, getattr(self.counters, name) + now - self._last)
+        self._last = now
+
+
+class StatsLog:
+    """Logs the core's line every `interval_s` seconds in which it took a step (never if 0)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._since = time.monotonic()
+        self._before = LoopCounters()
+
+    def due(self, now: float) -> bool:
+        return self.interval_s > 0 and now - self._since >= self.interval_s
+
+    def wait_at_most(self, now: float, counters: LoopCounters) -> float | None:
+        """How long an idle core may wait before the line of steps not yet logged is due."""
+        if self.interval_s <= 0 or counters.steps == self._before.steps:
+            return None
+        return max(0.0, self._since + self.interval_s - now)
+
+    def log(self, now: float, counters: LoopCounters, stats) -> str | None:
+        """Log (and return) the line for the time since the last one, if the core took a step
+        in it; `stats` is the core's EngineStats."""
+        elapsed, self._since = now - self._since, now
+        before, self._before = self._before, counters.snapshot()
+        steps = counters.steps - before.steps
+        if steps <= 0:
+            return None
+        line = format_line(elapsed, before, counters, stats)
+        log.info("%s", line)
+        return line
+
+
+def format_line(elapsed: float, before: LoopCounters, after: LoopCounters, stats) -> str:
+    def delta(name: str):
+        return getattr(after, name) - getattr(before, name)
+
+    steps = delta("steps")
+    prompt, sampled = delta("prompt_tokens_computed"), delta("tokens_sampled")
+    spent = {what: delta(f"{what}_seconds") for what in ("step", "send", "message", "idle")}
+    total = sum(spent.values()) or 1.0
+    pages = stats.kv_pages_total or 1
+    prompts = stats.prompt_tokens or 1
+    return (
+        f"engine: {elapsed:.1f} s: {steps} steps ({1e3 * spent['step'] / steps:.1f} ms), "
+        f"prompt {prompt / elapsed:,.0f} tok/s, generation {sampled / elapsed:,.0f} tok/s; "
+        f"running {stats.running}, waiting {stats.waiting}, preempted {stats.preemptions}; "
+        f"KV {100 * stats.kv_pages_used / pages:.1f}% used, "
+        f"{100 * stats.kv_pages_cached / pages:.1f}% cached; prefix cache hits "
+        f"{100 * stats.cached_prompt_tokens / prompts:.1f}% of prompt tokens (since start); "
+        f"core time: steps {100 * spent['step'] / total:.1f}% (waiting for the device "
+        f"{100 * delta('device_wait_seconds') / total:.1f}%), outputs to frontend "
+        f"{100 * spent['send'] / total:.1f}%, messages {100 * spent['message'] / total:.1f}%, "
+        f"idle {100 * spent['idle'] / total:.1f}%"
+    )
