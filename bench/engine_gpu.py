@@ -23,6 +23,7 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
   mixed      64 sequences decoding at context ~512 and a new 128-token prompt every step:
              step wall time against GPU time, and the decode-only step beside it
   mixed512   the same with 512-token prompts (576-token steps)
+  mixed1200  the same with 1,200-token prompts (1,264-token steps)
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -232,6 +233,7 @@ class StepTimer:
 def offline(core: EngineCore, vocab: int, n: int = 1000, cprofile: bool = False,
             input_len: int | tuple[int, int] = (128, 2048),
             output_len: tuple[int, int] = (128, 1024)) -> dict:
+    core.kv.evict_cached()  # a repeat of the figure (same prompts) must not find them cached
     rng = random.Random(5)
     n_out = [rng.randint(*output_len) for _ in range(n)]
     ps = prompts(n, input_len, vocab, 6)
@@ -337,6 +339,7 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
            "decode256short": decode_short, "mixed": mixed,
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
+           "mixed1200": lambda core, vocab: mixed(core, vocab, chunk=1200),
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),
            "serve400": lambda core, vocab: offline(core, vocab, n=400, input_len=1024,
                                                    output_len=(128, 128)),
