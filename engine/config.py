@@ -39,11 +39,12 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     # CUDA: steps with prompt tokens, up to this many tokens in all, replay piecewise CUDA
-    # graphs (attention eager between them; engine/cuda_graphs.py); 0: they run eagerly. Up
-    # to ~1,000 tokens an 8B model's eager step waited on Python's launches (H100: a 576-token
-    # step 27.6 ms eager, 20.0 ms as pieces); beyond, the GPU's time hides them and padding
-    # to a bucket would only cost.
-    max_piecewise_tokens: int = 1024
+    # graphs (attention eager between them; engine/cuda_graphs.py); 0: they run eagerly. An
+    # 8B model's eager step waits on Python's launches (H100: a 576-token step 27.6 ms eager,
+    # 20.0 ms as pieces), and with fp8 weights so does a full 2,048-token step (the CUDA
+    # default budget): 48 ms eager against 40 ms as pieces on one host. Steps above it run
+    # eagerly (the step budget caps it anyway).
+    max_piecewise_tokens: int = 2048
     # CUDA: before it reports ready, the engine serves a few requests of its own (EngineCore
     # .warm_up) so that the Triton kernels a shape needs compile then, not during the first
     # user requests of that shape (~1 s each on an H100)

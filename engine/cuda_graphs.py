@@ -27,7 +27,10 @@ against ~6 ms of GPU work for 16 tokens. Two kinds of graphs take the launches o
   nothing (slot -1); attention runs on the real rows only.
 
 Each kind captures its buckets largest first, so the smaller ones reuse the memory pool. Steps
-larger than every bucket run eagerly (their GPU time exceeds the launch cost).
+larger than every bucket run eagerly: at ~8,000 tokens their GPU time hides the launches, but
+at the CUDA default step budget (2,048) it does not always. An fp8 8B step of 2,048 tokens beside
+~200 decodes takes ~40 ms of GPU time, and its eager launches took 40-48 ms of host time on one
+H100 host and less on another (2026-11-25, docs/benchmarks.md), hence buckets up to 2,048.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from kvcache.paged import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-PIECE_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1536, 2048)
+PIECE_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792,
+                 2048)
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
            448, 512)
 

@@ -77,7 +77,7 @@ def _engine_args(sub) -> None:
                         "the kernels first requests would otherwise wait for")
     _config_option(p, "--max-piecewise-tokens", type=int,
                    help="CUDA: steps with prompt tokens, up to this many in all, replay "
-                        "piecewise CUDA graphs, attention eager (default: 1024; 0: eager)")
+                        "piecewise CUDA graphs, attention eager (default: 2048; 0: eager)")
     _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
                    help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
     _config_option(p, "--seed", type=int)
