@@ -270,13 +270,15 @@ class KVCacheManager:
     # ---- accounting -----------------------------------------------------------------------------
 
     def stats(self) -> KVStats:
-        held = {p for t in self._tables.values() for p in t}
-        cached_only = self.cache.num_pages - len(held.intersection(self.cache.all_pages()))
+        """O(pinned pages), not O(pool): routers ask twice a second, between steps. A page in
+        use is held by page tables, the prefix cache or both (check_integrity), so those held
+        by tables are the ones in use less those only the cache holds."""
+        pool, cached_only = self.pool, self.cache.num_sole_pages()
         return KVStats(
-            total_pages=self.pool.num_pages,
-            free_pages=self.pool.num_free,
+            total_pages=pool.num_pages,
+            free_pages=pool.num_free,
             cached_pages=cached_only,
-            used_pages=len(held),
+            used_pages=pool.num_pages - pool.num_free - cached_only,
             pinned_pages=self.cache.num_pinned_pages(),
         )
 
@@ -295,6 +297,13 @@ class KVCacheManager:
         for p, n in enumerate(holders):
             if self.pool.refcount(p) != n:
                 raise IntegrityError(f"page {p}: refcount {self.pool.refcount(p)} != {n}")
+        held = {p for t in self._tables.values() for p in t}
+        counted = self.stats()
+        if (counted.used_pages, counted.cached_pages) != (len(held), self.cache.num_pages - len(
+                held.intersection(self.cache.all_pages()))):
+            raise IntegrityError(f"stats count {counted.used_pages} used and "
+                                 f"{counted.cached_pages} cached-only pages; the tables hold "
+                                 f"{len(held)}")
         s = self.stats()
         if s.free_pages + s.cached_pages + s.used_pages != s.total_pages:
             raise IntegrityError(f"free + cached + used pages != total: {s}")

@@ -80,6 +80,7 @@ class PrefixCache:
         self._root = _Node([], [], None, 0, next(self._uids))
         self._clock = 0
         self.num_pages = 0  # pages currently in the tree
+        self._pinned: set[_Node] = set()  # nodes with pin_count > 0 (stats walk only these)
         self._heap: list[tuple[int, int, _Node]] = []  # (last_access, uid, leaf), lazily
 
     # ---- lookup -------------------------------------------------------------------------------
@@ -128,6 +129,8 @@ class PrefixCache:
                       next(self._uids))
         upper.last_access = node.last_access
         upper.pin_count = node.pin_count  # a pin covers both halves of a pinned edge
+        if upper.pin_count:
+            self._pinned.add(upper)
         node.parent.children[tuple(node.key[: self.page_size])] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
         node.start += cut
@@ -202,6 +205,7 @@ class PrefixCache:
             node.pin_count += 1
             if node.pin_count == 1:
                 self.pool.mark_evictable(node.pages, False)
+                self._pinned.add(node)
             node = node.parent
         return len(pages) * self.page_size
 
@@ -218,6 +222,7 @@ class PrefixCache:
             n.pin_count -= 1
             if n.pin_count == 0:
                 self.pool.mark_evictable(n.pages, True)
+                self._pinned.discard(n)
                 if not n.children:
                     self._push_leaf(n)
         return len(pages) * self.page_size
@@ -291,9 +296,13 @@ class PrefixCache:
         return [p for node in self._iter_nodes() for p in node.pages]
 
     def num_pinned_pages(self) -> int:
-        return sum(
-            len(n.pages) for n in self._iter_nodes() if n.pin_count > 0 and n is not self._root
-        )
+        return sum(len(n.pages) for n in self._pinned)
+
+    def num_sole_pages(self) -> int:
+        """Pages in the tree that nothing else holds (no page table): the evictable ones and
+        those pinned. O(pinned pages)."""
+        rc = self.pool.refcount
+        return self.pool.num_evictable + sum(rc(p) == 1 for n in self._pinned for p in n.pages)
 
     def _iter_nodes(self):
         stack = [self._root]
@@ -327,3 +336,6 @@ class PrefixCache:
                 seen.add(p)
         if len(seen) != self.num_pages:
             raise IntegrityError(f"{len(seen)} pages in tree, counted {self.num_pages}")
+        pinned = {n for n in self._iter_nodes() if n.pin_count > 0 and n is not self._root}
+        if pinned != self._pinned:
+            raise IntegrityError(f"{len(pinned)} pinned nodes, tracked {len(self._pinned)}")

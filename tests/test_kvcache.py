@@ -133,6 +133,28 @@ def test_pin_survives_a_split_of_the_pinned_edge():
     cache.check_integrity()
 
 
+def test_stats_count_pages_by_holder_with_pins_and_a_split_pinned_edge():
+    """stats() counts without walking the pool; check_integrity compares it with the walk."""
+    m = KVCacheManager(num_pages=16, page_size=4)
+
+    def counts():
+        m.check_integrity()
+        s = m.stats()
+        return s.free_pages, s.used_pages, s.cached_pages, s.pinned_pages
+
+    m.open("a", toks(12))
+    assert m.allocate("a", 14) and counts() == (12, 4, 0, 0)  # 3 whole pages and a partial
+    m.cache_tokens("a", toks(12))
+    assert m.pin(toks(12)) == 12 and counts() == (12, 4, 0, 3)
+    m.open("b", toks(4) + [90, 91, 92, 93])  # shares page 0, splitting the pinned edge
+    assert m.allocate("b", 8) and counts() == (11, 5, 0, 3)
+    m.free("a")  # pages 1, 2 pinned and held only by the cache; 0 still b's
+    assert counts() == (12, 2, 2, 3)
+    assert m.unpin(toks(12)) == 12 and counts() == (12, 2, 2, 0)
+    m.free("b")
+    assert counts() == (13, 0, 3, 0)
+
+
 def test_unpin_of_unpinned_prefix_is_an_error():
     pool, cache = make_cache()
     insert_seq(pool, cache, toks(8))
