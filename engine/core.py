@@ -373,9 +373,9 @@ class EngineCore:
         loop = self.loop
         loop.steps += 1
         for e in sched.scheduled:
-            start, seq = e.seq.num_computed_tokens, e.seq
-            loop.prompt_tokens_computed += max(0, min(start + e.num_new_tokens,
-                                                      seq.num_prompt_tokens) - start)
+            start = e.seq.num_computed_tokens
+            prompt_end = min(start + e.num_new_tokens, e.seq.num_prompt_tokens)
+            loop.prompt_tokens_computed += max(0, prompt_end - start)
             loop.tokens_sampled += e.sample
 
     def _constrains(self, launched: "_Launched") -> bool:

@@ -14,8 +14,7 @@ The core's time splits four ways: `step` (scheduling, launching a step and, with
 scheduling, waiting for the GPU to finish the step before it: `device_wait`), `send` (writing
 outputs to the frontend: a frontend that cannot keep up shows here, as the socket fills),
 `messages` (handling the frontend's requests and calls) and `idle` (waiting with nothing that
-could run).
-A GPU-bound engine spends nearly all of it in `step`, most of that waiting for the device; a
+could run). A GPU-bound engine spends nearly all of it in `step`, most of that waiting for the device; a
 host-bound one in `step` with little waiting (the GPU then waits for the host's launches).
 """
 
