@@ -19,7 +19,7 @@ import logging
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -58,6 +58,10 @@ class _Launched:
     logits: torch.Tensor | None = None  # forward done, sampling deferred (see step)
     # the sampled rows' params, generators and logit adjustments
     sample_args: tuple[list, list, StepAdjustments | None] = ([], [], None)
+    # prompt tokens this step scores (SamplingParams.prompt_logprobs): (sequence, token
+    # index) per row, and their logprobs on the way (ModelRunner.score)
+    scored: list[tuple[Sequence, int]] = field(default_factory=list)
+    scores: list[PendingSample] = field(default_factory=list)
 
 
 class EngineCore:
@@ -210,6 +214,10 @@ class EngineCore:
             raise MicroservingError(
                 400, f"begin {begin} leaves no prompt token to prefill: it must be below the "
                 f"prompt length {len(prompt)}", "begin")  # fmt: skip
+        if params.prompt_logprobs is not None and (begin or entry is not None):
+            raise MicroservingError(
+                400, "prompt_logprobs needs the whole prompt computed by this engine: begin "
+                f"must be 0 without a prep_recv, got begin {begin}", "prompt_logprobs")
         generator = make_generator(params.seed, self.runner.device)
         arrival, held = next(self._arrivals), None
         try:
@@ -225,6 +233,8 @@ class EngineCore:
             raise
         seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
                        num_cached_tokens=held)  # fmt: skip
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(prompt)
         self.requests.generate(request_id, seq, generator)
         self.scheduler.add(seq)
         if first_token is None:
@@ -274,6 +284,9 @@ class EngineCore:
         generator = None
         if sampling is not None:
             check_request(prompt, sampling, self.info)
+            if sampling.prompt_logprobs is not None:
+                raise MicroservingError(400, "prompt_logprobs is for a generation, not a "
+                                        "remote_send's first token", "prompt_logprobs")
             generator = make_generator(sampling.seed, self.runner.device)
         seq = self.exchange.remote_send(request_id, prompt, begin, end, kv_addr,
                                         next(self._arrivals), sampling, generator)
@@ -389,7 +402,7 @@ class EngineCore:
         if not sched.scheduled:
             return None
         self._count(sched)
-        batch, input_ids, sample_rows, from_last, sends = self._build_batch(sched)
+        batch, input_ids, sample_rows, from_last, sends, scored = self._build_batch(sched)
         sampled = [e.seq for e in sched.scheduled if e.sample]
         # Params, generators and adjustments now: a sequence may be removed before a deferred
         # sample (a send's leaves the scheduler below), and min_tokens counts the outputs
@@ -398,6 +411,12 @@ class EngineCore:
                 self.penalties.step(sampled))
         logits = self.runner.forward(batch, input_ids, sample_rows, from_last=from_last,
                                      sends=sends)
+        scores = []
+        if scored:
+            rows, targets, num_top = zip(*((row, seq.prompt_token_ids[j],
+                                            seq.params.prompt_logprobs)
+                                           for row, (seq, j) in scored))
+            scores = self.runner.score(list(rows), list(targets), list(num_top))
         for seq in self.scheduler.advance(sched):  # sends computed: their pages stay for the flush
             self.scheduler.remove(seq, keep_pages=True)
             self.exchange.computed(seq)
@@ -416,7 +435,7 @@ class EngineCore:
                 length_done.append(seq)
         scheduled = [e.seq for e in sched.scheduled]
         launched = _Launched(scheduled, list(zip(sampled, slots)), None, length_done, logits,
-                             args)
+                             args, [s for _, s in scored], scores)
         if logits is not None and sample_now:
             self._sample(launched)
         return launched
@@ -433,13 +452,19 @@ class EngineCore:
 
     def _build_batch(self, sched: SchedulerOutput):
         """The step's ForwardBatch, packed input ids, rows to sample, (input index, previous
-        sample row) for inputs still pending on the device, and the KV sends to mark."""
+        sample row) for inputs still pending on the device, the KV sends to mark, and the
+        (row, (sequence, prompt token index)) of the prompt tokens to score."""
         ps = self.kv.page_size
-        seqs, input_ids, sample_rows, from_last, sends = [], [], [], [], []
+        seqs, input_ids, sample_rows, from_last, sends, scored = [], [], [], [], [], []
         for entry in sched.scheduled:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
             seqs.append(SeqForward(seq.request_id, start, n, self.kv.page_table(seq.request_id)))
+            if seq.prompt_logprobs is not None:  # position p's logits score prompt token p + 1
+                first = max(start, seq.prompt_scored - 1)
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                row = len(input_ids) - start
+                scored += [(row + p, (seq, p + 1)) for p in range(first, last)]
             input_ids.extend(seq.token_at(start, start + n))
             if input_ids[-1] == PENDING:  # only a sequence's newest token can be pending
                 from_last.append((len(input_ids) - 1, self._pending_rows[seq.request_id]))
@@ -448,15 +473,17 @@ class EngineCore:
             if seq.send_only and (send := self.exchange.sends_for(seq, start, n)) is not None:
                 sends.append(send)
         batch = ForwardBatch(seqs, ps, self.kv.take_table_changes())
-        return batch, input_ids, sample_rows, from_last, sends
+        return batch, input_ids, sample_rows, from_last, sends, scored
 
     def _resolve(self, launched: "_Launched") -> list[TokenOutput]:
         """Read a launched step's tokens back; emit outputs, finish and free sequences."""
         result = None
+        waited = time.perf_counter()
         if launched.pending is not None:
-            waited = time.perf_counter()
             result = launched.pending.result()
-            self.loop.device_wait_seconds += time.perf_counter() - waited
+        if launched.scores:
+            self._fill_prompt_logprobs(launched)
+        self.loop.device_wait_seconds += time.perf_counter() - waited
         outputs, done = [], list(launched.length_done)
         constrained = []  # requests whose grammar goes on: their next masks are computed below
         for k, (seq, slot) in enumerate(launched.sampled):
@@ -487,6 +514,20 @@ class EngineCore:
                 self._remove(seq)
         return outputs
 
+    @staticmethod
+    def _fill_prompt_logprobs(launched: _Launched) -> None:
+        entries = [e for pending in launched.scores for e in pending.result().logprobs]
+        touched = {}
+        for (seq, j), entry in zip(launched.scored, entries):
+            if seq.prompt_logprobs is not None:  # else its first output went out already
+                seq.prompt_logprobs[j] = entry
+                touched[id(seq)] = seq
+        for seq in touched.values():
+            scores, k = seq.prompt_logprobs, seq.prompt_scored
+            while k < len(scores) and scores[k] is not None:
+                k += 1
+            seq.prompt_scored = k
+
     def _cache_new_pages(self, seq: Sequence) -> None:
         """Offer newly completed whole pages to the prefix cache (cheap check first). Every
         token whose KV is written is known on the host by now."""
@@ -507,6 +548,8 @@ class EngineCore:
         self.counters["generation_tokens"] += sum(t != PENDING for t in seq.output_token_ids)
 
     def _output(self, seq: Sequence, tokens: list[int], logprob, final: bool) -> TokenOutput:
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # the first output's
+        assert prompt_logprobs is None or seq.prompt_scored == seq.num_prompt_tokens
         return TokenOutput(
             request_id=seq.request_id,
             token_ids=tokens,
@@ -514,6 +557,7 @@ class EngineCore:
             logprobs=[logprob] if logprob is not None else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- inspection ---------------------------------------------------------------------------

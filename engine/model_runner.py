@@ -94,6 +94,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by allocate_kv on CUDA
         self.pieces: PiecewiseGraphs | None = None  # likewise
         self._last_tokens: torch.Tensor | None = None  # the previous step's sampled ids (device)
+        self._hidden: torch.Tensor | None = None  # the last forward's final hidden states
 
     def kv_bytes_per_page(self, page_size: int) -> int:
         c = self.config
@@ -233,10 +234,28 @@ class ModelRunner:
         else:
             hidden = self._forward_eager(batch, input_ids, fill)
         self._last_tokens = None
+        self._hidden = hidden  # for `score`, until the next forward
         if not sample_rows:
             return None
         rows = to_device(sample_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
+
+    # Rows of logits a `score` call makes at once: 256 x a 128k vocabulary is 128 MiB of fp32
+    # (twice, with the log-softmax), where a whole 2,048-token chunk would take 2 GiB.
+    SCORE_ROWS = 256
+
+    @torch.inference_mode()
+    def score(self, rows: list[int], token_ids: list[int],
+              num_top: list[int]) -> list[PendingSample]:
+        """Logprobs of `token_ids` at the last forward's packed `rows` (prompt tokens scored
+        by the position before each), in blocks of SCORE_ROWS. Call before the next forward."""
+        pending = []
+        for i in range(0, len(rows), self.SCORE_ROWS):
+            block = to_device(rows[i : i + self.SCORE_ROWS], torch.long, self.device)
+            logits = self.model.compute_logits(self._hidden[block])
+            pending.append(self.sampler.score_async(logits, token_ids[i : i + self.SCORE_ROWS],
+                                                    num_top[i : i + self.SCORE_ROWS]))
+        return pending
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],

@@ -193,9 +193,21 @@ class Sampler:
         record_tokens(adjust, token_ids)
 
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        parts = self._logprobs(raw_logits, token_ids, wanted, params) if wanted else None
         num_top = [params[i].logprobs for i in wanted]
+        parts = self._logprobs(raw_logits, token_ids, wanted, max(num_top)) if wanted else None
         return PendingSample(token_ids, wanted, len(params), parts, num_top)
+
+    def score_async(self, logits: torch.Tensor, token_ids: list[int],
+                    num_top: list[int]) -> PendingSample:
+        """The logprob of a given token per row under the row's raw distribution, with the
+        row's top `num_top` alternatives: prompt tokens scored by the logits before them.
+        `.result()` has them as a sample's logprobs (every row's)."""
+        assert logits.shape[0] == len(token_ids) == len(num_top)
+        logits = logits[:, : self.vocab_size].float()
+        ids = to_device(token_ids, torch.long, logits.device)
+        rows = list(range(len(token_ids)))
+        parts = self._logprobs(logits, ids, rows, max(num_top))
+        return PendingSample(ids, rows, len(rows), parts, num_top)
 
     def _apply_mask(self, logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
         """A copy of `logits` whose masked rows have -inf at every token the mask disallows.
@@ -286,14 +298,14 @@ class Sampler:
         logits: torch.Tensor,
         token_ids: torch.Tensor,
         wanted: list[int],
-        params: list[SamplingParams],
+        num_top: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw-distribution logprobs, on the device, for the `wanted` rows: the chosen token's
-        [n], and the top-k values and ids [n, k] (k = the largest count asked, best first)."""
+        [n], and the top-k values and ids [n, k] (k = `num_top`, the most any row asked,
+        best first)."""
         rows = to_device(wanted, torch.long, logits.device)
         logprobs = logits.index_select(0, rows).log_softmax(dim=-1)
         chosen = logprobs.gather(1, token_ids.index_select(0, rows)[:, None]).squeeze(1)
-        num_top = min(max(params[i].logprobs for i in wanted), self.vocab_size)
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = logprobs.topk(min(num_top, self.vocab_size), dim=-1)
         return chosen, top_values, top_ids
 

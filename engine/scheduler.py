@@ -178,7 +178,10 @@ class Scheduler:
             if prepared:
                 reused = seq.num_computed_tokens
             else:  # reuse cached KV for all but the last token: its logits are needed
-                reused = self.kv.open(seq.request_id, seq.token_at(0, seq.num_tokens - 1))
+                end = seq.num_tokens - 1
+                if seq.prompt_logprobs is not None:  # nor any prompt token not yet scored
+                    end = min(end, seq.prompt_scored - 1)
+                reused = self.kv.open(seq.request_id, seq.token_at(0, end))
             n = min(seq.num_tokens - reused, budget)
             if not self.kv.allocate(seq.request_id, reused + n):
                 if not prepared:

@@ -45,6 +45,11 @@ class Sequence:
     # set by EngineCore; a sequence with a finish reason still in `running` is waiting for its
     # last step to be resolved, and the scheduler gives it no more work
     finish_reason: str | None = field(default=None, init=False)
+    # params.prompt_logprobs: entry j scores prompt token j (entry 0 stays None), filled by
+    # EngineCore as the steps computing the prompt resolve; `prompt_scored` counts the leading
+    # tokens whose entries are in (1: none yet). Prefix reuse stops there (Scheduler).
+    prompt_logprobs: list | None = field(default=None, init=False)
+    prompt_scored: int = field(default=1, init=False)
 
     @property
     def num_tokens(self) -> int:

@@ -94,6 +94,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # 0: the sampled
     # token's; n: plus the top n
+    # The prompt's tokens' logprobs as well (completions' echo with logprobs, what
+    # lm-evaluation-harness scores with): 0: each prompt token's; n: plus the top n. The engine
+    # computes the whole prompt for them (no prefix cache, no KV from a peer).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # An llguidance grammar (JSON) the output must follow: structured outputs and forced tool
     # calls, built and validated by the frontend (microserve/guided.py); None: unconstrained.
     grammar: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
@@ -163,6 +167,9 @@ class GenerateChunk:
     # The first chunk's: what usage.cached_tokens will say, for a caller that stops reading
     # early (a stop string matched).
     cached_tokens: int | None = None
+    # The first chunk's, when SamplingParams.prompt_logprobs asked: one per prompt token, None
+    # for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TokenOutput(Struct, array_like=True):
@@ -177,6 +184,9 @@ class TokenOutput(Struct, array_like=True):
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs, on the request's first output: one per prompt token,
+    # None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # -- KV addresses ------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ async def _response_error(response: Response, timeout_s: float) -> MicroservingE
 
 def _coalesced(items: list[dict]) -> Iterator[GenerateChunk]:
     """The chunks of one read as one chunk (tokens, logprobs in order; the last finish_reason
-    and usage; the first cached_tokens). A caller that keeps up reads one chunk per engine
+    and usage; the first cached_tokens and prompt_logprobs). A caller that keeps up reads one chunk per engine
     step; one that lags (a router forwarding hundreds of streams) finds several waiting, and
     handles them as one: its work per token falls as its load rises. An error item raises
     after the tokens before it."""
@@ -112,8 +112,9 @@ def _coalesced(items: list[dict]) -> Iterator[GenerateChunk]:
         for key in ("finish_reason", "usage"):
             if item.get(key) is not None:
                 merged[key] = item[key]
-        if merged.get("cached_tokens") is None:
-            merged["cached_tokens"] = item.get("cached_tokens")
+        for key in ("cached_tokens", "prompt_logprobs"):
+            if merged.get(key) is None:
+                merged[key] = item.get(key)
     if merged is not None:
         yield msgspec.convert(merged, GenerateChunk)
 

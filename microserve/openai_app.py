@@ -146,6 +146,7 @@ class _Run:
     stop: list[str]
     arrival: float  # time.perf_counter() when the handler started
     tool_calls: CallStream | None = None  # reads tool calls out of the text (chat with tools)
+    echo: str | None = None  # completions' echo: the prompt text the first delta starts with
     num_tool_calls: int = 0  # calls found so far; written by OpenAIFrontend._delta
     num_generated: int = 0
     num_cached: int = 0
@@ -254,10 +255,14 @@ class OpenAIFrontend:
                 prompt_ids = self._checked_token_ids(prompt)
             max_tokens = self._fit_context(len(prompt_ids), body.max_tokens, "max_tokens",
                                            "prompt")
+            echo = None
+            if body.echo:  # the prompt as sent, or its tokens' text
+                echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
             for i in range(body.n):
                 index = len(choices)
                 run = self._new_run(_run_id(response_id, index, len(prompts) * body.n), body,
-                                    prompt_ids, max_tokens, body.logprobs, arrival, grammar, i)
+                                    prompt_ids, max_tokens, body.logprobs, arrival, grammar, i,
+                                    echo=echo)
                 wire = CompletionWire(response_id, self.backend.model_name, created, token_text,
                                       index)
                 choices.append((run, wire))
@@ -396,14 +401,18 @@ class OpenAIFrontend:
 
     def _new_run(self, request_id: str, body: GenerationRequest, prompt_ids: list[int],
                  max_tokens: int, logprobs: int | None, arrival: float,
-                 grammar: str | None, choice: int = 0) -> _Run:
+                 grammar: str | None, choice: int = 0, echo: str | None = None) -> _Run:
+        """`echo`: the prompt's text to put in front of the completion; with `logprobs`, the
+        prompt tokens' logprobs go in front of the completion's too."""
         self._check_vocab_fields(body)
         if body.min_tokens > max_tokens:
             raise invalid_request(f"min_tokens ({body.min_tokens}) exceeds the completion's "
                                   f"max_tokens ({max_tokens})", "min_tokens")
+        prompt_logprobs = logprobs if echo is not None else None
         return _Run(request_id=request_id, prompt_ids=prompt_ids,
-                    params=body.sampling_params(max_tokens, logprobs, grammar, choice),
-                    stop=body.stop, arrival=arrival)
+                    params=body.sampling_params(max_tokens, logprobs, grammar, choice,
+                                                prompt_logprobs),
+                    stop=body.stop, arrival=arrival, echo=echo)
 
     # -- generation -----------------------------------------------------------------------
 
@@ -526,12 +535,16 @@ class OpenAIFrontend:
                 if backend_finished:
                     text += detokenizer.flush()
                 text = stop.feed(text)
+                logprobs = out.logprobs or []
+                if run.echo is not None:  # the first delta: the prompt in front (no stop check)
+                    text, logprobs = run.echo + text, self._echoed(run, out) + logprobs
+                    run.echo = None
                 if stop.stopped:
-                    yield self._delta(run, text, out.logprobs or [], FinishReason.STOP)
+                    yield self._delta(run, text, logprobs, FinishReason.STOP)
                     return
                 if backend_finished:
                     text += stop.flush()
-                yield self._delta(run, text, out.logprobs or [], out.finish_reason)
+                yield self._delta(run, text, logprobs, out.finish_reason)
                 if backend_finished:
                     # Let the backend finish its own work after the last output (the router:
                     # the strategy's end) before the response ends.
@@ -546,6 +559,16 @@ class OpenAIFrontend:
                 await asyncio.shield(self.backend.abort(run.request_id))
             if hasattr(outputs, "aclose"):  # an async generator left at a yield: run its cleanup
                 await outputs.aclose()
+
+    @staticmethod
+    def _echoed(run: _Run, out: GenerateChunk) -> list:
+        """Echo's prompt logprobs: the first token's id alone (nothing scores it), then the
+        engine's; none unless the request asked for logprobs."""
+        if run.params.prompt_logprobs is None:
+            return []
+        if out.prompt_logprobs is None or len(out.prompt_logprobs) != len(run.prompt_ids):
+            raise BackendError("the engine sent no prompt logprobs for an echo with logprobs")
+        return [run.prompt_ids[0], *out.prompt_logprobs[1:]]
 
     def _delta(self, run: _Run, text: str, logprobs: list[TokenLogprob],
                finish_reason: str | None) -> _Delta:

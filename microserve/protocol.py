@@ -12,7 +12,9 @@ turn. vLLM's extensions `repetition_penalty` (in (0, 2], SGLang's bound) and `mi
 (at most the completion budget, checked by the frontend once that is resolved) are accepted.
 `model` may be absent or empty, meaning the served model (as in vLLM).
 Options we do not implement are refused rather than ignored when ignoring them would silently
-change the output: best_of > 1, echo, suffix. `n` choices per prompt and a batch of
+change the output: best_of > 1, suffix. `echo` (completions) puts the prompt in front of the
+completion, and with `logprobs` the prompt tokens' logprobs in front of the completion's (the
+first token's null), as vLLM does. `n` choices per prompt and a batch of
 completion prompts are served as that many generations (at most MAX_CHOICES in one request).
 
 Structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`, SGLang's
@@ -164,7 +166,8 @@ class GenerationRequest(BaseModel):
         }
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        grammar: str | None = None, choice: int = 0) -> SamplingParams:
+                        grammar: str | None = None, choice: int = 0,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters for choice `choice` of a prompt: a seeded request's choices
         are seeded seed, seed + 1, ... (wrapping within 64 bits), so each is reproducible and
         they differ."""
@@ -181,6 +184,7 @@ class GenerationRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             grammar=grammar,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -224,13 +228,6 @@ class CompletionRequest(GenerationRequest):
         """The batch's prompts (one for a single prompt)."""
         p = self.prompt
         return p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
 
     @field_validator("suffix")
     @classmethod
@@ -416,20 +413,26 @@ class CompletionWire(_ResponseWire):
         assert not tool_calls, "completions have no tool calls"
         return {**self.chunk(text, logprobs, finish_reason), "usage": usage}
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
-        """The legacy completions format: parallel lists, top alternatives keyed by text."""
+    def _logprobs(self, entries: list[TokenLogprob | int]) -> dict | None:
+        """The legacy completions format: parallel lists, top alternatives keyed by text. A
+        bare token id is echo's first prompt token, which nothing before it scores: null."""
         if self._token_text is None:
             return None
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
         for entry in entries:
-            text = self._token_text(entry.token_id)
+            unscored = isinstance(entry, int)
+            text = self._token_text(entry if unscored else entry.token_id)
             tokens.append(text)
+            text_offset.append(self._text_offset)
+            self._text_offset += len(text)
+            if unscored:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
             token_logprobs.append(_finite(entry.logprob))
             top = {self._token_text(t): _finite(p) for t, p in entry.top}
             top.setdefault(text, _finite(entry.logprob))  # as vLLM: the sampled token is listed
             top_logprobs.append(top)
-            text_offset.append(self._text_offset)
-            self._text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs,
                 "top_logprobs": top_logprobs, "text_offset": text_offset}
 

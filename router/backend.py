@@ -73,7 +73,10 @@ class RouterBackend(GenerateBackend):
             request = Request(request_id, prompt_token_ids, params)
             loaded = self.host.acquire()
             self._live[request_id] = request
-            chunks = loaded.instance.generate(request, self.pool)
+            if params.prompt_logprobs is None:
+                chunks = loaded.instance.generate(request, self.pool)
+            else:  # scoring the prompt needs it computed whole on one engine: no strategy splits it
+                chunks = _whole(request, self.pool)
             finished = produced = False
             try:
                 async for chunk in chunks:
@@ -153,6 +156,14 @@ async def _no_more(chunks: AsyncIterator[GenerateChunk], loaded: LoadedStrategy)
 def _overloaded(error: Exception) -> bool:
     """A 503 the client should retry later: no engine up, or its request waited in vain."""
     return isinstance(error, BackendUnavailable) or error.status == 503
+
+
+async def _whole(request: Request, engines) -> AsyncIterator[GenerateChunk]:
+    """A request served whole by the least loaded engine, whatever the strategy: one with
+    prompt_logprobs (completions' echo with logprobs), which no engine can score from KV it
+    received (a strategy's P/D split or migration would fail it)."""
+    async for chunk in engines.least_loaded().start_generate(request, begin=0):
+        yield chunk
 
 
 def _who(loaded: LoadedStrategy) -> str:

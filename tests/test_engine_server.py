@@ -304,6 +304,36 @@ def test_completion_logprobs_are_hf_top_alternatives(client, tok, smollm2_dir):
         assert list(top.values()) == pytest.approx([p for _, p in alternatives], abs=1e-3), i
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(client, engine, tok, smollm2_dir):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1, one token."""
+    prompt = tok.encode(FOX + " jumps over the lazy dog")
+    ref = hf_logprobs(smollm2_dir, [prompt])[0]
+    want = hf_greedy_with_top(smollm2_dir, prompt, 1, 1)[0]
+    r = complete(client, prompt, 1, logprobs=1, echo=True)
+    choice, n = r.choices[0], len(prompt)
+    lp = choice.logprobs
+    assert choice.text == tok.decode(prompt) + tok.token_text(want[0])
+    assert lp.tokens == [tok.token_text(t) for t in prompt + [want[0]]]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 1)]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(
+        [float(ref[j - 1, prompt[j]]) for j in range(1, n)], abs=1e-3)
+    for j in range(1, n):  # the best token, and the scored one beside it when it is not
+        best = int(ref[j - 1].argmax())
+        assert list(lp.top_logprobs[j])[0] == tok.token_text(best), j
+        assert tok.token_text(prompt[j]) in lp.top_logprobs[j], j
+    assert lp.token_logprobs[n] == pytest.approx(want[1], abs=1e-3)
+    assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 1
+    # A string prompt comes back as sent; the stream says the same; without logprobs too.
+    plain = complete(client, FOX, 4, echo=True).choices[0].text
+    assert plain == FOX + complete(client, FOX, 4).choices[0].text
+    stream = complete(client, FOX, 4, echo=True, logprobs=0, stream=True)
+    chunks = [c.choices[0] for c in stream]
+    assert "".join(c.text for c in chunks) == plain
+    assert chunks[0].logprobs.token_logprobs[0] is None
+    assert len([t for c in chunks for t in c.logprobs.tokens]) == len(tok.encode(FOX)) + 4
+
+
 def test_chat_logprobs_are_hf_top_alternatives(client, tok, smollm2_dir):
     ref = hf_greedy_with_top(smollm2_dir, chat_prompt_ids(tok, CAPITAL), 3, 2)
     r = chat(client, 3, logprobs=True, top_logprobs=2)

@@ -254,15 +254,17 @@ def test_chunks_read_together_are_handled_as_one():
 
     lp = [{"token_id": 5, "logprob": -0.5, "top": [[5, -0.5]]}]
     usage = {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}
+    prompt_lp = [None, {"token_id": 4, "logprob": -1.5, "top": []}]
     items = [
-        {"token_ids": [5], "logprobs": lp, "cached_tokens": 0},
-        {"token_ids": [6, 7], "logprobs": lp * 2},
+        {"token_ids": [5], "logprobs": lp, "cached_tokens": 0, "prompt_logprobs": prompt_lp},
+        {"token_ids": [6, 7], "logprobs": lp * 2, "prompt_logprobs": None},
         {"token_ids": [], "finish_reason": "length", "usage": usage},
     ]
     (chunk,) = _coalesced(items)
     assert chunk.token_ids == [5, 6, 7] and len(chunk.logprobs) == 3
     assert chunk.finish_reason == "length" and chunk.usage.completion_tokens == 3
     assert chunk.cached_tokens == 0
+    assert chunk.prompt_logprobs[0] is None and chunk.prompt_logprobs[1].logprob == -1.5
     assert [c.token_ids for c in _coalesced([{"token_ids": [9]}])] == [[9]]
     assert list(_coalesced([])) == []
     got = []

@@ -29,6 +29,7 @@ from microserve.backend import BackendUnavailable, GenerateBackend, Microserving
 from microserve.errors import install_error_handlers
 from microserve.messages import (
     Generate,
+    GenerateChunk,
     KVAddr,
     PrepRecvResponse,
     RemoteSendResponse,
@@ -195,7 +196,7 @@ def chunk(token_ids, finish_reason=None, completion_tokens=0, logprobs=None,
     usage = None if finish_reason is None else {
         "prompt_tokens": len(PROMPT), "completion_tokens": completion_tokens, "cached_tokens": 2}
     return {"token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish_reason,
-            "usage": usage, "cached_tokens": 2 if first else None}
+            "usage": usage, "cached_tokens": 2 if first else None, "prompt_logprobs": None}
 
 
 def plain(message) -> dict:
@@ -640,3 +641,16 @@ async def test_engine_client_keeps_its_connection():
         await engine.abort("g1")
         await engine.aclose()
     assert len(client_ports) == 4 and len(set(client_ports)) == 1
+
+
+async def test_a_merged_answer_keeps_the_prompt_logprobs_of_the_first_chunk():
+    from engine.frontend.microserving_api import _merged
+
+    scored = [None, TokenLogprob(token_id=4, logprob=-1.5)]
+
+    async def chunks():
+        yield GenerateChunk([11], cached_tokens=0, prompt_logprobs=scored)
+        yield GenerateChunk([12], finish_reason="length")
+
+    merged = await _merged(chunks(), logprobs=False)
+    assert (merged.token_ids, merged.prompt_logprobs) == ([11, 12], scored)

@@ -117,7 +117,6 @@ def test_include_usage_only_when_streaming():
     ("logprobs", 21, "less than or equal to 20"),
     ("n", 0, "greater than or equal to 1"),
     ("n", 129, "less than or equal to 128"),
-    ("echo", True, "echo is not supported"),
     ("suffix", "end", "suffix is not supported"),
     ("best_of", 3, "only best_of=1"),
     ("presence_penalty", 2.5, "less than or equal to 2"),

@@ -147,6 +147,32 @@ async def test_each_strategy_gives_the_greedy_tokens_of_one_engine(up, admin, to
         assert sent - sent_before == n - math.ceil(0.5 * n)
 
 
+@pytest.mark.parametrize("strategy", ["pd", "balanced_fixed", "context_migration"])
+async def test_echo_with_logprobs_goes_whole_to_one_engine_under_any_strategy(
+        up, admin, tok, smollm2_dir, strategy):
+    """lm-evaluation-harness's scoring request (echo, logprobs): the prompt is computed on one
+    engine, nothing is sent between them, and the scores are Hugging Face's."""
+    import torch
+    from conftest import _hf_model
+
+    use(admin, **STRATEGIES[strategy])
+    prompt = tok.encode(f"[{strategy}] Score me: " + TEXT, add_special_tokens=False)
+    with torch.no_grad():
+        ref = _hf_model(smollm2_dir)(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    sent_before = engine_stats(up.engine_urls["p"], check=False)["stats"]["kv_tokens_sent"]
+    c = client(up)
+    r = await c.completions.create(model="test-model", prompt=prompt, max_tokens=1,
+                                   temperature=0, logprobs=1, echo=True)
+    await c.close()
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt) + 1
+    assert lp.token_logprobs[1:len(prompt)] == pytest.approx(
+        [float(ref[j - 1, prompt[j]]) for j in range(1, len(prompt))], abs=1e-3)
+    assert r.choices[0].text == tok.decode(prompt) + tok.token_text(int(ref[-1].argmax()))
+    sent = engine_stats(up.engine_urls["p"], check=False)["stats"]["kv_tokens_sent"]
+    assert sent == sent_before
+
+
 async def test_pd_leaves_the_first_token_to_d_where_d_must_sample_it(up, admin, tok,
                                                                        smollm2_dir):
     """With logprobs asked for, or a seeded random sample, P sends all but the last prompt

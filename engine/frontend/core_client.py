@@ -264,7 +264,7 @@ def _chunk(out: TokenOutput, num_generated: int, first: bool) -> GenerateChunk:
     usage = None if out.finish_reason is None else Usage(
         out.num_prompt_tokens, num_generated, out.num_cached_tokens)
     return GenerateChunk(out.token_ids, out.logprobs, out.finish_reason, usage,
-                         out.num_cached_tokens if first else None)
+                         out.num_cached_tokens if first else None, out.prompt_logprobs)
 
 
 def _error(status: int, message: str, param: str | None, code: str | None = None) -> Exception:

@@ -153,12 +153,13 @@ _CALLS = {
 
 async def _merged(chunks: AsyncGenerator[GenerateChunk, None], logprobs: bool) -> GenerateChunk:
     """All of a request's chunks as one (stream=false)."""
-    token_ids, token_logprobs = [], []
+    token_ids, token_logprobs, prompt_logprobs = [], [], None
     async for last in chunks:
         token_ids += last.token_ids
         token_logprobs += last.logprobs or []
+        prompt_logprobs = prompt_logprobs or last.prompt_logprobs
     return GenerateChunk(token_ids, token_logprobs if logprobs else None, last.finish_reason,
-                         last.usage)
+                         last.usage, prompt_logprobs=prompt_logprobs)
 
 
 class _MicroservingAPI:

@@ -1,0 +1,109 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs): each prompt token scored by the model's
+distribution after the tokens before it, as Hugging Face's forward pass over the whole prompt
+gives it. What completions' `echo` with `logprobs` returns, and lm-evaluation-harness scores.
+
+The real engine core on the tiny Llama (CPU, fp32): prompts prefilled in chunks across steps,
+beside other requests, over a prefix another request cached, and through a preemption; the
+logprobs equal Hugging Face's log-softmax and the top ids are Hugging Face's, in order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import _hf_model, hf_greedy
+from test_engine_core import greedy, make_core, random_prompts, run_all
+
+from microserve.backend import MicroservingError
+from microserve.messages import SamplingParams
+
+TOP = 3
+
+
+def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: row p is the log-distribution of token p + 1."""
+    with torch.no_grad():
+        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0, :-1]
+    return logits.double().log_softmax(dim=-1)
+
+
+def scoring(max_tokens: int = 2, top: int = TOP) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          prompt_logprobs=top)
+
+
+def collect(core, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Run `requests` to the end; each one's tokens and its prompt logprobs (first output)."""
+    for rid, (prompt, params) in requests.items():
+        core.add_request(rid, prompt, params)
+    tokens = {rid: [] for rid in requests}
+    scores = {}
+    while core.has_work():
+        for out in core.step():
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in scores, "prompt logprobs sent twice"
+                scores[out.request_id] = out.prompt_logprobs
+            tokens[out.request_id] += out.token_ids
+    return {rid: (tokens[rid], scores.get(rid)) for rid in requests}
+
+
+def assert_hf_scores(model_dir: str, prompt: list[int], scores, top: int = TOP) -> None:
+    ref = hf_prompt_logprobs(model_dir, prompt)
+    assert len(scores) == len(prompt) and scores[0] is None
+    for j in range(1, len(prompt)):
+        entry, row = scores[j], ref[j - 1]
+        assert entry.token_id == prompt[j]
+        assert entry.logprob == pytest.approx(float(row[prompt[j]]), abs=1e-4), j
+        assert [t for t, _ in entry.top] == row.topk(top).indices.tolist(), j
+        assert [v for _, v in entry.top] == pytest.approx(row.topk(top).values.tolist(),
+                                                          abs=1e-4)
+
+
+def test_prompt_logprobs_equal_hf_across_chunks_beside_other_requests(tiny_model_dir):
+    core = make_core(tiny_model_dir, max_num_batched_tokens=16)  # 40 tokens: 3 chunks
+    prompts = random_prompts([40, 9, 2, 23])
+    requests = {f"s{i}": (p, scoring()) for i, p in enumerate(prompts)}
+    requests["plain"] = (random_prompts([30])[0], greedy(3))
+    got = collect(core, requests)
+    want = hf_greedy(tiny_model_dir, prompts, 2)
+    for i, prompt in enumerate(prompts):
+        tokens, scores = got[f"s{i}"]
+        assert tokens == want[i]
+        assert_hf_scores(tiny_model_dir, prompt, scores)
+    assert got["plain"][1] is None
+    core.check_integrity()
+
+
+def test_a_cached_prefix_is_computed_again_to_be_scored(tiny_model_dir):
+    core = make_core(tiny_model_dir)
+    prompt = random_prompts([37])[0]
+    assert collect(core, {"warm": (prompt, greedy(1))})["warm"][1] is None
+    out = collect(core, {"scored": (prompt, scoring(top=0))})["scored"][1]
+    assert_hf_scores(tiny_model_dir, prompt, out, top=0)
+    assert core.stats().prompt_tokens_computed == 2 * len(prompt)  # nothing reused
+    core.check_integrity()
+
+
+def test_prompt_logprobs_survive_a_preemption(tiny_model_dir):
+    # 12 pages of 4: two 20-token prompts decoding 20 tokens each cannot both stay
+    core = make_core(tiny_model_dir, num_pages=12, max_num_batched_tokens=8)
+    prompts = random_prompts([20, 21])
+    got = collect(core, {f"s{i}": (p, scoring(max_tokens=20)) for i, p in enumerate(prompts)})
+    assert core.stats().preemptions > 0
+    want = hf_greedy(tiny_model_dir, prompts, 20)
+    for i, prompt in enumerate(prompts):
+        assert got[f"s{i}"][0] == want[i]
+        assert_hf_scores(tiny_model_dir, prompt, got[f"s{i}"][1])
+    core.check_integrity()
+
+
+def test_prompt_logprobs_need_the_whole_prompt_here(tiny_model_dir):
+    core = make_core(tiny_model_dir)
+    prompt = random_prompts([12])[0]
+    with pytest.raises(MicroservingError, match="prompt_logprobs needs the whole prompt"):
+        core.add_request("r", prompt, scoring(), begin=8)
+    with pytest.raises(MicroservingError, match="prompt_logprobs is for a generation"):
+        core.remote_send("s", prompt, 0, len(prompt), None, scoring())
+    one = run_all(core, {"one": random_prompts([1])[0]})  # nothing to score: still answers
+    assert len(one["one"][0]) > 0
+    core.check_integrity()
