@@ -548,8 +548,10 @@ class EngineCore:
         self.counters["generation_tokens"] += sum(t != PENDING for t in seq.output_token_ids)
 
     def _output(self, seq: Sequence, tokens: list[int], logprob, final: bool) -> TokenOutput:
-        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # the first output's
-        assert prompt_logprobs is None or seq.prompt_scored == seq.num_prompt_tokens
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and tokens:  # the first token's output has them
+            prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+            assert seq.prompt_scored == seq.num_prompt_tokens, "a prompt token left unscored"
         return TokenOutput(
             request_id=seq.request_id,
             token_ids=tokens,

@@ -97,6 +97,19 @@ def test_prompt_logprobs_survive_a_preemption(tiny_model_dir):
     core.check_integrity()
 
 
+def test_a_request_aborted_while_its_prompt_is_scored_ends_cleanly(tiny_model_dir):
+    core = make_core(tiny_model_dir, max_num_batched_tokens=8)
+    core.add_request("r", random_prompts([30])[0], scoring())
+    core.step()
+    core.step()  # two chunks of 8 in, scored or on their way
+    out = core.abort_request("r")
+    assert (out.token_ids, out.finish_reason, out.prompt_logprobs) == ([], "abort", None)
+    while core.has_work():
+        assert core.step() == []
+    assert core.kv.stats().used_pages == 0
+    core.check_integrity()
+
+
 def test_prompt_logprobs_need_the_whole_prompt_here(tiny_model_dir):
     core = make_core(tiny_model_dir)
     prompt = random_prompts([12])[0]
