@@ -19,6 +19,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from kvcache.forward import ForwardBatch  # noqa: E402
 from test_engine_core import greedy, random_prompts, run_all  # noqa: E402
+from test_prompt_logprobs import assert_hf_scores, collect, scoring  # noqa: E402
 
 
 def triton_core_equals_hf(model_dir, prompts, n_new, **config) -> tuple[EngineCore, list]:
@@ -76,6 +77,10 @@ def test_piecewise_forward_equals_hf_with_mixed_and_padded_steps(tiny_model_dir)
         assert got[f"r{i}"][0] == expected, f"prompt {i}"
     assert any(n not in (16, 24) for n, _, _ in steps)  # padded
     assert any(chunks and decodes for _, chunks, decodes in steps)  # chunks beside decodes
+    # Prompt logprobs read the pieces' hidden states (the last piece's static output, padded)
+    prompt = random_prompts([30], seed=22)[0]
+    assert_hf_scores(tiny_model_dir, prompt,
+                     collect(core, {"scored": (prompt, scoring())})["scored"][1])
     core.check_integrity()
 
 
