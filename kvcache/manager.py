@@ -298,12 +298,10 @@ class KVCacheManager:
             if self.pool.refcount(p) != n:
                 raise IntegrityError(f"page {p}: refcount {self.pool.refcount(p)} != {n}")
         held = {p for t in self._tables.values() for p in t}
-        counted = self.stats()
-        if (counted.used_pages, counted.cached_pages) != (len(held), self.cache.num_pages - len(
-                held.intersection(self.cache.all_pages()))):
-            raise IntegrityError(f"stats count {counted.used_pages} used and "
-                                 f"{counted.cached_pages} cached-only pages; the tables hold "
-                                 f"{len(held)}")
         s = self.stats()
+        if (s.used_pages, s.cached_pages) != (len(held), self.cache.num_pages - len(
+                held.intersection(self.cache.all_pages()))):
+            raise IntegrityError(f"stats count {s.used_pages} used and {s.cached_pages} "
+                                 f"cached-only pages; the tables hold {len(held)}")
         if s.free_pages + s.cached_pages + s.used_pages != s.total_pages:
             raise IntegrityError(f"free + cached + used pages != total: {s}")

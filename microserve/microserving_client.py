@@ -93,10 +93,10 @@ async def _response_error(response: Response, timeout_s: float) -> MicroservingE
 
 def _coalesced(items: list[dict]) -> Iterator[GenerateChunk]:
     """The chunks of one read as one chunk (tokens, logprobs in order; the last finish_reason
-    and usage; the first cached_tokens and prompt_logprobs). A caller that keeps up reads one chunk per engine
-    step; one that lags (a router forwarding hundreds of streams) finds several waiting, and
-    handles them as one: its work per token falls as its load rises. An error item raises
-    after the tokens before it."""
+    and usage; the first cached_tokens and prompt_logprobs). A caller that keeps up reads one
+    chunk per engine step; one that lags (a router forwarding hundreds of streams) finds
+    several waiting, and handles them as one: its work per token falls as its load rises. An
+    error item raises after the tokens before it."""
     merged = None
     for item in items:
         if "error" in item:  # the engine failed after its 200: the status it would have sent
