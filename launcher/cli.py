@@ -282,6 +282,18 @@ def _drain_args(sub) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _admin_token_args(sub) -> None:
+    p = sub.add_parser("admin-token", help="print the admin token a router or deployment on "
+                                           "this host made for itself (it was given none)")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+
+
+def _run_admin_token(args) -> None:
+    from launcher.credentials import saved_admin_token
+
+    print(saved_admin_token(args.port))
+
+
 def _run_drain(args) -> None:
     from router.drain import DrainError, drain
 
@@ -297,42 +309,33 @@ def _run_drain(args) -> None:
           + (f"; calls still open after {args.wait_s:g} s: {left}" if left else ""), flush=True)
 
 
-def _admin_token(given: str | None, port: int) -> str:
-    """The admin token asked for, or a new one: printed once, saved where only this user reads."""
-    if given is not None:
-        return given
-    from launcher.credentials import generated_admin_token
-
-    token, path = generated_admin_token(port)
-    print(f"microserve: no admin token given; /admin takes this one: {token}\n"
-          f"microserve: (saved in {path}, readable only by you; set --admin-token or "
-          f"MICROSERVE_ADMIN_TOKEN to choose it)", flush=True)
-    return token
-
-
 def _run_router(args) -> None:
+    from launcher.credentials import admin_token
     from microserve.model_files import resolve_model
+    from microserve.openai_app import check_port_free
     from router.server import RouterConfig, serve
 
-    config = RouterConfig(
-        tokenizer_dir=str(resolve_model(args.model)),
-        served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
-        engines=tuple(args.engine), engines_from_dns=tuple(args.engines_from_dns),
-        dns_interval_s=args.dns_interval_s, deployment=args.deployment,
-        health_timeout_s=args.health_timeout_s,
-        strategy=args.strategy, strategy_args=args.strategy_args,
-        host=args.host, port=args.port, api_key=args.api_key,
-        admin_token=_admin_token(args.admin_token, args.port),
-        engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
-        strategies_dir=args.strategies_dir,
-        queue_timeout_s=60.0 if args.queue_timeout_s is None else args.queue_timeout_s,
-        tool_call_parser=args.tool_call_parser)
-    _run_loop(serve(config, args.log_level))
+    check_port_free(args.host, args.port, "the router")  # before a token file is written
+    with admin_token(args.admin_token, args.port) as token:
+        config = RouterConfig(
+            tokenizer_dir=str(resolve_model(args.model)),
+            served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+            engines=tuple(args.engine), engines_from_dns=tuple(args.engines_from_dns),
+            dns_interval_s=args.dns_interval_s, deployment=args.deployment,
+            health_timeout_s=args.health_timeout_s,
+            strategy=args.strategy, strategy_args=args.strategy_args,
+            host=args.host, port=args.port, api_key=args.api_key, admin_token=token,
+            engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
+            strategies_dir=args.strategies_dir,
+            queue_timeout_s=60.0 if args.queue_timeout_s is None else args.queue_timeout_s,
+            tool_call_parser=args.tool_call_parser)
+        _run_loop(serve(config, args.log_level))
 
 
 def _run_up(args) -> None:
     from launcher.credentials import new_token
-    from launcher.up import load_deployment, up
+    from launcher.deployment import load_deployment
+    from launcher.up import up
 
     deployment = load_deployment(args.config, port=args.port, model=args.model,
                                  strategies_dir=args.strategies_dir,
@@ -340,7 +343,7 @@ def _run_up(args) -> None:
     # The engines always take a key: their microserving API moves KV and runs prefills, and
     # KV transfer between them is authenticated by it (microserve/transfer_auth.py).
     code = _run_loop(up(deployment, log_level=args.log_level, api_key=args.api_key,
-                          admin_token=_admin_token(args.admin_token, deployment.port),
+                          admin_token=args.admin_token,
                           engine_api_key=args.engine_api_key or new_token()))
     sys.exit(code)
 
@@ -353,20 +356,21 @@ def parser() -> argparse.ArgumentParser:
     _engine_args(sub)
     _router_args(sub)
     _drain_args(sub)
+    _admin_token_args(sub)
     _quantize_args(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    level = args.log_level.upper()
+    level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO (up's health polling, the benchmarks' clients).
     logging.getLogger("httpx").setLevel(max(logging.getLevelName(level), logging.WARNING))
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
-        {"engine": _run_engine, "router": _run_router, "up": _run_up,
-         "drain": _run_drain, "quantize": _run_quantize}[args.command](args)
+        {"engine": _run_engine, "router": _run_router, "up": _run_up, "drain": _run_drain,
+         "admin-token": _run_admin_token, "quantize": _run_quantize}[args.command](args)
     except (ValueError, RuntimeError, OSError) as e:
         # Start-up problems the user can fix (bad --model, bad sizes, core failed to start).
         print(f"microserve: error: {e}", file=sys.stderr)

@@ -31,7 +31,7 @@ from microserve.nvshmem_group import (
     parse_size,
 )
 from microserve.transfer_auth import sign, transfer_key
-from launcher.up import load_deployment, with_nvshmem_group
+from launcher.deployment import load_deployment, with_nvshmem_group
 
 KEY = transfer_key("test-engine-key")
 LAYOUT = KVLayout("test-model", "bfloat16", page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)

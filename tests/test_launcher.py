@@ -1,0 +1,187 @@
+"""`make serve` as a newcomer meets it: the deployment it starts, the admin token it saves, and
+a second deployment on its ports.
+
+The deployment is the one `make serve` starts (its command as `make -n serve` prints it, on
+free ports), with the admin token it makes for itself: saved while it runs, removed when it
+stops. A second `microserve up` whose router or engine port is taken exits with an error naming
+the port and leaves the running deployment's token file as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import DAEMON_LOGS
+from deployments import Up, stop_and_check, with_engine_key
+
+from launcher.credentials import admin_token
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the admin token's file, without processes ----------------------------------------------
+
+def test_a_generated_admin_token_lives_in_its_file_while_the_block_runs(tmp_path, monkeypatch,
+                                                                        capsys):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    path = tmp_path / "microserve" / "admin-token-8123"
+    with admin_token(None, 8123) as token:
+        assert path.read_text() == token + "\n" and len(token) == 43
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert not path.exists()
+    assert capsys.readouterr().out.count(token) == 1  # printed once
+
+
+def test_a_given_admin_token_writes_no_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with admin_token("chosen", 8123) as token:
+        assert token == "chosen"
+        assert not (tmp_path / "microserve").exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_a_token_file_another_router_replaced_is_left_to_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    path = tmp_path / "microserve" / "admin-token-8123"
+    with admin_token(None, 8123):
+        path.write_text("another router's token\n")
+    assert path.read_text() == "another router's token\n"
+
+
+def test_admin_token_command_prints_the_saved_token_or_names_the_missing_file(tmp_path):
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "launcher.cli", "admin-token", "--port", "8123"]
+    missing = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    path = tmp_path / "microserve" / "admin-token-8123"
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr == (f"microserve: error: no admin token saved for port 8123 ({path} "
+                              "does not exist): is a router running there that was started "
+                              "without --admin-token?\n")
+    path.parent.mkdir()
+    path.write_text("the-token\n")
+    found = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert (found.returncode, found.stdout, found.stderr) == (0, "the-token\n", "")
+
+
+# ---- make serve -------------------------------------------------------------------------------
+
+def free_ports(n: int) -> int:
+    """A port P with P .. P+n-1 all free (`up` puts the engines on the router's port + 1, + 2)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n > 65536:
+            continue
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def make_serve_argv(port: int) -> list[str]:
+    """`make serve`'s command on `port`, as `make -n` prints it, with this interpreter running
+    the `microserve` it names."""
+    out = subprocess.run(["make", "-s", "-n", "serve", f"PORT={port}"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.replace("\\\n", " ")
+    [line] = [line for line in out.splitlines() if "microserve up " in line]
+    argv = shlex.split(line)
+    assert argv[0].endswith("bin/microserve"), line
+    return [sys.executable, "-m", "launcher.cli", *argv[1:]]
+
+
+class MakeServe(Up):
+    """`make serve`'s deployment in a child process, run from the repository's root."""
+
+    def __init__(self, port: int, run_dir: Path, log_path: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.engine_urls = {name: f"http://127.0.0.1:{port + i}"
+                            for i, name in enumerate(("prefill-0", "decode-0"), start=1)}
+        self.log_path = log_path
+        self.env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_ADMIN_TOKEN"}
+        self.env["XDG_RUNTIME_DIR"] = str(run_dir)
+        self.token_file = run_dir / "microserve" / f"admin-token-{port}"
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(make_serve_argv(port), cwd=ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, env=with_engine_key(self.env))
+
+
+@pytest.fixture(scope="module")
+def serve(smollm2_dir, tmp_path_factory):
+    """`make serve` on free ports; at the end, Ctrl-C: every process gone, the token file too."""
+    tmp = tmp_path_factory.mktemp("serve")
+    deployment = MakeServe(free_ports(3), tmp / "run", tmp / "up.log")
+    try:
+        deployment.wait_ready()
+        yield deployment
+    finally:
+        if deployment.proc.poll() is None:
+            stop_and_check(deployment)
+            assert not deployment.token_file.exists(), "the admin-token file outlived up"
+
+
+@pytest.fixture(autouse=True)
+def logs_on_failure(request):
+    if "serve" in request.fixturenames:
+        request.node.stash[DAEMON_LOGS] = [request.getfixturevalue("serve").log_path]
+    yield
+
+
+@pytest.mark.slow
+def test_make_serve_saves_its_admin_token_and_it_opens_admin(serve):
+    token = serve.token_file.read_text().strip()
+    assert stat.S_IMODE(serve.token_file.stat().st_mode) == 0o600
+    assert serve.log().count(token) == 1
+    r = httpx.get(serve.url + "/admin/strategy", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200 and r.json()["active"]["class"] == "PrefillDecode"
+
+
+def busy_router_config(tmp_path: Path, serve: MakeServe) -> tuple[list[str], int, str]:
+    """`up` of a file whose router port is the running deployment's: argv, the port, what."""
+    port = int(serve.url.rsplit(":", 1)[1])
+    return [str(ROOT / "deploy" / "local-cpu.toml"), "--port", str(port)], port, "the router"
+
+
+def busy_engine_config(tmp_path: Path, serve: MakeServe) -> tuple[list[str], int, str]:
+    """`up` of a file with a free router port and one engine on the running decode engine's."""
+    port = int(serve.engine_urls["decode-0"].rsplit(":", 1)[1])
+    config = tmp_path / "second.toml"
+    config.write_text(f'[router]\nport = {free_ports(1)}\n\n'
+                      f'[[engines]]\nname = "second-0"\nport = {port}\n')
+    return [str(config)], port, "engine second-0"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("busy", [busy_router_config, busy_engine_config])
+def test_a_second_deployment_on_a_busy_port_leaves_the_running_one_alone(serve, tmp_path, busy):
+    token_before = serve.token_file.read_text()
+    mtime_before = serve.token_file.stat().st_mtime_ns
+    args, port, what = busy(tmp_path, serve)
+    second = subprocess.run([sys.executable, "-m", "launcher.cli", "up", *args], cwd=ROOT,
+                            env=serve.env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert second.stderr == (f"microserve: error: port {port} on 127.0.0.1 (for {what}) is "
+                             "already in use, by another microserve deployment or another "
+                             "program: stop it, or choose another port (--port)\n")
+    assert "admin token" not in second.stdout
+    assert sorted(p.name for p in serve.token_file.parent.iterdir()) == [serve.token_file.name]
+    assert serve.token_file.read_text() == token_before
+    assert serve.token_file.stat().st_mtime_ns == mtime_before
+    token = token_before.strip()
+    r = httpx.get(serve.url + "/admin/engines", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    assert {e["name"]: e["state"] for e in r.json()["engines"]} == {"prefill-0": "up",
+                                                                    "decode-0": "up"}
