@@ -8,7 +8,9 @@ prefix-cache hit; the receiver's decode speed while KV arrives.
 
 Starts `microserve engine` processes on this host: P (the sender) and a receiver per
 `--kv-transfer` kind: `shm` and `tcp` on CPU, `cuda_ipc` and `tcp` with `--device cuda` by
-default (the engines then share one GPU, each with `--gpu-share` of its memory). With `nvshmem`
+default (the engines then share one GPU, each with `--gpu-share` of its memory; with
+`--device cuda:0 --receiver-device cuda:1`, P sits on one GPU and the receivers on another, the
+two-GPU layout P/D is deployed in). With `nvshmem`
 among the kinds, P and that receiver form an NVSHMEM group of two, as `microserve up` would
 (P then sends to the other receivers from its pool in the symmetric heap). For each context
 length N and each receiver, with fresh random token ids every run:
@@ -39,7 +41,7 @@ migrate (paper §4.2, Fig. 12 and Table 3): a prompt of N tokens whose first N -
   per layer  a pure copy of the cached context (remote_send of P's pages alone) and the local
              hit's prefill, divided by the layer count (the paper's Table 3)
 
-tpot (receiving GPU only): 16 greedy streams decode on the first kind's receiver; their time per
+tpot (receiving GPU only): 16 greedy streams decode on each GPU kind's receiver; their time per
   output token is taken while it is idle, while P copies 3,000 cached tokens into it in a
   loop (transfer alone), and while P prefills and sends fresh 3,000-token prompts to it (on
   one shared GPU that also takes the receiver's GPU for P's compute)
@@ -313,6 +315,9 @@ async def main() -> None:
     ap.add_argument("--engine-threads", type=int, default=None,
                     help="each engine's --cpu-threads (default: torch's own, all cores)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: three engines on one GPU")
+    ap.add_argument("--receiver-device", default=None,
+                    help="the receivers' device (default: --device), e.g. cuda:1 with --device "
+                         "cuda:0 for P and D on two GPUs of one host")
     ap.add_argument("--gpu-share", type=float, default=0.3,
                     help="CUDA: each engine's --gpu-memory-utilization")
     ap.add_argument("--modes", default="send", help="any of send,migrate,tpot (tpot: GPU)")
@@ -331,8 +336,9 @@ async def main() -> None:
     if args.engine_threads is not None:
         common += ("--cpu-threads", str(args.engine_threads))
     gpu = args.device != "cpu"
+    device = {"p": args.device}
     if gpu:  # the pool size comes from the memory share
-        common = ("--device", args.device, "--gpu-memory-utilization", str(args.gpu_share),
+        common = ("--gpu-memory-utilization", str(args.gpu_share),
                   "--max-model-len", str(max(lengths) + 64))
     kinds = tuple(args.kv_transfer.split(",")) if args.kv_transfer else (
         ("cuda_ipc", "tcp") if gpu else ("shm", "tcp"))
@@ -342,7 +348,9 @@ async def main() -> None:
     if "nvshmem" in kinds:
         transfer["p"] = ("--kv-transfer", "nvshmem", "--nvshmem-group", f"0/2@{group}")
         transfer["nvshmem"] += ("--nvshmem-group", f"1/2@{group}")
-    procs = {k: start_engine(model, port, *common, *transfer[k], api_key=ENGINE_KEY)
+    device |= {k: args.receiver_device or args.device for k in kinds}
+    placed = {k: ("--device", device[k]) if gpu else () for k in ports}
+    procs = {k: start_engine(model, port, *common, *placed[k], *transfer[k], api_key=ENGINE_KEY)
              for k, port in ports.items()}
     urls = {k: f"http://127.0.0.1:{port}" for k, port in ports.items()}
     try:
@@ -353,23 +361,26 @@ async def main() -> None:
         info = (await clients["p"].stats())["info"]
         if info["dtype"] != "float32":
             kv_bytes_per_token //= 2
-        print(f"model {mc.name} on {info['device']}, KV {kv_bytes_per_token} B/token "
+        where = info["device"] if len(set(device.values())) == 1 else (
+            f"P on {device['p']}, receivers on {device[kinds[0]]}")
+        print(f"model {mc.name} on {where}, KV {kv_bytes_per_token} B/token "
               f"({info['dtype']}), median of {args.repeat} runs after one warm-up\n")
         if "send" in modes:
             await table_send(clients, kinds, lengths, mc, kv_bytes_per_token, args.repeat, rng)
         if "migrate" in modes:
             await table_migrate(clients, kinds, lengths, mc, args.new_tokens, args.repeat, rng)
-        if "tpot" in modes and gpu:
+        for kind in (k for k in kinds if k != "tcp") if "tpot" in modes and gpu else ():
             n = min(3000, max(lengths))
-            r = await measure_tpot(clients["p"], clients[kinds[0]], mc.vocab_size, 16, rng,
+            r = await measure_tpot(clients["p"], clients[kind], mc.vocab_size, 16, rng,
                                    n, max_tokens=max(lengths) - 64)
-            print(f"\nD's decode while receiving with {kinds[0]} (16 streams; "
+            print(f"\nD's decode while receiving with {kind} (16 streams; "
                   f"{r['sends']['copy']} copies and "
                   f"{r['sends']['compute']} computed sends of {n:,} tokens in the windows)\n")
-            print("| D is | time per output token | p99 gap between tokens |")
-            print("|---|---|---|")
+            print("| D is | time per output token | vs idle | p99 gap between tokens |")
+            print("|---|---|---|---|")
             for name in ("idle", "copy", "compute"):
                 print(f"| {name} | {r[name]['tpot_ms']:.2f} ms | "
+                      f"{r[name]['tpot_ms'] / r['idle']['tpot_ms']:.2f}x | "
                       f"{r[name]['gap_p99_ms']:.2f} ms |")
         for c in clients.values():
             await c.aclose()
