@@ -1,0 +1,251 @@
+"""The receiving half of the KV exchange (engine D): reservations and their windows.
+
+    prep_recv      match prompt[:end] in the prefix cache, hold it, reserve pages for the rest,
+                   open a transfer window over them; answer `matched` and the kv_addr. When the
+                   pages are not free, the call waits its turn (FIFO, up to `wait_s`) and is
+                   answered between steps once they are; then a 503
+    start_generate the reservation becomes a sequence whose first `begin` tokens are computed
+    commit         the reservation's pages join the prefix cache; nothing is generated
+    (lease)        a reservation lives while its sender renews it (kvcache/transfer/sender.py:
+                   every 0.25 s from the moment it takes the job, queued or computing); it is
+                   freed `lease_s` after the grant or the last renewal, whichever is later
+
+A P/D request's timeline, with P busy and D's pool full when it arrives:
+
+    router  D.prep_recv ──(waits)──▶ P.remote_send ──(P's queue, compute)──▶ D.start_generate
+    D       [ waiting: holds nothing ] grant [ reserved; lease renewed by P ........ ] adopt, decode
+    P                                  start [ queued ][ compute + write layers ] flush
+                                             renew every 0.25 s ──────────────▶
+
+D holds nothing while the call waits, and holds pages no longer than P holds the job (plus
+`lease_s` if P dies, or less: the router aborts the request when it sees P go).
+
+`Receiving` is a half of `engine.kv_exchange.KVExchange`, which sets the attributes it uses
+(`kv`, `requests`, `headroom`, `backend`, `layout`, `sender`, `lease_s`, `max_lease_s`,
+`wait_s`, `max_wait_s`, `counters`, `_answers`) and the `_room_when_tried` it alone writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.requests import RequestState
+from engine.validation import check_prompt, resolve_index
+from kvcache.transfer import Window
+from microserve.backend import MicroservingError
+from microserve.messages import CommitResponse, KVAddr, PrepRecvResponse
+
+log = logging.getLogger(__name__)
+
+_NEVER_TRIED = -(1 << 62)  # below any _room(): the waiting head is tried at the next chance
+
+
+@dataclass
+class Reservation:
+    tokens: list[int]  # prompt[:end]: the KV this engine will hold when the peer is done
+    matched: int  # leading tokens found in the prefix cache; the peer writes [matched, end)
+    window: Window
+    lease_s: float  # how long the reservation lives without a renewal from its sender
+    deadline: float  # time.monotonic() when the lease is next looked at (see expire_leases)
+
+
+@dataclass
+class WaitingRecv:
+    """A prep_recv waiting for pages (nothing held yet)."""
+
+    tokens: list[int]
+    lease_s: float
+    wait_s: float
+    deadline: float  # time.monotonic() when it gives up with a 503
+    pages: int  # pages it needs at most (no prefix matched)
+
+
+
+
+class Receiving:
+    """prep_recv, its wait for pages, its lease, and what ends a reservation (start_generate's
+    adoption, commit). Mixed into KVExchange."""
+
+    def prep_recv(self, request_id: str, prompt: list[int], end: int,
+                  lease_s: float | None, wait_s: float | None = None
+                  ) -> PrepRecvResponse | None:
+        """The answer, or None when the call waits for pages: `poll()` answers it later."""
+        check_prompt(prompt, self.vocab_size)
+        end = resolve_index(end, len(prompt), "end")
+        if lease_s is not None and not 0 < lease_s <= self.max_lease_s:
+            raise MicroservingError(400, f"lease_s {lease_s} must be in (0, {self.max_lease_s}] "
+                                    "(this engine's --kv-lease-max-s)", "lease_s")
+        if wait_s is not None and not 0 <= wait_s <= self.max_wait_s:
+            raise MicroservingError(400, f"wait_s {wait_s} must be in [0, {self.max_wait_s}] "
+                                    "(this engine's --kv-recv-wait-max-s)", "wait_s")
+        if self.backend.kind == "none":
+            raise MicroservingError(400, "this engine cannot receive KV: it runs with "
+                                    "--kv-transfer none, or without an engine key (--api-key)")
+        self._check_free(request_id)
+        tokens = prompt[:end]
+        need, total = self.kv.pages_needed(None, end), self.kv.pool.num_pages
+        if need > total:  # never fits: a 400, not a retry-later 503
+            raise MicroservingError(
+                400, f"end {end}: receiving {end} tokens needs {need} KV pages, but this "
+                f"engine's pool has {total} pages", "end")  # fmt: skip
+        lease_s = lease_s or self.lease_s
+        wait_s = self.wait_s if wait_s is None else wait_s
+        if not self.requests.count(RequestState.RECV_WAITING):  # FIFO: nobody overtakes
+            answer = self._reserve(request_id, tokens, lease_s)
+            if answer is not None:
+                return answer
+        if wait_s == 0:
+            raise MicroservingError(503, f"no KV pages free to receive {end} tokens ({need} "
+                                    f"pages; {self.kv.pool.num_free} free)")  # fmt: skip
+        self.requests.wait_recv(request_id, WaitingRecv(tokens, lease_s, wait_s,
+                                                        time.monotonic() + wait_s, need))
+        self.counters["kv_recv_waited"] += 1
+        return None
+
+    def _reserve(self, request_id: str, tokens: list[int], lease_s: float
+                 ) -> PrepRecvResponse | None:
+        """Reserve pages and a window for receiving `tokens`. The engine's own work comes
+        first: a page stays free for each running sequence to grow into (the next decode step
+        must not preempt for us), and the pages of the first waiting sequence that must be
+        computed from scratch (a preempted one, say). None, holding nothing, if they are not
+        there now."""
+        matched = self.kv.prep_recv(request_id, tokens, headroom=self.headroom())
+        if matched is None:
+            return None
+        window = self.backend.open_window()
+        if window is None:
+            self.kv.free(request_id)
+            return None
+        deadline = time.monotonic() + lease_s
+        self.requests.reserve(request_id, Reservation(tokens, matched, window, lease_s, deadline))
+        end = len(tokens)
+        addr = KVAddr(
+            begin=matched, end=end, ranges=self.kv.slot_ranges(request_id, matched, end),
+            layout=self.layout, transfer=self.backend.descriptor(),
+            window=(window.index, window.tag),
+        )  # fmt: skip
+        return PrepRecvResponse(matched, addr)
+
+    def admit_waiting(self, now: float) -> None:
+        """Between steps: give up on calls that waited too long (503), then grant pages to the
+        waiting calls in order while they fit. Their answers come from poll()."""
+        waiting = self.requests.in_state(RequestState.RECV_WAITING)
+        if not waiting:
+            return
+        for rid, entry in list(waiting.items()):
+            w = entry.waiting
+            if w.deadline <= now:
+                self.requests.finish(rid)
+                self.counters["kv_recv_wait_timeouts"] += 1
+                self._answers.append((rid, MicroservingError(
+                    503, f"waited {w.wait_s:g} s for KV pages to receive {len(w.tokens)} tokens "
+                    f"({w.pages} pages; {self.kv.pool.num_free} free, {len(waiting)} more "
+                    f"calls waiting); retry later", code="kv_wait_timeout")))
+                self._room_when_tried = _NEVER_TRIED  # the head may have changed
+        # Retry the head only when more pages are free (or evictable) beyond the running
+        # sequences' headroom than when it last did not fit: cheap per step.
+        room = self._room()
+        if room <= self._room_when_tried:
+            self._room_when_tried = room
+            return
+        for rid, entry in list(waiting.items()):
+            answer = self._reserve(rid, entry.waiting.tokens, entry.waiting.lease_s)
+            if answer is None:
+                self._room_when_tried = self._room()
+                return
+            self._answers.append((rid, answer))
+        self._room_when_tried = _NEVER_TRIED
+
+    def _room(self) -> int:
+        return self.kv.pool.num_free + self.kv.cache.num_evictable() - self.headroom()
+
+    def adopt_for_generate(self, request_id: str, prompt: list[int], begin: int,
+                           whole: bool = False) -> int:
+        """Hold for a new sequence the KV of prompt[:begin]: received under its request_id, or
+        already in the prefix cache. Returns how many leading tokens' KV it holds (its initial
+        num_computed_tokens). Raises MicroservingError (nothing held) if it is not here.
+        `whole`: the prompt's first output token came with its KV (begin = len(prompt)): all
+        of it is held, none computed here.
+        """
+        rid, ps = request_id, self.kv.page_size
+        entry = self.requests.get(rid)
+        res = None if entry is None else entry.reservation
+        if res is None:  # no transfer: the prefix must be cached here
+            held = self.kv.open(rid, prompt[: len(prompt) - 1])
+            if held < begin:
+                self.kv.free(rid)
+                raise MicroservingError(
+                    400, f"begin {begin} beyond the {held} tokens of this prompt cached on "
+                    f"this engine, and no prep_recv was made for request_id {rid!r}", "begin",
+                )  # fmt: skip
+            return held
+        self._check_same_prompt(res, prompt, begin)
+        self.backend.close_window(res.window)  # the core makes the request GENERATING
+        # At least the last prompt token is computed here (its logits are sampled), unless its
+        # token came with the KV. If the reservation's cached part reaches it, drop the pages
+        # from there on: they are shared.
+        start = min(max(begin, res.matched), len(prompt) - (not whole))
+        if start < res.matched:
+            start = start // ps * ps
+            self.kv.truncate(rid, start // ps)
+        self.counters["kv_tokens_received"] += max(0, min(begin, len(res.tokens)) - res.matched)
+        self.kv.cache_tokens(rid, prompt[:start])
+        return start
+
+    def commit(self, request_id: str, pin: bool) -> CommitResponse:
+        """Adopt received KV into the prefix cache without generating (context migration)."""
+        entry = self.requests.get(request_id)
+        if entry is None or entry.state is not RequestState.RESERVED:
+            raise MicroservingError(404, f"no prep_recv reservation for request_id {request_id!r}",
+                                    "request_id")  # fmt: skip
+        res = entry.reservation
+        self._close(request_id, res)
+        self.kv.cache_tokens(request_id, res.tokens)
+        cached = self.kv.num_cached_pages(request_id) * self.kv.page_size
+        if pin and cached:
+            self.kv.pin(res.tokens[:cached])
+        self.kv.free(request_id)
+        self.counters["kv_tokens_received"] += len(res.tokens) - res.matched
+        return CommitResponse(cached, bool(pin and cached))
+
+    def _expire_reservations(self, now: float) -> int:
+        """Free reservations whose sender has not renewed them for `lease_s` (nor has one
+        since the grant). Returns how many."""
+        expired = []
+        for rid, entry in self.requests.in_state(RequestState.RESERVED).items():
+            r = entry.reservation
+            if r.deadline > now:
+                continue
+            renewed = self.backend.renewed_at(r.window)
+            if renewed is not None and renewed + r.lease_s > now:
+                r.deadline = renewed + r.lease_s  # looked at again then
+            else:
+                expired.append((rid, r))
+        for rid, res in expired:
+            log.warning("KV reservation %r expired after its lease; pages freed", rid)
+            self._close(rid, res)
+            self.kv.free(rid)
+        self.counters["kv_leases_expired"] += len(expired)
+        return len(expired)
+
+
+    def _check_same_prompt(self, res: Reservation, prompt: list[int], begin: int) -> None:
+        held = len(res.tokens)
+        if begin > held:
+            raise MicroservingError(
+                400, f"begin {begin} beyond the {held} tokens prep_recv reserved for this "
+                f"request", "begin")  # fmt: skip
+        if prompt[:begin] != res.tokens[:begin]:
+            at = next(i for i, (a, b) in enumerate(zip(prompt, res.tokens)) if a != b)
+            raise MicroservingError(
+                400, f"prompt differs at position {at} from the one prep_recv reserved for "
+                f"this request", "prompt")  # fmt: skip
+
+    def _close(self, request_id: str, res: Reservation) -> None:
+        """End a reservation: no more writes (its pages stay with request_id; the caller frees
+        or caches them)."""
+        self.requests.finish(request_id)
+        self.backend.close_window(res.window)
+

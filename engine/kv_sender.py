@@ -1,0 +1,346 @@
+"""The sending half of the KV exchange (engine P): remote_send, send_to and their transfer jobs.
+
+For remote_send(prompt, begin, end, kv_addr):
+
+    positions:   0 ........ begin ................................ end
+    P's cache:   [ matched_p ──────────────▶ ]                      (case 1: matched_p > begin)
+                            [ copy from cache ][ compute and send  ]
+    P's cache:   [ matched_p ▶ ]                                    (case 2: matched_p < begin)
+                 [ compute, don't send ][ compute and send         ]
+
+Cached KV is written to the receiver at once; computed KV is marked for sending
+(`PagedKVCache.mark_send`) and written layer by layer as each step's forward pass runs.
+When the last chunk is computed, the job's pages stay held until the transfer stream has
+flushed every write; only then does the remote_send call answer.
+
+A remote_send may come before its destination is known (no kv_addr: the router asks P to start
+while D's prep_recv runs, so P's compute is not held up by D's round trip). The job computes
+prompt[:end] into this engine's pages, sending nothing; `send_to(begin, kv_addr)` then copies
+what exists of [begin, end) at once (cached or computed: `write_all_layers`, ordered after the
+steps already launched) and the later chunks are sent layer by layer as above. A job computed
+before its send_to is PARKED, holding its pages; one whose send_to does not come within the
+engine's lease (`--kv-lease-s`, counted from the remote_send) is dropped with a 408.
+
+`Sending` is a half of `engine.kv_exchange.KVExchange`, which sets the attributes it uses
+(`kv`, `requests`, `vocab_size`, `sender`, `layout`, `lease_s`, `counters`, `_answers`) and
+the `_flushed` and `_addresses` it alone writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.requests import RequestState
+from engine.sequence import Sequence
+from engine.validation import check_prompt, resolve_index
+from kvcache.forward import KVSend
+from kvcache.transfer import TransferError, Window
+from microserve.backend import MicroservingError
+from microserve.messages import KVAddr, RemoteSendResponse, SamplingParams, SendToResponse
+from microserve.transfer_auth import TransferAuthError, verify
+
+log = logging.getLogger(__name__)
+
+MAX_EARLY_ADDRESSES = 4096  # send_to calls kept for a remote_send still on its way
+# A send's states once its sequence is done: its pages held by the request, not a sequence.
+COMPUTED = (RequestState.FLUSHING, RequestState.PARKED)
+
+
+@dataclass
+class SendJob:
+    begin: int
+    end: int
+    # The receiver's slots for positions [begin, end) (int64, CPU); None until send_to names
+    # them (a remote_send made without kv_addr: begin is set then too).
+    dst_slots: torch.Tensor | None
+    reused: int  # tokens of [begin, end) copied from this engine's prefix cache
+    computed: int  # tokens this engine prefills for the job
+    samples: bool = False  # answers with the first output token, sampled after the prompt
+    first_token: int | None = None  # set when sampled (`KVExchange.sampled`)
+    matched: int = 0  # leading prompt tokens found in this engine's prefix cache
+    # time.monotonic() by which send_to must name the destination; None once it did
+    address_by: float | None = None
+
+
+
+
+class Sending:
+    """remote_send, send_to and the life of their transfer jobs up to the answer. Mixed into
+    KVExchange."""
+
+    def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
+                    kv_addr: KVAddr | None, arrival: int,
+                    sampling: SamplingParams | None = None,
+                    generator: torch.Generator | None = None) -> Sequence | None:
+        """Start sending KV of prompt[begin:end]; the answer comes from poll(). Returns the
+        send-only sequence (made at `arrival`) that computes the KV not cached here, for the
+        caller to schedule; None if all of it was cached (the job is flushing already, or
+        parked until send_to when `kv_addr` is None: then begin comes with send_to).
+
+        With `sampling` (and its `generator`) the sequence also samples the first output
+        token after the prompt, which the answer carries: end must be the prompt's length,
+        and at least the last prompt token is computed here (its logits are sampled)."""
+        check_prompt(prompt, self.vocab_size)
+        n = len(prompt)
+        begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
+        if begin > end:
+            raise MicroservingError(400, f"begin {begin} is after end {end}", "begin")
+        if kv_addr is None and begin:
+            raise MicroservingError(400, f"begin {begin} without kv_addr: a remote_send that "
+                                    "does not know its destination yet gets begin with send_to",
+                                    "begin")  # fmt: skip
+        if kv_addr is None and request_id in self._addresses:  # its send_to came first
+            begin, kv_addr, _ = self._addresses.pop(request_id)
+            if begin > end:
+                raise MicroservingError(400, f"send_to's begin {begin} is after end {end}",
+                                        "begin")  # fmt: skip
+        if sampling is not None:
+            _check_sampling(sampling, n, end)
+        if kv_addr is not None:
+            self._check_addr(kv_addr, begin, end)
+        self._check_free(request_id)
+        matched = self.kv.open(request_id, prompt[:end - 1] if sampling else prompt[:end])
+        job = SendJob(begin, end, None, 0, computed=end - matched if matched < end else 0,
+                      samples=sampling is not None, matched=matched)
+        if kv_addr is None:
+            job.address_by = time.monotonic() + self.lease_s
+        else:
+            try:
+                self._address(request_id, job, begin, kv_addr, min(matched, end))
+            except BaseException:  # nothing may outlive the refused call
+                self.kv.free(request_id)
+                raise
+        if matched >= end:
+            if kv_addr is None:
+                self.requests.park(request_id, job)
+            else:
+                self._flush(request_id, job)
+            return None
+        seq = Sequence(request_id, prompt[:end], sampling or SamplingParams(max_tokens=1),
+                       arrival, num_computed_tokens=matched, num_cached_tokens=matched,
+                       send_only=True, send_samples=sampling is not None)
+        self.requests.send(request_id, job, seq, generator)
+        return seq
+
+    def send_to(self, request_id: str, begin: int, kv_addr: KVAddr) -> SendToResponse:
+        """Name the destination of a remote_send made without one: [begin, end) goes to
+        `kv_addr`. What this engine holds of it already (cached, or computed by the steps
+        launched so far) is queued for writing now; a parked job flushes after it. A send_to
+        that overtook its remote_send on the way is kept for it (until the lease runs out)."""
+        entry = self.requests.get(request_id)
+        if entry is None:
+            if request_id in self._addresses:
+                raise MicroservingError(409, f"send_to for request_id {request_id!r} was made "
+                                        "already", "request_id")  # fmt: skip
+            if len(self._addresses) >= MAX_EARLY_ADDRESSES:
+                raise MicroservingError(503, f"{len(self._addresses)} send_to calls are waiting "
+                                        "for their remote_send already")  # fmt: skip
+            deadline = time.monotonic() + self.lease_s
+            self._addresses[request_id] = (begin, kv_addr, deadline)
+            return SendToResponse(copied=0)
+        job = entry.job
+        if job is None or job.address_by is None:
+            raise MicroservingError(
+                404, f"no remote_send waiting for its destination under request_id "
+                f"{request_id!r}", "request_id")  # fmt: skip
+        if begin > job.end:
+            raise MicroservingError(400, f"begin {begin} is after the send's end {job.end}",
+                                    "begin")  # fmt: skip
+        self._check_addr(kv_addr, begin, job.end)
+        parked = entry.state is RequestState.PARKED
+        have = job.end if parked else min(entry.seq.num_computed_tokens, job.end)
+        self._address(request_id, job, begin, kv_addr, have)
+        if parked:
+            self._flush(request_id, job)
+        return SendToResponse(copied=max(0, have - begin))
+
+    def _address(self, request_id: str, job: SendJob, begin: int, kv_addr: KVAddr,
+                 have: int) -> None:
+        """Give `job` its destination (a checked `kv_addr` for [begin, job.end)): start the
+        transfer job and queue the writes of [begin, have), whose KV this engine holds now."""
+        try:
+            self.sender.start(request_id, kv_addr.transfer, Window(*kv_addr.window))
+        except TransferError as e:
+            raise MicroservingError(502, f"cannot reach the receiver: {e}") from None
+        dst = slot_tensor(kv_addr.ranges)
+        if have > begin:
+            try:
+                src = slot_tensor(self.kv.slot_ranges(request_id, begin, have))
+                self.sender.write_all_layers(request_id, src, dst[:have - begin])
+            except BaseException:
+                self.sender.cancel(request_id)
+                raise
+        job.begin, job.dst_slots, job.address_by = begin, dst, None
+        job.reused = max(0, min(job.matched, job.end) - begin)
+
+    def sends_for(self, seq: Sequence, start: int, num_new: int) -> KVSend | None:
+        """The share of a step's chunk [start, start + num_new) that goes to the receiver."""
+        job = self.requests.get(seq.request_id).job
+        if job.dst_slots is None:  # no destination yet: send_to copies it later
+            return None
+        lo, hi = max(start, job.begin), min(start + num_new, job.end)
+        if lo >= hi:
+            return None
+        src = slot_tensor(self.kv.slot_ranges(seq.request_id, lo, hi))
+        return KVSend(seq.request_id, src, job.dst_slots[lo - job.begin : hi - job.begin])
+
+    def computed(self, seq: Sequence) -> None:
+        """A send's last chunk is computed and its sequence out of the scheduler, pages kept:
+        they stay held until the transfer is flushed (or parked until send_to)."""
+        rid = seq.request_id
+        self.kv.cache_tokens(rid, seq.prompt_token_ids)
+        job = self.requests.get(rid).job
+        if job.dst_slots is None:
+            self.requests.park(rid, job)
+        else:
+            self._flush(rid, job)
+
+    def _flush(self, request_id: str, job: SendJob) -> None:
+        """The job is FLUSHING: the sender flushes its writes, then poll() answers it."""
+        self.requests.flush(request_id, job)
+        self.sender.finish(request_id)
+
+    def sampled(self, request_id: str, token: int) -> None:
+        """A sampling send's first output token is resolved: its answer may go out."""
+        entry = self.requests.get(request_id)
+        if entry is None or entry.state not in COMPUTED:  # aborted or failed
+            return
+        entry.job.first_token = token
+        if request_id in self._flushed:  # the transfer was done already
+            self._flushed.remove(request_id)
+            self._settle(request_id, None)
+
+    def unsampled(self) -> list[str]:
+        """The sends computed (flushing or parked) whose sampled token is not resolved yet."""
+        return [rid for state in COMPUTED for rid, e in self.requests.in_state(state).items()
+                if e.job.samples and e.job.first_token is None]
+
+    def drop_failed_sends(self) -> list[Sequence]:
+        """Stop the sends still computing whose transfer failed (e.g. the receiver died); their
+        502 answers come from the next poll(). Returns their sequences, for the caller to take
+        out of the scheduler."""
+        seqs = []
+        for rid, error in self.sender.failed():  # only jobs not yet flushing report here
+            seqs.append(self._drop_send(rid))
+            self._answers.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
+        return seqs
+
+
+    def _settle_completed(self) -> None:
+        """Settle the sends whose transfer completed or failed since the last call."""
+        for rid, error in self.sender.completed():
+            entry = self.requests.get(rid)
+            if entry is None or entry.state is not RequestState.FLUSHING:  # aborted meanwhile
+                continue
+            if entry.job.samples and entry.job.first_token is None and error is None:
+                self._flushed.add(rid)  # answered when its token is resolved (`sampled`)
+                continue
+            self._settle(rid, error)
+
+    def _settle(self, request_id: str, error: Exception | None) -> None:
+        """A flushed send is done: free its pages, answer it (at the next poll)."""
+        job = self.requests.finish(request_id).job
+        self.kv.free(request_id)
+        if error is not None:
+            self._answers.append((request_id,
+                                  MicroservingError(502, f"KV transfer failed: {error}")))
+            return
+        sent = job.end - job.begin
+        self.counters["kv_tokens_sent"] += sent
+        self._answers.append((request_id, RemoteSendResponse(sent, job.computed, job.reused,
+                                                             job.first_token)))
+
+    def _check_addr(self, addr: KVAddr, begin: int, end: int) -> None:
+        try:  # first: nothing of an unsigned descriptor is looked at
+            transfer = verify(addr.transfer, self.sender.key)
+        except TransferAuthError as e:
+            raise MicroservingError(400, f"refusing to send: {e}", "kv_addr.transfer") from None
+        if addr.num_slots != end - begin:
+            raise MicroservingError(
+                400, f"kv_addr holds {addr.num_slots} slots but end - begin = {end - begin} "
+                f"(begin {begin}, end {end})", "kv_addr")  # fmt: skip
+        if (why := self.layout.mismatch(addr.layout)) is not None:
+            raise MicroservingError(400, f"refusing to send: {why}", "kv_addr.layout")
+        capacity = transfer["num_pages"] * self.layout.page_size
+        bad = next(((s, n) for s, n in addr.ranges if s < 0 or n < 1 or s + n > capacity), None)
+        if bad is not None:
+            raise MicroservingError(
+                400, f"kv_addr range {list(bad)} outside the receiver's {capacity} slots",
+                "kv_addr.ranges")  # fmt: skip
+
+
+    def fail_send(self, request_id: str, error: MicroservingError) -> Sequence | None:
+        """End a send in flight with `error` (its remote_send answer, at the next poll).
+        Returns its sequence if still computing, for the caller to take out of the scheduler."""
+        seq = self._drop_send(request_id)
+        self._answers.append((request_id, error))
+        return seq
+
+    def _drop_send(self, request_id: str) -> Sequence | None:
+        """End a send job wherever it is. Frees a flushing job's pages; a computing job's
+        sequence is returned (its pages go when it leaves the scheduler)."""
+        entry = self.requests.finish(request_id)
+        self._flushed.discard(request_id)
+        self.sender.cancel(request_id)  # returns once no write reads the pages
+        if entry.state in COMPUTED:
+            self.kv.free(request_id)
+        return entry.seq
+
+
+    def forget_address(self, request_id: str) -> bool:
+        """Drop a send_to kept for a remote_send that has not come (an abort). True if any."""
+        return self._addresses.pop(request_id, None) is not None
+
+    def _expire_parked(self, now: float) -> int:
+        """Drop parked sends whose send_to did not come in time (their router is gone, say),
+        and kept send_to calls whose remote_send did not come."""
+        for rid in [r for r, (_, _, deadline) in self._addresses.items() if deadline <= now]:
+            del self._addresses[rid]
+        late = [rid for rid, e in self.requests.in_state(RequestState.PARKED).items()
+                if e.job.address_by <= now]
+        for rid in late:
+            log.warning("remote_send %r got no send_to within %g s; its KV dropped", rid,
+                        self.lease_s)
+            self._drop_send(rid)
+            self._answers.append((rid, MicroservingError(
+                408, f"no send_to named where to send request {rid!r} within {self.lease_s:g} s "
+                "of its remote_send (this engine's --kv-lease-s)", "request_id")))
+        return len(late)
+
+
+
+def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:
+    """What a remote_send can sample: the token after the whole prompt, without the options
+    that need the generating engine's state (a grammar, logprobs to return, the token history
+    behind logit_bias, min_tokens and the penalties)."""
+    if end != n:
+        raise MicroservingError(
+            400, f"a remote_send that samples sends the whole prompt: end must be the prompt "
+            f"length {n}, got {end}", "end")  # fmt: skip
+    if sampling.grammar is not None or sampling.logprobs is not None:
+        raise MicroservingError(
+            400, "a remote_send samples no token under a grammar or with logprobs: leave the "
+            "last prompt token to the generating engine", "sampling")  # fmt: skip
+    if sampling.adjusts_logits:
+        raise MicroservingError(
+            400, "a remote_send samples no token with logit_bias, min_tokens or penalties: "
+            "leave the last prompt token to the generating engine", "sampling")  # fmt: skip
+
+
+def slot_tensor(ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The flat slots of run-length `ranges` [(first slot, count), ...] as an int64 CPU tensor,
+    built without a Python int per slot (a 5,000-token send names 5,000 slots). In numpy:
+    torch's CPU `repeat_interleave` took ~1.4 ms a call inside the engine on the H100's host
+    (py-spy, 2026-11-24; why was not isolated), where numpy's `repeat` takes microseconds."""
+    if not ranges:
+        return torch.empty(0, dtype=torch.long)
+    runs = np.asarray(ranges, dtype=np.int64)
+    starts, counts = runs[:, 0], runs[:, 1]
+    index_of_first = np.cumsum(counts) - counts  # where each run starts in the output
+    slots = np.repeat(starts - index_of_first, counts) + np.arange(int(counts.sum()))
+    return torch.from_numpy(slots)
