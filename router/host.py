@@ -79,6 +79,8 @@ class StrategySource:
         """A .py file. With `root` (the admin API's strategies directory), a relative `path` is
         taken inside it and the file, symlinks resolved, must lie in it: the same refusal
         whether or not such a file exists, before anything is read."""
+        if "\x00" in str(path):  # no file has such a name; resolve() would raise ValueError
+            raise StrategyLoadError(f"strategy path {str(path)!r} contains a NUL character")
         given = Path(path)
         if root is not None:
             root = root.resolve()

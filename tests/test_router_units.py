@@ -386,6 +386,26 @@ async def test_strategy_paths_stay_inside_the_strategies_directory(tmp_path):
     await host.close()
 
 
+async def test_a_strategy_path_with_a_nul_is_a_400_naming_it(tmp_path):
+    from fastapi import FastAPI
+    from httpx import ASGITransport, AsyncClient
+
+    from microserve.errors import install_error_handlers
+    from router.admin import AdminAPI, add_admin_routes
+
+    app = FastAPI()
+    install_error_handlers(app)
+    host = StrategyHost(make_pool(("e", "any")))
+    add_admin_routes(app, AdminAPI(make_pool(("e", "any")), host, None, strategies_dir=tmp_path))
+    async with AsyncClient(transport=ASGITransport(app), base_url="http://t") as http:
+        r = await http.put("/admin/strategy", json={"path": "x\x00.py"})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": "strategy path 'x\\x00.py' contains a NUL character",
+                                  "type": "invalid_request_error", "param": "path", "code": None}}
+    assert host.active is None
+    await host.close()
+
+
 async def test_strategy_files_that_are_not_regular_files_are_refused_without_blocking(
         tmp_path):
     root = tmp_path / "strategies"
