@@ -6,6 +6,8 @@
 PY ?= python3
 VENV := .venv
 PORT ?= 8000
+# PUT /admin/strategy {"path": ...} loads strategy files from here (README.md)
+STRATEGIES_DIR ?= examples/strategies
 PYTEST_ARGS ?=
 
 .PHONY: serve test install clean
@@ -21,7 +23,8 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/microserve up deploy/local-cpu.toml --port $(PORT)
+	$(VENV)/bin/microserve up deploy/local-cpu.toml --port $(PORT) \
+	    $(if $(STRATEGIES_DIR),--strategies-dir $(STRATEGIES_DIR))
 
 test: install
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

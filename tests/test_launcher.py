@@ -1,5 +1,5 @@
-"""`make serve` as a newcomer meets it: the deployment it starts, the admin token it saves, and
-a second deployment on its ports.
+"""`make serve` as a newcomer meets it: the deployment it starts, the admin token it saves, a
+second deployment on its ports, and the README's commands run as written against it.
 
 The deployment is the one `make serve` starts (its command as `make -n serve` prints it, on
 free ports), with the admin token it makes for itself: saved while it runs, removed when it
@@ -9,8 +9,11 @@ the port and leaves the running deployment's token file as it was.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
+import shutil
 import socket
 import stat
 import subprocess
@@ -25,6 +28,7 @@ from deployments import Up, stop_and_check, with_engine_key
 from launcher.credentials import admin_token
 
 ROOT = Path(__file__).resolve().parent.parent
+LOCAL_PORT = 8000  # the port the README's commands name
 
 
 # ---- the admin token's file, without processes ----------------------------------------------
@@ -185,3 +189,99 @@ def test_a_second_deployment_on_a_busy_port_leaves_the_running_one_alone(serve, 
     assert r.status_code == 200, r.text
     assert {e["name"]: e["state"] for e in r.json()["engines"]} == {"prefill-0": "up",
                                                                     "decode-0": "up"}
+
+
+# ---- the README's commands --------------------------------------------------------------------
+
+def readme_blocks(language: str) -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def on_port(command: str, port: int) -> str:
+    """The README's command for a deployment on `port`, run by this interpreter."""
+    command = re.sub(rf"(?<=:){LOCAL_PORT}\b|(?<=--port ){LOCAL_PORT}\b", str(port), command)
+    return command.replace(".venv/bin/microserve", f"{shlex.quote(sys.executable)} -m launcher.cli")
+
+
+def json_values(text: str) -> list:
+    """The JSON values printed one after another in `text`."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return values
+        value, i = decoder.raw_decode(text, i)
+        values.append(value)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the README's commands need curl")
+def test_the_readmes_commands_work_against_make_serve_as_written(serve):
+    port = int(serve.url.rsplit(":", 1)[1])
+    shell = [block for block in readme_blocks("bash") if "curl " in block]
+    python = [block for block in readme_blocks("python") if "OpenAI(" in block]
+    assert len(shell) == 2 and len(python) == 1, "the README's examples changed: update this test"
+    try_it, swap = shell
+    # Each curl prints its answer; an HTTP error fails the script, showing the answer.
+    prelude = 'set -euo pipefail\ncurl() { command curl -sS --fail-with-body "$@"; echo; }\n'
+
+    def run_shell(block: str) -> str:
+        done = subprocess.run(["bash", "-c", prelude + on_port(block, port)], cwd=ROOT,
+                              env=serve.env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{block}\nexit {done.returncode}:\n{done.stdout}{done.stderr}"
+        return done.stdout
+
+    [answer] = json_values(run_shell(try_it))
+    assert answer["object"] == "chat.completion" and answer["model"] == "smollm2-135m-instruct"
+    assert "Paris" in answer["choices"][0]["message"]["content"]
+    streamed = subprocess.run([sys.executable, "-c", on_port(python[0], port)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert streamed.returncode == 0 and streamed.stdout.strip(), streamed.stderr
+
+    now, balanced, mine = json_values(run_shell(swap))
+    assert now["active"]["class"] == "PrefillDecode"
+    assert balanced["class"] == "BalancedPD" and balanced["args"] == {"ratio": 0.2}
+    assert mine["class"] == "ShortLocalLongSplit" and mine["args"] == {"threshold": 16}
+    # The swapped-in strategy splits the same chat across both engines: the same greedy answer.
+    [again] = json_values(run_shell(try_it))
+    assert again["choices"][0]["message"] == answer["choices"][0]["message"]
+    token = serve.token_file.read_text().strip()
+    r = httpx.get(serve.url + "/admin/strategy", headers={"Authorization": f"Bearer {token}"})
+    assert r.json()["active"]["class"] == "ShortLocalLongSplit"
+    assert r.json()["active"]["finished"] == 1
+
+
+# ---- every curl in the docs carries the token it needs ----------------------------------------
+
+DOC_FILES = ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))),
+             *(f"deploy/{p.name}" for p in sorted((ROOT / "deploy").glob("*.toml")))]
+
+
+def curl_commands(text: str) -> list[str]:
+    """The curl commands in `text`: inline code (which may wrap), and lines of code blocks or
+    comments (continued by a final backslash)."""
+    inline = re.findall(r"`(curl [^`]*)`", text)
+    text = re.sub(r"`curl [^`]*`", "", text).replace("\\\n", " ")
+    lines = [line.strip().lstrip("#").strip() for line in text.splitlines()]
+    return [" ".join(c.split()) for c in inline] + [line for line in lines
+                                                     if line.startswith("curl ")]
+
+
+def test_every_curl_to_admin_or_microserving_in_the_docs_carries_a_token():
+    guarded = {}
+    for name in DOC_FILES:
+        for command in curl_commands((ROOT / name).read_text()):
+            if "/admin" in command or "/microserving/" in command:
+                guarded.setdefault(name, []).append(command)
+                assert '-H "Authorization: Bearer $' in command, f"{name}: {command}"
+    assert {name: len(commands) for name, commands in guarded.items()} == {
+        "README.md": 3, "deploy/local-cpu.toml": 1, "docs/deploy.md": 2,
+        "docs/microserving.md": 3, "docs/router.md": 1}
+
+
+def test_the_example_strategy_is_the_one_docs_router_md_shows():
+    doc = (ROOT / "docs" / "router.md").read_text()
+    [shown] = re.findall(r"^```python\n# my_strategy.py\n(.*?)^```", doc, flags=re.S | re.M)
+    assert shown in (ROOT / "examples" / "strategies" / "my_strategy.py").read_text()
