@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from bench.serve import CLIENT_KEEP_ALIVE_S, one, pct
+from bench.slo import SLO, parse_stages, stage_quantiles
 
 PRESETS: dict[str, tuple[str, dict]] = {
     "dp": ("data_parallel", {}),
@@ -237,19 +238,28 @@ class Bench:
             await asyncio.sleep(0.5)
         await asyncio.sleep(1.2)  # two poll intervals: the counters are fresh
 
-    async def run(self, model: str, work: list[tuple[float, int, int]], rng: random.Random
-                  ) -> dict:
-        """Send `work` at its arrival times; the latency figures of the requests."""
+    async def stages(self):
+        """The router's stage histograms now (bench/slo.py)."""
+        return parse_stages((await self.client.get(self.root + "/metrics")).text)
+
+    async def run(self, model: str, work: list[tuple[float, int, int]], rng: random.Random,
+                  gpus: int, concurrency: int | None = None) -> dict:
+        """Send `work` at its arrival times (or, with `concurrency`, keeping that many in
+        flight); the latency figures of the requests and their goodput."""
         vocab = self.args.vocab
         prompts = [[rng.randrange(vocab) for _ in range(n_in)] for _, n_in, _ in work]
+        limit = asyncio.Semaphore(concurrency or len(work))
+        stages_before = await self.stages()
         start = time.perf_counter()
 
         async def at(t: float, prompt: list[int], n_out: int) -> dict:
-            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-            try:
-                return await one(self.client, model, prompt, n_out)
-            except httpx.HTTPError as e:
-                return {"error": f"{type(e).__name__}: {e}"}
+            if concurrency is None:
+                await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            async with limit:
+                try:
+                    return await one(self.client, model, prompt, n_out)
+                except httpx.HTTPError as e:
+                    return {"error": f"{type(e).__name__}: {e}"}
 
         tasks = [asyncio.create_task(at(t, p, n_out))
                  for (t, _, n_out), p in zip(work, prompts)]  # fmt: skip
@@ -262,14 +272,18 @@ class Bench:
         ok = [r for r in results if "error" not in r]
         out_tokens = sum(r["output_tokens"] for r in ok)
         in_tokens = sum(r["prompt_tokens"] for r in ok)
+        ttft, tpot = pct([r["ttft"] for r in ok]), pct([r["tpot"] for r in ok])
+        failed = len(work) - len(ok)
+        slo = SLO(self.args.slo_ttft_s, self.args.slo_tpot_ms).report(
+            ok, failed, wall, gpus, ttft.get("p99_ms"), tpot.get("p99_ms"))
         return {
             "requests": len(work), "completed": len(ok), "failed": len(results) - len(ok),
             "timed_out": len(pending), "errors": [r["error"] for r in results if "error" in r][:3],
             "input_tokens": in_tokens, "output_tokens": out_tokens,
             "wall_s": wall, "request_throughput": len(ok) / wall,
             "input_tokens_per_s": in_tokens / wall, "output_tokens_per_s": out_tokens / wall,
-            "ttft": pct([r["ttft"] for r in ok]), "tpot": pct([r["tpot"] for r in ok]),
-            "jct": pct([r["e2e"] for r in ok]),
+            "ttft": ttft, "tpot": tpot, "jct": pct([r["e2e"] for r in ok]), "slo": slo,
+            "stages": stage_quantiles(stages_before, await self.stages()),
         }  # fmt: skip
 
 
@@ -325,11 +339,16 @@ async def main_async(args) -> dict:
             used = run.engines or names
             gpus = args.gpus or len(used)
             for rate in rates:
-                n = max(args.min_requests, round(rate * gpus * args.duration_s))
-                work = schedule(n, rate * gpus, dists, args.seed)
+                if args.concurrency:  # closed loop: `rate` is the number in flight
+                    n = args.min_requests
+                    work = [(0.0, i, o) for _, i, o in schedule(n, 1.0, dists, args.seed)]
+                else:
+                    n = max(args.min_requests, round(rate * gpus * args.duration_s))
+                    work = schedule(n, rate * gpus, dists, args.seed)
                 await bench.settle()
                 before = await bench.engine_counters()
-                result = await bench.run(model, work, random.Random(f"{args.seed}/{k}/{rate}"))
+                result = await bench.run(model, work, random.Random(f"{args.seed}/{k}/{rate}"),
+                                         gpus, int(rate) if args.concurrency else None)
                 await bench.settle()
                 active = (await bench.call("GET", "/admin/strategy"))["active"]
                 entry = {"strategy": run.label, "builtin": run.builtin, "args": run.args,
@@ -362,7 +381,14 @@ def _line(e: dict) -> str:
             f"ok={e['completed']:<4} ttft {ms(e['ttft'], 'mean_ms')}/{ms(e['ttft'], 'p99_ms')} "
             f"tpot {ms(e['tpot'], 'mean_ms')}/{ms(e['tpot'], 'p99_ms')} "
             f"jct {ms(e['jct'], 'mean_ms')}/{ms(e['jct'], 'p99_ms')} ms (mean/p99) "
-            f"{e['output_tokens_per_s']:.0f} out tok/s")
+            f"{e['output_tokens_per_s']:.0f} out tok/s, goodput {e['slo']['goodput_per_gpu']:.2f}"
+            f"/GPU{_handover(e['stages'])}")
+
+
+def _handover(stages: dict) -> str:
+    parts = [f"{name} {stages[name]['p50_ms']:.1f}" for name in
+             ("p_queue", "p_prefill", "transfer_tail", "handover") if name in stages]
+    return f"; p50 ms: {', '.join(parts)}" if parts else ""
 
 
 def _write(path: str, record: dict) -> None:
@@ -384,7 +410,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"))
     ap.add_argument("--served-model", default=None, help="default: the first of /v1/models")
     ap.add_argument("--strategy", action="append", required=True, help="see above; repeat")
-    ap.add_argument("--rates", required=True, help="per-GPU request rates, e.g. 0.5,1,1.5")
+    ap.add_argument("--rates", required=True, help="per-GPU request rates, e.g. 0.5,1,1.5 "
+                    "(with --concurrency: requests in flight, e.g. 1)")
+    ap.add_argument("--concurrency", action="store_true",
+                    help="closed loop: each --rates value is how many requests are kept in "
+                         "flight, for --min-requests requests (TTFT at concurrency 1)")
+    ap.add_argument("--slo-ttft-s", type=float, default=2.0,
+                    help="goodput: a request meets the SLO with a TTFT up to this ...")
+    ap.add_argument("--slo-tpot-ms", type=float, default=25.0,
+                    help="... and a time per output token up to this")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs per run (default: the "
                     "engines the strategy uses; say 1 for engines that share one GPU)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="synthetic")

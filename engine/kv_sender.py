@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,7 +41,8 @@ from engine.validation import check_prompt, resolve_index
 from kvcache.forward import KVSend
 from kvcache.transfer import TransferError, Window
 from microserve.backend import MicroservingError
-from microserve.messages import KVAddr, RemoteSendResponse, SamplingParams, SendToResponse
+from microserve.messages import (KVAddr, RemoteSendResponse, SamplingParams, SendTiming,
+                                 SendToResponse)
 from microserve.transfer_auth import TransferAuthError, verify
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,17 @@ class SendJob:
     matched: int = 0  # leading prompt tokens found in this engine's prefix cache
     # time.monotonic() by which send_to must name the destination; None once it did
     address_by: float | None = None
+    # time.perf_counter() when the call came, its first step was built, its last computed
+    # (the answer's SendTiming); set by Sending
+    received_at: float = field(default_factory=time.perf_counter)
+    first_step_at: float | None = None
+    computed_at: float | None = None
+
+    def timing(self) -> SendTiming:
+        done = self.computed_at or self.received_at  # all cached: nothing computed
+        first = self.first_step_at or done
+        return SendTiming(queued_s=first - self.received_at, prefill_s=done - first,
+                          tail_s=time.perf_counter() - done)
 
 
 
@@ -181,6 +193,8 @@ class Sending:
     def sends_for(self, seq: Sequence, start: int, num_new: int) -> KVSend | None:
         """The share of a step's chunk [start, start + num_new) that goes to the receiver."""
         job = self.requests.get(seq.request_id).job
+        if job.first_step_at is None:
+            job.first_step_at = time.perf_counter()
         if job.dst_slots is None:  # no destination yet: send_to copies it later
             return None
         lo, hi = max(start, job.begin), min(start + num_new, job.end)
@@ -195,6 +209,7 @@ class Sending:
         rid = seq.request_id
         self.kv.cache_tokens(rid, seq.prompt_token_ids)
         job = self.requests.get(rid).job
+        job.computed_at = time.perf_counter()
         if job.dst_slots is None:
             self.requests.park(rid, job)
         else:
@@ -252,8 +267,8 @@ class Sending:
             return
         sent = job.end - job.begin
         self.counters["kv_tokens_sent"] += sent
-        self._answers.append((request_id, RemoteSendResponse(sent, job.computed, job.reused,
-                                                             job.first_token)))
+        self._answers.append((request_id, RemoteSendResponse(
+            sent, job.computed, job.reused, job.first_token, job.timing())))
 
     def _check_addr(self, addr: KVAddr, begin: int, end: int) -> None:
         try:  # first: nothing of an unsigned descriptor is looked at

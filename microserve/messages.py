@@ -292,11 +292,21 @@ class RemoteSendRequest:
 
 
 @dataclass(slots=True)
+class SendTiming:
+    """Where a remote_send's time went on the sender (router/handover.py adds the hops)."""
+
+    queued_s: float  # from the call to the first step that computed its tokens
+    prefill_s: float  # from that step to the last one's outputs (0 if all was cached)
+    tail_s: float  # from then to the answer: the writes flushed (and send_to, if late)
+
+
+@dataclass(slots=True)
 class RemoteSendResponse:
     sent: int  # tokens whose KV now sits in the receiver's slots (= end - begin)
     computed: int  # tokens this engine prefilled to produce them (may start before begin)
     reused: int  # tokens of [begin, end) copied from this engine's prefix cache
     first_token: int | None = None  # sampled when the call carried `sampling`
+    timing: SendTiming | None = field(default=None, compare=False)  # measured, not an outcome
 
 
 @_CHECKED

@@ -32,6 +32,7 @@ from microserve.backend import BackendError, BackendUnavailable, GenerateBackend
 from microserve.messages import GenerateChunk, SamplingParams
 from microserve.metrics import Registry
 from router.engines import EnginePool
+from router.handover import StageMetrics, now
 from router.host import LoadedStrategy, StrategyHost
 from router.strategy import Request
 
@@ -59,6 +60,7 @@ class RouterBackend(GenerateBackend):
             "microserve_router_retries_total", "Requests tried again after an engine failed.")
         self._aborts = registry.counter(
             "microserve_router_engine_aborts_total", "Abort calls sent to engines.")
+        self._stages = StageMetrics(registry)
 
     @property
     def max_model_len(self) -> int:
@@ -80,6 +82,8 @@ class RouterBackend(GenerateBackend):
             finished = produced = False
             try:
                 async for chunk in chunks:
+                    if not produced:
+                        request.timeline.first_token = now()
                     produced = True
                     finished = chunk.finish_reason is not None
                     yield _with_cache_hits(request, chunk)
@@ -114,6 +118,8 @@ class RouterBackend(GenerateBackend):
                 self.host.release(loaded, finished)
                 self._requests.inc(strategy=loaded.name,
                                    outcome="finished" if finished else "failed")
+                if finished:
+                    self._stages.observe(loaded.name, request.timeline)
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
 
     def _retryable(self, error: Exception, attempt: int) -> bool:

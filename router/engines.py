@@ -53,6 +53,7 @@ from microserve.messages import (
 )
 from microserve.metrics import Registry
 from microserve.microserving_client import EngineClient
+from router.handover import now
 from router.prefix_index import PrefixIndex
 from router.stream_watch import StreamWatch
 
@@ -142,8 +143,10 @@ class EngineHandle:
         self._touch(request)
         if wait_s is None:
             wait_s = self._pool.queue_timeout_s
+        started = now()
         answer = await self._call(self.client.prep_recv(request.request_id, request.prompt, end,
                                                         lease_s, wait_s))
+        request.timeline.prep_recv_s = now() - started
         self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
         return answer
 
@@ -161,6 +164,7 @@ class EngineHandle:
         watched = [n for n in request.touched if n != self.name] + [self.name]
         self.open_sends += 1
         self.pending_prefill_tokens += tokens
+        started = now()
         try:
             answer = await self._pool.unless_down(
                 watched, self._call(self.client.remote_send(
@@ -174,6 +178,7 @@ class EngineHandle:
         request.settled.add(self.name)  # a sender holds nothing once its send is done
         request.received_tokens += answer.sent
         request.peer_cached_tokens += answer.reused
+        request.timeline.sent(now() - started, answer.timing)
         return answer
 
     async def send_to(self, request: Request, begin: int, kv_addr: KVAddr) -> None:
@@ -263,10 +268,13 @@ class EngineHandle:
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
                                             request.sampling, first_token)
+        request.timeline.generate_started = now()
         watch = StreamWatch(self, self._pool.down_event(self.name))
         try:
             async for chunk in watch.chunks(chunks, f"engine {self.name} went down while "
                                                     f"generating {request.request_id}"):
+                if request.timeline.first_chunk is None:
+                    request.timeline.first_chunk = now()
                 self.pending_prefill_tokens -= prefill
                 prefill = 0
                 if early:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from microserve.messages import GenerateChunk, SamplingParams
+from router.handover import Timeline, now
 
 if TYPE_CHECKING:
     from router.engines import EnginePool
@@ -56,6 +57,9 @@ class Request:
     # router's backend works out cached_tokens from these and the generating engine's count).
     received_tokens: int = field(default=0, compare=False)
     peer_cached_tokens: int = field(default=0, compare=False)
+    # Where its time to first token went (router/handover.py): stamped by the engine handles
+    # and the router's backend.
+    timeline: Timeline = field(default_factory=lambda: Timeline(now()), compare=False)
 
     @property
     def first_token_travels(self) -> bool:

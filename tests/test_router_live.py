@@ -505,3 +505,36 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
             assert c["d"]["generation_tokens"] == sum(n_out), label
     assert {e["state"] for e in admin.get("/admin/engines").json()["engines"]} == {"up"}
     assert admin.get("/admin/strategy").json()["active"]["class"] == "BalancedPD"
+
+
+@pytest.mark.parametrize("strategy", ["data_parallel", "pd"])
+async def test_each_request_reports_where_its_first_token_time_went(up, admin, tok, strategy):
+    """router/handover.py: one request adds one observation to each stage it went through;
+    P's own parts (reported in its remote_send answer) fit inside the send's round trip."""
+    from bench.slo import parse_stages
+
+    use(admin, **STRATEGIES[strategy])
+    before = parse_stages(httpx.get(up.url + "/metrics").text)
+    prompt = tok.encode(f"[stages {strategy}] " + TEXT, add_special_tokens=False)
+    c = client(up)
+    await complete(c, prompt, stream=True)
+    await c.close()
+    after = parse_stages(httpx.get(up.url + "/metrics").text)
+    name = {"data_parallel": "DataParallel", "pd": "PrefillDecode"}[strategy]
+    added = {stage: after[(s, stage)][math.inf] - before.get((s, stage), {}).get(math.inf, 0)
+             for (s, stage) in after if s == name}
+    added = {stage: n for stage, n in added.items() if n}
+    if strategy == "data_parallel":
+        assert added == {"ttft": 1, "d_first_chunk": 1}
+        return
+    # pd on idle engines: P starts beside D's prep_recv (an early send), so prep_recv is on
+    # the path too
+    assert added == {stage: 1 for stage in ("ttft", "prep_recv", "remote_send", "p_queue",
+                                            "p_prefill", "transfer_tail", "send_hops",
+                                            "handover", "d_first_chunk")}
+    text = httpx.get(up.url + "/metrics").text
+    sums = {line.split("stage=\"")[1].split("\"")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("microserve_router_stage_seconds_sum") and name in line}
+    assert sums["p_prefill"] > 0
+    assert sums["p_queue"] + sums["p_prefill"] + sums["transfer_tail"] <= sums["remote_send"]
