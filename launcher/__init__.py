@@ -5,4 +5,7 @@ and the engine, which it starts and wires together. Nothing below imports it.
     microserve engine ...      one engine (engine/frontend/server.py)
     microserve router ...      one router (router/server.py)
     microserve drain ...       drain an engine through a router's admin API
+    microserve admin-token     the admin token a running router made for itself
+    microserve model-path      the directory a --model resolves to (the tokenizer path)
+    microserve quantize ...    an fp8 copy of a checkpoint
 """

@@ -1,9 +1,12 @@
-"""`microserve` command line.
+"""`microserve` command line: one subcommand each (`microserve --help` lists them).
 
     microserve up CONFIG          a deployment: engines + router from one file (deploy/*.toml)
     microserve engine ...         one engine (OpenAI API + microserving API)
     microserve router ...         the router in front of engines already running
     microserve drain ROUTER ...   drain an engine through a router's admin API and wait
+    microserve admin-token        the admin token a running router made for itself
+    microserve model-path [MODEL] the Hugging Face directory a --model resolves to
+    microserve quantize MODEL OUT an fp8 copy of a checkpoint
 """
 
 from __future__ import annotations
@@ -21,6 +24,28 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
 
+class _Help(argparse.HelpFormatter):
+    """An option's default after its help, unless the help says it
+    or there is none to say (a flag, an empty list)."""
+
+    def _get_help_string(self, action) -> str:
+        help = action.help or ""
+        default = action.default
+        if ("default" in help or not action.option_strings or default is None
+                or default is argparse.SUPPRESS or isinstance(default, bool)
+                or default in ([], {})):
+            return help
+        return f"{help} (default: %(default)s)" if help else "default: %(default)s"
+
+
+def _command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+
+
+def _log_level_arg(p) -> None:
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+
+
 def _config_option(p, flag: str, field: str | None = None, **kwargs) -> None:
     """An option that sets the EngineConfig field `field` (default: the flag's name), with the
     field's default: the config says what the defaults are, the command line how to ask."""
@@ -36,18 +61,20 @@ def _auto_on_off(value: str) -> bool | None:
 
 
 def _engine_args(sub) -> None:
-    p = sub.add_parser("engine", help="serve one model from one engine (OpenAI API)")
+    p = _command(sub, "engine", "serve one model from one engine (OpenAI API and the "
+                                "microserving API)")
     p.add_argument("--model", default=None,
                    help="a local Hugging Face Llama-family directory, or "
-                        f"'{DEFAULT_MODEL_NAME}' (the embedded default)")
+                        f"{DEFAULT_MODEL_NAME} (the default, embedded)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients use in 'model' (default: the --model argument)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address it listens on")
+    p.add_argument("--port", type=int, default=8000, help="the port of its HTTP API")
     p.add_argument("--deployment", default=None,
                    help="the deployment this engine belongs to, reported in its stats (set by "
-                        "`microserve up`: its router adopts only its own engines)")
-    _config_option(p, "--device")
+                        "`microserve up`: its router adopts only its own engines; default: "
+                        "none)")
+    _config_option(p, "--device", help="cpu, cuda or cuda:N")
     _config_option(p, "--dtype", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, "
                                       "float16")
     _config_option(p, "--quantization", choices=("fp8",),
@@ -58,19 +85,22 @@ def _engine_args(sub) -> None:
                    help="auto: the model's dtype; fp8 (fp8_e4m3): the KV cache as float8 e4m3, "
                         "scale 1, saturated at +-448: twice the tokens in the same memory "
                         "(CUDA: compute capability 8.9+)")
-    _config_option(p, "--page-size", type=int)
+    _config_option(p, "--page-size", type=int, help="tokens per KV page")
     _config_option(p, "--kv-cache-memory-gb", type=float, help="size of the KV pool (CPU)")
     _config_option(p, "--gpu-memory-utilization", type=float,
                    help="share of the GPU's memory for weights, activations and KV (CUDA)")
-    _config_option(p, "--num-pages", type=int, help="KV pool size in pages (overrides the "
-                                                    "memory size)")
+    _config_option(p, "--num-pages", type=int, help="KV pool size in pages (default: from "
+                                                    "the memory size)")
     _config_option(p, "--max-num-batched-tokens", type=int,
                    help="per-step token budget (prefill chunk + decodes; default: 512 on CPU, "
                         "2048 on CUDA)")
     _config_option(p, "--max-num-seqs", type=int, help="sequences running at once "
                                                        "(default: 256)")
-    _config_option(p, "--max-model-len", type=int)
-    _config_option(p, "--no-prefix-cache", "enable_prefix_cache", action="store_false")
+    _config_option(p, "--max-model-len", type=int,
+                   help="longest prompt + output in tokens (default: the model's "
+                        "max_position_embeddings)")
+    _config_option(p, "--no-prefix-cache", "enable_prefix_cache", action="store_false",
+                   help="do not reuse the KV of earlier requests' common prefixes")
     _config_option(p, "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     _config_option(p, "--skip-warmup", "warmup", action="store_false",
                    help="CUDA: report ready without serving the start-up requests that compile "
@@ -79,8 +109,10 @@ def _engine_args(sub) -> None:
                    help="CUDA: steps with prompt tokens, up to this many in all, replay "
                         "piecewise CUDA graphs, attention eager (default: 2048; 0: eager)")
     _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
-                   help="launch step N before reading step N-1's tokens (auto: on for CUDA)")
-    _config_option(p, "--seed", type=int)
+                   help="launch step N before reading step N-1's tokens (default: auto, "
+                        "which is on for CUDA)")
+    _config_option(p, "--seed", type=int,
+                   help="seeds the engine's generator for requests that name no seed")
     _config_option(p, "--log-stats-interval", "log_stats_interval_s", type=float,
                    metavar="SECONDS",
                    help="while it works, the engine logs its throughput, load and where its "
@@ -114,7 +146,7 @@ def _engine_args(sub) -> None:
                         "no wait_s (then a 503)")
     _config_option(p, "--kv-recv-wait-max-s", type=float,
                    help="the longest wait_s a prep_recv may name")
-    p.add_argument("--log-level", default="info")
+    _log_level_arg(p)
 
 
 def _run_engine(args) -> None:
@@ -201,11 +233,12 @@ def _secret_args(p, *, up: bool = False) -> None:
     p.add_argument("--queue-timeout-s", type=float, default=None,
                    help="how long a request may wait for KV pages on a receiving engine before "
                         "it gets a 503 with Retry-After (default 60)")
-    p.add_argument("--log-level", default="info")
+    _log_level_arg(p)
 
 
 def _router_args(sub) -> None:
-    p = sub.add_parser("router", help="one OpenAI endpoint over running engines, by a strategy")
+    p = _command(sub, "router", "one OpenAI endpoint over engines already running, by a "
+                                "strategy")
     p.add_argument("--engine", type=_engine_spec, action="append", default=[],
                    metavar="NAME=URL[,ROLE]",
                    help="an engine (repeat); ROLE: prefill, decode or any (default)")
@@ -223,7 +256,8 @@ def _router_args(sub) -> None:
     p.add_argument("--model", default=None,
                    help="the model directory (or the embedded default's name) to take the "
                         "tokenizer and chat template from")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="the engines' model name (default: the --model argument)")
     _tool_call_parser_arg(p)
     p.add_argument("--strategy", default="data_parallel",
                    help="a built-in strategy (data_parallel, pd, balanced_pd, "
@@ -232,16 +266,20 @@ def _router_args(sub) -> None:
                    help='the strategy\'s constructor arguments as JSON: \'{"ratio": 0.2}\'')
     p.add_argument("--watch-strategy", action="store_true",
                    help="reload the strategy's file whenever it changes")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address it listens on")
+    p.add_argument("--port", type=int, default=8000, help="the port of its HTTP API")
     _secret_args(p)
 
 
 def _up_args(sub) -> None:
-    p = sub.add_parser("up", help="start a deployment (engines + router) from a TOML file")
+    p = _command(sub, "up", "start a deployment (engines + router) from a TOML file")
     p.add_argument("config", help="a deployment file, e.g. deploy/local-cpu.toml")
+    p.add_argument("--host", default=None,
+                   help="the router's address (overrides the file's; default: 127.0.0.1). "
+                        "The engines keep theirs")
     p.add_argument("--port", type=int, default=None, help="the router's port (overrides the "
-                                                          "file; engines follow it)")
+                                                          "file's; default: 8000; engines "
+                                                          "follow it)")
     p.add_argument("--model", default=None,
                    help="the model every engine loads (overrides the file's `model`): a Hugging "
                         "Face directory, smollm2-135m-instruct, or random:llama-3.1-8b")
@@ -249,15 +287,15 @@ def _up_args(sub) -> None:
 
 
 def _quantize_args(sub) -> None:
-    p = sub.add_parser("quantize", help="write a 16-bit checkpoint's fp8 copy (FP8-dynamic, "
-                                        "compressed-tensors layout), served without --quantization")
+    p = _command(sub, "quantize", "write a 16-bit checkpoint's fp8 copy (FP8-dynamic, "
+                                  "compressed-tensors layout), served without --quantization")
     p.add_argument("model", help="a Hugging Face Llama directory, smollm2-135m-instruct, or "
                                  "random:llama-3.1-8b")
     p.add_argument("out", help="a new or empty directory for the copy")
     p.add_argument("--device", default="cpu",
                    help="where the weights are quantized (cuda is faster; the result is the same)")
     p.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file")
-    p.add_argument("--log-level", default="info")
+    _log_level_arg(p)
 
 
 def _run_quantize(args) -> None:
@@ -270,8 +308,8 @@ def _run_quantize(args) -> None:
 
 
 def _drain_args(sub) -> None:
-    p = sub.add_parser("drain", help="drain an engine at a router (a pod's preStop hook) and "
-                                     "wait until the router has no call open on it")
+    p = _command(sub, "drain", "drain an engine at a router (a pod's preStop hook) and wait "
+                               "until the router has no call open on it")
     p.add_argument("router", help="the router's URL, e.g. http://microserve-router:8000")
     p.add_argument("--engine", required=True,
                    help="the engine's name in the router, or its URL (http://POD_IP:8000)")
@@ -279,12 +317,12 @@ def _drain_args(sub) -> None:
                    help="the router's admin token (default: $MICROSERVE_ADMIN_TOKEN)")
     p.add_argument("--wait-s", type=float, default=300.0,
                    help="give up waiting for its open calls after this long")
-    p.add_argument("--log-level", default="info")
+    _log_level_arg(p)
 
 
 def _admin_token_args(sub) -> None:
-    p = sub.add_parser("admin-token", help="print the admin token a router or deployment on "
-                                           "this host made for itself (it was given none)")
+    p = _command(sub, "admin-token", "print the admin token a router or deployment on this "
+                                     "host made for itself (it was given none)")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
 
 
@@ -292,6 +330,20 @@ def _run_admin_token(args) -> None:
     from launcher.credentials import saved_admin_token
 
     print(saved_admin_token(args.port))
+
+
+def _model_path_args(sub) -> None:
+    p = _command(sub, "model-path", "print the Hugging Face directory a --model resolves to: "
+                                    "the tokenizer path benchmark clients take (the embedded "
+                                    "default is converted there on first use)")
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"a Hugging Face directory, or {DEFAULT_MODEL_NAME} (the default)")
+
+
+def _run_model_path(args) -> None:
+    from microserve.model_files import resolve_model
+
+    print(resolve_model(args.model))
 
 
 def _run_drain(args) -> None:
@@ -337,7 +389,7 @@ def _run_up(args) -> None:
     from launcher.deployment import load_deployment
     from launcher.up import up
 
-    deployment = load_deployment(args.config, port=args.port, model=args.model,
+    deployment = load_deployment(args.config, port=args.port, host=args.host, model=args.model,
                                  strategies_dir=args.strategies_dir,
                                  queue_timeout_s=args.queue_timeout_s)
     # The engines always take a key: their microserving API moves KV and runs prefills, and
@@ -350,15 +402,31 @@ def _run_up(args) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's parser (tests check deploy/kubernetes' commands against it)."""
-    ap = argparse.ArgumentParser(prog="microserve", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = argparse.ArgumentParser(
+        prog="microserve", formatter_class=_Help,
+        description="LLM microserving: engines with a paged KV cache behind a programmable "
+                    "router, served with the OpenAI API.",
+        epilog="`microserve COMMAND --help` shows a command's options. Start with `microserve "
+               "up deploy/local-cpu.toml` (what `make serve` runs).")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = ap.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     _up_args(sub)
     _engine_args(sub)
     _router_args(sub)
     _drain_args(sub)
     _admin_token_args(sub)
+    _model_path_args(sub)
     _quantize_args(sub)
     return ap
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("microserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,7 +438,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
         {"engine": _run_engine, "router": _run_router, "up": _run_up, "drain": _run_drain,
-         "admin-token": _run_admin_token, "quantize": _run_quantize}[args.command](args)
+         "admin-token": _run_admin_token, "model-path": _run_model_path,
+         "quantize": _run_quantize}[args.command](args)
     except (ValueError, RuntimeError, OSError) as e:
         # Start-up problems the user can fix (bad --model, bad sizes, core failed to start).
         print(f"microserve: error: {e}", file=sys.stderr)

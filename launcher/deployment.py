@@ -78,9 +78,10 @@ _ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
 
 def load_deployment(path: str | Path, port: int | None = None,
                     strategies_dir: str | None = None,
-                    queue_timeout_s: float | None = None, model: str | None = None) -> Deployment:
-    """Read and check a config file; `port`, `strategies_dir`, `queue_timeout_s` and `model`
-    override its values. Raises ValueError naming the key and the file."""
+                    queue_timeout_s: float | None = None, model: str | None = None,
+                    host: str | None = None) -> Deployment:
+    """Read and check a config file; `port`, `strategies_dir`, `queue_timeout_s`, `model` and
+    `host` (the router's) override its values. Raises ValueError naming the key and the file."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -121,7 +122,7 @@ def load_deployment(path: str | Path, port: int | None = None,
     model = model or raw.get("model")
     return Deployment(
         model=model, served_model_name=raw.get("served_model_name") or model or DEFAULT_MODEL_NAME,
-        engines=tuple(launches), host=router.get("host", "127.0.0.1"), port=router_port,
+        engines=tuple(launches), host=host or router.get("host", "127.0.0.1"), port=router_port,
         strategy=router.get("strategy", "data_parallel"),
         strategy_args=dict(router.get("strategy_args", {})),
         watch_strategy=bool(router.get("watch_strategy", False)),

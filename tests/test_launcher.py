@@ -1,5 +1,6 @@
 """`make serve` as a newcomer meets it: the deployment it starts, the admin token it saves, a
-second deployment on its ports, and the README's commands run as written against it.
+second deployment on its ports, the README's commands run as written against it, and the
+`microserve` command line's help.
 
 The deployment is the one `make serve` starts (its command as `make -n serve` prints it, on
 free ports), with the admin token it makes for itself: saved while it runs, removed when it
@@ -9,6 +10,7 @@ the port and leaves the running deployment's token file as it was.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -18,6 +20,7 @@ import socket
 import stat
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -25,7 +28,9 @@ import pytest
 from conftest import DAEMON_LOGS
 from deployments import Up, stop_and_check, with_engine_key
 
+from launcher.cli import parser
 from launcher.credentials import admin_token
+from launcher.deployment import load_deployment
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_PORT = 8000  # the port the README's commands name
@@ -285,3 +290,59 @@ def test_the_example_strategy_is_the_one_docs_router_md_shows():
     doc = (ROOT / "docs" / "router.md").read_text()
     [shown] = re.findall(r"^```python\n# my_strategy.py\n(.*?)^```", doc, flags=re.S | re.M)
     assert shown in (ROOT / "examples" / "strategies" / "my_strategy.py").read_text()
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+def commands() -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+def test_microserve_help_describes_each_command_on_its_own_line():
+    text = parser().format_help()
+    assert list(commands()) == ["up", "engine", "router", "drain", "admin-token", "model-path",
+                                "quantize"]
+    for name, command in commands().items():
+        assert re.search(rf"^    {name}\s", text, flags=re.M), name
+        assert command.description, name
+
+
+def test_microserve_version(capsys):
+    with pytest.raises(SystemExit) as raised:
+        parser().parse_args(["--version"])
+    assert raised.value.code == 0
+    assert capsys.readouterr().out == f"microserve {version('microserve')}\n"
+
+
+def test_every_engine_option_says_what_it_does_and_its_default():
+    engine = commands()["engine"]
+    formatter = engine._get_formatter()
+    for action in engine._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, action.option_strings
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        assert flag or "default" in formatter._get_help_string(action), action.option_strings
+
+
+def test_help_never_shows_a_secret_from_the_environment(monkeypatch):
+    for name in ("MICROSERVE_API_KEY", "MICROSERVE_ADMIN_TOKEN", "MICROSERVE_ENGINE_API_KEY"):
+        monkeypatch.setenv(name, f"secret-{name}")
+    for name, command in commands().items():
+        assert "secret-" not in command.format_help(), name
+
+
+def test_up_host_overrides_the_routers_address_only():
+    args = parser().parse_args(["up", "deploy/local-cpu.toml", "--host", "0.0.0.0"])
+    deployment = load_deployment(ROOT / args.config, host=args.host)
+    assert deployment.host == "0.0.0.0"
+    assert [e.host for e in deployment.engines] == ["127.0.0.1", "127.0.0.1"]
+    assert load_deployment(ROOT / args.config).host == "127.0.0.1"
+
+
+def test_model_path_prints_the_embedded_models_directory(smollm2_dir):
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "model-path"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, smollm2_dir + "\n", "")
+    assert (Path(smollm2_dir) / "tokenizer.json").is_file()
