@@ -104,8 +104,10 @@ def free_ports(n: int) -> int:
 def make_serve_argv(port: int) -> list[str]:
     """`make serve`'s command on `port`, as `make -n` prints it, with this interpreter running
     the `microserve` it names."""
-    out = subprocess.run(["make", "-s", "-n", "serve", f"PORT={port}"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.replace("\\\n", " ")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(["make", "-s", "-n", "--no-print-directory", "serve", f"PORT={port}"],
+                         cwd=ROOT, env=env, check=True, capture_output=True,
+                         text=True).stdout.replace("\\\n", " ")
     [line] = [line for line in out.splitlines() if "microserve up " in line]
     argv = shlex.split(line)
     assert argv[0].endswith("bin/microserve"), line
