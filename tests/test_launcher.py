@@ -81,6 +81,22 @@ def test_admin_token_command_prints_the_saved_token_or_names_the_missing_file(tm
     assert (found.returncode, found.stdout, found.stderr) == (0, "the-token\n", "")
 
 
+def test_a_router_on_a_busy_port_exits_before_it_writes_a_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_ADMIN_TOKEN"}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "launcher.cli", "router", "--port",
+                               str(port)], env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"microserve: error: port {port} on 127.0.0.1 (for the router) is "
+                           "already in use, by another microserve deployment or another "
+                           "program: stop it, or choose another port (--port)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- make serve -------------------------------------------------------------------------------
 
 def free_ports(n: int) -> int:
