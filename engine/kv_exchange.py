@@ -21,11 +21,12 @@ import logging
 from collections.abc import Callable
 
 from engine.kv_receiver import _NEVER_TRIED, Receiving, Reservation, WaitingRecv
-from engine.kv_sender import COMPUTED, Sending, SendJob, slot_tensor
+from engine.kv_sender import COMPUTED, Sending, SendJob
 from engine.requests import IllegalTransition, RequestState, RequestTable
 from engine.sequence import Sequence
 from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, TransferBackend
+from kvcache.transfer.base import slot_tensor
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError
 from microserve.messages import KVAddr, PrepRecvResponse, RemoteSendResponse

@@ -20,6 +20,13 @@ A P/D request's timeline, with P busy and D's pool full when it arrives:
 D holds nothing while the call waits, and holds pages no longer than P holds the job (plus
 `lease_s` if P dies, or less: the router aborts the request when it sees P go).
 
+The receiver decides where KV goes and what it must be: the kv_addr it answers names the
+window's slots and the digest of prompt[:end] (transfer_auth.kv_digest, from `matched` on), and
+is signed whole with the deployment's key, so a sender refuses any other slots or tokens before
+a byte moves. The sender seals the window with the digest of the tokens it computed or copied;
+start_generate and commit adopt received KV only under the digest the window was reserved for,
+and otherwise fail the request and free its pages, so nothing of it enters the prefix cache.
+
 `Receiving` is a half of `engine.kv_exchange.KVExchange`, which sets the attributes it uses
 (`kv`, `requests`, `headroom`, `backend`, `layout`, `sender`, `lease_s`, `max_lease_s`,
 `wait_s`, `max_wait_s`, `counters`, `_answers`) and the `_room_when_tried` it alone writes.
@@ -27,6 +34,7 @@ D holds nothing while the call waits, and holds pages no longer than P holds the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -34,8 +42,10 @@ from dataclasses import dataclass
 from engine.requests import RequestState
 from engine.validation import check_prompt, resolve_index
 from kvcache.transfer import Window
+from kvcache.transfer.base import slot_tensor
 from microserve.backend import MicroservingError
 from microserve.messages import CommitResponse, KVAddr, PrepRecvResponse
+from microserve.transfer_auth import grant_mac, kv_digest
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +57,7 @@ class Reservation:
     tokens: list[int]  # prompt[:end]: the KV this engine will hold when the peer is done
     matched: int  # leading tokens found in the prefix cache; the peer writes [matched, end)
     window: Window
+    digest: bytes  # kv_digest(tokens, matched): the seal the window's KV must come with
     lease_s: float  # how long the reservation lives without a renewal from its sender
     deadline: float  # time.monotonic() when the lease is next looked at (see expire_leases)
 
@@ -60,8 +71,6 @@ class WaitingRecv:
     wait_s: float
     deadline: float  # time.monotonic() when it gives up with a 503
     pages: int  # pages it needs at most (no prefix matched)
-
-
 
 
 class Receiving:
@@ -114,18 +123,22 @@ class Receiving:
         matched = self.kv.prep_recv(request_id, tokens, headroom=self.headroom())
         if matched is None:
             return None
-        window = self.backend.open_window()
+        end = len(tokens)
+        ranges = self.kv.slot_ranges(request_id, matched, end)
+        window = self.backend.open_window(slot_tensor(ranges))
         if window is None:
             self.kv.free(request_id)
             return None
         deadline = time.monotonic() + lease_s
-        self.requests.reserve(request_id, Reservation(tokens, matched, window, lease_s, deadline))
-        end = len(tokens)
+        digest = kv_digest(tokens, matched)
+        self.requests.reserve(request_id, Reservation(tokens, matched, window, digest, lease_s,
+                                                      deadline))
         addr = KVAddr(
-            begin=matched, end=end, ranges=self.kv.slot_ranges(request_id, matched, end),
-            layout=self.layout, transfer=self.backend.descriptor(),
-            window=(window.index, window.tag),
+            begin=matched, end=end, ranges=ranges, layout=self.layout,
+            transfer=self.backend.descriptor(), window=(window.index, window.tag),
+            digest=digest.hex(),
         )  # fmt: skip
+        addr = dataclasses.replace(addr, mac=grant_mac(addr.grant(), self.sender.key))
         return PrepRecvResponse(matched, addr)
 
     def admit_waiting(self, now: float) -> None:
@@ -182,11 +195,12 @@ class Receiving:
                 )  # fmt: skip
             return held
         self._check_same_prompt(res, prompt, begin)
-        self.backend.close_window(res.window)  # the core makes the request GENERATING
         # At least the last prompt token is computed here (its logits are sampled), unless its
         # token came with the KV. If the reservation's cached part reaches it, drop the pages
         # from there on: they are shared.
         start = min(max(begin, res.matched), len(prompt) - (not whole))
+        sealed = self.backend.close_window(res.window)  # the core makes it GENERATING
+        self._check_sealed(rid, res, sealed, start)
         if start < res.matched:
             start = start // ps * ps
             self.kv.truncate(rid, start // ps)
@@ -201,7 +215,7 @@ class Receiving:
             raise MicroservingError(404, f"no prep_recv reservation for request_id {request_id!r}",
                                     "request_id")  # fmt: skip
         res = entry.reservation
-        self._close(request_id, res)
+        self._check_sealed(request_id, res, self._close(request_id, res), len(res.tokens))
         self.kv.cache_tokens(request_id, res.tokens)
         cached = self.kv.num_cached_pages(request_id) * self.kv.page_size
         if pin and cached:
@@ -230,7 +244,6 @@ class Receiving:
         self.counters["kv_leases_expired"] += len(expired)
         return len(expired)
 
-
     def _check_same_prompt(self, res: Reservation, prompt: list[int], begin: int) -> None:
         held = len(res.tokens)
         if begin > held:
@@ -243,9 +256,30 @@ class Receiving:
                 400, f"prompt differs at position {at} from the one prep_recv reserved for "
                 f"this request", "prompt")  # fmt: skip
 
-    def _close(self, request_id: str, res: Reservation) -> None:
+    def _close(self, request_id: str, res: Reservation) -> bytes | None:
         """End a reservation: no more writes (its pages stay with request_id; the caller frees
-        or caches them)."""
+        or caches them). Returns the window's seal."""
         self.requests.finish(request_id)
-        self.backend.close_window(res.window)
+        return self.backend.close_window(res.window)
+
+    def _check_sealed(self, request_id: str, res: Reservation, sealed: bytes | None,
+                      upto: int) -> None:
+        """The KV of prompt[:upto] is about to be adopted: what was received of it, from
+        `res.matched` on, must be sealed with the digest the window was reserved for. If not,
+        end the request and free its pages (none entered the prefix cache) and raise a 409."""
+        if upto <= res.matched or sealed == res.digest:
+            return
+        if request_id in self.requests:
+            self.requests.finish(request_id)
+        self.kv.free(request_id)
+        where = f"positions [{res.matched}, {len(res.tokens)}) of request_id {request_id!r}"
+        if sealed is None:
+            why = (f"no KV arrived for {where}: no remote_send completed into the window "
+                   "prep_recv reserved for them")
+        else:
+            why = (f"the KV received for {where} was computed for other tokens than the "
+                   "prompt prep_recv reserved it for (the sender's digest differs)")
+        log.warning("refused received KV: %s", why)
+        raise MicroservingError(409, f"{why}; refused, and its pages freed", "request_id",
+                                code="kv_refused")
 

@@ -21,6 +21,12 @@ steps already launched) and the later chunks are sent layer by layer as above. A
 before its send_to is PARKED, holding its pages; one whose send_to does not come within the
 engine's lease (`--kv-lease-s`, counted from the remote_send) is dropped with a 408.
 
+The receiver decides where the KV goes and what it must be: a kv_addr is signed whole by its
+receiver (the window, [begin, end), the slots, the digest of the tokens), and a send is refused
+with a 400 before anything is opened or computed unless the signature verifies, begin and end
+are the kv_addr's and the digest is that of prompt[:end] from begin on. The transfer job then
+writes nowhere but the signed slots and seals the window with that digest (`KVSender.start`).
+
 `Sending` is a half of `engine.kv_exchange.KVExchange`, which sets the attributes it uses
 (`kv`, `requests`, `vocab_size`, `sender`, `layout`, `lease_s`, `counters`, `_answers`) and
 the `_flushed` and `_addresses` it alone writes.
@@ -32,7 +38,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from engine.requests import RequestState
@@ -40,10 +45,11 @@ from engine.sequence import Sequence
 from engine.validation import check_prompt, resolve_index
 from kvcache.forward import KVSend
 from kvcache.transfer import TransferError, Window
+from kvcache.transfer.base import slot_tensor
 from microserve.backend import MicroservingError
 from microserve.messages import (KVAddr, RemoteSendResponse, SamplingParams, SendTiming,
                                  SendToResponse)
-from microserve.transfer_auth import TransferAuthError, verify
+from microserve.transfer_auth import TransferAuthError, kv_digest, verify, verify_grant
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ COMPUTED = (RequestState.FLUSHING, RequestState.PARKED)
 
 @dataclass
 class SendJob:
+    tokens: list[int]  # prompt[:end]: what the KV is computed from
     begin: int
     end: int
     # The receiver's slots for positions [begin, end) (int64, CPU); None until send_to names
@@ -77,8 +84,6 @@ class SendJob:
         first = self.first_step_at or done
         return SendTiming(queued_s=first - self.received_at, prefill_s=done - first,
                           tail_s=time.perf_counter() - done)
-
-
 
 
 class Sending:
@@ -113,17 +118,17 @@ class Sending:
                                         "begin")  # fmt: skip
         if sampling is not None:
             _check_sampling(sampling, n, end)
-        if kv_addr is not None:
-            self._check_addr(kv_addr, begin, end)
+        tokens = prompt[:end]
+        digest = None if kv_addr is None else self._check_addr(kv_addr, begin, tokens)
         self._check_free(request_id)
-        matched = self.kv.open(request_id, prompt[:end - 1] if sampling else prompt[:end])
-        job = SendJob(begin, end, None, 0, computed=end - matched if matched < end else 0,
+        matched = self.kv.open(request_id, tokens[:-1] if sampling else tokens)
+        job = SendJob(tokens, begin, end, None, 0, computed=end - matched if matched < end else 0,
                       samples=sampling is not None, matched=matched)
         if kv_addr is None:
             job.address_by = time.monotonic() + self.lease_s
         else:
             try:
-                self._address(request_id, job, begin, kv_addr, min(matched, end))
+                self._address(request_id, job, begin, kv_addr, digest, min(matched, end))
             except BaseException:  # nothing may outlive the refused call
                 self.kv.free(request_id)
                 raise
@@ -133,7 +138,7 @@ class Sending:
             else:
                 self._flush(request_id, job)
             return None
-        seq = Sequence(request_id, prompt[:end], sampling or SamplingParams(max_tokens=1),
+        seq = Sequence(request_id, tokens, sampling or SamplingParams(max_tokens=1),
                        arrival, num_computed_tokens=matched, num_cached_tokens=matched,
                        send_only=True, send_samples=sampling is not None)
         self.requests.send(request_id, job, seq, generator)
@@ -163,23 +168,24 @@ class Sending:
         if begin > job.end:
             raise MicroservingError(400, f"begin {begin} is after the send's end {job.end}",
                                     "begin")  # fmt: skip
-        self._check_addr(kv_addr, begin, job.end)
+        digest = self._check_addr(kv_addr, begin, job.tokens)
         parked = entry.state is RequestState.PARKED
         have = job.end if parked else min(entry.seq.num_computed_tokens, job.end)
-        self._address(request_id, job, begin, kv_addr, have)
+        self._address(request_id, job, begin, kv_addr, digest, have)
         if parked:
             self._flush(request_id, job)
         return SendToResponse(copied=max(0, have - begin))
 
     def _address(self, request_id: str, job: SendJob, begin: int, kv_addr: KVAddr,
-                 have: int) -> None:
-        """Give `job` its destination (a checked `kv_addr` for [begin, job.end)): start the
-        transfer job and queue the writes of [begin, have), whose KV this engine holds now."""
+                 digest: bytes, have: int) -> None:
+        """Give `job` its destination (a checked `kv_addr` for [begin, job.end), whose KV is of
+        `digest`): start the transfer job, which writes nowhere but the kv_addr's slots, and
+        queue the writes of [begin, have), whose KV this engine holds now."""
+        dst = slot_tensor(kv_addr.ranges)
         try:
-            self.sender.start(request_id, kv_addr.transfer, Window(*kv_addr.window))
+            self.sender.start(request_id, kv_addr.transfer, Window(*kv_addr.window), dst, digest)
         except TransferError as e:
             raise MicroservingError(502, f"cannot reach the receiver: {e}") from None
-        dst = slot_tensor(kv_addr.ranges)
         if have > begin:
             try:
                 src = slot_tensor(self.kv.slot_ranges(request_id, begin, have))
@@ -245,7 +251,6 @@ class Sending:
             self._answers.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
         return seqs
 
-
     def _settle_completed(self) -> None:
         """Settle the sends whose transfer completed or failed since the last call."""
         for rid, error in self.sender.completed():
@@ -270,15 +275,26 @@ class Sending:
         self._answers.append((request_id, RemoteSendResponse(
             sent, job.computed, job.reused, job.first_token, job.timing())))
 
-    def _check_addr(self, addr: KVAddr, begin: int, end: int) -> None:
-        try:  # first: nothing of an unsigned descriptor is looked at
+    def _check_addr(self, addr: KVAddr, begin: int, tokens: list[int]) -> bytes:
+        """Refuse (400) a kv_addr this engine may not write: not signed by a receiver of the
+        deployment (the descriptor, then the grant: nothing of an unsigned kv_addr is looked
+        at), for other positions than [begin, len(tokens)), another layout, or KV of other
+        tokens. Returns the digest the transfer job seals the window with."""
+        try:
             transfer = verify(addr.transfer, self.sender.key)
         except TransferAuthError as e:
             raise MicroservingError(400, f"refusing to send: {e}", "kv_addr.transfer") from None
-        if addr.num_slots != end - begin:
+        if not verify_grant(addr.grant(), addr.mac, self.sender.key):
             raise MicroservingError(
-                400, f"kv_addr holds {addr.num_slots} slots but end - begin = {end - begin} "
-                f"(begin {begin}, end {end})", "kv_addr")  # fmt: skip
+                400, f"refusing to send: kv_addr's ranges {_ranges_text(addr.ranges)} for "
+                f"window {addr.window[0]} are not what its receiver reserved (the receiver's "
+                "signature over begin, end, ranges, window and digest does not verify): pass "
+                "the prep_recv answer's kv_addr unchanged", "kv_addr.ranges")  # fmt: skip
+        end = len(tokens)
+        if (addr.begin, addr.end) != (begin, end):
+            raise MicroservingError(
+                400, f"kv_addr reserves positions [{addr.begin}, {addr.end}) but the send "
+                f"covers [{begin}, {end}) (begin {begin}, end {end})", "kv_addr")  # fmt: skip
         if (why := self.layout.mismatch(addr.layout)) is not None:
             raise MicroservingError(400, f"refusing to send: {why}", "kv_addr.layout")
         capacity = transfer["num_pages"] * self.layout.page_size
@@ -287,7 +303,14 @@ class Sending:
             raise MicroservingError(
                 400, f"kv_addr range {list(bad)} outside the receiver's {capacity} slots",
                 "kv_addr.ranges")  # fmt: skip
-
+        digest = kv_digest(tokens, begin)
+        if digest.hex() != addr.digest:
+            raise MicroservingError(
+                400, f"refusing to send: kv_addr's window {addr.window[0]} was reserved for "
+                f"another prompt (the digest of prompt[:{end}] differs from the one its "
+                "receiver signed): its KV would be served for tokens it was not computed "
+                "from", "prompt")  # fmt: skip
+        return digest
 
     def fail_send(self, request_id: str, error: MicroservingError) -> Sequence | None:
         """End a send in flight with `error` (its remote_send answer, at the next poll).
@@ -305,7 +328,6 @@ class Sending:
         if entry.state in COMPUTED:
             self.kv.free(request_id)
         return entry.seq
-
 
     def forget_address(self, request_id: str) -> bool:
         """Drop a send_to kept for a remote_send that has not come (an abort). True if any."""
@@ -328,6 +350,11 @@ class Sending:
         return len(late)
 
 
+def _ranges_text(ranges: list[tuple[int, int]]) -> str:
+    """`ranges` for a message: the first four, and how many there are if more."""
+    shown = [[slot, count] for slot, count in ranges[:4]]
+    return str(shown) if len(ranges) <= 4 else f"{str(shown)[:-1]}, ...] ({len(ranges)} ranges)"
+
 
 def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:
     """What a remote_send can sample: the token after the whole prompt, without the options
@@ -345,17 +372,3 @@ def _check_sampling(sampling: SamplingParams, n: int, end: int) -> None:
         raise MicroservingError(
             400, "a remote_send samples no token with logit_bias, min_tokens or penalties: "
             "leave the last prompt token to the generating engine", "sampling")  # fmt: skip
-
-
-def slot_tensor(ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The flat slots of run-length `ranges` [(first slot, count), ...] as an int64 CPU tensor,
-    built without a Python int per slot (a 5,000-token send names 5,000 slots). In numpy:
-    torch's CPU `repeat_interleave` took ~1.4 ms a call inside the engine on the H100's host
-    (py-spy, 2026-11-24; why was not isolated), where numpy's `repeat` takes microseconds."""
-    if not ranges:
-        return torch.empty(0, dtype=torch.long)
-    runs = np.asarray(ranges, dtype=np.int64)
-    starts, counts = runs[:, 0], runs[:, 1]
-    index_of_first = np.cumsum(counts) - counts  # where each run starts in the output
-    slots = np.repeat(starts - index_of_first, counts) + np.arange(int(counts.sum()))
-    return torch.from_numpy(slots)

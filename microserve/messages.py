@@ -241,6 +241,10 @@ class KVAddr:
 
         positions:  begin ............................................ end
         ranges:     [(s0, n0),              (s1, n1),        (s2, n2)]   n0 + n1 + n2 = end - begin
+
+    The receiver signs it whole (`mac`, over `grant()`): a sender writes only where, and only
+    the KV of the tokens (`digest`, microserve/transfer_auth.kv_digest), that the receiver
+    reserved. A kv_addr is passed on as it came, never edited.
     """
 
     begin: Position
@@ -249,10 +253,19 @@ class KVAddr:
     layout: KVLayout
     transfer: TransferDescriptor
     window: tuple[WindowIndex, WindowTag]
+    digest: Annotated[str, Field(max_length=128)] = ""  # hex kv_digest(prompt[:end], begin)
+    mac: Annotated[str, Field(max_length=128)] = ""  # the receiver's signature over grant()
 
     @property
     def num_slots(self) -> int:
         return sum(n for _, n in self.ranges)
+
+    def grant(self) -> dict:
+        """What `mac` signs: every field but itself (the descriptor by its own signature)."""
+        return {"begin": self.begin, "end": self.end,
+                "ranges": self.ranges,
+                "layout": self.layout.to_dict(), "transfer": self.transfer.get("mac"),
+                "window": list(self.window), "digest": self.digest}
 
 
 # -- the microserving calls' bodies and answers -------------------------------------------------

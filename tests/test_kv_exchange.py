@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 import pytest
@@ -25,7 +26,7 @@ from engine.requests import RequestState
 from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
 from microserve.messages import CommitResponse, FinishReason, RemoteSendResponse
-from microserve.transfer_auth import sign, transfer_key
+from microserve.transfer_auth import kv_digest, sign, transfer_key
 
 N_NEW = 12
 KEY = transfer_key("test-engine-key")
@@ -368,11 +369,11 @@ def test_bad_indices_and_addresses(pair, prompts):
         p.remote_send("x", prompt, -30, -1, addr)
     with pytest.raises(MicroservingError, match="begin 10 is after end 5"):
         p.remote_send("x", prompt, 10, 5, addr)
-    with pytest.raises(MicroservingError, match=r"kv_addr holds 22 slots but end - begin = 12"):
+    with pytest.raises(MicroservingError, match=re.escape(
+            "kv_addr reserves positions [0, 22) but the send covers [10, 22) (begin 10, end "
+            "22)")) as e:
         p.remote_send("x", prompt, 10, -1, addr)
-    bad_ranges = dataclasses.replace(addr, ranges=[(10_000, 22)])
-    with pytest.raises(MicroservingError, match=r"kv_addr range \[10000, 22\] outside"):
-        p.remote_send("x", prompt, 0, -1, bad_ranges)
+    assert (e.value.status, e.value.param) == (400, "kv_addr")
     with pytest.raises(MicroservingError, match="already in use") as e:
         d.exchange.prep_recv("x", prompt, -1, None)
     assert e.value.status == 409
@@ -592,6 +593,155 @@ def test_remote_send_refuses_a_transfer_descriptor_not_signed_by_the_deployment(
         assert str(e.value).startswith("refusing to send: the transfer descriptor is not signed")
     assert p.stats().kv_send_jobs == 0 and p.exchange.sender._peers == peers  # nothing opened
     d.exchange.abort("forged")
+    assert_clean(p, d)
+
+
+def refused_send(p: EngineCore, d: EngineCore, rid, prompt, kv_addr) -> MicroservingError:
+    """remote_send of `prompt` into `kv_addr`, refused before anything moved: P opened,
+    computed and holds nothing, and D's pool is byte-for-byte what it was."""
+    pool = d.transfer.kv.clone()
+    peers = dict(p.exchange.sender._peers)
+    with pytest.raises(MicroservingError) as e:
+        p.remote_send(rid, prompt, kv_addr.begin, kv_addr.end, kv_addr)
+    assert rid not in p.requests and p.stats().kv_pages_used == 0
+    assert p.exchange.sender._jobs == {} and p.exchange.sender._peers == peers
+    assert torch.equal(d.transfer.kv, pool)
+    return e.value
+
+
+def test_a_kv_addr_moved_to_other_slots_is_refused_before_any_byte_moves(pair, prompts, ref):
+    """Issue 39: a genuine kv_addr whose ranges were edited to slots 0..43, or to the slots D
+    reserved for another request, or whose window was swapped, is refused with a 400 that
+    names the ranges and the window: the receiver signed the slots with the window."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[0]  # 45 tokens: 44 slots
+    victim = d.exchange.prep_recv("victim", random_prompts([45], seed=11)[0], -1, None).kv_addr
+    addr = d.exchange.prep_recv("x", prompt, -1, None).kv_addr
+    index = addr.window[0]
+    for ranges in ([(0, 44)], victim.ranges):
+        error = refused_send(p, d, "x", prompt, dataclasses.replace(addr, ranges=ranges))
+        shown = [list(r) for r in ranges]
+        assert (error.status, error.param) == (400, "kv_addr.ranges")
+        assert str(error) == (
+            f"refusing to send: kv_addr's ranges {shown} for window {index} are not what its "
+            "receiver reserved (the receiver's signature over begin, end, ranges, window and "
+            "digest does not verify): pass the prep_recv answer's kv_addr unchanged")
+    swapped = dataclasses.replace(addr, window=victim.window)
+    assert refused_send(p, d, "x", prompt, swapped).param == "kv_addr.ranges"
+    unsigned = dataclasses.replace(addr, mac="")
+    assert refused_send(p, d, "x", prompt, unsigned).param == "kv_addr.ranges"
+    # The kv_addr as prep_recv answered it goes through, and D generates one engine's tokens.
+    send(p, "x", prompt, 0, -1, addr)
+    assert generate(d, "x", prompt, begin=len(prompt) - 1)[0] == ref[0]
+    d.abort_request("victim")
+    assert_clean(p, d)
+
+
+def test_a_send_of_another_prompt_into_a_window_is_refused_before_any_byte_moves(pair, prompts):
+    """Issue 39: a kv_addr reserved for prompt X, and P asked to send prompt Y's KV (the same
+    length; or X with another prefix before D's match): refused at P with a 400."""
+    p, d = pair
+    reset(p, d)
+    x = prompts[2]  # 61 tokens
+    y = random_prompts([61], seed=12)[0]
+    generate(d, "warm", x[:20] + [5])  # D matches x[:20]: the window holds x[20:60]
+    addr = d.exchange.prep_recv("x", x, -1, None).kv_addr
+    assert addr.begin == 20
+    for other in (y, y[:20] + x[20:]):  # the window's tokens after another prefix: other KV
+        error = refused_send(p, d, "x", other, addr)
+        assert (error.status, error.param) == (400, "prompt")
+        assert str(error) == (
+            f"refusing to send: kv_addr's window {addr.window[0]} was reserved for another "
+            "prompt (the digest of prompt[:60] differs from the one its receiver signed): its "
+            "KV would be served for tokens it was not computed from")
+    d.abort_request("x")
+    assert_clean(p, d)
+
+
+def skip_the_senders_checks(p: EngineCore, monkeypatch) -> None:
+    """Make P a sender with a bug: it checks nothing of a kv_addr and seals the window with
+    the digest of whatever it sent."""
+    monkeypatch.setattr(p.exchange, "_check_addr",
+                        lambda addr, begin, tokens: kv_digest(tokens, begin))
+
+
+def test_d_refuses_kv_of_other_tokens_and_its_cache_stays_clean(pair, prompts, ref, monkeypatch):
+    """Issue 39: even a sender that checks nothing cannot make D serve prompt Y's KV for
+    prompt X: the window's seal is the digest of Y, so start_generate and commit fail with a
+    409, the pages are freed, and X on D afterwards gives a clean engine's tokens, nothing of
+    it cached."""
+    p, d = pair
+    reset(p, d)
+    x, y = prompts[0], random_prompts([45], seed=13)[0]
+    skip_the_senders_checks(p, monkeypatch)
+    for rid, adopt in (("gen", lambda: d.add_request("gen", x, greedy(), len(x) - 1)),
+                       ("mig", lambda: d.exchange.commit("mig", pin=False))):
+        addr = d.exchange.prep_recv(rid, x, -1, None).kv_addr
+        assert send(p, rid, y, 0, -1, addr).sent == 44  # the bytes did land in D's window
+        with pytest.raises(MicroservingError) as e:
+            adopt()
+        assert (e.value.status, e.value.param, e.value.code) == (409, "request_id", "kv_refused")
+        assert str(e.value) == (
+            f"the KV received for positions [0, 44) of request_id {rid!r} was computed for "
+            "other tokens than the prompt prep_recv reserved it for (the sender's digest "
+            "differs); refused, and its pages freed")
+        assert_clean(p, d)
+        assert d.kv.stats().cached_pages == 0  # nothing of it entered the prefix cache
+    tokens, cached = generate(d, "after", x)
+    assert tokens == ref[0] and cached == 0
+
+
+def test_a_tcp_receiver_drops_writes_outside_the_window_even_from_a_careless_sender(
+        pair, prompts, monkeypatch):
+    """tcp's receiver applies the writes itself, so it checks every write's slots against the
+    window's reservation: a sender that skipped its checks and writes the slots of an edited
+    kv_addr gets a 502 naming them, and D's pool is untouched. (shm and the GPU backends have
+    no receiver on the data path: there the sending engine's checks above are what hold.)"""
+    p, d = pair
+    if d.transfer.kind != "tcp":
+        pytest.skip("only a tcp receiver applies writes itself")
+    reset(p, d)
+    prompt = prompts[0]
+    victim = d.exchange.prep_recv("victim", random_prompts([45], seed=11)[0], -1, None).kv_addr
+    addr = d.exchange.prep_recv("x", prompt, -1, None).kv_addr
+    skip_the_senders_checks(p, monkeypatch)
+    pool = d.transfer.kv.clone()
+    with pytest.raises(MicroservingError) as e:
+        send(p, "x", prompt, 0, -1, dataclasses.replace(addr, ranges=victim.ranges))
+    assert e.value.status == 502
+    first = slot_tensor(victim.ranges)[:4].tolist()
+    assert str(e.value).endswith(
+        f"slots {first} are outside the 44 slots reserved for window {addr.window[0]}; the "
+        "write was dropped")
+    assert torch.equal(d.transfer.kv, pool)
+    with pytest.raises(MicroservingError, match="no KV arrived"):  # and nothing was sealed
+        d.exchange.commit("x", pin=False)
+    d.abort_request("victim")
+    assert_clean(p, d)
+
+
+def test_kv_that_never_arrived_is_not_adopted(pair, prompts, ref):
+    """start_generate or commit from a reservation no remote_send completed (none came, or it
+    still runs): refused with a 409 and the pages freed, instead of serving the pool's stale
+    bytes as the prompt's KV."""
+    p, d = pair
+    reset(p, d)
+    x = prompts[0]
+    d.exchange.prep_recv("none", x, -1, None)
+    with pytest.raises(MicroservingError) as e:
+        d.add_request("none", x, greedy(), len(x) - 1)
+    assert (e.value.status, e.value.code) == (409, "kv_refused")
+    assert str(e.value) == (
+        "no KV arrived for positions [0, 44) of request_id 'none': no remote_send completed "
+        "into the window prep_recv reserved for them; refused, and its pages freed")
+    d.exchange.prep_recv("none", x, -1, None)
+    with pytest.raises(MicroservingError, match="no KV arrived for positions"):
+        d.exchange.commit("none", pin=True)
+    assert_clean(p, d)
+    assert d.kv.stats().cached_pages == 0
+    d.exchange.prep_recv("none", x, -1, None)  # nothing received is used: nothing to refuse
+    assert generate(d, "none", x)[0] == ref[0]
     assert_clean(p, d)
 
 
@@ -873,7 +1023,8 @@ def test_send_to_and_remote_send_without_kv_addr_refuse_what_they_cannot_do(pair
     p.remote_send("q", prompt, 0, -1, None)
     with pytest.raises(MicroservingError, match="begin 45 is after the send's end 44") as e:
         p.exchange.send_to("q", 45, addr)
-    with pytest.raises(MicroservingError, match="kv_addr holds 44 slots but end - begin = 40"):
+    with pytest.raises(MicroservingError, match=re.escape(
+            "kv_addr reserves positions [0, 44) but the send covers [4, 44)")):
         p.exchange.send_to("q", 4, addr)
     assert p.requests.get("q").job.dst_slots is None  # still waiting for a good one
     for rid in ("q", "r"):

@@ -49,7 +49,8 @@ PROMPT = list(range(100, 111))
 KV_ADDR = {"begin": 4, "end": 10, "ranges": [[40, 4], [9, 2]],
            "layout": {"model": "tiny", "dtype": "bfloat16", "page_size": 4, "num_layers": 2,
                       "num_kv_heads": 1, "head_dim": 8},
-           "transfer": {"kind": "test", "rank": 1}, "window": [0, 2]}
+           "transfer": {"kind": "test", "rank": 1}, "window": [0, 2], "digest": "ab" * 32,
+           "mac": "cd" * 32}
 # What the core receives for KV_ADDR: the request as a dict, tuples included.
 KV_ADDR_ARGS = {**KV_ADDR, "ranges": [(40, 4), (9, 2)], "window": (0, 2)}
 

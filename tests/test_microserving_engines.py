@@ -11,7 +11,9 @@ test each live engine is idle with its KV cache intact and no page held or reser
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -259,7 +261,8 @@ async def test_bad_calls_get_specific_errors(p, d_shm, tok):
         with pytest.raises(MicroservingError) as e:
             await D.prep_recv("bad", prompt)
         assert e.value.status == 409 and e.value.param == "request_id"
-        with pytest.raises(MicroservingError, match="kv_addr holds 99 slots but end - begin = 49"):
+        with pytest.raises(MicroservingError, match=re.escape(
+                "kv_addr reserves positions [0, 99) but the send covers [50, 99)")):
             await P.remote_send("bad", prompt, 50, -1, r.kv_addr)
         with pytest.raises(MicroservingError, match="begin 99 beyond the 0 tokens") as e:
             await collect(P, "other", prompt, begin=99)
@@ -269,6 +272,41 @@ async def test_bad_calls_get_specific_errors(p, d_shm, tok):
         assert e.value.status == 404
         assert (await D.abort("bad")).aborted  # after prep_recv: the reservation is freed
         assert not (await D.abort("bad")).aborted
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
+async def test_a_kv_addr_writes_only_its_window_and_only_its_prompt(p, d, tok, smollm2_dir):
+    """Issue 39 over HTTP: a genuine kv_addr whose ranges were moved to another request's
+    slots, and one reserved for prompt X that P is asked to fill with prompt Y's KV, both
+    answer a 400 before a byte moves (they answered 200 `sent 64` before). X on D afterwards
+    gives Hugging Face's tokens; the autouse check finds nothing held."""
+    x = ids(tok, f"Prompt X on {d.name}. " + TEXT)[:65]
+    y = ids(tok, f"Prompt Y on {d.name}. Something else entirely. " + TEXT)[:65]
+    want, = hf_greedy(smollm2_dir, [x], N_NEW)
+    P, D = client(p), client(d)
+    try:
+        other = (await D.prep_recv("other", y)).kv_addr  # pages of another request
+        r = await D.prep_recv("x", x)
+        assert r.kv_addr.num_slots == 64 and other.ranges != r.kv_addr.ranges
+        moved = dataclasses.replace(r.kv_addr, ranges=other.ranges)
+        with pytest.raises(MicroservingError) as e:
+            await P.remote_send("x", x, 0, -1, moved)
+        assert (e.value.status, e.value.param) == (400, "kv_addr.ranges")
+        assert str(e.value) == (
+            f"refusing to send: kv_addr's ranges {[list(r) for r in other.ranges]} for window "
+            f"{r.kv_addr.window[0]} are not what its receiver reserved (the receiver's "
+            "signature over begin, end, ranges, window and digest does not verify): pass the "
+            "prep_recv answer's kv_addr unchanged")
+        with pytest.raises(MicroservingError) as e:
+            await P.remote_send("x", y, 0, -1, r.kv_addr)
+        assert (e.value.status, e.value.param) == (400, "prompt")
+        assert str(e.value).startswith(f"refusing to send: kv_addr's window "
+                                       f"{r.kv_addr.window[0]} was reserved for another prompt")
+        assert (await D.abort("x")).aborted and (await D.abort("other")).aborted
+        tokens, usage = await collect(D, "x-after", x)
+        assert tokens == want and usage.cached_tokens == 0
     finally:
         await P.aclose()
         await D.aclose()

@@ -37,7 +37,7 @@ from kvcache.transfer.sender import KVSender
 from kvcache.transfer.shm import ShmBackend, ShmPeer
 from kvcache.transfer import tcp
 from kvcache.transfer.tcp import TcpBackend, TcpPeer
-from microserve.transfer_auth import sign, transfer_key
+from microserve.transfer_auth import kv_digest, sign, transfer_key
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = KVLayout("test-model", "bfloat16", page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
@@ -65,8 +65,9 @@ for line in sys.stdin:
     if cmd == "open":
         windows.append(backend.open_window())
         reply = [windows[-1].index, windows[-1].tag]
-    elif cmd == "close":
-        backend.close_window(Window(int(args[0]), int(args[1])))
+    elif cmd == "close":  # answers the window's seal
+        seal = backend.close_window(Window(int(args[0]), int(args[1])))
+        reply = None if seal is None else seal.hex()
     elif cmd == "dump":
         torch.save(backend.kv.cpu(), args[0])
     elif cmd == "reset":
@@ -106,8 +107,9 @@ class Receiver:
     def open_window(self) -> Window:
         return Window(*self._call("open"))
 
-    def close_window(self, w: Window) -> None:
-        assert self._call("close", w.index, w.tag) == "ok"
+    def close_window(self, w: Window) -> str | None:
+        """Close `w`; its seal (hex), or None."""
+        return self._call("close", w.index, w.tag)
 
     def reset(self) -> None:
         assert self._call("reset") == "ok"
@@ -220,6 +222,28 @@ def test_closed_window_refuses_writes_and_flush(kind, receiver, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_seal_reaches_the_receiver_behind_the_writes(kind, receiver):
+    """What the sender says its KV is of (the seal, sent after the writes) is what the
+    receiver's close_window hands back; an unsealed window hands back nothing, and a window
+    reopened at the same index starts unsealed."""
+    rx = receiver(kind)
+    peer = open_peer(rx.descriptor, sender_pool(kind=kind), LAYOUT, KEY)
+    sealed, unsealed = rx.open_window(), rx.open_window()
+    digest = kv_digest([5, 6, 7], 1)
+    peer.write(sealed, 0, SRC, DST)
+    peer.seal(sealed, digest)
+    peer.flush(sealed)
+    assert rx.close_window(sealed) == digest.hex()
+    assert rx.close_window(sealed) is None  # closed before
+    reopened = rx.open_window()
+    assert reopened.index == sealed.index and rx.close_window(reopened) is None
+    peer.write(unsealed, 0, SRC, DST)
+    peer.flush(unsealed)
+    assert rx.close_window(unsealed) is None
+    peer.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_killed_receiver_fails_fast(kind, start_receiver):
     rx = start_receiver(kind)
     local = sender_pool(kind=kind)
@@ -280,6 +304,31 @@ def test_tcp_receiver_reports_out_of_range_writes_at_flush():
         peer.flush(w)
     peer.flush(w)  # reported once; the window and the connection stay usable
     assert torch.equal(backend.kv, expected_pool(sender_pool(), []))
+    peer.close()
+    backend.close()
+
+
+def test_tcp_receiver_drops_writes_outside_the_window_and_never_seals_it():
+    """The tcp receiver applies writes itself, so it keeps each window inside the slots it was
+    opened with: a write naming any other slot is dropped whole, reported at the flush, and
+    the window's seal is not kept."""
+    backend = TcpBackend(LAYOUT, RECV_PAGES, key=KEY)
+    peer = TcpPeer(backend.descriptor(), sender_pool(), LAYOUT, KEY)
+    w = backend.open_window(DST)
+    peer.write(w, 0, SRC, torch.tensor([12, 1, 0, 6, 21]))  # 0 and 21: not the window's
+    peer.seal(w, kv_digest([1], 0))
+    with pytest.raises(TransferError, match=re.escape(
+            f"slots [0, 21] are outside the 5 slots reserved for window {w.index}; the write "
+            "was dropped")):
+        peer.flush(w)
+    assert torch.count_nonzero(backend.kv) == 0
+    assert backend.close_window(w) is None
+    w = backend.open_window(DST)  # inside it: written and sealed
+    peer.write(w, 0, SRC, DST.flip(0))
+    peer.seal(w, kv_digest([1], 0))
+    peer.flush(w)
+    assert backend.close_window(w) == kv_digest([1], 0)
+    assert torch.count_nonzero(backend.kv) > 0
     peer.close()
     backend.close()
 
@@ -412,6 +461,9 @@ class FakePeer(Peer):
             self.receiver_alive = False
             raise TransferError(f"receiver gone at layer {layer}")
 
+    def seal(self, window, digest):
+        self.calls.append(("seal", window, digest))
+
     def flush(self, window):
         self.calls.append(("flush", window))
         if self.flush_error is not None:
@@ -445,7 +497,7 @@ def test_sender_runs_writes_behind_the_caller_and_reports_completion(fake_peers)
     done = threading.Event()
     sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
     w = Window(0, 1)
-    sender.start("a", FAKE, w)
+    sender.start("a", FAKE, w, DST)
     peer = fake_peers[0]
     peer.gate.clear()
     sender.write_all_layers("a", SRC, DST)
@@ -466,7 +518,7 @@ def test_sender_cancel_waits_for_the_running_write_and_skips_the_rest(fake_peers
     done = threading.Event()
     sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
     wa, wb = Window(0, 1), Window(1, 2)
-    sender.start("a", FAKE, wa)
+    sender.start("a", FAKE, wa, DST)
     peer = fake_peers[0]
     peer.gate.clear()
     sender.write_all_layers("a", SRC, DST)
@@ -481,7 +533,7 @@ def test_sender_cancel_waits_for_the_running_write_and_skips_the_rest(fake_peers
     assert cancelled.wait(5)
     canceller.join()
 
-    sender.start("b", FAKE, wb)  # the same receiver: the open peer is reused
+    sender.start("b", FAKE, wb, DST)  # the same receiver: the open peer is reused
     sender.finish("b")
     assert done.wait(5)
     assert sender.completed() == [("b", None)]
@@ -494,7 +546,7 @@ def test_sender_failed_job_reports_its_error_and_the_next_job_reconnects(fake_pe
     done = threading.Event()
     sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
     w = Window(0, 1)
-    sender.start("a", FAKE, w)
+    sender.start("a", FAKE, w, DST)
     fake_peers[0].fail_layer = 1
     sender.write_all_layers("a", SRC, DST)
     sender.finish("a")
@@ -503,7 +555,7 @@ def test_sender_failed_job_reports_its_error_and_the_next_job_reconnects(fake_pe
     assert fake_peers[0].calls == [write_call(w, 0), write_call(w, 1)]  # no layer 2, no flush
     assert fake_peers[0].closed
 
-    sender.start("b", FAKE, w)
+    sender.start("b", FAKE, w, DST)
     assert len(fake_peers) == 2
     sender.close()
 
@@ -511,13 +563,13 @@ def test_sender_failed_job_reports_its_error_and_the_next_job_reconnects(fake_pe
 def test_sender_keeps_the_peer_when_only_the_window_was_closed(fake_peers):
     done = threading.Event()
     sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
-    sender.start("a", FAKE, Window(0, 1))
+    sender.start("a", FAKE, Window(0, 1), DST)
     peer = fake_peers[0]
     peer.flush_error = "receiver closed window 0"
     sender.finish("a")
     assert done.wait(5)
     assert sender.completed() == [("a", "receiver closed window 0")]
-    sender.start("b", FAKE, Window(1, 2))
+    sender.start("b", FAKE, Window(1, 2), DST)
     assert len(fake_peers) == 1 and not peer.closed
     sender.close()
 
@@ -525,17 +577,29 @@ def test_sender_keeps_the_peer_when_only_the_window_was_closed(fake_peers):
 def test_sender_drops_a_cached_peer_whose_receiver_is_gone(fake_peers):
     done = threading.Event()
     sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
-    sender.start("a", FAKE, Window(0, 1))
+    sender.start("a", FAKE, Window(0, 1), DST)
     sender.finish("a")
     assert done.wait(5)
     done.clear()
     fake_peers[0].receiver_alive = False  # e.g. the receiver restarted on the same port
-    sender.start("b", FAKE, Window(0, 1))
+    sender.start("b", FAKE, Window(0, 1), DST)
     assert len(fake_peers) == 2
     sender.finish("b")
     assert done.wait(5)
     assert sender.completed() == [("a", None), ("b", None)]
     assert fake_peers[0].closed and not fake_peers[1].closed
+    sender.close()
+
+
+def test_sender_seals_the_window_after_its_writes_and_before_its_flush(fake_peers):
+    done = threading.Event()
+    sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
+    w, digest = Window(0, 1), kv_digest([3, 4], 0)
+    sender.start("a", FAKE, w, DST, digest)
+    sender.write("a", 2, SRC, DST)
+    sender.finish("a")
+    assert done.wait(5)
+    assert fake_peers[0].calls == [write_call(w, 2), ("seal", w, digest), ("flush", w)]
     sender.close()
 
 
@@ -552,7 +616,7 @@ def test_sender_hands_a_whole_step_peer_each_step_once(monkeypatch):
     done = threading.Event()
     sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
     w = Window(0, 1)
-    sender.start("a", FAKE, w)
+    sender.start("a", FAKE, w, DST)
     sender.write_all_layers("a", SRC, DST)  # a cached prefix: one write of all layers
     for step_slots in (SRC[:2], SRC[2:]):  # two forward steps
         for layer in range(LAYOUT.num_layers):
@@ -570,7 +634,7 @@ def test_sender_hands_a_host_peer_each_layer_as_it_is_written(fake_peers):
     done = threading.Event()
     sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)
     w = Window(0, 1)
-    sender.start("a", FAKE, w)
+    sender.start("a", FAKE, w, DST)
     for layer in range(LAYOUT.num_layers):
         sender.layer_written("a", layer, SRC, DST)
     sender.finish("a")
@@ -582,11 +646,19 @@ def test_sender_hands_a_host_peer_each_layer_as_it_is_written(fake_peers):
 
 def test_sender_refuses_misuse(fake_peers):
     sender = KVSender(sender_pool(), LAYOUT, key=KEY)
-    sender.start("a", FAKE, Window(0, 1))
+    sender.start("a", FAKE, Window(0, 1), DST)
     with pytest.raises(ValueError, match="'a' is already running"):
-        sender.start("a", FAKE, Window(1, 2))
+        sender.start("a", FAKE, Window(1, 2), DST)
     with pytest.raises(ValueError, match="5 source slots but 2 destinations"):
         sender.write("a", 0, SRC, DST[:2])
+    for write in (sender.write, sender.layer_written):  # nothing queued outside the window
+        with pytest.raises(ValueError, match=re.escape(
+                "KV transfer job 'a': destination slots [0, 2, 3] are outside the 5 slots of "
+                "its window 0")):
+            write("a", 1, SRC, torch.tensor([12, 0, 27, 2, 3]))
+    with pytest.raises(ValueError, match=re.escape("destination slots [13]")):
+        sender.write_all_layers("a", SRC[:1], torch.tensor([13]))
+    assert fake_peers[0].calls == []
     sender.finish("a")
     with pytest.raises(ValueError, match="'a' is finished"):
         sender.write("a", 0, SRC, DST)
@@ -601,7 +673,7 @@ def test_sender_moves_every_layer_to_a_receiver_process(kind, receiver, tmp_path
     local = sender_pool()
     done = threading.Event()
     sender = KVSender(local, LAYOUT, notify=done.set, key=KEY)
-    sender.start("a", rx.descriptor, rx.open_window())
+    sender.start("a", rx.descriptor, rx.open_window(), DST)
     sender.write_all_layers("a", SRC, DST)
     sender.finish("a")
     assert done.wait(10)
@@ -621,7 +693,7 @@ backend = TcpBackend(layout, 256, key=b"k")
 sender = KVSender(torch.zeros(layout.pool_shape(256)), layout, key=b"k")
 slots = torch.arange(256 * 16)
 for job in map(str, range(50)):
-    sender.start(job, backend.descriptor(), backend.open_window())
+    sender.start(job, backend.descriptor(), backend.open_window(), slots)
     sender.write_all_layers(job, slots, slots)
     sender.finish(job)
 time.sleep(0.1)  # exit mid-transfer with both still open

@@ -8,12 +8,17 @@ which the forward pass wants too: an engine that overlaps heavily may leave this
 
     engine thread                         transfer thread (this module)
     ─────────────                         ─────────────────────────────
-    start(job, descriptor, window)        opens/reuses the Peer (on the engine thread)
+    start(job, descriptor, window,        opens/reuses the Peer (on the engine thread)
+          slots, digest)
     write(job, layer 0, src, dst)  ─────▶ peer.write(window, 0, src, dst)
     write(job, layer 1, src, dst)  ─────▶ peer.write(window, 1, src, dst)
-    finish(job)                    ─────▶ peer.flush(window); completed += (job, None | error)
-                                          notify()
+    finish(job)                    ─────▶ peer.seal(window, digest); peer.flush(window);
+                                          completed += (job, None | error); notify()
     completed()  ◀──────────────────────
+
+A job writes only into its window's `slots` (the slots the receiver reserved and signed for
+it): a destination outside them is refused before it is queued, so no bug upstream can make
+this engine write another request's pages on the receiver.
 
 The forward pass calls `layer_written` after each layer: that is `write` for a peer that copies
 on the host (shm, tcp), and for a peer that only queues GPU copies (`Peer.whole_steps`:
@@ -45,9 +50,12 @@ from typing import NamedTuple
 
 import torch
 
+import numpy as np
+
 from kvcache.transfer import open_peer
 from microserve.transfer_auth import TransferAuthError, verify
-from kvcache.transfer.base import RENEW_INTERVAL_S, KVLayout, Peer, TransferError, Window
+from kvcache.transfer.base import (RENEW_INTERVAL_S, KVLayout, Peer, TransferError, Window,
+                                   slots_outside, window_slots)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,9 @@ class _Job:
     peer: Peer
     peer_key: tuple
     window: Window
+    slots: np.ndarray  # the window's slots, sorted: every destination must be one of them
+    digest: bytes | None  # the seal left in the window before its flush (None: no seal)
+    checked: torch.Tensor | None = None  # the last destinations found inside (by _enqueue)
     error: str | None = None  # set by the transfer thread at the first failed write or flush
     finished: bool = False  # set by finish()
     cancelled: bool = False  # set by cancel() and close()
@@ -107,11 +118,15 @@ class KVSender:
         self._renewer.start()
         _open_senders.add(self)
 
-    def start(self, job_id: str, descriptor: dict, window: Window) -> None:
-        """Begin a job that writes into `window` of the receiver `descriptor` names. Opens the
+    def start(self, job_id: str, descriptor: dict, window: Window, slots: torch.Tensor,
+              digest: bytes | None = None) -> None:
+        """Begin a job that writes into `window` of the receiver `descriptor` names, at no
+        destination but `slots` (int64: the slots the receiver reserved for the window), and
+        seals the window with `digest` (transfer_auth.kv_digest) before its flush. Opens the
         peer (or reuses the open one) on this thread; raises TransferError if the descriptor is
         not signed with the deployment's key or opening fails, and ValueError if `job_id` is
         already running."""
+        allowed = window_slots(slots)
         try:
             verify(descriptor, self.key)  # before anything is looked up, opened or dialed
         except TransferAuthError as e:
@@ -129,7 +144,7 @@ class KVSender:
                 peer = open_peer(descriptor, self.local_kv, self.layout, self.key)
             with self._lock:
                 self._peers[key] = peer
-                self._jobs[job_id] = _Job(job_id, peer, key, window)
+                self._jobs[job_id] = _Job(job_id, peer, key, window, allowed, digest)
 
     def write(
         self, job_id: str, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
@@ -167,6 +182,9 @@ class KVSender:
                  dst_slots: torch.Tensor) -> None:
         if len(src_slots) != len(dst_slots):
             raise ValueError(f"{len(src_slots)} source slots but {len(dst_slots)} destinations")
+        if dst_slots is not job.checked:  # a step's layers share one tensor: checked once
+            _check_inside(job, dst_slots)
+            job.checked = dst_slots
         if job.error is None:
             ready = None
             if self.local_kv.is_cuda:
@@ -256,6 +274,8 @@ class KVSender:
         job = op.job
         try:
             if op.layers is None:
+                if job.digest is not None:
+                    job.peer.seal(job.window, job.digest)
                 job.peer.flush(job.window)
             else:
                 job.peer.write_layers(job.window, op.layers, op.src_slots, op.dst_slots,
@@ -329,6 +349,15 @@ class KVSender:
                         job.error, failed = error, True
         if failed:
             self._notify()  # the owner stops computing for it (see failed())
+
+
+def _check_inside(job: _Job, dst_slots: torch.Tensor) -> None:
+    """Raise ValueError unless every destination is one of the job's window's slots."""
+    outside = slots_outside(dst_slots.cpu().numpy(), job.slots)
+    if len(outside):
+        raise ValueError(
+            f"KV transfer job {job.job_id!r}: destination slots {outside[:4].tolist()} are "
+            f"outside the {len(job.slots)} slots of its window {job.window.index}")
 
 
 # A daemon thread still inside torch ops while the interpreter finalizes aborts the process

@@ -4,17 +4,25 @@ The receiver's pool lives in a memfd. A sender opens it through `/proc/<pid>/fd/
 and copies layer slices straight into it: the receiver does no work on the data path.
 
     memfd (one per receiving engine)
-    ┌─────────────────────┬──────────────────────────┬──────────────────────────────────────┐
-    │ window table:       │ renewals: int64[N]       │ KV pool: layout.pool_shape(num_pages)│
-    │ int64[N], entry i = │ entry i = CLOCK_MONOTONIC│                                      │
-    │ open tag, 0 = free  │ ns of the last renewal   │                                      │
-    └─────────────────────┴──────────────────────────┴──────────────────────────────────────┘
-    0                     8N                         kv_offset (16N rounded up to a page)
+    ┌───────────────────┬──────────────────────────┬────────────────────┬────────────────────┐
+    │ window table:     │ renewals: int64[N]       │ seals: 32 bytes[N] │ KV pool:           │
+    │ int64[N], entry i │ entry i = CLOCK_MONOTONIC│ the sender's digest│ layout.pool_shape( │
+    │ = open tag, 0 free│ ns of the last renewal   │ of its tokens, or 0│ num_pages)         │
+    └───────────────────┴──────────────────────────┴────────────────────┴────────────────────┘
+    0                   8N                         16N                  kv_offset (48N rounded
+                                                                        up to a page)
 
 A sender renews the windows of the jobs it holds by writing the time into their renewal entries
 (both engines run on one host, so CLOCK_MONOTONIC is one clock). It first checks the window's
 tag, without a lock: a window closed and reopened between that check and the write gets one
 renewal it was not owed, and the sender's next renewal sees the new tag and fails its job.
+
+A sender seals its window once every write is in (`seal`): it writes the digest of the tokens
+its KV was computed for into the window's seal entry, under the window's lock; `close_window`
+reads it back under the exclusive lock, and the exchange adopts the KV only if it is the digest
+the window was reserved for. Which slots a sender writes is the sender's to keep within the
+window (KVSender checks every destination against the slots the receiver signed): the receiver
+does no work on the data path, so it cannot check them itself.
 
 Windows are guarded by open-file-description locks (`F_OFD_SETLKW`) on each entry's 8 bytes:
 a sender holds a shared lock on the entry while it checks the tag and copies; the receiver
@@ -54,7 +62,7 @@ from contextlib import contextmanager
 
 import torch
 
-from microserve.transfer_auth import sign
+from microserve.transfer_auth import DIGEST_BYTES, sign
 from kvcache.transfer.base import (
     KVLayout,
     Peer,
@@ -141,6 +149,11 @@ def _boot_id() -> str:
         return f.read().strip()
 
 
+def _seal_offset(num_windows: int, index: int) -> int:
+    """Where window `index`'s seal lives in the memfd (after the tags and the renewals)."""
+    return 2 * num_windows * _ENTRY.size + index * DIGEST_BYTES
+
+
 def _check_window_index(window: Window, num_windows: int) -> None:
     if not 0 <= window.index < num_windows:
         raise ValueError(f"window index {window.index} out of range for {num_windows} windows")
@@ -166,7 +179,8 @@ class ShmBackend(TransferBackend):
         dtype = getattr(torch, layout.dtype)
         shape = layout.pool_shape(num_pages)
         count = math.prod(shape)
-        kv_offset = -(-2 * num_windows * _ENTRY.size // mmap.PAGESIZE) * mmap.PAGESIZE
+        table_bytes = num_windows * (2 * _ENTRY.size + DIGEST_BYTES)
+        kv_offset = -(-table_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         pool_in_file = extra is None
         nbytes = kv_offset + (count * dtype.itemsize if pool_in_file else 0)
 
@@ -212,14 +226,17 @@ class ShmBackend(TransferBackend):
     def descriptor(self) -> dict:
         return dict(self._descriptor)
 
-    def open_window(self) -> Window | None:
-        """A fresh window; None when all `num_windows` are open or the backend is closed."""
+    def open_window(self, slots: torch.Tensor | None = None) -> Window | None:
+        """A fresh window; None when all `num_windows` are open or the backend is closed.
+        `slots` are not kept: senders write the pool directly (see the module docstring)."""
         with self._lock:
             window = self._ids.take()
             if window is None:
                 return None
             with _entry_locked(self._fd, window.index, fcntl.F_WRLCK):
                 _ENTRY.pack_into(self._mmap, self._renewal_offset(window.index), 0)
+                seal = _seal_offset(self.num_windows, window.index)
+                self._mmap[seal : seal + DIGEST_BYTES] = bytes(DIGEST_BYTES)
                 _ENTRY.pack_into(self._mmap, window.index * _ENTRY.size, window.tag)
         return window
 
@@ -235,18 +252,21 @@ class ShmBackend(TransferBackend):
             ns = _ENTRY.unpack_from(self._mmap, self._renewal_offset(window.index))[0]
         return ns / 1e9 if ns > 0 else None
 
-    def close_window(self, window: Window) -> None:
+    def close_window(self, window: Window) -> bytes | None:
         self._ids.check(window)
         offset = window.index * _ENTRY.size
+        seal = _seal_offset(self.num_windows, window.index)
         with self._lock:
             if self._fd < 0:
-                return  # close() closed every window
+                return None  # close() closed every window
             # The exclusive lock waits for a sender's copy into this window to finish.
             with _entry_locked(self._fd, window.index, fcntl.F_WRLCK):
                 if _ENTRY.unpack_from(self._mmap, offset)[0] != window.tag:
-                    return  # closed before
+                    return None  # closed before
+                digest = bytes(self._mmap[seal : seal + DIGEST_BYTES])
                 _ENTRY.pack_into(self._mmap, offset, 0)
             self._ids.release(window.index)
+        return None if digest == bytes(DIGEST_BYTES) else digest
 
     def close(self) -> None:
         """Close every window (waiting for copies in progress) and the memfd, so no peer writes
@@ -399,6 +419,19 @@ class ShmPeer(Peer):
             raise self._closed(window)
         offset = (self._num_windows + window.index) * _ENTRY.size
         _ENTRY.pack_into(self._mmap, offset, time.monotonic_ns())
+
+    def seal(self, window: Window, digest: bytes) -> None:
+        """Write `digest` into the window's seal entry, once the writes queued so far landed."""
+        if len(digest) != DIGEST_BYTES:
+            raise ValueError(f"a seal is {DIGEST_BYTES} bytes, not {len(digest)}")
+        self._drain()
+        offset = _seal_offset(self._num_windows, window.index)
+        with self._window_open(window):
+            self._mmap[offset : offset + DIGEST_BYTES] = digest
+
+    def _drain(self) -> None:
+        """Wait for the writes queued so far: none here, copies are synchronous (a GPU peer
+        queues its copies and waits for them here)."""
 
     def write(
         self, window: Window, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,

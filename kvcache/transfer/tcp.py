@@ -10,6 +10,7 @@ compared, it streams frames; the receiver applies them in order, one thread per 
                 sender ← u32 length, msgpack({"error": None | message,
                                               "proof": P("receiver", r, s)})
     WRITE       header │ dst slots: int64[n] │ K rows, V rows: dtype[2, n, kv_heads, head_dim]
+    SEAL        header │ digest: n bytes    the tokens the window's KV is of (no answer)
     FLUSH       header                      → answered with u32 length, msgpack({"error": ...})
                                               once every earlier frame of the connection is applied
     RENEW       header                      the sender still holds the window's job (no answer)
@@ -23,6 +24,11 @@ send buffer and the receiver reads a frame with `recv_into`, both without extra 
 Writes are one-way: a write into a window the receiver already closed is dropped there and the
 sender learns it at the next flush. A WRITE or RENEW into an open window renews its lease; the
 sender's renewal thread sends RENEW between the transfer thread's frames.
+
+The receiver applies writes itself, so it keeps each window within its reservation: a WRITE
+naming any slot outside the slots the window was opened with is dropped whole and reported at
+the flush. A SEAL is kept only if every write into the window was applied; `close_window`
+returns it.
 
 The listener reads nothing but the small hello (at most 4 KiB, within 10 s) from a connection
 that has not proved it holds the key, and answers a failed proof with an error and a hang-up.
@@ -43,6 +49,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import msgpack
+import numpy as np
 import torch
 
 from microserve import transfer_auth as auth
@@ -55,6 +62,8 @@ from kvcache.transfer.base import (
     Window,
     WindowIds,
     copyable,
+    slots_outside,
+    window_slots,
 )
 
 log = logging.getLogger(__name__)
@@ -67,7 +76,8 @@ _LENGTH = struct.Struct("<I")  # prefix of a msgpack message
 _MAX_MESSAGE = 1 << 20
 _MAX_HELLO = 4096  # what the listener reads from a connection before it is authenticated
 HANDSHAKE_TIMEOUT_S = 10.0
-_WRITE, _FLUSH, _RENEW = 1, 2, 3
+_MAX_SEAL = 64  # bytes a SEAL frame may carry
+_WRITE, _FLUSH, _RENEW, _SEAL = 1, 2, 3, 4
 
 
 class _Buffer:
@@ -160,6 +170,8 @@ class TcpBackend(TransferBackend):
         self._lock = threading.Lock()
         self._windows: dict[int, int] = {}  # index -> tag of each open window
         self._renewed: dict[int, float] = {}  # index -> time.monotonic() of its last renewal
+        self._slots: dict[int, np.ndarray] = {}  # index -> window_slots() of it; absent: any
+        self._seals: dict[int, bytes] = {}  # index -> the digest its sender sealed it with
         self._ids = WindowIds(num_windows)
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -186,20 +198,26 @@ class TcpBackend(TransferBackend):
     def descriptor(self) -> dict:
         return dict(self._descriptor)
 
-    def open_window(self) -> Window | None:
+    def open_window(self, slots: torch.Tensor | None = None) -> Window | None:
+        allowed = None if slots is None else window_slots(slots)
         with self._lock:
             window = self._ids.take()
             if window is not None:
                 self._windows[window.index] = window.tag
+                if allowed is not None:
+                    self._slots[window.index] = allowed
         return window
 
-    def close_window(self, window: Window) -> None:
+    def close_window(self, window: Window) -> bytes | None:
         self._ids.check(window)
         with self._lock:
-            if self._windows.get(window.index) == window.tag:
-                del self._windows[window.index]
-                self._renewed.pop(window.index, None)
-                self._ids.release(window.index)
+            if self._windows.get(window.index) != window.tag:
+                return None
+            del self._windows[window.index]
+            self._renewed.pop(window.index, None)
+            self._slots.pop(window.index, None)
+            self._ids.release(window.index)
+            return self._seals.pop(window.index, None)
 
     def renewed_at(self, window: Window) -> float | None:
         self._ids.check(window)
@@ -317,6 +335,16 @@ class TcpBackend(TransferBackend):
                 with self._lock:
                     if self._windows.get(index) == tag:
                         self._renewed[index] = time.monotonic()
+            elif op == _SEAL:
+                if n > _MAX_SEAL:
+                    log.warning("kv transfer connection from %s sent a seal of %d bytes; "
+                                "closing it", sender, n)
+                    return
+                digest = bytearray(n)
+                _recv_exactly(conn, memoryview(digest))
+                with self._lock:  # a window with a failed write is never sealed
+                    if self._windows.get(index) == tag and (index, tag) not in errors:
+                        self._seals[index] = bytes(digest)
             elif op == _FLUSH:
                 error = errors.pop((index, tag), None)
                 with self._lock:
@@ -346,6 +374,10 @@ class TcpBackend(TransferBackend):
         with self._lock:
             if self._windows.get(index) != tag:
                 return None  # closed: dropped; the next flush of this window reports it
+            allowed = self._slots.get(index)
+            if allowed is not None and len(outside := slots_outside(slots.numpy(), allowed)):
+                return (f"slots {outside[:4].tolist()} are outside the {len(allowed)} slots "
+                        f"reserved for window {index}; the write was dropped")
             self._renewed[index] = time.monotonic()
             layer_kv = copyable(self.kv[layer]).view(self._rows)
             if self._stream is None:
@@ -452,6 +484,12 @@ class TcpPeer(Peer):
             rows.copy_(local.index_select(1, src_slots.to(local.device)))
         with self._sending, self._io():
             self._sock.sendall(self._buf.view[:frame_end])
+
+    def seal(self, window: Window, digest: bytes) -> None:
+        """Send SEAL behind the writes: the receiver keeps it if they were all applied."""
+        with self._sending, self._io():
+            self._sock.sendall(_HEADER.pack(_SEAL, window.index, window.tag, 0, len(digest))
+                               + digest)
 
     def flush(self, window: Window) -> None:
         with self._sending, self._io():
