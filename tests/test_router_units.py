@@ -327,7 +327,7 @@ def test_balanced_split_fixed_and_adaptive():
     fixed = BalancedPD(ratio=0.2)
     assert fixed.split(1000, p, d) == 800  # D prefills the last 200 tokens
     assert fixed.split(3, p, d) == 2  # at least the last token is D's
-    adaptive = BalancedPD(adaptive=True, min_ratio=0.1, max_ratio=0.4, decode_cost=10)
+    adaptive = BalancedPD(adaptive="queues", min_ratio=0.1, max_ratio=0.4, decode_cost=10)
     assert adaptive.split(1000, p, d) == 600  # idle engines: half each, capped at 40% on D
     p.pending_prefill_tokens = 3000  # P is backed up: D takes its maximum
     assert adaptive.split(1000, p, d) == 600
@@ -340,6 +340,10 @@ def test_balanced_split_fixed_and_adaptive():
     assert adaptive.split(1000, p, d) == 600
     with pytest.raises(ValueError, match="min_ratio 0.5, max_ratio 0.2"):
         BalancedPD(min_ratio=0.5, max_ratio=0.2)
+    with pytest.raises(ValueError, match="adaptive must be false, true or \"queues\", got 'x'"):
+        BalancedPD(adaptive="x")
+    modelled = BalancedPD(ratio=0.3, adaptive=True)  # no stats yet: the fixed ratio
+    assert modelled.split(1000, p, d) == 700
 
 
 def test_the_router_imports_no_torch():

@@ -1,0 +1,177 @@
+"""The balance ratio that the engines' measured rates say minimises job completion time.
+
+Balanced P/D (strategies/balanced_pd.py) cuts each prompt of n tokens at s: P prefills
+prompt[:s], sends its KV, and D prefills the remaining r = (n - s) / n inside its decode
+steps. Moving work to D unloads P (its queue) but slows every sequence D decodes. With the
+request rate λ, mean prompt n and output o, this models both sides from what the engines
+report (their cumulative step counters, polled twice a second) and picks r:
+
+    P, a queue of prefill work:   S_P = b_P·n(1-r)            the prompt's service time
+                                  ρ_P = λ·S_P                  P's utilisation
+                                  W_P = ρ_P·S_P / (2(1-ρ_P))   the wait (M/D/1)
+    D, decoding m sequences:      step(m, c) = a + c_m·m + b_D·c   (c prefill tokens in it)
+        D is always stepping; per second λ·n·r·b_D of its time goes to prompt tails, so
+        TPOT = (a + c_m·m) / (1 - u),  u = λ·n·r·b_D,  and m = λ·o·TPOT (Little's law):
+                                  TPOT = a / (1 - u - c_m·λ·o)
+    JCT(r) = W_P + S_P + b_D·n·r + (o - 1)·TPOT   (the transfer's own ms left out: no r in it)
+
+b_P, b_D are seconds per prompt token (P's step time over its prompt tokens, its steps' own
+cost included; D's from its steps after the decode part), a and c_m D's decode step time against its batch, all fitted by
+exponentially weighted least squares over the polls (`HALF_LIFE` polls), so the model follows
+the traffic and the engines as they change. The ratio is the grid point of [lo, hi] with the
+least predicted JCT among those where both sides keep up (ρ_P < 1, TPOT finite); where none
+does, the one that keeps the busier side least overloaded. Until the fits and the rate have
+data (the first seconds), `None`: the strategy uses its fixed ratio.
+
+Why a model and not the old rule (equalise P's and D's queued prefill tokens, a sequence on D
+counted as `decode_cost` tokens): on two H100s (2026-11-26) that rule settled at 0.41-0.50 in
+every run, while the best fixed ratio was 0.1-0.3 and moved with the rate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+HALF_LIFE = 20.0  # polls (10 s at the router's 0.5 s): how fast old observations fade
+RATE_WINDOW_S = 10.0  # arrivals counted over this window for λ
+GRID = 0.01  # the ratios tried
+_PRIOR_B = 25e-6  # s per prompt token (Llama-3.1-8B on an H100: ~40k tokens/s)
+_PRIOR_A = 5e-3  # s per decode step at batch 1 (the same)
+
+
+class _Fit:
+    """y ≈ Σ x_i·θ_i by exponentially weighted least squares (normal equations, k <= 3).
+
+    A prior keeps the fit defined where the data cannot separate two terms (a steady load
+    moves D's steps and sampled tokens together): it counts as `PRIOR_POLLS` observations of
+    typical size `scale` that say θ = prior, and does not fade, so a direction the traffic
+    never varies stays at its prior while the others follow the data."""
+
+    PRIOR_POLLS = 0.1
+
+    def __init__(self, scale: tuple[float, ...]):
+        self.k, self.scale = len(scale), scale
+        self.xx = [[0.0] * self.k for _ in range(self.k)]
+        self.xy = [0.0] * self.k
+        self.n = 0
+        self.decay = 0.5 ** (1.0 / HALF_LIFE)
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        d = self.decay
+        for i in range(self.k):
+            self.xy[i] = d * self.xy[i] + x[i] * y
+            for j in range(self.k):
+                self.xx[i][j] = d * self.xx[i][j] + x[i] * x[j]
+        self.n += 1
+
+    def solve(self, prior: tuple[float, ...]) -> list[float]:
+        w = [self.PRIOR_POLLS * s * s for s in self.scale]
+        a = [[self.xx[i][j] + (w[i] if i == j else 0.0) for j in range(self.k)]
+             + [self.xy[i] + w[i] * prior[i]] for i in range(self.k)]
+        for c in range(self.k):  # Gauss-Jordan with partial pivoting
+            p = max(range(c, self.k), key=lambda r: abs(a[r][c]))
+            a[c], a[p] = a[p], a[c]
+            for r in range(self.k):
+                if r != c:
+                    f = a[r][c] / a[c][c]
+                    a[r] = [v - f * u for v, u in zip(a[r], a[c])]
+        return [max(0.0, a[i][self.k] / a[i][i]) for i in range(self.k)]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ratio: float
+    jct_s: float
+    p_utilisation: float
+    tpot_s: float
+
+
+class BalanceModel:
+    """Fed by `observe` (each engine's stats when they change) and `arrived` (each request),
+    asked by `best(lo, hi)`."""
+
+    def __init__(self, now=time.monotonic):
+        self.now = now
+        # P: step seconds = b_P·prompt tokens (its steps' own cost spread over the tokens of
+        # the chunks it actually runs). D: step seconds = a·steps + c_m·sampled tokens (a
+        # decode step samples one per sequence) + b_D·prompt tokens.
+        # Scales: a poll's typical counts; priors: D's prompt tokens as dear as P's (one
+        # model, one GPU kind) and a decode step's batch adding a tenth per 64 sequences.
+        self.p = _Fit(scale=(1e4,))
+        self.d = _Fit(scale=(50.0, 1e3, 1e3))
+        self._last: dict[str, object] = {}  # side -> the stats object last taken
+        self._arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt, output)
+
+    def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
+        t = self.now()
+        self._arrivals.append((t, prompt_tokens, output_tokens))
+        while self._arrivals and self._arrivals[0][0] < t - RATE_WINDOW_S:
+            self._arrivals.popleft()
+
+    def observe(self, side: str, stats) -> None:
+        """`stats` (EngineStats) of the prefill (`side` "p") or decode ("d") engine; the
+        difference from the last one given for that side is one observation."""
+        last = self._last.get(side)
+        self._last[side] = stats
+        if last is None or stats is last:
+            return
+        steps = stats.steps - last.steps
+        busy = stats.step_seconds - last.step_seconds
+        prompt = stats.prompt_tokens_computed - last.prompt_tokens_computed
+        sampled = stats.tokens_sampled - last.tokens_sampled
+        if steps <= 0 or busy <= 0:  # idle (or restarted: counters went back)
+            return
+        if side == "p":
+            self.p.add((prompt,), busy)
+        else:
+            self.d.add((steps, sampled, prompt), busy)
+
+    def rate(self) -> tuple[float, float, float] | None:
+        """(λ requests/s, mean prompt, mean output) over the window, or None yet."""
+        if len(self._arrivals) < 3:
+            return None
+        span = max(self.now() - self._arrivals[0][0], 1e-3)
+        n = sum(a[1] for a in self._arrivals) / len(self._arrivals)
+        o = sum(a[2] for a in self._arrivals) / len(self._arrivals)
+        return len(self._arrivals) / span, n, o
+
+    def fitted(self) -> dict[str, float]:
+        """The fitted terms in seconds: P's per prompt token; D's per decode step, per
+        sequence in its batch, per prompt token."""
+        (b_p,) = self.p.solve((_PRIOR_B,))
+        a, c_m, b_d = self.d.solve((_PRIOR_A, _PRIOR_A * 0.1 / 64, b_p))
+        return {"p_token_s": b_p, "d_step_s": a, "d_per_seq_s": c_m, "d_token_s": b_d}
+
+    def predict(self, ratio: float, lam: float, n: float, o: float) -> Prediction:
+        f = self.fitted()
+        b_p, a, c_m, b_d = f["p_token_s"], f["d_step_s"], f["d_per_seq_s"], f["d_token_s"]
+        service = b_p * n * (1 - ratio)
+        rho = lam * service
+        free = 1 - lam * n * ratio * b_d - c_m * lam * o
+        tpot = a / free if free > 0 else math.inf
+        if rho >= 1 or not math.isfinite(tpot):
+            return Prediction(ratio, math.inf, rho, tpot)
+        wait = rho * service / (2 * (1 - rho))
+        jct = wait + service + b_d * n * ratio + max(o - 1, 0) * tpot
+        return Prediction(ratio, jct, rho, tpot)
+
+    def best(self, lo: float, hi: float) -> Prediction | None:
+        """The ratio in [lo, hi] with the least predicted JCT; None until there is data."""
+        load = self.rate()
+        if load is None or self.p.n < 2 or self.d.n < 2:
+            return None
+        steps = max(0, round((hi - lo) / GRID))
+        ratios = [lo + (hi - lo) * i / steps for i in range(steps + 1)] if steps else [lo]
+        preds = [self.predict(r, *load) for r in ratios]
+        stable = [p for p in preds if math.isfinite(p.jct_s)]
+        if stable:
+            return min(stable, key=lambda p: p.jct_s)
+        # Neither side keeps up anywhere: overload the busier side least.
+        lam, n, o = load
+        f = self.fitted()
+        c_m, b_d = f["d_per_seq_s"], f["d_token_s"]
+        return min(preds, key=lambda p: max(p.p_utilisation,
+                                            lam * n * p.ratio * b_d + c_m * lam * o))

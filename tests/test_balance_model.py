@@ -1,0 +1,90 @@
+"""router/balance_model.py: the adaptive balance ratio's model, fed engine stats made from a
+known cost model (a prefill engine at 26 µs per prompt token; a decode engine whose step takes
+6 ms + 50 µs per sequence + 26 µs per prompt token), as the router's poller would see them."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+
+from router.balance_model import BalanceModel
+
+
+@dataclass(frozen=True)
+class Stats:  # the EngineStats counters the model reads
+    steps: int = 0
+    step_seconds: float = 0.0
+    prompt_tokens_computed: int = 0
+    tokens_sampled: int = 0
+
+
+B, A, C = 26e-6, 6e-3, 50e-6
+
+
+def poll(p: Stats, d: Stats, rng: random.Random) -> tuple[Stats, Stats]:
+    """Half a second of a loaded P and D: varying prompt work and batch sizes."""
+    prompt = rng.randint(8_000, 20_000)
+    p = replace(p, steps=p.steps + prompt // 2048 + 1, step_seconds=p.step_seconds + prompt * B,
+                prompt_tokens_computed=p.prompt_tokens_computed + prompt)
+    steps, batch, tail = rng.randint(40, 80), rng.randint(10, 60), rng.randint(0, 6_000)
+    d = replace(d, steps=d.steps + steps, prompt_tokens_computed=d.prompt_tokens_computed + tail,
+                tokens_sampled=d.tokens_sampled + steps * batch,
+                step_seconds=d.step_seconds + steps * (A + C * batch) + tail * B)
+    return p, d
+
+
+def fed(rate: float, polls: int = 40) -> BalanceModel:
+    clock = [0.0]
+    model = BalanceModel(now=lambda: clock[0])
+    rng = random.Random(0)
+    p, d = Stats(), Stats()
+    for _ in range(polls):
+        model.observe("p", p)
+        model.observe("d", d)
+        for _ in range(round(rate / 2)):
+            model.arrived(3000, 100)
+            clock[0] += 0.5 / round(rate / 2)
+        p, d = poll(p, d, rng)
+    return model
+
+
+def test_no_pick_before_the_model_has_data():
+    model = BalanceModel(now=lambda: 0.0)
+    assert model.best(0.0, 0.5) is None
+    model.observe("p", Stats())
+    model.observe("d", Stats())
+    assert model.best(0.0, 0.5) is None
+
+
+def test_the_fits_recover_the_engines_costs():
+    f = fed(rate=10, polls=120).fitted()  # a minute of traffic
+    assert f["p_token_s"] == pytest.approx(B, rel=0.02)
+    assert f["d_step_s"] == pytest.approx(A, rel=0.05)
+    assert f["d_per_seq_s"] == pytest.approx(C, rel=0.05)
+    assert f["d_token_s"] == pytest.approx(B, rel=0.05)
+
+
+def test_light_load_keeps_prefill_on_p_and_heavy_load_moves_it_to_d():
+    light, heavy = fed(rate=4).best(0.0, 0.5), fed(rate=12).best(0.0, 0.5)
+    assert light.ratio == 0.0  # P keeps up easily: every token moved to D slows its decode
+    # 12 req/s x 3,000 tokens x 26 us = 0.94 of P: its queue dominates, D takes a share
+    assert 0.1 <= heavy.ratio <= 0.4
+    assert heavy.p_utilisation < 0.9
+
+
+def test_the_pick_minimises_the_predicted_jct_over_the_grid():
+    model = fed(rate=12)
+    lam, n, o = model.rate()
+    best = model.best(0.0, 0.5)
+    grid = [model.predict(r / 100, lam, n, o).jct_s for r in range(0, 51)]
+    assert best.jct_s == min(grid)
+    assert model.predict(0.0, 30.0, n, o).jct_s == math.inf  # P cannot keep up at all
+
+
+def test_overload_everywhere_picks_the_least_overloaded_split():
+    model = fed(rate=40)
+    best = model.best(0.0, 0.5)
+    assert best.jct_s == math.inf and best.ratio > 0.3  # push what D can take off P
