@@ -23,6 +23,8 @@ from typing import Any
 
 import llguidance
 
+from microserve import bounded_json
+from microserve.bounded_json import JSONBoundsError
 from microserve.bounds import MAX_SCHEMA_CHARS
 from microserve.errors import invalid_request
 
@@ -42,16 +44,21 @@ def json_schema_grammar(schema: Any, field: str) -> str:
     if isinstance(schema, str):
         _check_size(schema, field)
         try:
-            schema = json.loads(schema)
+            schema = bounded_json.loads(schema)
         except json.JSONDecodeError as e:
             raise invalid_request(f"Invalid {field}: not JSON ({e})", field) from None
+        except JSONBoundsError as e:
+            raise invalid_request(f"Invalid {field}: {e}", field) from None
     if not isinstance(schema, dict):
         raise invalid_request(f"Invalid {field}: a JSON schema must be an object, got "
                               f"{type(schema).__name__}", field)
     text = json.dumps(schema)
     _check_size(text, field)
-    return checked(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS),
-                   field)
+    try:  # llguidance reads the schema first: JSON it cannot hold (too deep) is a ValueError
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise invalid_request(f"Invalid {field}: {e}", field) from None
+    return checked(grammar, field)
 
 
 def regex_grammar(regex: str, field: str) -> str:

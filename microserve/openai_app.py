@@ -49,7 +49,7 @@ from microserve.protocol import (MAX_CHOICES, ChatCompletionRequest, ChatWire,
 from microserve.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 from microserve.tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
-from microserve.tools import forced_functions, parses_calls
+from microserve.tools import forced_functions, forces_calls, parses_calls
 from microserve.messages import FinishReason, GenerateChunk, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class OpenAIFrontend:
             run = self._new_run(_run_id(response_id, i, body.n), body, prompt_ids, max_tokens,
                                 body.requested_logprobs, arrival, grammar, i)
             if parses_calls(body.tools, body.tool_choice):
-                run.tool_calls = self.tool_parser.stream()
+                run.tool_calls = self.tool_parser.stream(forces_calls(body.tool_choice))
             choices.append((run, ChatWire(response_id, self.backend.model_name, created,
                                           token_bytes, i)))
         return await self._respond(raw, body, choices)

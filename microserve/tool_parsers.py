@@ -15,6 +15,14 @@ A parser does four things:
   - `parse(text)`: (content, calls) of a whole output; a call that does not parse stays content;
   - `stream()`: the same incrementally, for streamed responses: content is released as soon as
     it cannot be the start of a call, and each call as soon as it is complete.
+
+A model may write anything. Call JSON is read by bounded_json: a call nested too deep, with a
+number too long, `NaN`, `Infinity`, a number out of a double's range or a lone surrogate is
+not a call and stays content, as text, so every `arguments` handed out is valid JSON (and
+UTF-8). With `calls_only` (the output was forced to be calls: tool_choice "required" or a named
+function) nothing but calls is content: the separators between calls and an unfinished call
+(cut by max_tokens or a stop string) are dropped; only a finished call that cannot be read
+stays content.
 """
 
 from __future__ import annotations
@@ -24,10 +32,14 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from microserve.guided import JSON_OPTIONS
+from microserve import bounded_json
+from microserve.bounded_json import JSONBoundsError
+from microserve.tool_schemas import calls_schema
 from microserve.tools import FunctionDefinition
 
-NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+# Calls one forced output may make when parallel calls are allowed: the grammar ends the list
+# there (a small model would otherwise repeat its call until max_tokens).
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass
@@ -38,18 +50,23 @@ class ParsedCall:
 
 
 def _call_from_json(text: str, arguments_key: str) -> ParsedCall | None:
-    """A call from one call's JSON text, or None if it is not one."""
+    """A call from one call's JSON text, or None if it is not one (not JSON, not a call, or
+    JSON past bounded_json's bounds: those stay text)."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        return _call_from_value(bounded_json.loads(text), arguments_key)
+    except (json.JSONDecodeError, JSONBoundsError):
         return None
+
+
+def _call_from_value(value: object, arguments_key: str) -> ParsedCall | None:
+    """A call from one call's parsed JSON (read by bounded_json), or None if it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(arguments_key, value.get("arguments", {}))
     if isinstance(arguments, str):  # some models write the arguments as JSON text
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = bounded_json.loads(arguments)
+        except (json.JSONDecodeError, JSONBoundsError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -61,21 +78,16 @@ def _as_object(arguments: dict | str) -> dict | str:
     if not isinstance(arguments, str):
         return arguments
     try:
-        return json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+        return bounded_json.loads(arguments) if arguments.strip() else {}
+    except (json.JSONDecodeError, JSONBoundsError):
         return arguments
 
 
-def _calls_schema(functions: list[FunctionDefinition], arguments_key: str) -> dict:
-    """One call of any of `functions`: {"name": <its name>, <arguments_key>: <its schema>}."""
-    options = [{
-        "type": "object",
-        "properties": {"name": {"const": f.name}, arguments_key: f.parameters or NO_ARGUMENTS},
-        "required": ["name", arguments_key],
-        "additionalProperties": False,
-    } for f in functions]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_OPTIONS}
+def _repeated(item: str, separator: str, parallel: bool) -> str:
+    """Lark for one `item`, or (parallel) 1 to MAX_PARALLEL_CALLS of them."""
+    if not parallel:
+        return item
+    return f'{item} ("{separator}" {item}){{0,{MAX_PARALLEL_CALLS - 1}}}'
 
 
 class ToolParser(ABC):
@@ -122,11 +134,14 @@ class ToolParser(ABC):
     @abstractmethod
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str: ...
 
-    @abstractmethod
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]: ...
+    def parse(self, text: str, calls_only: bool = False) -> tuple[str, list[ParsedCall]]:
+        stream = self.stream(calls_only)
+        content, calls = stream.feed(text)
+        more_content, more_calls = stream.flush()
+        return content + more_content, calls + more_calls
 
     @abstractmethod
-    def stream(self) -> "CallStream": ...
+    def stream(self, calls_only: bool = False) -> "CallStream": ...
 
 
 class CallStream(ABC):
@@ -158,19 +173,13 @@ class HermesParser(ToolParser):
         return f"{self.START}\n{body}\n{self.END}"
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
-        schema = json.dumps(_calls_schema(functions, self.arguments_key))
-        calls = 'call ("\\n" call)*' if parallel else "call"
+        schema = json.dumps(calls_schema(functions, self.arguments_key))
+        calls = _repeated("call", "\\n", parallel)
         return (f"start: {calls}\n"
                 f'call: "{self.START}\\n" %json {schema} "\\n{self.END}"\n')
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        stream = self.stream()
-        content, calls = stream.feed(text)
-        more_content, more_calls = stream.flush()
-        return content + more_content, calls + more_calls
-
-    def stream(self) -> "CallStream":
-        return TaggedCallStream(self.START, self.END, self.arguments_key)
+    def stream(self, calls_only: bool = False) -> "CallStream":
+        return TaggedCallStream(self.START, self.END, self.arguments_key, calls_only)
 
 
 class TaggedCallStream(CallStream):
@@ -180,42 +189,49 @@ class TaggedCallStream(CallStream):
         "a <tool"                            ->  content "a ", "<tool" held (may open a call)
     """
 
-    def __init__(self, start: str, end: str, arguments_key: str):
+    def __init__(self, start: str, end: str, arguments_key: str, calls_only: bool = False):
         self.start, self.end, self.arguments_key = start, end, arguments_key
+        self.calls_only = calls_only  # text outside calls and unfinished calls are dropped
         self._buffer = ""
         self._in_call = False
+        self._searched = 0  # inside a call: where the search for the end tag resumes
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self._buffer += text
         content, calls = [], []
         while True:
             if self._in_call:
-                end = self._buffer.find(self.end)
-                if end == -1:
+                end = self._buffer.find(self.end, self._searched)
+                if end == -1:  # a long call streamed token by token is searched once
+                    self._searched = max(len(self._buffer) - len(self.end) + 1, 0)
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(self.end):]
-                self._in_call = False
+                self._in_call, self._searched = False, 0
                 self._close(body, content, calls)
             else:
                 start = self._buffer.find(self.start)
                 if start == -1:
                     keep = _partial_suffix(self._buffer, self.start)
-                    content.append(self._buffer[:len(self._buffer) - keep])
+                    self._content(self._buffer[:len(self._buffer) - keep], content)
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     break
-                content.append(self._buffer[:start])
+                self._content(self._buffer[:start], content)
                 self._buffer = self._buffer[start + len(self.start):]
                 self._in_call = True
         return "".join(content), calls
 
     def flush(self) -> tuple[str, list[ParsedCall]]:
         content, calls = [], []
-        if self._in_call:  # the output ended inside a call: it counts if its JSON is whole
+        if self._in_call and not self.calls_only:  # it counts if its JSON is whole
             self._close(self._buffer, content, calls, closed=False)
-        else:
-            content.append(self._buffer)
-        self._buffer, self._in_call = "", False
+        elif not self._in_call:
+            self._content(self._buffer, content)
+        self._buffer, self._in_call, self._searched = "", False, 0
         return "".join(content), calls
+
+    def _content(self, text: str, content: list[str]) -> None:
+        if not self.calls_only:
+            content.append(text)
 
     def _close(self, body: str, content: list[str], calls: list[ParsedCall],
                closed: bool = True) -> None:
@@ -251,53 +267,66 @@ class Llama3JsonParser(ToolParser):
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
 
     def grammar(self, functions: list[FunctionDefinition], parallel: bool) -> str:
-        schema = json.dumps(_calls_schema(functions, self.arguments_key))
-        calls = f'call ("{self.SEPARATOR}" call)*' if parallel else "call"
+        schema = json.dumps(calls_schema(functions, self.arguments_key))
+        calls = _repeated("call", self.SEPARATOR, parallel)
         return f"start: {calls}\ncall: %json {schema}\n"
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """Calls only when the whole output is calls (the format has no tags to find)."""
+    def parse(self, text: str, calls_only: bool = False) -> tuple[str, list[ParsedCall]]:
+        """Calls only when the whole output is calls (the format has no tags to find). With
+        `calls_only`, the calls before one that is unfinished or cannot be read: the unfinished
+        one is dropped, one that cannot be read is content with all that follows it."""
         if not text.lstrip().startswith("{"):
+            return ("", []) if calls_only else (text, [])
+        try:
+            bounded_json.check_depth(text)
+        except JSONBoundsError:
             return text, []
-        decoder, calls, at = json.JSONDecoder(), [], len(text) - len(text.lstrip())
+        calls, at = [], len(text) - len(text.lstrip())
         while at < len(text):
             try:
-                value, end = decoder.raw_decode(text, at)
-            except json.JSONDecodeError:
-                return text, []
-            call = _call_from_json(json.dumps(value), self.arguments_key)
+                value, end = bounded_json.raw_decode(text, at)
+                call = _call_from_value(value, self.arguments_key)
+            except json.JSONDecodeError:  # not JSON, or (forced) cut off
+                return ("", calls) if calls_only else (text, [])
+            except JSONBoundsError:
+                call = None
             if call is None:
-                return text, []
+                return (text[at:], calls) if calls_only else (text, [])
             calls.append(call)
             at = end
             while at < len(text) and text[at] in "; \n\t":
                 at += 1
         return "", calls
 
-    def stream(self) -> "CallStream":
-        return WholeOutputStream(self)
+    def stream(self, calls_only: bool = False) -> "CallStream":
+        return WholeOutputStream(self, calls_only)
 
 
 class WholeOutputStream(CallStream):
     """For formats whose calls are the whole output: text that starts with "{" is held to the
     end and parsed there; any other text streams as content."""
 
-    def __init__(self, parser: ToolParser):
-        self.parser = parser
-        self._held: str | None = ""  # None once the output is known to be content
+    def __init__(self, parser: ToolParser, calls_only: bool = False):
+        self.parser, self.calls_only = parser, calls_only
+        self._held: list[str] | None = []  # None once the output is known to be content
+        self._calls = False  # the held text starts with "{": held to the end
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         if self._held is None:
-            return text, []
-        self._held += text
-        if not self._held.strip() or self._held.lstrip().startswith("{"):
+            return ("" if self.calls_only else text), []
+        self._held.append(text)
+        if self._calls:
             return "", []
-        content, self._held = self._held, None
-        return content, []
+        held = "".join(self._held)
+        if not held.strip() or held.lstrip().startswith("{"):
+            self._held, self._calls = [held], bool(held.strip())
+            return "", []
+        self._held = None  # content: not calls
+        return ("" if self.calls_only else held), []
 
     def flush(self) -> tuple[str, list[ParsedCall]]:
-        held, self._held = self._held, None
-        return self.parser.parse(held) if held else ("", [])
+        held, self._held = "".join(self._held or ()), None
+        return self.parser.parse(held, self.calls_only) if held else ("", [])
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}

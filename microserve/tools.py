@@ -10,9 +10,13 @@ own format (tool_parsers.py): the tool definitions appended to the system prompt
 written into the assistant turns, and tool results as user turns.
 
 Enforcement: "required" and a named function compile, through the parser, to a grammar whose
-only outputs are well-formed calls whose arguments follow the function's JSON schema; "auto"
-leaves the model free and the parser reads whatever calls it wrote; "none" parses nothing (the
-tools are still rendered, as OpenAI does).
+only outputs are well-formed calls whose arguments follow the function's JSON schema (nested
+definitions resolved, undeclared keys refused unless the function says `"strict": false`:
+tool_schemas.py); "auto" leaves the model free and the parser reads whatever calls it wrote;
+"none" parses nothing (the tools are still rendered, as OpenAI does).
+
+History: an assistant turn's call arguments are JSON text; JSON past bounded_json's bounds is a
+400 naming the field, text that is not JSON goes to the template as it is.
 """
 
 from __future__ import annotations
@@ -20,14 +24,19 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from microserve import bounded_json
+from microserve.bounded_json import JSONBoundsError
 
 
 class FunctionDefinition(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict | None = None  # a JSON schema; none: the function takes no arguments
-    strict: bool | None = None  # the schema is enforced when the call is forced, either way
+    # A forced call's arguments follow the schema either way; false: objects that do not say
+    # otherwise take undeclared keys (tool_schemas.py)
+    strict: bool | None = None
 
 
 class Tool(BaseModel):
@@ -54,6 +63,19 @@ class CalledFunction(BaseModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
+    @field_validator("arguments")
+    @classmethod
+    def _bounded(cls, value: str) -> str:
+        """JSON past bounded_json's bounds is refused (a 400 naming the field); text that is
+        not JSON at all goes to the template as it is."""
+        try:
+            bounded_json.loads(value)
+        except JSONBoundsError as e:
+            raise ValueError(str(e)) from None
+        except json.JSONDecodeError:
+            pass
+        return value
+
 
 class AssistantToolCall(BaseModel):
     """A call in an assistant message of the history."""
@@ -65,7 +87,7 @@ class AssistantToolCall(BaseModel):
     def arguments(self) -> dict | str:
         """The arguments as an object (what templates expect), or the text if it is not one."""
         try:
-            value = json.loads(self.function.arguments)
+            value = bounded_json.loads(self.function.arguments)  # within bounds: validated
         except json.JSONDecodeError:
             return self.function.arguments
         return value if isinstance(value, dict) else self.function.arguments
@@ -82,6 +104,11 @@ def forced_functions(tools: list[Tool], choice: ToolChoice | None) -> list[Funct
     if isinstance(choice, NamedToolChoice):
         return [tool.function for tool in tools if tool.function.name == choice.function.name]
     return []
+
+
+def forces_calls(choice: ToolChoice | None) -> bool:
+    """Whether the output is forced to be calls (a grammar allows nothing else)."""
+    return choice == "required" or isinstance(choice, NamedToolChoice)
 
 
 def parses_calls(tools: list[Tool] | None, choice: ToolChoice | None) -> bool:

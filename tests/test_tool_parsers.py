@@ -7,9 +7,12 @@ import json
 
 import llguidance
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from microserve.guided import checked
-from microserve.tool_parsers import make_parser
+from microserve.tool_parsers import MAX_PARALLEL_CALLS, make_parser
+from microserve.tool_schemas import calls_schema
 from microserve.tools import FunctionDefinition
 
 WEATHER = FunctionDefinition(name="get_weather", parameters={
@@ -101,3 +104,167 @@ def test_forced_call_grammar_accepts_exactly_well_formed_calls(name):
     assert parser.parse(good)[1][0].arguments == '{"city": "Paris"}'
     assert not accepts(parser.call_text("get_weather", {"town": "Paris"}))  # schema
     assert not accepts(parser.call_text("delete_all", {}))  # unknown function
+
+
+def accepts_calls(grammar_lark: str):
+    """accepts(text): whether the forced-call grammar takes exactly `text`."""
+    grammar = checked(llguidance.LLMatcher.grammar_from_lark(grammar_lark), "tools")
+    tokenizer = llguidance.LLTokenizer("byte")
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+    return accepts
+
+
+# Two tools whose nested models share a name (pydantic's `$defs`, `#` for a recursive model).
+SHIP = FunctionDefinition(name="ship", parameters={
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"],
+    "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}})
+BILL = FunctionDefinition(name="bill", parameters={
+    "$id": "https://example.com/bill", "type": "object",
+    "properties": {"to": {"$ref": "#/$defs/Address"},
+                   "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["to"],
+    "$defs": {"Address": {"type": "object", "properties": {"zip": {"type": "integer"}},
+                          "required": ["zip"]}}})
+
+
+def test_calls_schema_moves_each_tools_references_under_its_own_option():
+    schema = calls_schema([SHIP, BILL], "arguments")
+    ship, bill = (option["properties"]["arguments"] for option in schema["anyOf"])
+    assert ship["properties"]["to"] == {"$ref": "#/anyOf/0/properties/arguments/$defs/Address"}
+    assert bill["properties"] == {
+        "to": {"$ref": "#/anyOf/1/properties/arguments/$defs/Address"},
+        "next": {"anyOf": [{"$ref": "#/anyOf/1/properties/arguments"}, {"type": "null"}]}}
+    assert "$id" not in bill
+    assert bill["$defs"]["Address"]["additionalProperties"] is False  # closed (strict)
+    assert "additionalProperties" not in BILL.parameters["$defs"]["Address"]  # a copy
+    assert calls_schema([SHIP], "parameters")["properties"]["parameters"]["properties"] == {
+        "to": {"$ref": "#/properties/parameters/$defs/Address"}}
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_forced_calls_take_nested_models_of_each_tool(name):
+    parser = make_parser(name)
+    accepts = accepts_calls(parser.grammar([SHIP, BILL], parallel=False))
+    assert accepts(parser.call_text("ship", {"to": {"city": "Oslo"}}))
+    assert accepts(parser.call_text("bill", {"to": {"zip": 1}, "next": {"to": {"zip": 2}}}))
+    assert not accepts(parser.call_text("ship", {"to": {"zip": 1}}))  # bill's Address
+    assert not accepts(parser.call_text("bill", {"to": {"city": "Oslo"}}))  # ship's Address
+
+
+LOOSE = FunctionDefinition(name="search", parameters={  # a LangChain @tool schema
+    "type": "object",
+    "properties": {"query": {"type": "string"},
+                   "filter": {"type": "object", "properties": {"year": {"type": "integer"}}},
+                   "extra": {"type": "object", "additionalProperties": True},
+                   "properties": {"const": {"description": "kept", "properties": {}}}},
+    "required": ["query"]})
+
+
+def test_forced_arguments_take_no_undeclared_keys_unless_strict_is_false():
+    parser = make_parser("hermes")
+    strict = accepts_calls(parser.grammar([LOOSE], parallel=False))
+    assert strict(parser.call_text("search", {"query": "q", "filter": {"year": 1}}))
+    assert strict(parser.call_text("search", {"query": "q", "extra": {"any": 1}}))
+    assert strict(parser.call_text("search", {
+        "query": "q", "properties": {"description": "kept", "properties": {}}}))  # a const
+    assert not strict(parser.call_text("search", {"query": "q", "description": "x"}))
+    assert not strict(parser.call_text("search", {"query": "q", "filter": {"month": 1}}))
+    lenient = LOOSE.model_copy(update={"strict": False})
+    assert calls_schema([lenient], "arguments")["properties"]["arguments"] == LOOSE.parameters
+    loose = accepts_calls(parser.grammar([lenient], parallel=False))
+    assert loose(parser.call_text("search", {"query": "q", "description": "x"}))
+    assert loose(parser.call_text("search", {"query": "q", "filter": {"month": 1}}))
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_parallel_forced_calls_end_after_max_parallel_calls(name):
+    parser = make_parser(name)
+    accepts = accepts_calls(parser.grammar([NOW], parallel=True))
+    separator = "\n" if name == "hermes" else "; "
+    calls = [parser.call_text("now", {})] * (MAX_PARALLEL_CALLS + 1)
+    assert accepts(separator.join(calls[:1]))
+    assert accepts(separator.join(calls[:MAX_PARALLEL_CALLS]))
+    assert not accepts(separator.join(calls))
+
+
+def test_calls_only_drops_separators_and_an_unfinished_call():
+    hermes = make_parser("hermes")
+    cut = HERMES_OUTPUT.removeprefix("Sure.") + '\n<tool_call>\n{"name": "now", "argu'
+    content, calls = hermes.parse(cut, calls_only=True)
+    assert content == "" and [c.name for c in calls] == ["get_weather", "now"]
+    assert hermes.parse(cut)[0] == '\n\n<tool_call>\n{"name": "now", "argu'  # "auto" keeps it
+    llama = make_parser("llama3_json")
+    content, calls = llama.parse('{"name": "now", "parameters": {}}; {"name": "no', True)
+    assert (content, [c.name for c in calls]) == ("", ["now"])
+    assert llama.parse('{"name": "now", "parameters": {}}; {"name": "no') == (
+        '{"name": "now", "parameters": {}}; {"name": "no', [])
+
+
+UNREADABLE = {  # argument JSON a model may write that no client could be handed
+    "deep": "[" * 1050 + "]" * 1050,
+    "long number": "9" * 4400,
+    "out of range": "1e999",
+    "NaN": "NaN",
+    "Infinity": "-Infinity",
+    "lone surrogate": '"\\ud800"',
+    "as text": json.dumps('{"x": 1e999}'),  # arguments written as JSON text
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+@pytest.mark.parametrize("calls_only", [False, True])
+def test_a_call_past_the_bounds_stays_text(case, calls_only):
+    hermes, llama = make_parser("hermes"), make_parser("llama3_json")
+    body = f'{{"name": "f", "arguments": {UNREADABLE[case]}}}'
+    if case != "as text":
+        body = f'{{"name": "f", "arguments": {{"x": {UNREADABLE[case]}}}}}'
+    good = hermes.call_text("now", {})
+    text = f"{good}\n<tool_call>\n{body}\n</tool_call>"
+    content, calls = hermes.parse(text, calls_only)
+    assert content == ("" if calls_only else "\n") + f"<tool_call>\n{body}\n</tool_call>"
+    assert [(c.name, c.arguments) for c in calls] == [("now", "{}")]
+    llama_body = body.replace('"arguments"', '"parameters"')
+    text = f'{{"name": "now", "parameters": {{}}}}; {llama_body}'
+    if calls_only:
+        assert llama.parse(text, True)[0] in (llama_body, text)  # the call, or all when deep
+    else:
+        assert llama.parse(text) == (text, [])
+
+
+JSON_VALUES = st.recursive(  # json.dumps writes floats' nan and inf as NaN and Infinity
+    st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                 max_size=3), max_leaves=8)
+ARGUMENTS = st.one_of(JSON_VALUES.map(json.dumps), st.sampled_from(list(UNREADABLE.values())))
+CALL = ARGUMENTS.map(lambda value: f'{{"name": "f", "arguments": {{"x": {value}}}}}')
+PIECES = st.one_of(
+    CALL.map(lambda call: f"<tool_call>\n{call}\n</tool_call>"), CALL,
+    CALL.map(lambda call: call.replace('"arguments"', '"parameters"') + "; "),
+    st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "\n", "{", "}", "[", "]", '"',
+                     '"\\ud800"', "; ", '"arguments": "{\\"a\\": 1}"', "[" * 120]),
+    st.text(max_size=8))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.lists(PIECES, max_size=12), st.integers(1, 16), st.booleans())
+def test_any_model_output_parses_without_error_into_json_arguments(pieces, step, calls_only):
+    """Whatever a model writes, parsing (whole or streamed in any pieces) raises nothing, and
+    every call's arguments are a JSON object that encodes as UTF-8."""
+    text = "".join(pieces)
+    for name in ("hermes", "llama3_json"):
+        parser = make_parser(name)
+        whole_content, whole_calls = parser.parse(text, calls_only)
+        stream = parser.stream(calls_only)
+        streamed = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)]
+        streamed.append(stream.flush())
+        assert "".join(c for c, _ in streamed) == whole_content
+        calls = [call for _, cs in streamed for call in cs]
+        assert [(c.name, c.arguments) for c in calls] == [
+            (c.name, c.arguments) for c in whole_calls]
+        for call in calls:
+            assert isinstance(json.loads(call.arguments), dict)
+            call.arguments.encode("utf-8")
