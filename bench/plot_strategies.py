@@ -30,8 +30,8 @@ def series(runs: list[dict], metric: str, stat: str) -> dict[str, list[tuple[flo
     out: dict[str, list[tuple[float, float, bool]]] = {}
     scale = 1e-3 if metric == "jct" else 1.0
     for r in runs:
-        if stat not in r[metric]:
-            continue  # no request finished
+        if stat not in r[metric] or "concurrency" in r:
+            continue  # no request finished, or a closed-loop run (no rate)
         complete = r["completed"] == r["requests"]
         out.setdefault(r["strategy"], []).append(
             (r["rate_per_gpu"], r[metric][stat] * scale, complete))

@@ -287,6 +287,20 @@ class Bench:
         }  # fmt: skip
 
 
+def parse_rate(text: str) -> float | str:
+    """A --rates entry: a per-GPU rate, or "cN" for a closed loop of N in flight."""
+    text = text.strip()
+    if re.fullmatch(r"c[1-9]\d*", text):
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"rate {text!r}: a number of requests/s per GPU, or cN") from None
+    if not rate > 0:
+        raise ValueError(f"rate {text!r} must be > 0")
+    return rate
+
+
 def _delta(before: dict, after: dict) -> dict:
     return {name: {k: after[name][k] - before.get(name, {}).get(k, 0) for k in after[name]}
             for name in after}
@@ -301,7 +315,7 @@ def saturated(result: dict, max_p99_jct_s: float | None) -> bool:
 
 async def main_async(args) -> dict:
     runs = [parse_strategy(s) for s in args.strategy]
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = [parse_rate(r) for r in args.rates.split(",")]
     dists = WORKLOADS[args.workload]
     if args.input_len:
         dists = (parse_lengths(args.input_len), dists[1])
@@ -339,7 +353,8 @@ async def main_async(args) -> dict:
             used = run.engines or names
             gpus = args.gpus or len(used)
             for rate in rates:
-                if args.concurrency:  # closed loop: `rate` is the number in flight
+                closed = isinstance(rate, str)  # "cN": N in flight, one after another
+                if closed:
                     n = args.min_requests
                     work = [(0.0, i, o) for _, i, o in schedule(n, 1.0, dists, args.seed)]
                 else:
@@ -348,12 +363,14 @@ async def main_async(args) -> dict:
                 await bench.settle()
                 before = await bench.engine_counters()
                 result = await bench.run(model, work, random.Random(f"{args.seed}/{k}/{rate}"),
-                                         gpus, int(rate) if args.concurrency else None)
+                                         gpus, int(rate[1:]) if closed else None)
                 await bench.settle()
                 active = (await bench.call("GET", "/admin/strategy"))["active"]
                 entry = {"strategy": run.label, "builtin": run.builtin, "args": run.args,
-                         "engines": used, "gpus": gpus, "rate_per_gpu": rate,
-                         "rate": rate * gpus, **result,
+                         "engines": used, "gpus": gpus,
+                         **({"concurrency": int(rate[1:]), "rate_per_gpu": 0, "rate": 0}
+                            if closed else {"rate_per_gpu": rate, "rate": rate * gpus}),
+                         **result,
                          "engine_counters": _delta(before, await bench.engine_counters()),
                          "strategy_version": described["version"],
                          "strategy_settings": active["settings"]}
@@ -377,7 +394,9 @@ async def main_async(args) -> dict:
 
 def _line(e: dict) -> str:
     ms = lambda d, k: f"{d.get(k, float('nan')):.0f}"  # noqa: E731
-    return (f"{e['strategy']:>24} {e['rate_per_gpu']:>5g}/GPU  n={e['requests']:<4} "
+    load = (f"c{e['concurrency']:<4}   " if "concurrency" in e else
+            f"{e['rate_per_gpu']:>5g}/GPU")
+    return (f"{e['strategy']:>24} {load}  n={e['requests']:<4} "
             f"ok={e['completed']:<4} ttft {ms(e['ttft'], 'mean_ms')}/{ms(e['ttft'], 'p99_ms')} "
             f"tpot {ms(e['tpot'], 'mean_ms')}/{ms(e['tpot'], 'p99_ms')} "
             f"jct {ms(e['jct'], 'mean_ms')}/{ms(e['jct'], 'p99_ms')} ms (mean/p99) "
@@ -410,11 +429,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"))
     ap.add_argument("--served-model", default=None, help="default: the first of /v1/models")
     ap.add_argument("--strategy", action="append", required=True, help="see above; repeat")
-    ap.add_argument("--rates", required=True, help="per-GPU request rates, e.g. 0.5,1,1.5 "
-                    "(with --concurrency: requests in flight, e.g. 1)")
-    ap.add_argument("--concurrency", action="store_true",
-                    help="closed loop: each --rates value is how many requests are kept in "
-                         "flight, for --min-requests requests (TTFT at concurrency 1)")
+    ap.add_argument("--rates", required=True, help="per-GPU request rates, e.g. 0.5,1,1.5; "
+                    "cN: a closed loop of --min-requests requests, N in flight (c1: one at a "
+                    "time, the TTFT of an idle deployment)")
     ap.add_argument("--slo-ttft-s", type=float, default=2.0,
                     help="goodput: a request meets the SLO with a TTFT up to this ...")
     ap.add_argument("--slo-tpot-ms", type=float, default=25.0,
@@ -445,11 +462,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.deployment is not None:
         with open(args.deployment, "rb") as f:
             tomllib.load(f)  # fails here, not after minutes of start-up
-    for s in args.strategy:
-        try:
+    try:
+        for s in args.strategy:
             parse_strategy(s)
-        except ValueError as e:
-            parser().error(str(e))
+        for r in args.rates.split(","):
+            parse_rate(r)
+    except ValueError as e:
+        parser().error(str(e))
     asyncio.run(main_async(args))
 
 

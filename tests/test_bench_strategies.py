@@ -83,3 +83,13 @@ def test_plot_lines_come_from_the_recorded_runs(tmp_path):
         out = tmp_path / f"{layout}.png"
         plot([record], layout, str(out), None)
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rates_are_per_gpu_rates_or_closed_loops():
+    from bench.strategies import parse_rate
+
+    assert [parse_rate(r) for r in ("0.5", "12", "c1", "c16")] == [0.5, 12.0, "c1", "c16"]
+    for bad, why in (("c0", "a number"), ("0", "must be > 0"), ("fast", "a number"),
+                     ("nan", "must be > 0")):
+        with pytest.raises(ValueError, match=why):
+            parse_rate(bad)
