@@ -5,8 +5,11 @@ every constrained output parses against its schema, greedy and streamed or not, 
 strategy carries it (the grammar travels with the sampling parameters to the engine that
 samples; P/D gives the tokens data parallel gives). Tool calls with `required` and a named
 function come back as calls whose arguments follow the function's schema, and a follow-up with
-the assistant's calls and the tool's answer renders and runs. Bad schemas and tool choices are
-400s naming the field. The engine core frees a request's grammar however it ends.
+the assistant's calls and the tool's answer renders and runs. Forced calls take nested pydantic
+models (`openai.pydantic_function_tool`, instructor's TOOLS mode), hold only declared keys
+unless `strict: false`, and a "required" call list with parallel calls ends on its own. Bad
+schemas and tool choices are 400s naming the field. The engine core frees a request's grammar
+however it ends.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, create_model
 from deployments import assert_quiet, up_prefill_decode
 
 from engine.config import EngineConfig
@@ -179,6 +183,109 @@ def test_streamed_tool_call_equals_the_whole_one(up, client):
     assert all(d.index == 0 and d.id is None for d in deltas[1:]), deltas
     arguments = "".join(d.function.arguments or "" for d in deltas)
     assert len(whole) == 1 and arguments == whole[0].function.arguments
+
+
+class Address(BaseModel):
+    city: str
+    country: str
+
+
+class Person(BaseModel):
+    """Save a person."""
+
+    name: str
+    age: int
+    address: Address
+
+
+class Shipment(BaseModel):
+    """Ship a parcel."""
+
+    item: str
+    to: create_model("Address", street=(str, ...), zip_code=(int, ...))  # a second Address
+
+
+ASK_SAVE = [{"role": "user", "content": "Save Bob, 30 years old, who lives in Paris, France."}]
+BOB = Person(name="Bob", age=30, address=Address(city="Paris", country="France"))
+
+
+def test_forced_calls_take_nested_pydantic_models(up, client):
+    """pydantic's `$defs`/`$ref` in both tools, each defining its own `Address`: the calls
+    follow each tool's own, and the client parses them into the models."""
+    tools = [openai.pydantic_function_tool(Person), openai.pydantic_function_tool(Shipment)]
+    shipment = Shipment.model_validate({"item": "Shipment",
+                                        "to": {"street": "Paris", "zip_code": 1234567890}})
+    for tool_choice, expected in [
+            ({"type": "function", "function": {"name": "Person"}}, BOB),
+            ({"type": "function", "function": {"name": "Shipment"}}, shipment),
+            ("required", shipment)]:  # the model's own pick
+        r = client.chat.completions.parse(**GREEDY, messages=ASK_SAVE, tools=tools,
+                                          tool_choice=tool_choice, parallel_tool_calls=False)
+        message = r.choices[0].message
+        assert (r.choices[0].finish_reason, message.content) == ("tool_calls", None)
+        assert [call.function.parsed_arguments for call in message.tool_calls] == [expected]
+
+
+def test_instructor_tools_mode_with_a_nested_model(up, client):
+    instructor = pytest.importorskip(
+        "instructor", reason="instructor is not installed (not in the test extra: its pins "
+        "hold openai back to 3.3)")
+    patched = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
+    person, completion = patched.chat.completions.create_with_completion(
+        **GREEDY, messages=ASK_SAVE, response_model=Person, max_retries=0)
+    assert person.model_dump() == BOB.model_dump()  # instructor's subclass of Person
+    assert completion.choices[0].finish_reason == "tool_calls"
+
+
+SEARCH = {"type": "function", "function": {  # a LangChain @tool schema: no additionalProperties
+    "name": "search", "description": "Search the web.", "parameters": {
+        "properties": {"query": {"type": "string"},
+                       "options": {"type": "object",
+                                   "properties": {"max_results": {"type": "integer"}}}},
+        "required": ["query", "options"], "type": "object"}}}
+
+
+def test_forced_arguments_hold_only_declared_keys_unless_strict_is_false(up, client):
+    ask = [{"role": "user", "content": "Find recent news about the Mars rover."}]
+    r = client.chat.completions.create(**GREEDY, messages=ask, tools=[SEARCH],
+                                       tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [c.function.arguments for c in r.choices[0].message.tool_calls] == [
+        '{"query": "Mars rover", "options": {"max_results": 10}}']
+    # As written, the model fills "options" with keys of its own ("type", "properties", ...)
+    # until max_tokens cuts the call, which is dropped rather than left as text.
+    lenient = {"type": "function", "function": {**SEARCH["function"], "strict": False}}
+    r = client.chat.completions.create(**GREEDY, messages=ask, tools=[lenient],
+                                       tool_choice="required", parallel_tool_calls=False)
+    message = r.choices[0].message
+    assert (r.choices[0].finish_reason, message.content, message.tool_calls) == ("length", "",
+                                                                                 None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_parallel_calls_end_with_the_list(up, client, stream):
+    """OpenAI's default parallel_tool_calls: the list ends (the grammar allows at most
+    MAX_PARALLEL_CALLS), no call text is content, finish_reason "tool_calls"."""
+    kw = dict(**{**GREEDY, "max_tokens": 400}, tools=[WEATHER], tool_choice="required",
+              messages=[{"role": "user", "content": "What is the weather in Paris and London?"}])
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        message = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+        content, finish = message.content, r.choices[0].finish_reason
+    else:
+        deltas, content, finish = [], "", None
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            for choice in chunk.choices:
+                deltas += choice.delta.tool_calls or []
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        calls = [(opening.function.name, arguments.function.arguments)  # two chunks a call
+                 for opening, arguments in zip(deltas[0::2], deltas[1::2])]
+        content = content or None
+    assert (content, finish) == (None, "tool_calls")
+    assert calls == [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+                     ("get_weather", '{"city": "London", "unit": "fahrenheit"}')]
 
 
 def test_auto_and_none_leave_the_model_free(up, client):
