@@ -15,7 +15,8 @@ changes:
   `#/anyOf/1/properties/arguments/$defs/Address`. Every function's definitions stay in its own
   subtree, so two tools that both define `Address` do not clash. A root `$id` is dropped (it
   would make the rewritten pointers relative to the parameters again); remote references are
-  left to llguidance, which refuses them.
+  left to llguidance, which refuses them. A root without `type` gets `"type": "object"`, and
+  no parameters (or `{}`) means no arguments.
 - Undeclared keys (`strict`). An object schema that declares `properties` (or
   `patternProperties`) and says nothing of `additionalProperties` takes no other keys, as
   vLLM's grammar backends (xgrammar's strict mode) have it: a model cannot invent an argument
@@ -64,10 +65,12 @@ def calls_schema(functions: list[FunctionDefinition], arguments_key: str) -> dic
 def arguments_schema(function: FunctionDefinition, where: str) -> dict | bool:
     """`function`'s parameters as a subschema at JSON pointer `where` of a bigger schema
     (a copy: the request's own schema is rendered into the prompt as sent)."""
-    parameters = function.parameters
-    if parameters is None:
+    if not function.parameters:  # none, or {}: no arguments (as OpenAI reads it)
         return NO_ARGUMENTS
-    parameters = {k: v for k, v in parameters.items() if k != "$id"}
+    # Arguments are an object where the root does not say (OpenAI's calls are objects); a root
+    # $id would make the rewritten refs relative to the parameters again.
+    parameters = {"type": "object", **function.parameters}
+    parameters.pop("$id", None)
     return _rewritten(parameters, where, close=function.strict is not False)
 
 

@@ -268,3 +268,13 @@ def test_any_model_output_parses_without_error_into_json_arguments(pieces, step,
         for call in calls:
             assert isinstance(json.loads(call.arguments), dict)
             call.arguments.encode("utf-8")
+
+
+def test_arguments_are_an_object_where_the_schema_root_does_not_say():
+    bare = FunctionDefinition(name="f", parameters={})
+    untyped = FunctionDefinition(name="g", parameters={"properties": {"a": {"type": "integer"}}})
+    options = calls_schema([bare, untyped], "arguments")["anyOf"]
+    assert options[0]["properties"]["arguments"] == {
+        "type": "object", "properties": {}, "additionalProperties": False}
+    assert options[1]["properties"]["arguments"] == {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}
