@@ -12,8 +12,9 @@ A parser does four things:
     results into user turns, all in this format (a template that knows tools gets them as is);
   - `grammar(functions, parallel)`: the Lark grammar (llguidance's dialect) whose sentences
     are exactly well-formed calls of these functions with schema-valid arguments;
-  - `parse(text)`: (content, calls) of a whole output; a call that does not parse stays content;
-  - `stream()`: the same incrementally, for streamed responses: content is released as soon as
+  - `parse(text, calls_only)`: (content, calls) of a whole output; a call that does not parse
+    stays content;
+  - `stream(calls_only)`: the same incrementally, for streamed responses: content is released as soon as
     it cannot be the start of a call, and each call as soon as it is complete.
 
 A model may write anything. Call JSON is read by bounded_json: a call nested too deep, with a
