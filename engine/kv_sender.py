@@ -73,15 +73,16 @@ class SendJob:
     matched: int = 0  # leading prompt tokens found in this engine's prefix cache
     # time.monotonic() by which send_to must name the destination; None once it did
     address_by: float | None = None
-    # time.perf_counter() when the call came, its first step was built, its last computed
-    # (the answer's SendTiming); set by Sending
+    # time.perf_counter() when the core took the call, launched its first step, and had its
+    # KV computed: its sampled token read back, or (a send that samples nothing) its KV landed
+    # at the receiver. The answer's SendTiming; set by Sending.
     received_at: float = field(default_factory=time.perf_counter)
     first_step_at: float | None = None
     computed_at: float | None = None
 
     def timing(self) -> SendTiming:
-        done = self.computed_at or self.received_at  # all cached: nothing computed
-        first = self.first_step_at or done
+        done = self.computed_at or time.perf_counter()
+        first = self.first_step_at or done  # all cached: nothing computed
         return SendTiming(queued_s=first - self.received_at, prefill_s=done - first,
                           tail_s=time.perf_counter() - done)
 
@@ -215,7 +216,6 @@ class Sending:
         rid = seq.request_id
         self.kv.cache_tokens(rid, seq.prompt_token_ids)
         job = self.requests.get(rid).job
-        job.computed_at = time.perf_counter()
         if job.dst_slots is None:
             self.requests.park(rid, job)
         else:
@@ -232,6 +232,7 @@ class Sending:
         if entry is None or entry.state not in COMPUTED:  # aborted or failed
             return
         entry.job.first_token = token
+        entry.job.computed_at = time.perf_counter()
         if request_id in self._flushed:  # the transfer was done already
             self._flushed.remove(request_id)
             self._settle(request_id, None)
@@ -251,6 +252,21 @@ class Sending:
             self._answers.append((rid, MicroservingError(502, f"KV transfer failed: {error}")))
         return seqs
 
+    def await_flushes(self, request_ids: list[str], timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the transfers of those sends of `request_ids` whose last
+        step has run (they are flushing; their token, if they sample one, read back), so that
+        the next poll() answers them. Called by an asynchronous core after a step's outputs,
+        the next step running on the device meanwhile: without it an answer waits for that
+        step too, as the step's copy lands a few ms after the step."""
+        ready = []
+        for rid in request_ids:
+            entry = self.requests.get(rid)
+            if (entry is not None and entry.state is RequestState.FLUSHING
+                    and (not entry.job.samples or entry.job.first_token is not None)):
+                ready.append(rid)
+        if ready:
+            self.sender.wait_flushed(ready, timeout_s)
+
     def _settle_completed(self) -> None:
         """Settle the sends whose transfer completed or failed since the last call."""
         for rid, error in self.sender.completed():
@@ -260,6 +276,8 @@ class Sending:
             if entry.job.samples and entry.job.first_token is None and error is None:
                 self._flushed.add(rid)  # answered when its token is resolved (`sampled`)
                 continue
+            if not entry.job.samples:
+                entry.job.computed_at = time.perf_counter()  # its KV has landed
             self._settle(rid, error)
 
     def _settle(self, request_id: str, error: Exception | None) -> None:

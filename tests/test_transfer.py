@@ -514,6 +514,25 @@ def test_sender_runs_writes_behind_the_caller_and_reports_completion(fake_peers)
     assert peer.closed
 
 
+def test_wait_flushed_returns_once_the_jobs_landed_or_at_its_timeout(fake_peers):
+    sender = KVSender(sender_pool(), LAYOUT, notify=lambda: None, key=KEY)
+    w = Window(0, 1)
+    sender.start("a", FAKE, w, DST)
+    peer = fake_peers[0]
+    peer.gate.clear()
+    sender.write_all_layers("a", SRC, DST)
+    sender.finish("a")
+    assert peer.entered.wait(5)
+    t0 = time.monotonic()
+    sender.wait_flushed(["a"], 0.05)  # stuck in layer 0: gives up after 50 ms
+    assert 0.05 <= time.monotonic() - t0 < 1.0 and sender.completed() == []
+    threading.Timer(0.05, peer.gate.set).start()
+    sender.wait_flushed(["a", "never-started"], 5.0)  # returns as "a" completes
+    assert time.monotonic() - t0 < 2.0
+    assert sender.completed() == [("a", None)]
+    sender.close()
+
+
 def test_sender_cancel_waits_for_the_running_write_and_skips_the_rest(fake_peers):
     done = threading.Event()
     sender = KVSender(sender_pool(), LAYOUT, notify=done.set, key=KEY)

@@ -43,6 +43,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -225,6 +226,17 @@ class KVSender:
             done, self._completed = self._completed, []
         return done
 
+    def wait_flushed(self, job_ids: list[str], timeout_s: float) -> None:
+        """Wait up to `timeout_s` until no job of `job_ids` is running (each has completed,
+        failed or been cancelled); their reports still come from `completed()`."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while any(j in self._jobs for j in job_ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._lock.wait(left)
+
     def close(self) -> None:
         """Drop every job, stop the transfer thread and close all peers."""
         _open_senders.discard(self)
@@ -306,6 +318,7 @@ class KVSender:
                 return
             del self._jobs[job.job_id]
             self._completed.append((job.job_id, job.error))
+            self._lock.notify_all()  # wait_flushed()
             for key, peer in list(self._peers.items()):
                 if not peer.alive():
                     self._retire(key, peer)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The two-GPU P/D runs of docs/benchmarks.md: one `microserve up` of a deployment file with
+# random:llama-3.1-8b, then each remaining argument is one `python -m bench.strategies` argument
+# string run against it (strategies swapped through the admin API, no restart).
+#
+#   bench/scripts/pd_two_gpus.sh deploy/gpu-1p1d.toml OUT_DIR \
+#       "--strategy dp --rates 3,6 --duration-s 20" "--strategy 1p1d --rates c1 --min-requests 30"
+#
+# Writes OUT_DIR/up.log and OUT_DIR/<file stem>-<n>.json for each invocation.
+set -euo pipefail
+deployment=$1 out=$2
+shift 2
+export MICROSERVE_API_KEY=$(python3 -c "import secrets; print(secrets.token_urlsafe(16))")
+export MICROSERVE_ADMIN_TOKEN=$(python3 -c "import secrets; print(secrets.token_urlsafe(16))")
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+mkdir -p "$out"
+setsid python3 -m launcher.cli up "$deployment" --model random:llama-3.1-8b --port 8000 \
+    >"$out/up.log" 2>&1 &
+up=$!
+trap 'kill -INT -- -$up 2>/dev/null; sleep 5; kill -KILL -- -$up 2>/dev/null || true' EXIT
+stem=$(basename "$deployment" .toml)
+n=0
+for spec in "$@"; do
+    n=$((n + 1))
+    # shellcheck disable=SC2086  # each spec is a list of arguments
+    python3 -m bench.strategies --base-url http://127.0.0.1:8000 --vocab 128000 \
+        --note "$deployment, random:llama-3.1-8b" --json "$out/$stem-$n.json" $spec
+done
