@@ -84,7 +84,26 @@ def test_the_pick_minimises_the_predicted_jct_over_the_grid():
     assert model.predict(0.0, 30.0, n, o).jct_s == math.inf  # P cannot keep up at all
 
 
-def test_overload_everywhere_picks_the_least_overloaded_split():
+def test_overload_everywhere_keeps_decoding_fast_and_queues_on_p():
     model = fed(rate=40)
     best = model.best(0.0, 0.5)
-    assert best.jct_s == math.inf and best.ratio > 0.3  # push what D can take off P
+    assert best.jct_s == math.inf
+    # D's capacity with TPOT <= 3 x 6 ms: (2/3) / (3000 r 26us + 100 x 50us) = P's
+    # 1 / (3000 (1 - r) 26us)  ->  r = (2/3 x 0.078 - 0.005) / (0.078 + 2/3 x 0.078) = 0.36
+    assert best.ratio == pytest.approx(0.36, abs=0.02)
+
+
+# The terms the model fitted on two H200s (2026-11-26, random:llama-3.1-8b, 3,000/100 through
+# deploy/gpu-1p1d.toml; docs/benchmarks.md), and the fixed ratios measured best there.
+H200 = {"p_token_s": 25.3e-6, "d_step_s": 4.8e-3, "d_per_seq_s": 132e-6, "d_token_s": 23e-6}
+
+
+@pytest.mark.parametrize("rate, measured_best", [(18.0, 0.3), (24.0, 0.3)])
+def test_on_the_terms_fitted_on_two_h200s_it_picks_near_the_best_measured_ratio(
+        rate, measured_best, monkeypatch):
+    model = BalanceModel(now=lambda: 0.0)
+    monkeypatch.setattr(model, "fitted", lambda: H200)
+    monkeypatch.setattr(model, "rate", lambda: (rate, 3000.0, 100.0))
+    model.p.n = model.d.n = 2  # as if fed
+    # of 0.1, 0.2 and 0.3 (and the old rule's 0.41-0.50), 0.3 had the least mean and p99 JCT
+    assert model.best(0.0, 0.5).ratio == pytest.approx(measured_best, abs=0.05)
