@@ -46,6 +46,7 @@ from launcher.deployment import (
     with_cpu_threads,
     with_nvshmem_group,
 )
+from launcher.transfer_paths import transfer_lines
 from microserve.nvshmem_group import GROUP_ENV
 from microserve.openai_app import PortInUse, QuietServer, check_port_free, listen_socket
 from router.engines import EngineSpec
@@ -294,6 +295,8 @@ async def _serve(router: Router, deployment: Deployment, engines: list[EnginePro
           f"http://{deployment.host}:{deployment.port}/v1 — strategy {active.name}, engines "
           + ", ".join(f"{e.launch.name} ({e.launch.role}) {e.launch.url}" for e in engines)
           + "; Ctrl-C stops all", flush=True)
+    for line in transfer_lines(list(router.pool)):
+        print(f"microserve up: {line}", flush=True)
     supervisors = {asyncio.create_task(e.supervise(stop)): e for e in engines}
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({serving, stopper, *supervisors},

@@ -1,0 +1,37 @@
+"""launcher/transfer_paths.py: the KV transfer `microserve up` says each pair uses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from launcher.transfer_paths import transfer_lines
+
+
+def engine(name, role, device, kind):
+    return SimpleNamespace(name=name, role=role,
+                           info=SimpleNamespace(device=device, kv_transfer=kind))
+
+
+def test_one_line_per_pair_a_strategy_may_send_over():
+    engines = [engine("prefill-0", "prefill", "cuda:0", "cuda_ipc"),
+               engine("decode-0", "decode", "cuda:1", "cuda_ipc"),
+               engine("any-0", "any", "cuda:1", "nvshmem")]
+    assert transfer_lines(engines) == [
+        "KV transfer: prefill-0 (cuda:0) -> decode-0 (cuda:1): cuda_ipc, across GPUs (the "
+        "sender's copy kernel stores into the receiver's pool, mapped into its GPU through "
+        "CUDA IPC)",
+        "KV transfer: prefill-0 (cuda:0) -> any-0 (cuda:1): nvshmem, across GPUs (the sender's "
+        "copy kernel stores into the receiver's pool, mapped into its GPU through the group's "
+        "peer view)",
+        "KV transfer: any-0 (cuda:1) -> decode-0 (cuda:1): cuda_ipc, on one GPU (one copy "
+        "kernel between the pools, through CUDA IPC)",
+    ]
+
+
+def test_cpu_pairs_and_mismatches_say_what_happens():
+    cpu = [engine("p", "prefill", "cpu", "shm"), engine("d", "decode", "cpu", "shm")]
+    assert transfer_lines(cpu) == ["KV transfer: p (cpu) -> d (cpu): shm (the sender writes "
+                                   "the receiver's pool in shared memory)"]
+    odd = [engine("p", "prefill", "cpu", "tcp"), engine("d", "decode", "cuda:0", "cuda_ipc")]
+    assert transfer_lines(odd) == ["KV transfer: p (cpu) -> d (cuda:0): cuda_ipc, but the "
+                                   "sender is on cpu: its sends fail (use tcp)"]
