@@ -281,11 +281,13 @@ class EngineCore:
         return seq.finish_reason is not None
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                    kv_addr: KVAddr | None, sampling: SamplingParams | None = None) -> None:
+                    kv_addr: KVAddr | None, sampling: SamplingParams | None = None,
+                    received_at: float | None = None) -> None:
         """Start a remote_send (KVExchange.remote_send); the answer comes from `poll()`. The KV
         not cached here is computed by a send-only sequence in the scheduler, which also
         samples the first output token with `sampling` if given (the whole prompt is sent).
-        Without `kv_addr` nothing is sent until `exchange.send_to` names the destination."""
+        Without `kv_addr` nothing is sent until `exchange.send_to` names the destination.
+        `received_at` (time.perf_counter()): when the frontend took the call; default now."""
         generator = None
         if sampling is not None:
             check_request(prompt, sampling, self.info)
@@ -294,7 +296,7 @@ class EngineCore:
                                         "remote_send's first token", "prompt_logprobs")
             generator = make_generator(sampling.seed, self.runner.device)
         seq = self.exchange.remote_send(request_id, prompt, begin, end, kv_addr,
-                                        next(self._arrivals), sampling, generator)
+                                        next(self._arrivals), sampling, generator, received_at)
         if seq is not None:
             self.scheduler.add(seq)
 

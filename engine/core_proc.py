@@ -226,9 +226,9 @@ class CoreLoop:
                 return True
             case PrepRecv(request=r):
                 return exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
-            case RemoteSend(request=r):
+            case RemoteSend(request=r, received_at=received_at):
                 return core.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
-                                        r.sampling)
+                                        r.sampling, received_at or None)
             case SendTo(request=r):
                 return exchange.send_to(r.request_id, r.begin, r.kv_addr)
             case Commit(request=r):

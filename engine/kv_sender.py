@@ -73,7 +73,8 @@ class SendJob:
     matched: int = 0  # leading prompt tokens found in this engine's prefix cache
     # time.monotonic() by which send_to must name the destination; None once it did
     address_by: float | None = None
-    # time.perf_counter() when the core took the call, launched its first step, and had its
+    # time.perf_counter() when the engine took the call (its frontend, on this host's clock;
+    # else the core), launched its first step, and had its
     # KV computed: its sampled token read back, or (a send that samples nothing) its KV landed
     # at the receiver. The answer's SendTiming; set by Sending.
     received_at: float = field(default_factory=time.perf_counter)
@@ -94,7 +95,8 @@ class Sending:
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
                     kv_addr: KVAddr | None, arrival: int,
                     sampling: SamplingParams | None = None,
-                    generator: torch.Generator | None = None) -> Sequence | None:
+                    generator: torch.Generator | None = None,
+                    received_at: float | None = None) -> Sequence | None:
         """Start sending KV of prompt[begin:end]; the answer comes from poll(). Returns the
         send-only sequence (made at `arrival`) that computes the KV not cached here, for the
         caller to schedule; None if all of it was cached (the job is flushing already, or
@@ -125,6 +127,8 @@ class Sending:
         matched = self.kv.open(request_id, tokens[:-1] if sampling else tokens)
         job = SendJob(tokens, begin, end, None, 0, computed=end - matched if matched < end else 0,
                       samples=sampling is not None, matched=matched)
+        if received_at is not None:
+            job.received_at = received_at
         if kv_addr is None:
             job.address_by = time.monotonic() + self.lease_s
         else:

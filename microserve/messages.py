@@ -308,7 +308,7 @@ class RemoteSendRequest:
 class SendTiming:
     """Where a remote_send's time went on the sender (router/handover.py adds the hops)."""
 
-    queued_s: float  # from the call to the first step that computed its tokens
+    queued_s: float  # from the frontend taking the call to the first step computing it
     prefill_s: float  # from that step to the last one's outputs (0 if all was cached)
     tail_s: float  # from then to the answer: the writes flushed (and send_to, if late)
 
@@ -460,6 +460,10 @@ class PrepRecv(Call, tag="prep_recv"):
 class RemoteSend(Call, tag="remote_send"):
     answer = RemoteSendResponse
     request: RemoteSendRequest
+    # time.perf_counter() when the engine's frontend took the HTTP call (the core runs on the
+    # same host, on the same clock): the answer's queue time starts there, so it includes the
+    # wait for the core to finish the step it is in. 0: when the core took it.
+    received_at: float = 0.0
 
 
 class SendTo(Call, tag="send_to"):

@@ -5,14 +5,15 @@ first token to the client); the sending engine reports how its part of a `remote
 (its answer's `timing`). At the end of a request the stages go into one Prometheus histogram,
 `microserve_router_stage_seconds{strategy, stage}`:
 
-    arrived ─┬─ prep_recv (when it is on the path) ───────────────────────────┐
-             └─ remote_send on P ──────────────────────────────────────────────┤
-                 ├ p_queue        P's wait for its first step                  │
-                 ├ p_prefill      P's steps computing the prompt               │
-                 ├ transfer_tail  P's last step to every byte landed on D      │
-                 └ send_hops      the call's round trip beyond P's own time    │
-             start_generate on D ── d_first_chunk: D's admission, first step  ─┤
-    first token to the client ─── ttft                                        ─┘
+    arrived ─┬─ prep_recv (when it is on the path) ──────────────────────────────┐
+             └─ remote_send on P ─────────────────────────────────────────────────┤
+                 ├ p_queue        from P's HTTP frontend taking the call to its   │
+                 │                first step (the step in progress, work before)  │
+                 ├ p_prefill      P's steps, to its token read back / KV landed   │
+                 ├ transfer_tail  from then to the answer                         │
+                 └ send_hops      the round trip beyond P's own time: HTTP hops   │
+             start_generate on D ── d_first_chunk: D's admission, first step     ─┤
+    first token to the client ─── ttft                                           ─┘
 
     handover = ttft - p_queue - p_prefill: what P/D adds to the time a single engine would
                take for the same prompt (the transfer's tail, D's part, every hop)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -173,10 +174,13 @@ class _MicroservingAPI:
     def call_route(self, call: _Call) -> Callable:
         """The handler that validates `call.request` and hands it to the core as `call.call`."""
         body_type = validator(call.request)
+        stamped = "received_at" in call.call.__struct_fields__
 
         async def route(request: Request) -> Response:
+            received_at = time.perf_counter()
             body = await _read_body(request, body_type)
-            work = self.client.call(call.call(body), timeout_s=call.timeout_s)
+            made = call.call(body, received_at=received_at) if stamped else call.call(body)
+            work = self.client.call(made, timeout_s=call.timeout_s)
             try:
                 result = await unless_disconnected(request.receive, work)
             except ClientDisconnected:
