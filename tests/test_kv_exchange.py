@@ -1079,3 +1079,43 @@ def test_a_send_to_that_overtook_its_remote_send_is_kept_for_it(pair, prompts, r
     p.exchange.expire_leases(time.monotonic() + p.exchange.lease_s + 1)
     assert not p.exchange.forget_address("late") and p.exchange.next_deadline() is None
     assert_clean(p, d)
+
+
+def test_an_asynchronous_sender_answers_right_after_the_step_that_finished_its_send(
+        tiny_model_dir, prompts, ref):
+    """With async scheduling, once the step that computed a send's last chunk (and sampled its
+    token) is read back, the core waits for that send's KV to land (KVExchange.await_flushes)
+    before the next poll, which then answers it: not a step later."""
+    p = make_core(tiny_model_dir, "shm", async_scheduling=True, max_num_batched_tokens=16)
+    d = make_core(tiny_model_dir, "shm")
+    try:
+        prompt = prompts[2]  # 61 tokens: four chunks of 16
+        n = len(prompt)
+        p.add_request("busy", prompts[0], greedy(40))  # keeps P stepping throughout
+        waits, steps = [], 0  # the step during which the core waited for "s"'s KV
+        real = p.exchange.await_flushes
+        p.exchange.await_flushes = lambda ids, t: (waits.append(steps) if "s" in ids else None,
+                                                   real(ids, t))[1]
+        r = d.exchange.prep_recv("s", prompt, n, None)
+        p.remote_send("s", prompt, 0, n, r.kv_addr, greedy(N_NEW))
+        answer = None
+        while answer is None:
+            steps += 1
+            p.step()
+            assert steps < 50
+            for rid, outcome in p.poll():
+                assert rid == "s" and not isinstance(outcome, Exception)
+                answer = outcome
+        # The step that read back the send's last chunk (and its token) waited for its KV, and
+        # the poll right after it answered: its number is the last wait's.
+        assert waits and waits[-1] == steps
+        assert answer.first_token == ref[2][0]
+        assert answer.timing.prefill_s > 0 and answer.timing.tail_s >= 0
+        d.exchange.abort("s")
+        while p.has_work():
+            p.step()
+            p.poll()
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
