@@ -35,7 +35,7 @@ from kvcache.transfer import (
 )
 from kvcache.transfer.sender import KVSender
 from kvcache.transfer.shm import ShmBackend, ShmPeer
-from kvcache.transfer import tcp
+from kvcache.transfer import tcp_wire
 from kvcache.transfer.tcp import TcpBackend, TcpPeer
 from microserve.transfer_auth import kv_digest, sign, transfer_key
 
@@ -819,7 +819,7 @@ def _hung_up(sock: socket.socket) -> bool:
 
 def _raw_hello(port: int) -> tuple[socket.socket, bytes]:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    challenge = tcp._recv_message(sock)["nonce"]
+    challenge = tcp_wire.recv_message(sock)["nonce"]
     return sock, challenge
 
 
@@ -833,13 +833,15 @@ def test_tcp_listener_refuses_a_sender_without_the_key_before_any_frame():
     # bytes for a hello, finds no proof in it and hangs up without reading the payload.
     sock, _ = _raw_hello(port)
     w = backend.open_window()
-    frame = tcp._HEADER.pack(tcp._WRITE, w.index, w.tag, 0, len(DST)) + bytes(8 * len(DST))
+    frame = tcp_wire.HEADER.pack(tcp_wire.WRITE, w.index, w.tag, 0, len(DST))
+    frame += bytes(8 * len(DST))
     sock.sendall(frame)
     assert _hung_up(sock)
     # A stranger with a forged proof: told why, then hung up on.
     sock, challenge = _raw_hello(port)
-    tcp._send_message(sock, {"nonce": b"x" * 16, "proof": b"y" * 32, "layout": LAYOUT.to_dict()})
-    assert "not authenticated" in tcp._recv_message(sock)["error"]
+    tcp_wire.send_message(sock, {"nonce": b"x" * 16, "proof": b"y" * 32,
+                                 "layout": LAYOUT.to_dict()})
+    assert "not authenticated" in tcp_wire.recv_message(sock)["error"]
     assert _hung_up(sock)
     assert torch.count_nonzero(backend.kv) == 0  # nothing was written
     # The deployment's own sender still gets in, and writes.

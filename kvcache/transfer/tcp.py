@@ -2,24 +2,8 @@
 
 A sender holds one connection per receiver. After a handshake in which each side proves it
 holds the deployment's transfer key (microserve/transfer_auth.py) and the KV layouts are
-compared, it streams frames; the receiver applies them in order, one thread per connection:
-
-    handshake   sender ← u32 length, msgpack({"nonce": r})
-                sender → u32 length, msgpack({"nonce": s, "proof": P("sender", s, r),
-                                              "layout": layout dict})
-                sender ← u32 length, msgpack({"error": None | message,
-                                              "proof": P("receiver", r, s)})
-    WRITE       header │ dst slots: int64[n] │ K rows, V rows: dtype[2, n, kv_heads, head_dim]
-    SEAL        header │ digest: n bytes    the tokens the window's KV is of (no answer)
-    FLUSH       header                      → answered with u32 length, msgpack({"error": ...})
-                                              once every earlier frame of the connection is applied
-    RENEW       header                      the sender still holds the window's job (no answer)
-
-    header = <u8 op, 3 pad, u32 window index, i64 window tag, i32 layer, u32 n>   (24 bytes)
-
-Everything is little-endian. The header is a multiple of 8 bytes, so one buffer holds a whole
-frame and the slots and rows in it are aligned views: the sender gathers rows straight into its
-send buffer and the receiver reads a frame with `recv_into`, both without extra copies.
+compared, it streams frames (WRITE, SEAL, FLUSH, RENEW: the wire format is tcp_wire.py); the
+receiver applies them in order, one thread per connection.
 
 Writes are one-way: a write into a window the receiver already closed is dropped there and the
 sender learns it at the next flush. A WRITE or RENEW into an open window renews its lease; the
@@ -41,14 +25,12 @@ import hmac
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import msgpack
 import numpy as np
 import torch
 
@@ -65,66 +47,25 @@ from kvcache.transfer.base import (
     slots_outside,
     window_slots,
 )
+from kvcache.transfer.tcp_wire import (
+    FLUSH,
+    HEADER,
+    MAX_HELLO,
+    MAX_SEAL,
+    RENEW,
+    SEAL,
+    WRITE,
+    Buffer,
+    recv_exactly,
+    recv_message,
+    send_message,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_WINDOWS = 4096
 DEFAULT_TIMEOUT_S = 60.0
-
-_HEADER = struct.Struct("<B3xIqiI")  # op, window index, window tag, layer, number of slots
-_LENGTH = struct.Struct("<I")  # prefix of a msgpack message
-_MAX_MESSAGE = 1 << 20
-_MAX_HELLO = 4096  # what the listener reads from a connection before it is authenticated
 HANDSHAKE_TIMEOUT_S = 10.0
-_MAX_SEAL = 64  # bytes a SEAL frame may carry
-_WRITE, _FLUSH, _RENEW, _SEAL = 1, 2, 3, 4
-
-
-class _Buffer:
-    """A growable byte buffer that is both a torch tensor (for views) and a memoryview (for
-    socket I/O). Grows to the largest frame seen and is reused after that."""
-
-    def __init__(self) -> None:
-        self.bytes = torch.empty(0, dtype=torch.uint8)
-        self.view = memoryview(self.bytes.numpy())
-
-    def reserve(self, nbytes: int) -> None:
-        if self.bytes.numel() < nbytes:
-            self.bytes = torch.empty(nbytes, dtype=torch.uint8)
-            self.view = memoryview(self.bytes.numpy())
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("connection closed by the other side")
-        got += n
-
-
-def _send_message(sock: socket.socket, obj: object) -> None:
-    data = msgpack.packb(obj)
-    sock.sendall(_LENGTH.pack(len(data)) + data)
-
-
-def _recv_message(sock: socket.socket, limit: int = _MAX_MESSAGE) -> dict:
-    """One length-prefixed msgpack map of at most `limit` bytes. Raises ConnectionError for
-    anything else, e.g. when the other side is not a KV transfer endpoint."""
-    length = bytearray(_LENGTH.size)
-    _recv_exactly(sock, memoryview(length))
-    (n,) = _LENGTH.unpack(length)
-    if n > limit:
-        raise ConnectionError(f"message of {n} bytes exceeds the limit of {limit}")
-    data = bytearray(n)
-    _recv_exactly(sock, memoryview(data))
-    try:
-        message = msgpack.unpackb(data)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise ConnectionError(f"malformed message: {e}") from None
-    if not isinstance(message, dict):
-        raise ConnectionError(f"malformed message: expected a map, got {message!r}")
-    return message
 
 
 class TcpBackend(TransferBackend):
@@ -287,23 +228,23 @@ class TcpBackend(TransferBackend):
         """Authenticate the sender, then compare layouts. True if frames may follow."""
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         challenge = auth.nonce()
-        _send_message(conn, {"nonce": challenge})
-        hello = _recv_message(conn, _MAX_HELLO)
+        send_message(conn, {"nonce": challenge})
+        hello = recv_message(conn, MAX_HELLO)
         theirs, their_proof = hello.get("nonce"), hello.get("proof")
         if not (isinstance(theirs, bytes) and isinstance(their_proof, bytes) and
                 hmac.compare_digest(their_proof,
                                     auth.proof(self._key, b"sender", theirs, challenge))):
             log.warning("refused kv transfer connection from %s: it did not prove it holds "
                         "the deployment's transfer key", sender)
-            _send_message(conn, {"error": "not authenticated: the sender does not hold this "
-                                          "deployment's engine key"})
+            send_message(conn, {"error": "not authenticated: the sender does not hold this "
+                                         "deployment's engine key"})
             return False
         try:
             error = self.layout.mismatch(KVLayout.from_dict(hello.get("layout")))
         except (KeyError, TypeError, AttributeError):
             error = "malformed handshake: expected a KV layout"
-        _send_message(conn, {"error": error,
-                             "proof": auth.proof(self._key, b"receiver", challenge, theirs)})
+        send_message(conn, {"error": error,
+                            "proof": auth.proof(self._key, b"receiver", challenge, theirs)})
         if error is not None:
             log.warning("refused kv transfer connection from %s: %s", sender, error)
             return False
@@ -311,47 +252,47 @@ class TcpBackend(TransferBackend):
         return True
 
     def _apply_frames(self, conn: socket.socket, sender: str) -> None:
-        header = bytearray(_HEADER.size)
-        buf = _Buffer()
+        header = bytearray(HEADER.size)
+        buf = Buffer()
         errors: dict[tuple[int, int], str] = {}  # (index, tag) -> first failed write's message
         while True:
-            _recv_exactly(conn, memoryview(header))
-            op, index, tag, layer, n = _HEADER.unpack(header)
-            if op == _WRITE and n > self._num_slots:
+            recv_exactly(conn, memoryview(header))
+            op, index, tag, layer, n = HEADER.unpack(header)
+            if op == WRITE and n > self._num_slots:
                 log.warning("kv transfer connection from %s sent a write of %d slots into a "
                             "pool of %d; closing it", sender, n, self._num_slots)
                 return
-            if op == _WRITE:
+            if op == WRITE:
                 slots_end = 8 * n
                 frame_end = slots_end + 2 * n * self._row_bytes
                 buf.reserve(frame_end)
-                _recv_exactly(conn, buf.view[:frame_end])
+                recv_exactly(conn, buf.view[:frame_end])
                 slots = buf.bytes[:slots_end].view(torch.int64)
                 rows = buf.bytes[slots_end:frame_end].view(self._rows_dtype).view(self._rows)
                 error = self._write(index, tag, layer, slots, rows)
                 if error is not None:
                     errors.setdefault((index, tag), error)
-            elif op == _RENEW:
+            elif op == RENEW:
                 with self._lock:
                     if self._windows.get(index) == tag:
                         self._renewed[index] = time.monotonic()
-            elif op == _SEAL:
-                if n > _MAX_SEAL:
+            elif op == SEAL:
+                if n > MAX_SEAL:
                     log.warning("kv transfer connection from %s sent a seal of %d bytes; "
                                 "closing it", sender, n)
                     return
                 digest = bytearray(n)
-                _recv_exactly(conn, memoryview(digest))
+                recv_exactly(conn, memoryview(digest))
                 with self._lock:  # a window with a failed write is never sealed
                     if self._windows.get(index) == tag and (index, tag) not in errors:
                         self._seals[index] = bytes(digest)
-            elif op == _FLUSH:
+            elif op == FLUSH:
                 error = errors.pop((index, tag), None)
                 with self._lock:
                     if self._windows.get(index) != tag:
                         error = f"window {index} (tag {tag}) is closed: the request was aborted "
                         error += "here, its lease expired or the engine stopped"
-                _send_message(conn, {"error": error})
+                send_message(conn, {"error": error})
             else:
                 log.warning(
                     "kv transfer connection from %s sent unknown frame op %d; closing it",
@@ -423,7 +364,7 @@ class TcpPeer(Peer):
         self._local = copyable(local_kv)
         self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
         self._row_bytes = layout.num_kv_heads * layout.head_dim * local_kv.element_size()
-        self._buf = _Buffer()
+        self._buf = Buffer()
         self._broken: str | None = None
         self._sending = threading.Lock()  # one frame at a time: the transfer or renewal thread
         try:
@@ -434,13 +375,13 @@ class TcpPeer(Peer):
             raise TransferError(f"cannot connect to receiver {self._address}: {e}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._io():
-            challenge = _recv_message(self._sock, _MAX_HELLO).get("nonce")
+            challenge = recv_message(self._sock, MAX_HELLO).get("nonce")
             if not isinstance(challenge, bytes):
                 raise OSError("not a KV transfer listener (no challenge)")
             mine = auth.nonce()
-            _send_message(self._sock, {"nonce": mine, "layout": layout.to_dict(),
-                                       "proof": auth.proof(key, b"sender", mine, challenge)})
-            answer = _recv_message(self._sock, _MAX_HELLO)
+            send_message(self._sock, {"nonce": mine, "layout": layout.to_dict(),
+                                      "proof": auth.proof(key, b"sender", mine, challenge)})
+            answer = recv_message(self._sock, MAX_HELLO)
         error = answer.get("error")
         if error is not None:
             self.close()
@@ -470,12 +411,12 @@ class TcpPeer(Peer):
     ) -> None:
         """Send one WRITE frame. Returns once the kernel has the bytes, not the receiver."""
         n = len(src_slots)
-        slots_end = _HEADER.size + 8 * n
+        slots_end = HEADER.size + 8 * n
         frame_end = slots_end + 2 * n * self._row_bytes
         self._buf.reserve(frame_end)
         frame = self._buf.bytes
-        _HEADER.pack_into(self._buf.view, 0, _WRITE, window.index, window.tag, layer, n)
-        frame[_HEADER.size : slots_end].view(torch.int64).copy_(dst_slots)
+        HEADER.pack_into(self._buf.view, 0, WRITE, window.index, window.tag, layer, n)
+        frame[HEADER.size : slots_end].view(torch.int64).copy_(dst_slots)
         rows = frame[slots_end:frame_end].view(self._local.dtype).view(self._rows)
         local = self._local[layer].view(self._rows)
         if local.is_cpu:
@@ -488,14 +429,14 @@ class TcpPeer(Peer):
     def seal(self, window: Window, digest: bytes) -> None:
         """Send SEAL behind the writes: the receiver keeps it if they were all applied."""
         with self._sending, self._io():
-            self._sock.sendall(_HEADER.pack(_SEAL, window.index, window.tag, 0, len(digest))
+            self._sock.sendall(HEADER.pack(SEAL, window.index, window.tag, 0, len(digest))
                                + digest)
 
     def flush(self, window: Window) -> None:
         with self._sending, self._io():
-            self._sock.sendall(_HEADER.pack(_FLUSH, window.index, window.tag, 0, 0))
+            self._sock.sendall(HEADER.pack(FLUSH, window.index, window.tag, 0, 0))
         with self._io():
-            error = _recv_message(self._sock)["error"]
+            error = recv_message(self._sock)["error"]
         if error is not None:
             raise TransferError(f"receiver {self._address}: {error}")
 
@@ -506,7 +447,7 @@ class TcpPeer(Peer):
             return
         try:
             with self._io():
-                self._sock.sendall(_HEADER.pack(_RENEW, window.index, window.tag, 0, 0))
+                self._sock.sendall(HEADER.pack(RENEW, window.index, window.tag, 0, 0))
         finally:
             self._sending.release()
 
