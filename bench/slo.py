@@ -2,7 +2,9 @@
 requests' time to first token went.
 
 Goodput (DistServe's measure): the requests per second, per GPU, that met the SLO each on its
-own: time to first token <= `ttft_s` and time per output token <= `tpot_ms`. A run *attains*
+own: time to first token <= `ttft_s` and time per output token <= `tpot_ms`, per second of the
+run's wall time (its first arrival to its last answer: Poisson arrivals that came faster than
+the nominal rate show as goodput above it). A run *attains*
 the SLO when its p99 TTFT and p99 TPOT are within it and no request failed. The default SLO,
 TTFT <= 2 s and TPOT <= 25 ms, is an interactive chat service's.
 
