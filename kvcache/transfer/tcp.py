@@ -1,9 +1,9 @@
-"""TCP transfer between any two hosts: the receiver's listener threads write what arrives.
+"""TCP transfer between any two hosts: the receiver's connection threads write what arrives.
 
 A sender holds one connection per receiver. After a handshake in which each side proves it
 holds the deployment's transfer key (microserve/transfer_auth.py) and the KV layouts are
 compared, it streams frames (WRITE, SEAL, FLUSH, RENEW: the wire format is tcp_wire.py); the
-receiver applies them in order, one thread per connection.
+receiver applies them in order, one thread per authenticated connection.
 
 Writes are one-way: a write into a window the receiver already closed is dropped there and the
 sender learns it at the next flush. A WRITE or RENEW into an open window renews its lease; the
@@ -14,8 +14,10 @@ naming any slot outside the slots the window was opened with is dropped whole an
 the flush. A SEAL is kept only if every write into the window was applied; `close_window`
 returns it.
 
-The listener reads nothing but the small hello (at most 4 KiB, within 10 s) from a connection
-that has not proved it holds the key, and answers a failed proof with an error and a hang-up.
+The listener (tcp_listener.py) runs every handshake on one thread: a connection that has not
+proved it holds the key gets no thread and no more than a 4 KiB hello read, must complete it
+within 10 s of its accept, and waits among at most 128 others (16 per address); a failed
+proof is answered with an error and a hang-up.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from kvcache.transfer.base import (
     slots_outside,
     window_slots,
 )
+from kvcache.transfer.tcp_listener import HANDSHAKE_TIMEOUT_S, HandshakeListener
 from kvcache.transfer.tcp_wire import (
     FLUSH,
     HEADER,
@@ -65,7 +68,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NUM_WINDOWS = 4096
 DEFAULT_TIMEOUT_S = 60.0
-HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class TcpBackend(TransferBackend):
@@ -88,13 +90,13 @@ class TcpBackend(TransferBackend):
         num_windows: int = DEFAULT_NUM_WINDOWS,
         *,
         key: bytes,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ):
         if num_pages < 1 or num_windows < 1:
             raise ValueError(
                 f"num_pages ({num_pages}) and num_windows ({num_windows}) must be >= 1"
             )
         self.layout = layout
-        self._key = key
         dtype = getattr(torch, layout.dtype)
         self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=dtype, device=device)
         self.num_windows = num_windows
@@ -115,9 +117,12 @@ class TcpBackend(TransferBackend):
         self._seals: dict[int, bytes] = {}  # index -> the digest its sender sealed it with
         self._ids = WindowIds(num_windows)
 
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family)
-        self.port = self._listener.getsockname()[1]
+        self._conns_lock = threading.Lock()  # guards _conns and _closing
+        self._conns: dict[socket.socket, threading.Thread] = {}  # live connection -> its thread
+        self._closing = False
+        self._listener = HandshakeListener(host, port, key, layout, self._start_frames,
+                                           timeout_s=handshake_timeout_s)
+        self.port = self._listener.port
         if advertise_host is None:
             advertise_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
         self._descriptor = sign({
@@ -127,13 +132,6 @@ class TcpBackend(TransferBackend):
             "num_pages": num_pages,
         }, key)
 
-        self._conns_lock = threading.Lock()  # guards _conns and _closing
-        self._conns: dict[socket.socket, threading.Thread] = {}  # live connection -> its thread
-        self._closing = False
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name=f"kv-tcp-accept-{self.port}", daemon=True
-        )
-        self._accept_thread.start()
         _open_backends.add(self)
 
     def descriptor(self) -> dict:
@@ -175,46 +173,31 @@ class TcpBackend(TransferBackend):
             self._closing = True
             conns = dict(self._conns)
         _open_backends.discard(self)
-        # shutdown (not close) wakes a thread blocked in accept() or recv() on Linux.
-        self._listener.shutdown(socket.SHUT_RDWR)
-        self._accept_thread.join()
         self._listener.close()
         for conn, thread in conns.items():
-            try:
+            try:  # shutdown (not close) wakes a thread blocked in recv() on Linux
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # the peer already hung up
             thread.join()
 
-    # ---- listener threads --------------------------------------------------------------------
+    # ---- connection threads ------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError as e:
-                with self._conns_lock:
-                    if self._closing:
-                        return
-                log.warning("kv transfer listener on port %d: accept failed: %s", self.port, e)
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sender = f"{addr[0]}:{addr[1]}"
-            thread = threading.Thread(
-                target=self._serve, args=(conn, sender), name=f"kv-tcp-conn-{sender}", daemon=True
-            )
-            with self._conns_lock:
-                if self._closing:
-                    conn.close()
-                    return
-                self._conns[conn] = thread
-            thread.start()
+    def _start_frames(self, conn: socket.socket, sender: str) -> None:
+        """The listener's `on_ready`: a sender that passed the handshake gets its own thread."""
+        thread = threading.Thread(target=self._serve, args=(conn, sender),
+                                  name=f"kv-tcp-conn-{sender}", daemon=True)
+        with self._conns_lock:
+            if self._closing:
+                conn.close()
+                return
+            self._conns[conn] = thread
+        thread.start()
 
     def _serve(self, conn: socket.socket, sender: str) -> None:
-        """One connection: handshake, then apply frames in order until the sender hangs up."""
+        """One authenticated connection: apply frames in order until the sender hangs up."""
         try:
-            if self._handshake(conn, sender):
-                self._apply_frames(conn, sender)
+            self._apply_frames(conn, sender)
         except OSError as e:
             log.debug("kv transfer connection from %s ended: %s", sender, e)
         except Exception:
@@ -223,33 +206,6 @@ class TcpBackend(TransferBackend):
             with self._conns_lock:
                 del self._conns[conn]
             conn.close()
-
-    def _handshake(self, conn: socket.socket, sender: str) -> bool:
-        """Authenticate the sender, then compare layouts. True if frames may follow."""
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        challenge = auth.nonce()
-        send_message(conn, {"nonce": challenge})
-        hello = recv_message(conn, MAX_HELLO)
-        theirs, their_proof = hello.get("nonce"), hello.get("proof")
-        if not (isinstance(theirs, bytes) and isinstance(their_proof, bytes) and
-                hmac.compare_digest(their_proof,
-                                    auth.proof(self._key, b"sender", theirs, challenge))):
-            log.warning("refused kv transfer connection from %s: it did not prove it holds "
-                        "the deployment's transfer key", sender)
-            send_message(conn, {"error": "not authenticated: the sender does not hold this "
-                                         "deployment's engine key"})
-            return False
-        try:
-            error = self.layout.mismatch(KVLayout.from_dict(hello.get("layout")))
-        except (KeyError, TypeError, AttributeError):
-            error = "malformed handshake: expected a KV layout"
-        send_message(conn, {"error": error,
-                            "proof": auth.proof(self._key, b"receiver", challenge, theirs)})
-        if error is not None:
-            log.warning("refused kv transfer connection from %s: %s", sender, error)
-            return False
-        conn.settimeout(None)
-        return True
 
     def _apply_frames(self, conn: socket.socket, sender: str) -> None:
         header = bytearray(HEADER.size)
@@ -375,13 +331,15 @@ class TcpPeer(Peer):
             raise TransferError(f"cannot connect to receiver {self._address}: {e}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._io():
-            challenge = recv_message(self._sock, MAX_HELLO).get("nonce")
-            if not isinstance(challenge, bytes):
-                raise OSError("not a KV transfer listener (no challenge)")
-            mine = auth.nonce()
-            send_message(self._sock, {"nonce": mine, "layout": layout.to_dict(),
-                                      "proof": auth.proof(key, b"sender", mine, challenge)})
             answer = recv_message(self._sock, MAX_HELLO)
+            challenge = answer.get("nonce")
+            if isinstance(challenge, bytes):
+                mine = auth.nonce()
+                send_message(self._sock, {"nonce": mine, "layout": layout.to_dict(),
+                                          "proof": auth.proof(key, b"sender", mine, challenge)})
+                answer = recv_message(self._sock, MAX_HELLO)
+            elif answer.get("error") is None:  # else a listener past its caps said why
+                raise OSError("not a KV transfer listener (no challenge)")
         error = answer.get("error")
         if error is not None:
             self.close()
