@@ -364,7 +364,7 @@ def _run_drain(args) -> None:
 def _run_router(args) -> None:
     from launcher.credentials import admin_token
     from microserve.model_files import resolve_model
-    from microserve.openai_app import check_port_free
+    from microserve.http_server import check_port_free
     from router.server import RouterConfig, serve
 
     check_port_free(args.host, args.port, "the router")  # before a token file is written

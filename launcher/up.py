@@ -47,8 +47,8 @@ from launcher.deployment import (
     with_nvshmem_group,
 )
 from launcher.transfer_paths import transfer_lines
+from microserve.http_server import PortInUse, QuietServer, check_port_free, listen_socket
 from microserve.nvshmem_group import GROUP_ENV
-from microserve.openai_app import PortInUse, QuietServer, check_port_free, listen_socket
 from router.engines import EngineSpec
 from router.server import Router, RouterConfig
 

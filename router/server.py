@@ -21,8 +21,9 @@ from fastapi import FastAPI
 
 from microserve.auth import RequireBearer
 from microserve.backend import BackendUnavailable
+from microserve.http_server import QuietServer, listen_socket
 from microserve.metrics import Registry
-from microserve.openai_app import QuietServer, build_openai_app, listen_socket
+from microserve.openai_app import build_openai_app
 from microserve.tokenizer import Tokenizer
 from router.admin import AdminAPI, add_admin_routes
 from router.backend import RouterBackend

@@ -27,6 +27,7 @@ from engine.frontend.microserving_api import add_microserving_routes
 from microserve import wire
 from microserve.backend import BackendUnavailable, GenerateBackend, MicroservingError
 from microserve.errors import install_error_handlers
+from microserve.http_server import listen_socket
 from microserve.messages import (
     Generate,
     GenerateChunk,
@@ -40,7 +41,7 @@ from microserve.messages import (
     validator,
 )
 from microserve.microserving_client import EngineClient
-from microserve.openai_app import build_openai_app, listen_socket
+from microserve.openai_app import build_openai_app
 from microserve.tokenizer import Tokenizer
 
 MSGPACK = "application/msgpack"

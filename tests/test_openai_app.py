@@ -18,8 +18,9 @@ import uvicorn
 from test_tokenizer import byte_token_ids, make_tokenizer_dir
 
 from microserve.backend import BackendUnavailable, GenerateBackend
+from microserve.http_server import listen_socket
 from microserve.metrics import Registry
-from microserve.openai_app import build_openai_app, listen_socket
+from microserve.openai_app import build_openai_app
 from microserve.protocol import CompletionRequest
 from microserve.tokenizer import Tokenizer
 from microserve.messages import GenerateChunk, SamplingParams, TokenLogprob

@@ -18,7 +18,8 @@ from fastapi import FastAPI
 from engine.config import EngineConfig
 from engine.frontend.core_client import CoreClient
 from engine.frontend.microserving_api import add_microserving_routes
-from microserve.openai_app import QuietServer, build_openai_app, listen_socket
+from microserve.http_server import QuietServer, listen_socket
+from microserve.openai_app import build_openai_app
 from microserve.tokenizer import Tokenizer
 
 log = logging.getLogger("microserve.engine")
