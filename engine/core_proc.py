@@ -9,13 +9,18 @@ microserve/messages.py, decoded by its "type" tag:
     frontend -> core: Generate, Abort, Invoke (a Call: Stats, CheckIntegrity, PrepRecv,
                       RemoteSend, SendTo, Commit, AbortCall, Pin, Unpin), Shutdown
     core -> frontend: Ready | StartFailed (once), Outputs (one frame per step, all requests),
-                      Rejected, Reply
+                      Rejected, Reply, Heartbeat (from a thread of its own, every HEARTBEAT_S)
 
 Between steps the loop drains whatever messages have arrived without blocking; when it has no
 work it blocks on the socket, the KV sender's wake-up pipe and the next lease or wait deadline.
 A remote_send call is answered when its transfer completes, several steps later; a prep_recv
 that must wait for pages, between the steps once they are free. When the frontend goes away
 (EOF), the core exits.
+
+The heartbeat is how the frontend tells a busy core from a dead one (its liveness answer,
+GET /microserving/live): a thread sends one every HEARTBEAT_S with the steps run so far and
+how long the step in progress has run, so a step that takes a minute still beats, while a
+stopped or hung process (SIGSTOP, a machine frozen) does not.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import select
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -44,6 +50,7 @@ from microserve.messages import (
     Commit,
     Frame,
     Generate,
+    Heartbeat,
     Invoke,
     Outputs,
     Pin,
@@ -68,12 +75,22 @@ log = logging.getLogger("microserve.core")
 MAX_FAILED_STEPS = 3  # steps in a row that may raise before the engine gives up (and exits)
 CHECK_AFTER_IDLE_S = 0.05  # idle this long before the integrity check runs (see run)
 MAX_IDLE_WAIT_S = 3600.0  # select() needs a timeout a C time_t holds; leases are shorter anyway
+HEARTBEAT_S = 0.2  # between two heartbeats: well under any liveness timeout a router sets
 
 
 class CoreLoop:
-    def __init__(self, core: EngineCore, sock: socket.socket):
+    """Args:
+        core: the engine core it drives.
+        sock: the connected socket to the frontend.
+        heartbeat_s: send a Heartbeat this often from a thread of its own (None: none).
+    """
+
+    def __init__(self, core: EngineCore, sock: socket.socket, heartbeat_s: float | None = None):
         self.core = core
         self.sock = sock
+        self.heartbeat_s = heartbeat_s
+        self._send_lock = threading.Lock()  # the loop and the heartbeat thread both send frames
+        self.step_started: float | None = None  # time.monotonic() in a step; set by run()
         self.decoder = FrameDecoder(ToCore)
         self.running = True
         # request id -> id of the remote_send (or waiting prep_recv) call to answer
@@ -83,9 +100,36 @@ class CoreLoop:
         self.stats_log = StatsLog(core.config.log_stats_interval_s)
 
     def send(self, msg: Frame) -> None:
-        self.sock.sendall(encode(msg))
+        data = encode(msg)
+        with self._send_lock:
+            self.sock.sendall(data)
 
     def run(self) -> None:
+        stop = threading.Event()
+        beating = None
+        if self.heartbeat_s is not None:
+            beating = threading.Thread(target=self._beat, args=(stop,), daemon=True,
+                                       name="heartbeat")
+            beating.start()
+        try:
+            self._run()
+        finally:
+            stop.set()
+            if beating is not None:
+                beating.join()
+
+    def _beat(self, stop: threading.Event) -> None:
+        """The heartbeat thread: a Heartbeat every heartbeat_s until `stop` (or the socket
+        closes). Reads two fields the loop writes; a torn read is impossible under the GIL."""
+        while not stop.wait(self.heartbeat_s):
+            started = self.step_started
+            in_step = 0.0 if started is None else time.monotonic() - started
+            try:
+                self.send(Heartbeat(self.core.loop.steps, in_step))
+            except OSError:  # the frontend is gone: the loop ends too
+                return
+
+    def _run(self) -> None:
         was_busy = check_due = False
         stalled = False  # the last step had work but could schedule none of it (no pages)
         exchange = self.core.exchange
@@ -120,12 +164,14 @@ class CoreLoop:
                 check_due = False
             self.clock.charge("message")
             if self.running and self.core.has_work() and not stalled:
+                self.step_started = time.monotonic()
                 try:
                     outputs = self.core.step()
                 except Exception as e:  # our bug: it fails the step's requests, not the engine
                     self._fail_step(e)
                     continue
                 finally:
+                    self.step_started = None
                     self.clock.charge("step")
                 self.failed_steps = 0
                 stalled = self.core.stalled
@@ -294,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sock.sendall(encode(Ready(core.info)))
     try:
-        CoreLoop(core, sock).run()
+        CoreLoop(core, sock, heartbeat_s=HEARTBEAT_S).run()
     finally:
         core.close()
     return 0

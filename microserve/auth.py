@@ -7,10 +7,17 @@ A request whose path starts with a guarded prefix (the first that matches) needs
 `Authorization: Bearer <that token>`; otherwise it gets OpenAI's 401 error JSON. A prefix whose
 token is None is closed: every request under it gets a 403. Paths in `open_paths` and paths no
 prefix matches pass. Tokens are compared in constant time.
+
+An engine proves to a router that it holds the deployment's engine key without the key
+travelling (`engine_proof`): the router sends a fresh random challenge to the engine's open
+liveness route, the engine answers HMAC-SHA256 of it under a key derived from the engine key
+(its own label: the proof signs nothing else), and the router sends its bearer key only to an
+engine whose proof verifies (`proves_key`; router/engines.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Sequence
 
@@ -19,6 +26,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from microserve.errors import OpenAIError
 
 OPEN_PATHS = ("/health", "/metrics")
+_IDENTITY_LABEL = b"microserve engine identity v1"
+MAX_CHALLENGE_CHARS = 128
 _CLOSED = object()  # the key of a prefix no token opens
 
 
@@ -59,3 +68,15 @@ def bearer_token(scope: Scope) -> bytes | None:
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else None
     return None
+
+
+def engine_proof(engine_key: str, challenge: str) -> str:
+    """An engine's answer to a router's `challenge`: proof that it holds `engine_key` (hex)."""
+    key = hmac.new(engine_key.encode(), _IDENTITY_LABEL, hashlib.sha256).digest()
+    return hmac.new(key, challenge.encode(), hashlib.sha256).hexdigest()
+
+
+def proves_key(engine_key: str, challenge: str, proof: str | None) -> bool:
+    """Whether `proof` is the answer to `challenge` of an engine holding `engine_key`."""
+    return proof is not None and hmac.compare_digest(proof.encode(),
+                                                     engine_proof(engine_key, challenge).encode())

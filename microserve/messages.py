@@ -411,6 +411,19 @@ class EngineInfo:
 
 
 @dataclass(slots=True)
+class Liveness:
+    """GET /microserving/live: whether the engine is alive and its core making progress. The
+    frontend answers it from its event loop at once, never waiting for the core, and without
+    the engine key (the router sends the key to no engine that has not proved it holds it)."""
+
+    core_silent_s: float  # since the core's last heartbeat (it sends them in a step too)
+    steps: int  # steps the core had begun at that heartbeat
+    in_step_s: float  # how long the step it was in had run then (0: between steps)
+    # auth.engine_proof(the engine key, the query's challenge); None without either
+    proof: str | None = None
+
+
+@dataclass(slots=True)
 class EngineStats:
     """Load and KV accounting (GET /microserving/stats "stats"; Prometheus on /metrics)."""
 
@@ -555,6 +568,14 @@ class Rejected(Frame, tag="rejected"):
     status: int
 
 
+class Heartbeat(Frame, tag="heartbeat"):
+    """The core process is alive: sent by a thread of its own every few tenths of a second,
+    during a long step too (a long step is progress; a core that stopped sending is not)."""
+
+    steps: int  # steps begun so far (the one in progress counts)
+    in_step_s: float  # how long the step in progress has run (0: between steps)
+
+
 class Reply(Frame, tag="reply"):
     """The answer to Invoke `id`: `result` (of the call's `answer` type), or an error."""
 
@@ -566,4 +587,4 @@ class Reply(Frame, tag="reply"):
     code: str | None = None
 
 
-FromCore = Ready | StartFailed | Outputs | Rejected | Reply
+FromCore = Ready | StartFailed | Outputs | Rejected | Reply | Heartbeat

@@ -4,7 +4,8 @@ A real EngineCore on the tiny Llama runs its CoreLoop on a thread, fed over a so
 the frontend feeds it. Failures are injected where validation cannot reach (the model step, a
 request's start, a call): the request or call fails with a 500, the next one is served with
 Hugging Face's greedy tokens, and nothing is left held. Steps that keep failing (a broken
-device) end the loop, so a supervisor restarts the engine.
+device) end the loop, so a supervisor restarts the engine. A step that takes seconds does not
+silence the core: its heartbeats go on through it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_proc import MAX_FAILED_STEPS, CoreLoop
 from engine.loop_stats import LoopCounters, StatsLog, format_line
-from microserve.messages import (CheckIntegrity, EngineStats, FromCore, Generate, Invoke,
-                                 Outputs, Rejected, Reply, Shutdown, Stats)
+from microserve.messages import (CheckIntegrity, EngineStats, FromCore, Generate, Heartbeat,
+                                 Invoke, Outputs, Rejected, Reply, Shutdown, Stats)
 from microserve.wire import FrameDecoder, encode
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120, 64]
@@ -35,13 +36,13 @@ N_NEW = 6
 class LoopHarness:
     """CoreLoop on a thread; `send` and `receive` speak its wire protocol (typed frames)."""
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, heartbeat_s: float | None = None):
         self.core = core
         self.ours, theirs = socket.socketpair()
         self.ours.settimeout(60)
         self.decoder, self.pending = FrameDecoder(FromCore), []
         self.error: BaseException | None = None
-        self.loop = CoreLoop(core, theirs)
+        self.loop = CoreLoop(core, theirs, heartbeat_s=heartbeat_s)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -189,3 +190,42 @@ def test_the_stats_line_reports_the_interval_exactly():
         "70.0%), outputs to frontend 2.0%, messages 1.0%, idle 0.0%")
     log = StatsLog(0.0)
     assert not log.due(1e9) and log.wait_at_most(0.0, after) is None  # 0: never
+
+
+def test_a_long_step_beats_while_the_calls_wait_for_it(tiny_model_dir, monkeypatch):
+    """A step of 1.5 s: the heartbeat thread reports it every 0.05 s (the steps run so far,
+    and how long this one has run), while a Stats call made during it is answered only after
+    it. The frontend's liveness answer is made of these beats: busy, not dead."""
+    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64))
+    h = LoopHarness(core, heartbeat_s=0.05)
+    forward = core.runner.forward
+
+    def slow_once(*args, **kwargs):
+        monkeypatch.setattr(core.runner, "forward", forward)
+        time.sleep(1.5)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(core.runner, "forward", slow_once)
+    try:
+        idle = h.receive()
+        assert idle == Heartbeat(steps=0, in_step_s=0.0)  # between steps: in_step_s is 0
+        h.add("slow")
+        while not isinstance(beat := h.receive(), Heartbeat) or beat.in_step_s == 0:
+            pass
+        asked = time.monotonic()
+        h.send(Invoke(1, Stats()))
+        beats, tokens = [beat], []
+        while not isinstance(msg := h.receive(), Reply):
+            if isinstance(msg, Heartbeat):
+                beats.append(msg)
+            else:
+                tokens += [t for out in msg.items for t in out.token_ids]
+        answered_s = time.monotonic() - asked
+        in_step = [b.in_step_s for b in beats if b.in_step_s > 0]
+        assert {b.steps for b in beats if b.in_step_s > 0} == {1}  # the first step, running
+        assert in_step == sorted(in_step) and len(in_step) >= 10, in_step
+        assert 1.2 < in_step[-1] < 1.6 and 1.0 < answered_s, (in_step, answered_s)
+        assert EngineStats(**msg.result).steps == 1  # answered once the step was done
+    finally:
+        h.stop()
+        core.close()

@@ -32,6 +32,7 @@ from microserve.messages import (
     Generate,
     GenerateChunk,
     KVAddr,
+    Liveness,
     PrepRecvResponse,
     RemoteSendResponse,
     SamplingParams,
@@ -135,6 +136,9 @@ class FakeCore(GenerateBackend):
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
+
+    def liveness(self):
+        return Liveness(core_silent_s=0.125, steps=7, in_step_s=2.5)
 
 
 def engine_app(core: FakeCore, api_key: str | None = None) -> FastAPI:
@@ -447,6 +451,31 @@ async def test_api_key_required(tok, authorization, message):
     assert (health.status_code, health.json()) == (200, {"status": "ok"})
     assert metrics.status_code == 200
     assert core.calls == core.generate_calls == []
+
+
+async def test_liveness_needs_no_key_and_proves_the_engine_holds_it(tok):
+    """/microserving/live is open (the router asks it before it sends the key anywhere) and
+    answers a challenge with the proof that this engine holds the key, without the core."""
+    from microserve.auth import engine_proof, proves_key
+
+    core = FakeCore()
+    async with http_for(engine_app(core, api_key=KEY)) as http:
+        plain = await http.get("/microserving/live")
+        proved = await http.get("/microserving/live", params={"challenge": "0a1b2c"})
+        bad = [await http.get("/microserving/live", params={"challenge": c})
+               for c in ("", "xyz", "a" * 129)]
+    assert plain.json() == {"core_silent_s": 0.125, "steps": 7, "in_step_s": 2.5, "proof": None}
+    assert proved.json()["proof"] == engine_proof(KEY, "0a1b2c")
+    assert proves_key(KEY, "0a1b2c", proved.json()["proof"])
+    assert not proves_key(KEY, "0a1b2d", proved.json()["proof"])
+    assert not proves_key("another-key", "0a1b2c", proved.json()["proof"])
+    for response in bad:
+        assert (response.status_code, response.json()) == (400, error(
+            "challenge must be 1 to 128 hex digits", "challenge"))
+    assert core.calls == []  # the core was not asked
+    async with http_for(engine_app(core)) as http:  # no key: nothing to prove
+        unkeyed = await http.get("/microserving/live", params={"challenge": "0a1b2c"})
+    assert unkeyed.json()["proof"] is None
 
 
 async def test_api_key_accepted(tok):

@@ -4,7 +4,9 @@ It starts `python -m engine.core_proc` with one end of a Unix socket pair, waits
 and then multiplexes requests over that socket (typed frames, microserve/messages.py): one
 asyncio queue per request receives its TokenOutputs from a single reader task, and the
 request's generator makes each one the next GenerateChunk. If the core process dies, every open
-request fails with BackendUnavailable and `healthy()` turns false.
+request fails with BackendUnavailable and `healthy()` turns false. The core's heartbeats
+(engine/core_proc.py) say whether it still makes progress: `liveness()`, answered from here
+without asking the core.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from microserve.messages import (
     FromCore,
     Generate,
     GenerateChunk,
+    Heartbeat,
     Invoke,
+    Liveness,
     Outputs,
     Ready,
     Rejected,
@@ -83,6 +87,9 @@ class CoreClient(GenerateBackend):
         self._call_ids = itertools.count()
         self._alive = False
         self.exited = asyncio.Event()  # set when the core process is gone (crash or shutdown)
+        # The core's last heartbeat and when it came (loop time); set by _dispatch (and start)
+        self._beat = Heartbeat(0, 0.0)
+        self._beat_at = 0.0
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -111,6 +118,7 @@ class CoreClient(GenerateBackend):
         self.info = first.info
         self.max_model_len = self.info.max_model_len
         self._alive = True
+        self._beat_at = asyncio.get_running_loop().time()  # Ready is a sign of life too
         self._reader_task = asyncio.create_task(self._read_loop(reader, decoder))
 
     @staticmethod
@@ -175,6 +183,8 @@ class CoreClient(GenerateBackend):
             q = self._queues.get(msg.request_id)
             if q is not None:
                 q.put_nowait(_error(msg.status, msg.message, msg.param))
+        elif isinstance(msg, Heartbeat):
+            self._beat, self._beat_at = msg, asyncio.get_running_loop().time()
         elif isinstance(msg, Reply):
             fut = self._calls.pop(msg.id, None)
             if fut is not None and not fut.done():
@@ -251,6 +261,12 @@ class CoreClient(GenerateBackend):
 
     async def healthy(self) -> bool:
         return self._alive
+
+    def liveness(self) -> Liveness:
+        """How long the core has been silent, and what its last heartbeat said."""
+        silent = asyncio.get_running_loop().time() - self._beat_at
+        return Liveness(core_silent_s=silent, steps=self._beat.steps,
+                        in_step_s=self._beat.in_step_s)
 
     async def metrics_text(self) -> str:
         if not self._alive:

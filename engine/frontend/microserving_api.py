@@ -5,6 +5,7 @@
     POST /microserving/{prep_recv, remote_send, send_to, start_generate, commit, abort, pin,
                         unpin}
     GET  /microserving/stats[?check=1]
+    GET  /microserving/live[?challenge=HEX]   no key needed: alive? core progressing? (Liveness)
 
 Bodies are JSON, or msgpack with `Content-Type: application/msgpack` (token lists are the bulk);
 the answer comes in kind, or as msgpack whenever `Accept` names it. Errors are always OpenAI
@@ -21,6 +22,12 @@ The last chunk has finish_reason and usage. A failure after the status line went
 stream with `{"status": s, "error": {...}}` instead: the status and error JSON the call would
 have been answered with. A client that goes away before a call carrying a request_id finished
 (start_generate mid-stream included) gets that request aborted in the engine.
+
+/microserving/live is the router's liveness probe: answered from this process's event loop
+without waiting for the core (a core in a minute-long step is busy, not dead), with how long
+the core has been silent (its heartbeats, engine/core_proc.py) and, for a `challenge`, the
+proof that this engine holds the engine key (microserve/auth.py: the router sends the key to
+no engine before it has checked that proof). It needs no key, and tells nothing but that.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import msgpack
@@ -40,7 +47,7 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 
 from microserve import wire
-from microserve.auth import RequireBearer
+from microserve.auth import MAX_CHALLENGE_CHARS, OPEN_PATHS, RequireBearer, engine_proof
 from microserve.backend import BackendUnavailable, MicroservingError
 from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
 from microserve.errors import as_openai_error, from_validation_errors, invalid_request
@@ -167,8 +174,9 @@ class _MicroservingAPI:
     """The route handlers. A client that goes away before its answer gets the request_id it
     named aborted: a reservation, a running prefill or transfer, or a generation."""
 
-    def __init__(self, client):
+    def __init__(self, client, api_key: str | None = None):
         self.client = client  # a CoreClient (core_client.py), or anything with its contract
+        self._api_key = api_key  # what liveness proves this engine holds
         self._start_generate = validator(StartGenerateRequest)
 
     def call_route(self, call: _Call) -> Callable:
@@ -242,6 +250,21 @@ class _MicroservingAPI:
         finally:
             await chunks.aclose()
 
+    async def live(self, request: Request) -> Response:
+        """Liveness, with the proof of the engine key for a `challenge` (hex, at most 128
+        characters); 503 once the core has exited."""
+        challenge = request.query_params.get("challenge")
+        if challenge is not None and not (
+                0 < len(challenge) <= MAX_CHALLENGE_CHARS and _is_hex(challenge)):
+            raise invalid_request(f"challenge must be 1 to {MAX_CHALLENGE_CHARS} hex digits",
+                                  "challenge")
+        if not await self.client.healthy():
+            raise MicroservingError(503, "the engine core has exited")
+        live = self.client.liveness()
+        if challenge is not None and self._api_key is not None:
+            live = replace(live, proof=engine_proof(self._api_key, challenge))
+        return _answer(_answer_codec(request), live)
+
     async def stats(self, request: Request) -> Response:
         """Load and KV accounting; `?check=1` also runs the KV integrity check."""
         body = {"stats": await self.client.call(Stats()), "info": self.client.info}
@@ -254,24 +277,31 @@ class _MicroservingAPI:
         return _answer(_answer_codec(request), body)
 
 
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdefABCDEF" for c in text)
+
+
 def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None) -> None:
     """Serve the microserving API on `app` over the engine-core client `client`.
 
     Args:
         app: the engine's app (build_openai_app's, whose error handlers answer OpenAI JSON);
             gets the /microserving/* routes and a MicroservingError handler.
-        client: the CoreClient contract: `call(call, timeout_s)`, `start_generate`, `abort` and
-            `info`.
-        api_key: when set, every route of `app` but /health and /metrics (so /v1/* and
-            /microserving/* among them) answers 401 without `Authorization: Bearer <api_key>`.
+        client: the CoreClient contract: `call(call, timeout_s)`, `start_generate`, `abort`,
+            `info`, `healthy()` and `liveness()`.
+        api_key: when set, every route of `app` but /health, /metrics and /microserving/live
+            (so /v1/* and the other /microserving/* among them) answers 401 without
+            `Authorization: Bearer <api_key>`; liveness proves this engine holds it.
     """
     if api_key == "":
         raise ValueError("api_key must not be empty (None serves without authentication)")
-    api = _MicroservingAPI(client)
+    api = _MicroservingAPI(client, api_key)
     for method, call in _CALLS.items():
         app.add_api_route(f"/microserving/{method}", api.call_route(call),
                           methods=["POST"], name=method)
     app.add_api_route("/microserving/start_generate", api.start_generate, methods=["POST"])
     app.add_api_route("/microserving/stats", api.stats, methods=["GET"])
+    app.add_api_route("/microserving/live", api.live, methods=["GET"])
     if api_key is not None:
-        app.add_middleware(RequireBearer, guards=[("/", api_key)])
+        app.add_middleware(RequireBearer, guards=[("/", api_key)],
+                           open_paths=(*OPEN_PATHS, "/microserving/live"))
