@@ -12,7 +12,6 @@ import pytest
 import torch
 from test_transfer import DST, KEY, LAYOUT, RECV_PAGES, SRC, _hung_up, sender_pool
 
-from kvcache.transfer import TransferError
 from kvcache.transfer import tcp_wire
 from kvcache.transfer.tcp import TcpBackend, TcpPeer
 from kvcache.transfer.tcp_listener import MAX_PENDING, MAX_PENDING_PER_ADDRESS
@@ -31,16 +30,12 @@ def dial(port: int, source: str = "127.0.0.1") -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
 
 
-def first_message(sock: socket.socket) -> dict:
-    return tcp_wire.recv_message(sock)
-
-
 def test_a_hello_sent_a_byte_at_a_time_is_cut_at_the_total_deadline(backend):
     """Each byte comes well within the deadline (as one every 8 s did within the old per-read
     10 s); the connection is still closed DEADLINE_S after it was accepted."""
     sock = dial(backend.port)
     start = time.monotonic()
-    assert "nonce" in first_message(sock)
+    assert "nonce" in tcp_wire.recv_message(sock)
     sock.settimeout(0.25)
     closed_at = None
     for byte in tcp_wire.LENGTH.pack(200) + bytes(200):  # a hello that never ends in time
@@ -62,30 +57,32 @@ def threads_named(prefix: str) -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
-def test_waiting_hellos_take_no_thread_and_are_capped_in_all_and_per_address(backend):
+def evicted(sock: socket.socket) -> str:
+    """The reason a connection closed to make room was given (after its challenge)."""
+    message = tcp_wire.recv_message(sock)
+    if "nonce" in message:  # not read yet
+        message = tcp_wire.recv_message(sock)
+    assert _hung_up(sock)
+    return message["error"]
+
+
+def test_waiting_hellos_take_no_thread_and_the_oldest_makes_room_past_a_cap(backend):
     before = threading.active_count()
-    # One address: MAX_PENDING_PER_ADDRESS wait, the next is told why and hung up on.
-    held = [dial(backend.port) for _ in range(MAX_PENDING_PER_ADDRESS)]
-    assert all("nonce" in first_message(s) for s in held)
-    extra = dial(backend.port)
-    assert first_message(extra) == {"error": (
-        f"too many connections: {MAX_PENDING_PER_ADDRESS} connections from 127.0.0.1 are "
-        "awaiting their handshake, the most it takes from one address; try again later")}
-    assert _hung_up(extra)
-    # Other addresses fill the listener up to MAX_PENDING.
-    for i in range(MAX_PENDING - MAX_PENDING_PER_ADDRESS):
+    # One address: past MAX_PENDING_PER_ADDRESS its oldest connection is told why and closed.
+    held = [dial(backend.port) for _ in range(MAX_PENDING_PER_ADDRESS + 1)]
+    assert evicted(held.pop(0)) == (
+        f"too many connections awaiting their handshake (at most {MAX_PENDING_PER_ADDRESS} "
+        "from 127.0.0.1): this one, the oldest, was closed to make room; try again")
+    # Other addresses fill the listener up to MAX_PENDING, and one more closes the oldest.
+    for i in range(MAX_PENDING - MAX_PENDING_PER_ADDRESS + 1):
         held.append(dial(backend.port, f"127.0.1.{i // MAX_PENDING_PER_ADDRESS + 1}"))
-    assert all("nonce" in first_message(s) for s in held[MAX_PENDING_PER_ADDRESS:])
-    # Full: a sender of the deployment from a fresh address is refused with the reason.
-    with pytest.raises(TransferError, match=f"refused the connection: too many connections: "
-                                            f"{MAX_PENDING} connections are awaiting their "
-                                            "handshake"):
-        TcpPeer(backend.descriptor(), sender_pool(), LAYOUT, KEY)
+    assert evicted(held.pop(0)) == (
+        f"too many connections awaiting their handshake (at most {MAX_PENDING}): this one, the "
+        "oldest, was closed to make room; try again")
+    assert all("nonce" in tcp_wire.recv_message(s) for s in held)
     assert threading.active_count() == before  # 128 waiting hellos, no thread for any
-    assert threads_named("kv-tcp-conn") == []
-    # At the deadline every one is closed, and the deployment's sender gets in and writes.
-    time.sleep(DEADLINE_S + 0.3)
-    assert all(_hung_up(s) for s in held)
+    # Full, and still the deployment's sender gets in (the oldest waiting connection makes
+    # room) and writes.
     peer = TcpPeer(backend.descriptor(), sender_pool(), LAYOUT, KEY)
     w = backend.open_window()
     peer.write(w, 0, SRC, DST)
@@ -93,7 +90,13 @@ def test_waiting_hellos_take_no_thread_and_are_capped_in_all_and_per_address(bac
     assert torch.count_nonzero(backend.kv) > 0
     assert len(threads_named("kv-tcp-conn")) == 1  # the authenticated sender's own
     peer.close()
-    for s in [*held, extra]:
+    assert evicted(held.pop(0)).startswith("too many connections awaiting their handshake")
+    # At the deadline every one still waiting is closed.
+    time.sleep(DEADLINE_S + 0.3)
+    assert sum(_hung_up(s) for s in held) == len(held) == MAX_PENDING - 1
+    time.sleep(0.1)  # the sender's connection thread ends
+    assert threading.active_count() == before
+    for s in held:
         s.close()
 
 
@@ -116,7 +119,7 @@ def test_a_sender_gets_in_while_slow_hellos_wait(backend):
 
 def test_a_hello_announcing_more_than_the_limit_is_not_read(backend):
     sock = dial(backend.port)
-    first_message(sock)
+    tcp_wire.recv_message(sock)
     sock.sendall(tcp_wire.LENGTH.pack(tcp_wire.MAX_HELLO + 1))
     assert _hung_up(sock)
     sock.close()

@@ -16,8 +16,8 @@ returns it.
 
 The listener (tcp_listener.py) runs every handshake on one thread: a connection that has not
 proved it holds the key gets no thread and no more than a 4 KiB hello read, must complete it
-within 10 s of its accept, and waits among at most 128 others (16 per address); a failed
-proof is answered with an error and a hang-up.
+within 10 s of its accept, and waits among at most 128 (16 per address; past that the oldest
+is closed to make room); a failed proof is answered with an error and a hang-up.
 """
 
 from __future__ import annotations
@@ -331,15 +331,13 @@ class TcpPeer(Peer):
             raise TransferError(f"cannot connect to receiver {self._address}: {e}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._io():
-            answer = recv_message(self._sock, MAX_HELLO)
-            challenge = answer.get("nonce")
-            if isinstance(challenge, bytes):
-                mine = auth.nonce()
-                send_message(self._sock, {"nonce": mine, "layout": layout.to_dict(),
-                                          "proof": auth.proof(key, b"sender", mine, challenge)})
-                answer = recv_message(self._sock, MAX_HELLO)
-            elif answer.get("error") is None:  # else a listener past its caps said why
+            challenge = recv_message(self._sock, MAX_HELLO).get("nonce")
+            if not isinstance(challenge, bytes):
                 raise OSError("not a KV transfer listener (no challenge)")
+            mine = auth.nonce()
+            send_message(self._sock, {"nonce": mine, "layout": layout.to_dict(),
+                                      "proof": auth.proof(key, b"sender", mine, challenge)})
+            answer = recv_message(self._sock, MAX_HELLO)
         error = answer.get("error")
         if error is not None:
             self.close()

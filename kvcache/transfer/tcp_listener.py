@@ -6,14 +6,21 @@ connection its challenge and reads hellos as their bytes come (non-blocking, one
 Only a sender that proved the key and whose KV layout matches is handed to `on_ready`, which
 gives it a thread of its own for its frames (TcpBackend: blocking reads, one frame a read).
 
-Bounds, so that whoever can reach the port cannot hold the engine's threads or sockets:
+Bounds, so that whoever can reach the port cannot hold the engine's threads or sockets, nor
+keep the deployment's own senders out:
 
     deadline   a hello must be complete `timeout_s` (10 s) after its connection was accepted,
                however its bytes trickle in; then the connection is closed
     pending    at most `max_pending` (128) connections await their hello, and at most
-               `max_per_address` (16) from one address; past either a new connection is
-               answered {"error": why} in place of a challenge and closed at once
+               `max_per_address` (16) from one address; a connection past either cap makes
+               room: the oldest one waiting (from its address, or of all) is told why
+               ({"error": ...}) and closed
     size       a hello longer than MAX_HELLO is not read: the connection is closed
+
+Making room by closing the oldest, not by refusing the newest, is what lets a sender in while
+slow connections flood the listener: its handshake takes a millisecond, so to push it out a
+flood would have to open `max_pending` connections within that millisecond; refusing instead
+would keep it out for as long as the flood holds the caps.
 
 The handshake itself (tcp_wire.py), all of it on the listener's thread:
 
@@ -85,10 +92,11 @@ class HandshakeListener:
         self._listener = socket.create_server((host, port), family=family)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        # Accept order is deadline order, so the first entry is always the next to expire.
+        # Accept order is deadline order, so the first entry is always the next to expire,
+        # and the oldest to close when a cap is reached.
         self._pending: dict[socket.socket, _Pending] = {}
-        self._per_address: dict[str, int] = {}  # host -> its entries in _pending
-        self._refused = self._expired = 0  # since the last warning that counted them
+        self._by_address: dict[str, dict[socket.socket, None]] = {}  # host -> its, in order
+        self._evicted = self._expired = 0  # since the last warning that counted them
         self._last_warning = 0.0
         self._accept_again_at: float | None = None  # set while accepting is paused
         self._selector = selectors.DefaultSelector()
@@ -133,7 +141,7 @@ class HandshakeListener:
         times = [first.deadline] if first is not None else []
         if self._accept_again_at is not None:
             times.append(self._accept_again_at)
-        if self._refused or self._expired:
+        if self._evicted or self._expired:
             times.append(self._last_warning + _LOG_EVERY_S)
         return max(0.0, min(times) - now) if times else None
 
@@ -152,25 +160,27 @@ class HandshakeListener:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             address = addr[0]
-            if len(self._pending) >= self.max_pending:
-                self._refuse(sock, f"{len(self._pending)} connections are awaiting their "
-                                   f"handshake, the most this receiver takes")
-            elif self._per_address.get(address, 0) >= self.max_per_address:
-                self._refuse(sock, f"{self.max_per_address} connections from {address} are "
-                                   f"awaiting their handshake, the most it takes from one address")
-            else:
-                challenge = auth.nonce()
-                if self._send(sock, {"nonce": challenge}):
-                    p = _Pending(sock, address, f"{address}:{addr[1]}", challenge,
-                                 time.monotonic() + self.timeout_s)
-                    self._pending[sock] = p
-                    self._per_address[address] = self._per_address.get(address, 0) + 1
-                    self._selector.register(sock, selectors.EVENT_READ, p)
+            waiting = self._by_address.get(address, {})
+            if len(waiting) >= self.max_per_address:
+                self._evict(self._pending[next(iter(waiting))],
+                            f"at most {self.max_per_address} from {address}")
+            elif len(self._pending) >= self.max_pending:
+                self._evict(next(iter(self._pending.values())), f"at most {self.max_pending}")
+            challenge = auth.nonce()
+            if self._send(sock, {"nonce": challenge}):
+                p = _Pending(sock, address, f"{address}:{addr[1]}", challenge,
+                             time.monotonic() + self.timeout_s)
+                self._pending[sock] = p
+                self._by_address.setdefault(address, {})[sock] = None
+                self._selector.register(sock, selectors.EVENT_READ, p)
 
-    def _refuse(self, sock: socket.socket, why: str) -> None:
-        self._send(sock, {"error": f"too many connections: {why}; try again later"})
-        sock.close()
-        self._refused += 1
+    def _evict(self, p: _Pending, cap: str) -> None:
+        """Close the oldest waiting connection to make room for a new one."""
+        self._forget(p)
+        self._send(p.sock, {"error": f"too many connections awaiting their handshake ({cap}): "
+                                     "this one, the oldest, was closed to make room; try again"})
+        p.sock.close()
+        self._evicted += 1
 
     @staticmethod
     def _send(sock: socket.socket, message: dict) -> bool:
@@ -257,18 +267,17 @@ class HandshakeListener:
     def _forget(self, p: _Pending) -> None:
         self._selector.unregister(p.sock)
         del self._pending[p.sock]
-        left = self._per_address[p.address] - 1
-        if left:
-            self._per_address[p.address] = left
-        else:
-            del self._per_address[p.address]
+        waiting = self._by_address[p.address]
+        del waiting[p.sock]
+        if not waiting:
+            del self._by_address[p.address]
 
     def _warn(self, now: float) -> None:
-        if not (self._refused or self._expired) or now - self._last_warning < _LOG_EVERY_S:
+        if not (self._evicted or self._expired) or now - self._last_warning < _LOG_EVERY_S:
             return
-        log.warning("kv transfer listener on port %d: refused %d connections past its caps (%d "
-                    "awaiting their handshake, %d from one address) and closed %d that sent no "
-                    "hello within %g s", self.port, self._refused, self.max_pending,
+        log.warning("kv transfer listener on port %d: closed %d connections to make room (at "
+                    "most %d await their handshake, %d from one address) and %d that sent no "
+                    "hello within %g s", self.port, self._evicted, self.max_pending,
                     self.max_per_address, self._expired, self.timeout_s)
-        self._refused = self._expired = 0
+        self._evicted = self._expired = 0
         self._last_warning = now
