@@ -233,6 +233,11 @@ def _secret_args(p, *, up: bool = False) -> None:
     p.add_argument("--queue-timeout-s", type=float, default=None,
                    help="how long a request may wait for KV pages on a receiving engine before "
                         "it gets a 503 with Retry-After (default 60)")
+    p.add_argument("--liveness-timeout-s", type=float, default=None,
+                   help="an engine whose liveness probe gets no answer this long, or whose "
+                        "core has sent no heartbeat this long (stopped, hung, cut off), is "
+                        "marked down and the calls open on it end (default 5; a busy engine "
+                        "still answers)")
     _log_level_arg(p)
 
 
@@ -251,8 +256,8 @@ def _router_args(sub) -> None:
     p.add_argument("--deployment", default=None,
                    help="adopt only engines started with this --deployment (default: any)")
     p.add_argument("--health-timeout-s", type=float, default=30.0,
-                   help="an engine whose stats take longer is marked down and the calls "
-                        "open on it end (bounds the wait on an engine cut off)")
+                   help="how long a stats poll (an engine's load) may take; a later answer "
+                        "leaves the load as it was (--liveness-timeout-s decides what is down)")
     p.add_argument("--model", default=None,
                    help="the model directory (or the embedded default's name) to take the "
                         "tokenizer and chat template from")
@@ -380,8 +385,14 @@ def _run_router(args) -> None:
             engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
             strategies_dir=args.strategies_dir,
             queue_timeout_s=60.0 if args.queue_timeout_s is None else args.queue_timeout_s,
-            tool_call_parser=args.tool_call_parser)
+            tool_call_parser=args.tool_call_parser,
+            **_given(liveness_timeout_s=args.liveness_timeout_s))
         _run_loop(serve(config, args.log_level))
+
+
+def _given(**options) -> dict:
+    """The options given on the command line (the others keep their one default)."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _run_up(args) -> None:
@@ -391,7 +402,8 @@ def _run_up(args) -> None:
 
     deployment = load_deployment(args.config, port=args.port, host=args.host, model=args.model,
                                  strategies_dir=args.strategies_dir,
-                                 queue_timeout_s=args.queue_timeout_s)
+                                 queue_timeout_s=args.queue_timeout_s,
+                                 liveness_timeout_s=args.liveness_timeout_s)
     # The engines always take a key: their microserving API moves KV and runs prefills, and
     # KV transfer between them is authenticated by it (microserve/transfer_auth.py).
     code = _run_loop(up(deployment, log_level=args.log_level, api_key=args.api_key,

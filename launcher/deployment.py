@@ -14,6 +14,7 @@ Config (TOML; see deploy/local-cpu.toml):
     watch_strategy = false               # reload the strategy file when it changes
     strategies_dir = "strategies/"       # PUT /admin/strategy {"path"} loads .py files from here
     queue_timeout_s = 60                 # a request waits this long for KV pages, then a 503
+    liveness_timeout_s = 5               # an engine silent this long (stopped, hung) is down
 
     [[engines]]
     name = "prefill-0"
@@ -68,20 +69,23 @@ class Deployment:
     strategies_dir: str | None = None
     queue_timeout_s: float = 60.0
     tool_call_parser: str = "hermes"
+    liveness_timeout_s: float | None = None  # None: the router's default
 
 
 _TOP_KEYS = {"model", "served_model_name", "tool_call_parser", "router", "engines"}
 _ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy", "strategies_dir",
-                "queue_timeout_s"}
+                "queue_timeout_s", "liveness_timeout_s"}
 _ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
 
 
 def load_deployment(path: str | Path, port: int | None = None,
                     strategies_dir: str | None = None,
                     queue_timeout_s: float | None = None, model: str | None = None,
-                    host: str | None = None) -> Deployment:
-    """Read and check a config file; `port`, `strategies_dir`, `queue_timeout_s`, `model` and
-    `host` (the router's) override its values. Raises ValueError naming the key and the file."""
+                    host: str | None = None,
+                    liveness_timeout_s: float | None = None) -> Deployment:
+    """Read and check a config file; `port`, `strategies_dir`, `queue_timeout_s`, `model`,
+    `host` (the router's) and `liveness_timeout_s` override its values. Raises ValueError
+    naming the key and the file."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -129,7 +133,18 @@ def load_deployment(path: str | Path, port: int | None = None,
         strategies_dir=strategies_dir or router.get("strategies_dir"),
         queue_timeout_s=float(queue_timeout_s if queue_timeout_s is not None
                               else router.get("queue_timeout_s", 60.0)),
-        tool_call_parser=_tool_call_parser(raw.get("tool_call_parser", "hermes"), str(path)))
+        tool_call_parser=_tool_call_parser(raw.get("tool_call_parser", "hermes"), str(path)),
+        liveness_timeout_s=_seconds(liveness_timeout_s if liveness_timeout_s is not None
+                                    else router.get("liveness_timeout_s"),
+                                    f"{path} [router] liveness_timeout_s"))
+
+
+def _seconds(value, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be a number of seconds, got {value!r}")
+    return float(value)
 
 
 def _tool_call_parser(name: str, where: str) -> str:

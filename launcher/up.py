@@ -252,7 +252,9 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
             watch_strategy=deployment.watch_strategy,
             strategies_dir=deployment.strategies_dir,
             queue_timeout_s=deployment.queue_timeout_s, deployment=deployment_id,
-            tool_call_parser=deployment.tool_call_parser))
+            tool_call_parser=deployment.tool_call_parser,
+            **({} if deployment.liveness_timeout_s is None
+               else {"liveness_timeout_s": deployment.liveness_timeout_s})))
         await router.start()
         return await _serve(router, deployment, engines, stop, log_level, router_sock)
     finally:

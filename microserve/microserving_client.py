@@ -11,8 +11,10 @@ the typed messages of microserve/messages.py, encoded by msgspec, and the answer
 them (the engine validates what it is sent; the router trusts its engines' answers, which
 msgspec still checks for shape as it decodes them).
 Failures: an answer with an error status raises MicroservingError(status, message, param) from
-the engine's OpenAI error JSON; an engine that cannot be reached, stops answering within
-`timeout_s`, or drops the connection raises BackendUnavailable naming its URL.
+the engine's OpenAI error JSON; an engine that cannot be reached or drops the connection
+raises BackendUnavailable naming its URL, one that does not answer within `timeout_s`
+SlowAnswer (a BackendUnavailable: the call failed, but a slow engine is not a dead one).
+`live` goes without the key: it is how the router checks an engine before the key goes there.
 
 HTTP is microserve/http_client.py's: the router makes several calls per client request and
 reads every token through this client, so the transport is a lean keep-alive HTTP/1.1 client on
@@ -38,6 +40,7 @@ from microserve.messages import (
     CommitResponse,
     GenerateChunk,
     KVAddr,
+    Liveness,
     PinRequest,
     PinResponse,
     PrepRecvRequest,
@@ -57,6 +60,10 @@ _msgpack = msgspec.msgpack.Encoder()
 # What a call that cannot reach the engine raises (or times out with): OSError covers
 # refused/reset/dropped connections and TimeoutError.
 _TRANSPORT_ERRORS = (OSError, httptools.HttpParserError)
+
+
+class SlowAnswer(BackendUnavailable):
+    """The engine did not answer within the client's limit (connecting included)."""
 
 
 class _LineDecoder:
@@ -139,6 +146,7 @@ class EngineClient:
         self._use_msgpack = use_msgpack
         media_type = MSGPACK if use_msgpack else "application/json"
         headers = f"Content-Type: {media_type}\r\nAccept: {media_type}\r\n"
+        self._keyless_headers = headers.encode("latin-1")  # for `live` alone
         if api_key is not None:
             headers += f"Authorization: Bearer {api_key}\r\n"
         self._headers = headers.encode("latin-1")
@@ -227,6 +235,13 @@ class EngineClient:
         return await self._answer(await self._open(b"GET", path, None, self._timeout_s),
                                   self._timeout_s)
 
+    async def live(self, challenge: str | None = None) -> Liveness:
+        """The engine's liveness, asked without the key; with a `challenge` (hex) its
+        answer carries the proof that it holds the key (microserve/auth.py)."""
+        path = "live" if challenge is None else f"live?challenge={challenge}"
+        response = await self._open(b"GET", path, None, self._timeout_s, keyless=True)
+        return msgspec.convert(await self._answer(response, self._timeout_s), Liveness)
+
     def retire(self) -> None:
         """Keep no idle connections from now on; calls still go out."""
         self._http.retire()
@@ -247,7 +262,8 @@ class EngineClient:
         return json.dumps(msgspec.to_builtins(body), separators=(",", ":")).encode()
 
     def _unavailable(self, exc: BaseException) -> BackendUnavailable:
-        return BackendUnavailable(f"engine {self.base_url}: {type(exc).__name__}: {exc}")
+        kind = SlowAnswer if isinstance(exc, TimeoutError) else BackendUnavailable
+        return kind(f"engine {self.base_url}: {type(exc).__name__}: {exc}")
 
     async def _post(self, name: str, body: Any, response_type: type[ResponseT],
                     unbounded: bool = False, read_timeout_s: float | None = None) -> ResponseT:
@@ -258,11 +274,12 @@ class EngineClient:
         return msgspec.convert(await self._answer(response, timeout_s), response_type)
 
     async def _open(self, method: bytes, name: str, data: bytes | None,
-                    read_timeout_s: float | None) -> Response:
+                    read_timeout_s: float | None, keyless: bool = False) -> Response:
         """The response to one call, its body still to read; raises on an error status or
-        no connection."""
+        no connection. `keyless`: without the Authorization header."""
+        headers = self._keyless_headers if keyless else self._headers
         try:
-            response = await self._http.request(method, f"/microserving/{name}", self._headers,
+            response = await self._http.request(method, f"/microserving/{name}", headers,
                                                 data, read_timeout_s)  # fmt: skip
             if response.status >= 400:
                 try:

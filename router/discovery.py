@@ -175,7 +175,7 @@ class Discovery:
                 self.pool.remove(engine_name)
                 self._drained.discard(engine_name)
                 log.info("DNS: %s removed (drained)", engine_name)
-        # Added last: one that does not answer makes this wait up to the health timeout.
+        # Added last: one that does not answer makes this wait up to the liveness timeout.
         await asyncio.gather(*(self._add(name, spec) for n, spec in wanted.items()
                                if n not in have))
         for engine_name in list(self._unready):

@@ -12,9 +12,22 @@ An engine handle wraps the microserving client (microserve/microserving_client.p
 the router needs around each call: it records the engine in `request.touched` (so a failed
 request is aborted everywhere it went), counts the calls open on the engine (the load
 `least_loaded` reads), keeps the prefix index up to date, and marks the engine down when it
-cannot be reached. The pool's poller reads every engine's /microserving/stats each
-`poll_interval_s`: that is the health check (an engine marked down comes back when it answers)
-and the polled load (`handle.load`).
+cannot be reached.
+
+Health and load are two probes, each `poll_interval_s`, each engine's on its own (a slow
+answer from one holds up no other):
+
+    liveness  GET /microserving/live?challenge=R   no key sent; answered by the engine's event
+              loop at once, whatever its core does    -> down if no answer within
+              `liveness_timeout_s`, no proof that it holds the engine key, or its core silent
+              (no heartbeat) that long: a dead, stopped or hung engine, found in seconds
+    stats     GET /microserving/stats (with the key) -> `handle.load`; answered between the
+              core's steps, so a busy core answers late: that is load, never a reason to be down
+
+An engine marked down (by the probe, or by a call that could not reach it) comes back when it
+proves itself alive again and then answers its stats. The engine key goes only to engines that
+proved they hold it, in their last probe: `add` checks the proof before its first keyed call,
+and an engine that went down gets no keyed call (a stats poll) until it proved it again.
 
 Roles: "prefill", "decode", or "any" (both). Asking for a role gives the engines of that role
 and the "any" ones. A role is a routing preference, not a limit: every engine can prefill and
@@ -33,6 +46,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
@@ -51,8 +65,9 @@ from microserve.messages import (
     PrepRecvResponse,
     RemoteSendResponse,
 )
+from microserve.auth import proves_key
 from microserve.metrics import Registry
-from microserve.microserving_client import EngineClient
+from microserve.microserving_client import EngineClient, SlowAnswer
 from router.handover import now
 from router.prefix_index import PrefixIndex
 from router.stream_watch import StreamWatch
@@ -63,8 +78,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("microserve.router")
 
 ROLES = ("any", "prefill", "decode")
+LIVENESS_TIMEOUT_S = 5.0  # the default: an engine silent this long is down
 # Facts every engine of one pool must share: one model, one token space, one KV page size.
 SAME_IN_POOL = ("model_name", "vocab_size", "page_size", "dtype")
+
+
+class NotVerified(ValueError):
+    """What answers at an engine's URL did not prove it is an engine holding the deployment's
+    engine key (a 400 in the admin API): it gets nothing sent with the key."""
 
 
 class UnknownEngine(KeyError):
@@ -101,6 +122,9 @@ class EngineHandle:
         self.info: EngineInfo | None = None  # set by the pool when the engine first answers
         self.load: EngineStats | None = None  # its last stats; set by the pool's poller
         self.up = False  # set by the pool: answered its last poll, no call failed since
+        # set by the pool: proved itself alive (and holding the key) in its last liveness
+        # probe; the pool sends nothing with the key to an engine that is not
+        self.live = False
         self.draining = False  # set by the admin API: finishes its requests, gets no new ones
         self.down_reason = "not polled yet"  # set with up = False
         # Open calls from this router, by kind; written by this handle's methods only.
@@ -287,7 +311,8 @@ class EngineHandle:
                     request.settled.add(self.name)
                 yield chunk
         except BackendUnavailable as e:
-            self._pool.mark_down(self, str(e))
+            if not isinstance(e, SlowAnswer):
+                self._pool.mark_down(self, str(e))
             raise
         finally:
             await watch.aclose()
@@ -330,6 +355,8 @@ class EngineHandle:
     async def _call(self, call):
         try:
             return await call
+        except SlowAnswer:  # busy, or gone: the liveness probe tells which
+            raise
         except BackendUnavailable as e:
             self._pool.mark_down(self, str(e))
             raise
@@ -368,20 +395,25 @@ class EnginePool:
     def __init__(self, *, api_key: str | None = None, poll_interval_s: float = 0.5,
                  timeout_s: float = 30.0, queue_timeout_s: float = 60.0,
                  registry: Registry | None = None, deployment: str | None = None,
-                 health_timeout_s: float | None = None):
+                 health_timeout_s: float | None = None,
+                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S):
         """
         Args:
-            api_key: the engines' bearer token (their --api-key), sent on every call.
-            poll_interval_s: how often each engine's stats are read (health and load).
+            api_key: the engines' bearer token (their --api-key), sent on every call to an
+                engine that proved it holds it (see the module's docstring).
+            poll_interval_s: how often each engine's liveness and stats are read.
             timeout_s: limit on connecting to an engine and on its short answers.
             queue_timeout_s: how long a prep_recv waits for KV pages on its engine.
             registry: where the pool's counters live (a fresh one if None).
             deployment: adopt only engines whose stats report this deployment (None: any).
-            health_timeout_s: an engine whose stats take longer is marked down (default
-                timeout_s). What bounds the wait on an engine cut off from the network: its
-                open streams and sends are given up once it is marked down.
+            health_timeout_s: how long a stats read may take (default timeout_s); a slower one
+                leaves the load as last read, and the engine up.
+            liveness_timeout_s: an engine whose liveness answer takes longer, or whose core
+                has been silent longer, is marked down: its open streams and sends are given
+                up at once. What bounds the wait on an engine that hangs, stops or is cut off.
         """
         self.health_timeout_s = timeout_s if health_timeout_s is None else health_timeout_s
+        self.liveness_timeout_s = liveness_timeout_s
         self.deployment = deployment
         self.api_key = api_key
         self.poll_interval_s = poll_interval_s
@@ -397,7 +429,10 @@ class EnginePool:
         self._engines: dict[str, EngineHandle] = {}
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None
+        # (probe, engine) -> its probe in flight; started and cancelled by the poller alone
+        self._probes: dict[tuple[str, str], asyncio.Task] = {}
         self.marked_down = 0  # times an engine went down (poll or failed call)
+        self.stats_missed = 0  # stats reads that failed or came late (the engine stayed up)
 
     # -- lookup and picking ---------------------------------------------------------------------
 
@@ -512,6 +547,7 @@ class EnginePool:
         client = EngineClient(spec.url, api_key=self.api_key, timeout_s=self.timeout_s)
         handle = EngineHandle(spec, client, self, source)
         try:
+            await self._check_live(client)  # before anything goes there with the key
             info, load = await self._stats(client)
             self._check_same_model(spec.name, info)
             if spec.name in self._engines:  # added by someone else while we waited
@@ -522,7 +558,7 @@ class EnginePool:
         if not self._engines:
             self.prefix_index = PrefixIndex(page_size=info.page_size)
         handle.info, handle.load = info, load
-        handle.up, handle.down_reason = True, ""
+        handle.live, handle.up, handle.down_reason = True, True, ""
         self._engines[spec.name] = handle
         self._down[spec.name] = asyncio.Event()
         log.info("engine %s added: %s, role %s", spec.name, spec.url, spec.role)
@@ -568,6 +604,7 @@ class EnginePool:
     # -- health ---------------------------------------------------------------------------------
 
     def mark_down(self, handle: EngineHandle, reason: str) -> None:
+        """Down until it proves itself alive again (which ends what is open on it now)."""
         if handle.up:
             log.warning("engine %s is down: %s", handle.name, reason)
             self.marked_down += 1
@@ -575,18 +612,60 @@ class EnginePool:
             self.prefix_index.remove_engine(handle.name)
             if (event := self._down.get(handle.name)) is not None:
                 event.set()
-        handle.up, handle.down_reason = False, reason
+        handle.live, handle.up, handle.down_reason = False, False, reason
 
-    async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(e) for e in self))
+    async def _probe(self, handle: EngineHandle) -> None:
+        """The liveness probe: down unless the engine proves itself alive now."""
+        try:
+            await self._check_live(handle.client)
+        except (BackendUnavailable, NotVerified) as e:
+            self.mark_down(handle, str(e))
+            return
+        handle.live = True
+
+    async def _check_live(self, client: EngineClient) -> None:
+        """Raise unless the engine at `client` answers its liveness within the liveness
+        timeout, its core has sent a heartbeat within it, and it proves it holds the engine
+        key (when the pool has one): BackendUnavailable if it does not answer in time or its
+        core is silent, NotVerified if what answers is not an engine holding the key."""
+        challenge = secrets.token_hex(16)
+        where = f"engine {client.base_url}"
+        try:
+            async with asyncio.timeout(self.liveness_timeout_s):
+                live = await client.live(challenge)
+        except TimeoutError:
+            raise BackendUnavailable(f"{where}: no liveness answer within "
+                                     f"{self.liveness_timeout_s:g} s") from None
+        except MicroservingError as e:
+            if e.status == 503:  # its core has exited: it restarts, or its supervisor does
+                raise BackendUnavailable(f"{where}: {e}") from None
+            raise NotVerified(f"{where} answered its liveness probe with {e.status} ({e}): "
+                              "not an engine of this version") from None
+        except ValueError:  # an answer, but not an engine's
+            raise NotVerified(f"{where} answered its liveness probe with something that is "
+                              "not an engine's answer") from None
+        if self.api_key is not None and not proves_key(self.api_key, challenge, live.proof):
+            raise NotVerified(
+                f"{where} did not prove it holds the engine key (its liveness answer has "
+                f"{'a wrong' if live.proof else 'no'} proof): it is not an engine of this "
+                "deployment, or its --api-key is not the router's --engine-api-key; nothing "
+                "was sent to it with the key")
+        if live.core_silent_s > self.liveness_timeout_s:
+            raise BackendUnavailable(
+                f"{where}: its engine core has sent no heartbeat for {live.core_silent_s:.1f} s "
+                f"(stopped or hung; steps begun: {live.steps})")
 
     async def _poll(self, handle: EngineHandle) -> None:
+        """The stats poll of an engine that proved itself alive: its load, and, if it was
+        down, back up. A failed or late answer changes nothing: liveness decides health."""
         try:
-            info, handle.load = await self._stats(handle.client)
-        except Exception as e:  # down, or answering garbage: either way not routable
-            self.mark_down(handle, str(e) or type(e).__name__)
+            info, load = await self._stats(handle.client)
+        except Exception as e:  # busy (a long step), or going: the liveness probe says which
+            self.stats_missed += 1
+            log.debug("engine %s: stats poll failed: %s", handle.name, e)
             return
-        if not handle.up:
+        handle.load = load
+        if not handle.up and handle.live:
             try:  # it may have come back as another model
                 self._check_same_model(handle.name, info)
             except ValueError as e:
@@ -615,16 +694,32 @@ class EnginePool:
             self._poller = asyncio.create_task(self._poll_forever())
 
     async def _poll_forever(self) -> None:
+        """Each poll_interval_s, probe every engine's liveness, and read the stats of each
+        one that proved itself alive; an engine whose last probe or read still runs is
+        skipped (a slow answer holds up no other engine, nor the next probe of its kind)."""
         while True:
-            started = time.monotonic()
-            await self.poll_once()
-            await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
+            for handle in self:
+                self._start_probe("liveness", handle, self._probe)
+                if handle.live:
+                    self._start_probe("stats", handle, self._poll)
+            await asyncio.sleep(self.poll_interval_s)
+
+    def _start_probe(self, kind: str, handle: EngineHandle, probe) -> None:
+        key = (kind, handle.name)
+        if key in self._probes:
+            return
+        task = self._probes[key] = asyncio.create_task(probe(handle))
+        task.add_done_callback(lambda done: self._probes.pop(key, None)
+                               if self._probes.get(key) is done else None)
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-            self._poller = None
+        probes = [self._poller] if self._poller is not None else []
+        probes += self._probes.values()
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        self._poller = None
+        self._probes.clear()
         for handle in self:
             handle.client.close()
 
@@ -642,8 +737,13 @@ class EnginePool:
             sends.set(e.open_sends, engine=e.name)
             gens.set(e.open_generations, engine=e.name)
         down = registry.counter("microserve_router_engine_down_total",
-                                "Times an engine was found down (poll or failed call).")
+                                "Times an engine was found down (liveness probe or failed "
+                                "call).")
         down.inc(self.marked_down)
+        missed = registry.counter("microserve_router_engine_stats_missed_total",
+                                  "Stats polls that failed or came later than the health "
+                                  "timeout (load left as last read; the engine stays up).")
+        missed.inc(self.stats_missed)
         return registry.render()
 
     def describe(self) -> list[dict]:

@@ -28,7 +28,7 @@ from microserve.tokenizer import Tokenizer
 from router.admin import AdminAPI, add_admin_routes
 from router.backend import RouterBackend
 from router.discovery import Discovery, DnsName
-from router.engines import EnginePool, EngineSpec
+from router.engines import LIVENESS_TIMEOUT_S, EnginePool, EngineSpec
 from router.host import StrategyHost, StrategySource
 
 log = logging.getLogger("microserve.router")
@@ -54,7 +54,8 @@ class RouterConfig:
     deployment: str | None = None  # adopt only engines reporting this deployment (set by up)
     engine_wait_s: float = 120.0  # how long start-up waits for each engine to answer
     tool_call_parser: str = "hermes"  # the format of tool calls (microserve/tool_parsers.py)
-    health_timeout_s: float = 30.0  # an engine whose stats take longer is marked down
+    health_timeout_s: float = 30.0  # a stats read that takes longer leaves the load as it was
+    liveness_timeout_s: float = LIVENESS_TIMEOUT_S  # an engine silent this long is down
     engines_from_dns: tuple[DnsName, ...] = ()  # names whose addresses are engines
     dns_interval_s: float = 5.0  # how often they are looked up
 
@@ -64,6 +65,9 @@ class RouterConfig:
                              "NAME")
         if not 0 < self.health_timeout_s <= 300:
             raise ValueError(f"health_timeout_s {self.health_timeout_s} must be in (0, 300]")
+        if not 0.5 <= self.liveness_timeout_s <= 300:
+            raise ValueError(f"liveness_timeout_s {self.liveness_timeout_s} must be in "
+                             "[0.5, 300] (engine cores beat every 0.2 s)")
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
@@ -84,7 +88,8 @@ class Router:
                                poll_interval_s=config.poll_interval_s,
                                queue_timeout_s=config.queue_timeout_s, registry=self.registry,
                                deployment=config.deployment,
-                               health_timeout_s=config.health_timeout_s)
+                               health_timeout_s=config.health_timeout_s,
+                               liveness_timeout_s=config.liveness_timeout_s)
         self.discovery = Discovery(self.pool, config.engines_from_dns, config.dns_interval_s,
                                    self.registry)
         self.host = StrategyHost(self.pool)

@@ -17,8 +17,8 @@ class StreamWatch:
     """Gives up an engine's token stream when the pool marks the engine down.
 
     A stream from an engine cut off from the network (no FIN, no RST) would wait for its next
-    chunk for as long as TCP keeps the connection (hours); the pool's poller notices within
-    its health timeout. One waiter task per stream, nothing per chunk: when the engine goes
+    chunk for as long as TCP keeps the connection (hours); the pool's liveness probe notices
+    within its liveness timeout. One waiter task per stream, nothing per chunk: when the engine goes
     down while the stream awaits its next chunk, the awaiting task is cancelled there and the
     stream raises BackendUnavailable (the way asyncio.timeout turns its cancel into a
     TimeoutError); when it goes down between chunks, the next read raises it. An engine taken

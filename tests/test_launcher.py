@@ -359,6 +359,34 @@ def test_up_host_overrides_the_routers_address_only():
     assert load_deployment(ROOT / args.config).host == "127.0.0.1"
 
 
+def test_the_liveness_timeout_comes_from_the_file_or_the_command_line(tmp_path):
+    """[router] liveness_timeout_s, overridden by --liveness-timeout-s; unset, the router's
+    own default (5 s); RouterConfig refuses what a core's 0.2 s heartbeat cannot meet."""
+    from router.engines import LIVENESS_TIMEOUT_S
+    from router.server import RouterConfig
+
+    config = tmp_path / "deploy.toml"
+    base = '[[engines]]\nname = "e"\n'
+    config.write_text(base)
+    assert load_deployment(config).liveness_timeout_s is None
+    assert RouterConfig("t", "m", (), engines_from_dns=("x",)).liveness_timeout_s == 5.0
+    assert LIVENESS_TIMEOUT_S == 5.0
+    config.write_text(base + '[router]\nliveness_timeout_s = 2\n')
+    assert load_deployment(config).liveness_timeout_s == 2.0
+    args = parser().parse_args(["up", str(config), "--liveness-timeout-s", "1.5"])
+    assert load_deployment(config, liveness_timeout_s=args.liveness_timeout_s
+                           ).liveness_timeout_s == 1.5
+    router = parser().parse_args(["router", "--engine", "e=http://h:1", "--liveness-timeout-s",
+                                  "3"])
+    assert router.liveness_timeout_s == 3.0
+    config.write_text(base + '[router]\nliveness_timeout_s = "2"\n')
+    with pytest.raises(ValueError, match=r"\[router\] liveness_timeout_s must be a number of "
+                                         "seconds, got '2'"):
+        load_deployment(config)
+    with pytest.raises(ValueError, match=r"liveness_timeout_s 0.1 must be in \[0.5, 300\]"):
+        RouterConfig("t", "m", (), engines_from_dns=("x",), liveness_timeout_s=0.1)
+
+
 def test_model_path_prints_the_embedded_models_directory(smollm2_dir):
     done = subprocess.run([sys.executable, "-m", "launcher.cli", "model-path"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

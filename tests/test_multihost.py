@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.slow,
 
 ADMIN = {"Authorization": "Bearer multihost-admin"}
 DEPLOYMENT = "multihost-test"
-HEALTH_TIMEOUT_S = 3.0  # the router's --health-timeout-s: bounds the wait on a host cut off
+LIVENESS_TIMEOUT_S = 3.0  # the router's --liveness-timeout-s: bounds the wait on a host cut off
 DNS_INTERVAL_S = 0.2
 ENGINE_ARGS = ("--max-model-len", "512", "--api-key", ENGINE_KEY, "--deployment", DEPLOYMENT)
 
@@ -95,7 +95,7 @@ def cluster(tiny_served_dir, tmp_path_factory) -> Iterator[Cluster]:
             tiny_served_dir, {}, work / "router.log", "--strategy", "pd",
             "--engines-from-dns", "p.test,prefill", "--engines-from-dns", "d.test:8000,decode",
             "--dns-interval-s", str(DNS_INTERVAL_S), "--deployment", DEPLOYMENT,
-            "--health-timeout-s", str(HEALTH_TIMEOUT_S),
+            "--liveness-timeout-s", str(LIVENESS_TIMEOUT_S),
             "--admin-token", ADMIN["Authorization"][7:],
             host=hosts.address("router"), prefix=("ip", "netns", "exec", hosts.netns("router")))
         try:
@@ -145,7 +145,7 @@ def stream(http: httpx.Client, prompt: list[int], max_tokens: int) -> Iterator[l
 @contextlib.contextmanager
 def held_on_d(cluster: Cluster, model_dir: str, seed: int) -> Iterator[None]:
     """A request streams from D, held there while the body runs (D's engine core stopped: D is
-    slow, not down, as long as the body takes less than the health timeout); afterwards it
+    slow, not down, as long as the body takes less than the liveness timeout); afterwards it
     must have finished with Hugging Face's greedy tokens."""
     prompt = prompts(1, seed=seed)[0]
     want = hf_greedy(model_dir, [prompt], 64)[0]
@@ -164,8 +164,8 @@ def held_on_d(cluster: Cluster, model_dir: str, seed: int) -> Iterator[None]:
 
 
 def wait_draining(cluster: Cluster, name: str) -> None:
-    """Until the router shows engine `name` draining (within the health timeout, less 1 s)."""
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S - 1
+    """Until the router shows engine `name` draining (within the liveness timeout, less 1 s)."""
+    deadline = time.monotonic() + LIVENESS_TIMEOUT_S - 1
     while (state := cluster.engines().get(name, ())[-1:]) != ("draining",):
         assert time.monotonic() < deadline, f"{name}: {state}"
         time.sleep(0.02)
@@ -247,7 +247,7 @@ def test_a_host_cut_off_mid_request_fails_it_promptly_and_leaks_nothing(cluster,
                                                                         tiny_served_dir):
     prompt = prompts(1, seed=14)[0]
     core = cluster.d.core_pid()
-    with httpx.Client(base_url=cluster.router.url, timeout=HEALTH_TIMEOUT_S + 10) as http:
+    with httpx.Client(base_url=cluster.router.url, timeout=LIVENESS_TIMEOUT_S + 10) as http:
         events = stream(http, prompt, 512 - len(prompt))
         assert isinstance(next(events), list)
         os.kill(core, signal.SIGSTOP)  # so that the stream is surely mid-way when D is cut
@@ -258,8 +258,8 @@ def test_a_host_cut_off_mid_request_fails_it_promptly_and_leaks_nothing(cluster,
         failed_s = time.monotonic() - cut
     error = rest[-1]
     assert isinstance(error, dict) and "went down while generating" in error["message"], rest
-    # The router's poll finds D silent after its health timeout (polls are 0.5 s apart).
-    assert failed_s < HEALTH_TIMEOUT_S + 2.5, failed_s
+    # The router's liveness probe finds D silent after its timeout (probes are 0.5 s apart).
+    assert failed_s < LIVENESS_TIMEOUT_S + 2.5, failed_s
     print(f"the client had its error {failed_s:.2f} s after D was cut off")
     d_name = f"d.test@{cluster.hosts.address('d')}"
     assert cluster.engines()[d_name][2] == "down"

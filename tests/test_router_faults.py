@@ -183,7 +183,7 @@ def failed_requests(router) -> float:
 
 def test_killing_one_engine_under_load_leaves_the_router_serving(tiny_served_dir,
                                                                    tmp_path_factory):
-    args = ("--num-pages", "256", "--max-model-len", "512")
+    args = ("--num-pages", "256", "--max-model-len", "512", "--api-key", ENGINE_KEY)
     victim = engine(tiny_served_dir, tmp_path_factory, "victim", args)
     survivor_gen = serve(engine(tiny_served_dir, tmp_path_factory, "survivor", args))
     survivor = next(survivor_gen)

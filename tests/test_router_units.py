@@ -15,7 +15,8 @@ import pytest
 
 from microserve.backend import BackendError, BackendUnavailable, MicroservingError
 from microserve.messages import (AbortResponse, EngineInfo, EngineStats, GenerateChunk, KVAddr,
-                                 PrepRecvResponse, RemoteSendResponse, SamplingParams, Usage)
+                                 Liveness, PrepRecvResponse, RemoteSendResponse, SamplingParams,
+                                 Usage)
 from microserve.metrics import Registry
 from router.backend import RouterBackend
 from router.engines import EngineHandle, EnginePool, EngineSpec, UnknownEngine
@@ -164,19 +165,28 @@ async def test_a_call_is_given_up_when_an_engine_it_depends_on_goes_down():
     with pytest.raises(BackendUnavailable, match="engine d went down while p sent it KV"):
         await asyncio.wait_for(call, 1)
     assert cancelled.is_set()
-    # Once it answers a poll again, calls watch it afresh.
+    # Its stats alone do not bring it back: it must prove itself alive first (and until it
+    # has, nothing goes there with the engine key).
     pool["d"].client = _Answers({"stats": msgspec.to_builtins(engine_load()),
                                  "info": msgspec.to_builtins(engine_info())})
     await pool._poll(pool["d"])
+    assert not pool["d"].up
+    await pool._probe(pool["d"])
+    await pool._poll(pool["d"])  # once it answers a poll again, calls watch it afresh
     assert pool["d"].up and not pool._down["d"].is_set()
 
 
 class _Answers:
+    base_url = "http://127.0.0.1:1/d"
+
     def __init__(self, stats: dict):
         self._stats = stats
 
     async def stats(self) -> dict:
         return self._stats
+
+    async def live(self, challenge: str) -> Liveness:
+        return Liveness(core_silent_s=0.1, steps=3, in_step_s=0.0)
 
 
 def test_engine_spec_refuses_bad_fields():
