@@ -19,6 +19,7 @@ import os
 import sys
 
 from engine.config import KV_CACHE_DTYPES, EngineConfig  # plain data: no torch
+from microserve.http_limits import HttpLimits  # plain data: no server
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -70,6 +71,7 @@ def _engine_args(sub) -> None:
                    help="name clients use in 'model' (default: the --model argument)")
     p.add_argument("--host", default="127.0.0.1", help="the address it listens on")
     p.add_argument("--port", type=int, default=8000, help="the port of its HTTP API")
+    _http_limit_args(p)
     p.add_argument("--deployment", default=None,
                    help="the deployment this engine belongs to, reported in its stats (set by "
                         "`microserve up`: its router adopts only its own engines; default: "
@@ -160,7 +162,8 @@ def _run_engine(args) -> None:
     config = EngineConfig(model=str(model_dir), **given)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key,
-                    deployment=args.deployment, tool_call_parser=args.tool_call_parser))
+                    deployment=args.deployment, tool_call_parser=args.tool_call_parser,
+                    http_limits=_http_limits(args)))
 
 
 def _run_loop(main):
@@ -171,6 +174,29 @@ def _run_loop(main):
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+def _http_limit_args(p) -> None:
+    """What each client connection of the HTTP server may take (microserve/http_limits.py)."""
+    default = HttpLimits()
+    p.add_argument("--max-connections", type=int, default=default.max_connections,
+                   help="client connections open at once; a new one past it gets a 503 with "
+                        "Retry-After (the open-file limit is raised to fit them)")
+    p.add_argument("--header-timeout-s", type=float, default=default.header_timeout_s,
+                   help="a request's line and headers must arrive within this many seconds of "
+                        "the connection's accept (or of the request's first byte), else a 408 "
+                        "and a close")
+    p.add_argument("--body-timeout-s", type=float, default=default.body_timeout_s,
+                   help="a request's body must arrive within this many seconds of its "
+                        "headers, else a 408 and a close")
+    p.add_argument("--keep-alive-s", type=float, default=default.keep_alive_s,
+                   help="an idle connection is closed this many seconds after its last answer")
+
+
+def _http_limits(args) -> HttpLimits:
+    return HttpLimits(max_connections=args.max_connections,
+                      header_timeout_s=args.header_timeout_s,
+                      body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s)
 
 
 def _tool_call_parser_arg(p) -> None:
@@ -273,6 +299,7 @@ def _router_args(sub) -> None:
                    help="reload the strategy's file whenever it changes")
     p.add_argument("--host", default="127.0.0.1", help="the address it listens on")
     p.add_argument("--port", type=int, default=8000, help="the port of its HTTP API")
+    _http_limit_args(p)
     _secret_args(p)
 
 
@@ -381,7 +408,8 @@ def _run_router(args) -> None:
             dns_interval_s=args.dns_interval_s, deployment=args.deployment,
             health_timeout_s=args.health_timeout_s,
             strategy=args.strategy, strategy_args=args.strategy_args,
-            host=args.host, port=args.port, api_key=args.api_key, admin_token=token,
+            host=args.host, port=args.port, http_limits=_http_limits(args),
+            api_key=args.api_key, admin_token=token,
             engine_api_key=args.engine_api_key, watch_strategy=args.watch_strategy,
             strategies_dir=args.strategies_dir,
             queue_timeout_s=60.0 if args.queue_timeout_s is None else args.queue_timeout_s,

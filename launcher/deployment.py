@@ -9,6 +9,10 @@ Config (TOML; see deploy/local-cpu.toml):
     [router]
     host = "127.0.0.1"                   # 127.0.0.1 unless you mean it
     port = 8000
+    max_connections = 4096               # client connections open at once, then a 503
+    header_timeout_s = 10                # a request's head must arrive within this, then a 408
+    body_timeout_s = 60                  # and its body within this after the head
+    keep_alive_s = 75                    # an idle connection closes this long after an answer
     strategy = "pd"                      # a built-in (strategies/) or a .py path
     strategy_args = { }                  # the strategy's constructor arguments
     watch_strategy = false               # reload the strategy file when it changes
@@ -33,9 +37,10 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from microserve.http_limits import HttpLimits
 from microserve.nvshmem_group import GROUP_ENV, group_specs
 from router.engines import ROLES
 
@@ -63,6 +68,7 @@ class Deployment:
     engines: tuple[EngineLaunch, ...]
     host: str = "127.0.0.1"
     port: int = 8000
+    http_limits: HttpLimits = HttpLimits()  # the router's
     strategy: str = "data_parallel"
     strategy_args: dict = field(default_factory=dict)
     watch_strategy: bool = False
@@ -76,6 +82,7 @@ _TOP_KEYS = {"model", "served_model_name", "tool_call_parser", "router", "engine
 _ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy", "strategies_dir",
                 "queue_timeout_s", "liveness_timeout_s"}
 _ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
+_HTTP_LIMIT_KEYS = {f.name for f in fields(HttpLimits)}  # [router] keys too
 
 
 def load_deployment(path: str | Path, port: int | None = None,
@@ -95,7 +102,7 @@ def load_deployment(path: str | Path, port: int | None = None,
         raise ValueError(f"{path} is not valid TOML: {e}") from e
     _no_unknown(raw, _TOP_KEYS, str(path))
     router = raw.get("router", {})
-    _no_unknown(router, _ROUTER_KEYS, f"{path} [router]")
+    _no_unknown(router, _ROUTER_KEYS | _HTTP_LIMIT_KEYS, f"{path} [router]")
     router_port = port if port is not None else int(router.get("port", 8000))
     engines = raw.get("engines", [])
     if not engines:
@@ -127,6 +134,7 @@ def load_deployment(path: str | Path, port: int | None = None,
     return Deployment(
         model=model, served_model_name=raw.get("served_model_name") or model or DEFAULT_MODEL_NAME,
         engines=tuple(launches), host=host or router.get("host", "127.0.0.1"), port=router_port,
+        http_limits=_http_limits(router, f"{path} [router]"),
         strategy=router.get("strategy", "data_parallel"),
         strategy_args=dict(router.get("strategy_args", {})),
         watch_strategy=bool(router.get("watch_strategy", False)),
@@ -145,6 +153,19 @@ def _seconds(value, where: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where} must be a number of seconds, got {value!r}")
     return float(value)
+
+
+def _http_limits(router: dict, where: str) -> HttpLimits:
+    given = {key: router[key] for key in _HTTP_LIMIT_KEYS if key in router}
+    for key, value in given.items():
+        kind, noun = ((int, "a whole number") if key == "max_connections"
+                      else ((int, float), "a number of seconds"))
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{where}: {key} must be {noun}, got {value!r}")
+    try:
+        return HttpLimits(**given)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _tool_call_parser(name: str, where: str) -> str:

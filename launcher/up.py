@@ -47,7 +47,7 @@ from launcher.deployment import (
     with_nvshmem_group,
 )
 from launcher.transfer_paths import transfer_lines
-from microserve.http_server import PortInUse, QuietServer, check_port_free, listen_socket
+from microserve.http_server import PortInUse, check_port_free, listen_socket
 from microserve.nvshmem_group import GROUP_ENV
 from router.engines import EngineSpec
 from router.server import Router, RouterConfig
@@ -247,7 +247,8 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
             tokenizer_dir=model_dir, served_model_name=deployment.served_model_name,
             engines=tuple(EngineSpec(e.name, e.url, e.role) for e in deployment.engines),
             strategy=deployment.strategy, strategy_args=deployment.strategy_args,
-            host=deployment.host, port=deployment.port, api_key=api_key,
+            host=deployment.host, port=deployment.port, http_limits=deployment.http_limits,
+            api_key=api_key,
             admin_token=admin_token, engine_api_key=engine_api_key,
             watch_strategy=deployment.watch_strategy,
             strategies_dir=deployment.strategies_dir,
@@ -285,7 +286,7 @@ async def _unless(stop: asyncio.Event, work) -> bool:
 
 async def _serve(router: Router, deployment: Deployment, engines: list[EngineProcess],
                  stop: asyncio.Event, log_level: str, sock) -> int:
-    server = QuietServer.serving(router.app(), log_level)
+    server = router.server(log_level)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)

@@ -1,8 +1,12 @@
 """The HTTP server of routers and engines: uvicorn on a socket of our own.
 
     sock = listen_socket(host, port)  # first: a busy port fails before anything starts
-    server = QuietServer.serving(app, log_level)
+    limits = fit_file_limit(HttpLimits(...), fds_per_connection=1)  # http_limits.py
+    server = QuietServer.serving(app, log_level, limits)
     await server.serve(sockets=[sock])
+
+Every connection is bounded (BoundedHttpProtocol): deadlines on its request's head and body and
+on its idle time, a cap on open connections; microserve/http_limits.py says what they are.
 
 TCP_NODELAY (each SSE chunk must leave at once): uvicorn never sets it; asyncio sets it on a
 transport's socket only when that socket's `proto` is IPPROTO_TCP. `uvicorn.run(app, host=,
@@ -13,18 +17,181 @@ you pass. Serve through `listen_socket()` to have it either way (tests check bot
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
+import json
+import logging
 import socket
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import ClassVar
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from microserve.errors import OpenAIError
+from microserve.http_limits import LINGER_S, MAX_HEAD_BYTES, MAX_LINGERING, HttpLimits
+
+log = logging.getLogger(__name__)
+
+_LOG_EVERY_S = 10.0  # refusals and closed connections are summed up in one line this often
 
 
-# How long an idle client connection stays open. Longer than the clients' own reuse window
-# (httpx and the openai client: 5 s, aiohttp: 15 s): with uvicorn's default of 5 s, a client
-# could send a request on a connection just as the server closed it, and see it fail with a
-# read error (the likely cause of one such error in 180 requests through bench.strategies).
-KEEP_ALIVE_S = 75
+def _error(status: int, message: str, code: str, retry_after: int | None = None) -> bytes:
+    """A whole HTTP response with OpenAI's error JSON that closes the connection."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    payload = json.dumps(OpenAIError(status, message, type=kind, code=code).body()).encode()
+    head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json",
+            f"content-length: {len(payload)}", "connection: close"]
+    if retry_after is not None:
+        head.append(f"retry-after: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload
+
+
+class _Tally:
+    """Counts one kind of event and logs the count at most every _LOG_EVERY_S, so that a flood
+    of slow or refused connections makes a line every few seconds, not one per connection."""
+
+    def __init__(self, message: str):
+        self.message, self.count, self.logged_at = message, 0, 0.0
+
+    def add(self, *args) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.logged_at >= _LOG_EVERY_S:
+            log.warning(self.message, self.count, *args)
+            self.count, self.logged_at = 0, now
+
+
+@dataclass
+class _ServerState:
+    """What the connections of one server share; written by BoundedHttpProtocol only."""
+
+    refused: _Tally  # connections past max_connections
+    timed_out: _Tally  # connections closed at a deadline
+    lingering: int = 0  # connections answered and closing (see _close_with)
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with http_limits.py's deadlines and caps. Serve a subclass
+    made by `bounded_by(limits)` (uvicorn.Config(app, http=...)); uvicorn's keep-alive timer is
+    the idle deadline (timeout_keep_alive=limits.keep_alive_s)."""
+
+    limits: ClassVar[HttpLimits]
+    shared: ClassVar[_ServerState]
+
+    @classmethod
+    def bounded_by(cls, limits: HttpLimits) -> type[BoundedHttpProtocol]:
+        shared = _ServerState(
+            refused=_Tally("refused %d connections past the cap of %d open connections "
+                           "(max_connections)"),
+            timed_out=_Tally("closed %d connections that sent no whole request head within "
+                             "%g s or no whole body within %g s (header_timeout_s, "
+                             "body_timeout_s)"))
+        return type(cls.__name__, (cls,), {"limits": limits, "shared": shared})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._accepted = False  # False: turned away at the accept (past max_connections)
+        self._deadline: asyncio.TimerHandle | None = None  # the head's or the body's
+        self._in_head = True  # the next byte received belongs to a request head
+        self._head_bytes = 0  # of the current head, counted in chunks read whole inside it
+        self._lingering = False  # answered and closing: what arrives now is dropped
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        if len(self.connections) >= self.limits.max_connections:
+            self.transport = transport  # never served: uvicorn's own state stays unset
+            self.shared.refused.add(self.limits.max_connections)
+            self._close_with(_error(503, f"This server holds its limit of "
+                                    f"{self.limits.max_connections} open connections; retry "
+                                    "shortly", "too_many_connections", retry_after=1))
+            return
+        self._accepted = True
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._lingering:
+            self.shared.lingering -= 1
+        if self._accepted:
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering or self.transport.is_closing():
+            return
+        whole_chunk_in_head = self._in_head
+        super().data_received(data)
+        if whole_chunk_in_head and self._in_head and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._close_with(_error(431, f"The request's line and headers are longer "
+                                        f"than the {MAX_HEAD_BYTES} bytes this server reads",
+                                        "headers_too_large"))
+
+    # httptools' callbacks, around uvicorn's own
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:  # a later request on the connection: from its first byte
+            self._arm(self.limits.header_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._in_head, self._head_bytes = False, 0
+        super().on_headers_complete()
+        self._arm(self.limits.body_timeout_s)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._in_head = True
+        super().on_message_complete()
+
+    # deadlines
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._deadline_passed)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _deadline_passed(self) -> None:
+        self._deadline = None
+        if self._lingering:  # the linger is over
+            self.transport.close()
+            return
+        if self.transport.is_closing():
+            return
+        self.shared.timed_out.add(self.limits.header_timeout_s, self.limits.body_timeout_s)
+        # self.headers is None until the connection's first request begins
+        if self.headers is None or (not self._in_head and self.cycle.response_started):
+            self.transport.close()  # never sent a byte, or being answered: nothing to say
+            return
+        what = "headers" if self._in_head else "body"
+        seconds = self.limits.header_timeout_s if self._in_head else self.limits.body_timeout_s
+        self._close_with(_error(408, f"The request's {what} did not arrive within {seconds:g} "
+                                "s", "request_timeout"))
+
+    def _close_with(self, response: bytes) -> None:
+        """Answer and close so that the client reads the answer. Closing a socket with bytes
+        unread makes the kernel reset the connection and drop what is still to send, and these
+        clients are mid-request: so end our side after the answer (FIN), drop what they still
+        send for up to LINGER_S, then close (nginx's lingering close). At most MAX_LINGERING
+        connections linger at once; past that, a plain close."""
+        self._disarm()
+        self.transport.write(response)
+        if self.shared.lingering >= MAX_LINGERING or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.shared.lingering += 1
+        self._lingering = True
+        self.transport.write_eof()
+        self._deadline = self.loop.call_later(LINGER_S, self._deadline_passed)
 
 
 class QuietServer(uvicorn.Server):
@@ -33,9 +200,12 @@ class QuietServer(uvicorn.Server):
     stops what it started (an engine core, engine processes)."""
 
     @classmethod
-    def serving(cls, app, log_level: str) -> "QuietServer":
+    def serving(cls, app, log_level: str, limits: HttpLimits = HttpLimits()) -> "QuietServer":
+        """Serve `app` with every connection bounded by `limits` (microserve/http_limits.py;
+        fit them to the open-file limit first with `fit_file_limit`)."""
         return cls(uvicorn.Config(app, log_level=log_level, access_log=False,
-                                  timeout_keep_alive=KEEP_ALIVE_S))
+                                  http=BoundedHttpProtocol.bounded_by(limits),
+                                  timeout_keep_alive=limits.keep_alive_s))
 
     @contextlib.contextmanager
     def capture_signals(self):

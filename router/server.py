@@ -21,6 +21,7 @@ from fastapi import FastAPI
 
 from microserve.auth import RequireBearer
 from microserve.backend import BackendUnavailable
+from microserve.http_limits import HttpLimits, fit_file_limit
 from microserve.http_server import QuietServer, listen_socket
 from microserve.metrics import Registry
 from microserve.openai_app import build_openai_app
@@ -33,6 +34,11 @@ from router.host import StrategyHost, StrategySource
 
 log = logging.getLogger("microserve.router")
 
+# Descriptors a client connection holds in the router: its own socket, and the engine calls its
+# request keeps open (P/D: remote_send on P while start_generate streams from D). Measured:
+# 2,000 concurrent streams, 5,926 descriptors (issue 39).
+FDS_PER_CONNECTION = 3
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -43,6 +49,7 @@ class RouterConfig:
     strategy_args: dict = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000
+    http_limits: HttpLimits = HttpLimits()  # what each client connection may take
     api_key: str | None = None  # guards /v1 when set
     admin_token: str | None = None  # opens /admin to its bearer; None: /admin is closed
     strategies_dir: str | None = None  # where PUT /admin/strategy {"path"} may load files from
@@ -138,13 +145,19 @@ class Router:
         app.add_middleware(RequireBearer, guards=guards)
         return app
 
+    def server(self, log_level: str) -> QuietServer:
+        """The HTTP server of `app()`, every client connection bounded by the config's
+        http_limits; raises the process's open-file limit to what they need."""
+        limits = fit_file_limit(self.config.http_limits, FDS_PER_CONNECTION)
+        return QuietServer.serving(self.app(), log_level, limits)
+
 
 async def serve(config: RouterConfig, log_level: str = "info") -> None:
     """Run the router until SIGINT/SIGTERM (or until cancelled)."""
     sock = listen_socket(config.host, config.port)  # first: a busy port fails before anything
     router = Router(config)
     await router.start()
-    server = QuietServer.serving(router.app(), log_level)
+    server = router.server(log_level)
     active = router.host.active
     print(f"microserve router serving {config.served_model_name!r} on "
           f"http://{config.host}:{config.port}/v1 over {len(router.pool)} engines, strategy "

@@ -18,11 +18,14 @@ from fastapi import FastAPI
 from engine.config import EngineConfig
 from engine.frontend.core_client import CoreClient
 from engine.frontend.microserving_api import add_microserving_routes
+from microserve.http_limits import HttpLimits, fit_file_limit
 from microserve.http_server import QuietServer, listen_socket
 from microserve.openai_app import build_openai_app
 from microserve.tokenizer import Tokenizer
 
 log = logging.getLogger("microserve.engine")
+
+FDS_PER_CONNECTION = 1  # a client's socket (the core's is one for all of them)
 
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
@@ -35,8 +38,10 @@ def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
 
 async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
                 log_level: str = "info", api_key: str | None = None,
-                deployment: str | None = None, tool_call_parser: str = "hermes") -> None:
+                deployment: str | None = None, tool_call_parser: str = "hermes",
+                http_limits: HttpLimits = HttpLimits()) -> None:
     sock = listen_socket(host, port)  # first: a busy port fails before the model loads
+    limits = fit_file_limit(http_limits, FDS_PER_CONNECTION)
     tokenizer = Tokenizer.from_dir(config.model)
     client = CoreClient(config, served_model_name, engine_key=api_key)
     await client.start()
@@ -49,7 +54,7 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
         info.kv_capacity_tokens, info.max_model_len, info.kv_transfer,
     )  # fmt: skip
     app = build_engine_app(client, tokenizer, api_key, tool_call_parser)
-    server = QuietServer.serving(app, log_level)
+    server = QuietServer.serving(app, log_level, limits)
 
     async def stop_when_core_exits():
         await client.exited.wait()
