@@ -26,6 +26,7 @@ ENGINE_ARGS = ("--num-pages", "64", "--max-model-len", "256", "--api-key", ENGIN
 HEAD_S = BODY_S = 2.0  # the router's deadlines here (default 10 s and 60 s)
 N = 300  # slow sockets against each listener
 SLACK_S = 1.5  # a deadline's timer fires on a busy 2-core machine
+PROMPT = list(range(5, 45))  # token ids: P computes 40 tokens' KV and sends it to D
 
 
 @contextlib.contextmanager
@@ -121,12 +122,15 @@ async def test_slow_connections_are_closed_by_their_deadlines_while_serving_goes
         start = time.monotonic()
         # P/D: P's first send to D opens its connection to D's listener now, through the flood.
         completion = await client.post("/v1/completions", json={
-            "model": "test-model", "prompt": "<5><6><7><8>", "max_tokens": 4, "temperature": 0})
+            "model": "test-model", "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
         completion_s = time.monotonic() - start
         assert health.status_code == 200 and health_s < 1.0, (health.text, health_s)
         assert completion.status_code == 200, completion.text
         assert completion_s < 3.0, completion_s
         assert completion.json()["usage"]["completion_tokens"] == 4
+        metrics = (await client.get("/metrics")).text
+        assert ('microserve_router_stage_seconds_count{strategy="PrefillDecode",'
+                'stage="remote_send"} 1') in metrics  # the KV went from P to D over tcp
         assert threads(core) <= core_threads + 1  # P's authenticated connection has one
 
         await asyncio.wait_for(asyncio.gather(*flood), HANDSHAKE_TIMEOUT_S + 5)
@@ -144,5 +148,5 @@ async def test_slow_connections_are_closed_by_their_deadlines_while_serving_goes
         assert threads(core) <= core_threads + 1
         assert descriptors(router.proc.pid) <= router_fds + 8  # ours, pooled engine calls
         again = await client.post("/v1/completions", json={  # greedy: the same tokens
-            "model": "test-model", "prompt": "<5><6><7><8>", "max_tokens": 4, "temperature": 0})
+            "model": "test-model", "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
         assert again.json()["choices"] == completion.json()["choices"]
