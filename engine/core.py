@@ -282,12 +282,13 @@ class EngineCore:
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
                     kv_addr: KVAddr | None, sampling: SamplingParams | None = None,
-                    received_at: float | None = None) -> None:
+                    received_at: float | None = None, queue_s: float | None = None) -> None:
         """Start a remote_send (KVExchange.remote_send); the answer comes from `poll()`. The KV
         not cached here is computed by a send-only sequence in the scheduler, which also
         samples the first output token with `sampling` if given (the whole prompt is sent).
         Without `kv_addr` nothing is sent until `exchange.send_to` names the destination.
-        `received_at` (time.perf_counter()): when the frontend took the call; default now."""
+        `received_at` (time.perf_counter()): when the frontend took the call; default now.
+        `queue_s`: how long it may wait for a step to start on it (`expire`)."""
         generator = None
         if sampling is not None:
             check_request(prompt, sampling, self.info)
@@ -296,9 +297,20 @@ class EngineCore:
                                         "remote_send's first token", "prompt_logprobs")
             generator = make_generator(sampling.seed, self.runner.device)
         seq = self.exchange.remote_send(request_id, prompt, begin, end, kv_addr,
-                                        next(self._arrivals), sampling, generator, received_at)
+                                        next(self._arrivals), sampling, generator, received_at,
+                                        queue_s)
         if seq is not None:
             self.scheduler.add(seq)
+
+    def expire(self, now: float) -> int:
+        """What is due by `now` (time.monotonic()): leases and parked sends
+        (KVExchange.expire_leases), and sends no step started on within their queue time,
+        which leave the scheduler. Returns how many."""
+        expired = self.exchange.expire_leases(now)
+        for seq in self.exchange.expire_unstarted(now):
+            self.scheduler.remove(seq)
+            expired += 1
+        return expired
 
     def poll(self) -> list[tuple[str, Answer]]:
         """Answers for the deferred calls now settled (KVExchange.poll). Sends whose transfer

@@ -139,7 +139,7 @@ class CoreLoop:
             # finished send frees pages too).
             now = time.monotonic()
             deadline = exchange.next_deadline()
-            if deadline is not None and deadline <= now and exchange.expire_leases(now):
+            if deadline is not None and deadline <= now and self.core.expire(now):
                 stalled = False
             exchange.admit_waiting(now)
             if self._answer_sends():
@@ -274,7 +274,7 @@ class CoreLoop:
                 return exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
             case RemoteSend(request=r, received_at=received_at):
                 return core.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
-                                        r.sampling, received_at or None)
+                                        r.sampling, received_at or None, r.queue_s)
             case SendTo(request=r):
                 return exchange.send_to(r.request_id, r.begin, r.kv_addr)
             case Commit(request=r):

@@ -70,7 +70,8 @@ class KVExchange(Receiving, Sending):
         # (Sending)
         self._addresses: dict[str, tuple[int, KVAddr, float]] = {}
         self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0,
-                         "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0}
+                         "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0,
+                         "kv_send_queue_timeouts": 0}
 
     def poll(self) -> list[tuple[str, Answer]]:
         """Answers for remote_send calls whose transfer has completed, failed or was aborted,
@@ -87,13 +88,14 @@ class KVExchange(Receiving, Sending):
         return self._expire_reservations(now) + self._expire_parked(now)
 
     def next_deadline(self) -> float | None:
-        """When a lease is next due, a parked send's send_to is late, or a waiting prep_recv
-        gives up."""
+        """When a lease is next due, a parked send's send_to is late, a send not started is
+        past its queue time, or a waiting prep_recv gives up."""
         reserved = self.requests.in_state(RequestState.RESERVED)
         parked = self.requests.in_state(RequestState.PARKED)
         lease = min([*(e.reservation.deadline for e in reserved.values()),
                      *(e.job.address_by for e in parked.values()),
-                     *(deadline for _, _, deadline in self._addresses.values())], default=None)
+                     *(deadline for _, _, deadline in self._addresses.values()),
+                     *self._start_deadlines()], default=None)
         waiting = self.requests.in_state(RequestState.RECV_WAITING)
         if not waiting:
             return lease

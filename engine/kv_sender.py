@@ -21,6 +21,12 @@ steps already launched) and the later chunks are sent layer by layer as above. A
 before its send_to is PARKED, holding its pages; one whose send_to does not come within the
 engine's lease (`--kv-lease-s`, counted from the remote_send) is dropped with a 408.
 
+A remote_send may bound its wait in this engine's queue (`queue_s`, the router's queue
+timeout): one that no step has started on within `queue_s` of the frontend taking the call
+(behind other prefills, or behind a long step) fails with a 503, code queue_timeout, its
+sequence out of the scheduler and its pages freed (`expire_unstarted`); one the core takes up
+only after that is refused at once, holding nothing.
+
 The receiver decides where the KV goes and what it must be: a kv_addr is signed whole by its
 receiver (the window, [begin, end), the slots, the digest of the tokens), and a send is refused
 with a 400 before anything is opened or computed unless the signature verifies, begin and end
@@ -73,6 +79,9 @@ class SendJob:
     matched: int = 0  # leading prompt tokens found in this engine's prefix cache
     # time.monotonic() by which send_to must name the destination; None once it did
     address_by: float | None = None
+    # time.monotonic() by which a step must start on it (the call's queue_s); None: no limit
+    start_by: float | None = None
+    queue_s: float | None = None  # the call's, for the message
     # time.perf_counter() when the engine took the call (its frontend, on this host's clock;
     # else the core), launched its first step, and had its
     # KV computed: its sampled token read back, or (a send that samples nothing) its KV landed
@@ -96,7 +105,8 @@ class Sending:
                     kv_addr: KVAddr | None, arrival: int,
                     sampling: SamplingParams | None = None,
                     generator: torch.Generator | None = None,
-                    received_at: float | None = None) -> Sequence | None:
+                    received_at: float | None = None,
+                    queue_s: float | None = None) -> Sequence | None:
         """Start sending KV of prompt[begin:end]; the answer comes from poll(). Returns the
         send-only sequence (made at `arrival`) that computes the KV not cached here, for the
         caller to schedule; None if all of it was cached (the job is flushing already, or
@@ -104,7 +114,10 @@ class Sending:
 
         With `sampling` (and its `generator`) the sequence also samples the first output
         token after the prompt, which the answer carries: end must be the prompt's length,
-        and at least the last prompt token is computed here (its logits are sampled)."""
+        and at least the last prompt token is computed here (its logits are sampled).
+        `queue_s`: a step must start on it within this long of `received_at` (the caller's
+        time.perf_counter() when the call came; default now), else a 503 (queue_timeout);
+        raised here, holding nothing, if that time has passed already."""
         check_prompt(prompt, self.vocab_size)
         n = len(prompt)
         begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
@@ -124,11 +137,17 @@ class Sending:
         tokens = prompt[:end]
         digest = None if kv_addr is None else self._check_addr(kv_addr, begin, tokens)
         self._check_free(request_id)
+        waited = 0.0 if received_at is None else time.perf_counter() - received_at
+        if queue_s is not None and waited > queue_s:  # the core took it up too late
+            self.counters["kv_send_queue_timeouts"] += 1
+            raise _queue_timeout(request_id, queue_s)
         matched = self.kv.open(request_id, tokens[:-1] if sampling else tokens)
         job = SendJob(tokens, begin, end, None, 0, computed=end - matched if matched < end else 0,
                       samples=sampling is not None, matched=matched)
         if received_at is not None:
             job.received_at = received_at
+        if queue_s is not None:
+            job.start_by, job.queue_s = time.monotonic() + queue_s - waited, queue_s
         if kv_addr is None:
             job.address_by = time.monotonic() + self.lease_s
         else:
@@ -334,6 +353,22 @@ class Sending:
                 "from", "prompt")  # fmt: skip
         return digest
 
+    def expire_unstarted(self, now: float) -> list[Sequence]:
+        """Fail the sends no step has started on by their queue time (their 503 answers come
+        from the next poll()). Returns their sequences, for the caller to take out of the
+        scheduler; their pages go with them."""
+        late = [rid for rid, e in self.requests.in_state(RequestState.SENDING).items()
+                if e.job.start_by is not None and e.job.first_step_at is None
+                and e.job.start_by <= now]
+        self.counters["kv_send_queue_timeouts"] += len(late)
+        return [self.fail_send(rid, _queue_timeout(rid, self.requests.get(rid).job.queue_s))
+                for rid in late]
+
+    def _start_deadlines(self) -> list[float]:
+        """The queue-time deadlines of the sends no step has started on."""
+        return [e.job.start_by for e in self.requests.in_state(RequestState.SENDING).values()
+                if e.job.start_by is not None and e.job.first_step_at is None]
+
     def fail_send(self, request_id: str, error: MicroservingError) -> Sequence | None:
         """End a send in flight with `error` (its remote_send answer, at the next poll).
         Returns its sequence if still computing, for the caller to take out of the scheduler."""
@@ -370,6 +405,12 @@ class Sending:
                 408, f"no send_to named where to send request {rid!r} within {self.lease_s:g} s "
                 "of its remote_send (this engine's --kv-lease-s)", "request_id")))
         return len(late)
+
+
+def _queue_timeout(request_id: str, queue_s: float) -> MicroservingError:
+    return MicroservingError(
+        503, f"waited {queue_s:g} s for this engine to start computing request {request_id!r} "
+        "(its queue_s): it is busy; retry later", code="queue_timeout")  # fmt: skip
 
 
 def _ranges_text(ranges: list[tuple[int, int]]) -> str:

@@ -257,8 +257,9 @@ def _secret_args(p, *, up: bool = False) -> None:
                    help="the directory PUT /admin/strategy {\"path\": ...} may load .py files "
                         "from (default: none; built-ins and uploads only)")
     p.add_argument("--queue-timeout-s", type=float, default=None,
-                   help="how long a request may wait for KV pages on a receiving engine before "
-                        "it gets a 503 with Retry-After (default 60)")
+                   help="how long a request may wait for KV pages on a receiving engine, or "
+                        "for a prefill engine to start computing it, before it gets a 503 with "
+                        "Retry-After (default 60)")
     p.add_argument("--liveness-timeout-s", type=float, default=None,
                    help="an engine whose liveness probe gets no answer this long, or whose "
                         "core has sent no heartbeat this long (stopped, hung, cut off), is "

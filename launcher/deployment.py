@@ -17,7 +17,8 @@ Config (TOML; see deploy/local-cpu.toml):
     strategy_args = { }                  # the strategy's constructor arguments
     watch_strategy = false               # reload the strategy file when it changes
     strategies_dir = "strategies/"       # PUT /admin/strategy {"path"} loads .py files from here
-    queue_timeout_s = 60                 # a request waits this long for KV pages, then a 503
+    queue_timeout_s = 60                 # a request waits this long for KV pages, or for a
+                                         # prefill engine to start on it, then a 503
     liveness_timeout_s = 5               # an engine silent this long (stopped, hung) is down
 
     [[engines]]

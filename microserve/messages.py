@@ -302,6 +302,10 @@ class RemoteSendRequest:
     # Sample the first output token after the prompt with these (end must be the prompt's
     # length; no logprobs, no grammar) and answer it as first_token. None: sample nothing.
     sampling: SamplingParams | None = None
+    # How long the call may wait in this engine's queue (from its frontend taking it) before a
+    # step computes it, or the core takes it up if its KV is all cached: past it a 503 with
+    # code queue_timeout, nothing held. None: as long as it takes.
+    queue_s: Annotated[float, Field(ge=0, le=3600)] | None = None
 
 
 @dataclass(slots=True)
@@ -446,6 +450,7 @@ class EngineStats:
     kv_tokens_received: int
     kv_recv_waited: int  # prep_recv calls that had to wait for pages
     kv_recv_wait_timeouts: int  # ... and waited their wait_s in vain (503)
+    kv_send_queue_timeouts: int = 0  # remote_send calls not started within their queue_s (503)
     # The core's steps and where its time went (engine/loop_stats.py)
     steps: int = 0
     prompt_tokens_computed: int = 0  # through the forward pass (cached ones not)

@@ -162,14 +162,15 @@ class EngineClient:
         return await self._post("prep_recv", body, PrepRecvResponse, read_timeout_s=read_timeout_s)
 
     async def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                          kv_addr: KVAddr | None, sampling: SamplingParams | None = None
-                          ) -> RemoteSendResponse:
+                          kv_addr: KVAddr | None, sampling: SamplingParams | None = None,
+                          queue_s: float | None = None) -> RemoteSendResponse:
         """Make the KV of `prompt[begin:end]` land at `kv_addr`; returns once it all landed.
         With `sampling` (end = len(prompt)) the answer also has the first output token.
         `kv_addr` None (begin 0): the engine starts computing now and sends once `send_to`
-        names where."""
+        names where. `queue_s`: a step must start on it within this long, else a 503 with code
+        queue_timeout (None: no limit)."""
         body = RemoteSendRequest(request_id=request_id, prompt=prompt, begin=begin, end=end,
-                                 kv_addr=kv_addr, sampling=sampling)
+                                 kv_addr=kv_addr, sampling=sampling, queue_s=queue_s)
         return await self._post("remote_send", body, RemoteSendResponse, unbounded=True)
 
     async def send_to(self, request_id: str, begin: int, kv_addr: KVAddr) -> SendToResponse:

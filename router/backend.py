@@ -13,8 +13,9 @@ engine whose send or generation finished holds nothing). A request that fails be
 because an engine is unreachable or a KV transfer failed is tried again (up to `max_retries`
 times, after 0.1 s, then 0.2 s, ...) if some engine is still up; the strategy then picks again,
 and an engine that could not be reached is marked down, so it is not picked until it answers a
-poll. A request that waited its queue time for KV pages (code kv_wait_timeout) is not tried
-again: the client gets the 503 with a Retry-After header, as when no engine is up at all.
+poll. A request that waited its queue time for KV pages (code kv_wait_timeout) or for a
+prefill engine to start on it (queue_timeout) is not tried again: the client gets the 503
+with a Retry-After header, as when no engine is up at all.
 
 Errors reach the client as: the engine's own status and message (MicroservingError: a 400 the
 engine refused stays that 400), 503 for engines that cannot be reached, 500 naming the strategy
@@ -41,6 +42,9 @@ log = logging.getLogger("microserve.router")
 RETRY_STATUSES = (502, 503)  # transfer failed / no KV space now: another engine may do
 RETRY_BACKOFF_S = 0.1  # before the first retry; doubled for each one after it
 RETRY_AFTER_S = 5  # what a client is told when the engines had no room for its request
+# 503s of a request that waited its queue time (D's pages, P's start): tried again, it would
+# only wait again
+QUEUE_TIMEOUTS = ("kv_wait_timeout", "queue_timeout")
 
 
 class StrategyError(BackendError):
@@ -127,7 +131,7 @@ class RouterBackend(GenerateBackend):
             return False
         if isinstance(error, BackendUnavailable):
             return True
-        return error.status in RETRY_STATUSES and error.code != "kv_wait_timeout"
+        return error.status in RETRY_STATUSES and error.code not in QUEUE_TIMEOUTS
 
     async def abort(self, request_id: str) -> None:
         request = self._live.get(request_id)

@@ -181,7 +181,8 @@ class EngineHandle:
         it also samples the first output token with the request's params (`first_token`).
         `kv_addr` None (begin 0): the engine computes at once and sends once `send_to` named
         where (the receiver must be in `request.touched` before this is called: it is
-        watched)."""
+        watched). A send this engine has not started computing within the pool's
+        queue_timeout_s fails with a 503 (code queue_timeout)."""
         self._touch(request)
         tokens = _span(len(request.prompt), begin, end)
         # The receivers, and this engine itself: a sender cut off mid-send never answers.
@@ -193,7 +194,7 @@ class EngineHandle:
             answer = await self._pool.unless_down(
                 watched, self._call(self.client.remote_send(
                     request.request_id, request.prompt, begin, end, kv_addr,
-                    request.sampling if sample else None)),
+                    request.sampling if sample else None, self._pool.queue_timeout_s)),
                 f"while engine {self.name} was sending it KV for request {request.request_id}")
         finally:
             self.open_sends -= 1
@@ -311,7 +312,9 @@ class EngineHandle:
                     request.settled.add(self.name)
                 yield chunk
         except BackendUnavailable as e:
-            if not isinstance(e, SlowAnswer):
+            # Not when it is down already: then this is the watch's error, and the pool's
+            # reason (the probe's) says why.
+            if self.up and not isinstance(e, SlowAnswer):
                 self._pool.mark_down(self, str(e))
             raise
         finally:
@@ -403,7 +406,8 @@ class EnginePool:
                 engine that proved it holds it (see the module's docstring).
             poll_interval_s: how often each engine's liveness and stats are read.
             timeout_s: limit on connecting to an engine and on its short answers.
-            queue_timeout_s: how long a prep_recv waits for KV pages on its engine.
+            queue_timeout_s: how long a prep_recv waits for KV pages on its engine, and a
+                remote_send for its engine to start computing it (each a 503 past it).
             registry: where the pool's counters live (a fresh one if None).
             deployment: adopt only engines whose stats report this deployment (None: any).
             health_timeout_s: how long a stats read may take (default timeout_s); a slower one

@@ -31,11 +31,14 @@ def toml_value(value) -> str:
 
 
 def write_config(path: Path, model_dir: str, strategy: str,
-                 engines: list[tuple[str, str, list[str]]]) -> tuple[Path, int, dict[str, str]]:
-    """A deployment file; returns it, the router's port and each engine's URL."""
+                 engines: list[tuple[str, str, list[str]]], router: dict | None = None
+                 ) -> tuple[Path, int, dict[str, str]]:
+    """A deployment file (`router`: more keys of its [router] table); returns it, the
+    router's port and each engine's URL."""
     port = free_port()
     lines = [f"model = {toml_value(model_dir)}", 'served_model_name = "test-model"', "",
-             "[router]", f"port = {port}", f"strategy = {toml_value(strategy)}", ""]
+             "[router]", f"port = {port}", f"strategy = {toml_value(strategy)}",
+             *(f"{key} = {toml_value(value)}" for key, value in (router or {}).items()), ""]
     urls = {}
     for name, role, args in engines:
         engine_port = free_port()
@@ -71,6 +74,13 @@ class Up:
                 return
             time.sleep(0.2)
         pytest.fail(f"microserve up not serving after {timeout_s} s:\n{self.log()}")
+
+    def engine_pid(self, name: str) -> int:
+        """The `microserve engine` process of engine `name` (its core is its child, in its
+        process group)."""
+        port = self.engine_urls[name].rsplit(":", 1)[1]
+        return next(pid for pid in children(self.proc.pid) if f"--port {port} " in
+                    Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
 
     def tree(self) -> list[int]:
         """Engine daemons and their engine cores."""

@@ -1056,6 +1056,38 @@ def test_a_parked_send_whose_send_to_never_comes_is_dropped_after_the_lease(pair
     assert_clean(p)
 
 
+def test_a_send_no_step_starts_within_its_queue_time_fails_and_holds_nothing(pair, prompts):
+    """queue_s bounds the wait for the first step: a send still queued past it is a 503
+    (queue_timeout), out of the scheduler, its pages freed; one a step has started on is not;
+    one the core takes up only after its queue time is refused at once."""
+    p, _ = pair
+    reset(p)
+    before = p.stats().kv_send_queue_timeouts
+    called = time.monotonic()
+    p.remote_send("started", prompts[0], 0, -1, None, queue_s=0.05)
+    p.step()  # its first chunk: it has started
+    p.remote_send("queued", prompts[1], 0, -1, None, queue_s=0.05)
+    assert p.exchange.next_deadline() <= time.monotonic() + 0.05
+    assert p.expire(called) == 0  # not yet
+    assert p.kv.stats().used_pages > 0 and p.scheduler.has_work()
+    assert p.expire(time.monotonic() + 0.05) == 1
+    (rid, error), = p.poll()
+    assert (rid, error.status, error.code) == ("queued", 503, "queue_timeout")
+    assert str(error) == ("waited 0.05 s for this engine to start computing request 'queued' "
+                          "(its queue_s): it is busy; retry later")
+    assert "queued" not in p.requests and all(
+        s.request_id == "started" for s in [*p.scheduler.waiting, *p.scheduler.running])
+    with pytest.raises(MicroservingError) as stale:  # taken up 1 s after its frontend got it
+        p.remote_send("stale", prompts[2], 0, -1, None, received_at=time.perf_counter() - 1,
+                      queue_s=0.5)
+    assert (stale.value.status, stale.value.code) == (503, "queue_timeout")
+    assert "stale" not in p.requests
+    assert p.stats().kv_send_queue_timeouts == before + 2
+    p.abort_request("started")
+    assert [(rid, e.status) for rid, e in p.poll()] == [("started", 409)]
+    assert_clean(p)
+
+
 def test_a_send_to_that_overtook_its_remote_send_is_kept_for_it(pair, prompts, ref):
     """The router makes send_to as soon as D answers; on the way to P it may pass the
     remote_send it names. P keeps it: the send then starts with its destination."""

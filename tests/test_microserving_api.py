@@ -66,7 +66,7 @@ CALLS = {
                      "kv_addr": KV_ADDR},
                     {"sent": 6, "computed": 10, "reused": 0, "first_token": None},
                     {"request_id": "r1", "prompt": PROMPT, "begin": 4, "end": 10,
-                     "kv_addr": KV_ADDR_ARGS, "sampling": None}, None),
+                     "kv_addr": KV_ADDR_ARGS, "sampling": None, "queue_s": None}, None),
     "commit": ({"request_id": "r1", "pin": True}, {"cached": 8, "pinned": True},
                {"request_id": "r1", "pin": True}, 30.0),
     "abort": ({"request_id": "r1"}, {"aborted": True}, {"request_id": "r1"}, 30.0),

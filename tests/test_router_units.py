@@ -498,7 +498,8 @@ class CountingClient:
         return PrepRecvResponse(matched=0, kv_addr=KVAddr(
             begin=0, end=n, ranges=[(0, n)], layout={}, transfer={}, window=(0, 1)))
 
-    async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None):
+    async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None,
+                          queue_s=None):
         if self.hang_send:
             await asyncio.sleep(3600)
         if kv_addr is None:
@@ -751,7 +752,8 @@ class _Sender:
     def __init__(self, log: list):
         self.log, self.job, self.early = log, None, None
 
-    async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None):
+    async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None,
+                          queue_s=None):
         await asyncio.sleep(0.005)  # on its way: an abort may overtake it
         self.log.append(("p.remote_send", begin, end, kv_addr is None))
         self.job = asyncio.get_running_loop().create_future()

@@ -308,6 +308,8 @@ _STAT_HELP = {
     "kv_recv_waiting": ("gauge", "prep_recv calls waiting for KV pages"),
     "kv_recv_waited": ("counter", "prep_recv calls that had to wait for KV pages"),
     "kv_recv_wait_timeouts": ("counter", "prep_recv calls that waited their wait_s in vain (503)"),
+    "kv_send_queue_timeouts": ("counter",
+                               "remote_send calls no step started within their queue_s (503)"),
     "kv_leases_expired": ("counter", "prep_recv reservations freed because their lease ran out"),
     "kv_tokens_sent": ("counter", "Tokens of KV written into peers by remote_send"),
     "kv_tokens_received": ("counter", "Tokens of KV received from peers and adopted"),
