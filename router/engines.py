@@ -27,7 +27,8 @@ answer from one holds up no other):
 An engine marked down (by the probe, or by a call that could not reach it) comes back when it
 proves itself alive again and then answers its stats. The engine key goes only to engines that
 proved they hold it, in their last probe: `add` checks the proof before its first keyed call,
-and an engine that went down gets no keyed call (a stats poll) until it proved it again.
+and an engine that went down gets no keyed call (a stats poll, a strategy's or the admin API's
+call) until it proved it again.
 
 Roles: "prefill", "decode", or "any" (both). Asking for a role gives the engines of that role
 and the "any" ones. A role is a routing preference, not a limit: every engine can prefill and
@@ -285,6 +286,8 @@ class EngineHandle:
         engine fails before its first chunk, the request has produced output and the router
         does not try it again (it ends with the error, as a failure after any token does)."""
         self._touch(request)
+        if not self.live:  # a strategy that picked it before it went down
+            raise self._not_live()
         early = emit_first and first_token is not None and not self._stops(request, first_token)
         if early:  # as this engine would report it: it holds prompt[:begin] already
             yield GenerateChunk([first_token], cached_tokens=begin)
@@ -349,6 +352,10 @@ class EngineHandle:
         eos = self.info.eos_token_ids if self.info is not None else ()
         return (token in eos and not p.ignore_eos) or token in p.stop_token_ids
 
+    def _not_live(self) -> BackendUnavailable:
+        return BackendUnavailable(f"engine {self.name} is down ({self.down_reason}): it gets "
+                                  "no call until it answers its liveness probe again")
+
     def _touch(self, request: Request) -> None:
         """A call for `request` goes out: this engine may hold something for it until the
         call finishes."""
@@ -356,6 +363,9 @@ class EngineHandle:
         request.settled.discard(self.name)
 
     async def _call(self, call):
+        if not self.live:  # not proved since it went down: nothing goes there with the key
+            call.close()
+            raise self._not_live()
         try:
             return await call
         except SlowAnswer:  # busy, or gone: the liveness probe tells which

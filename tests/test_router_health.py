@@ -7,7 +7,8 @@ A busy engine answers its liveness probe at once (the frontend answers it, whate
 does) while its stats come late: it stays up. An engine whose liveness does not answer within
 the liveness timeout, or whose core has stopped beating, is down within that timeout. A
 listener at a URL given to POST /admin/engines gets the probe's challenge first, without the
-key, and nothing with the key unless it answers the challenge with the proof.
+key, and nothing with the key unless it answers the challenge with the proof; an engine that
+went down gets nothing with the key (no stats poll, no call) until it proves it again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi import FastAPI
 from test_router_units import engine_info, engine_load
 
 from microserve.auth import engine_proof
+from microserve.backend import BackendUnavailable
 from microserve.errors import install_error_handlers
 from router.admin import AdminAPI, add_admin_routes
 from router.engines import EnginePool, EngineSpec
@@ -147,6 +149,8 @@ async def test_a_busy_engine_stays_up_and_a_silent_one_is_down_within_the_timeou
                                                  "the engine key (its liveness answer has no ")
             await asyncio.sleep(0.1)
             keyed = len(engine.keyed())
+            with pytest.raises(BackendUnavailable, match=r"^engine e is down \(engine http"):
+                await handle.pin([1, 2, 3])  # an admin call (or a strategy's): not sent
             await asyncio.sleep(0.3)
             assert len(engine.keyed()) == keyed
             assert pool.marked_down == 3

@@ -94,7 +94,7 @@ def make_pool(*specs: tuple[str, str]) -> EnginePool:
     pool = EnginePool()
     for name, role in specs:
         handle = EngineHandle(EngineSpec(name, f"http://127.0.0.1:1/{name}", role), None, pool)
-        handle.info, handle.up = engine_info(), True
+        handle.info, handle.live, handle.up = engine_info(), True, True
         pool._engines[name] = handle
         pool._down[name] = asyncio.Event()
     return pool
