@@ -30,7 +30,7 @@ from microserve.nvshmem_group import (
     nvshmem_env,
     parse_size,
 )
-from microserve.transfer_auth import sign, transfer_key
+from microserve.transfer_auth import grant_mac, sign, transfer_key
 from launcher.deployment import load_deployment, with_nvshmem_group
 
 KEY = transfer_key("test-engine-key")
@@ -236,6 +236,8 @@ def test_remote_send_to_an_nvshmem_receiver_of_another_group_is_a_clear_502(tiny
         real = {k: v for k, v in addr.transfer.items() if k != "mac"}
         addr = dataclasses.replace(addr, transfer=sign(
             {**real, "kind": "nvshmem", "group": "ab12", "pe": 1, "npes": 2}, KEY))
+        # signed again as a whole, as the receiver signs it: only the group check is left
+        addr = dataclasses.replace(addr, mac=grant_mac(addr.grant(), KEY))
         with pytest.raises(MicroservingError) as e:
             p.remote_send("x", prompt, 0, -1, addr)
         assert e.value.status == 502

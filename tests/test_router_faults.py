@@ -332,12 +332,13 @@ def test_a_busy_port_is_named_before_anything_starts(tiny_served_dir, tmp_path):
         blocker.bind(("127.0.0.1", 0))
         blocker.listen()
         busy = blocker.getsockname()[1]
-        for cmd in (["engine", "--model", tiny_served_dir],
-                    ["router", "--model", tiny_served_dir, "--engine", "a=http://127.0.0.1:1"]):
+        for cmd, what in ((["engine", "--model", tiny_served_dir], "this server"),
+                          (["router", "--model", tiny_served_dir, "--engine",
+                            "a=http://127.0.0.1:1"], "the router")):
             done = subprocess.run([sys.executable, "-m", "launcher.cli", *cmd, "--port",
                                    str(busy)], capture_output=True, text=True, timeout=120)
             assert done.returncode == 2, done.stderr
-            assert f"port {busy} on 127.0.0.1 (for this server) is already in use" in done.stderr
+            assert f"port {busy} on 127.0.0.1 (for {what}) is already in use" in done.stderr
 
 
 def test_usage_counts_prefix_cache_hits_not_kv_received(router, e1, e2):
