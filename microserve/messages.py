@@ -305,7 +305,7 @@ class RemoteSendRequest:
     # How long the call may wait in this engine's queue (from its frontend taking it) before a
     # step computes it, or the core takes it up if its KV is all cached: past it a 503 with
     # code queue_timeout, nothing held. None: as long as it takes.
-    queue_s: Annotated[float, Field(ge=0, le=3600)] | None = None
+    queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
 
 
 @dataclass(slots=True)

@@ -78,8 +78,8 @@ class RouterConfig:
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
-        if not 0 <= self.queue_timeout_s <= 3600:
-            raise ValueError(f"queue_timeout_s {self.queue_timeout_s} must be in [0, 3600]")
+        if not 0 < self.queue_timeout_s <= 3600:  # NaN fails too
+            raise ValueError(f"queue_timeout_s {self.queue_timeout_s} must be in (0, 3600]")
         for key in ("api_key", "admin_token", "engine_api_key"):
             if getattr(self, key) == "":
                 raise ValueError(f"{key} must not be empty (leave it unset for no check)")
