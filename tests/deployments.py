@@ -97,11 +97,14 @@ class Up:
             raise
 
 
-def up_prefill_decode(tmp: Path, model_dir: str, engine_args: list[str], admin: str):
+def up_prefill_decode(tmp: Path, model_dir: str, engine_args: list[str], admin: str,
+                      strategy: str = "data_parallel", router: dict | None = None):
     """A fixture body: `microserve up` with a prefill and a decode engine (shm) running
-    data_parallel; yields the running Up, stops it (checking nothing outlives it) after."""
-    config, port, urls = write_config(tmp / "deploy.toml", model_dir, "data_parallel", [
-        ("p", "prefill", engine_args), ("d", "decode", [*engine_args, "--kv-transfer", "shm"])])
+    `strategy` (`router`: more keys of the [router] table); yields the running Up, stops it
+    (checking nothing outlives it) after."""
+    config, port, urls = write_config(tmp / "deploy.toml", model_dir, strategy, [
+        ("p", "prefill", engine_args), ("d", "decode", [*engine_args, "--kv-transfer", "shm"])],
+        router=router)
     deployment = Up(config, port, urls, tmp / "up.log",
                     env={**os.environ, "MICROSERVE_ADMIN_TOKEN": admin})
     try:

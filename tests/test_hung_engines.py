@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import DAEMON_LOGS
-from deployments import Up, assert_quiet, children, engine_stats, stop_and_check, write_config
+from deployments import Up, assert_quiet, children, engine_stats, up_prefill_decode
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +37,9 @@ PROMPT = [(5 * i + 3) % 256 for i in range(40)]
 
 @pytest.fixture(scope="module")
 def up(tiny_served_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hung")
-    config, port, urls = write_config(
-        tmp / "deploy.toml", tiny_served_dir, "pd",
-        [("p", "prefill", ENGINE_ARGS), ("d", "decode", [*ENGINE_ARGS, "--kv-transfer", "shm"])],
+    yield from up_prefill_decode(
+        tmp_path_factory.mktemp("hung"), tiny_served_dir, ENGINE_ARGS, ADMIN, strategy="pd",
         router={"liveness_timeout_s": LIVENESS_TIMEOUT_S, "queue_timeout_s": QUEUE_TIMEOUT_S})
-    deployment = Up(config, port, urls, tmp / "up.log",
-                    env={**os.environ, "MICROSERVE_ADMIN_TOKEN": ADMIN})
-    try:
-        deployment.wait_ready()
-        yield deployment
-    finally:
-        if deployment.proc.poll() is None:
-            stop_and_check(deployment)
 
 
 @pytest.fixture(autouse=True)
