@@ -104,7 +104,7 @@ class BalanceModel:
         # model, one GPU kind) and a decode step's batch adding a tenth per 64 sequences.
         self.p = _Fit(scale=(1e4,))
         self.d = _Fit(scale=(50.0, 1e3, 1e3))
-        self._last: dict[str, object] = {}  # side -> the stats object last taken
+        self._last: dict[tuple[str, str], object] = {}  # (side, engine) -> stats last taken
         self._arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt, output)
 
     def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
@@ -113,11 +113,12 @@ class BalanceModel:
         while self._arrivals and self._arrivals[0][0] < t - RATE_WINDOW_S:
             self._arrivals.popleft()
 
-    def observe(self, side: str, stats) -> None:
-        """`stats` (EngineStats) of the prefill (`side` "p") or decode ("d") engine; the
-        difference from the last one given for that side is one observation."""
-        last = self._last.get(side)
-        self._last[side] = stats
+    def observe(self, side: str, stats, engine: str = "") -> None:
+        """`stats` (EngineStats) of a prefill (`side` "p") or decode ("d") engine; the
+        difference from the last one given for that engine is one observation. Engines of
+        one side feed one fit (one model, one GPU kind)."""
+        last = self._last.get((side, engine))
+        self._last[side, engine] = stats
         if last is None or stats is last:
             return
         steps = stats.steps - last.steps
@@ -147,12 +148,15 @@ class BalanceModel:
         a, c_m, b_d = self.d.solve((_PRIOR_A, _PRIOR_A * 0.1 / 64, b_p))
         return {"p_token_s": b_p, "d_step_s": a, "d_per_seq_s": c_m, "d_token_s": b_d}
 
-    def predict(self, ratio: float, lam: float, n: float, o: float) -> Prediction:
+    def predict(self, ratio: float, lam: float, n: float, o: float, prefills: int = 1,
+                decodes: int = 1) -> Prediction:
+        """JCT at `ratio` with λ spread evenly over `prefills` P and `decodes` D engines."""
         f = self.fitted()
         b_p, a, c_m, b_d = f["p_token_s"], f["d_step_s"], f["d_per_seq_s"], f["d_token_s"]
+        lam_p, lam_d = lam / max(prefills, 1), lam / max(decodes, 1)
         service = b_p * n * (1 - ratio)
-        rho = lam * service
-        free = 1 - lam * n * ratio * b_d - c_m * lam * o
+        rho = lam_p * service
+        free = 1 - lam_d * n * ratio * b_d - c_m * lam_d * o
         tpot = a / free if free > 0 else math.inf
         if rho >= 1 or not math.isfinite(tpot):
             return Prediction(ratio, math.inf, rho, tpot)
@@ -160,21 +164,24 @@ class BalanceModel:
         jct = wait + service + b_d * n * ratio + max(o - 1, 0) * tpot
         return Prediction(ratio, jct, rho, tpot)
 
-    def best(self, lo: float, hi: float) -> Prediction | None:
-        """The ratio in [lo, hi] with the least predicted JCT; None until there is data."""
+    def best(self, lo: float, hi: float, prefills: int = 1, decodes: int = 1
+             ) -> Prediction | None:
+        """The ratio in [lo, hi] with the least predicted JCT for the engines there are;
+        None until there is data."""
         load = self.rate()
         if load is None or self.p.n < 2 or self.d.n < 2:
             return None
         steps = max(0, round((hi - lo) / GRID))
         ratios = [lo + (hi - lo) * i / steps for i in range(steps + 1)] if steps else [lo]
-        preds = [self.predict(r, *load) for r in ratios]
+        preds = [self.predict(r, *load, prefills, decodes) for r in ratios]
         stable = [p for p in preds if math.isfinite(p.jct_s)]
         if stable:
             return min(stable, key=lambda p: p.jct_s)
-        return max(preds, key=lambda p: self._capacity(p.ratio, *load))
+        return max(preds, key=lambda p: self._capacity(p.ratio, *load[1:], prefills, decodes))
 
-    def _capacity(self, ratio: float, lam: float, n: float, o: float) -> float:
-        """Requests/s the pair serves at `ratio` with D's TPOT held within OVERLOAD_TPOT
+    def _capacity(self, ratio: float, n: float, o: float, prefills: int = 1,
+                  decodes: int = 1) -> float:
+        """Requests/s the engines serve at `ratio` with D's TPOT held within OVERLOAD_TPOT
         times its idle step: where no ratio keeps up, the share that serves the most while
         decoding stays fast. The excess then waits in P's queue (and is refused there after
         the queue time), where it costs time to first token only; pushed onto D it would
@@ -184,4 +191,4 @@ class BalanceModel:
         p_cap = 1 / max(n * (1 - ratio) * f["p_token_s"], 1e-12)
         d_cost = n * ratio * f["d_token_s"] + f["d_per_seq_s"] * o
         d_cap = (1 - 1 / OVERLOAD_TPOT) / max(d_cost, 1e-12)
-        return min(p_cap, d_cap)
+        return min(prefills * p_cap, decodes * d_cap)

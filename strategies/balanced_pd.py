@@ -54,25 +54,28 @@ class BalancedPD(Strategy):
         self.min_ratio, self.max_ratio, self.decode_cost = min_ratio, max_ratio, decode_cost
         self.last_ratio = ratio  # the share the last request got (GET /admin/strategy shows it)
 
-    def split(self, n: int, prefill, decode) -> int:
-        """Where the prompt is cut: P computes [0, s), D computes [s, n). 0 <= s <= n - 1."""
+    def split(self, n: int, prefill, decode, engines=None) -> int:
+        """Where the prompt is cut: P computes [0, s), D computes [s, n). 0 <= s <= n - 1.
+        `engines` (the pool) tells the adaptive model how many engines share the traffic."""
         ratio = self.ratio
         if self.adaptive == "queues":
             d_work = decode.pending_prefill_tokens + self.decode_cost * decode.open_generations
             s = (n + d_work - prefill.pending_prefill_tokens) / 2
             ratio = min(max((n - s) / n, self.min_ratio), self.max_ratio)
         elif self.adaptive:
-            ratio = self._modelled(prefill, decode, ratio)
+            ratio = self._modelled(prefill, decode, ratio, engines)
         self.last_ratio = ratio
         return n - max(1, math.ceil(ratio * n))  # D computes at least the last token
 
-    def _modelled(self, prefill, decode, fallback: float) -> float:
+    def _modelled(self, prefill, decode, fallback: float, engines) -> float:
         """The model's share, re-picked when the engines' stats changed (a poll)."""
         if (prefill.load, decode.load) != self._loads:
             self._loads = (prefill.load, decode.load)
-            self.model.observe("p", prefill.load)
-            self.model.observe("d", decode.load)
-            best = self.model.best(self.min_ratio, self.max_ratio)
+            self.model.observe("p", prefill.load, prefill.name)
+            self.model.observe("d", decode.load, decode.name)
+            counts = (1, 1) if engines is None else (
+                len(engines.routable("prefill")), len(engines.routable("decode")))
+            best = self.model.best(self.min_ratio, self.max_ratio, *counts)
             self._pick = None if best is None else best.ratio
         return fallback if self._pick is None else self._pick
 
@@ -80,7 +83,7 @@ class BalancedPD(Strategy):
         prefill, decode = engines.prefill_decode()  # prefill None: no engine for it is up
         if self.adaptive is True:
             self.model.arrived(len(request.prompt), request.sampling.max_tokens or 1)
-        s = 0 if prefill is None else self.split(len(request.prompt), prefill, decode)
+        s = 0 if prefill is None else self.split(len(request.prompt), prefill, decode, engines)
         if s > 0:
             recv = await decode.prep_recv(request, end=s)
             if recv.matched < s:

@@ -107,3 +107,28 @@ def test_on_the_terms_fitted_on_two_h200s_it_picks_near_the_best_measured_ratio(
     model.p.n = model.d.n = 2  # as if fed
     # of 0.1, 0.2 and 0.3 (and the old rule's 0.41-0.50), 0.3 had the least mean and p99 JCT
     assert model.best(0.0, 0.5).ratio == pytest.approx(measured_best, abs=0.05)
+
+
+def test_two_pairs_fit_each_engine_apart_and_share_the_rate():
+    """2P2D: polls of two prefill and two decode engines interleave; each engine's counters
+    are differenced against its own, and λ is spread over the engines of each side, so the
+    pick at 24 req/s over two pairs is the one-pair pick at 12 req/s."""
+    clock = [0.0]
+    model = BalanceModel(now=lambda: clock[0])
+    rngs = [random.Random(0), random.Random(1)]
+    stats = [[Stats(), Stats()], [Stats(), Stats()]]  # [pair][p, d]
+    for _ in range(40):
+        for i in (0, 1):
+            model.observe("p", stats[i][0], f"prefill-{i}")
+            model.observe("d", stats[i][1], f"decode-{i}")
+        for _ in range(12):
+            model.arrived(3000, 100)
+            clock[0] += 0.5 / 12
+        stats = [list(poll(*pair, rng)) for pair, rng in zip(stats, rngs)]
+    f = model.fitted()
+    assert f["p_token_s"] == pytest.approx(B, rel=0.02)
+    assert f["d_step_s"] == pytest.approx(A, rel=0.05)
+    two = model.best(0.0, 0.5, prefills=2, decodes=2)
+    one = fed(rate=12).best(0.0, 0.5)
+    assert two.ratio == pytest.approx(one.ratio, abs=0.02)
+    assert model.best(0.0, 0.5).ratio > two.ratio  # all 24 req/s on one pair: more moves to D

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-GPU P/D runs of docs/benchmarks.md: one `microserve up` of a deployment file with
+# The P/D runs on two and four GPUs of docs/benchmarks.md: one `microserve up` of a deployment file with
 # random:llama-3.1-8b, then each remaining argument is one `python -m bench.strategies` argument
 # string run against it (strategies swapped through the admin API, no restart).
 #
