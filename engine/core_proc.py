@@ -44,17 +44,13 @@ from engine.core import EngineCore
 from engine.loop_stats import LoopClock, StatsLog
 from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
-from microserve.messages import (
-    CALLS,
-    AbortRequest,
-    AbortResponse,
+from engine.frames import (
     CallFailed,
     Frame,
     Generate,
     Heartbeat,
     Invoke,
     Outputs,
-    PinResponse,
     Ready,
     Rejected,
     Reply,
@@ -62,6 +58,7 @@ from microserve.messages import (
     StartFailed,
     ToCore,
 )
+from microserve.messages import CALLS, AbortRequest, AbortResponse, PinResponse
 from microserve.transfer_auth import KEY_ENV
 from microserve.wire import FrameDecoder, encode
 

@@ -4,15 +4,14 @@
     client or router -> engine (HTTP)       JSON or msgpack          `validator(type)`: pydantic,
                                                                      once, where it enters
     engine frontend <-> engine core         msgpack frames           msgspec decodes the frames
-                                            (microserve/wire.py)     into these types (`Frame`)
+                                            (microserve/wire.py)     (engine/frames.py) into these
     engine -> router (HTTP answers)         JSON or msgpack          msgspec decodes into these
 
 The messages are plain slotted dataclasses: pydantic validates them where they come from
 outside (the constraints in their `Annotated` types, unknown fields and non-finite floats
 refused, a 400 naming the field), msgspec encodes and decodes them everywhere else, and code
 in between builds and reads them as it would any dataclass, trusting them. The frames of the
-socket between an engine's frontend and its core are msgspec structs tagged by "type" (a
-call's by "method"), so a decoded frame is already the typed message to dispatch on.
+socket between an engine's frontend and its core (engine/frames.py) carry them.
 
 The microserving calls (DESIGN §4) split one request across engines (paper §3.1):
 
@@ -47,7 +46,6 @@ from microserve.bounds import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_GRAMMAR_CHAR
                                RepetitionPenalty, Seed, TokenId)
 
 T = TypeVar("T")
-_encoder = msgspec.msgpack.Encoder()
 
 # Where a message enters from outside: unknown fields and Infinity/NaN are refused.
 _CHECKED = with_config(ConfigDict(extra="forbid", allow_inf_nan=False))
@@ -557,91 +555,3 @@ _CALL_OF = {c.request: c for c in CALLS.values()}
 def call_of(request) -> Call:
     """The declaration of the call whose request `request` is."""
     return _CALL_OF[type(request)]
-
-
-# -- frames between an engine's frontend and its core (engine/frontend/, engine/core_proc.py) --
-
-class Frame(Struct, tag_field="type", frozen=True):
-    """One message on the frontend <-> core socket."""
-
-
-# frontend -> core
-class Generate(Frame, tag="generate"):
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    begin: int = 0
-    first_token: int | None = None
-
-
-class Invoke(Frame, tag="call"):
-    """A call (`CALLS[method]`), answered by a Reply or a CallFailed with the same `id`."""
-
-    id: int
-    method: str
-    request: Raw  # the call's request, encoded: the core decodes it into its type
-    # time.perf_counter() when the engine's frontend took the HTTP call (the core runs on the
-    # same host, on the same clock): a remote_send's queue time starts there, so it includes
-    # the wait for the core to finish the step it is in. 0: when the core took it.
-    received_at: float = 0.0
-
-
-def invoke(call_id: int, request, received_at: float = 0.0) -> Invoke:
-    return Invoke(call_id, call_of(request).name, Raw(_encoder.encode(request)), received_at)
-
-
-class Shutdown(Frame, tag="shutdown"):
-    pass
-
-
-ToCore = Generate | Invoke | Shutdown
-
-
-# core -> frontend
-class Ready(Frame, tag="ready"):
-    info: EngineInfo
-
-
-class StartFailed(Frame, tag="error"):
-    message: str
-
-
-class Outputs(Frame, tag="outputs"):
-    items: list[TokenOutput]  # one step's, every request's
-
-
-class Rejected(Frame, tag="rejected"):
-    """A Generate the core refused, or failed: the status the request answers with."""
-
-    request_id: str
-    message: str
-    param: str | None
-    status: int
-
-
-class Heartbeat(Frame, tag="heartbeat"):
-    """The core process is alive: sent by a thread of its own every few tenths of a second,
-    during a long step too (a long step is progress; a core that stopped sending is not)."""
-
-    steps: int  # steps begun so far (the one in progress counts)
-    in_step_s: float  # how long the step in progress has run (0: between steps)
-
-
-class Reply(Frame, tag="reply"):
-    """The answer to Invoke `id`, encoded: `CALLS[method].decode_answer(result)`."""
-
-    id: int
-    result: Raw
-
-
-class CallFailed(Frame, tag="failed"):
-    """Invoke `id` failed: the status (and param, code) its HTTP call answers with."""
-
-    id: int
-    error: str
-    status: int = 500
-    param: str | None = None
-    code: str | None = None
-
-
-FromCore = Ready | StartFailed | Outputs | Rejected | Reply | CallFailed | Heartbeat

@@ -25,9 +25,18 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_proc import MAX_FAILED_STEPS, CoreLoop
 from engine.loop_stats import LoopCounters, StatsLog, format_line
-from microserve.messages import (CALLS, CallFailed, CheckIntegrityRequest, EngineStats, FromCore,
-                                 Generate, Heartbeat, Outputs, Rejected, Reply, Shutdown,
-                                 StatsRequest, invoke)
+from engine.frames import (
+    CallFailed,
+    FromCore,
+    Generate,
+    Heartbeat,
+    invoke,
+    Outputs,
+    Rejected,
+    Reply,
+    Shutdown,
+)
+from microserve.messages import CALLS, CheckIntegrityRequest, EngineStats, StatsRequest
 from microserve.wire import FrameDecoder, encode
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120, 64]

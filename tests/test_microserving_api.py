@@ -28,12 +28,12 @@ from microserve import wire
 from microserve.backend import BackendUnavailable, GenerateBackend, MicroservingError
 from microserve.errors import install_error_handlers
 from microserve.http_server import listen_socket
+from engine.frames import Generate, ToCore
 from microserve.messages import (
     AbortRequest,
     CommitRequest,
     EngineInfo,
     EngineStats,
-    Generate,
     GenerateChunk,
     KVAddr,
     Liveness,
@@ -48,7 +48,6 @@ from microserve.messages import (
     SamplingParams,
     TokenLogprob,
     TokenOutput,
-    ToCore,
     validator,
 )
 from microserve.microserving_client import EngineClient

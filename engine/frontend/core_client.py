@@ -31,30 +31,32 @@ from microserve.backend import (
     MicroservingError,
     RequestRejected,
 )
-from microserve.messages import (
-    CALLS,
-    AbortRequest,
-    AbortResponse,
+from engine.frames import (
     CallFailed,
-    EngineInfo,
-    EngineStats,
     Frame,
     FromCore,
     Generate,
-    GenerateChunk,
     Heartbeat,
-    Liveness,
+    invoke,
     Outputs,
     Ready,
     Rejected,
     Reply,
-    SamplingParams,
     Shutdown,
+)
+from microserve.messages import (
+    CALLS,
+    AbortRequest,
+    AbortResponse,
+    EngineInfo,
+    EngineStats,
+    GenerateChunk,
+    Liveness,
+    SamplingParams,
     StatsRequest,
     TokenOutput,
     Usage,
     call_of,
-    invoke,
 )
 from microserve.transfer_auth import KEY_ENV, transfer_key
 from microserve.wire import FrameDecoder, encode
