@@ -252,8 +252,8 @@ class CoreClient(GenerateBackend):
                     return
         finally:
             del self._queues[request_id]
-            if not settled and self._alive:
-                await asyncio.shield(self.abort(request_id))
+            if not settled and self._alive:  # the abort call, its answer not awaited
+                self._send(invoke(next(self._call_ids), AbortRequest(request_id)))
 
     async def abort(self, request_id: str) -> AbortResponse:
         """Drop whatever the core holds under `request_id` (the abort call)."""
