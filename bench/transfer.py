@@ -66,7 +66,8 @@ import time
 
 import httpx
 
-from microserve.messages import SamplingParams
+from microserve.messages import (AbortRequest, PrepRecvRequest, RemoteSendRequest, SamplingParams,
+                                 SendToRequest)
 from microserve.microserving_client import EngineClient
 from microserve.model_config import ModelConfig
 from microserve.model_files import resolve_model
@@ -120,14 +121,14 @@ async def measure(p: EngineClient, d: EngineClient, n: int, vocab: int, page_siz
     tag = f"{n}-{rng.random()}"
     await prefill_on(p, f"warm-{tag}", ctx)  # P caches ctx's whole pages
     cached = n // page_size * page_size  # the prefix cache holds whole pages only
-    r = await d.prep_recv(f"copy-{tag}", ctx, end=cached)
-    copy_s, sent = await timed(p.remote_send(f"copy-{tag}", ctx, 0, cached, r.kv_addr))
+    r = await d.call(PrepRecvRequest(f"copy-{tag}", ctx, end=cached))
+    copy_s, sent = await timed(p.call(RemoteSendRequest(f"copy-{tag}", ctx, 0, cached, r.kv_addr)))
     assert sent.reused == cached and sent.computed == 0, sent
-    await d.abort(f"copy-{tag}")
+    await d.call(AbortRequest(f"copy-{tag}"))
     new = fresh(rng, vocab, n)
-    r = await d.prep_recv(f"compute-{tag}", new, end=n)
-    compute_s, _ = await timed(p.remote_send(f"compute-{tag}", new, 0, n, r.kv_addr))
-    await d.abort(f"compute-{tag}")
+    r = await d.call(PrepRecvRequest(f"compute-{tag}", new, end=n))
+    compute_s, _ = await timed(p.call(RemoteSendRequest(f"compute-{tag}", new, 0, n, r.kv_addr)))
+    await d.call(AbortRequest(f"compute-{tag}"))
     p_prefill_s, _ = await timed(prefill_on(p, f"p-local-{tag}", fresh(rng, vocab, n)))
     prefill_s, _ = await timed(prefill_on(d, f"local-{tag}", fresh(rng, vocab, n)))
     return {"copy_s": copy_s, "copied": sent.reused, "compute_s": compute_s,
@@ -150,10 +151,10 @@ async def pd_first_token(p: EngineClient, d: EngineClient, rid: str, prompt: lis
     n = len(prompt)
     end = n if p_samples else n - 1
     params = SamplingParams(max_tokens=1, temperature=0)
-    sending = asyncio.ensure_future(p.remote_send(rid, prompt, 0, end, None,
-                                                  params if p_samples else None))
-    r = await d.prep_recv(rid, prompt, end=end, wait_s=0)
-    await p.send_to(rid, r.matched, r.kv_addr)
+    sending = asyncio.ensure_future(p.call(RemoteSendRequest(rid, prompt, 0, end, None,
+                                                  params if p_samples else None)))
+    r = await d.call(PrepRecvRequest(rid, prompt, end=end, wait_s=0))
+    await p.call(SendToRequest(rid, r.matched, r.kv_addr))
     sent = await sending
     send_s = first_s = time.perf_counter() - t0
     async for _ in d.start_generate(rid, prompt, end, params, first_token=sent.first_token):
@@ -170,9 +171,9 @@ async def measure_migration(p: EngineClient, d: EngineClient, n: int, new: int, 
     ctx = fresh(rng, vocab, n - new)
     await prefill_on(p, f"warm-{tag}", ctx)  # P caches the context's whole pages
     cached = (n - new) // page_size * page_size
-    r = await d.prep_recv(f"copy-{tag}", ctx, end=cached)
-    copy_s, _ = await timed(p.remote_send(f"copy-{tag}", ctx, 0, cached, r.kv_addr))
-    await d.abort(f"copy-{tag}")
+    r = await d.call(PrepRecvRequest(f"copy-{tag}", ctx, end=cached))
+    copy_s, _ = await timed(p.call(RemoteSendRequest(f"copy-{tag}", ctx, 0, cached, r.kv_addr)))
+    await d.call(AbortRequest(f"copy-{tag}"))
     migrate_s, migrate_ttft, migrate_d = await pd_first_token(p, d, f"mig-{tag}",
                                                               ctx + fresh(rng, vocab, new))
     ctx = fresh(rng, vocab, n - new)  # D holds the first context now
@@ -231,9 +232,9 @@ async def measure_tpot(p: EngineClient, d: EngineClient, vocab: int, page_size: 
                 continue
             i += 1
             prompt, end = (cached, whole) if kind == "copy" else (fresh(rng, vocab, n), n)
-            r = await d.prep_recv(f"load-{i}", prompt, end=end)
-            await p.remote_send(f"load-{i}", prompt, r.matched, end, r.kv_addr)
-            await d.abort(f"load-{i}")
+            r = await d.call(PrepRecvRequest(f"load-{i}", prompt, end=end))
+            await p.call(RemoteSendRequest(f"load-{i}", prompt, r.matched, end, r.kv_addr))
+            await d.call(AbortRequest(f"load-{i}"))
             sends[kind] += 1
 
     async def phases() -> None:
@@ -358,13 +359,13 @@ async def main() -> None:
             await wait_healthy(urls[k], procs[k])
         clients = {k: EngineClient(u, api_key=ENGINE_KEY) for k, u in urls.items()}
         rng = random.Random(0)
-        info = (await clients["p"].stats())["info"]
-        if info["dtype"] != "float32":
+        info = (await clients["p"].stats()).info
+        if info.dtype != "float32":
             kv_bytes_per_token //= 2
-        where = info["device"] if len(set(device.values())) == 1 else (
+        where = info.device if len(set(device.values())) == 1 else (
             f"P on {device['p']}, receivers on {device[kinds[0]]}")
         print(f"model {mc.name} on {where}, KV {kv_bytes_per_token} B/token "
-              f"({info['dtype']}), median of {args.repeat} runs after one warm-up\n")
+              f"({info.dtype}), median of {args.repeat} runs after one warm-up\n")
         if "send" in modes:
             await table_send(clients, kinds, lengths, mc, kv_bytes_per_token, args.repeat, rng)
         if "migrate" in modes:

@@ -6,10 +6,11 @@ detokenization (vLLM once spent 62% of an H100 decode step outside the GPU). The
 socket of length-prefixed msgpack frames (microserve/wire.py), each a typed message of
 microserve/messages.py, decoded by its "type" tag:
 
-    frontend -> core: Generate, Abort, Invoke (a Call: Stats, CheckIntegrity, PrepRecv,
-                      RemoteSend, SendTo, Commit, AbortCall, Pin, Unpin), Shutdown
+    frontend -> core: Generate, Invoke (one of the calls declared in messages.CALLS, handled
+                      by the `on_{name}` method of CoreLoop), Shutdown
     core -> frontend: Ready | StartFailed (once), Outputs (one frame per step, all requests),
-                      Rejected, Reply, Heartbeat (from a thread of its own, every HEARTBEAT_S)
+                      Rejected, Reply | CallFailed, Heartbeat (from a thread of its own,
+                      every HEARTBEAT_S)
 
 Between steps the loop drains whatever messages have arrived without blocking; when it has no
 work it blocks on the socket, the KV sender's wake-up pipe and the next lease or wait deadline.
@@ -36,41 +37,44 @@ import threading
 import time
 import traceback
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loop_stats import LoopClock, StatsLog
 from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
-from microserve.messages import (
-    Abort,
-    AbortCall,
-    AbortResponse,
-    Call,
-    CheckIntegrity,
-    Commit,
+from engine.frames import (
+    CallFailed,
     Frame,
     Generate,
     Heartbeat,
     Invoke,
     Outputs,
-    Pin,
-    PinResponse,
-    PrepRecv,
     Ready,
     Rejected,
-    RemoteSend,
     Reply,
-    SendTo,
     Shutdown,
     StartFailed,
-    Stats,
     ToCore,
-    Unpin,
 )
+from microserve.messages import CALLS, AbortRequest, AbortResponse, PinResponse
 from microserve.transfer_auth import KEY_ENV
 from microserve.wire import FrameDecoder, encode
 
 log = logging.getLogger("microserve.core")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _encoded(answer) -> msgspec.Raw:
+    return msgspec.Raw(_encoder.encode(answer))
+
+
+def _pinned(pin, prompt: list[int]) -> PinResponse:
+    try:
+        return PinResponse(pin(prompt))
+    except ValueError as e:  # unpin of a prefix that is not pinned
+        raise MicroservingError(400, str(e), "prompt") from None
 
 MAX_FAILED_STEPS = 3  # steps in a row that may raise before the engine gives up (and exits)
 CHECK_AFTER_IDLE_S = 0.05  # idle this long before the integrity check runs (see run)
@@ -93,8 +97,11 @@ class CoreLoop:
         self.step_started: float | None = None  # time.monotonic() in a step; set by run()
         self.decoder = FrameDecoder(ToCore)
         self.running = True
-        # request id -> id of the remote_send (or waiting prep_recv) call to answer
-        self.sends: dict[str, int] = {}
+        # request id -> (call, id) of the remote_send (or waiting prep_recv) to answer
+        self.sends: dict[str, tuple] = {}
+        # call name -> (its declaration, its handler): a handler returns the call's answer,
+        # or None for one answered later (core.poll)
+        self.handlers = {name: (call, getattr(self, f"on_{name}")) for name, call in CALLS.items()}
         self.failed_steps = 0  # steps in a row that raised
         self.clock = LoopClock(core.loop)
         self.stats_log = StatsLog(core.config.log_stats_interval_s)
@@ -220,10 +227,6 @@ class CoreLoop:
     def _handle(self, msg: ToCore) -> None:
         if isinstance(msg, Generate):
             self._generate(msg)
-        elif isinstance(msg, Abort):
-            out = self.core.abort_request(msg.request_id)
-            if out is not None:
-                self.send(Outputs([out]))
         elif isinstance(msg, Invoke):
             self._call(msg)
         elif isinstance(msg, Shutdown):
@@ -244,73 +247,79 @@ class CoreLoop:
                 self.send(Outputs([first]))
 
     def _call(self, msg: Invoke) -> None:
-        call = msg.call
+        if msg.method not in self.handlers:
+            self._reply(msg.id, None, MicroservingError(404, f"unknown call {msg.method!r}"))
+            return
+        call, handler = self.handlers[msg.method]
         try:
-            result = self._dispatch_call(call)
+            request = call.decode_request(msg.request)
+            answer = handler(request, msg.received_at or None)
         except (RequestRejected, MicroservingError) as e:
-            self._reply(msg.id, error=e)
-            return
+            self._reply(msg.id, call, e)
         except IntegrityError as e:
-            self._reply(msg.id, error=RuntimeError(f"integrity check failed: {e}"))
-            return
+            self._reply(msg.id, call, RuntimeError(f"integrity check failed: {e}"))
         except Exception as e:  # our bug: it fails this call, never the engine
-            log.exception("%s failed", type(call).__name__)
-            self._reply(msg.id, error=RuntimeError(f"internal error: {type(e).__name__}"))
-            return
-        if result is None and isinstance(call, (RemoteSend, PrepRecv)):  # answered later
-            self.sends[call.request.request_id] = msg.id
+            log.exception("%s failed", msg.method)
+            self._reply(msg.id, call, RuntimeError(f"internal error: {type(e).__name__}"))
         else:
-            self._reply(msg.id, result)
+            if answer is None:  # answered once settled (_answer_sends)
+                self.sends[request.request_id] = (call, msg.id)
+            else:
+                self._reply(msg.id, call, answer)
 
-    def _dispatch_call(self, call: Call):
-        core, exchange = self.core, self.core.exchange
-        match call:
-            case Stats():
-                return core.stats()
-            case CheckIntegrity():
-                core.check_integrity()
-                return True
-            case PrepRecv(request=r):
-                return exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
-            case RemoteSend(request=r, received_at=received_at):
-                return core.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
-                                        r.sampling, received_at or None, r.queue_s)
-            case SendTo(request=r):
-                return exchange.send_to(r.request_id, r.begin, r.kv_addr)
-            case Commit(request=r):
-                return exchange.commit(r.request_id, r.pin)
-            case AbortCall(request=r):
-                aborted = r.request_id in core.requests
-                self._handle(Abort(r.request_id))
-                return AbortResponse(aborted)
-            case Pin(request=r) | Unpin(request=r):
-                try:
-                    pin = core.kv.pin if isinstance(call, Pin) else core.kv.unpin
-                    return PinResponse(pin(r.prompt))
-                except ValueError as e:  # unpin of a prefix that is not pinned
-                    raise MicroservingError(400, str(e), "prompt") from None
-        raise MicroservingError(404, f"unknown call {type(call).__name__}")
+    # -- the calls' handlers (messages.CALLS): (request, received_at) -> answer | None ---------
 
-    def _reply(self, call_id: int, result=None, error: Exception | None = None) -> None:
-        if error is None:
-            self.send(Reply(call_id, result))
+    def on_stats(self, request, received_at):
+        return self.core.stats()
+
+    def on_check_integrity(self, request, received_at):
+        self.core.check_integrity()
+        return True
+
+    def on_prep_recv(self, r, received_at):
+        return self.core.exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
+
+    def on_remote_send(self, r, received_at):
+        return self.core.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
+                                     r.sampling, received_at, r.queue_s)
+
+    def on_send_to(self, r, received_at):
+        return self.core.exchange.send_to(r.request_id, r.begin, r.kv_addr)
+
+    def on_commit(self, r, received_at):
+        return self.core.exchange.commit(r.request_id, r.pin)
+
+    def on_abort(self, r: AbortRequest, received_at) -> AbortResponse:
+        """Drop the request wherever it is; a generation gets its finishing output."""
+        aborted = r.request_id in self.core.requests
+        out = self.core.abort_request(r.request_id)
+        if out is not None:
+            self.send(Outputs([out]))
+        return AbortResponse(aborted)
+
+    def on_pin(self, r, received_at) -> PinResponse:
+        return _pinned(self.core.kv.pin, r.prompt)
+
+    def on_unpin(self, r, received_at) -> PinResponse:
+        return _pinned(self.core.kv.unpin, r.prompt)
+
+    def _reply(self, call_id: int, call, answer=None) -> None:
+        """Send `answer` (encoded as `call.answer`), or the failure it is an exception of."""
+        if not isinstance(answer, Exception):
+            self.send(Reply(call_id, _encoded(answer)))
             return
-        ours = isinstance(error, (RequestRejected, MicroservingError))
-        self.send(Reply(call_id, error=str(error),
-                        status=getattr(error, "status", 400) if ours else 500,
-                        param=getattr(error, "param", None), code=getattr(error, "code", None)))
+        ours = isinstance(answer, (RequestRejected, MicroservingError))
+        self.send(CallFailed(call_id, str(answer),
+                             getattr(answer, "status", 400) if ours else 500,
+                             getattr(answer, "param", None), getattr(answer, "code", None)))
 
     def _answer_sends(self) -> bool:
         """Answer the deferred calls now settled. True if there were any."""
         answers = self.core.poll()
         for rid, outcome in answers:
-            call_id = self.sends.pop(rid, None)
-            if call_id is None:
-                continue
-            if isinstance(outcome, Exception):
-                self._reply(call_id, error=outcome)
-            else:
-                self._reply(call_id, outcome)
+            waiting = self.sends.pop(rid, None)
+            if waiting is not None:
+                self._reply(waiting[1], waiting[0], outcome)
         return bool(answers)
 
 

@@ -64,12 +64,9 @@ class GenerateBackend(ABC):
 
         Raises BackendUnavailable before the first output if the request cannot be served now,
         RequestRejected if it can never be served as asked.
-        Closing the iterator early does not abort the request: call `abort`.
+        The request lives as long as the iterator: closing (or cancelling) it before the
+        finishing chunk stops the request wherever it is and frees everything it holds.
         """
-
-    @abstractmethod
-    async def abort(self, request_id: str) -> None:
-        """Stop the request wherever it is and free everything it holds. Unknown ids are ignored."""
 
     async def healthy(self) -> bool:
         return True

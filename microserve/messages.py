@@ -4,15 +4,14 @@
     client or router -> engine (HTTP)       JSON or msgpack          `validator(type)`: pydantic,
                                                                      once, where it enters
     engine frontend <-> engine core         msgpack frames           msgspec decodes the frames
-                                            (microserve/wire.py)     into these types (`Frame`)
+                                            (microserve/wire.py)     (engine/frames.py) into these
     engine -> router (HTTP answers)         JSON or msgpack          msgspec decodes into these
 
 The messages are plain slotted dataclasses: pydantic validates them where they come from
 outside (the constraints in their `Annotated` types, unknown fields and non-finite floats
 refused, a 400 naming the field), msgspec encodes and decodes them everywhere else, and code
 in between builds and reads them as it would any dataclass, trusting them. The frames of the
-socket between an engine's frontend and its core are msgspec structs tagged by "type" (a
-call's by "method"), so a decoded frame is already the typed message to dispatch on.
+socket between an engine's frontend and its core (engine/frames.py) carry them.
 
 The microserving calls (DESIGN §4) split one request across engines (paper §3.1):
 
@@ -36,9 +35,10 @@ that need the prompt length or the engine's state are the engine's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, TypeVar
 
-from msgspec import Struct
+import msgspec
+from msgspec import Raw, Struct
 from pydantic import ConfigDict, Field, TypeAdapter, with_config
 
 from microserve.bounds import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS,
@@ -290,7 +290,7 @@ class PrepRecvResponse:
 
 
 @_CHECKED
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True)
 class RemoteSendRequest:
     request_id: RequestId
     prompt: Prompt
@@ -385,9 +385,25 @@ class PinRequest:
     prompt: Prompt
 
 
+@_CHECKED
+@dataclass(slots=True)
+class UnpinRequest(PinRequest):
+    pass
+
+
 @dataclass(slots=True)
 class PinResponse:
     tokens: int  # leading tokens of the prompt (a page multiple) now pinned / unpinned
+
+
+@dataclass(slots=True)
+class StatsRequest:
+    """The core's load and KV accounting (its half of GET /microserving/stats)."""
+
+
+@dataclass(slots=True)
+class CheckIntegrityRequest:
+    """Run the core's KV integrity check (GET /microserving/stats?check=1)."""
 
 
 # -- what an engine is and how loaded --------------------------------------------------------------
@@ -462,134 +478,80 @@ class EngineStats:
     idle_seconds: float = 0.0  # waiting with nothing to run
 
 
-# -- frames between an engine's frontend and its core (engine/frontend/, engine/core_proc.py) --
+class StatsResponse(Struct, omit_defaults=True):
+    """GET /microserving/stats: the core's load, the engine's facts, and with `?check=1` the
+    integrity check's verdict ("ok", or what is wrong)."""
 
-class Call(Struct, tag_field="method", frozen=True):
-    """A call to the engine core, answered by a Reply with an `answer` (or an error)."""
-
-    answer: ClassVar[type]  # the result's type
-
-
-class PrepRecv(Call, tag="prep_recv"):
-    answer = PrepRecvResponse
-    request: PrepRecvRequest
-
-
-class RemoteSend(Call, tag="remote_send"):
-    answer = RemoteSendResponse
-    request: RemoteSendRequest
-    # time.perf_counter() when the engine's frontend took the HTTP call (the core runs on the
-    # same host, on the same clock): the answer's queue time starts there, so it includes the
-    # wait for the core to finish the step it is in. 0: when the core took it.
-    received_at: float = 0.0
-
-
-class SendTo(Call, tag="send_to"):
-    answer = SendToResponse
-    request: SendToRequest
-
-
-class Commit(Call, tag="commit"):
-    answer = CommitResponse
-    request: CommitRequest
-
-
-class AbortCall(Call, tag="abort"):
-    answer = AbortResponse
-    request: AbortRequest
-
-
-class Pin(Call, tag="pin"):
-    answer = PinResponse
-    request: PinRequest
-
-
-class Unpin(Call, tag="unpin"):
-    answer = PinResponse
-    request: PinRequest
-
-
-class Stats(Call, tag="stats"):
-    answer = EngineStats
-
-
-class CheckIntegrity(Call, tag="check_integrity"):
-    answer = bool  # True; a failed check is an error reply
-
-
-AnyCall = PrepRecv | RemoteSend | SendTo | Commit | AbortCall | Pin | Unpin | Stats | CheckIntegrity
-
-
-class Frame(Struct, tag_field="type", frozen=True):
-    """One message on the frontend <-> core socket."""
-
-
-# frontend -> core
-class Generate(Frame, tag="generate"):
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    begin: int = 0
-    first_token: int | None = None
-
-
-class Abort(Frame, tag="abort"):
-    """Drop the request wherever it is; a generation gets its finishing output. No reply."""
-
-    request_id: str
-
-
-class Invoke(Frame, tag="call"):
-    id: int
-    call: AnyCall
-
-
-class Shutdown(Frame, tag="shutdown"):
-    pass
-
-
-ToCore = Generate | Abort | Invoke | Shutdown
-
-
-# core -> frontend
-class Ready(Frame, tag="ready"):
+    stats: EngineStats
     info: EngineInfo
+    integrity: str | None = None
 
 
-class StartFailed(Frame, tag="error"):
+class ErrorDetail(Struct):
+    """OpenAI's error object (microserve/errors.py)."""
+
     message: str
-
-
-class Outputs(Frame, tag="outputs"):
-    items: list[TokenOutput]  # one step's, every request's
-
-
-class Rejected(Frame, tag="rejected"):
-    """A Generate the core refused, or failed: the status the request answers with."""
-
-    request_id: str
-    message: str
-    param: str | None
-    status: int
-
-
-class Heartbeat(Frame, tag="heartbeat"):
-    """The core process is alive: sent by a thread of its own every few tenths of a second,
-    during a long step too (a long step is progress; a core that stopped sending is not)."""
-
-    steps: int  # steps begun so far (the one in progress counts)
-    in_step_s: float  # how long the step in progress has run (0: between steps)
-
-
-class Reply(Frame, tag="reply"):
-    """The answer to Invoke `id`: `result` (of the call's `answer` type), or an error."""
-
-    id: int
-    result: Any = None
-    error: str | None = None
-    status: int = 200
+    type: str
     param: str | None = None
     code: str | None = None
 
 
-FromCore = Ready | StartFailed | Outputs | Rejected | Reply | Heartbeat
+class StreamError(Struct):
+    """The last item of a start_generate stream that failed after its status line went out:
+    the status and error the call would have been answered with."""
+
+    status: int
+    error: ErrorDetail
+
+
+# -- the microserving calls, each declared once ------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request/answer call, declared once; the rest follows from the declaration: the
+    engine frontend's route POST /microserving/{name} (engine/frontend/microserving_api.py),
+    the frames to the core and its handler `on_{name}` (engine/core_proc.py), and the router's
+    one generic `EngineClient.call(request)` (microserve/microserving_client.py), which
+    decodes the answer once, into `answer`.
+
+    `timeout_s` bounds the wait for the answer (None: as long as the engine works: a prefill, a
+    transfer); `waits` names the request's field that lets the call wait longer on purpose
+    (prep_recv's wait for pages: the engine bounds it). `route` False: between an engine's
+    frontend and its core only."""
+
+    name: str
+    request: type
+    answer: type
+    timeout_s: float | None = 30.0
+    waits: str | None = None
+    route: bool = True
+    _decoders: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_decoders", (msgspec.msgpack.Decoder(self.request),
+                                               msgspec.msgpack.Decoder(self.answer)))
+
+    def decode_request(self, raw: bytes | Raw):
+        return self._decoders[0].decode(raw)
+
+    def decode_answer(self, raw: bytes | Raw):
+        return self._decoders[1].decode(raw)
+
+
+CALLS: dict[str, Call] = {c.name: c for c in (
+    Call("prep_recv", PrepRecvRequest, PrepRecvResponse, waits="wait_s"),
+    Call("remote_send", RemoteSendRequest, RemoteSendResponse, timeout_s=None),
+    Call("send_to", SendToRequest, SendToResponse),
+    Call("commit", CommitRequest, CommitResponse),
+    Call("abort", AbortRequest, AbortResponse),  # the one abort, from anywhere
+    Call("pin", PinRequest, PinResponse),
+    Call("unpin", UnpinRequest, PinResponse),
+    Call("stats", StatsRequest, EngineStats, route=False),
+    Call("check_integrity", CheckIntegrityRequest, bool, route=False),  # failed: an error
+)}
+_CALL_OF = {c.request: c for c in CALLS.values()}
+
+
+def call_of(request) -> Call:
+    """The declaration of the call whose request `request` is."""
+    return _CALL_OF[type(request)]

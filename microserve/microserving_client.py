@@ -1,15 +1,18 @@
 """The router's handle on one engine's microserving API (DESIGN §4), over pooled HTTP.
 
     engine = EngineClient("http://10.0.0.7:8000", api_key=key)
-    recv = await engine.prep_recv(request_id, prompt, end=-1)
-    await prefill_engine.remote_send(request_id, prompt, recv.matched, -1, recv.kv_addr)
+    recv = await engine.call(PrepRecvRequest(request_id, prompt, end=-1))
+    await prefill_engine.call(RemoteSendRequest(request_id, prompt, recv.matched, -1,
+                                                recv.kv_addr))
     async for chunk in engine.start_generate(request_id, prompt, begin=len(prompt) - 1):
         ...
 
-Bodies go as msgpack by default (token lists are the bulk), JSON with `use_msgpack=False`:
-the typed messages of microserve/messages.py, encoded by msgspec, and the answers decoded into
-them (the engine validates what it is sent; the router trusts its engines' answers, which
-msgspec still checks for shape as it decodes them).
+`call` makes any call declared in microserve.messages.CALLS: its route, its answer's type and
+whether its answer is bounded in time follow from the request's type. Bodies go as msgpack by
+default (token lists are the bulk), JSON with `use_msgpack=False`: the typed messages of
+microserve/messages.py, encoded by msgspec, and every answer, chunk and stream error decoded
+once, into its type (the engine validates what it is sent; the router trusts its engines'
+answers, which msgspec still checks for shape as it decodes them).
 Failures: an answer with an error status raises MicroservingError(status, message, param) from
 the engine's OpenAI error JSON; an engine that cannot be reached or drops the connection
 raises BackendUnavailable naming its URL, one that does not answer within `timeout_s`
@@ -34,23 +37,13 @@ import msgspec
 from microserve.backend import BackendUnavailable, MicroservingError
 from microserve.http_client import ConnectionPool, Response
 from microserve.messages import (
-    AbortRequest,
-    AbortResponse,
-    CommitRequest,
-    CommitResponse,
     GenerateChunk,
-    KVAddr,
     Liveness,
-    PinRequest,
-    PinResponse,
-    PrepRecvRequest,
-    PrepRecvResponse,
-    RemoteSendRequest,
-    RemoteSendResponse,
     SamplingParams,
-    SendToRequest,
-    SendToResponse,
     StartGenerateRequest,
+    StatsResponse,
+    StreamError,
+    call_of,
 )
 from microserve.wire import FrameDecoder
 
@@ -66,15 +59,39 @@ class SlowAnswer(BackendUnavailable):
     """The engine did not answer within the client's limit (connecting included)."""
 
 
+_chunk = msgspec.msgpack.Decoder(GenerateChunk)
+_stream_error = msgspec.msgpack.Decoder(StreamError)
+
+
+class _ChunkDecoder:
+    """start_generate's msgpack stream: feed bytes as they arrive; get the whole frames out,
+    each decoded once: a GenerateChunk, or the StreamError that ends a failed stream."""
+
+    def __init__(self):
+        self._frames = FrameDecoder(msgspec.Raw)
+
+    def feed(self, data: bytes) -> list[GenerateChunk | StreamError]:
+        return [_decode_item(raw) for raw in self._frames.feed(data)]
+
+
+def _decode_item(raw: msgspec.Raw) -> GenerateChunk | StreamError:
+    try:
+        return _chunk.decode(raw)
+    except msgspec.ValidationError:  # no token_ids: the stream's error
+        return _stream_error.decode(raw)
+
+
 class _LineDecoder:
-    """NDJSON: feed bytes as they arrive; get the whole lines' objects out."""
+    """NDJSON (start_generate without msgpack): the whole lines' items, typed."""
 
     def __init__(self):
         self._buf = b""
 
-    def feed(self, data: bytes) -> list:
+    def feed(self, data: bytes) -> list[GenerateChunk | StreamError]:
         *lines, self._buf = (self._buf + data).split(b"\n")
-        return [json.loads(line) for line in lines if line]
+        items = [json.loads(line) for line in lines if line]
+        return [msgspec.convert(item, StreamError if "error" in item else GenerateChunk)
+                for item in items]
 
 
 def _is_msgpack(response: Response) -> bool:
@@ -98,7 +115,7 @@ async def _response_error(response: Response, timeout_s: float) -> MicroservingE
         return _error(response.status, text)
 
 
-def _coalesced(items: list[dict]) -> Iterator[GenerateChunk]:
+def _coalesced(items: list[GenerateChunk | StreamError]) -> Iterator[GenerateChunk]:
     """The chunks of one read as one chunk (tokens, logprobs in order; the last finish_reason
     and usage; the first cached_tokens and prompt_logprobs). A caller that keeps up reads one
     chunk per engine step; one that lags (a router forwarding hundreds of streams) finds
@@ -106,24 +123,29 @@ def _coalesced(items: list[dict]) -> Iterator[GenerateChunk]:
     error item raises after the tokens before it."""
     merged = None
     for item in items:
-        if "error" in item:  # the engine failed after its 200: the status it would have sent
+        if isinstance(item, StreamError):  # the engine failed after its 200
             if merged is not None:
-                yield msgspec.convert(merged, GenerateChunk)
-            raise _error(item["status"], item)
+                yield merged
+            error = item.error
+            raise MicroservingError(item.status, error.message, error.param, error.code)
         if merged is None:
             merged = item
             continue
-        merged["token_ids"] = merged["token_ids"] + item["token_ids"]
-        if item.get("logprobs") is not None:
-            merged["logprobs"] = (merged.get("logprobs") or []) + item["logprobs"]
-        for key in ("finish_reason", "usage"):
-            if item.get(key) is not None:
-                merged[key] = item[key]
-        for key in ("cached_tokens", "prompt_logprobs"):
-            if merged.get(key) is None:
-                merged[key] = item.get(key)
+        if merged is items[0]:  # a copy to merge into: the decoded chunks stay as they came
+            merged = GenerateChunk(list(merged.token_ids), merged.logprobs,
+                                   merged.finish_reason, merged.usage, merged.cached_tokens,
+                                   merged.prompt_logprobs)
+        merged.token_ids += item.token_ids
+        if item.logprobs is not None:
+            merged.logprobs = (merged.logprobs or []) + item.logprobs
+        merged.finish_reason = item.finish_reason or merged.finish_reason
+        merged.usage = item.usage or merged.usage
+        if merged.cached_tokens is None:
+            merged.cached_tokens = item.cached_tokens
+        if merged.prompt_logprobs is None:
+            merged.prompt_logprobs = item.prompt_logprobs
     if merged is not None:
-        yield msgspec.convert(merged, GenerateChunk)
+        yield merged
 
 
 class EngineClient:
@@ -151,33 +173,19 @@ class EngineClient:
             headers += f"Authorization: Bearer {api_key}\r\n"
         self._headers = headers.encode("latin-1")
 
-    async def prep_recv(self, request_id: str, prompt: list[int], end: int = -1,
-                        lease_s: float | None = None, wait_s: float | None = None
-                        ) -> PrepRecvResponse:
-        """Reserve this engine's slots for `prompt[matched:end]`, held for `lease_s` after the
-        sender's last renewal; waits up to `wait_s` for free pages (None: the engine's
-        --kv-recv-wait-s), then raises a 503 MicroservingError with code kv_wait_timeout."""
-        body = PrepRecvRequest(request_id, prompt, end, lease_s, wait_s)
-        read_timeout_s = None if wait_s is None else wait_s + self._timeout_s
-        return await self._post("prep_recv", body, PrepRecvResponse, read_timeout_s=read_timeout_s)
-
-    async def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
-                          kv_addr: KVAddr | None, sampling: SamplingParams | None = None,
-                          queue_s: float | None = None) -> RemoteSendResponse:
-        """Make the KV of `prompt[begin:end]` land at `kv_addr`; returns once it all landed.
-        With `sampling` (end = len(prompt)) the answer also has the first output token.
-        `kv_addr` None (begin 0): the engine starts computing now and sends once `send_to`
-        names where. `queue_s`: a step must start on it within this long, else a 503 with code
-        queue_timeout (None: no limit)."""
-        body = RemoteSendRequest(request_id=request_id, prompt=prompt, begin=begin, end=end,
-                                 kv_addr=kv_addr, sampling=sampling, queue_s=queue_s)
-        return await self._post("remote_send", body, RemoteSendResponse, unbounded=True)
-
-    async def send_to(self, request_id: str, begin: int, kv_addr: KVAddr) -> SendToResponse:
-        """Name the destination of a remote_send made without kv_addr: [begin, end) goes to
-        `kv_addr` (the receiver's prep_recv answer: begin = its matched)."""
-        return await self._post("send_to", SendToRequest(request_id, begin, kv_addr),
-                                SendToResponse)
+    async def call(self, request: Any) -> Any:
+        """Make the call whose request `request` is (microserve.messages.CALLS): its answer,
+        decoded once into the call's answer type. A call whose answer takes as long as the
+        engine works (remote_send) waits for it unbounded; one that may wait on purpose
+        (prep_recv's `wait_s` for pages) that much longer than the client's limit."""
+        call = call_of(request)
+        timeout_s = None if call.timeout_s is None else self._timeout_s + (
+            (getattr(request, call.waits) or 0) if call.waits else 0)
+        response = await self._open(b"POST", call.name, self._encode(request), timeout_s)
+        raw = await self._answer(response, timeout_s)
+        if _is_msgpack(response):
+            return call.decode_answer(raw)
+        return msgspec.json.decode(raw, type=call.answer)
 
     async def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
                              sampling: SamplingParams | None = None,
@@ -194,7 +202,7 @@ class EngineClient:
         body = StartGenerateRequest(request_id, prompt, begin, sampling or SamplingParams(),
                                     first_token=first_token)
         response = await self._open(b"POST", "start_generate", self._encode(body), None)
-        decoder = FrameDecoder() if _is_msgpack(response) else _LineDecoder()
+        decoder = _ChunkDecoder() if _is_msgpack(response) else _LineDecoder()
         finished = False
         try:
             # Read on past the last chunk to the end of the stream (it ends right there), so
@@ -213,35 +221,18 @@ class EngineClient:
             raise BackendUnavailable(
                 f"engine {self.base_url}: the stream of {request_id} ended before it finished")
 
-    async def commit(self, request_id: str, pin: bool = False) -> CommitResponse:
-        """Adopt the KV received under `request_id` into the prefix cache (pinned if `pin`)."""
-        return await self._post("commit", CommitRequest(request_id, pin), CommitResponse)
-
-    async def abort(self, request_id: str) -> AbortResponse:
-        """Drop whatever the engine holds under `request_id`."""
-        return await self._post("abort", AbortRequest(request_id), AbortResponse)
-
-    async def pin(self, prompt: list[int]) -> PinResponse:
-        """Keep the cached prefix of `prompt` from eviction."""
-        return await self._post("pin", PinRequest(prompt), PinResponse)
-
-    async def unpin(self, prompt: list[int]) -> PinResponse:
-        """Let the cached prefix of `prompt` be evicted again."""
-        return await self._post("unpin", PinRequest(prompt), PinResponse)
-
-    async def stats(self, check: bool = False) -> dict:
-        """{"stats": load and KV accounting, "info": the engine's EngineInfo}, plus
-        "integrity" ("ok" or what is wrong) when `check` runs the KV integrity check."""
+    async def stats(self, check: bool = False) -> StatsResponse:
+        """The engine's load and facts, with the KV integrity check's verdict if `check`."""
         path = "stats?check=1" if check else "stats"
-        return await self._answer(await self._open(b"GET", path, None, self._timeout_s),
-                                  self._timeout_s)
+        response = await self._open(b"GET", path, None, self._timeout_s)
+        return _decoded(response, await self._answer(response, self._timeout_s), StatsResponse)
 
     async def live(self, challenge: str | None = None) -> Liveness:
         """The engine's liveness, asked without the key; with a `challenge` (hex) its
         answer carries the proof that it holds the key (microserve/auth.py)."""
         path = "live" if challenge is None else f"live?challenge={challenge}"
         response = await self._open(b"GET", path, None, self._timeout_s, keyless=True)
-        return msgspec.convert(await self._answer(response, self._timeout_s), Liveness)
+        return _decoded(response, await self._answer(response, self._timeout_s), Liveness)
 
     def retire(self) -> None:
         """Keep no idle connections from now on; calls still go out."""
@@ -266,14 +257,6 @@ class EngineClient:
         kind = SlowAnswer if isinstance(exc, TimeoutError) else BackendUnavailable
         return kind(f"engine {self.base_url}: {type(exc).__name__}: {exc}")
 
-    async def _post(self, name: str, body: Any, response_type: type[ResponseT],
-                    unbounded: bool = False, read_timeout_s: float | None = None) -> ResponseT:
-        """One call and its validated answer; `unbounded`: wait for it as long as the engine
-        works (no read timeout); `read_timeout_s`: this long instead of the client's limit."""
-        timeout_s = None if unbounded else read_timeout_s or self._timeout_s
-        response = await self._open(b"POST", name, self._encode(body), timeout_s)
-        return msgspec.convert(await self._answer(response, timeout_s), response_type)
-
     async def _open(self, method: bytes, name: str, data: bytes | None,
                     read_timeout_s: float | None, keyless: bool = False) -> Response:
         """The response to one call, its body still to read; raises on an error status or
@@ -291,14 +274,17 @@ class EngineClient:
             raise self._unavailable(e) from e
         return response
 
-    async def _answer(self, response: Response, read_timeout_s: float | None) -> Any:
-        """The decoded body of a successful answer."""
+    async def _answer(self, response: Response, read_timeout_s: float | None) -> bytes:
+        """The body of a successful answer."""
         try:
-            raw = await response.read(read_timeout_s)
+            return await response.read(read_timeout_s)
         except _TRANSPORT_ERRORS as e:
             raise self._unavailable(e) from e
         finally:
             response.release()
-        if _is_msgpack(response):
-            return msgspec.msgpack.decode(raw)
-        return json.loads(raw)
+
+
+def _decoded(response: Response, raw: bytes, type_: type[ResponseT]) -> ResponseT:
+    if _is_msgpack(response):
+        return msgspec.msgpack.decode(raw, type=type_)
+    return msgspec.json.decode(raw, type=type_)

@@ -7,7 +7,8 @@ Per request: validate (protocol.py), tokenize (through the chat template for cha
 context, iterate `backend.generate`, detokenize incrementally, cut at stop strings, and answer
 with JSON or server-sent events. All text and JSON work happens here, in the frontend's event
 loop; the backend sees token ids only. Whenever a request ends before the backend finished it
-(a stop string, a client that went away, an error), the backend is told to `abort` it.
+(a stop string, a client that went away, an error), its iterator is closed, which releases it
+in the backend (GenerateBackend's contract): the frontend sends no abort of its own.
 
 Routers and engines serve it through microserve/http_server.py (listen_socket: TCP_NODELAY).
 """
@@ -546,11 +547,9 @@ class OpenAIFrontend:
         finally:
             self._running.dec()
             self._note_finished(run)
-            if not backend_finished:
+            if hasattr(outputs, "aclose"):  # closing it unfinished releases the request
                 # Shielded: a cancelled request must still be released by the backend.
-                await asyncio.shield(self.backend.abort(run.request_id))
-            if hasattr(outputs, "aclose"):  # an async generator left at a yield: run its cleanup
-                await outputs.aclose()
+                await asyncio.shield(outputs.aclose())
 
     @staticmethod
     def _echoed(run: _Run, out: GenerateChunk) -> list:

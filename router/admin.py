@@ -23,6 +23,7 @@ engine unreachable.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 from typing import Any
@@ -172,9 +173,7 @@ class AdminAPI:
                 sent = await source.remote_send(request, recv.matched, len(prompt), recv.kv_addr)
             committed = await destination.commit(request, body.pin)
         except BaseException:
-            for engine in (destination, source):
-                if engine.name in request.touched and engine.up:
-                    await _ignore_errors(engine.abort(request))
+            await asyncio.shield(self.pool.release(request))
             raise
         return JSONResponse({
             "tokens": len(prompt), "already_cached": recv.matched,
@@ -221,13 +220,6 @@ class AdminAPI:
         if not ids:
             raise invalid_request("text is empty after tokenization", "text")
         return ids
-
-
-async def _ignore_errors(work) -> None:
-    try:
-        await work
-    except Exception:
-        pass
 
 
 def add_admin_routes(app: FastAPI, api: AdminAPI) -> None:

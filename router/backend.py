@@ -6,10 +6,12 @@ strategy's `generate(request, engines)` and relays its chunks (cached_tokens mad
     client ─▶ frontend ─▶ RouterBackend.generate ─▶ strategy.generate ─▶ engine handles ─▶ engines
                     ◀── text ◀────────────── GenerateChunk ◀──────────────┘
 
-Cleanup is the router's, not the strategy's: whenever a request ends without a finish reason
-(the strategy raised, an engine failed, the client went away, a stop string matched), every
-engine the request touched that may still hold something for it is told to abort it, once (an
-engine whose send or generation finished holds nothing). A request that fails before its first token
+Cleanup is the router's, not the strategy's, and a request lives as long as its iterator:
+whenever `generate` ends without a finish reason (the strategy raised, an engine failed, the
+frontend closed it because the client went away or a stop string matched), every engine the
+request touched that may still hold something for it is told to abort it, once, from here
+(EnginePool.release; an engine whose send or generation finished holds nothing). Nobody else
+sends the request's aborts: the frontend just closes the iterator. A request that fails before its first token
 because an engine is unreachable or a KV transfer failed is tried again (up to `max_retries`
 times, after 0.1 s, then 0.2 s, ...) if some engine is still up; the strategy then picks again,
 and an engine that could not be reached is marked down, so it is not picked until it answers a
@@ -56,14 +58,11 @@ class RouterBackend(GenerateBackend):
                  registry: Registry, *, max_retries: int = 2):
         self.pool, self.host, self.model_name = pool, host, model_name
         self.max_retries = max_retries
-        self._live: dict[str, Request] = {}  # requests being served, by request_id
         self._requests = registry.counter(
             "microserve_router_requests_total", "Requests by strategy and how they ended.",
             ["strategy", "outcome"])
         self._retries = registry.counter(
             "microserve_router_retries_total", "Requests tried again after an engine failed.")
-        self._aborts = registry.counter(
-            "microserve_router_engine_aborts_total", "Abort calls sent to engines.")
         self._stages = StageMetrics(registry)
 
     @property
@@ -78,7 +77,6 @@ class RouterBackend(GenerateBackend):
         for attempt in range(self.max_retries + 1):
             request = Request(request_id, prompt_token_ids, params)
             loaded = self.host.acquire()
-            self._live[request_id] = request
             if params.prompt_logprobs is None:
                 chunks = loaded.instance.generate(request, self.pool)
             else:  # scoring the prompt needs it computed whole on one engine: no strategy splits it
@@ -116,9 +114,8 @@ class RouterBackend(GenerateBackend):
                                     f"{type(e).__name__}") from e
             finally:
                 await chunks.aclose()
-                if not finished:
-                    await asyncio.shield(self._abort_touched(request))
-                self._live.pop(request_id, None)
+                if not finished:  # the one place the request is released on the engines
+                    await asyncio.shield(self.pool.release(request))
                 self.host.release(loaded, finished)
                 self._requests.inc(strategy=loaded.name,
                                    outcome="finished" if finished else "failed")
@@ -132,27 +129,6 @@ class RouterBackend(GenerateBackend):
         if isinstance(error, BackendUnavailable):
             return True
         return error.status in RETRY_STATUSES and error.code not in QUEUE_TIMEOUTS
-
-    async def abort(self, request_id: str) -> None:
-        request = self._live.get(request_id)
-        if request is not None:
-            await self._abort_touched(request)
-
-    async def _abort_touched(self, request: Request) -> None:
-        """Abort the request, once, on every engine it touched that may still hold something
-        for it (and is still in the pool and up). The frontend's abort and the generator's
-        cleanup both come here; the second finds nothing left to do."""
-        names = sorted(request.touched - request.settled)
-        request.settled.update(names)
-        engines = [self.pool.get(name) for name in names]
-        engines = [e for e in engines if e is not None and e.up]
-        self._aborts.inc(len(engines))
-        results = await asyncio.gather(*(e.abort(request) for e in engines),
-                                       return_exceptions=True)
-        for engine, result in zip(engines, results):
-            if isinstance(result, Exception):
-                log.warning("abort of %s on engine %s failed: %s", request.request_id,
-                            engine.name, result)
 
     async def metrics_text(self) -> str:
         return self.pool.metrics_text() + self.host.metrics_text()

@@ -48,7 +48,6 @@ import contextlib
 import itertools
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -57,14 +56,21 @@ import msgspec
 
 from microserve.backend import BackendUnavailable, MicroservingError
 from microserve.messages import (
+    AbortRequest,
+    CommitRequest,
     CommitResponse,
     EngineInfo,
     EngineStats,
     GenerateChunk,
     KVAddr,
+    PinRequest,
     PinResponse,
+    PrepRecvRequest,
     PrepRecvResponse,
+    RemoteSendRequest,
     RemoteSendResponse,
+    SendToRequest,
+    UnpinRequest,
 )
 from microserve.auth import proves_key
 from microserve.metrics import Registry
@@ -169,8 +175,8 @@ class EngineHandle:
         if wait_s is None:
             wait_s = self._pool.queue_timeout_s
         started = now()
-        answer = await self._call(self.client.prep_recv(request.request_id, request.prompt, end,
-                                                        lease_s, wait_s))
+        answer = await self._call(PrepRecvRequest(request.request_id, request.prompt, end,
+                                                  lease_s, wait_s))
         request.timeline.prep_recv_s = now() - started
         self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
         return answer
@@ -193,7 +199,7 @@ class EngineHandle:
         started = now()
         try:
             answer = await self._pool.unless_down(
-                watched, self._call(self.client.remote_send(
+                watched, self._call(RemoteSendRequest(
                     request.request_id, request.prompt, begin, end, kv_addr,
                     request.sampling if sample else None, self._pool.queue_timeout_s)),
                 f"while engine {self.name} was sending it KV for request {request.request_id}")
@@ -211,7 +217,7 @@ class EngineHandle:
         """Name where this engine's remote_send of `request`, made without kv_addr, sends
         [begin, end)."""
         self._touch(request)
-        await self._call(self.client.send_to(request.request_id, begin, kv_addr))
+        await self._call(SendToRequest(request.request_id, begin, kv_addr))
 
     async def send_prompt(self, request: Request, receiver: EngineHandle, early: bool = True
                           ) -> tuple[int, int | None]:
@@ -329,20 +335,20 @@ class EngineHandle:
     async def commit(self, request: Request, pin: bool = False) -> CommitResponse:
         """Adopt the KV received for `request` into this engine's prefix cache."""
         self._touch(request)
-        answer = await self._call(self.client.commit(request.request_id, pin))
+        answer = await self._call(CommitRequest(request.request_id, pin))
         request.settled.add(self.name)
         self._pool.prefix_index.insert(request.prompt[:answer.cached], self.name)
         return answer
 
     async def abort(self, request: Request) -> bool:
         """Drop whatever this engine holds for `request`. False if it held nothing."""
-        return (await self._call(self.client.abort(request.request_id))).aborted
+        return (await self._call(AbortRequest(request.request_id))).aborted
 
     async def pin(self, prompt: list[int]) -> PinResponse:
-        return await self._call(self.client.pin(prompt))
+        return await self._call(PinRequest(prompt))
 
     async def unpin(self, prompt: list[int]) -> PinResponse:
-        return await self._call(self.client.unpin(prompt))
+        return await self._call(UnpinRequest(prompt))
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -362,12 +368,12 @@ class EngineHandle:
         request.touched.add(self.name)
         request.settled.discard(self.name)
 
-    async def _call(self, call):
+    async def _call(self, body):
+        """The call whose request `body` is (microserve.messages.CALLS), made on this engine."""
         if not self.live:  # not proved since it went down: nothing goes there with the key
-            call.close()
             raise self._not_live()
         try:
-            return await call
+            return await self.client.call(body)
         except SlowAnswer:  # busy, or gone: the liveness probe tells which
             raise
         except BackendUnavailable as e:
@@ -439,6 +445,8 @@ class EnginePool:
             "microserve_router_pd_fallbacks_total",
             "P/D requests served without a prefill or a decode engine, by which was missing.",
             ["missing"])
+        self._aborts = registry.counter(
+            "microserve_router_engine_aborts_total", "Abort calls sent to engines.")
         self.prefix_index = PrefixIndex()  # page size set from the first engine's info
         self._engines: dict[str, EngineHandle] = {}
         self._rr = itertools.count()
@@ -528,6 +536,23 @@ class EnginePool:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    async def release(self, request: Request) -> None:
+        """End `request` on the engines: abort it, once, on every engine it touched that may
+        still hold something for it (and is still in the pool and up). The one place a
+        request's engine state is released, by the owner of its stream (the router's backend
+        when its iterator closes unfinished, the admin API's migrate when it fails); calling
+        it again finds nothing left to do."""
+        names = sorted(request.touched - request.settled)
+        request.settled.update(names)
+        engines = [e for e in map(self._engines.get, names) if e is not None and e.up]
+        self._aborts.inc(len(engines))
+        results = await asyncio.gather(*(e.abort(request) for e in engines),
+                                       return_exceptions=True)
+        for engine, result in zip(engines, results):
+            if isinstance(result, Exception):
+                log.warning("abort of %s on engine %s failed: %s", request.request_id,
+                            engine.name, result)
 
     def down_event(self, name: str) -> asyncio.Event | None:
         """Set when engine `name` is marked down or leaves the pool (None: not in it)."""
@@ -695,12 +720,11 @@ class EnginePool:
         (msgspec.ValidationError) if it is not an engine's answer."""
         try:
             async with asyncio.timeout(self.health_timeout_s):
-                body = await client.stats()
+                answer = await client.stats()
         except TimeoutError:
             raise BackendUnavailable(f"engine {client.base_url}: no stats within "
                                      f"{self.health_timeout_s:g} s") from None
-        return (msgspec.convert(body["info"], EngineInfo),
-                msgspec.convert(body["stats"], EngineStats))
+        return answer.info, answer.stats
 
     async def start(self) -> None:
         """Begin polling (call once the event loop runs)."""

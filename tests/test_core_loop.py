@@ -25,8 +25,18 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_proc import MAX_FAILED_STEPS, CoreLoop
 from engine.loop_stats import LoopCounters, StatsLog, format_line
-from microserve.messages import (CheckIntegrity, EngineStats, FromCore, Generate, Heartbeat,
-                                 Invoke, Outputs, Rejected, Reply, Shutdown, Stats)
+from engine.frames import (
+    CallFailed,
+    FromCore,
+    Generate,
+    Heartbeat,
+    invoke,
+    Outputs,
+    Rejected,
+    Reply,
+    Shutdown,
+)
+from microserve.messages import CALLS, CheckIntegrityRequest, EngineStats, StatsRequest
 from microserve.wire import FrameDecoder, encode
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120, 64]
@@ -108,8 +118,9 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(harness, tiny_
         request_id="doomed", status=500, param=None,
         message="internal error in the engine step: RuntimeError")
     assert harness.generate("after") == want
-    harness.send(Invoke(1, CheckIntegrity()))
-    assert harness.receive() == Reply(id=1, result=True, error=None)
+    harness.send(invoke(1, CheckIntegrityRequest()))
+    reply = harness.receive()
+    assert (reply.id, CALLS["check_integrity"].decode_answer(reply.result)) == (1, True)
     assert harness.core.kv.stats().used_pages == 0 and len(harness.core.requests) == 0
 
 
@@ -126,9 +137,9 @@ def test_a_request_or_call_that_raises_fails_alone(harness, tiny_model_dir, monk
     assert harness.receive() == Rejected(request_id="doomed", status=500, param=None,
                                          message="internal error: KeyError")
     monkeypatch.setattr(harness.core, "stats", lambda: {}["missing"])
-    harness.send(Invoke(7, Stats()))
+    harness.send(invoke(7, StatsRequest()))
     reply = harness.receive()
-    assert (reply.id, reply.status, reply.error) == (7, 500, "internal error: KeyError")
+    assert reply == CallFailed(id=7, status=500, error="internal error: KeyError")
     assert harness.generate("after") == want
 
 
@@ -156,8 +167,8 @@ def test_the_core_counts_its_steps_and_logs_them_while_it_works(tiny_model_dir, 
     try:
         assert h.generate("a") == hf_greedy(tiny_model_dir, [PROMPT], N_NEW)[0]
         time.sleep(0.5)  # idle: the line of the interval with the steps is logged all the same
-        h.send(Invoke(1, Stats()))
-        stats = EngineStats(**h.receive().result)
+        h.send(invoke(1, StatsRequest()))
+        stats = CALLS["stats"].decode_answer(h.receive().result)
     finally:
         h.stop()
         core.close()
@@ -213,7 +224,7 @@ def test_a_long_step_beats_while_the_calls_wait_for_it(tiny_model_dir, monkeypat
         while not isinstance(beat := h.receive(), Heartbeat) or beat.in_step_s == 0:
             pass
         asked = time.monotonic()
-        h.send(Invoke(1, Stats()))
+        h.send(invoke(1, StatsRequest()))
         beats, tokens = [beat], []
         while not isinstance(msg := h.receive(), Reply):
             if isinstance(msg, Heartbeat):
@@ -225,7 +236,7 @@ def test_a_long_step_beats_while_the_calls_wait_for_it(tiny_model_dir, monkeypat
         assert {b.steps for b in beats if b.in_step_s > 0} == {1}  # the first step, running
         assert in_step == sorted(in_step) and len(in_step) >= 10, in_step
         assert 1.2 < in_step[-1] < 1.6 and 1.0 < answered_s, (in_step, answered_s)
-        assert EngineStats(**msg.result).steps == 1  # answered once the step was done
+        assert CALLS["stats"].decode_answer(msg.result).steps == 1  # answered once the step was done
     finally:
         h.stop()
         core.close()

@@ -23,7 +23,7 @@ from deployments import RouterProcess, Up, assert_quiet, engine_stats, stop_and_
 from pd_faults import check_killing_decode, check_killing_prefill
 
 from microserve.backend import MicroservingError
-from microserve.messages import SamplingParams
+from microserve.messages import PrepRecvRequest, RemoteSendRequest, SamplingParams
 from microserve.microserving_client import EngineClient
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -106,14 +106,14 @@ async def test_pd_and_balanced_splits_give_hf_greedy_tokens(kind, p, d, tiny_ser
     want = hf_greedy(tiny_served_dir, PROMPTS, N_NEW)
     P, D = EngineClient(p.url, api_key=ENGINE_KEY), EngineClient(d.url, api_key=ENGINE_KEY)
     try:
-        assert (await D.stats())["info"]["kv_transfer"] == kind
+        assert (await D.stats()).info.kv_transfer == kind
         for i, prompt in enumerate(PROMPTS):
             n = len(prompt)
             for split, end in (("pd", n - 1), ("balanced", n - 1 - n // 5), ("p-samples", n)):
                 rid = f"{split}-{i}"
-                r = await D.prep_recv(rid, prompt, end=end)
+                r = await D.call(PrepRecvRequest(rid, prompt, end=end))
                 sampling = GREEDY if end == n else None  # P also samples the first token
-                sent = await P.remote_send(rid, prompt, r.matched, end, r.kv_addr, sampling)
+                sent = await P.call(RemoteSendRequest(rid, prompt, r.matched, end, r.kv_addr, sampling))
                 assert sent.sent == end - r.matched
                 assert sent.first_token == (want[i][0] if sampling else None)
                 got = await collect(D, rid, prompt, end, sent.first_token)
@@ -140,11 +140,11 @@ async def test_pd_between_fp8_kv_engines_gives_hf_greedy_tokens_over_fp8_kv(
     try:
         for engine in pair:
             engine.wait_ready()
-        assert (await D.stats())["info"]["kv_cache_dtype"] == "float8_e4m3fn"
+        assert (await D.stats()).info.kv_cache_dtype == "float8_e4m3fn"
         for i, prompt in enumerate(PROMPTS):
-            r = await D.prep_recv(f"fp8-{i}", prompt)
+            r = await D.call(PrepRecvRequest(f"fp8-{i}", prompt))
             assert r.kv_addr.layout.dtype == "float8_e4m3fn"
-            sent = await P.remote_send(f"fp8-{i}", prompt, r.matched, -1, r.kv_addr)
+            sent = await P.call(RemoteSendRequest(f"fp8-{i}", prompt, r.matched, -1, r.kv_addr))
             assert sent.sent == len(prompt) - 1 - r.matched
             assert await collect(D, f"fp8-{i}", prompt, len(prompt) - 1) == want[i], i
         for engine in pair:
@@ -173,8 +173,8 @@ async def test_abort_mid_send_and_a_dead_receiver_leave_nothing_held(kind, p, ti
         sender.wait_ready()
         victim.wait_ready()
         prompt = [(3 * k) % 256 for k in range(480)]
-        r = await V.prep_recv("gone", prompt)
-        send = asyncio.create_task(P.remote_send("gone", prompt, 0, -1, r.kv_addr))
+        r = await V.call(PrepRecvRequest("gone", prompt))
+        send = asyncio.create_task(P.call(RemoteSendRequest("gone", prompt, 0, -1, r.kv_addr)))
         await asyncio.sleep(0.05)
         os.kill(victim.core_pid(), signal.SIGKILL)
         try:
@@ -327,8 +327,8 @@ async def test_pd_across_two_gpus(kind, tiny_served_dir, tmp_path_factory):
     try:
         for i, prompt in enumerate(PROMPTS):
             n = len(prompt)
-            r = await D.prep_recv(f"x-{i}", prompt, end=n - 1)
-            await P.remote_send(f"x-{i}", prompt, r.matched, n - 1, r.kv_addr)
+            r = await D.call(PrepRecvRequest(f"x-{i}", prompt, end=n - 1))
+            await P.call(RemoteSendRequest(f"x-{i}", prompt, r.matched, n - 1, r.kv_addr))
             assert await collect(D, f"x-{i}", prompt, begin=n - 1) == want[i]
         for engine in (p0, d1):
             assert_quiet(engine.name, engine.url)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 
 import httptools
+import msgspec
 import pytest
 
 from microserve.http_client import ConnectionPool
@@ -250,7 +251,12 @@ def test_chunks_read_together_are_handled_as_one():
     they become one chunk (tokens and logprobs in order, the last finish_reason and usage, the
     first cached_tokens); an error after tokens raises once those tokens are out."""
     from microserve.backend import MicroservingError
-    from microserve.microserving_client import _coalesced
+    from microserve.messages import GenerateChunk, StreamError
+    from microserve.microserving_client import _coalesced as coalesced
+
+    def _coalesced(items):  # the items as the client decodes them off the wire: typed
+        return coalesced([msgspec.convert(i, StreamError if "error" in i else GenerateChunk)
+                          for i in items])
 
     lp = [{"token_id": 5, "logprob": -0.5, "top": [[5, -0.5]]}]
     usage = {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}

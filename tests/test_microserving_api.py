@@ -28,17 +28,26 @@ from microserve import wire
 from microserve.backend import BackendUnavailable, GenerateBackend, MicroservingError
 from microserve.errors import install_error_handlers
 from microserve.http_server import listen_socket
+from engine.frames import Generate, ToCore
 from microserve.messages import (
-    Generate,
+    AbortRequest,
+    CommitRequest,
+    EngineInfo,
+    EngineStats,
     GenerateChunk,
     KVAddr,
     Liveness,
+    PinRequest,
+    PrepRecvRequest,
     PrepRecvResponse,
+    RemoteSendRequest,
     RemoteSendResponse,
+    StatsResponse,
+    UnpinRequest,
+    call_of,
     SamplingParams,
     TokenLogprob,
     TokenOutput,
-    ToCore,
     validator,
 )
 from microserve.microserving_client import EngineClient
@@ -73,17 +82,24 @@ CALLS = {
     "pin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
     "unpin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
 }
-STATS = {"running": 1, "waiting": 0, "kv_pages_free": 12}
-INFO = {"model_name": "tiny", "page_size": 4, "num_pages": 16}
+STATS = {**{f.name: 0 for f in dataclasses.fields(EngineStats)},
+         "running": 1, "waiting": 0, "kv_pages_free": 12}
+INFO = {"model_name": "tiny", "model_dir": "/m", "device": "cpu", "dtype": "float32",
+        "vocab_size": 64, "max_model_len": 64, "eos_token_ids": [2], "page_size": 4,
+        "num_pages": 16, "kv_capacity_tokens": 64, "max_num_batched_tokens": 64,
+        "max_num_seqs": 4, "kv_transfer": "none", "quantization": None,
+        "kv_cache_dtype": None, "deployment": None}
 
 
 class FakeCore(GenerateBackend):
     """engine.frontend.core_client.CoreClient's contract, scripted.
 
-    `call(call)` returns `results[method]` (the call's tag), or raises it if it is an
-    exception. `start_generate` raises `error` before any output if set; else yields the chunk
-    the core client makes of one TokenOutput per entry of `steps` (the last one finished,
-    unless `hang` or `fail`), then waits until closed (`hang`) or raises `fail`.
+    `call(request)` returns `results[name]` (the name of the request's call), or raises it if
+    it is an exception. `start_generate` raises `error` before any output if set; else yields
+    the chunk the core client makes of one TokenOutput per entry of `steps` (the last one
+    finished, unless `hang` or `fail`), then waits until closed (`hang`) or raises `fail`;
+    closed before it finished, or failed by anything but the engine's own error, it aborts
+    the request (the core client's contract).
     """
 
     model_name = "tiny"
@@ -101,11 +117,9 @@ class FakeCore(GenerateBackend):
         self.generate_calls: list[tuple] = []  # (request_id, prompt, begin, params)
         self.aborted: list[str] = []
 
-    async def call(self, call, timeout_s=30.0):
-        method = type(call).__struct_config__.tag
-        request = getattr(call, "request", None)
-        args = None if request is None else dataclasses.asdict(request)
-        self.calls.append((method, args, timeout_s))
+    async def call(self, request, timeout_s=30.0, received_at=0.0):
+        method = call_of(request).name
+        self.calls.append((method, dataclasses.asdict(request) or None, timeout_s))
         result = self.results[method]
         if isinstance(result, Exception):
             raise result
@@ -117,19 +131,25 @@ class FakeCore(GenerateBackend):
         self.generate_calls.append((request_id, prompt, begin, params))
         if self.error:
             raise self.error
-        num_generated = 0
-        for i, ids in enumerate(self.steps):
-            last = i == len(self.steps) - 1 and not (self.hang or self.fail)
-            logprobs = [TokenLogprob(t, -0.5, [(t, -0.5), (7, -1.5)]) for t in ids]
-            out = TokenOutput(request_id, list(ids), "stop" if last else None,
-                              logprobs if self.logprobs else None, len(prompt), 2)
-            num_generated += len(ids)
-            yield _chunk(out, num_generated, first=i == 0)
-            await asyncio.sleep(0)
-        if self.fail:
-            raise self.fail
-        if self.hang:
-            await asyncio.Event().wait()
+        num_generated, settled = 0, False
+        try:
+            for i, ids in enumerate(self.steps):
+                last = i == len(self.steps) - 1 and not (self.hang or self.fail)
+                logprobs = [TokenLogprob(t, -0.5, [(t, -0.5), (7, -1.5)]) for t in ids]
+                out = TokenOutput(request_id, list(ids), "stop" if last else None,
+                                  logprobs if self.logprobs else None, len(prompt), 2)
+                num_generated += len(ids)
+                settled = last
+                yield _chunk(out, num_generated, first=i == 0)
+                await asyncio.sleep(0)
+            if self.fail:
+                settled = isinstance(self.fail, (MicroservingError, BackendUnavailable))
+                raise self.fail
+            if self.hang:
+                await asyncio.Event().wait()
+        finally:
+            if not settled:
+                await self.abort(request_id)
 
     def generate(self, request_id, prompt_token_ids, params):
         return self.start_generate(request_id, prompt_token_ids, 0, params)
@@ -539,16 +559,16 @@ async def test_engine_client_calls(use_msgpack):
     core = FakeCore()
     async with engine_client(core, use_msgpack=use_msgpack) as engine:
         kv_addr = validator(KVAddr).validate_python(KV_ADDR)
-        assert await engine.prep_recv("r1", PROMPT, end=10) == PrepRecvResponse(
+        assert await engine.call(PrepRecvRequest("r1", PROMPT, end=10)) == PrepRecvResponse(
             matched=4, kv_addr=kv_addr)
-        assert await engine.remote_send("r1", PROMPT, 4, 10, kv_addr) == RemoteSendResponse(
+        assert await engine.call(RemoteSendRequest("r1", PROMPT, 4, 10, kv_addr)) == RemoteSendResponse(
             sent=6, computed=10, reused=0)
-        assert dataclasses.asdict(await engine.commit("r1", pin=True)) == {"cached": 8,
+        assert dataclasses.asdict(await engine.call(CommitRequest("r1", pin=True))) == {"cached": 8,
                                                                              "pinned": True}
-        assert (await engine.abort("r1")).aborted is True
-        assert (await engine.pin(PROMPT)).tokens == (await engine.unpin(PROMPT)).tokens == 8
-        assert await engine.stats(check=True) == {"stats": STATS, "info": INFO,
-                                                  "integrity": "ok"}
+        assert (await engine.call(AbortRequest("r1"))).aborted is True
+        assert (await engine.call(PinRequest(PROMPT))).tokens == (await engine.call(UnpinRequest(PROMPT))).tokens == 8
+        assert await engine.stats(check=True) == StatsResponse(
+            EngineStats(**STATS), EngineInfo(**INFO), "ok")
     assert core.calls == [(route, args, timeout_s) for route, (_, _, args, timeout_s)
                           in CALLS.items()] + [("stats", None, 30.0),
                                                ("check_integrity", None, 30.0)]
@@ -586,7 +606,7 @@ async def test_engine_client_errors():
         with pytest.raises(MicroservingError) as refused:
             await anext(engine.start_generate("g1", PROMPT))
         with pytest.raises(MicroservingError) as full:
-            await engine.prep_recv("r1", PROMPT)
+            await engine.call(PrepRecvRequest("r1", PROMPT))
     assert (refused.value.status, str(refused.value), refused.value.param) == (
         409, "request_id 'g1' is in use", "request_id")
     assert (full.value.status, str(full.value), full.value.param) == (
@@ -608,10 +628,10 @@ async def test_engine_client_failure_mid_stream(use_msgpack):
 
 async def test_engine_client_auth():
     async with engine_client(FakeCore(), server_key=KEY, api_key=KEY) as engine:
-        assert (await engine.abort("r1")).aborted is True
+        assert (await engine.call(AbortRequest("r1"))).aborted is True
     async with engine_client(FakeCore(), server_key=KEY, api_key="sk-wrong") as engine:
         with pytest.raises(MicroservingError) as refused:
-            await engine.abort("r1")
+            await engine.call(AbortRequest("r1"))
     assert (refused.value.status, str(refused.value)) == (401, "Incorrect API key provided")
 
 
@@ -621,7 +641,7 @@ async def test_engine_client_unreachable_engine():
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     engine = EngineClient(url)
     with pytest.raises(BackendUnavailable, match=f"engine {url}: ConnectionRefusedError"):
-        await engine.abort("r1")
+        await engine.call(AbortRequest("r1"))
     with pytest.raises(BackendUnavailable, match=f"engine {url}: ConnectionRefusedError"):
         await anext(engine.start_generate("g1", PROMPT))
     await engine.aclose()
@@ -669,7 +689,7 @@ async def test_engine_client_keeps_its_connection():
         for _ in range(3):
             chunks = [c.token_ids async for c in engine.start_generate("g1", PROMPT)]
             assert chunks == [[11], [12, 13], [14]]
-        await engine.abort("g1")
+        await engine.call(AbortRequest("g1"))
         await engine.aclose()
     assert len(client_ports) == 4 and len(set(client_ports)) == 1
 

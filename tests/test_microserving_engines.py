@@ -25,7 +25,8 @@ from daemons import ENGINE_KEY, LIVE, Daemon, serve
 from deployments import assert_quiet
 
 from microserve.backend import MicroservingError
-from microserve.messages import SamplingParams
+from microserve.messages import (AbortRequest, CommitRequest, PrepRecvRequest, RemoteSendRequest,
+                                 SamplingParams, SendToRequest)
 from microserve.microserving_client import EngineClient
 from microserve.tokenizer import Tokenizer
 
@@ -121,9 +122,9 @@ async def test_pd_splits_give_single_engine_tokens(p, d, tok, smollm2_dir):
     try:
         rid = f"{kind}-nocache"
         prompt = prompts["nocache"]
-        r = await D.prep_recv(rid, prompt, end=-1)
+        r = await D.call(PrepRecvRequest(rid, prompt, end=-1))
         assert r.matched == 0 and r.kv_addr.num_slots == len(prompt) - 1
-        sent = await P.remote_send(rid, prompt, 0, -1, r.kv_addr)
+        sent = await P.call(RemoteSendRequest(rid, prompt, 0, -1, r.kv_addr))
         n = len(prompt) - 1
         assert (sent.sent, sent.computed, sent.reused) == (n, n, 0)
         tokens, usage = await collect(D, rid, prompt, begin=n)
@@ -135,15 +136,15 @@ async def test_pd_splits_give_single_engine_tokens(p, d, tok, smollm2_dir):
         matched_base = len(base) // 16 * 16
 
         rid, prompt = f"{kind}-d-prefix", prompts["d-prefix"]
-        r = await D.prep_recv(rid, prompt)
+        r = await D.call(PrepRecvRequest(rid, prompt))
         assert r.matched == matched_base
-        sent = await P.remote_send(rid, prompt, r.matched, -1, r.kv_addr)
+        sent = await P.call(RemoteSendRequest(rid, prompt, r.matched, -1, r.kv_addr))
         n = len(prompt) - 1
         assert (sent.sent, sent.reused) == (n - r.matched, 0)
         assert (await collect(D, rid, prompt, begin=n))[0] == want["d-prefix"]
 
         rid, prompt = f"{kind}-d-all", prompts["d-all"]
-        r = await D.prep_recv(rid, prompt)
+        r = await D.call(PrepRecvRequest(rid, prompt))
         assert r.matched == matched_base
         tokens, usage = await collect(D, rid, prompt, begin=r.matched)  # no remote_send
         assert tokens == want["d-all"] and usage.cached_tokens == r.matched
@@ -151,9 +152,9 @@ async def test_pd_splits_give_single_engine_tokens(p, d, tok, smollm2_dir):
         rid, prompt = f"{kind}-p-longer", prompts["p-longer"]
         # P caches base + base[:40]; D holds only base (matched_base tokens).
         await collect(P, f"{kind}-warm-p", base + base[:40] + ids(tok, " Why?"))
-        r = await D.prep_recv(rid, prompt)
+        r = await D.call(PrepRecvRequest(rid, prompt))
         assert r.matched == matched_base
-        sent = await P.remote_send(rid, prompt, r.matched, -1, r.kv_addr)
+        sent = await P.call(RemoteSendRequest(rid, prompt, r.matched, -1, r.kv_addr))
         p_cached = (len(base) + 40) // 16 * 16
         n = len(prompt) - 1
         assert (sent.sent, sent.reused, sent.computed) == (
@@ -162,8 +163,8 @@ async def test_pd_splits_give_single_engine_tokens(p, d, tok, smollm2_dir):
 
         rid, prompt = f"{kind}-balanced", prompts["balanced"]
         split = int(len(prompt) * 0.8)
-        r = await D.prep_recv(rid, prompt, end=split)
-        sent = await P.remote_send(rid, prompt, r.matched, split, r.kv_addr)
+        r = await D.call(PrepRecvRequest(rid, prompt, end=split))
+        sent = await P.call(RemoteSendRequest(rid, prompt, r.matched, split, r.kv_addr))
         assert sent.sent == split - r.matched
         tokens, usage = await collect(D, rid, prompt, begin=split)
         assert tokens == want["balanced"] and usage.cached_tokens == split
@@ -180,8 +181,8 @@ async def test_p_hands_its_sampled_first_token_to_d(p, d, tok, smollm2_dir):
     n, rid = len(prompt), f"{d.name}-first"
     P, D = client(p), client(d)
     try:
-        r = await D.prep_recv(rid, prompt, end=n)
-        sent = await P.remote_send(rid, prompt, 0, n, r.kv_addr, GREEDY)
+        r = await D.call(PrepRecvRequest(rid, prompt, end=n))
+        sent = await P.call(RemoteSendRequest(rid, prompt, 0, n, r.kv_addr, GREEDY))
         assert (sent.sent, sent.computed, sent.first_token) == (n, n, want[0])
         with pytest.raises(MicroservingError, match="begin must be the prompt length") as e:
             await anext(D.start_generate(rid + "-bad", prompt, n - 1, GREEDY,
@@ -208,11 +209,11 @@ async def test_p_starts_before_d_answers_and_send_to_names_where(p, d, tok, smol
     n, rid = len(prompt), f"{d.name}-early"
     P, D = client(p), client(d)
     try:
-        sending = asyncio.ensure_future(P.remote_send(rid, prompt, 0, n, None, GREEDY))
-        r = await D.prep_recv(rid, prompt, end=n, wait_s=0)
+        sending = asyncio.ensure_future(P.call(RemoteSendRequest(rid, prompt, 0, n, None, GREEDY)))
+        r = await D.call(PrepRecvRequest(rid, prompt, end=n, wait_s=0))
         await asyncio.sleep(0.05)  # P is well into its compute, or done and parked
         assert not sending.done()
-        addressed = await P.send_to(rid, r.matched, r.kv_addr)
+        addressed = await P.call(SendToRequest(rid, r.matched, r.kv_addr))
         assert 0 < addressed.copied <= n
         sent = await sending
         assert (sent.sent, sent.computed, sent.first_token) == (n, n, want[0])
@@ -235,11 +236,11 @@ async def test_context_migration_of_1000_tokens(p, d, tok):
     try:
         want, _ = await collect(P, f"{d.name}-mig-ref", context + question)
         rid = f"{d.name}-mig"
-        r = await D.prep_recv(rid, context, end=len(context))
-        sent = await P.remote_send(rid, context, r.matched, len(context), r.kv_addr)
+        r = await D.call(PrepRecvRequest(rid, context, end=len(context)))
+        sent = await P.call(RemoteSendRequest(rid, context, r.matched, len(context), r.kv_addr))
         # P's cache holds the context's 62 whole pages; the 8 tokens after them are recomputed.
         assert (sent.sent, sent.reused, sent.computed) == (1000 - r.matched, 992 - r.matched, 8)
-        committed = await D.commit(rid)
+        committed = await D.call(CommitRequest(rid))
         assert committed.cached == 992  # whole 16-token pages of the 1,000
         tokens, usage = await collect(D, f"{d.name}-mig-after", context + question)
         assert usage.cached_tokens == 992 and tokens == want
@@ -256,22 +257,22 @@ async def test_bad_calls_get_specific_errors(p, d_shm, tok):
     prompt = ids(tok, TEXT)[:100]
     try:
         with pytest.raises(MicroservingError, match="end 101 out of range for a 100-token"):
-            await D.prep_recv("bad", prompt, end=101)
-        r = await D.prep_recv("bad", prompt, end=-1)
+            await D.call(PrepRecvRequest("bad", prompt, end=101))
+        r = await D.call(PrepRecvRequest("bad", prompt, end=-1))
         with pytest.raises(MicroservingError) as e:
-            await D.prep_recv("bad", prompt)
+            await D.call(PrepRecvRequest("bad", prompt))
         assert e.value.status == 409 and e.value.param == "request_id"
         with pytest.raises(MicroservingError, match=re.escape(
                 "kv_addr reserves positions [0, 99) but the send covers [50, 99)")):
-            await P.remote_send("bad", prompt, 50, -1, r.kv_addr)
+            await P.call(RemoteSendRequest("bad", prompt, 50, -1, r.kv_addr))
         with pytest.raises(MicroservingError, match="begin 99 beyond the 0 tokens") as e:
             await collect(P, "other", prompt, begin=99)
         assert e.value.status == 400 and e.value.param == "begin"
         with pytest.raises(MicroservingError) as e:
-            await D.commit("no-such-request")
+            await D.call(CommitRequest("no-such-request"))
         assert e.value.status == 404
-        assert (await D.abort("bad")).aborted  # after prep_recv: the reservation is freed
-        assert not (await D.abort("bad")).aborted
+        assert (await D.call(AbortRequest("bad"))).aborted  # after prep_recv: the reservation is freed
+        assert not (await D.call(AbortRequest("bad"))).aborted
     finally:
         await P.aclose()
         await D.aclose()
@@ -287,12 +288,12 @@ async def test_a_kv_addr_writes_only_its_window_and_only_its_prompt(p, d, tok, s
     want, = hf_greedy(smollm2_dir, [x], N_NEW)
     P, D = client(p), client(d)
     try:
-        other = (await D.prep_recv("other", y)).kv_addr  # pages of another request
-        r = await D.prep_recv("x", x)
+        other = (await D.call(PrepRecvRequest("other", y))).kv_addr  # pages of another request
+        r = await D.call(PrepRecvRequest("x", x))
         assert r.kv_addr.num_slots == 64 and other.ranges != r.kv_addr.ranges
         moved = dataclasses.replace(r.kv_addr, ranges=other.ranges)
         with pytest.raises(MicroservingError) as e:
-            await P.remote_send("x", x, 0, -1, moved)
+            await P.call(RemoteSendRequest("x", x, 0, -1, moved))
         assert (e.value.status, e.value.param) == (400, "kv_addr.ranges")
         assert str(e.value) == (
             f"refusing to send: kv_addr's ranges {[list(r) for r in other.ranges]} for window "
@@ -300,11 +301,11 @@ async def test_a_kv_addr_writes_only_its_window_and_only_its_prompt(p, d, tok, s
             "signature over begin, end, ranges, window and digest does not verify): pass the "
             "prep_recv answer's kv_addr unchanged")
         with pytest.raises(MicroservingError) as e:
-            await P.remote_send("x", y, 0, -1, r.kv_addr)
+            await P.call(RemoteSendRequest("x", y, 0, -1, r.kv_addr))
         assert (e.value.status, e.value.param) == (400, "prompt")
         assert str(e.value).startswith(f"refusing to send: kv_addr's window "
                                        f"{r.kv_addr.window[0]} was reserved for another prompt")
-        assert (await D.abort("x")).aborted and (await D.abort("other")).aborted
+        assert (await D.call(AbortRequest("x"))).aborted and (await D.call(AbortRequest("other"))).aborted
         tokens, usage = await collect(D, "x-after", x)
         assert tokens == want and usage.cached_tokens == 0
     finally:
@@ -319,12 +320,12 @@ async def test_layout_mismatch_is_refused_with_both_layouts(p, smollm2_dir, tmp_
     other = next(gen)
     O, P = client(other), client(p)
     try:
-        r = await O.prep_recv("layout", [5] * 40)
+        r = await O.call(PrepRecvRequest("layout", [5] * 40))
         with pytest.raises(MicroservingError, match="KV layout mismatch in dtype, page_size") as e:
-            await P.remote_send("layout", [5] * 40, 0, -1, r.kv_addr)
+            await P.call(RemoteSendRequest("layout", [5] * 40, 0, -1, r.kv_addr))
         assert e.value.status == 400 and e.value.param == "kv_addr.layout"
         assert "'page_size': 16" in str(e.value) and "'page_size': 32" in str(e.value)
-        assert (await O.abort("layout")).aborted
+        assert (await O.call(AbortRequest("layout"))).aborted
     finally:
         await O.aclose()
         await P.aclose()
@@ -335,14 +336,14 @@ async def test_abort_during_remote_send(p, d_tcp, tok):
     P, D = client(p), client(d_tcp)
     prompt = (ids(tok, "Abort me. ") + ids(tok, TEXT) * 12)[:1000]
     try:
-        r = await D.prep_recv("ab", prompt)
-        send = asyncio.create_task(P.remote_send("ab", prompt, 0, -1, r.kv_addr))
+        r = await D.call(PrepRecvRequest("ab", prompt))
+        send = asyncio.create_task(P.call(RemoteSendRequest("ab", prompt, 0, -1, r.kv_addr)))
         await asyncio.sleep(0.2)
-        assert (await P.abort("ab")).aborted
+        assert (await P.call(AbortRequest("ab"))).aborted
         with pytest.raises(MicroservingError, match="was aborted") as e:
             await send
         assert e.value.status == 409
-        assert (await D.abort("ab")).aborted
+        assert (await D.call(AbortRequest("ab"))).aborted
     finally:
         await P.aclose()
         await D.aclose()
@@ -358,10 +359,10 @@ async def test_receiver_killed_during_remote_send(p, tok, kind, smollm2_dir, tmp
         victim.wait_ready()
         P, V = client(p), client(victim)
         prompt = (ids(tok, f"Kill {kind}. ") + ids(tok, TEXT) * 24)[:2000]
-        r = await V.prep_recv("victim", prompt)
-        send = asyncio.create_task(P.remote_send("victim", prompt, 0, -1, r.kv_addr))
+        r = await V.call(PrepRecvRequest("victim", prompt))
+        send = asyncio.create_task(P.call(RemoteSendRequest("victim", prompt, 0, -1, r.kv_addr)))
         deadline = time.monotonic() + 30
-        while (await P.stats())["stats"]["kv_send_jobs"] == 0:  # the send has started
+        while (await P.stats()).stats.kv_send_jobs == 0:  # the send has started
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         os.kill(victim.core_pid(), signal.SIGKILL)
@@ -383,13 +384,13 @@ async def test_bearer_token_guards_the_api(smollm2_dir, tmp_path_factory):
             assert httpx.get(guarded.url + path).status_code == 401
         assert httpx.get(guarded.url + "/health").status_code == 200
         G = EngineClient(guarded.url, api_key="s3cret")
-        r = await G.prep_recv("t", [5, 6, 7])
+        r = await G.call(PrepRecvRequest("t", [5, 6, 7]))
         assert r.matched == 0
-        assert (await G.abort("t")).aborted
+        assert (await G.call(AbortRequest("t"))).aborted
         await G.aclose()
         bad = EngineClient(guarded.url, api_key="wrong")
         with pytest.raises(MicroservingError) as e:
-            await bad.prep_recv("t", [5, 6, 7])
+            await bad.call(PrepRecvRequest("t", [5, 6, 7]))
         assert e.value.status == 401
         await bad.aclose()
     finally:

@@ -32,7 +32,7 @@ MAX_MODEL_LEN = 64
 class ScriptedBackend(GenerateBackend):
     """Yields one GenerateChunk per scripted step, then finishes with `finish_reason`.
 
-    `hang`: after the script, wait until aborted instead of finishing (a long generation).
+    `hang`: after the script, wait until closed instead of finishing (a long generation).
     `fail`: raise this after the script instead of finishing.
     """
 
@@ -49,20 +49,25 @@ class ScriptedBackend(GenerateBackend):
         self.is_healthy = True
 
     async def generate(self, request_id, prompt_token_ids, params):
+        """Closed (or failed) before its finishing chunk, it is aborted: `aborted` says so."""
         self.calls.append((request_id, list(prompt_token_ids), params))
-        for i, ids in enumerate(self.steps):
-            last = i == len(self.steps) - 1 and not (self.hang or self.fail)
-            logprobs = [TokenLogprob(t, -0.25 * t, [(t, -0.25 * t)]) for t in ids]
-            yield GenerateChunk(ids, logprobs if self.logprobs else None,
-                                self.finish_reason if last else None, cached_tokens=self.cached)
-            await asyncio.sleep(0)
-        if self.fail:
-            raise self.fail
-        if self.hang:
-            await asyncio.Event().wait()
-
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
+        finished = False
+        try:
+            for i, ids in enumerate(self.steps):
+                last = i == len(self.steps) - 1 and not (self.hang or self.fail)
+                logprobs = [TokenLogprob(t, -0.25 * t, [(t, -0.25 * t)]) for t in ids]
+                finished = last
+                yield GenerateChunk(ids, logprobs if self.logprobs else None,
+                                    self.finish_reason if last else None,
+                                    cached_tokens=self.cached)
+                await asyncio.sleep(0)
+            if self.fail:
+                raise self.fail
+            if self.hang:
+                await asyncio.Event().wait()
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
 
     async def healthy(self):
         return self.is_healthy

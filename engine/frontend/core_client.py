@@ -23,7 +23,6 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
-import msgspec
 
 from engine.config import EngineConfig
 from microserve.backend import (
@@ -32,27 +31,32 @@ from microserve.backend import (
     MicroservingError,
     RequestRejected,
 )
-from microserve.messages import (
-    Abort,
-    Call,
-    EngineInfo,
-    EngineStats,
+from engine.frames import (
+    CallFailed,
     Frame,
     FromCore,
     Generate,
-    GenerateChunk,
     Heartbeat,
-    Invoke,
-    Liveness,
+    invoke,
     Outputs,
     Ready,
     Rejected,
     Reply,
-    SamplingParams,
     Shutdown,
-    Stats,
+)
+from microserve.messages import (
+    CALLS,
+    AbortRequest,
+    AbortResponse,
+    EngineInfo,
+    EngineStats,
+    GenerateChunk,
+    Liveness,
+    SamplingParams,
+    StatsRequest,
     TokenOutput,
     Usage,
+    call_of,
 )
 from microserve.transfer_auth import KEY_ENV, transfer_key
 from microserve.wire import FrameDecoder, encode
@@ -83,7 +87,7 @@ class CoreClient(GenerateBackend):
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[asyncio.Future, str]] = {}  # id -> (its answer, method)
         self._call_ids = itertools.count()
         self._alive = False
         self.exited = asyncio.Event()  # set when the core process is gone (crash or shutdown)
@@ -185,18 +189,19 @@ class CoreClient(GenerateBackend):
                 q.put_nowait(_error(msg.status, msg.message, msg.param))
         elif isinstance(msg, Heartbeat):
             self._beat, self._beat_at = msg, asyncio.get_running_loop().time()
-        elif isinstance(msg, Reply):
-            fut = self._calls.pop(msg.id, None)
-            if fut is not None and not fut.done():
-                if msg.error is not None:
-                    fut.set_exception(_error(msg.status, msg.error, msg.param, msg.code))
-                else:
-                    fut.set_result(msg.result)
+        elif isinstance(msg, Reply | CallFailed):
+            fut, method = self._calls.pop(msg.id, (None, None))
+            if fut is None or fut.done():
+                return
+            if isinstance(msg, CallFailed):
+                fut.set_exception(_error(msg.status, msg.error, msg.param, msg.code))
+            else:  # decoded once, into the call's answer type
+                fut.set_result(CALLS[method].decode_answer(msg.result))
 
     def _fail_all(self, why: str) -> None:
         for q in self._queues.values():
             q.put_nowait(BackendUnavailable(why))
-        for fut in self._calls.values():
+        for fut, _ in self._calls.values():
             if not fut.done():
                 fut.set_exception(BackendUnavailable(why))
         self._calls.clear()
@@ -219,45 +224,55 @@ class CoreClient(GenerateBackend):
     ) -> AsyncIterator[GenerateChunk]:
         """generate() whose KV for prompt[:begin] is already on the engine (microserving),
         `first_token` its first output if the sender sampled it. Raises MicroservingError /
-        RequestRejected before the first output on bad input."""
+        RequestRejected before the first output on bad input.
+
+        The request lives as long as this iterator: closed or cancelled before its finishing
+        chunk, it aborts the request in the core (once, from here; a 409's request_id belongs
+        to another call, and a request the core refused holds nothing there)."""
         if request_id in self._queues:
             raise MicroservingError(409, f"request_id {request_id!r} is already in use",
                                     "request_id")  # fmt: skip
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         num_generated = 0
+        settled = False
         try:
             self._send(Generate(request_id, prompt, params, begin, first_token))
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
+                    # The core holds nothing for a call it refused, nor a core that is gone.
+                    settled = isinstance(item, (MicroservingError, BackendUnavailable))
                     raise item
                 first = num_generated == 0
                 num_generated += len(item.token_ids)
+                settled = item.finish_reason is not None
                 yield _chunk(item, num_generated, first)
-                if item.finish_reason is not None:
+                if settled:
                     return
         finally:
             del self._queues[request_id]
+            if not settled and self._alive:  # the abort call, its answer not awaited
+                self._send(invoke(next(self._call_ids), AbortRequest(request_id)))
 
-    async def abort(self, request_id: str) -> None:
-        if self._alive:
-            self._send(Abort(request_id))
+    async def abort(self, request_id: str) -> AbortResponse:
+        """Drop whatever the core holds under `request_id` (the abort call)."""
+        return await self.call(AbortRequest(request_id))
 
-    async def call(self, call: Call, timeout_s: float | None = 30.0):
-        """Run `call` in the core (Stats, CheckIntegrity, PrepRecv, RemoteSend, Commit,
-        AbortCall, Pin, Unpin). Returns its answer (of type `call.answer`); raises
-        MicroservingError or RequestRejected as the core answers, RuntimeError on an internal
-        failure."""
+    async def call(self, request, timeout_s: float | None = 30.0, received_at: float = 0.0):
+        """Run the call whose request `request` is (messages.CALLS) in the core. Returns its
+        answer, decoded once into the call's answer type; raises MicroservingError or
+        RequestRejected as the core answers, RuntimeError on an internal failure.
+        `received_at`: time.perf_counter() when the call came in (a remote_send's queue
+        time starts there)."""
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = fut
-        self._send(Invoke(call_id, call))
+        self._calls[call_id] = (fut, call_of(request).name)
         try:
-            result = await asyncio.wait_for(fut, timeout_s)
+            self._send(invoke(call_id, request, received_at))
+            return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._calls.pop(call_id, None)
-        return msgspec.convert(result, call.answer)
 
     async def healthy(self) -> bool:
         return self._alive
@@ -271,7 +286,7 @@ class CoreClient(GenerateBackend):
     async def metrics_text(self) -> str:
         if not self._alive:
             return ""
-        return format_core_stats(await self.call(Stats()), self.info)
+        return format_core_stats(await self.call(StatsRequest()), self.info)
 
 
 def _chunk(out: TokenOutput, num_generated: int, first: bool) -> GenerateChunk:

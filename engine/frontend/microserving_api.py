@@ -19,8 +19,9 @@ GenerateChunk per engine output, each sent as soon as it exists:
     msgpack  application/msgpack    length-prefixed msgpack frames (microserve.wire)
 
 The last chunk has finish_reason and usage. A failure after the status line went out ends the
-stream with `{"status": s, "error": {...}}` instead: the status and error JSON the call would
-have been answered with. A client that goes away before a call carrying a request_id finished
+stream with a StreamError (`{"status": s, "error": {...}}`) instead: the status and error JSON
+the call would have been answered with. Each call's route follows from its declaration
+(microserve.messages.CALLS). A client that goes away before a call carrying a request_id finished
 (start_generate mid-stream included) gets that request aborted in the engine.
 
 /microserving/live is the router's liveness probe: answered from this process's event loop
@@ -32,7 +33,6 @@ no engine before it has checked that proof). It needs no key, and tells nothing 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -52,24 +52,15 @@ from microserve.backend import BackendUnavailable, MicroservingError
 from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
 from microserve.errors import as_openai_error, from_validation_errors, invalid_request
 from microserve.messages import (
-    AbortCall,
-    AbortRequest,
+    CALLS,
     Call,
-    CheckIntegrity,
-    Commit,
-    CommitRequest,
+    CheckIntegrityRequest,
+    ErrorDetail,
     GenerateChunk,
-    Pin,
-    PinRequest,
-    PrepRecv,
-    PrepRecvRequest,
-    RemoteSend,
-    RemoteSendRequest,
-    SendTo,
-    SendToRequest,
     StartGenerateRequest,
-    Stats,
-    Unpin,
+    StatsRequest,
+    StatsResponse,
+    StreamError,
     validator,
 )
 
@@ -138,27 +129,6 @@ def _unpack(raw: bytes) -> Any:
 
 # -- routes ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Call:
-    """A request/response call: its body, validated, becomes the engine core's `call`."""
-
-    request: type
-    call: type[Call]
-    timeout_s: float | None = 30.0  # None: as long as it takes
-
-
-_CALLS = {
-    "prep_recv": _Call(PrepRecvRequest, PrepRecv, timeout_s=None),  # waits for pages
-    # Prefills and transfers: it answers when every write landed, however long that takes.
-    "remote_send": _Call(RemoteSendRequest, RemoteSend, timeout_s=None),
-    "send_to": _Call(SendToRequest, SendTo),
-    "commit": _Call(CommitRequest, Commit),
-    "abort": _Call(AbortRequest, AbortCall),
-    "pin": _Call(PinRequest, Pin),
-    "unpin": _Call(PinRequest, Unpin),
-}
-
-
 async def _merged(chunks: AsyncGenerator[GenerateChunk, None], logprobs: bool) -> GenerateChunk:
     """All of a request's chunks as one (stream=false)."""
     token_ids, token_logprobs, prompt_logprobs = [], [], None
@@ -179,16 +149,16 @@ class _MicroservingAPI:
         self._api_key = api_key  # what liveness proves this engine holds
         self._start_generate = validator(StartGenerateRequest)
 
-    def call_route(self, call: _Call) -> Callable:
-        """The handler that validates `call.request` and hands it to the core as `call.call`."""
+    def call_route(self, call: Call) -> Callable:
+        """The handler of POST /microserving/{call.name}: validates `call.request` and hands it
+        to the core; a call that waits on purpose (`call.waits`) is bounded by the core."""
         body_type = validator(call.request)
-        stamped = "received_at" in call.call.__struct_fields__
+        timeout_s = None if call.waits else call.timeout_s
 
         async def route(request: Request) -> Response:
             received_at = time.perf_counter()
             body = await _read_body(request, body_type)
-            made = call.call(body, received_at=received_at) if stamped else call.call(body)
-            work = self.client.call(made, timeout_s=call.timeout_s)
+            work = self.client.call(body, timeout_s=timeout_s, received_at=received_at)
             try:
                 result = await unless_disconnected(request.receive, work)
             except ClientDisconnected:
@@ -202,7 +172,9 @@ class _MicroservingAPI:
     async def start_generate(self, request: Request) -> Response:
         body = await _read_body(request, self._start_generate)
         codec = _answer_codec(request)
-        chunks = self._chunks(body)
+        # Closed before its finishing chunk, the core client's stream aborts the request.
+        chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
+                                            body.sampling, body.first_token)
         # Streaming, the first chunk comes before the status line: a call the engine refuses
         # still gets its status rather than an error item inside a 200.
         work = anext(chunks) if body.stream else _merged(chunks, body.sampling.logprobs is not None)
@@ -215,26 +187,6 @@ class _MicroservingAPI:
         return EventStream(self._stream(body.request_id, codec, chunk, chunks),
                            media_type=codec.stream_media_type)
 
-    async def _chunks(self, body: StartGenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        """The request's outputs as chunks. Closed or cancelled before the engine finished the
-        request (a client that went away), it aborts the request in the engine."""
-        chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
-                                            body.sampling, body.first_token)
-        settled = False
-        try:
-            async for chunk in chunks:
-                settled = chunk.finish_reason is not None
-                yield chunk
-        except (MicroservingError, BackendUnavailable):
-            # The engine holds nothing for a call it failed; and a 409's request_id belongs to
-            # another call, which an abort would kill.
-            settled = True
-            raise
-        finally:
-            if not settled:
-                await asyncio.shield(self.client.abort(body.request_id))
-            await chunks.aclose()
-
     @staticmethod
     async def _stream(request_id: str, codec: _Codec, first: GenerateChunk,
                       chunks: AsyncGenerator[GenerateChunk, None]) -> AsyncGenerator[bytes, None]:
@@ -246,7 +198,8 @@ class _MicroservingAPI:
             if not isinstance(e, (MicroservingError, BackendUnavailable)):
                 log.exception("start_generate %s failed while streaming", request_id)
             error = as_openai_error(e)
-            yield codec.item({"status": error.status_code, **error.body()})
+            yield codec.item(StreamError(error.status_code, ErrorDetail(
+                error.message, error.type, error.param, error.code)))
         finally:
             await chunks.aclose()
 
@@ -267,13 +220,13 @@ class _MicroservingAPI:
 
     async def stats(self, request: Request) -> Response:
         """Load and KV accounting; `?check=1` also runs the KV integrity check."""
-        body = {"stats": await self.client.call(Stats()), "info": self.client.info}
+        body = StatsResponse(await self.client.call(StatsRequest()), self.client.info)
         if request.query_params.get("check"):
             try:
-                await self.client.call(CheckIntegrity())
-                body["integrity"] = "ok"
+                await self.client.call(CheckIntegrityRequest())
+                body.integrity = "ok"
             except RuntimeError as e:
-                body["integrity"] = str(e)
+                body.integrity = str(e)
         return _answer(_answer_codec(request), body)
 
 
@@ -287,7 +240,8 @@ def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None)
     Args:
         app: the engine's app (build_openai_app's, whose error handlers answer OpenAI JSON);
             gets the /microserving/* routes and a MicroservingError handler.
-        client: the CoreClient contract: `call(call, timeout_s)`, `start_generate`, `abort`,
+        client: the CoreClient contract: `call(request, timeout_s, received_at)`,
+            `start_generate` (its request aborted when closed unfinished), `abort`,
             `info`, `healthy()` and `liveness()`.
         api_key: when set, every route of `app` but /health, /metrics and /microserving/live
             (so /v1/* and the other /microserving/* among them) answers 401 without
@@ -296,9 +250,10 @@ def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None)
     if api_key == "":
         raise ValueError("api_key must not be empty (None serves without authentication)")
     api = _MicroservingAPI(client, api_key)
-    for method, call in _CALLS.items():
-        app.add_api_route(f"/microserving/{method}", api.call_route(call),
-                          methods=["POST"], name=method)
+    for call in CALLS.values():
+        if call.route:
+            app.add_api_route(f"/microserving/{call.name}", api.call_route(call),
+                              methods=["POST"], name=call.name)
     app.add_api_route("/microserving/start_generate", api.start_generate, methods=["POST"])
     app.add_api_route("/microserving/stats", api.stats, methods=["GET"])
     app.add_api_route("/microserving/live", api.live, methods=["GET"])
