@@ -35,6 +35,7 @@ that need the prompt length or the engine's state are the engine's.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, ClassVar, TypeVar
 
@@ -112,6 +113,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def stops_on(self, token: int, eos_token_ids: Collection[int]) -> bool:
+        """Whether sampling `token` stops the request: one of its stop_token_ids, or one of the
+        model's `eos_token_ids` unless ignore_eos. The one rule the engine core, the router and
+        min_tokens' mask (engine/penalties.py) ask."""
+        return token in self.stop_token_ids or (not self.ignore_eos and token in eos_token_ids)
 
     @property
     def needs_token_counts(self) -> bool:
