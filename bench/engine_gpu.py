@@ -370,37 +370,25 @@ def main() -> None:
                     help="the engine's --kv-cache-dtype (fp8: an e4m3 KV cache)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.blas:
-        import engine.model_runner
-
-        engine.model_runner.BLAS_LIBRARY = args.blas
-    if args.eager_blas:
-        import engine.model_runner
-
-        engine.model_runner.EAGER_BLAS_LIBRARY = args.eager_blas
     model_dir = str(resolve_model(args.model))
     wanted = args.only.split(",")
-    results = {"model": args.model, "device": torch.cuda.get_device_name(),
-               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}  # fmt: skip
-    if args.no_pdl:
-        import engine.kernels.pdl
-
-        engine.kernels.pdl.ENABLED = False
-    import engine.model_runner as runner
-
-    results["blas"] = runner.BLAS_LIBRARY
-    results["eager_blas"] = runner.EAGER_BLAS_LIBRARY
-    results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
-    results["kv_cache_dtype"] = args.kv_cache_dtype
-    t = time.perf_counter()
-    core = EngineCore(EngineConfig(
+    config = EngineConfig(
         model=model_dir, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
         **({} if args.max_piecewise_tokens is None else
            {"max_piecewise_tokens": args.max_piecewise_tokens}),
         decode_gemv=not args.no_gemv, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    ))  # fmt: skip
+        kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl,
+        **({"blas_library": args.blas} if args.blas else {}),
+        **({"eager_blas_library": args.eager_blas} if args.eager_blas else {}),
+    )  # fmt: skip
+    results = {"model": args.model, "device": torch.cuda.get_device_name(),
+               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "blas": config.blas_library, "eager_blas": config.eager_blas_library}  # fmt: skip
+    results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
+    results["kv_cache_dtype"] = args.kv_cache_dtype
+    t = time.perf_counter()
+    core = EngineCore(config)
     results["startup_s"] = time.perf_counter() - t
     # the engine's: an fp8 checkpoint is fp8 without --quantization
     results["quantization"] = core.info.quantization
