@@ -1,4 +1,5 @@
-"""Engine-level GPU figures (issue 5's table), driving EngineCore in-process.
+"""Engine-level GPU figures (docs/benchmarks.md, "GPU: engine on H100"), driving EngineCore
+in-process.
 
     python -m bench.engine_gpu --model random:llama-3.1-8b [--only decode1,prefill,decode128]
         [--json out.json]
@@ -16,7 +17,7 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              and the GPU's time on the same steps (CUDA events around each step's work)
   offline300 the same with 300 requests
   serve400   `bench.serve`'s 400 x (1,024 in / 128 out) sent at once, in-process: what the
-             engine core alone does with the load of issue 20's HTTP figure
+             engine core alone does with the load of bench.serve's HTTP figure
   ttft       an idle engine's time to first token (max_tokens 1) against the GPU time of the
              same steps: a cold 1,000-token prompt, and 500 new tokens over a cached 2,500
   decode256short  256 sequences decoding at context ~128: step wall time against GPU time

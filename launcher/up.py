@@ -1,4 +1,4 @@
-"""`microserve up CONFIG`: a whole deployment from one file (DESIGN §8).
+"""`microserve up CONFIG`: a whole deployment from one file (docs/router.md, "Start a deployment").
 
 Starts every engine of the config as a `microserve engine` process, waits until each answers
 /health, starts the router (in this process) over them with the config's strategy, prints the

@@ -14,7 +14,7 @@ in between builds and reads them as it would any dataclass, trusting them. The f
 socket between an engine's frontend and its core are msgspec structs tagged by "type" (a
 call's by "method"), so a decoded frame is already the typed message to dispatch on.
 
-The microserving calls (DESIGN §4) split one request across engines (paper §3.1):
+The microserving calls (docs/microserving.md) split one request across engines (paper §3.1):
 
     D.prep_recv(prompt, end)            -> matched, kv_addr   reserve D's slots for [matched, end)
     P.remote_send(prompt, begin, end, kv_addr)               make KV of [begin, end) land there

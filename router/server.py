@@ -37,7 +37,7 @@ log = logging.getLogger("microserve.router")
 
 # Descriptors a client connection holds in the router: its own socket, and the engine calls its
 # request keeps open (P/D: remote_send on P while start_generate streams from D). Measured:
-# 2,000 concurrent streams, 5,926 descriptors (issue 39).
+# 2,000 concurrent streams, 5,926 descriptors (docs/router.md, "Connections: deadlines and a cap").
 FDS_PER_CONNECTION = 3
 
 

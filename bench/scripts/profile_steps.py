@@ -1,6 +1,6 @@
-"""Where a step's time goes, in-process on one engine (issue 20): wall time against GPU time of
-short-prompt first tokens, eager against graphed decode, and torch.profiler kernel tables of a
-short prefill, a long prefill and a batch-128 decode.
+"""Where a step's time goes, in-process on one engine (docs/benchmarks.md, "GPU: the engine at full
+load"): wall time against GPU time of short-prompt first tokens, eager against graphed decode, and
+torch.profiler kernel tables of a short prefill, a long prefill and a batch-128 decode.
 
     python bench/scripts/profile_steps.py [--model random:llama-3.1-8b] [--json out.json]
 """
