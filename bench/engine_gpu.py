@@ -1,4 +1,5 @@
-"""Engine-level GPU figures (issue 5's table), driving EngineCore in-process.
+"""Engine-level GPU figures (docs/benchmarks.md, "GPU: engine on H100"), driving EngineCore
+in-process.
 
     python -m bench.engine_gpu --model random:llama-3.1-8b [--only decode1,prefill,decode128]
         [--json out.json]
@@ -16,7 +17,7 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              and the GPU's time on the same steps (CUDA events around each step's work)
   offline300 the same with 300 requests
   serve400   `bench.serve`'s 400 x (1,024 in / 128 out) sent at once, in-process: what the
-             engine core alone does with the load of issue 20's HTTP figure
+             engine core alone does with the load of bench.serve's HTTP figure
   ttft       an idle engine's time to first token (max_tokens 1) against the GPU time of the
              same steps: a cold 1,000-token prompt, and 500 new tokens over a cached 2,500
   decode256short  256 sequences decoding at context ~128: step wall time against GPU time
@@ -370,37 +371,25 @@ def main() -> None:
                     help="the engine's --kv-cache-dtype (fp8: an e4m3 KV cache)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.blas:
-        import engine.model_runner
-
-        engine.model_runner.BLAS_LIBRARY = args.blas
-    if args.eager_blas:
-        import engine.model_runner
-
-        engine.model_runner.EAGER_BLAS_LIBRARY = args.eager_blas
     model_dir = str(resolve_model(args.model))
     wanted = args.only.split(",")
-    results = {"model": args.model, "device": torch.cuda.get_device_name(),
-               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}  # fmt: skip
-    if args.no_pdl:
-        import engine.kernels.pdl
-
-        engine.kernels.pdl.ENABLED = False
-    import engine.model_runner as runner
-
-    results["blas"] = runner.BLAS_LIBRARY
-    results["eager_blas"] = runner.EAGER_BLAS_LIBRARY
-    results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
-    results["kv_cache_dtype"] = args.kv_cache_dtype
-    t = time.perf_counter()
-    core = EngineCore(EngineConfig(
+    config = EngineConfig(
         model=model_dir, device="cuda", max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
         **({} if args.max_piecewise_tokens is None else
            {"max_piecewise_tokens": args.max_piecewise_tokens}),
         decode_gemv=not args.no_gemv, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    ))  # fmt: skip
+        kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl,
+        **({"blas_library": args.blas} if args.blas else {}),
+        **({"eager_blas_library": args.eager_blas} if args.eager_blas else {}),
+    )  # fmt: skip
+    results = {"model": args.model, "device": torch.cuda.get_device_name(),
+               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "blas": config.blas_library, "eager_blas": config.eager_blas_library}  # fmt: skip
+    results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
+    results["kv_cache_dtype"] = args.kv_cache_dtype
+    t = time.perf_counter()
+    core = EngineCore(config)
     results["startup_s"] = time.perf_counter() - t
     # the engine's: an fp8 checkpoint is fp8 without --quantization
     results["quantization"] = core.info.quantization

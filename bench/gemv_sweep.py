@@ -1,4 +1,5 @@
-"""Batch-1 decode GEMMs (M = 1) of Llama-3.1-8B: cuBLAS paths against a Triton GEMV (issue 5).
+"""Batch-1 decode GEMMs (M = 1) of Llama-3.1-8B: cuBLAS paths against a Triton GEMV
+(docs/benchmarks.md, "GPU: engine on H100").
 
     python -m bench.gemv_sweep [--json out.json]
 

@@ -1,4 +1,5 @@
-"""Launch-configuration sweep of the paged-attention kernels at Llama-3.1-8B shapes (issue 5).
+"""Launch-configuration sweep of the paged-attention kernels at Llama-3.1-8B shapes
+(docs/benchmarks.md, "GPU: engine on H100").
 
     python -m bench.kernel_sweep [--only extend,decode] [--variant old=/tmp/old_attention.py]
         [--json out.json]

@@ -1,6 +1,6 @@
 """GPU KV page copy: the Triton kernel against torch indexing, alone and beside GEMMs, and the
-cuda_ipc peer end to end (issue 19's page-copy target: >= 400 GB/s alone on one GPU, >= 150 GB/s
-beside the forward pass with <= 2% slowdown).
+cuda_ipc peer end to end (docs/benchmarks.md, "GPU: KV page copy for `cuda_ipc`"; the target: >= 400
+GB/s alone on one GPU, >= 150 GB/s beside the forward pass with <= 2% slowdown).
 
     python -m bench.kv_copy [--tokens 3000] [--grids 66,132,264] [--rows 1,2,4,8]
     python -m bench.kv_copy --beside-forward random:llama-3.1-8b [--step-tokens 512,2048]

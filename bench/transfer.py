@@ -15,7 +15,7 @@ among the kinds, P and that receiver form an NVSHMEM group of two, as `microserv
 (P then sends to the other receivers from its pool in the symmetric heap). For each context
 length N and each receiver, with fresh random token ids every run:
 
-send (paper §3.6; issue 19's "remote_send vs local prefill"):
+send (paper §3.6; docs/benchmarks.md, "CPU: KV transfer between engines"):
   copy     P already holds the context in its prefix cache (it served it once), so remote_send
            of its whole pages (992 of 1,000 tokens with 16-token pages) is pure transfer:
            MB/s = KV bytes sent / wall time of the call
@@ -37,7 +37,7 @@ migrate (paper §4.2, Fig. 12 and Table 3): a prompt of N tokens whose first N -
              the last token: what the strategies do for logprobs, a grammar or a seed)
   recompute  the same flow for a fresh prompt: P computes all N tokens
   local hit  D itself had the first N - 500 cached (it served them once) and prefills the rest:
-             the best a migration could do (issue 19: >= 90% as fast)
+             the best a migration could do (the target: >= 90% as fast)
   per layer  a pure copy of the cached context (remote_send of P's pages alone) and the local
              hit's prefill, divided by the layer count (the paper's Table 3)
 

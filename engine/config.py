@@ -20,6 +20,7 @@ DEVICE_DEFAULTS = {
 
 # --kv-cache-dtype: auto is the model's dtype; fp8_e4m3 is fp8's other name (vLLM takes both)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library's
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,14 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA, 16-bit weights: batch-1 decode projections through the Triton GEMV (not cuBLAS)
     decode_gemv: bool = True
+    # CUDA: the decode-path kernels launch with programmatic dependent launch where the GPU has
+    # it (sm_90+; engine/kernels/pdl.py). bench.engine_gpu --no-pdl turns it off.
+    pdl: bool = True
+    # CUDA: torch's GEMM library (cublas or cublaslt) for the GEMMs captured in CUDA graphs,
+    # and for those of steps run eagerly (engine/model_runner.py says why cublaslt);
+    # bench.engine_gpu --blas and --eager-blas
+    blas_library: str = "cublaslt"
+    eager_blas_library: str = "cublaslt"
     # fp8: the decoder layers' projections quantized to float8 e4m3 at load, one scale per
     # output channel; activations per token (engine/models/fp8.py). None: the model's dtype.
     quantization: str | None = None
@@ -137,6 +146,10 @@ class EngineConfig:
             raise ValueError(f"need 0 <= kv_recv_wait_s ({self.kv_recv_wait_s}) <= "
                              f"kv_recv_wait_max_s ({self.kv_recv_wait_max_s}) <= "
                              f"{MAX_LEASE_S:.0f}")
+        for name in ("blas_library", "eager_blas_library"):
+            if getattr(self, name) not in BLAS_LIBRARIES:
+                raise ValueError(f"{name} must be one of {', '.join(BLAS_LIBRARIES)}; got "
+                                 f"{getattr(self, name)!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

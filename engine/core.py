@@ -267,14 +267,10 @@ class EngineCore:
                 "logit_bias, min_tokens or penalties applied: sample it here (begin below the "
                 "prompt length)", "first_token")  # fmt: skip
 
-    def _stops(self, p: SamplingParams, token: int) -> bool:
-        """Whether sampling `token` stops a request with params `p` (eos or a stop token)."""
-        return (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-
     def _finishes(self, seq: Sequence, token: int) -> bool:
         """Whether `token`, just added to `seq`'s output, ends it: sets its finish reason."""
         p = seq.params
-        if self._stops(p, token):
+        if p.stops_on(token, self.eos_token_ids):
             seq.finish_reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
@@ -517,7 +513,7 @@ class EngineCore:
                 continue
             token = result.token_ids[k]
             seq.output_token_ids[slot] = token
-            stop = self._stops(seq.params, token)
+            stop = seq.params.stops_on(token, self.eos_token_ids)
             if not stop and seq.request_id in self.grammars:
                 stop = self.grammars.accept(seq.request_id, token)  # the grammar is complete
             if stop:

@@ -15,17 +15,13 @@ import torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.device import to_device
+from engine.kernels import pdl
 from engine.models import fp8
 from engine.models.loader import load_model
 from engine.penalties import StepAdjustments
 from engine.sampler import PendingSample, Sampler, TokenMask
 from kvcache.forward import ForwardBatch, KVSend, SeqForward
 from kvcache.manager import PageCopy
-
-# torch's GEMM library on CUDA (see ModelRunner): for the GEMMs captured in CUDA graphs, and
-# for those of steps run eagerly. Bench flags --blas and --eager-blas.
-BLAS_LIBRARY = "cublaslt"
-EAGER_BLAS_LIBRARY = "cublaslt"
 from kvcache.paged import PagedKVCache
 from microserve.messages import SamplingParams
 
@@ -83,7 +79,8 @@ class ModelRunner:
             # ran 47 us against 55 us under the default cuBLAS path, the others equal, which
             # made a batch-128 decode step 2% faster (H100, 2026-11-23, docs/benchmarks.md).
             # The setting is process-wide; an engine owns its process.
-            set_blas_library(EAGER_BLAS_LIBRARY)
+            set_blas_library(config.eager_blas_library)
+            pdl.configure(config.pdl)
         backend = config.attention_backend
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
@@ -167,7 +164,7 @@ class ModelRunner:
         if self.cuda and self.triton and capture_graphs and not config.enforce_eager:
             from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 
-            before = set_blas_library(BLAS_LIBRARY)
+            before = set_blas_library(config.blas_library)
             try:
                 self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
                 self.graphs.capture()

@@ -157,9 +157,8 @@ class PenaltyPool:
         if not params.adjusts_logits:
             return
         assert request_id not in self._entries, request_id
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(self.eos_token_ids)
+        stops = {t for t in (*params.stop_token_ids, *self.eos_token_ids)
+                 if params.stops_on(t, self.eos_token_ids)}
         bias: dict[int, float] = {}
         for token, value in params.logit_bias:  # distinct ids: a repeated one adds up
             bias[token] = bias.get(token, 0.0) + value

@@ -42,7 +42,8 @@ from kvcache.integrity import IntegrityError
 if TYPE_CHECKING:
     import torch
 
-    from engine.kv_exchange import Reservation, SendJob, WaitingRecv
+    from engine.kv_receiver import Reservation, WaitingRecv
+    from engine.kv_sender import SendJob
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
     from kvcache.manager import KVCacheManager

@@ -1,8 +1,9 @@
 """What the core refuses before a request or a microserving call touches any state.
 
 Plain functions of the input and the engine's fixed limits (`EngineInfo`), shared by the core
-(generate, start_generate) and the KV exchange (prep_recv, remote_send). A refusal names the
-field and the numbers: RequestRejected (400) for a request, MicroservingError for an index.
+(generate, start_generate) and the KV exchange (prep_recv, remote_send); the sampling checks
+are the OpenAI frontend's own (microserve/request_checks.py). A refusal names the field and
+the numbers: RequestRejected (400) for a request, MicroservingError for an index.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from microserve.backend import MicroservingError, RequestRejected
 from microserve.bounds import INT64_MAX, INT64_MIN
 from microserve.messages import EngineInfo, SamplingParams
+from microserve.request_checks import check_sampling, out_of_vocab
 
 
 def resolve_index(value: int, n: int, name: str) -> int:
@@ -22,9 +24,10 @@ def resolve_index(value: int, n: int, name: str) -> int:
 def check_prompt(prompt: list[int], vocab_size: int) -> None:
     if not prompt:
         raise RequestRejected("prompt is empty: at least one token is needed", "prompt")
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    bad = out_of_vocab(prompt, vocab_size)
     if bad is not None:
-        raise RequestRejected(f"prompt token id {bad} out of range [0, {vocab_size})", "prompt")
+        raise RequestRejected(f"prompt token id {prompt[bad]} out of range [0, {vocab_size})",
+                              "prompt")
 
 
 def check_request(prompt: list[int], params: SamplingParams, info: EngineInfo) -> None:
@@ -38,21 +41,7 @@ def check_request(prompt: list[int], params: SamplingParams, info: EngineInfo) -
             f"exceeds the maximum context length of {info.max_model_len} tokens",
             "max_tokens",
         )
-    vocab = info.vocab_size
-    if params.top_k > vocab:
-        raise RequestRejected(f"top_k {params.top_k} exceeds the vocabulary of {vocab} "
-                              "tokens", "top_k")
-    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise RequestRejected(f"stop token id {bad} out of range [0, {vocab})",
-                              "stop_token_ids")
-    bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise RequestRejected(f"logit_bias token id {bad} out of range [0, {vocab})",
-                              "logit_bias")
-    if params.min_tokens > params.max_tokens:
-        raise RequestRejected(f"min_tokens ({params.min_tokens}) exceeds max_tokens "
-                              f"({params.max_tokens})", "min_tokens")
+    check_sampling(params, info.vocab_size)  # the frontend's own check, again here
     if params.seed is not None and not INT64_MIN <= params.seed <= INT64_MAX:
         raise RequestRejected(f"seed {params.seed} does not fit in 64 bits", "seed")
     if total > info.kv_capacity_tokens:

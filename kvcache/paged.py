@@ -4,8 +4,9 @@ One allocation holds every layer's K and V pages:
 
     kv[layer, 0 (K) | 1 (V), page, slot in page, kv_head, head_dim]
 
-One allocation is what CUDA IPC and NVSHMEM export need (DESIGN §5). Attention itself is an
-`AttentionBackend` (torch reference on CPU, Triton on GPU) behind one interface.
+One allocation is what CUDA IPC and NVSHMEM export need (docs/microserving.md, "KV transfer").
+Attention itself is an `AttentionBackend` (torch reference on CPU, Triton on GPU) behind one
+interface.
 """
 
 from __future__ import annotations

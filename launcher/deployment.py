@@ -1,25 +1,14 @@
 """A deployment file (TOML) read and checked: what `microserve up` starts (launcher/up.py).
 
-Config (TOML; see deploy/local-cpu.toml):
+Config (TOML; see deploy/local-cpu.toml, and docs/router.md for every key):
 
     model = "smollm2-135m-instruct"      # or a Hugging Face directory; what every engine loads
     served_model_name = "..."            # optional: the name clients use
     tool_call_parser = "hermes"          # the router's tool-call format: hermes, llama3_json
 
-    [router]
-    host = "127.0.0.1"                   # 127.0.0.1 unless you mean it
+    [router]                             # the router's settings (router/settings.py)
     port = 8000
-    max_connections = 4096               # client connections open at once, then a 503
-    header_timeout_s = 10                # a request's head must arrive within this, then a 408
-    body_timeout_s = 60                  # and its body within this after the head
-    keep_alive_s = 75                    # an idle connection closes this long after an answer
     strategy = "pd"                      # a built-in (strategies/) or a .py path
-    strategy_args = { }                  # the strategy's constructor arguments
-    watch_strategy = false               # reload the strategy file when it changes
-    strategies_dir = "strategies/"       # PUT /admin/strategy {"path"} loads .py files from here
-    queue_timeout_s = 60                 # a request waits this long for KV pages, or for a
-                                         # prefill engine to start on it, then a 503
-    liveness_timeout_s = 5               # an engine silent this long (stopped, hung) is down
 
     [[engines]]
     name = "prefill-0"
@@ -27,6 +16,11 @@ Config (TOML; see deploy/local-cpu.toml):
     port = 8001                          # default: the router's port + 1 + its index
     args = ["--kv-cache-memory-gb", "1"] # more `microserve engine` options
     env = { CUDA_VISIBLE_DEVICES = "0" } # more environment
+
+The [router] keys and `tool_call_parser` are the router's settings (router/settings.py): their
+names, types and defaults come from there, as `microserve router`'s options do. Each engine's
+args are parsed as `microserve engine` parses them, into the EngineConfig it will run with
+(`EngineLaunch.config`): a bad one fails here, naming the engine and the option.
 
 Engines whose args say `--kv-transfer nvshmem` form the deployment's NVSHMEM group, fixed at
 start-up (microserve/nvshmem_group.py): each gets its rank (in the file's order), the group's
@@ -40,21 +34,25 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from microserve.http_limits import HttpLimits
 from microserve.nvshmem_group import GROUP_ENV, group_specs
 from router.engines import ROLES
+from router.settings import SETTINGS, RouterSettings
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
 class EngineLaunch:
     name: str
     port: int
+    config: EngineConfig  # its args parsed as `microserve engine` parses them
     role: str = "any"
     host: str = "127.0.0.1"
-    args: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()  # what its command line says, after what `up` adds
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -67,33 +65,45 @@ class Deployment:
     model: str | None
     served_model_name: str
     engines: tuple[EngineLaunch, ...]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    http_limits: HttpLimits = HttpLimits()  # the router's
-    strategy: str = "data_parallel"
-    strategy_args: dict = field(default_factory=dict)
-    watch_strategy: bool = False
-    strategies_dir: str | None = None
-    queue_timeout_s: float = 60.0
-    tool_call_parser: str = "hermes"
-    liveness_timeout_s: float | None = None  # None: the router's default
+    router: RouterSettings = RouterSettings()  # the file's, with the command line's overrides
+    router_given: frozenset[str] = frozenset()  # the settings the file or the command line set
+
+    @property
+    def host(self) -> str:
+        return self.router.host
+
+    @property
+    def port(self) -> int:
+        return self.router.port
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return self.router.http_limits
+
+    @property
+    def liveness_timeout_s(self) -> float | None:
+        """As the file or the command line set it; None: the router's default."""
+        return self.router.liveness_timeout_s if "liveness_timeout_s" in self.router_given else None
 
 
-_TOP_KEYS = {"model", "served_model_name", "tool_call_parser", "router", "engines"}
-_ROUTER_KEYS = {"host", "port", "strategy", "strategy_args", "watch_strategy", "strategies_dir",
-                "queue_timeout_s", "liveness_timeout_s"}
+# The file's keys: [router] and the top level's are the router's settings (router/settings.py)
+_TOP_KEYS = {"model", "served_model_name", "router", "engines",
+             *(name for name, f in SETTINGS.items() if f.metadata["file"] == "top")}
+_HTTP_LIMITS = {f.name: f for f in fields(HttpLimits)}  # [router] keys too
+_ROUTER_KEYS = {*(name for name, f in SETTINGS.items()
+                  if f.metadata["file"] == "router" and name != "http_limits"), *_HTTP_LIMITS}
 _ENGINE_KEYS = {"name", "role", "host", "port", "args", "env"}
-_HTTP_LIMIT_KEYS = {f.name for f in fields(HttpLimits)}  # [router] keys too
+# A setting's type -> what a value must be, and how an error says it
+_KINDS = {"str": (str, "a string"), "int": (int, "a whole number"),
+          "float": ((int, float), "a number of seconds"), "bool": (bool, "true or false"),
+          "dict": (dict, "a table")}
 
 
-def load_deployment(path: str | Path, port: int | None = None,
-                    strategies_dir: str | None = None,
-                    queue_timeout_s: float | None = None, model: str | None = None,
-                    host: str | None = None,
-                    liveness_timeout_s: float | None = None) -> Deployment:
-    """Read and check a config file; `port`, `strategies_dir`, `queue_timeout_s`, `model`,
-    `host` (the router's) and `liveness_timeout_s` override its values. Raises ValueError
-    naming the key and the file."""
+def load_deployment(path: str | Path, model: str | None = None, **overrides) -> Deployment:
+    """Read and check a deployment file. `model` and `overrides` (router settings by name; None:
+    not given) take the place of the file's values: what `microserve up`'s options say. Each
+    engine's args are parsed as `microserve engine` would parse them. Raises ValueError naming
+    the file, the table or engine, and the key or argument."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -102,13 +112,61 @@ def load_deployment(path: str | Path, port: int | None = None,
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path} is not valid TOML: {e}") from e
     _no_unknown(raw, _TOP_KEYS, str(path))
-    router = raw.get("router", {})
-    _no_unknown(router, _ROUTER_KEYS | _HTTP_LIMIT_KEYS, f"{path} [router]")
-    router_port = port if port is not None else int(router.get("port", 8000))
-    engines = raw.get("engines", [])
+    table = raw.get("router", {})
+    _no_unknown(table, _ROUTER_KEYS, f"{path} [router]")
+    given = {**_router_settings(raw, table, str(path)),
+             **{name: value for name, value in overrides.items() if value is not None}}
+    try:
+        router = RouterSettings(**given)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    from launcher.options import DEFAULT_MODEL_NAME  # imports the engine's config
+
+    model = model or raw.get("model")
+    launches = _engines(raw.get("engines", []), router.port, model or DEFAULT_MODEL_NAME, path)
+    ports = [router.port] + [e.port for e in launches]
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"{path}: the router and engines need distinct ports, got {ports}")
+    return Deployment(
+        model=model, served_model_name=raw.get("served_model_name") or model or DEFAULT_MODEL_NAME,
+        engines=tuple(launches), router=router, router_given=frozenset(given))
+
+
+def _router_settings(raw: dict, table: dict, path: str) -> dict:
+    """The router settings the file sets, each checked against its declared type."""
+    given = {}
+    for name, setting in SETTINGS.items():
+        where = setting.metadata["file"]
+        if where == "top" and name in raw:
+            given[name] = _typed(raw[name], setting.type, f"{path} {name}")
+        elif where == "router" and name in table:
+            given[name] = _typed(table[name], setting.type, f"{path} [router] {name}")
+    limits = {key: _typed(table[key], f.type, f"{path} [router]: {key}")
+              for key, f in _HTTP_LIMITS.items() if key in table}
+    if limits:
+        try:
+            given["http_limits"] = HttpLimits(**limits)
+        except ValueError as e:
+            raise ValueError(f"{path} [router]: {e}") from None
+    return given
+
+
+def _typed(value, annotation: str, name: str):
+    """`value` if it is what a setting of type `annotation` takes (a float as float), else a
+    ValueError saying what `name` must be."""
+    kind, noun = _KINDS[annotation.removesuffix(" | None")]
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise ValueError(f"{name} must be {noun}, got {value!r}")
+    return float(value) if annotation.startswith("float") else value
+
+
+def _engines(engines: list, router_port: int, model: str, path: Path) -> list[EngineLaunch]:
+    """The [[engines]] tables, each one's args parsed into its EngineConfig."""
+    from launcher.options import engine_config, parse_engine_args
+
     if not engines:
         raise ValueError(f"{path} has no [[engines]]")
-    launches = []
+    launches, parsed = [], []
     for i, engine in enumerate(engines):
         where = f"{path} engines[{i}]"
         _no_unknown(engine, _ENGINE_KEYS, where)
@@ -123,58 +181,24 @@ def load_deployment(path: str | Path, port: int | None = None,
         for reserved in ("--model", "--port", "--host", "--served-model-name"):
             if reserved in args:
                 raise ValueError(f"{where}: set {reserved} through the config's keys, not args")
+        try:
+            parsed.append(parse_engine_args(args))
+        except ValueError as e:
+            raise ValueError(f"{where} ({engine['name']}): {e}") from None
+    group = _nvshmem_group(parsed, str(path))
+    for i, (engine, options) in enumerate(zip(engines, parsed)):
+        if i in group:
+            options.nvshmem_group = str(group[i])
+        try:
+            config = engine_config(options, model)
+        except ValueError as e:
+            raise ValueError(f"{path} engines[{i}] ({engine['name']}): {e}") from None
         launches.append(EngineLaunch(
-            name=engine["name"], port=int(engine.get("port", router_port + 1 + i)), role=role,
-            host=engine.get("host", "127.0.0.1"), args=tuple(args),
+            name=engine["name"], port=int(engine.get("port", router_port + 1 + i)),
+            config=config, role=engine.get("role", "any"), host=engine.get("host", "127.0.0.1"),
+            args=tuple(engine.get("args", [])),
             env={str(k): str(v) for k, v in engine.get("env", {}).items()}))
-    _check_nvshmem_group(launches, str(path))
-    ports = [router_port] + [e.port for e in launches]
-    if len(set(ports)) != len(ports):
-        raise ValueError(f"{path}: the router and engines need distinct ports, got {ports}")
-    model = model or raw.get("model")
-    return Deployment(
-        model=model, served_model_name=raw.get("served_model_name") or model or DEFAULT_MODEL_NAME,
-        engines=tuple(launches), host=host or router.get("host", "127.0.0.1"), port=router_port,
-        http_limits=_http_limits(router, f"{path} [router]"),
-        strategy=router.get("strategy", "data_parallel"),
-        strategy_args=dict(router.get("strategy_args", {})),
-        watch_strategy=bool(router.get("watch_strategy", False)),
-        strategies_dir=strategies_dir or router.get("strategies_dir"),
-        queue_timeout_s=float(queue_timeout_s if queue_timeout_s is not None
-                              else router.get("queue_timeout_s", 60.0)),
-        tool_call_parser=_tool_call_parser(raw.get("tool_call_parser", "hermes"), str(path)),
-        liveness_timeout_s=_seconds(liveness_timeout_s if liveness_timeout_s is not None
-                                    else router.get("liveness_timeout_s"),
-                                    f"{path} [router] liveness_timeout_s"))
-
-
-def _seconds(value, where: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where} must be a number of seconds, got {value!r}")
-    return float(value)
-
-
-def _http_limits(router: dict, where: str) -> HttpLimits:
-    given = {key: router[key] for key in _HTTP_LIMIT_KEYS if key in router}
-    for key, value in given.items():
-        kind, noun = ((int, "a whole number") if key == "max_connections"
-                      else ((int, float), "a number of seconds"))
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise ValueError(f"{where}: {key} must be {noun}, got {value!r}")
-    try:
-        return HttpLimits(**given)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
-def _tool_call_parser(name: str, where: str) -> str:
-    from microserve.tool_parsers import PARSERS
-
-    if name not in PARSERS:
-        raise ValueError(f"{where}: tool_call_parser {name!r} is not one of {', '.join(PARSERS)}")
-    return name
+    return launches
 
 
 def _no_unknown(table: dict, known: set[str], where: str) -> None:
@@ -184,38 +208,29 @@ def _no_unknown(table: dict, known: set[str], where: str) -> None:
                          f"{', '.join(sorted(known))})")
 
 
-def _arg(launch: EngineLaunch, flag: str, default: str) -> str:
-    """The value of `flag` in the engine's args (the last one given, as argparse keeps)."""
-    value = default
-    args = list(launch.args)
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
+# The group's places are known when the file is read; its rendezvous directory is made when
+# `up` starts it (with_nvshmem_group): until then the members' configs name this one.
+_RENDEZVOUS_UNMADE = "/nonexistent/made-by-microserve-up"
 
 
-def _on_cpu(launch: EngineLaunch) -> bool:
-    return _arg(launch, "--device", "cpu") == "cpu"
-
-
-def nvshmem_members(launches) -> list[int]:
-    """Indices of the engines that receive KV with nvshmem: the deployment's NVSHMEM group."""
-    return [i for i, launch in enumerate(launches)
-            if _arg(launch, "--kv-transfer", "auto") == "nvshmem"]
-
-
-def _check_nvshmem_group(launches: list[EngineLaunch], where: str) -> None:
-    members = nvshmem_members(launches)
+def _nvshmem_group(parsed: list, where: str) -> dict:
+    """Index -> GroupSpec of the engines that receive KV with nvshmem: the deployment's NVSHMEM
+    group, checked (GPU engines, at least two)."""
+    members = [i for i, options in enumerate(parsed) if options.kv_transfer == "nvshmem"]
     for i in members:
-        if _on_cpu(launches[i]):
+        if parsed[i].device == "cpu":
             raise ValueError(f"{where} engines[{i}]: --kv-transfer nvshmem needs a GPU "
                              f"(--device cuda or cuda:N)")
     if len(members) == 1:
         raise ValueError(f"{where}: only engines[{members[0]}] has --kv-transfer nvshmem, and "
                          f"only members of its NVSHMEM group can write its KV pool: give the "
                          f"engines that send to it --kv-transfer nvshmem too (or use cuda_ipc)")
+    return dict(zip(members, group_specs(len(members), _RENDEZVOUS_UNMADE)))
+
+
+def nvshmem_members(launches) -> list[int]:
+    """Indices of the engines that receive KV with nvshmem: the deployment's NVSHMEM group."""
+    return [i for i, launch in enumerate(launches) if launch.config.kv_transfer == "nvshmem"]
 
 
 def with_nvshmem_group(launches: list[EngineLaunch], rendezvous: str) -> list[EngineLaunch]:
@@ -223,16 +238,18 @@ def with_nvshmem_group(launches: list[EngineLaunch], rendezvous: str) -> list[En
     group (rank in the file's order, the group's size, `rendezvous`) in its environment."""
     members = nvshmem_members(launches)
     specs = dict(zip(members, group_specs(len(members), rendezvous)))
-    return [replace(launch, env={**launch.env, GROUP_ENV: str(specs[i])}) if i in specs
-            else launch for i, launch in enumerate(launches)]
+    return [replace(launch, env={**launch.env, GROUP_ENV: str(specs[i])},
+                    config=replace(launch.config, nvshmem_group=str(specs[i])))
+            if i in specs else launch for i, launch in enumerate(launches)]
 
 
 def with_cpu_threads(launches: tuple[EngineLaunch, ...]) -> list[EngineLaunch]:
     """CPU engines on one host split its cores (each gets cores // CPU engines, at least one)
     unless their args say --cpu-threads: engines that each spin threads on every core slow
     each other down about tenfold."""
-    on_cpu = [launch for launch in launches if _on_cpu(launch)]
-    threads = max(1, (os.cpu_count() or 1) // max(1, len(on_cpu)))
-    return [replace(launch, args=(*launch.args, "--cpu-threads", str(threads)))
-            if launch in on_cpu and "--cpu-threads" not in launch.args else launch
-            for launch in launches]
+    on_cpu = [launch.config.device == "cpu" for launch in launches]
+    threads = max(1, (os.cpu_count() or 1) // max(1, sum(on_cpu)))
+    return [replace(launch, args=(*launch.args, "--cpu-threads", str(threads)),
+                    config=replace(launch.config, cpu_threads=threads))
+            if cpu and launch.config.cpu_threads is None else launch
+            for launch, cpu in zip(launches, on_cpu)]

@@ -1,4 +1,4 @@
-"""`microserve up CONFIG`: a whole deployment from one file (DESIGN §8).
+"""`microserve up CONFIG`: a whole deployment from one file (docs/router.md, "Start a deployment").
 
 Starts every engine of the config as a `microserve engine` process, waits until each answers
 /health, starts the router (in this process) over them with the config's strategy, prints the
@@ -246,16 +246,8 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
         router = Router(RouterConfig(
             tokenizer_dir=model_dir, served_model_name=deployment.served_model_name,
             engines=tuple(EngineSpec(e.name, e.url, e.role) for e in deployment.engines),
-            strategy=deployment.strategy, strategy_args=deployment.strategy_args,
-            host=deployment.host, port=deployment.port, http_limits=deployment.http_limits,
-            api_key=api_key,
-            admin_token=admin_token, engine_api_key=engine_api_key,
-            watch_strategy=deployment.watch_strategy,
-            strategies_dir=deployment.strategies_dir,
-            queue_timeout_s=deployment.queue_timeout_s, deployment=deployment_id,
-            tool_call_parser=deployment.tool_call_parser,
-            **({} if deployment.liveness_timeout_s is None
-               else {"liveness_timeout_s": deployment.liveness_timeout_s})))
+            api_key=api_key, admin_token=admin_token, engine_api_key=engine_api_key,
+            deployment=deployment_id, **deployment.router.settings()))
         await router.start()
         return await _serve(router, deployment, engines, stop, log_level, router_sock)
     finally:

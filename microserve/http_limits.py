@@ -2,12 +2,12 @@
 
 uvicorn alone keeps a connection open for as long as its client likes: a connection that sends
 nothing, a request head that never ends, a body that trickles in a byte at a time (1,000 such
-sockets against the router were all still open after 120 s: issue 39). Its `limit_concurrency`
-is no cap on them either: it counts idle connections too and answers 503 only once a request
-head has arrived, so it bounds neither descriptors nor slow clients, and past it every request,
-/health's included, fails while the slow sockets stay. Here each connection is bounded as it
-goes (microserve/http_server.py's BoundedHttpProtocol: uvicorn's httptools protocol with
-deadlines). No uvicorn here: the command line reads the defaults without importing a server.
+sockets against the router were all still open after 120 s; docs/router.md, "Connections"). Its
+`limit_concurrency` is no cap on them either: it counts idle connections too and answers 503 only
+once a request head has arrived, so it bounds neither descriptors nor slow clients, and past it
+every request, /health's included, fails while the slow sockets stay. Here each connection is
+bounded as it goes (microserve/http_server.py's BoundedHttpProtocol: uvicorn's httptools protocol
+with deadlines). No uvicorn here: the command line reads the defaults without importing a server.
 
     accept ─▶ request head ─────▶ body ──────────▶ app answers, streams ─▶ idle ─▶ next head ...
               header_timeout_s     body_timeout_s   (no limit: a stream      keep_alive_s

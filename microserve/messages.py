@@ -13,7 +13,7 @@ refused, a 400 naming the field), msgspec encodes and decodes them everywhere el
 in between builds and reads them as it would any dataclass, trusting them. The frames of the
 socket between an engine's frontend and its core (engine/frames.py) carry them.
 
-The microserving calls (DESIGN §4) split one request across engines (paper §3.1):
+The microserving calls (docs/microserving.md) split one request across engines (paper §3.1):
 
     D.prep_recv(prompt, end)            -> matched, kv_addr   reserve D's slots for [matched, end)
     P.remote_send(prompt, begin, end, kv_addr)               make KV of [begin, end) land there
@@ -34,6 +34,7 @@ that need the prompt length or the engine's state are the engine's.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Annotated, TypeVar
 
@@ -112,6 +113,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def stops_on(self, token: int, eos_token_ids: Collection[int]) -> bool:
+        """Whether sampling `token` stops the request: one of its stop_token_ids, or one of the
+        model's `eos_token_ids` unless ignore_eos. The one rule the engine core, the router and
+        min_tokens' mask (engine/penalties.py) ask."""
+        return token in self.stop_token_ids or (not self.ignore_eos and token in eos_token_ids)
 
     @property
     def needs_token_counts(self) -> bool:

@@ -1,4 +1,4 @@
-"""The router's handle on one engine's microserving API (DESIGN §4), over pooled HTTP.
+"""The router's handle on one engine's microserving API (docs/microserving.md), over pooled HTTP.
 
     engine = EngineClient("http://10.0.0.7:8000", api_key=key)
     recv = await engine.call(PrepRecvRequest(request_id, prompt, end=-1))

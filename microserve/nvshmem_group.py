@@ -1,4 +1,5 @@
-"""The NVSHMEM group of a deployment: who is in it, and how its members meet (DESIGN §5, §8).
+"""The NVSHMEM group of a deployment: who is in it, and how its members meet (docs/microserving.md,
+"NVSHMEM: a fixed group").
 
 An NVSHMEM group is fixed when it starts: every member calls one collective init with the
 group's unique id, its rank and the group's size, then allocates its KV pool in the symmetric

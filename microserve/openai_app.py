@@ -44,6 +44,7 @@ from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, Stop
 from microserve.tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
 from microserve.tools import forced_functions, forces_calls, parses_calls
 from microserve.messages import FinishReason, GenerateChunk, SamplingParams, TokenLogprob
+from microserve.request_checks import check_sampling, out_of_vocab
 
 log = logging.getLogger(__name__)
 BodyT = TypeVar("BodyT", bound=BaseModel)
@@ -346,8 +347,8 @@ class OpenAIFrontend:
 
     def _checked_token_ids(self, ids: list[int]) -> list[int]:
         vocab_size = self.tokenizer.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab_size:
-            bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        bad = out_of_vocab(ids, vocab_size)
+        if bad is not None:
             raise invalid_request(f"Token id {ids[bad]} at prompt position {bad} is out of range "
                                   f"for a vocabulary of {vocab_size} tokens", "prompt")
         return ids
@@ -377,35 +378,16 @@ class OpenAIFrontend:
                 max_tokens_field if prompt_len < limit else prompt_field)
         return max_tokens
 
-    def _check_vocab_fields(self, body: GenerationRequest) -> None:
-        """Fields bounded by the vocabulary (pydantic bounded them by what an int can hold)."""
-        vocab_size = self.tokenizer.vocab_size
-        if body.top_k is not None and body.top_k > vocab_size:
-            raise invalid_request(f"top_k {body.top_k} exceeds the vocabulary of {vocab_size} "
-                                  "tokens (-1 or 0 disables top-k)", "top_k")
-        bad = next((t for t in body.stop_token_ids or () if t >= vocab_size), None)
-        if bad is not None:
-            raise invalid_request(f"stop token id {bad} is out of range for a vocabulary of "
-                                  f"{vocab_size} tokens", "stop_token_ids")
-        bad = next((t for t in body.logit_bias or () if t >= vocab_size), None)
-        if bad is not None:
-            raise invalid_request(f"logit_bias token id {bad} is out of range for a vocabulary "
-                                  f"of {vocab_size} tokens", "logit_bias")
-
     def _new_run(self, request_id: str, body: GenerationRequest, prompt_ids: list[int],
                  max_tokens: int, logprobs: int | None, arrival: float,
                  grammar: str | None, choice: int = 0, echo: str | None = None) -> _Run:
         """`echo`: the prompt's text to put in front of the completion; with `logprobs`, the
         prompt tokens' logprobs go in front of the completion's too."""
-        self._check_vocab_fields(body)
-        if body.min_tokens > max_tokens:
-            raise invalid_request(f"min_tokens ({body.min_tokens}) exceeds the completion's "
-                                  f"max_tokens ({max_tokens})", "min_tokens")
         prompt_logprobs = logprobs if echo is not None else None
-        return _Run(request_id=request_id, prompt_ids=prompt_ids,
-                    params=body.sampling_params(max_tokens, logprobs, grammar, choice,
-                                                prompt_logprobs),
-                    stop=body.stop, arrival=arrival, echo=echo)
+        params = body.sampling_params(max_tokens, logprobs, grammar, choice, prompt_logprobs)
+        check_sampling(params, self.tokenizer.vocab_size)  # pydantic bounded what an int holds
+        return _Run(request_id=request_id, prompt_ids=prompt_ids, params=params, stop=body.stop,
+                    arrival=arrival, echo=echo)
 
     # -- generation -----------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The router's ops API (DESIGN §7): strategy, engines, migration, pinning.
+"""The router's ops API (docs/router.md, "Hot swap and the ops API"): strategy, engines, migration,
+pinning.
 
     GET    /admin/strategy                 the active strategy, its version, and retired ones
     PUT    /admin/strategy                 {"builtin" | "path" | "source", "class"?, "args"?}

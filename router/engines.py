@@ -354,9 +354,8 @@ class EngineHandle:
 
     def _stops(self, request: Request, token: int) -> bool:
         """Whether `token` ends the request (an eos of this engine's model, a stop token)."""
-        p = request.sampling
         eos = self.info.eos_token_ids if self.info is not None else ()
-        return (token in eos and not p.ignore_eos) or token in p.stop_token_ids
+        return request.sampling.stops_on(token, eos)
 
     def _not_live(self) -> BackendUnavailable:
         return BackendUnavailable(f"engine {self.name} is down ({self.down_reason}): it gets "

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
 
 from microserve.auth import RequireBearer
 from microserve.backend import BackendUnavailable
-from microserve.http_limits import HttpLimits, fit_file_limit
+from microserve.http_limits import fit_file_limit
 from microserve.http_server import QuietServer, listen_socket
 from microserve.metrics import Registry
 from microserve.openai_app import build_openai_app
@@ -29,57 +29,43 @@ from microserve.tokenizer import Tokenizer
 from router.admin import AdminAPI, add_admin_routes
 from router.backend import RouterBackend
 from router.discovery import Discovery, DnsName
-from router.engines import LIVENESS_TIMEOUT_S, EnginePool, EngineSpec
+from router.engines import EnginePool, EngineSpec
 from router.host import StrategyHost, StrategySource
+from router.settings import RouterSettings
 
 log = logging.getLogger("microserve.router")
 
 # Descriptors a client connection holds in the router: its own socket, and the engine calls its
 # request keeps open (P/D: remote_send on P while start_generate streams from D). Measured:
-# 2,000 concurrent streams, 5,926 descriptors (issue 39).
+# 2,000 concurrent streams, 5,926 descriptors (docs/router.md, "Connections: deadlines and a cap").
 FDS_PER_CONNECTION = 3
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(RouterSettings):
+    """The router's settings (router/settings.py, keyword arguments) and what a running router
+    is handed: its tokenizer, its engines, its secrets."""
+
     tokenizer_dir: str  # a model directory with tokenizer.json (resolved by the caller)
     served_model_name: str
     engines: tuple[EngineSpec, ...]
-    strategy: str = "data_parallel"  # a built-in name or a .py path
-    strategy_args: dict = field(default_factory=dict)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    http_limits: HttpLimits = HttpLimits()  # what each client connection may take
+    engines_from_dns: tuple[DnsName, ...] = ()  # names whose addresses are engines
     api_key: str | None = None  # guards /v1 when set
     admin_token: str | None = None  # opens /admin to its bearer; None: /admin is closed
-    strategies_dir: str | None = None  # where PUT /admin/strategy {"path"} may load files from
     engine_api_key: str | None = None  # the engines' --api-key
-    watch_strategy: bool = False  # reload the strategy file when it changes
+    deployment: str | None = None  # adopt only engines reporting this deployment (set by up)
     poll_interval_s: float = 0.5
     max_retries: int = 2
-    queue_timeout_s: float = 60.0  # how long a request may wait for KV pages on its engine
-    deployment: str | None = None  # adopt only engines reporting this deployment (set by up)
     engine_wait_s: float = 120.0  # how long start-up waits for each engine to answer
-    tool_call_parser: str = "hermes"  # the format of tool calls (microserve/tool_parsers.py)
-    health_timeout_s: float = 30.0  # a stats read that takes longer leaves the load as it was
-    liveness_timeout_s: float = LIVENESS_TIMEOUT_S  # an engine silent this long is down
-    engines_from_dns: tuple[DnsName, ...] = ()  # names whose addresses are engines
-    dns_interval_s: float = 5.0  # how often they are looked up
 
     def __post_init__(self):
+        super().__post_init__()
         if not self.engines and not self.engines_from_dns:
             raise ValueError("a router needs engines: --engine NAME=URL or --engines-from-dns "
                              "NAME")
-        if not 0 < self.health_timeout_s <= 300:
-            raise ValueError(f"health_timeout_s {self.health_timeout_s} must be in (0, 300]")
-        if not 0.5 <= self.liveness_timeout_s <= 300:
-            raise ValueError(f"liveness_timeout_s {self.liveness_timeout_s} must be in "
-                             "[0.5, 300] (engine cores beat every 0.2 s)")
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
-        if not 0 < self.queue_timeout_s <= 3600:  # NaN fails too
-            raise ValueError(f"queue_timeout_s {self.queue_timeout_s} must be in (0, 3600]")
         for key in ("api_key", "admin_token", "engine_api_key"):
             if getattr(self, key) == "":
                 raise ValueError(f"{key} must not be empty (leave it unset for no check)")

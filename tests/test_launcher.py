@@ -392,3 +392,43 @@ def test_model_path_prints_the_embedded_models_directory(smollm2_dir):
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (0, smollm2_dir + "\n", "")
     assert (Path(smollm2_dir) / "tokenizer.json").is_file()
+
+
+def test_the_routers_settings_are_its_options_and_its_deployment_keys(tmp_path):
+    """router/settings.py declares each setting once: `microserve router`'s defaults are its,
+    a deployment file sets it by name, and an unknown key is an error naming it."""
+    from router.settings import RouterSettings
+
+    router = parser().parse_args(["router", "--engine", "e=http://h:1"])
+    defaults = RouterSettings()
+    for name, value in defaults.settings().items():
+        if name != "http_limits":
+            assert getattr(router, name) == value, name
+    config = tmp_path / "deploy.toml"
+    engines = '[[engines]]\nname = "e"\n'
+    config.write_text('[router]\nqueue_timeout_s = 5\nhealth_timeout_s = 7\n' + engines)
+    deployment = load_deployment(config)
+    assert (deployment.router.queue_timeout_s, deployment.router.health_timeout_s) == (5.0, 7.0)
+    assert load_deployment(config, queue_timeout_s=9.0).router.queue_timeout_s == 9.0
+    config.write_text('[router]\nqueue_timeout = 5\n' + engines)
+    with pytest.raises(ValueError, match=r"\[router\]: unknown key\(s\) queue_timeout \(known: "):
+        load_deployment(config)
+    config.write_text('[router]\nqueue_timeout_s = 0\n' + engines)
+    with pytest.raises(ValueError, match=r"queue_timeout_s 0.0 must be in \(0, 3600\]"):
+        load_deployment(config)
+
+
+def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
+    """Each engine's args become its EngineConfig when the file is read; a bad one is an error
+    then, naming the engine and the option."""
+    config = tmp_path / "deploy.toml"
+    config.write_text('[[engines]]\nname = "e"\nargs = ["--device", "cuda:1", "--page-size", '
+                      '"32"]\n')
+    [engine] = load_deployment(config).engines
+    assert (engine.config.device, engine.config.page_size) == ("cuda:1", 32)
+    for args, message in [('["--page-size", "x"]', "argument --page-size: invalid int value"),
+                          ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
+                          ('["--no-such-option"]', "unrecognized arguments: --no-such-option")]:
+        config.write_text(f'[[engines]]\nname = "e"\nargs = {args}\n')
+        with pytest.raises(ValueError, match=rf"engines\[0\] \(e\): {message}"):
+            load_deployment(config)

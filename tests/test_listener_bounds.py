@@ -1,8 +1,9 @@
-"""Slow connections against a live P/D deployment (issue 39, item 5): 300 slowloris sockets
-against the router's HTTP server and 300 against the decode engine's tcp KV listener. Meanwhile
-/health and a real request (its KV sent over that same listener, on a connection opened during
-the flood) answer promptly; every slow socket is closed by its deadline; the decode engine's
-core starts no thread for them, and the router's descriptors go back to what they were."""
+"""Slow connections against a live P/D deployment (docs/router.md, "Connections: deadlines and a
+cap"): 300 slowloris sockets against the router's HTTP server and 300 against the decode engine's
+tcp KV listener. Meanwhile /health and a real request (its KV sent over that same listener, on a
+connection opened during the flood) answer promptly; every slow socket is closed by its deadline;
+the decode engine's core starts no thread for them, and the router's descriptors go back to what
+they were."""
 
 from __future__ import annotations
 

@@ -357,7 +357,7 @@ def test_balanced_split_fixed_and_adaptive():
 
 
 def test_the_router_imports_no_torch():
-    """DESIGN §2: a router host may have no GPU stack."""
+    """A router host may have no GPU stack (docs/architecture.md, "Packages")."""
     import subprocess
 
     code = ("import sys, router.server, router.admin, launcher.up, strategies.pd, "

@@ -388,7 +388,7 @@ def _time_ms(fn, iters: int = 20) -> float:
 
 @pytest.mark.gpu
 def test_print_timings(compiled, capsys):
-    """Not a speed assertion (DESIGN §9): prints one layer's kernel times for the lead to read."""
+    """Not a speed assertion (docs/gpu.md, "Benchmarks"): prints one layer's kernel times for the lead to read."""
     lines = [f"paged attention timings, {torch.cuda.get_device_name()}, one layer:"]
     for batch, kv_dtype in ((1, None), (128, None), (128, FP8)):
         case = PagedCase([(1023, 1)] * batch, **L8B, kv_dtype=kv_dtype)

@@ -1,6 +1,6 @@
-"""Where a step's time goes, in-process on one engine (issue 20): wall time against GPU time of
-short-prompt first tokens, eager against graphed decode, and torch.profiler kernel tables of a
-short prefill, a long prefill and a batch-128 decode.
+"""Where a step's time goes, in-process on one engine (docs/benchmarks.md, "GPU: the engine at full
+load"): wall time against GPU time of short-prompt first tokens, eager against graphed decode, and
+torch.profiler kernel tables of a short prefill, a long prefill and a batch-128 decode.
 
     python bench/scripts/profile_steps.py [--model random:llama-3.1-8b] [--json out.json]
 """
@@ -115,18 +115,13 @@ def main() -> None:
     ap.add_argument("--max-piecewise-tokens", type=int, default=512)
     ap.add_argument("--skip-ttft", action="store_true")
     args = ap.parse_args()
-    if args.no_pdl:
-        import engine.kernels.pdl
-
-        engine.kernels.pdl.ENABLED = False
-    if args.eager_blas:
-        import engine.model_runner
-
-        engine.model_runner.EAGER_BLAS_LIBRARY = args.eager_blas
     core = EngineCore(EngineConfig(model=str(resolve_model(args.model)), device="cuda",
                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=256,
-                                   max_piecewise_tokens=args.max_piecewise_tokens))  # fmt: skip
+                                   max_piecewise_tokens=args.max_piecewise_tokens,
+                                   pdl=not args.no_pdl,
+                                   **({"eager_blas_library": args.eager_blas}
+                                      if args.eager_blas else {})))  # fmt: skip
     vocab = core.info.vocab_size
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     if not args.skip_ttft:

@@ -1,4 +1,4 @@
-"""The engine's microserving API (DESIGN §4): HTTP routes over its engine-core client.
+"""The engine's microserving API (docs/microserving.md): HTTP routes over its engine-core client.
 
     add_microserving_routes(app, client, api_key=key)
 

@@ -1,4 +1,5 @@
-"""Greedy sampling's argmax over each row of the logits, in two Triton passes (issue 5).
+"""Greedy sampling's argmax over each row of the logits, in two Triton passes (docs/benchmarks.md,
+"GPU: engine on H100").
 
 torch's `argmax(dim=-1)` reduces a row in one block: over a 128,256-entry fp32 row of
 Llama-3.1-8B's logits at batch 1 it took 29.6 us on an H100 (2026-11-23, `bench.engine_gpu

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from engine.kernels.pdl import launch_options as pdl_options
 from engine.kernels.pdl import use_pdl
-from engine.models.fp8 import FP8_MAX, INV_FP8_MAX, MIN_AMAX
+from engine.kernels.fp8_format import FP8_MAX, INV_FP8_MAX, MIN_AMAX
 
 # RMSNorm rows up to this many elements stay in registers (one read, one write; 16 warps keep
 # an 8192 row at 64 registers a thread). Longer rows are read twice in chunks of _NORM_LOOP_BLOCK

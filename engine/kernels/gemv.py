@@ -1,4 +1,5 @@
-"""Single-token projections (M = 1) as a Triton GEMV: the batch-1 decode path (issue 5).
+"""Single-token projections (M = 1) as a Triton GEMV: the batch-1 decode path (docs/benchmarks.md,
+"GPU: engine on H100").
 
 At batch 1 every projection reads its whole weight once to produce one row, so a decode step is
 bound by how fast the weights stream from memory. cuBLAS's kernels for M = 1 (measured with

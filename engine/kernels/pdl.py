@@ -9,8 +9,9 @@ a plain stream. `gdc_launch_dependents()` lets the next kernel start early. In a
 decode step (~300 short kernels) this hides most of each launch gap (measured on an H100,
 2026-11-23: see docs/benchmarks.md).
 
-Off under the Triton interpreter and below sm_90; `ENABLED = False` turns it off everywhere
-(`python -m bench.engine_gpu --no-pdl`). A kernel takes a `PDL: tl.constexpr` and starts with
+Off under the Triton interpreter and below sm_90; an engine with `EngineConfig.pdl` False
+turns it off for its process (`configure`, called by the model runner; `python -m
+bench.engine_gpu --no-pdl`). A kernel takes a `PDL: tl.constexpr` and starts with
 `if PDL: gdc_wait(); gdc_launch_dependents()` (inline: a @triton.jit helper shared across
 modules breaks the CPU interpreter's reloads in the tests).
 """
@@ -22,7 +23,16 @@ import os
 
 import torch
 
-ENABLED = os.environ.get("TRITON_INTERPRET") != "1"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_enabled = True  # set by configure() only
+
+
+def configure(enabled: bool) -> None:
+    """Whether this process's kernels launch with PDL where the GPU has it: an engine's
+    `EngineConfig.pdl`, set by its model runner (an engine owns its process, as it owns torch's
+    BLAS choice)."""
+    global _enabled
+    _enabled = enabled
 
 
 @functools.cache
@@ -32,7 +42,7 @@ def _supported(device_index: int) -> bool:
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels working on t launch with PDL."""
-    if not (ENABLED and t.is_cuda):
+    if not (_enabled and t.is_cuda) or _INTERPRETED:
         return False
     index = t.device.index
     return _supported(torch.cuda.current_device() if index is None else index)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from engine.kernels.pdl import launch_options as pdl_options
 from engine.kernels.pdl import use_pdl
-from engine.models.fp8 import FP8_MAX, INV_FP8_MAX, MIN_AMAX
+from engine.kernels.fp8_format import FP8_MAX, INV_FP8_MAX, MIN_AMAX
 
 FP8 = torch.float8_e4m3fn
 # a row of up to this many values stays in registers (16 warps: 32 a thread); longer rows

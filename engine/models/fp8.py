@@ -36,13 +36,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-# scale = amax * (1 / 448): a product rounds the same in torch (CPU and CUDA) and Triton, while
-# torch on CUDA divides by a Python number as a product with its reciprocal anyway
-INV_FP8_MAX = 1.0 / FP8_MAX
-# a row of zeros (a padded token in a CUDA graph) quantizes to zeros, not NaN
-MIN_AMAX = 1e-12
+from engine.kernels.fp8_format import FP8, FP8_MAX, INV_FP8_MAX, MIN_AMAX
+
 QUANTIZATIONS = ("fp8",)
 # o and down leave their scales to the norm after them up to this many rows (see above)
 DEFER_MAX_TOKENS = 256

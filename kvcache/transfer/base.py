@@ -1,4 +1,5 @@
-"""The transfer interface: one-sided writes of KV into another engine's pool (DESIGN §5).
+"""The transfer interface: one-sided writes of KV into another engine's pool (docs/microserving.md,
+"KV transfer").
 
 A receiver exports its pool and hands out write *windows*; a sender opens the receiver as a
 peer from its descriptor and writes layer slices into it while its own forward pass continues:

@@ -1,5 +1,5 @@
 """One Triton kernel that copies K and V rows between two KV pools, over any run of layers
-(issue 19).
+(docs/benchmarks.md, "GPU: KV page copy for `cuda_ipc`").
 
     copy_rows(src_layers, dst_layers, src_slots, dst_slots, num_programs)
 
@@ -10,11 +10,12 @@ fixed grid of programs walks the layers * 2 * n rows, each program every `num_pr
 
     r = (layer * n + i) * 2 + kv:   src[layer, kv, src_slots[i]] -> dst[layer, kv, dst_slots[i]]
 
-A GPU sender copies a whole step's KV with one launch (all layers, after the step's last layer
-wrote its KV; see CudaIpcPeer): at one launch per layer the Python launches, one per layer and
-send, cost more host time than the copies cost GPU time (issue 19's record).
+A GPU sender copies a whole step's KV with one launch (all layers, after the step's last layer wrote
+its KV; see CudaIpcPeer): at one launch per layer the Python launches, one per layer and send, cost
+more host time than the copies cost GPU time (docs/benchmarks.md, "GPU: KV page copy for
+`cuda_ipc`").
 
-Why not torch indexing (`index_select` + `index_copy_`): measured on the lent GPUs (DESIGN §10),
+Why not torch indexing (`index_select` + `index_copy_`): measured on an H100 (docs/benchmarks.md),
 those two launches with a temporary in between were starved to 22 GB/s beside the forward pass's
 GEMMs and slowed them 8%, where one copy kernel moved 180-330 GB/s beside them with no
 measurable slowdown when its grid was sized right; the grid is the caller's, by measurement.

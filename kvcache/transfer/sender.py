@@ -20,11 +20,11 @@ A job writes only into its window's `slots` (the slots the receiver reserved and
 it): a destination outside them is refused before it is queued, so no bug upstream can make
 this engine write another request's pages on the receiver.
 
-The forward pass calls `layer_written` after each layer: that is `write` for a peer that copies
-on the host (shm, tcp), and for a peer that only queues GPU copies (`Peer.whole_steps`:
-cuda_ipc) one `write_layers` of every layer after the step's last, because there one Python
-call per layer costs more host time than its copy costs the GPU (measured: issue 19's record in
-docs/benchmarks.md). With chunked prefill, a step's copy then runs beside the next step.
+The forward pass calls `layer_written` after each layer: that is `write` for a peer that copies on
+the host (shm, tcp), and for a peer that only queues GPU copies (`Peer.whole_steps`: cuda_ipc) one
+`write_layers` of every layer after the step's last, because there one Python call per layer costs
+more host time than its copy costs the GPU (measured: docs/benchmarks.md, "GPU: KV page copy for
+`cuda_ipc`"). With chunked prefill, a step's copy then runs beside the next step.
 
 A job's source slots must keep their KV until the job is reported in `completed()` or
 `cancel()` has returned: this thread reads them from the local pool when it gets to them.

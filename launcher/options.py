@@ -1,0 +1,246 @@
+"""The command line's options that more than one command takes, each made from what it sets.
+
+An engine's options set `EngineConfig` fields (engine/config.py) with the field's default; the
+router's set `RouterSettings` (router/settings.py), help and default from its declaration, and
+`microserve up` takes some of them to override a deployment file. `parse_engine_args` reads a
+deployment file's engine `args` the way `microserve engine` would, into its `EngineConfig`.
+Plain data: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from engine.config import KV_CACHE_DTYPES, EngineConfig  # plain data: no torch
+from microserve.http_limits import HttpLimits  # plain data: no server
+from router.settings import SETTINGS, RouterSettings
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+_CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+class Help(argparse.HelpFormatter):
+    """An option's default after its help, unless the help says it
+    or there is none to say (a flag, an empty list)."""
+
+    def _get_help_string(self, action) -> str:
+        help = action.help or ""
+        default = action.default
+        if ("default" in help or not action.option_strings or default is None
+                or default is argparse.SUPPRESS or isinstance(default, bool)
+                or default in ([], {})):
+            return help
+        return f"{help} (default: %(default)s)" if help else "default: %(default)s"
+
+
+def log_level_option(p) -> None:
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+
+
+def _config_option(p, flag: str, field: str | None = None, **kwargs) -> None:
+    """An option that sets the EngineConfig field `field` (default: the flag's name), with the
+    field's default: the config says what the defaults are, the command line how to ask."""
+    field = field or flag.removeprefix("--").replace("-", "_")
+    p.add_argument(flag, dest=field, default=_CONFIG_FIELDS[field].default, **kwargs)
+
+
+def _auto_on_off(value: str) -> bool | None:
+    try:
+        return {"auto": None, "on": True, "off": False}[value]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not auto, on or off") from None
+
+
+def engine_options(p: argparse.ArgumentParser) -> None:
+    """The options of `microserve engine` (what a deployment file's engine `args` may say)."""
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face Llama-family directory, or "
+                        f"{DEFAULT_MODEL_NAME} (the default, embedded)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients use in 'model' (default: the --model argument)")
+    p.add_argument("--host", default="127.0.0.1", help="the address it listens on")
+    p.add_argument("--port", type=int, default=8000, help="the port of its HTTP API")
+    http_limit_options(p)
+    p.add_argument("--deployment", default=None,
+                   help="the deployment this engine belongs to, reported in its stats (set by "
+                        "`microserve up`: its router adopts only its own engines; default: "
+                        "none)")
+    _config_option(p, "--device", help="cpu, cuda or cuda:N")
+    _config_option(p, "--dtype", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, "
+                                      "float16")
+    _config_option(p, "--quantization", choices=("fp8",),
+                   help="fp8: the decoder layers' weights as float8 e4m3, quantized at load "
+                        "with a scale per output channel; activations quantized per token "
+                        "(CUDA: compute capability 8.9+; default: the model's dtype)")
+    _config_option(p, "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; fp8 (fp8_e4m3): the KV cache as float8 e4m3, "
+                        "scale 1, saturated at +-448: twice the tokens in the same memory "
+                        "(CUDA: compute capability 8.9+)")
+    _config_option(p, "--page-size", type=int, help="tokens per KV page")
+    _config_option(p, "--kv-cache-memory-gb", type=float, help="size of the KV pool (CPU)")
+    _config_option(p, "--gpu-memory-utilization", type=float,
+                   help="share of the GPU's memory for weights, activations and KV (CUDA)")
+    _config_option(p, "--num-pages", type=int, help="KV pool size in pages (default: from "
+                                                    "the memory size)")
+    _config_option(p, "--max-num-batched-tokens", type=int,
+                   help="per-step token budget (prefill chunk + decodes; default: 512 on CPU, "
+                        "2048 on CUDA)")
+    _config_option(p, "--max-num-seqs", type=int, help="sequences running at once "
+                                                       "(default: 256)")
+    _config_option(p, "--max-model-len", type=int,
+                   help="longest prompt + output in tokens (default: the model's "
+                        "max_position_embeddings)")
+    _config_option(p, "--no-prefix-cache", "enable_prefix_cache", action="store_false",
+                   help="do not reuse the KV of earlier requests' common prefixes")
+    _config_option(p, "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    _config_option(p, "--skip-warmup", "warmup", action="store_false",
+                   help="CUDA: report ready without serving the start-up requests that compile "
+                        "the kernels first requests would otherwise wait for")
+    _config_option(p, "--max-piecewise-tokens", type=int,
+                   help="CUDA: steps with prompt tokens, up to this many in all, replay "
+                        "piecewise CUDA graphs, attention eager (default: 2048; 0: eager)")
+    _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
+                   help="launch step N before reading step N-1's tokens (default: auto, "
+                        "which is on for CUDA)")
+    _config_option(p, "--seed", type=int,
+                   help="seeds the engine's generator for requests that name no seed")
+    _config_option(p, "--log-stats-interval", "log_stats_interval_s", type=float,
+                   metavar="SECONDS",
+                   help="while it works, the engine logs its throughput, load and where its "
+                        "core's time went every this many seconds (default: 10; 0: never)")
+    tool_call_parser_option(p)
+    _config_option(p, "--cpu-threads", type=int,
+                   help="torch CPU threads (default: every core); engines sharing a host "
+                        "should split the cores (microserve up does)")
+    p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 and /microserving "
+                        "(default: $MICROSERVE_API_KEY; unset: no check)")
+    _config_option(p, "--kv-transfer",
+                   choices=("auto", "shm", "tcp", "cuda_ipc", "nvshmem", "none"),
+                   help="how this engine receives KV from peers (auto: shm on CPU, cuda_ipc "
+                        "on CUDA, none without an engine key; tcp: across hosts; nvshmem: GPU "
+                        "engines started together by `microserve up`, a fixed group)")
+    p.add_argument("--nvshmem-group", default=os.environ.get("MICROSERVE_NVSHMEM_GROUP"),
+                   help="nvshmem: this engine's place in its group, RANK/SIZE@DIR (default: "
+                        "$MICROSERVE_NVSHMEM_GROUP, which `microserve up` sets)")
+    _config_option(p, "--kv-transfer-host", help="tcp: address the KV transfer listener binds")
+    _config_option(p, "--kv-transfer-port", type=int, help="tcp: 0 picks a free port")
+    _config_option(p, "--kv-transfer-advertise-host",
+                   help="tcp: address peers dial (default: the bind address)")
+    _config_option(p, "--kv-lease-s", type=float,
+                   help="seconds a prep_recv reservation lives after its sender last renewed "
+                        "it (senders renew every 0.25 s while they hold the job)")
+    _config_option(p, "--kv-lease-max-s", type=float,
+                   help="the longest lease a prep_recv may ask for (lease_s)")
+    _config_option(p, "--kv-recv-wait-s", type=float,
+                   help="how long a prep_recv waits its turn for KV pages when the call names "
+                        "no wait_s (then a 503)")
+    _config_option(p, "--kv-recv-wait-max-s", type=float,
+                   help="the longest wait_s a prep_recv may name")
+    log_level_option(p)
+
+
+def http_limit_options(p) -> None:
+    """What each client connection of the HTTP server may take (microserve/http_limits.py)."""
+    default = HttpLimits()
+    p.add_argument("--max-connections", type=int, default=default.max_connections,
+                   help="client connections open at once; a new one past it gets a 503 with "
+                        "Retry-After (the open-file limit is raised to fit them)")
+    p.add_argument("--header-timeout-s", type=float, default=default.header_timeout_s,
+                   help="a request's line and headers must arrive within this many seconds of "
+                        "the connection's accept (or of the request's first byte), else a 408 "
+                        "and a close")
+    p.add_argument("--body-timeout-s", type=float, default=default.body_timeout_s,
+                   help="a request's body must arrive within this many seconds of its "
+                        "headers, else a 408 and a close")
+    p.add_argument("--keep-alive-s", type=float, default=default.keep_alive_s,
+                   help="an idle connection is closed this many seconds after its last answer")
+
+
+def http_limits(args) -> HttpLimits:
+    return HttpLimits(max_connections=args.max_connections,
+                      header_timeout_s=args.header_timeout_s,
+                      body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s)
+
+
+def tool_call_parser_option(p) -> None:
+    """--tool-call-parser: an engine's is the router's setting (router/settings.py)."""
+    field = SETTINGS["tool_call_parser"]
+    p.add_argument("--tool-call-parser", default=field.default, help=field.metadata["help"],
+                   **field.metadata["option"])
+
+
+def json_object(value: str) -> dict:
+    import json
+
+    try:
+        obj = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return obj
+
+
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    """The EngineConfig of parsed engine options, for `model` (a resolved directory)."""
+    given = {name: value for name, value in vars(args).items()
+             if name in _CONFIG_FIELDS and name != "model"}
+    return EngineConfig(model=model, **given)
+
+
+class _Refusing(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def parse_engine_args(args: list[str]) -> argparse.Namespace:
+    """`microserve engine`'s options in `args`; ValueError naming the option it cannot take."""
+    p = _Refusing(prog="microserve engine", add_help=False)
+    engine_options(p)
+    return p.parse_args(args)
+
+
+_KINDS = {"str": str, "int": int, "float": float}  # a setting's type -> argparse's
+
+
+def router_setting_options(p: argparse.ArgumentParser, *, up: bool = False) -> None:
+    """An option for each of the router's settings (router/settings.py), with its default; with
+    `up`, those `microserve up` takes to override the deployment file, default None (the file's
+    value)."""
+    for name, field in SETTINGS.items():
+        meta = field.metadata
+        if not meta["flag"] or (up and not meta["up"]):
+            continue
+        if name == "http_limits":
+            http_limit_options(p)
+            continue
+        flag = "--" + name.replace("_", "-")
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        help = meta["help"]
+        if up:
+            p.add_argument(flag, type=_KINDS.get(field.type.split(" |")[0]), default=None,
+                           help=f"[router] {name}: {help} (overrides the file's; default: the "
+                                f"file's, else {'unset' if default is None else default})", **meta["option"])
+        elif field.type == "bool":
+            p.add_argument(flag, action="store_true", help=help, **meta["option"])
+        elif field.type == "dict":
+            p.add_argument(flag, type=json_object, default=default, help=help, **meta["option"])
+        else:
+            p.add_argument(flag, type=_KINDS[field.type.split(" |")[0]], default=default,
+                           help=help, **meta["option"])
+
+
+def router_settings(args: argparse.Namespace) -> RouterSettings:
+    """The router's settings from `microserve router`'s parsed options."""
+    return RouterSettings(**{name: http_limits(args) if name == "http_limits" else
+                             getattr(args, name) for name, field in SETTINGS.items()
+                             if field.metadata["flag"]})
+
+
+def router_overrides(args: argparse.Namespace) -> dict:
+    """The router settings `microserve up`'s options set (the others keep the file's)."""
+    return {name: getattr(args, name) for name, field in SETTINGS.items()
+            if field.metadata["up"] and getattr(args, name) is not None}
