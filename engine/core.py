@@ -537,8 +537,7 @@ class EngineCore:
                 self._remove(seq)
         return outputs
 
-    @staticmethod
-    def _fill_prompt_logprobs(launched: _Launched) -> None:
+    def _fill_prompt_logprobs(self, launched: _Launched) -> None:
         entries = [e for pending in launched.scores for e in pending.result().logprobs]
         touched = {}
         for (seq, j), entry in zip(launched.scored, entries):
@@ -550,6 +549,22 @@ class EngineCore:
             while k < len(scores) and scores[k] is not None:
                 k += 1
             seq.prompt_scored = k
+            if k == len(scores):
+                self._share_scores(seq)
+
+    def _share_scores(self, scored: Sequence) -> None:
+        """Hand a prompt's complete scores to the waiting sequences that score the same prompt
+        the same way and hold no KV yet (the other `n` choices of a request: they waited for
+        it, Scheduler._waits_for_twin): they then reuse its cached pages instead of computing
+        the prompt again to score it."""
+        for seq in self.scheduler.waiting:
+            if (seq.prompt_logprobs is not None and seq.prompt_scored < seq.num_prompt_tokens
+                    and seq.prompt_key == scored.prompt_key
+                    and seq.params.prompt_logprobs == scored.params.prompt_logprobs
+                    and seq.prompt_token_ids == scored.prompt_token_ids
+                    and not self.kv.has(seq.request_id)):
+                seq.prompt_logprobs = list(scored.prompt_logprobs)
+                seq.prompt_scored = seq.num_prompt_tokens
 
     def _cache_new_pages(self, seq: Sequence) -> None:
         """Offer newly completed whole pages to the prefix cache (cheap check first). Every

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from microserve.messages import SamplingParams
 
@@ -54,6 +55,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @cached_property
+    def prompt_key(self) -> int:
+        """A hash of the prompt: sequences with equal prompts have equal keys (the Scheduler
+        finds a prompt's twins by it, then compares the prompts)."""
+        return hash(tuple(self.prompt_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:
