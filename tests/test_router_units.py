@@ -582,6 +582,52 @@ async def test_abort_goes_once_to_each_engine_still_holding_the_request(end, wan
     assert await aborts_when(end) == want
 
 
+class PlacesGenerations(CountingClient):
+    """Records the generations started on its engine, and ends each when `go` is set."""
+
+    def __init__(self, started: list):
+        super().__init__()
+        self.started, self.go = started, asyncio.Event()
+
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None):
+        self.started.append(request_id)
+        await self.go.wait()
+        yield GenerateChunk(token_ids=[2], finish_reason="length")
+
+
+async def test_the_choices_of_a_scored_prompt_go_to_the_engine_scoring_it():
+    """Echo with logprobs is served whole on one engine: the n choices of a prompt all go to
+    the engine its first choice went to (it scores the prompt once for all), whatever the
+    load; another prompt, or the same one scored with another number of top tokens, goes to
+    the least loaded; nothing is remembered once they end."""
+    pool = make_pool(("a", "any"), ("b", "any"))
+    started = {"a": [], "b": []}
+    for name in started:
+        pool[name].client = PlacesGenerations(started[name])
+    host = StrategyHost(pool)
+    await host.load(StrategySource.builtin("data_parallel"))
+    backend = RouterBackend(pool, host, "m", Registry(), max_retries=0)
+    scored, other = list(range(40)), list(range(1, 41))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    runs = [("c0", scored, params), ("c1", scored, params), ("c2", scored, params),
+            ("x", other, params), ("top2", scored, dataclasses.replace(params, prompt_logprobs=2))]
+    gens = [backend.generate(rid, prompt, p) for rid, prompt, p in runs]
+    tasks = []
+    for gen in gens:
+        tasks.append(asyncio.ensure_future(anext(gen)))
+        await asyncio.sleep(0)  # started in this order
+    await asyncio.sleep(0.01)
+    # c0-c2 on a however loaded it is; x and top2 (other places) on the least loaded, b
+    assert started == {"a": ["c0", "c1", "c2"], "b": ["x", "top2"]}
+    assert len(backend._scoring._places) == 3
+    for name in started:
+        pool[name].client.go.set()
+    assert all(chunk.finish_reason == "length" for chunk in await asyncio.gather(*tasks))
+    for gen in gens:
+        await gen.aclose()
+    assert backend._scoring._places == {}
+
+
 # ---- an engine marked down ends its streams; DNS names ---------------------------------------
 
 
