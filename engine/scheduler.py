@@ -198,7 +198,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
             seq.num_computed_tokens = reused
-            seq.status = SeqStatus.RUNNING
+            seq.status, seq.admitted = SeqStatus.RUNNING, True
             self.waiting.remove(seq)
             self.running.append(seq)
             out.scheduled.append(self._entry(seq, n))

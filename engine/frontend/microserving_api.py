@@ -200,9 +200,10 @@ class _MicroservingAPI:
         return route
 
     async def start_generate(self, request: Request) -> Response:
+        received_at = time.perf_counter()
         body = await _read_body(request, self._start_generate)
         codec = _answer_codec(request)
-        chunks = self._chunks(body)
+        chunks = self._chunks(body, received_at)
         # Streaming, the first chunk comes before the status line: a call the engine refuses
         # still gets its status rather than an error item inside a 200.
         work = anext(chunks) if body.stream else _merged(chunks, body.sampling.logprobs is not None)
@@ -215,11 +216,13 @@ class _MicroservingAPI:
         return EventStream(self._stream(body.request_id, codec, chunk, chunks),
                            media_type=codec.stream_media_type)
 
-    async def _chunks(self, body: StartGenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+    async def _chunks(self, body: StartGenerateRequest,
+                      received_at: float) -> AsyncGenerator[GenerateChunk, None]:
         """The request's outputs as chunks. Closed or cancelled before the engine finished the
         request (a client that went away), it aborts the request in the engine."""
         chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
-                                            body.sampling, body.first_token)
+                                            body.sampling, body.first_token, body.queue_s,
+                                            received_at)
         settled = False
         try:
             async for chunk in chunks:
