@@ -26,6 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.grammar import GrammarMatchers
 from engine.kv_exchange import Answer, KVExchange
+from engine.kv_sender import queue_timeout
 from engine.loop_stats import LoopCounters
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models import fp8
@@ -124,7 +125,11 @@ class EngineCore:
         # only a message, a finished send or a lease's end can free): the loop then waits.
         self.stalled = False
         self._pending_rows: dict[str, int] = {}  # seq id -> its row in the last launch's sample
-        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
+        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
+                         "generate_queue_timeouts": 0}
+        # generations failed before a step started on them (their queue_s passed), for the
+        # core process to answer: taken by `take_rejected`
+        self._rejected: list[tuple[str, MicroservingError]] = []
         self.loop = LoopCounters()  # steps and tokens here; the core process adds its time
         self.info = EngineInfo(
             model_name=mc.name,
@@ -196,7 +201,9 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    begin: int = 0, first_token: int | None = None) -> TokenOutput | None:
+                    begin: int = 0, first_token: int | None = None,
+                    queue_s: float | None = None,
+                    received_at: float | None = None) -> TokenOutput | None:
         """Queue a request. Raises RequestRejected (naming the field and numbers) on bad input.
 
         `begin` > 0 (microserving start_generate): the KV of prompt[:begin] is already on this
@@ -206,6 +213,10 @@ class EngineCore:
 
         `first_token`: the first output, sampled by the engine that sent the KV of the whole
         prompt (begin = len(prompt)). Returns its output, to emit now: no step computes it.
+
+        `queue_s`: a step must start on it within this long of `received_at` (the frontend's
+        time.perf_counter() when the call came; default now), else it fails with a 503, code
+        queue_timeout (`expire`); raised here, holding nothing, if that time has passed.
         """
         entry = self.requests.get(request_id)
         if entry is not None and entry.state is not RequestState.RESERVED:
@@ -223,6 +234,13 @@ class EngineCore:
             raise MicroservingError(
                 400, "prompt_logprobs needs the whole prompt computed by this engine: begin "
                 f"must be 0 without a prep_recv, got begin {begin}", "prompt_logprobs")
+        start_by = None
+        if queue_s is not None and first_token is None:  # a handed-over token starts at once
+            waited = time.perf_counter() - received_at if received_at else 0.0
+            if waited > queue_s:  # the core took it up too late
+                self.counters["generate_queue_timeouts"] += 1
+                raise queue_timeout(request_id, queue_s)
+            start_by = time.monotonic() + queue_s - waited
         generator = make_generator(params.seed, self.runner.device)
         arrival, held = next(self._arrivals), None
         try:
@@ -237,7 +255,7 @@ class EngineCore:
             self.penalties.remove(request_id)
             raise
         seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
-                       num_cached_tokens=held)  # fmt: skip
+                       num_cached_tokens=held, queue_s=queue_s, start_by=start_by)  # fmt: skip
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(prompt)
         self.requests.generate(request_id, seq, generator)
@@ -300,13 +318,32 @@ class EngineCore:
 
     def expire(self, now: float) -> int:
         """What is due by `now` (time.monotonic()): leases and parked sends
-        (KVExchange.expire_leases), and sends no step started on within their queue time,
-        which leave the scheduler. Returns how many."""
+        (KVExchange.expire_leases), and sends and generations no step started on within their
+        queue time, which leave the scheduler (a generation's 503 from `take_rejected`).
+        Returns how many."""
         expired = self.exchange.expire_leases(now)
         for seq in self.exchange.expire_unstarted(now):
             self.scheduler.remove(seq)
             expired += 1
+        for seq in [s for s in self.scheduler.waiting if _late(s, now)]:
+            seq.finish_reason = FinishReason.ABORT
+            self._remove(seq)
+            self.counters["generate_queue_timeouts"] += 1
+            self._rejected.append((seq.request_id, queue_timeout(seq.request_id, seq.queue_s)))
+            expired += 1
         return expired
+
+    def next_deadline(self) -> float | None:
+        """When `expire` has something to do next (KVExchange.next_deadline, and the queue
+        time of generations no step started on)."""
+        starts = [s.start_by for s in self.scheduler.waiting if _late(s, float("inf"))]
+        exchange = self.exchange.next_deadline()
+        return min(starts + [exchange] if exchange is not None else starts, default=None)
+
+    def take_rejected(self) -> list[tuple[str, MicroservingError]]:
+        """The generations `expire` failed since the last call, with their errors."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def poll(self) -> list[tuple[str, Answer]]:
         """Answers for the deferred calls now settled (KVExchange.poll). Sends whose transfer
@@ -533,8 +570,7 @@ class EngineCore:
                 self._remove(seq)
         return outputs
 
-    @staticmethod
-    def _fill_prompt_logprobs(launched: _Launched) -> None:
+    def _fill_prompt_logprobs(self, launched: _Launched) -> None:
         entries = [e for pending in launched.scores for e in pending.result().logprobs]
         touched = {}
         for (seq, j), entry in zip(launched.scored, entries):
@@ -546,6 +582,22 @@ class EngineCore:
             while k < len(scores) and scores[k] is not None:
                 k += 1
             seq.prompt_scored = k
+            if k == len(scores):
+                self._share_scores(seq)
+
+    def _share_scores(self, scored: Sequence) -> None:
+        """Hand a prompt's complete scores to the waiting sequences that score the same prompt
+        the same way and hold no KV yet (the other `n` choices of a request: they waited for
+        it, Scheduler._waits_for_twin): they then reuse its cached pages instead of computing
+        the prompt again to score it."""
+        for seq in self.scheduler.waiting:
+            if (seq.prompt_logprobs is not None and seq.prompt_scored < seq.num_prompt_tokens
+                    and seq.prompt_key == scored.prompt_key
+                    and seq.params.prompt_logprobs == scored.params.prompt_logprobs
+                    and seq.prompt_token_ids == scored.prompt_token_ids
+                    and not self.kv.has(seq.request_id)):
+                seq.prompt_logprobs = list(scored.prompt_logprobs)
+                seq.prompt_scored = seq.num_prompt_tokens
 
     def _cache_new_pages(self, seq: Sequence) -> None:
         """Offer newly completed whole pages to the prefix cache (cheap check first). Every
@@ -607,3 +659,8 @@ class EngineCore:
         self.penalties.check_integrity()
         self.requests.check_integrity(self.scheduler, self.kv, self.grammars.request_ids(),
                                       self.penalties.request_ids())
+
+
+def _late(seq: Sequence, now: float) -> bool:
+    """A generation no step started on whose queue time ends by `now`."""
+    return seq.start_by is not None and not seq.admitted and seq.start_by <= now

@@ -145,9 +145,11 @@ class CoreLoop:
             # pages admit waiting prep_recv calls, and every call now settled is answered (a
             # finished send frees pages too).
             now = time.monotonic()
-            deadline = exchange.next_deadline()
+            deadline = self.core.next_deadline()
             if deadline is not None and deadline <= now and self.core.expire(now):
                 stalled = False
+                for request_id, e in self.core.take_rejected():
+                    self.send(Rejected(request_id, str(e), e.param, e.status, e.code))
             exchange.admit_waiting(now)
             if self._answer_sends():
                 stalled = False
@@ -203,7 +205,7 @@ class CoreLoop:
         self.core.check_integrity()
 
     def _idle_timeout(self) -> float | None:
-        deadline = self.core.exchange.next_deadline()
+        deadline = self.core.next_deadline()
         if deadline is None:
             return None
         return min(max(0.0, deadline - time.monotonic()), MAX_IDLE_WAIT_S)
@@ -235,9 +237,10 @@ class CoreLoop:
     def _generate(self, msg: Generate) -> None:
         try:
             first = self.core.add_request(msg.request_id, msg.prompt, msg.params, msg.begin,
-                                         msg.first_token)
+                                         msg.first_token, msg.queue_s, msg.received_at)
         except (RequestRejected, MicroservingError) as e:
-            self.send(Rejected(msg.request_id, str(e), e.param, getattr(e, "status", 400)))
+            self.send(Rejected(msg.request_id, str(e), e.param, getattr(e, "status", 400),
+                               getattr(e, "code", None)))
         except Exception as e:  # our bug: it fails this request, never the engine
             log.exception("request %s failed to start", msg.request_id)
             self.core.abort_request(msg.request_id)

@@ -28,6 +28,8 @@ class Generate(Frame, tag="generate"):
     params: SamplingParams
     begin: int = 0
     first_token: int | None = None
+    queue_s: float | None = None  # StartGenerateRequest's
+    received_at: float = 0.0  # time.perf_counter() when the frontend took it; 0: unknown
 
 
 class Invoke(Frame, tag="call"):
@@ -73,6 +75,7 @@ class Rejected(Frame, tag="rejected"):
     message: str
     param: str | None
     status: int
+    code: str | None = None
 
 
 class Heartbeat(Frame, tag="heartbeat"):

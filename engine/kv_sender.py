@@ -140,7 +140,7 @@ class Sending:
         waited = 0.0 if received_at is None else time.perf_counter() - received_at
         if queue_s is not None and waited > queue_s:  # the core took it up too late
             self.counters["kv_send_queue_timeouts"] += 1
-            raise _queue_timeout(request_id, queue_s)
+            raise queue_timeout(request_id, queue_s)
         matched = self.kv.open(request_id, tokens[:-1] if sampling else tokens)
         job = SendJob(tokens, begin, end, None, 0, computed=end - matched if matched < end else 0,
                       samples=sampling is not None, matched=matched)
@@ -361,7 +361,7 @@ class Sending:
                 if e.job.start_by is not None and e.job.first_step_at is None
                 and e.job.start_by <= now]
         self.counters["kv_send_queue_timeouts"] += len(late)
-        return [self.fail_send(rid, _queue_timeout(rid, self.requests.get(rid).job.queue_s))
+        return [self.fail_send(rid, queue_timeout(rid, self.requests.get(rid).job.queue_s))
                 for rid in late]
 
     def _start_deadlines(self) -> list[float]:
@@ -407,7 +407,8 @@ class Sending:
         return len(late)
 
 
-def _queue_timeout(request_id: str, queue_s: float) -> MicroservingError:
+def queue_timeout(request_id: str, queue_s: float) -> MicroservingError:
+    """The 503 of a call no step started on within its queue_s (a send's, a generation's)."""
     return MicroservingError(
         503, f"waited {queue_s:g} s for this engine to start computing request {request_id!r} "
         "(its queue_s): it is busy; retry later", code="queue_timeout")  # fmt: skip

@@ -9,6 +9,10 @@ One step packs, under a token budget:
      already held (received from another engine) still may, since it only needs room to grow
      and finishing it frees its pages (else it could wait for ever behind a preempted sequence
      that needs the very pages it holds).
+     A sequence whose prompt another running sequence is computing now (the `n` choices of
+     one request) waits for it without holding anyone up: once that prompt's whole pages are
+     in the prefix cache (and its scores, when both score it) it reuses them, so a prompt is
+     prefilled once and the choices fork from it (`_waits_for_twin`).
 
 Admission happens only when pages exist, so the engine never runs out of KV mid-step. When a
 running sequence needs a page and none is left, the policy's victim (the newest running
@@ -169,11 +173,14 @@ class Scheduler:
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
         blocked = False  # a sequence that must compute its KV did not fit: none after it may
+        twins = self._prompts_computing()
         for seq in self.policy.admit_order(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             prepared = self.kv.has(seq.request_id)  # KV received or held since the call came
             if blocked and not prepared:
+                continue
+            if not prepared and self._waits_for_twin(seq, twins):
                 continue
             if prepared:
                 reused = seq.num_computed_tokens
@@ -191,9 +198,53 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
             seq.num_computed_tokens = reused
-            seq.status = SeqStatus.RUNNING
+            seq.status, seq.admitted = SeqStatus.RUNNING, True
             self.waiting.remove(seq)
             self.running.append(seq)
             out.scheduled.append(self._entry(seq, n))
             budget -= n
+            if twins is not None and self._computes_prompt(seq):
+                twins.setdefault(seq.prompt_key, []).append(seq)
         return budget
+
+    # ---- the n choices of a prompt: one prefill -----------------------------------------------
+    #
+    # Choices arrive together and would all be admitted before any page of their prompt is
+    # cached (a step's budget holds several short prompts; a long one is chunked and its
+    # twins are admitted beside its last chunk), each computing the whole prompt. So a waiting
+    # sequence whose prompt a running one is still computing is skipped (its turn is kept: it
+    # does not block the sequences behind it) until that prompt's whole pages are cached; it
+    # then computes only the tail past the last whole page. Scores (prompt_logprobs) are
+    # handed over by the core the moment the twin's are complete (EngineCore._share_scores).
+
+    def _prompts_computing(self) -> dict[int, list[Sequence]] | None:
+        """Prompt key -> running sequences still computing that prompt; None without a prefix
+        cache (nothing would be shared: no sequence waits)."""
+        if not self.kv.enable_prefix_cache or not self.waiting:
+            return None
+        twins: dict[int, list[Sequence]] = {}
+        for seq in self.running:
+            if seq.finish_reason is None and self._computes_prompt(seq):
+                twins.setdefault(seq.prompt_key, []).append(seq)
+        return twins
+
+    def _computes_prompt(self, seq: Sequence) -> bool:
+        """Whether a sequence holding pages has not yet cached the whole pages of its prompt
+        that a twin reuses (all but the last token's: they are cached once the step computing
+        them is resolved) or not yet scored its prompt."""
+        if seq.send_only:  # a remote_send's tokens may be a prompt's head only
+            return False
+        reusable_pages = (seq.num_prompt_tokens - 1) // self.kv.page_size
+        return self.kv.num_cached_pages(seq.request_id) < reusable_pages or (
+            seq.prompt_logprobs is not None and seq.prompt_scored < seq.num_prompt_tokens)
+
+    @staticmethod
+    def _waits_for_twin(seq: Sequence, twins: dict[int, list[Sequence]] | None) -> bool:
+        """Whether a running sequence computes the very prompt `seq` needs, and what it
+        leaves (cached pages; scores of the same number of top tokens) is what `seq` reuses."""
+        if not twins or seq.prompt_key not in twins:
+            return False
+        scores = seq.params.prompt_logprobs
+        return any(t.prompt_token_ids == seq.prompt_token_ids
+                   and (scores is None or t.params.prompt_logprobs == scores)
+                   for t in twins[seq.prompt_key])

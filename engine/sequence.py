@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from microserve.messages import SamplingParams
 
@@ -39,9 +40,14 @@ class Sequence:
     # `send_samples` (the first output token, handed to the receiver with the KV)
     send_only: bool = False
     send_samples: bool = False
+    # a generation's queue time (start_generate's queue_s) and the time.monotonic() by which
+    # a step must start on it, else it fails with a 503 (EngineCore.expire); None: no limit
+    queue_s: float | None = None
+    start_by: float | None = None
     # appended by EngineCore; the newest may be PENDING while its step is in flight
     output_token_ids: list[int] = field(default_factory=list, init=False)
     status: SeqStatus = field(default=SeqStatus.WAITING, init=False)  # set by the Scheduler
+    admitted: bool = field(default=False, init=False)  # set by the Scheduler, at admission
     # set by EngineCore; a sequence with a finish reason still in `running` is waiting for its
     # last step to be resolved, and the scheduler gives it no more work
     finish_reason: str | None = field(default=None, init=False)
@@ -54,6 +60,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @cached_property
+    def prompt_key(self) -> int:
+        """A hash of the prompt: sequences with equal prompts have equal keys (the Scheduler
+        finds a prompt's twins by it, then compares the prompts)."""
+        return hash(tuple(self.prompt_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

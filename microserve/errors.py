@@ -8,21 +8,31 @@
 4xx/5xx                    a microserving call's own status and message (MicroservingError), so
                            an engine's refusal reaches a router's client unchanged
 500 server_error           anything else; details go to the log, not to the client (a
-                           BackendError's message is shown: it says what failed)
+                           BackendError's message is shown: it says what failed). The server
+                           closes the connection after it (microserve/http_server.py)
+499 (no body)              the client went away while sending its body (or was cut off at the
+                           body deadline): counted as 499 in the metrics, nginx's "client
+                           closed request", and logged in one line, not as a 500
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from microserve.backend import BackendError, BackendUnavailable, MicroservingError, RequestRejected
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
 
 
 class OpenAIError(Exception):
@@ -130,6 +140,13 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return OpenAIError(exc.status_code, str(exc.detail)).response()
 
 
+async def _client_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+    # Nobody reads this answer (uvicorn drops it): its status is for the request metrics.
+    log.info("%s %s: the client went away while sending its body", request.method,
+             request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # No logging here: Starlette re-raises after sending this, and the server logs the traceback.
     return internal_error(exc).response()
@@ -142,4 +159,5 @@ def install_error_handlers(app: FastAPI) -> None:
                   BackendError):
         app.add_exception_handler(known, _known_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnect)
     app.add_exception_handler(Exception, _unexpected_error)

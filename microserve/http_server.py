@@ -7,6 +7,7 @@
 
 Every connection is bounded (BoundedHttpProtocol): deadlines on its request's head and body and
 on its idle time, a cap on open connections; microserve/http_limits.py says what they are.
+A 500 closes its connection, and says so (`_CloseAfterServerError`).
 
 TCP_NODELAY (each SSE chunk must leave at once): uvicorn never sets it; asyncio sets it on a
 transport's socket only when that socket's `proto` is IPPROTO_TCP. `uvicorn.run(app, host=,
@@ -194,6 +195,30 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._deadline = self.loop.call_later(LINGER_S, self._deadline_passed)
 
 
+class _CloseAfterServerError:
+    """ASGI wrapper: a 500 answer carries `connection: close`, and uvicorn closes the
+    connection once it is sent. A handler that raises gets its 500 from Starlette, which then
+    re-raises, and uvicorn drops the connection after that answer; without the header the
+    answer promised keep-alive, and a client's next request on the connection was reset
+    (issue 39). Whatever raised, the connection's state is not trusted further."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_closing_after_500(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 500:
+                headers = [(k, v) for k, v in message.get("headers", ())
+                           if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing_after_500)
+
+
 class QuietServer(uvicorn.Server):
     """A uvicorn server that leaves signals to its caller's cleanup: uvicorn re-raises
     SIGINT/SIGTERM once it has shut down, which would end the process before the caller
@@ -203,7 +228,8 @@ class QuietServer(uvicorn.Server):
     def serving(cls, app, log_level: str, limits: HttpLimits = HttpLimits()) -> "QuietServer":
         """Serve `app` with every connection bounded by `limits` (microserve/http_limits.py;
         fit them to the open-file limit first with `fit_file_limit`)."""
-        return cls(uvicorn.Config(app, log_level=log_level, access_log=False,
+        return cls(uvicorn.Config(_CloseAfterServerError(app), log_level=log_level,
+                                  access_log=False,
                                   http=BoundedHttpProtocol.bounded_by(limits),
                                   timeout_keep_alive=limits.keep_alive_s))
 

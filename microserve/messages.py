@@ -360,6 +360,10 @@ class StartGenerateRequest:
     # The first output token, sampled by the engine that sent the whole prompt's KV (its
     # remote_send with `sampling`); begin must be the prompt's length. Emitted as is, first.
     first_token: TokenId | None = None
+    # How long the request may wait in this engine's queue (from its frontend taking the
+    # call) before a step starts on it: past it a 503 with code queue_timeout, nothing held.
+    # None: as long as it takes.
+    queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
 
 
 @_CHECKED
@@ -474,6 +478,7 @@ class EngineStats:
     kv_recv_waited: int  # prep_recv calls that had to wait for pages
     kv_recv_wait_timeouts: int  # ... and waited their wait_s in vain (503)
     kv_send_queue_timeouts: int = 0  # remote_send calls not started within their queue_s (503)
+    generate_queue_timeouts: int = 0  # start_generate calls not started within their queue_s
     # The core's steps and where its time went (engine/loop_stats.py)
     steps: int = 0
     prompt_tokens_computed: int = 0  # through the forward pass (cached ones not)

@@ -189,9 +189,11 @@ class EngineClient:
 
     async def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
                              sampling: SamplingParams | None = None,
-                             first_token: int | None = None) -> AsyncIterator[GenerateChunk]:
+                             first_token: int | None = None,
+                             queue_s: float | None = None) -> AsyncIterator[GenerateChunk]:
         """Generate from `prompt`, whose KV of `prompt[:begin]` is on the engine already
-        (`first_token`: the first output, sampled by the sender of the whole prompt's KV).
+        (`first_token`: the first output, sampled by the sender of the whole prompt's KV;
+        `queue_s`: how long it may wait for a step to start on it, else a 503 queue_timeout).
 
         Yields the engine's chunks as they come; the last has finish_reason and usage.
         Raises MicroservingError / BackendUnavailable, before the first chunk or after (the
@@ -200,7 +202,7 @@ class EngineClient:
         makes the engine abort the request.
         """
         body = StartGenerateRequest(request_id, prompt, begin, sampling or SamplingParams(),
-                                    first_token=first_token)
+                                    first_token=first_token, queue_s=queue_s)
         response = await self._open(b"POST", "start_generate", self._encode(body), None)
         decoder = _ChunkDecoder() if _is_msgpack(response) else _LineDecoder()
         finished = False

@@ -58,6 +58,7 @@ class RouterBackend(GenerateBackend):
                  registry: Registry, *, max_retries: int = 2):
         self.pool, self.host, self.model_name = pool, host, model_name
         self.max_retries = max_retries
+        self._scoring = _ScoringPlaces(pool)
         self._requests = registry.counter(
             "microserve_router_requests_total", "Requests by strategy and how they ended.",
             ["strategy", "outcome"])
@@ -80,7 +81,7 @@ class RouterBackend(GenerateBackend):
             if params.prompt_logprobs is None:
                 chunks = loaded.instance.generate(request, self.pool)
             else:  # scoring the prompt needs it computed whole on one engine: no strategy splits it
-                chunks = _whole(request, self.pool)
+                chunks = self._scoring.whole(request)
             finished = produced = False
             try:
                 async for chunk in chunks:
@@ -144,12 +145,35 @@ def _overloaded(error: Exception) -> bool:
     return isinstance(error, BackendUnavailable) or error.status == 503
 
 
-async def _whole(request: Request, engines) -> AsyncIterator[GenerateChunk]:
-    """A request served whole by the least loaded engine, whatever the strategy: one with
-    prompt_logprobs (completions' echo with logprobs), which no engine can score from KV it
-    received (a strategy's P/D split or migration would fail it)."""
-    async for chunk in engines.least_loaded().start_generate(request, begin=0):
-        yield chunk
+class _ScoringPlaces:
+    """Requests with prompt_logprobs (completions' echo with logprobs) are served whole,
+    whatever the strategy: no engine can score a prompt from KV it received (a strategy's P/D
+    split or migration would fail it). Each goes to the least loaded engine, except that the
+    `n` choices of a prompt (the same prompt, scored the same way) go where the first of them
+    went while it runs: that engine scores the prompt once for all of them (docs/engine.md),
+    where spread over engines each would score it again."""
+
+    def __init__(self, engines: EnginePool):
+        self.engines = engines
+        # (prompt key, prompt_logprobs) -> [engine name, requests on it]; entries live as
+        # long as a request of theirs runs
+        self._places: dict[tuple[int, int], list] = {}
+
+    async def whole(self, request: Request) -> AsyncIterator[GenerateChunk]:
+        key = (hash(tuple(request.prompt)), request.sampling.prompt_logprobs)
+        place = self._places.get(key)
+        engine = self.engines.get(place[0]) if place is not None else None
+        if engine is None or not engine.routable:
+            engine = self.engines.least_loaded()
+            place = self._places[key] = [engine.name, 0]
+        place[1] += 1
+        try:
+            async for chunk in engine.start_generate(request, begin=0):
+                yield chunk
+        finally:
+            place[1] -= 1
+            if place[1] == 0 and self._places.get(key) is place:
+                del self._places[key]
 
 
 def _who(loaded: LoadedStrategy) -> str:

@@ -290,7 +290,10 @@ class EngineHandle:
         request is yielded before this engine is called, so the client has it one round trip
         sooner; the engine's own copy of it is left out of its first chunk. The price: if this
         engine fails before its first chunk, the request has produced output and the router
-        does not try it again (it ends with the error, as a failure after any token does)."""
+        does not try it again (it ends with the error, as a failure after any token does).
+
+        A generation this engine has not started computing within the pool's queue_timeout_s
+        fails with a 503 (code queue_timeout), as a send does."""
         self._touch(request)
         if not self.live:  # a strategy that picked it before it went down
             raise self._not_live()
@@ -301,7 +304,8 @@ class EngineHandle:
         self.open_generations += 1
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
-                                            request.sampling, first_token)
+                                            request.sampling, first_token,
+                                            self._pool.queue_timeout_s)
         request.timeline.generate_started = now()
         watch = StreamWatch(self, self._pool.down_event(self.name))
         try:

@@ -5,6 +5,7 @@ After every scenario the KV cache is intact and no finished request holds a page
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -224,3 +225,37 @@ def test_smollm2_batch_with_shared_prefix_and_chunks_equals_hf(smollm2_dir):
         assert got[f"again{i}"][0] == expected
         assert got[f"again{i}"][1] >= 16
     assert tok.decode(got["again0"][0]).startswith("The capital of France is Paris.")
+
+
+def test_a_generation_no_step_starts_within_its_queue_time_fails_and_holds_nothing(
+        tiny_model_dir):
+    """start_generate's queue_s (the router's queue timeout) bounds the wait for the first
+    step, as a remote_send's does: a generation still queued past it is a 503 (queue_timeout),
+    out of the scheduler and the request table; one a step has started on is not; one the core
+    takes up only after its queue time is refused at once."""
+    core = make_core(tiny_model_dir, max_num_batched_tokens=16)
+    long, short = random_prompts([64, 5])
+    called = time.monotonic()
+    core.add_request("started", long, greedy(2), queue_s=0.05)
+    core.step()  # its first chunk: it has started; its prefill takes every step's budget
+    core.add_request("queued", short, greedy(2), queue_s=0.05)
+    assert core.next_deadline() <= time.monotonic() + 0.05
+    assert core.expire(called) == 0 and core.take_rejected() == []  # not yet
+    assert core.expire(time.monotonic() + 0.05) == 1
+    (rid, error), = core.take_rejected()
+    assert (rid, error.status, error.code) == ("queued", 503, "queue_timeout")
+    assert str(error) == ("waited 0.05 s for this engine to start computing request 'queued' "
+                          "(its queue_s): it is busy; retry later")
+    assert "queued" not in core.requests and core.next_deadline() is None
+    assert [s.request_id for s in [*core.scheduler.waiting, *core.scheduler.running]] == [
+        "started"]
+    with pytest.raises(MicroservingError) as stale:  # taken up 1 s after its frontend got it
+        core.add_request("stale", short, greedy(2), queue_s=0.5,
+                         received_at=time.perf_counter() - 1)
+    assert (stale.value.status, stale.value.code) == (503, "queue_timeout")
+    assert "stale" not in core.requests
+    assert core.stats().generate_queue_timeouts == 2
+    outputs = [o for _ in range(8) if core.has_work() for o in core.step()]
+    assert [o.finish_reason for o in outputs if o.request_id == "started"] == [None, "length"]
+    assert not core.has_work() and core.kv.stats().used_pages == 0
+    core.check_integrity()

@@ -334,6 +334,66 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does(client, engine, tok, sm
     assert len([t for c in chunks for t in c.logprobs.tokens]) == len(tok.encode(FOX)) + 4
 
 
+@pytest.fixture(scope="module")
+def short_steps_engine(smollm2_dir, tmp_path_factory) -> Iterator[Daemon]:
+    """Steps of 64 tokens: a 250-token prompt takes 4 of them to score."""
+    log = tmp_path_factory.mktemp("short-steps") / "daemon.log"
+    yield from serve(Daemon(smollm2_dir, log, "steps", "--num-pages", "256",
+                            "--max-num-batched-tokens", "64"))
+
+
+def test_echo_scoring_n_choices_scores_once_and_lets_a_short_request_by(short_steps_engine,
+                                                                         tok, smollm2_dir):
+    """Issue 39: an echo with logprobs and n 4 scored its prompt once per choice, without
+    letting others by: a one-line request waited behind all four. Now the prompt is scored
+    once (choice 0, in 4 steps); the other choices take its scores and reuse its pages, and a
+    request sent when choice 0's first chunk arrives is answered within a few steps of it,
+    while choice 0 decodes, instead of after the other choices' 3 x 4 steps of scoring."""
+    engine = short_steps_engine
+    prompt = tok.encode(" ".join(f"{FOX} number {i} jumps over the lazy dog." for i in range(17)))
+    assert 192 < len(prompt) <= 256
+    before = engine.stats()["stats"]["prompt_tokens_computed"]
+    body = {"model": "steps", "prompt": prompt, "n": 4, "echo": True, "logprobs": 1,
+            "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
+    seen = {i: 0 for i in range(4)}  # tokens received per choice
+    scores = {}
+    with ThreadPoolExecutor(1) as pool, engine.http.stream(
+            "POST", "/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        short, tokens_when_sent, tokens_when_done = None, 0, None
+        for data in sse_data(response):
+            if data == "[DONE]":
+                break
+            for choice in json.loads(data)["choices"]:
+                i, lp = choice["index"], choice["logprobs"]
+                if i not in scores:
+                    scores[i] = lp["token_logprobs"][:len(prompt)]
+                    seen[i] -= len(prompt)  # the echoed prompt's entries
+                seen[i] += len(lp["tokens"])
+            if short is None and 0 in scores:  # choice 0's prompt is scored: ask for a line
+                short = pool.submit(engine.http.post, "/v1/completions", json={
+                    "model": "steps", "prompt": FIB, "max_tokens": 1, "temperature": 0})
+                tokens_when_sent = seen[0]
+            if short is not None and short.done() and tokens_when_done is None:
+                tokens_when_done = seen[0]
+        assert short.result().status_code == 200
+    if tokens_when_done is None:  # answered after the whole stream
+        tokens_when_done = seen[0]
+    # Scored per choice, choice 0 decoded ~12 tokens before the short request was admitted.
+    assert tokens_when_done - tokens_when_sent <= 6, (tokens_when_sent, tokens_when_done)
+    assert seen == dict.fromkeys(range(4), 16)
+    ref = hf_logprobs(smollm2_dir, [prompt])[0]
+    want = [None] + [float(ref[j - 1, prompt[j]]) for j in range(1, len(prompt))]
+    for i in range(4):
+        assert scores[i] == scores[0]
+    assert scores[0][1:] == pytest.approx(want[1:], abs=1e-3)
+    computed = engine.wait_idle(timeout_s=30)["stats"]["prompt_tokens_computed"] - before
+    short_len = len(tok.encode(FIB))
+    # choice 0 the whole prompt, choices 1-3 what is past its last whole page below the
+    # last token (pages of 16), and the short request its own prompt
+    assert computed == len(prompt) + 3 * (len(prompt) - (len(prompt) - 1) // 16 * 16) + short_len
+
+
 def test_chat_logprobs_are_hf_top_alternatives(client, tok, smollm2_dir):
     ref = hf_greedy_with_top(smollm2_dir, chat_prompt_ids(tok, CAPITAL), 3, 2)
     r = chat(client, 3, logprobs=True, top_logprobs=2)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import socket
+import time
 
 import httpx
 import msgpack
@@ -115,6 +116,7 @@ class FakeCore(GenerateBackend):
         self.results |= {"stats": STATS, "check_integrity": True}
         self.calls: list[tuple] = []  # (method, args, timeout_s)
         self.generate_calls: list[tuple] = []  # (request_id, prompt, begin, params)
+        self.queue_times: list[tuple] = []  # (queue_s, received_at) of each start_generate
         self.aborted: list[str] = []
 
     async def call(self, request, timeout_s=30.0, received_at=0.0):
@@ -127,8 +129,10 @@ class FakeCore(GenerateBackend):
             await asyncio.Event().wait()
         return result
 
-    async def start_generate(self, request_id, prompt, begin, params, first_token=None):
+    async def start_generate(self, request_id, prompt, begin, params, first_token=None,
+                             queue_s=None, received_at=0.0):
         self.generate_calls.append((request_id, prompt, begin, params))
+        self.queue_times.append((queue_s, received_at))
         if self.error:
             raise self.error
         num_generated, settled = 0, False
@@ -333,6 +337,8 @@ async def test_engine_core_gone_is_503():
      "sampling.repetition_penalty",
      "Invalid value for 'sampling.repetition_penalty': Input should be less than or equal to 2 "
      "(got 2.5)"),
+    ("start_generate", {**GENERATE, "queue_s": 0}, "queue_s",
+     "Invalid value for 'queue_s': Input should be greater than 0 (got 0)"),
     ("commit", {}, "request_id", "Missing required field 'request_id'"),
 ])
 async def test_validation_error_names_the_field(route, body, param, message, fmt):
@@ -582,11 +588,16 @@ async def test_engine_client_start_generate(use_msgpack):
                               frequency_penalty=-1.25, repetition_penalty=1.3,
                               logit_bias=((5, -100.0), (9, 2.5)), min_tokens=2)
     async with engine_client(core, use_msgpack=use_msgpack) as engine:
-        chunks = [c async for c in engine.start_generate("g1", PROMPT, 3, sampling)]
+        chunks = [c async for c in engine.start_generate("g1", PROMPT, 3, sampling,
+                                                         queue_s=2.5)]
+        sent = time.perf_counter()
     assert [plain(c) for c in chunks] == [
         chunk([11], logprobs=logprobs(11), first=True), chunk([12, 13], logprobs=logprobs(12, 13)),
         chunk([14], "stop", 4, logprobs(14))]
     assert core.generate_calls == [("g1", PROMPT, 3, sampling)]
+    # the queue time, counted from when the engine's frontend took the call
+    (queue_s, received_at), = core.queue_times
+    assert queue_s == 2.5 and 0 < received_at < sent
 
 
 def test_generate_frames_carry_every_sampling_option_to_the_core():

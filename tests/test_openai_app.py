@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 import socket
 
 import httpx
@@ -18,7 +20,8 @@ import uvicorn
 from test_tokenizer import byte_token_ids, make_tokenizer_dir
 
 from microserve.backend import BackendUnavailable, GenerateBackend
-from microserve.http_server import listen_socket
+from microserve.http_limits import HttpLimits
+from microserve.http_server import QuietServer, listen_socket
 from microserve.metrics import Registry
 from microserve.openai_app import build_openai_app
 from microserve.protocol import CompletionRequest
@@ -735,3 +738,91 @@ async def test_a_body_past_the_limit_gets_413_without_being_read(tok):
         r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert r.status_code == 200
     assert len(backend.calls) == 1
+
+
+# -- the served app (QuietServer): a 500 closes its connection, a body cut short is a 499 ------
+
+@contextlib.asynccontextmanager
+async def served(backend: GenerateBackend, tok: Tokenizer, limits: HttpLimits = HttpLimits()):
+    """The app as `microserve engine` and `router` serve it (QuietServer, bounded connections);
+    yields (port, the frontend's metrics registry)."""
+    registry = Registry()
+    sock = listen_socket("127.0.0.1", 0)
+    server = QuietServer.serving(build_openai_app(backend, tok, registry=registry), "warning",
+                                 limits)
+    server.config.lifespan = "off"
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    await eventually(lambda: server.started or task.done())
+    try:
+        yield sock.getsockname()[1], registry
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.contextmanager
+def server_log(caplog):
+    """Records of uvicorn's error log (which does not reach the root logger) and ours."""
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            yield caplog.records
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+
+
+def requests_by_status(registry: Registry) -> dict[str, float]:
+    found = re.findall(r'^microserve_requests_total\{endpoint="/v1/completions",status="(\d+)"\} '
+                       r'(\S+)$', registry.render(), re.MULTILINE)
+    return {status: float(value) for status, value in found}
+
+
+async def test_a_500_says_connection_close_and_the_next_request_goes_through(tok, caplog):
+    backend = ScriptedBackend(steps(tok, "hello"), fail=RuntimeError("a bug"))
+    async with served(backend, tok) as (port, registry), httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}") as client:
+        with server_log(caplog):
+            failed = await client.post("/v1/completions", json={"prompt": "hi"})
+        assert (failed.status_code, failed.headers["connection"]) == (500, "close")
+        assert failed.json()["error"]["message"] == "Internal server error (RuntimeError)"
+        assert any(r.exc_info for r in caplog.records)  # a bug: its traceback is logged
+        # The client knows to open a new connection: its next request is answered.
+        assert (await client.get("/v1/models")).status_code == 200
+        # On a raw connection: the 500 whole, then the server's end of the connection.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"prompt": "hi"}'
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        answer = await asyncio.wait_for(reader.read(), 5)  # read() ends at the server's FIN
+        writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500 ") and b"\r\nconnection: close" in head.lower()
+    assert json.loads(payload)["error"]["type"] == "server_error"
+    assert requests_by_status(registry) == {"500": 2.0}
+
+
+@pytest.mark.parametrize("how", ["gone", "too_slow"])
+async def test_a_client_that_leaves_mid_body_is_a_499_without_a_traceback(tok, caplog, how):
+    """A client that closes its connection halfway through its body, or that sends it so
+    slowly that the body deadline cuts it off (408): 499 in the metrics, one log line."""
+    backend = ScriptedBackend(steps(tok, "hello"))
+    limits = HttpLimits(body_timeout_s=0.3)
+    async with served(backend, tok, limits) as (port, registry):
+        with server_log(caplog):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\": ")
+            await writer.drain()
+            if how == "gone":
+                await asyncio.sleep(0.05)  # the handler is reading the body
+                writer.close()
+            else:
+                answer = await asyncio.wait_for(reader.read(), 5)
+                assert answer.startswith(b"HTTP/1.1 408 ")
+                writer.close()
+            await eventually(lambda: requests_by_status(registry) == {"499": 1.0})
+    assert backend.calls == []
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in caplog.records if r.name == "microserve.errors"] == [
+        "POST /v1/completions: the client went away while sending its body"]

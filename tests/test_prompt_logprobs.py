@@ -120,3 +120,43 @@ def test_prompt_logprobs_need_the_whole_prompt_here(tiny_model_dir):
     one = run_all(core, {"one": random_prompts([1])[0]})  # nothing to score: still answers
     assert len(one["one"][0]) > 0
     core.check_integrity()
+
+
+def test_n_choices_score_their_prompt_once_and_a_short_request_is_not_held_up(tiny_model_dir):
+    """Issue 39: an echo with logprobs and n 4 scored its prompt once per choice, one after
+    the other, and a one-line request waited behind all four."""
+    core = make_core(tiny_model_dir, max_num_batched_tokens=16)
+    prompt = random_prompts([64])[0]  # 4 steps of 16 to score
+    short = random_prompts([3], seed=1)[0]
+    for i in range(4):
+        core.add_request(f"c{i}", prompt, scoring())
+    core.add_request("short", short, greedy(2))
+    first_at, scores, steps = {}, {}, 0
+    while core.has_work():
+        steps += 1
+        for out in core.step():
+            first_at.setdefault(out.request_id, steps)
+            if out.prompt_logprobs is not None:
+                scores[out.request_id] = out.prompt_logprobs
+    # c0 scores the prompt in steps 1-4; then the short request, c1-c3 (which take c0's
+    # scores and reuse its 15 whole pages below the last token) all start in step 5. Scored
+    # once per choice, the short request's first token came in step 17.
+    assert first_at == {"c0": 4, "c1": 5, "c2": 5, "c3": 5, "short": 5}
+    assert core.stats().prompt_tokens_computed == 64 + 3 * 4 + 3
+    for i in range(4):
+        assert scores[f"c{i}"] == scores["c0"]
+    assert_hf_scores(tiny_model_dir, prompt, scores["c0"])
+    core.check_integrity()
+
+
+def test_a_choice_scoring_a_different_top_computes_its_own_scores(tiny_model_dir):
+    core = make_core(tiny_model_dir, max_num_batched_tokens=16)
+    prompt = random_prompts([40])[0]
+    got = collect(core, {"top3": (prompt, scoring()), "top1": (prompt, scoring(top=1)),
+                         "plain": (prompt, greedy(2))})
+    assert_hf_scores(tiny_model_dir, prompt, got["top3"][1])
+    assert_hf_scores(tiny_model_dir, prompt, got["top1"][1], top=1)
+    assert got["plain"][1] is None
+    # top1 cannot take top3's scores: it computes the prompt again; plain reuses its pages
+    assert core.stats().prompt_tokens_computed == 40 + 40 + 4
+    core.check_integrity()

@@ -18,7 +18,7 @@ from microserve.messages import (AbortResponse, EngineInfo, EngineStats, Generat
                                  Liveness, PrepRecvResponse, RemoteSendResponse, SamplingParams,
                                  StatsResponse, Usage, call_of)
 from microserve.metrics import Registry
-from router.backend import RouterBackend
+from router.backend import RETRY_AFTER_S, RouterBackend
 from router.engines import EngineHandle, EnginePool, EngineSpec, UnknownEngine
 from router.host import (MODULE_PREFIX, StrategyHost, StrategyLoadError, StrategySource,
                          SwapInProgress, builtin_names)
@@ -519,7 +519,8 @@ class CountingClient(FakeEngine):
     async def send_to(self, request_id, begin, kv_addr):
         self.addressed.set()
 
-    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None):
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
+                             queue_s=None):
         yield GenerateChunk(token_ids=[1], cached_tokens=len(prompt) - 1)
         if self.fail:
             raise MicroservingError(500, "internal error in the engine step: ValueError")
@@ -588,6 +589,89 @@ async def test_abort_goes_once_to_each_engine_still_holding_the_request(end, wan
     assert await aborts_when(end) == want
 
 
+class PlacesGenerations(CountingClient):
+    """Records the generations started on its engine, and ends each when `go` is set."""
+
+    def __init__(self, started: list):
+        super().__init__()
+        self.started, self.go = started, asyncio.Event()
+
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
+                             queue_s=None):
+        self.started.append(request_id)
+        await self.go.wait()
+        yield GenerateChunk(token_ids=[2], finish_reason="length")
+
+
+async def test_the_choices_of_a_scored_prompt_go_to_the_engine_scoring_it():
+    """Echo with logprobs is served whole on one engine: the n choices of a prompt all go to
+    the engine its first choice went to (it scores the prompt once for all), whatever the
+    load; another prompt, or the same one scored with another number of top tokens, goes to
+    the least loaded; nothing is remembered once they end."""
+    pool = make_pool(("a", "any"), ("b", "any"))
+    started = {"a": [], "b": []}
+    for name in started:
+        pool[name].client = PlacesGenerations(started[name])
+    host = StrategyHost(pool)
+    await host.load(StrategySource.builtin("data_parallel"))
+    backend = RouterBackend(pool, host, "m", Registry(), max_retries=0)
+    scored, other = list(range(40)), list(range(1, 41))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    runs = [("c0", scored, params), ("c1", scored, params), ("c2", scored, params),
+            ("x", other, params), ("top2", scored, dataclasses.replace(params, prompt_logprobs=2))]
+    gens = [backend.generate(rid, prompt, p) for rid, prompt, p in runs]
+    tasks = []
+    for gen in gens:
+        tasks.append(asyncio.ensure_future(anext(gen)))
+        await asyncio.sleep(0)  # started in this order
+    await asyncio.sleep(0.01)
+    # c0-c2 on a however loaded it is; x and top2 (other places) on the least loaded, b
+    assert started == {"a": ["c0", "c1", "c2"], "b": ["x", "top2"]}
+    assert len(backend._scoring._places) == 3
+    for name in started:
+        pool[name].client.go.set()
+    assert all(chunk.finish_reason == "length" for chunk in await asyncio.gather(*tasks))
+    for gen in gens:
+        await gen.aclose()
+    assert backend._scoring._places == {}
+
+
+class QueuedInVain(CountingClient):
+    """An engine that held the generation past its queue time: the engine's 503."""
+
+    def __init__(self):
+        super().__init__()
+        self.queue_s = []
+
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
+                             queue_s=None):
+        self.queue_s.append(queue_s)
+        raise MicroservingError(503, f"waited {queue_s:g} s for this engine to start computing "
+                                f"request {request_id!r} (its queue_s): it is busy; retry "
+                                "later", code="queue_timeout")
+        yield
+
+
+async def test_a_data_parallel_request_queued_past_the_queue_timeout_is_a_503_to_retry_later():
+    """A data-parallel generation carries the router's queue timeout to its engine (as a
+    remote_send does); the engine's 503 queue_timeout is not tried again (another engine's
+    queue would only be waited in again) and tells the client when to come back."""
+    pool = make_pool(("a", "any"), ("b", "any"))
+    pool.queue_timeout_s = 0.4
+    for name in ("a", "b"):
+        pool[name].client = QueuedInVain()
+    host = StrategyHost(pool)
+    await host.load(StrategySource.builtin("data_parallel"))
+    backend = RouterBackend(pool, host, "m", Registry(), max_retries=2)
+    outputs = backend.generate("r1", list(range(20)), SamplingParams(max_tokens=2))
+    with pytest.raises(MicroservingError) as error:
+        await anext(outputs)
+    await outputs.aclose()
+    assert (error.value.status, error.value.code, error.value.retry_after) == (
+        503, "queue_timeout", RETRY_AFTER_S)
+    assert pool["a"].client.queue_s + pool["b"].client.queue_s == [0.4]  # one try
+
+
 # ---- an engine marked down ends its streams; DNS names ---------------------------------------
 
 
@@ -598,7 +682,8 @@ class _SlowStream:
     def __init__(self):
         self.go = asyncio.Event()
 
-    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None):
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
+                             queue_s=None):
         yield GenerateChunk(token_ids=[1])
         await self.go.wait()
         yield GenerateChunk(token_ids=[2])
@@ -665,7 +750,8 @@ class _HandOver:
     def __init__(self, chunks: list[GenerateChunk]):
         self.chunks, self.called = chunks, asyncio.Event()
 
-    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None):
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
+                             queue_s=None):
         self.called.set()
         for chunk in self.chunks:
             yield chunk

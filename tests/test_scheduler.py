@@ -133,3 +133,42 @@ def test_a_sequence_holding_received_kv_overtakes_a_head_that_needs_its_pages():
     s.remove(recv)
     assert run_step(s)[0] == [("big", 13, True)]
     kv.check_integrity()
+
+
+def test_the_n_choices_of_a_prompt_prefill_it_once_and_let_others_by():
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=8)
+    for i in range(3):  # one request's 3 choices: the same 22-token prompt
+        s.add(seq(f"c{i}", 22, i))
+    s.add(seq("short", 2, 3, start=100))
+    # c1 and c2 wait for c0's prompt without holding up the short request behind them.
+    assert run_step(s)[0] == [("c0", 8, False)]
+    assert run_step(s)[0] == [("c0", 8, False)]
+    assert run_step(s)[0] == [("c0", 6, True), ("short", 2, True)]
+    assert [x.request_id for x in s.waiting] == ["c1", "c2"] and not kv.has("c1")
+    # c0's 5 whole pages a twin reuses (all but the last token's) are cached: the twins
+    # compute the last 2 tokens only, on c0's pages.
+    assert run_step(s)[0] == [("c0", 1, True), ("short", 1, True), ("c1", 2, True),
+                              ("c2", 2, True)]
+    assert [x.num_cached_tokens for x in s.running[2:]] == [20, 20]
+    assert kv.page_table("c1")[:5] == kv.page_table("c2")[:5] == kv.page_table("c0")[:5]
+    kv.check_integrity()
+
+
+def test_a_prompt_in_one_step_is_still_computed_once():
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    for i in range(3):  # would all fit in the first step's budget
+        s.add(seq(f"c{i}", 10, i))
+    assert run_step(s)[0] == [("c0", 10, True)]
+    assert run_step(s)[0] == [("c0", 1, True), ("c1", 2, True), ("c2", 2, True)]
+    kv.check_integrity()
+
+
+def test_without_a_prefix_cache_no_choice_waits_for_another():
+    kv = KVCacheManager(num_pages=64, page_size=PS, enable_prefix_cache=False)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    for i in range(2):
+        s.add(seq(f"c{i}", 10, i))
+    assert run_step(s)[0] == [("c0", 10, True), ("c1", 10, True)]
+    kv.check_integrity()

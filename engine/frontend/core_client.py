@@ -186,7 +186,7 @@ class CoreClient(GenerateBackend):
         elif isinstance(msg, Rejected):
             q = self._queues.get(msg.request_id)
             if q is not None:
-                q.put_nowait(_error(msg.status, msg.message, msg.param))
+                q.put_nowait(_error(msg.status, msg.message, msg.param, msg.code))
         elif isinstance(msg, Heartbeat):
             self._beat, self._beat_at = msg, asyncio.get_running_loop().time()
         elif isinstance(msg, Reply | CallFailed):
@@ -220,11 +220,12 @@ class CoreClient(GenerateBackend):
 
     async def start_generate(
         self, request_id: str, prompt: list[int], begin: int, params: SamplingParams,
-        first_token: int | None = None,
+        first_token: int | None = None, queue_s: float | None = None, received_at: float = 0.0,
     ) -> AsyncIterator[GenerateChunk]:
         """generate() whose KV for prompt[:begin] is already on the engine (microserving),
-        `first_token` its first output if the sender sampled it. Raises MicroservingError /
-        RequestRejected before the first output on bad input.
+        `first_token` its first output if the sender sampled it; `queue_s` bounds its wait for
+        a step (from `received_at`, time.perf_counter(): a 503 queue_timeout). Raises
+        MicroservingError / RequestRejected before the first output on bad input.
 
         The request lives as long as this iterator: closed or cancelled before its finishing
         chunk, it aborts the request in the core (once, from here; a 409's request_id belongs
@@ -237,7 +238,8 @@ class CoreClient(GenerateBackend):
         num_generated = 0
         settled = False
         try:
-            self._send(Generate(request_id, prompt, params, begin, first_token))
+            self._send(Generate(request_id, prompt, params, begin, first_token, queue_s,
+                                received_at))
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
@@ -325,6 +327,8 @@ _STAT_HELP = {
     "kv_recv_wait_timeouts": ("counter", "prep_recv calls that waited their wait_s in vain (503)"),
     "kv_send_queue_timeouts": ("counter",
                                "remote_send calls no step started within their queue_s (503)"),
+    "generate_queue_timeouts": ("counter",
+                                "start_generate calls no step started within their queue_s (503)"),
     "kv_leases_expired": ("counter", "prep_recv reservations freed because their lease ran out"),
     "kv_tokens_sent": ("counter", "Tokens of KV written into peers by remote_send"),
     "kv_tokens_received": ("counter", "Tokens of KV received from peers and adopted"),

@@ -170,11 +170,13 @@ class _MicroservingAPI:
         return route
 
     async def start_generate(self, request: Request) -> Response:
+        received_at = time.perf_counter()
         body = await _read_body(request, self._start_generate)
         codec = _answer_codec(request)
         # Closed before its finishing chunk, the core client's stream aborts the request.
         chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
-                                            body.sampling, body.first_token)
+                                            body.sampling, body.first_token, body.queue_s,
+                                            received_at)
         # Streaming, the first chunk comes before the status line: a call the engine refuses
         # still gets its status rather than an error item inside a 200.
         work = anext(chunks) if body.stream else _merged(chunks, body.sampling.logprobs is not None)
