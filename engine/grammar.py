@@ -36,6 +36,7 @@ import torch
 from engine.sampler import TokenMask
 from microserve.backend import RequestRejected
 from microserve.bounds import MAX_GRAMMAR_CHARS
+from microserve.messages import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class GrammarMatchers:
         self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._masks: dict[str, torch.Tensor] = {}  # request id -> its next step's [W] bitmask
+
+    what = "grammar matchers"  # a RequestSideTable (engine/requests.py)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -102,6 +105,11 @@ class GrammarMatchers:
         self._matchers[request_id] = matcher
         self._masks[request_id] = self._new_mask_row()
         self.fill_masks([request_id])
+
+    def admit(self, request_id: str, params: SamplingParams) -> None:
+        """A matcher for a request with a grammar (`add`); nothing for one without."""
+        if params.grammar is not None:
+            self.add(request_id, params.grammar)
 
     def remove(self, request_id: str) -> None:
         """Forget the request's matcher and mask (unknown ids are ignored)."""

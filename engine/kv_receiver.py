@@ -37,11 +37,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
-from engine.requests import RequestState
+from engine.requests import RequestState, Reservation, WaitingRecv
 from engine.validation import check_prompt, resolve_index
-from kvcache.transfer import Window
 from kvcache.transfer.base import slot_tensor
 from microserve.backend import MicroservingError
 from microserve.messages import CommitResponse, KVAddr, PrepRecvResponse
@@ -50,27 +48,6 @@ from microserve.transfer_auth import grant_mac, kv_digest
 log = logging.getLogger(__name__)
 
 _NEVER_TRIED = -(1 << 62)  # below any _room(): the waiting head is tried at the next chance
-
-
-@dataclass
-class Reservation:
-    tokens: list[int]  # prompt[:end]: the KV this engine will hold when the peer is done
-    matched: int  # leading tokens found in the prefix cache; the peer writes [matched, end)
-    window: Window
-    digest: bytes  # kv_digest(tokens, matched): the seal the window's KV must come with
-    lease_s: float  # how long the reservation lives without a renewal from its sender
-    deadline: float  # time.monotonic() when the lease is next looked at (see expire_leases)
-
-
-@dataclass
-class WaitingRecv:
-    """A prep_recv waiting for pages (nothing held yet)."""
-
-    tokens: list[int]
-    lease_s: float
-    wait_s: float
-    deadline: float  # time.monotonic() when it gives up with a 503
-    pages: int  # pages it needs at most (no prefix matched)
 
 
 class Receiving:

@@ -42,18 +42,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from engine.requests import RequestState
+from engine.requests import RequestState, SendJob
 from engine.sequence import Sequence
 from engine.validation import check_prompt, resolve_index
 from kvcache.forward import KVSend
 from kvcache.transfer import TransferError, Window
 from kvcache.transfer.base import slot_tensor
 from microserve.backend import MicroservingError
-from microserve.messages import (KVAddr, RemoteSendResponse, SamplingParams, SendTiming,
+from microserve.messages import (KVAddr, RemoteSendResponse, SamplingParams,
                                  SendToResponse)
 from microserve.transfer_auth import TransferAuthError, kv_digest, verify, verify_grant
 
@@ -62,39 +61,6 @@ log = logging.getLogger(__name__)
 MAX_EARLY_ADDRESSES = 4096  # send_to calls kept for a remote_send still on its way
 # A send's states once its sequence is done: its pages held by the request, not a sequence.
 COMPUTED = (RequestState.FLUSHING, RequestState.PARKED)
-
-
-@dataclass
-class SendJob:
-    tokens: list[int]  # prompt[:end]: what the KV is computed from
-    begin: int
-    end: int
-    # The receiver's slots for positions [begin, end) (int64, CPU); None until send_to names
-    # them (a remote_send made without kv_addr: begin is set then too).
-    dst_slots: torch.Tensor | None
-    reused: int  # tokens of [begin, end) copied from this engine's prefix cache
-    computed: int  # tokens this engine prefills for the job
-    samples: bool = False  # answers with the first output token, sampled after the prompt
-    first_token: int | None = None  # set when sampled (`KVExchange.sampled`)
-    matched: int = 0  # leading prompt tokens found in this engine's prefix cache
-    # time.monotonic() by which send_to must name the destination; None once it did
-    address_by: float | None = None
-    # time.monotonic() by which a step must start on it (the call's queue_s); None: no limit
-    start_by: float | None = None
-    queue_s: float | None = None  # the call's, for the message
-    # time.perf_counter() when the engine took the call (its frontend, on this host's clock;
-    # else the core), launched its first step, and had its
-    # KV computed: its sampled token read back, or (a send that samples nothing) its KV landed
-    # at the receiver. The answer's SendTiming; set by Sending.
-    received_at: float = field(default_factory=time.perf_counter)
-    first_step_at: float | None = None
-    computed_at: float | None = None
-
-    def timing(self) -> SendTiming:
-        done = self.computed_at or time.perf_counter()
-        first = self.first_step_at or done  # all cached: nothing computed
-        return SendTiming(queued_s=first - self.received_at, prefill_s=done - first,
-                          tail_s=time.perf_counter() - done)
 
 
 class Sending:

@@ -140,6 +140,8 @@ class PenaltyPool:
         self.in_prompt = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)
         self._ones = torch.ones(0, dtype=torch.int32, device=self.device)  # one per row
 
+    what = "penalty pool entries"  # a RequestSideTable (engine/requests.py): admit = add
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._entries
 
@@ -166,6 +168,8 @@ class PenaltyPool:
                      params.presence_penalty)
         self._entries[request_id] = _Entry(params.needs_token_counts, None, list(bias), list(bias.values()), sorted(stops),
                                            params.min_tokens, penalties)
+
+    admit = add
 
     def remove(self, request_id: str) -> None:
         """Forget the request (unknown ids are ignored); its row is free for the next one."""

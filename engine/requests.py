@@ -32,21 +32,23 @@ the exchange returns to the core, which alone adds to and removes from the sched
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvcache.integrity import IntegrityError
+from microserve.messages import SendTiming
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.kv_receiver import Reservation, WaitingRecv
-    from engine.kv_sender import SendJob
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
     from kvcache.manager import KVCacheManager
+    from kvcache.transfer import Window
+    from microserve.messages import SamplingParams
 
 
 class RequestState(enum.Enum):
@@ -56,6 +58,64 @@ class RequestState(enum.Enum):
     FLUSHING = "flushing"  # a remote_send computed; pages held until the transfer flushed
     PARKED = "parked"  # a remote_send computed before send_to named its destination
     GENERATING = "generating"  # a sequence in the scheduler, waiting or running
+
+
+# ---- what a transfer state holds (the KV exchange writes them: engine/kv_receiver.py,
+# engine/kv_sender.py) -------------------------------------------------------------------------
+
+
+@dataclass
+class Reservation:
+    tokens: list[int]  # prompt[:end]: the KV this engine will hold when the peer is done
+    matched: int  # leading tokens found in the prefix cache; the peer writes [matched, end)
+    window: Window
+    digest: bytes  # kv_digest(tokens, matched): the seal the window's KV must come with
+    lease_s: float  # how long the reservation lives without a renewal from its sender
+    deadline: float  # time.monotonic() when the lease is next looked at (see expire_leases)
+
+
+@dataclass
+class WaitingRecv:
+    """A prep_recv waiting for pages (nothing held yet)."""
+
+    tokens: list[int]
+    lease_s: float
+    wait_s: float
+    deadline: float  # time.monotonic() when it gives up with a 503
+    pages: int  # pages it needs at most (no prefix matched)
+
+
+@dataclass
+class SendJob:
+    tokens: list[int]  # prompt[:end]: what the KV is computed from
+    begin: int
+    end: int
+    # The receiver's slots for positions [begin, end) (int64, CPU); None until send_to names
+    # them (a remote_send made without kv_addr: begin is set then too).
+    dst_slots: torch.Tensor | None
+    reused: int  # tokens of [begin, end) copied from this engine's prefix cache
+    computed: int  # tokens this engine prefills for the job
+    samples: bool = False  # answers with the first output token, sampled after the prompt
+    first_token: int | None = None  # set when sampled (`KVExchange.sampled`)
+    matched: int = 0  # leading prompt tokens found in this engine's prefix cache
+    # time.monotonic() by which send_to must name the destination; None once it did
+    address_by: float | None = None
+    # time.monotonic() by which a step must start on it (the call's queue_s); None: no limit
+    start_by: float | None = None
+    queue_s: float | None = None  # the call's, for the message
+    # time.perf_counter() when the engine took the call (its frontend, on this host's clock;
+    # else the core), launched its first step, and had its
+    # KV computed: its sampled token read back, or (a send that samples nothing) its KV landed
+    # at the receiver. The answer's SendTiming; set by Sending.
+    received_at: float = field(default_factory=time.perf_counter)
+    first_step_at: float | None = None
+    computed_at: float | None = None
+
+    def timing(self) -> SendTiming:
+        done = self.computed_at or time.perf_counter()
+        first = self.first_step_at or done  # all cached: nothing computed
+        return SendTiming(queued_s=first - self.received_at, prefill_s=done - first,
+                          tail_s=time.perf_counter() - done)
 
 
 # Where a request may go from each state (None: not in the table). Any state may leave it.
@@ -86,6 +146,26 @@ class Request:
     seq: Sequence | None = None  # SENDING, GENERATING
     # GENERATING, and SENDING when the send samples (both when the request has a seed)
     generator: torch.Generator | None = None
+
+
+class RequestSideTable(Protocol):
+    """Something the core keeps per generation beside its sequence (grammar matchers, the
+    penalty pool; later adapters, host pages). The core gives it every generation it adds and
+    tells it of every one that leaves (finished, aborted, failed, or refused while added), in
+    one loop over its side tables; `RequestTable.check_integrity` checks that it holds only
+    GENERATING requests."""
+
+    what: str  # what it holds, for messages: "grammar matchers"
+
+    def admit(self, request_id: str, params: SamplingParams) -> None:
+        """Keep what the request needs, if anything. Raises RequestRejected (naming the
+        field) if it cannot."""
+
+    def remove(self, request_id: str) -> None:
+        """Forget the request (unknown ids are ignored)."""
+
+    def request_ids(self) -> Iterable[str]:
+        """The requests it holds something for."""
 
 
 class RequestTable:
@@ -162,12 +242,14 @@ class RequestTable:
     # ---- checks -------------------------------------------------------------------------------
 
     def check_integrity(self, scheduler: Scheduler, kv: KVCacheManager,
-                        grammar_ids: Iterable[str], penalty_ids: Iterable[str] = ()) -> None:
+                        grammar_ids: Iterable[str] = (), penalty_ids: Iterable[str] = (),
+                        side_tables: Iterable[RequestSideTable] = ()) -> None:
         """The table against itself and against what holds resources for requests: the
         scheduler holds exactly the SENDING and GENERATING sequences (the very objects);
         pages are held by running sequences, waiting ones whose KV was held before admission,
-        RESERVED, FLUSHING and PARKED requests, and nobody else; grammar matchers and
-        penalty pool entries only by GENERATING requests. Raises IntegrityError."""
+        RESERVED, FLUSHING and PARKED requests, and nobody else; the side tables (and the
+        grammar matcher and penalty pool ids given as such) only GENERATING requests. Raises
+        IntegrityError."""
         if sum(map(len, self._by_state.values())) != len(self._entries) or any(
             self._entries.get(rid) is not e or e.state is not state
             for state, entries in self._by_state.items() for rid, e in entries.items()
@@ -191,12 +273,12 @@ class RequestTable:
         if held != holders:
             raise IntegrityError(f"pages held by {held ^ holders}")
         generating = self._by_state[RequestState.GENERATING].keys()
-        stale = set(grammar_ids) - generating
-        if stale:
-            raise IntegrityError(f"grammar matchers of gone requests: {stale}")
-        stale = set(penalty_ids) - generating
-        if stale:
-            raise IntegrityError(f"penalty pool entries of gone requests: {stale}")
+        held_by = [("grammar matchers", grammar_ids), ("penalty pool entries", penalty_ids),
+                   *((table.what, table.request_ids()) for table in side_tables)]
+        for what, ids in held_by:
+            stale = set(ids) - generating
+            if stale:
+                raise IntegrityError(f"{what} of gone requests: {stale}")
 
 
 def _name(state: RequestState | None) -> str:

@@ -1,0 +1,180 @@
+"""EngineCore: what the engine runs, built once; its stats and its integrity check.
+
+The request lifecycle is engine/core/lifecycle.py, the step pipeline engine/core/step.py, the
+frames in and out engine/core/handlers.py, the warm-up engine/core/warmup.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import asdict
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.handlers import MessageHandlers
+from engine.core.lifecycle import RequestLifecycle
+from engine.core.step import LaunchedStep, StepPipeline
+from engine.core.warmup import WARMUP_LENGTHS, warm_up
+from engine.grammar import GrammarMatchers
+from engine.kv_exchange import KVExchange
+from engine.loop_stats import LoopCounters
+from engine.model_runner import ModelRunner, resolve_dtype
+from engine.models import fp8
+from engine.penalties import PenaltyPool
+from engine.requests import RequestSideTable, RequestTable
+from engine.scheduler import Scheduler
+from kvcache.manager import KVCacheManager
+from kvcache.transfer import KVLayout, make_backend
+from kvcache.transfer.sender import KVSender
+from microserve.backend import MicroservingError
+from microserve.messages import EngineInfo, EngineStats
+
+log = logging.getLogger("engine.core")
+
+
+class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
+    """Args:
+        config: what to run.
+        transfer_key: the deployment's KV transfer key (microserve/transfer_auth.py). Without
+            it this engine neither receives KV (`--kv-transfer auto` means none) nor sends it.
+    """
+
+    def __init__(self, config: EngineConfig, transfer_key: bytes | None = None):
+        self.config = config
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
+        dtype = resolve_dtype(config.dtype, config.device)
+        self.runner = ModelRunner(config, dtype)
+        mc = self.runner.config
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
+        num_pages = self.runner.num_pages_for(self.max_model_len)
+        kv_dtype = str(self.runner.kv_dtype).removeprefix("torch.")
+        layout = KVLayout(mc.name, kv_dtype, config.page_size,
+                          mc.num_layers, mc.num_kv_heads, mc.head_dim)  # fmt: skip
+        kind = config.resolved_kv_transfer(has_key=transfer_key is not None)
+        if kind != config.resolved_kv_transfer(has_key=True):
+            log.info("KV transfer off: no engine key (--api-key) to authenticate it with")
+        self.transfer = make_backend(
+            kind, layout, num_pages, self.runner.device,
+            host=config.kv_transfer_host, port=config.kv_transfer_port,
+            advertise_host=config.kv_transfer_advertise_host, key=transfer_key,
+            nvshmem_group=config.nvshmem_group,
+        )  # fmt: skip
+        num_pages = self.transfer.kv.shape[2]  # nvshmem: the group's smallest pool
+        self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
+        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.requests = RequestTable()
+        # The transfer thread wakes the step loop through this pipe when a send completes.
+        self.wakeup_fd, self._wakeup_w = os.pipe()
+        os.set_blocking(self._wakeup_w, False)
+        sender = KVSender(self.transfer.kv, layout, notify=self._wake, key=transfer_key)
+        self.runner.kv.sender = sender
+        self.exchange = KVExchange(self.kv, self.requests, self.scheduler.headroom,
+                                   mc.vocab_size, self.transfer, sender, layout,
+                                   config.kv_lease_s, config.kv_lease_max_s,
+                                   config.kv_recv_wait_s, config.kv_recv_wait_max_s)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.grammars = GrammarMatchers(config.model, mc.vocab_size, sorted(self.eos_token_ids))
+        self.penalties = PenaltyPool(mc.vocab_size, self.runner.device, sorted(self.eos_token_ids))
+        # what a generation holds beside its sequence: given it when added, told when it leaves
+        self.side_tables: list[RequestSideTable] = [self.grammars, self.penalties]
+        self._arrivals = itertools.count()
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None
+            else self.runner.cuda
+        )  # fmt: skip
+        self._in_flight: LaunchedStep | None = None  # async: the step launched, not yet resolved
+        # The last step found work but could schedule none of it (waiting for KV pages that
+        # only a message, a finished send or a lease's end can free): the loop then waits.
+        self.stalled = False
+        self._pending_rows: dict[str, int] = {}  # seq id -> its row in the last launch's sample
+        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
+                         "generate_queue_timeouts": 0}
+        # generations failed before a step started on them (their queue_s passed), for the
+        # core process to answer: taken by `take_rejected`
+        self._rejected: list[tuple[str, MicroservingError]] = []
+        self._init_handlers()
+        self.loop = LoopCounters()  # steps and tokens here; the core process adds its time
+        self.info = EngineInfo(
+            model_name=mc.name,
+            model_dir=str(config.model),
+            device=config.device,
+            dtype=str(dtype).removeprefix("torch."),
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=sorted(self.eos_token_ids),
+            page_size=config.page_size,
+            num_pages=num_pages,
+            kv_capacity_tokens=num_pages * config.page_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            kv_transfer=self.transfer.kind,
+            quantization="fp8" if fp8.is_quantized(self.runner.model) else None,
+            kv_cache_dtype=kv_dtype,
+        )
+        if self.runner.cuda and config.warmup:
+            log.info("warmed up in %.1f s", self.warm_up())
+        log.info("engine core ready: %s", self.info)
+
+    WARMUP_LENGTHS = WARMUP_LENGTHS
+
+    def warm_up(self) -> float:
+        """Serve the start-up requests, then forget them (engine/core/warmup.py). Returns the
+        seconds it took."""
+        return warm_up(self, self.WARMUP_LENGTHS)
+
+    @staticmethod
+    def _resolve_max_model_len(asked: int | None, mc) -> int:
+        if asked is None:
+            return mc.max_position_embeddings
+        if not 1 <= asked <= mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {asked} must be in [1, {mc.max_position_embeddings}] "
+                f"(the model's max_position_embeddings)"
+            )
+        return asked
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wakeup_w, b"x")
+        except BlockingIOError:  # the pipe is full: the loop is woken anyway
+            pass
+
+    def close(self) -> None:
+        self.exchange.sender.close()
+        self.transfer.close()
+        os.close(self._wakeup_w)
+        os.close(self.wakeup_fd)
+
+    # ---- inspection ---------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.kv.stats()
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_pages_total=s.total_pages,
+            kv_pages_free=s.free_pages,
+            kv_pages_cached=s.cached_pages,
+            kv_pages_used=s.used_pages,
+            kv_pages_pinned=s.pinned_pages,
+            preemptions=self.scheduler.num_preemptions,
+            **self.counters,
+            **self.exchange.stats(),
+            **asdict(self.loop),
+        )
+
+    def check_integrity(self) -> None:
+        """The KV pages and the penalty pool's rows, then the request table against the
+        scheduler, the pages and the side tables (grammar matchers, penalty pool). Raises
+        IntegrityError."""
+        self.kv.check_integrity()
+        self.penalties.check_integrity()
+        self.requests.check_integrity(self.scheduler, self.kv, side_tables=self.side_tables)
