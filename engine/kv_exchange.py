@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from engine.kv_receiver import _NEVER_TRIED, Receiving, Reservation, WaitingRecv
-from engine.kv_sender import COMPUTED, Sending, SendJob
-from engine.requests import IllegalTransition, RequestState, RequestTable
+from engine.kv_receiver import _NEVER_TRIED, Receiving
+from engine.kv_sender import COMPUTED, Sending
+from engine.requests import (IllegalTransition, RequestState, RequestTable, Reservation, SendJob,
+                             WaitingRecv)
 from engine.sequence import Sequence
 from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, TransferBackend
