@@ -13,8 +13,9 @@ microserve/messages.py, decoded by its "type" tag:
                       every HEARTBEAT_S)
 
 The loop does the I/O only: each frame goes to the core's `handle`, what is due between steps
-to its `tick`, and the frames they return are sent. Between steps the loop drains whatever messages have arrived without blocking; when it has no
-work it blocks on the socket, the KV sender's wake-up pipe and the next lease or wait deadline.
+to its `tick`, and the frames they return are sent. Between steps the loop drains whatever
+messages have arrived without blocking; when it has no work it blocks on the socket, the KV
+sender's wake-up pipe and the next lease or wait deadline.
 A remote_send call is answered when its transfer completes, several steps later; a prep_recv
 that must wait for pages, between the steps once they are free. When the frontend goes away
 (EOF), the core exits.
