@@ -522,7 +522,7 @@ class StreamError(Struct):
 class Call:
     """One request/answer call, declared once; the rest follows from the declaration: the
     engine frontend's route POST /microserving/{name} (engine/frontend/microserving_api.py),
-    the frames to the core and its handler `on_{name}` (engine/core_proc.py), and the router's
+    the frames to the core and its handler `on_{name}` (engine/core/handlers.py), and the router's
     one generic `EngineClient.call(request)` (microserve/microserving_client.py), which
     decodes the answer once, into `answer`.
 
