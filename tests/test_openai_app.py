@@ -715,7 +715,7 @@ async def test_served_sockets_have_tcp_nodelay(tok, bind):
 
 
 async def test_a_body_past_the_limit_gets_413_without_being_read(tok):
-    from microserve.openai_app import MAX_BODY_BYTES
+    from microserve.openai_middleware import MAX_BODY_BYTES
 
     backend = ScriptedBackend(steps(tok, "hello"))
     async with client_for(backend, tok) as client:
