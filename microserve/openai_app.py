@@ -33,8 +33,9 @@ from microserve.client_streams import ClientDisconnected, EventStream, unless_di
 from microserve.errors import (from_validation_errors, install_error_handlers, invalid_request,
                                model_not_found)
 from microserve.metrics import CONTENT_TYPE, Registry
-from microserve.protocol import (MAX_CHOICES, ChatCompletionRequest, ChatWire, CompletionRequest,
-                                 CompletionWire, GenerationRequest, model_card, model_list, usage)
+from microserve.openai_responses import ChatWire, CompletionWire, model_card, model_list, usage
+from microserve.protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest,
+                                 GenerationRequest)
 from microserve.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 from microserve.tool_parsers import ToolParser, make_parser
