@@ -39,7 +39,7 @@ from microserve.messages import (
     SendToRequest,
     StartGenerateRequest,
 )
-from microserve.protocol import ChatCompletionRequest, CompletionRequest
+from microserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.admin import EngineBody, MigrateBody, PinBody, StrategyBody
 
 pytestmark = pytest.mark.slow

@@ -47,7 +47,7 @@ class SamplingParams:
     # computes the whole prompt for them (no prefix cache, no KV from a peer).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # An llguidance grammar (JSON) the output must follow: structured outputs and forced tool
-    # calls, built and validated by the frontend (microserve/guided.py); None: unconstrained.
+    # calls, built and validated by the frontend (microserve/openai/guided.py); None: unconstrained.
     grammar: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0

@@ -1,4 +1,4 @@
-"""OpenAI request bodies we accept (the JSON we answer with is microserve/openai_responses.py).
+"""OpenAI request bodies we accept (the JSON we answer with is microserve/openai/responses.py).
 
 Field validation lives here, so a bad field becomes a 400 that names the field and the value
 (errors.py formats pydantic's errors). Defaults that need the model, such as max_tokens (what
@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from microserve.bounds import (FINITE, INT32_MAX, INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, Count,
                                MinTokens, Penalty, RepetitionPenalty, Seed, TokenId, TopK)
-from microserve.tools import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
+from microserve.openai.tools import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
 from microserve.messages import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """One choice of an OpenAI request in flight (`Run`), what each backend output adds to it
 (`Delta`), several choices run side by side, and the server-sent events they become: the
-frontend's bookkeeping apart from its routes (microserve/openai_app.py)."""
+frontend's bookkeeping apart from its routes (microserve/openai/app.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from microserve.backend import BackendError
 from microserve.errors import as_openai_error
-from microserve.tool_parsers import CallStream, ParsedCall
+from microserve.openai.tool_parsers import CallStream, ParsedCall
 from microserve.messages import SamplingParams, TokenLogprob
 
-log = logging.getLogger("microserve.openai_app")  # the frontend's logger, as before
+log = logging.getLogger("microserve.openai.app")  # the frontend's logger (app.py's)
 
 
 def sse(payload: dict | str) -> bytes:

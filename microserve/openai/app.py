@@ -33,16 +33,16 @@ from microserve.client_streams import ClientDisconnected, EventStream, unless_di
 from microserve.errors import (from_validation_errors, install_error_handlers, invalid_request,
                                model_not_found)
 from microserve.metrics import CONTENT_TYPE, Registry
-from microserve.openai_responses import ChatWire, CompletionWire, model_card, model_list, usage
-from microserve.protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest,
+from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
+from microserve.openai.protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest,
                                  GenerationRequest)
-from microserve.guided import checked, request_grammar
+from microserve.openai.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
-from microserve.tool_parsers import ToolParser, make_parser
-from microserve.tools import forced_functions, forces_calls, parses_calls
+from microserve.openai.tool_parsers import ToolParser, make_parser
+from microserve.openai.tools import forced_functions, forces_calls, parses_calls
 from microserve.messages import FinishReason, GenerateChunk, TokenLogprob
-from microserve.openai_middleware import CountRequests, LimitBody
-from microserve.openai_runs import (Delta, Run, all_or_none, close_all, collect, run_id, sse,
+from microserve.openai.middleware import CountRequests, LimitBody
+from microserve.openai.runs import (Delta, Run, all_or_none, close_all, collect, run_id, sse,
                                     stream_error)
 from microserve.request_checks import check_sampling, out_of_vocab
 
@@ -474,7 +474,7 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
         registry: where the frontend's metrics go; pass one to add your own metrics to the
             same /metrics page (the backend's `metrics_text()` is appended there too).
         tool_call_parser: the format of tool calls in the model's text
-            (microserve/tool_parsers.py: hermes, llama3_json).
+            (microserve/openai/tool_parsers.py: hermes, llama3_json).
 
     Returns:
         The app; add more routes (`app.include_router(...)`) before serving it. Every error it

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from microserve.tool_parsers import ParsedCall
+from microserve.openai.tool_parsers import ParsedCall
 from microserve.messages import TokenLogprob
 
 

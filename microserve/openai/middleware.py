@@ -1,5 +1,5 @@
 """The OpenAI server's ASGI middleware: a bound on request bodies, and requests counted by
-endpoint and status (microserve/openai_app.py installs both)."""
+endpoint and status (microserve/openai/app.py installs both)."""
 
 from __future__ import annotations
 
