@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -46,8 +45,6 @@ from router.stream_watch import StreamWatch
 if TYPE_CHECKING:
     from router.engines import EnginePool, EngineSpec
     from router.strategy import Request
-
-log = logging.getLogger("microserve.router")
 
 
 class EngineHandle:
