@@ -10,7 +10,7 @@
 `call` makes any call declared in microserve.messages.CALLS: its route, its answer's type and
 whether its answer is bounded in time follow from the request's type. Bodies go as msgpack by
 default (token lists are the bulk), JSON with `use_msgpack=False`: the typed messages of
-microserve/messages.py, encoded by msgspec, and every answer, chunk and stream error decoded
+microserve/messages/, encoded by msgspec, and every answer, chunk and stream error decoded
 once, into its type (the engine validates what it is sent; the router trusts its engines'
 answers, which msgspec still checks for shape as it decodes them).
 Failures: an answer with an error status raises MicroservingError(status, message, param) from
@@ -250,7 +250,7 @@ class EngineClient:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _encode(self, body: Any) -> bytes:
-        """A request body (one of messages.py's requests, which the engine validates)."""
+        """A request body (one of microserve.messages' requests, which the engine validates)."""
         if self._use_msgpack:
             return _msgpack.encode(body)
         return json.dumps(msgspec.to_builtins(body), separators=(",", ":")).encode()

@@ -1,5 +1,5 @@
 """The checks of a request's sampling parameters against the model, one function each, asked
-by the OpenAI frontend (router and engine: microserve/openai_app.py) and by the engine core
+by the OpenAI frontend (router and engine: microserve/openai/app.py) and by the engine core
 (engine/validation.py) alike: the same rule, the same numbers, the same message. A refusal is a
 RequestRejected (a 400) naming the field. No torch.
 """

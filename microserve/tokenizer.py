@@ -85,7 +85,7 @@ class Tokenizer:
             and hf.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id])
         self._template = _compile_chat_template(chat_template) if chat_template else None
         # A template that reads `tools` renders them (and tool calls) itself; for one that does
-        # not, the frontend writes them into the messages (microserve/tool_parsers.py).
+        # not, the frontend writes them into the messages (microserve/openai/tool_parsers.py).
         self.renders_tools = chat_template is not None and "tools" in chat_template
         self._byte_level = isinstance(hf.decoder, decoders.ByteLevel)
         self._added = {i: t.content for i, t in hf.get_added_tokens_decoder().items()}

@@ -3,7 +3,7 @@ start_generate's msgpack stream.
 
     frame = 4-byte big-endian length | msgpack body
 
-Bodies are encoded by msgspec, so a frame may hold the typed messages of microserve/messages.py
+Bodies are encoded by msgspec, so a frame may hold the typed messages of microserve/messages/
 (dataclasses and structs) as well as plain data; a decoder given a type decodes each frame into
 it (checking it as it goes), and into plain data without one.
 """

@@ -1,4 +1,4 @@
-"""The router as a GenerateBackend: the OpenAI frontend (microserve/openai_app.py) over strategies.
+"""The router as a GenerateBackend: the OpenAI frontend (microserve/openai/app.py) over strategies.
 
 For each client request the frontend tokenizes, then iterates `generate`, which runs the active
 strategy's `generate(request, engines)` and relays its chunks (cached_tokens made the client's):

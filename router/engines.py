@@ -8,91 +8,44 @@
     p = engines["p0"]                              # by name
     engines.prefix_index.match(request.prompt)     # which engine holds how much of the prompt
 
-An engine handle wraps the microserving client (microserve/microserving_client.py) with what
-the router needs around each call: it records the engine in `request.touched` (so a failed
-request is aborted everywhere it went), counts the calls open on the engine (the load
-`least_loaded` reads), keeps the prefix index up to date, and marks the engine down when it
-cannot be reached.
-
-Health and load are two probes, each `poll_interval_s`, each engine's on its own (a slow
-answer from one holds up no other):
-
-    liveness  GET /microserving/live?challenge=R   no key sent; answered by the engine's event
-              loop at once, whatever its core does    -> down if no answer within
-              `liveness_timeout_s`, no proof that it holds the engine key, or its core silent
-              (no heartbeat) that long: a dead, stopped or hung engine, found in seconds
-    stats     GET /microserving/stats (with the key) -> `handle.load`; answered between the
-              core's steps, so a busy core answers late: that is load, never a reason to be down
-
-An engine marked down (by the probe, or by a call that could not reach it) comes back when it
-proves itself alive again and then answers its stats. The engine key goes only to engines that
-proved they hold it, in their last probe: `add` checks the proof before its first keyed call,
-and an engine that went down gets no keyed call (a stats poll, a strategy's or the admin API's
-call) until it proved it again.
+`EngineHandle` (router/engine_handle.py) is one engine with the router's bookkeeping around
+each call; `PoolHealth` (router/engine_health.py) probes each engine's liveness and polls its
+stats.
 
 Roles: "prefill", "decode", or "any" (both). Asking for a role gives the engines of that role
 and the "any" ones. A role is a routing preference, not a limit: every engine can prefill and
 decode, so `prefill_decode` lets a decode engine serve a whole request when no prefill engine is
 up, and any engine serve it when no decode engine is (counted in
 microserve_router_pd_fallbacks_total).
-
-A remote_send is watched from both ends: if an engine the request touched (its receiver) goes
-down while the sender works, the call is given up at once (BackendUnavailable), and the router's
-abort then stops the sender.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import secrets
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from microserve.backend import BackendUnavailable, MicroservingError
-from microserve.messages import (
-    AbortRequest,
-    CommitRequest,
-    CommitResponse,
-    EngineInfo,
-    EngineStats,
-    GenerateChunk,
-    KVAddr,
-    PinRequest,
-    PinResponse,
-    PrepRecvRequest,
-    PrepRecvResponse,
-    RemoteSendRequest,
-    RemoteSendResponse,
-    SendToRequest,
-    UnpinRequest,
-)
-from microserve.auth import proves_key
+from microserve.backend import BackendUnavailable
+from microserve.messages import EngineInfo
 from microserve.metrics import Registry
-from microserve.microserving_client import EngineClient, SlowAnswer
-from router.handover import now
+from microserve.microserving_client import EngineClient
+from router.engine_handle import EngineHandle
+from router.engine_health import PoolHealth
 from router.prefix_index import PrefixIndex
-from router.stream_watch import StreamWatch
 
 if TYPE_CHECKING:
     from router.strategy import Request
-
 log = logging.getLogger("microserve.router")
 
 ROLES = ("any", "prefill", "decode")
 LIVENESS_TIMEOUT_S = 5.0  # the default: an engine silent this long is down
 # Facts every engine of one pool must share: one model, one token space, one KV page size.
 SAME_IN_POOL = ("model_name", "vocab_size", "page_size", "dtype")
-
-
-class NotVerified(ValueError):
-    """What answers at an engine's URL did not prove it is an engine holding the deployment's
-    engine key (a 400 in the admin API): it gets nothing sent with the key."""
 
 
 class UnknownEngine(KeyError):
@@ -117,301 +70,7 @@ class EngineSpec:
             raise ValueError(f"engine {self.name!r}: url {self.url!r} must start with http://")
 
 
-class EngineHandle:
-    """One engine as strategies use it. Safe to share between requests."""
-
-    def __init__(self, spec: EngineSpec, client: EngineClient, pool: EnginePool,
-                 source: str = "static"):
-        self.spec = spec
-        self.source = source  # how it joined: "static", "admin" or "dns:NAME"
-        self.client = client
-        self._pool = pool
-        self.info: EngineInfo | None = None  # set by the pool when the engine first answers
-        self.load: EngineStats | None = None  # its last stats; set by the pool's poller
-        self.up = False  # set by the pool: answered its last poll, no call failed since
-        # set by the pool: proved itself alive (and holding the key) in its last liveness
-        # probe; the pool sends nothing with the key to an engine that is not
-        self.live = False
-        self.draining = False  # set by the admin API: finishes its requests, gets no new ones
-        self.down_reason = "not polled yet"  # set with up = False
-        # Open calls from this router, by kind; written by this handle's methods only.
-        self.open_sends = 0
-        self.open_generations = 0
-        self.pending_prefill_tokens = 0  # prompt tokens of open calls not yet computed here
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def role(self) -> str:
-        return self.spec.role
-
-    @property
-    def url(self) -> str:
-        return self.spec.url
-
-    @property
-    def open_calls(self) -> int:
-        return self.open_sends + self.open_generations
-
-    @property
-    def routable(self) -> bool:
-        return self.up and not self.draining
-
-    def serves(self, role: str | None) -> bool:
-        return role is None or self.role in (role, "any")
-
-    def __repr__(self) -> str:
-        return f"<engine {self.name} {self.role} {self.url}>"
-
-    # -- microserving calls ---------------------------------------------------------------------
-
-    async def prep_recv(self, request: Request, end: int = -1, lease_s: float | None = None,
-                        wait_s: float | None = None) -> PrepRecvResponse:
-        """Reserve this engine's slots for `request.prompt[matched:end]` (see EngineClient).
-        Waits its turn for free pages up to `wait_s` (default: the pool's queue_timeout_s)."""
-        self._touch(request)
-        if wait_s is None:
-            wait_s = self._pool.queue_timeout_s
-        started = now()
-        answer = await self._call(PrepRecvRequest(request.request_id, request.prompt, end,
-                                                  lease_s, wait_s))
-        request.timeline.prep_recv_s = now() - started
-        self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
-        return answer
-
-    async def remote_send(self, request: Request, begin: int, end: int, kv_addr: KVAddr | None,
-                          sample: bool = False) -> RemoteSendResponse:
-        """Make this engine put the KV of `prompt[begin:end]` into `kv_addr` (another engine's
-        reservation); returns once every byte landed there. `sample` (end = len(prompt)):
-        it also samples the first output token with the request's params (`first_token`).
-        `kv_addr` None (begin 0): the engine computes at once and sends once `send_to` named
-        where (the receiver must be in `request.touched` before this is called: it is
-        watched). A send this engine has not started computing within the pool's
-        queue_timeout_s fails with a 503 (code queue_timeout)."""
-        self._touch(request)
-        tokens = _span(len(request.prompt), begin, end)
-        # The receivers, and this engine itself: a sender cut off mid-send never answers.
-        watched = [n for n in request.touched if n != self.name] + [self.name]
-        self.open_sends += 1
-        self.pending_prefill_tokens += tokens
-        started = now()
-        try:
-            answer = await self._pool.unless_down(
-                watched, self._call(RemoteSendRequest(
-                    request.request_id, request.prompt, begin, end, kv_addr,
-                    request.sampling if sample else None, self._pool.queue_timeout_s)),
-                f"while engine {self.name} was sending it KV for request {request.request_id}")
-        finally:
-            self.open_sends -= 1
-            self.pending_prefill_tokens -= tokens
-        self._pool.prefix_index.insert(request.prompt[:end], self.name)
-        request.settled.add(self.name)  # a sender holds nothing once its send is done
-        request.received_tokens += answer.sent
-        request.peer_cached_tokens += answer.reused
-        request.timeline.sent(now() - started, answer.timing)
-        return answer
-
-    async def send_to(self, request: Request, begin: int, kv_addr: KVAddr) -> None:
-        """Name where this engine's remote_send of `request`, made without kv_addr, sends
-        [begin, end)."""
-        self._touch(request)
-        await self._call(SendToRequest(request.request_id, begin, kv_addr))
-
-    async def send_prompt(self, request: Request, receiver: EngineHandle, early: bool = True
-                          ) -> tuple[int, int | None]:
-        """Put the KV of the prompt (all but its last token, or all of it with the first
-        output token sampled here when `request.first_token_travels`) on `receiver`, which
-        lacks it, as P/D and context migration do: receiver.prep_recv, then this engine's
-        remote_send. Returns (begin, first_token) for `receiver.start_generate`.
-
-        `early` (the default): this engine starts computing at once, beside the receiver's
-        prep_recv, and is told where to send when that answers (remote_send without kv_addr,
-        then send_to), so the prep_recv round trip is off the request's path. Only when the
-        receiver has pages free now: if it must wait for them, or already holds the whole
-        prompt, the early send is dropped and the calls go one after the other."""
-        n = len(request.prompt)
-        end = n if request.first_token_travels else n - 1
-        if early and _room_now(receiver, end) and (
-                self._pool.prefix_index.match(request.prompt).get(receiver.name, 0) < end):
-            sent = await self._send_early(request, receiver, end)
-            if sent is not None:
-                return sent
-        recv = await receiver.prep_recv(request, end=end)
-        if recv.matched >= end:  # the receiver holds it all: it computes the last token
-            return n - 1, None
-        sent = await self.remote_send(request, recv.matched, end, recv.kv_addr,
-                                      sample=end == n)
-        return end, sent.first_token
-
-    async def _send_early(self, request: Request, receiver: EngineHandle, end: int
-                          ) -> tuple[int, int | None] | None:
-        """send_prompt's early start; None if it fell through (nothing held for it then)."""
-        n = len(request.prompt)
-        receiver._touch(request)  # watched by the send from its start
-        sending = asyncio.ensure_future(self.remote_send(request, 0, end, None, sample=end == n))
-        try:
-            try:
-                recv = await receiver.prep_recv(request, end=end, wait_s=0)
-            except MicroservingError as e:
-                if e.status != 503:
-                    raise
-                recv = None  # no pages free there now: it waits its turn, this engine idle
-            if sending.done():  # refused, or this engine failed: nothing to send to
-                sending.result()
-            if recv is not None and recv.matched < end:
-                await self.send_to(request, recv.matched, recv.kv_addr)
-                return end, (await sending).first_token
-            await self._drop(request, sending)
-            return None if recv is None else (n - 1, None)
-        finally:
-            if not sending.done():  # closing the call makes the engine abort the send
-                sending.cancel()
-                await asyncio.gather(sending, return_exceptions=True)
-
-    async def _drop(self, request: Request, sending: asyncio.Future) -> None:
-        """Abort the early send in flight as `sending`, and be sure it is gone before the
-        request's next call here reuses its id: an abort that overtook the send on the way
-        (its answer: aborted False) is made again until one finds it."""
-        while not sending.done() and not await self.abort(request):
-            await asyncio.sleep(0.001)
-        with contextlib.suppress(MicroservingError):  # the send's answer to it: a 409
-            await sending
-
-    async def start_generate(self, request: Request, begin: int = 0,
-                             first_token: int | None = None, emit_first: bool = True
-                             ) -> AsyncIterator[GenerateChunk]:
-        """Prefill `prompt[begin:]` here and decode: the engine's chunks as they come.
-        `first_token`: the first output, sampled by the engine that sent the whole prompt's
-        KV (`send_prompt`); the engine emits it at once and decodes on.
-
-        With `emit_first` (the default) a handed-over first token that does not end the
-        request is yielded before this engine is called, so the client has it one round trip
-        sooner; the engine's own copy of it is left out of its first chunk. The price: if this
-        engine fails before its first chunk, the request has produced output and the router
-        does not try it again (it ends with the error, as a failure after any token does).
-
-        A generation this engine has not started computing within the pool's queue_timeout_s
-        fails with a 503 (code queue_timeout), as a send does."""
-        self._touch(request)
-        if not self.live:  # a strategy that picked it before it went down
-            raise self._not_live()
-        early = emit_first and first_token is not None and not self._stops(request, first_token)
-        if early:  # as this engine would report it: it holds prompt[:begin] already
-            yield GenerateChunk([first_token], cached_tokens=begin)
-        prefill = _span(len(request.prompt), begin, len(request.prompt))
-        self.open_generations += 1
-        self.pending_prefill_tokens += prefill
-        chunks = self.client.start_generate(request.request_id, request.prompt, begin,
-                                            request.sampling, first_token,
-                                            self._pool.queue_timeout_s)
-        request.timeline.generate_started = now()
-        watch = StreamWatch(self, self._pool.down_event(self.name))
-        try:
-            async for chunk in watch.chunks(chunks, f"engine {self.name} went down while "
-                                                    f"generating {request.request_id}"):
-                if request.timeline.first_chunk is None:
-                    request.timeline.first_chunk = now()
-                self.pending_prefill_tokens -= prefill
-                prefill = 0
-                if early:
-                    early = False
-                    chunk = _without_first(chunk, first_token, self.name)
-                    if chunk is None:
-                        continue
-                if chunk.finish_reason is not None:
-                    self._pool.prefix_index.insert(request.prompt, self.name)
-                    request.settled.add(self.name)
-                yield chunk
-        except BackendUnavailable as e:
-            # Not when it is down already: then this is the watch's error, and the pool's
-            # reason (the probe's) says why.
-            if self.up and not isinstance(e, SlowAnswer):
-                self._pool.mark_down(self, str(e))
-            raise
-        finally:
-            await watch.aclose()
-            await chunks.aclose()
-            self.open_generations -= 1
-            self.pending_prefill_tokens -= prefill
-
-    async def commit(self, request: Request, pin: bool = False) -> CommitResponse:
-        """Adopt the KV received for `request` into this engine's prefix cache."""
-        self._touch(request)
-        answer = await self._call(CommitRequest(request.request_id, pin))
-        request.settled.add(self.name)
-        self._pool.prefix_index.insert(request.prompt[:answer.cached], self.name)
-        return answer
-
-    async def abort(self, request: Request) -> bool:
-        """Drop whatever this engine holds for `request`. False if it held nothing."""
-        return (await self._call(AbortRequest(request.request_id))).aborted
-
-    async def pin(self, prompt: list[int]) -> PinResponse:
-        return await self._call(PinRequest(prompt))
-
-    async def unpin(self, prompt: list[int]) -> PinResponse:
-        return await self._call(UnpinRequest(prompt))
-
-    # -- plumbing -------------------------------------------------------------------------------
-
-    def _stops(self, request: Request, token: int) -> bool:
-        """Whether `token` ends the request (an eos of this engine's model, a stop token)."""
-        eos = self.info.eos_token_ids if self.info is not None else ()
-        return request.sampling.stops_on(token, eos)
-
-    def _not_live(self) -> BackendUnavailable:
-        return BackendUnavailable(f"engine {self.name} is down ({self.down_reason}): it gets "
-                                  "no call until it answers its liveness probe again")
-
-    def _touch(self, request: Request) -> None:
-        """A call for `request` goes out: this engine may hold something for it until the
-        call finishes."""
-        request.touched.add(self.name)
-        request.settled.discard(self.name)
-
-    async def _call(self, body):
-        """The call whose request `body` is (microserve.messages.CALLS), made on this engine."""
-        if not self.live:  # not proved since it went down: nothing goes there with the key
-            raise self._not_live()
-        try:
-            return await self.client.call(body)
-        except SlowAnswer:  # busy, or gone: the liveness probe tells which
-            raise
-        except BackendUnavailable as e:
-            self._pool.mark_down(self, str(e))
-            raise
-
-
-def _room_now(receiver: EngineHandle, tokens: int) -> bool:
-    """Whether, by its last polled stats, `receiver` can reserve `tokens` at once: no prep_recv
-    waits in its line (a new one would queue behind), and enough pages free or evictable."""
-    load, info = receiver.load, receiver.info
-    if load is None or info is None:
-        return True  # not polled yet: prep_recv with wait_s 0 answers the question
-    room = (load.kv_pages_free + load.kv_pages_cached) * info.page_size
-    return load.kv_recv_waiting == 0 and room >= tokens
-
-
-def _without_first(chunk: GenerateChunk, token: int, engine: str) -> GenerateChunk | None:
-    """An engine's first chunk less the handed-over first token, already yielded; None if
-    nothing is left of it."""
-    if not chunk.token_ids or chunk.token_ids[0] != token:
-        raise MicroservingError(500, f"engine {engine} began its stream with {chunk.token_ids[:1]}"
-                                f", not the handed-over first token {token}")
-    if len(chunk.token_ids) == 1 and chunk.finish_reason is None and chunk.usage is None:
-        return None
-    logprobs = chunk.logprobs[1:] if chunk.logprobs else chunk.logprobs
-    return replace(chunk, token_ids=chunk.token_ids[1:], logprobs=logprobs, cached_tokens=None)
-
-
-def _span(n: int, begin: int, end: int) -> int:
-    """len(range(n)[begin:end]) without building it."""
-    return len(range(*slice(begin, end).indices(n)))
-
-
-class EnginePool:
+class EnginePool(PoolHealth):
     """The engines a router routes to; what `Strategy.generate` gets as `engines`."""
 
     def __init__(self, *, api_key: str | None = None, poll_interval_s: float = 0.5,
@@ -642,127 +301,6 @@ class EnginePool:
         self.prefix_index.remove_engine(name)
         log.info("engine %s removed", name)
         return handle
-
-    # -- health ---------------------------------------------------------------------------------
-
-    def mark_down(self, handle: EngineHandle, reason: str) -> None:
-        """Down until it proves itself alive again (which ends what is open on it now)."""
-        if handle.up:
-            log.warning("engine %s is down: %s", handle.name, reason)
-            self.marked_down += 1
-            # Its cache is gone if it restarts: forget what it held.
-            self.prefix_index.remove_engine(handle.name)
-            if (event := self._down.get(handle.name)) is not None:
-                event.set()
-        handle.live, handle.up, handle.down_reason = False, False, reason
-
-    async def _probe(self, handle: EngineHandle) -> None:
-        """The liveness probe: down unless the engine proves itself alive now."""
-        try:
-            await self._check_live(handle.client)
-        except (BackendUnavailable, NotVerified) as e:
-            self.mark_down(handle, str(e))
-            return
-        handle.live = True
-
-    async def _check_live(self, client: EngineClient) -> None:
-        """Raise unless the engine at `client` answers its liveness within the liveness
-        timeout, its core has sent a heartbeat within it, and it proves it holds the engine
-        key (when the pool has one): BackendUnavailable if it does not answer in time or its
-        core is silent, NotVerified if what answers is not an engine holding the key."""
-        challenge = secrets.token_hex(16)
-        where = f"engine {client.base_url}"
-        try:
-            async with asyncio.timeout(self.liveness_timeout_s):
-                live = await client.live(challenge)
-        except TimeoutError:
-            raise BackendUnavailable(f"{where}: no liveness answer within "
-                                     f"{self.liveness_timeout_s:g} s") from None
-        except MicroservingError as e:
-            if e.status == 503:  # its core has exited: it restarts, or its supervisor does
-                raise BackendUnavailable(f"{where}: {e}") from None
-            raise NotVerified(f"{where} answered its liveness probe with {e.status} ({e}): "
-                              "not an engine of this version") from None
-        except ValueError:  # an answer, but not an engine's
-            raise NotVerified(f"{where} answered its liveness probe with something that is "
-                              "not an engine's answer") from None
-        if self.api_key is not None and not proves_key(self.api_key, challenge, live.proof):
-            raise NotVerified(
-                f"{where} did not prove it holds the engine key (its liveness answer has "
-                f"{'a wrong' if live.proof else 'no'} proof): it is not an engine of this "
-                "deployment, or its --api-key is not the router's --engine-api-key; nothing "
-                "was sent to it with the key")
-        if live.core_silent_s > self.liveness_timeout_s:
-            raise BackendUnavailable(
-                f"{where}: its engine core has sent no heartbeat for {live.core_silent_s:.1f} s "
-                f"(stopped or hung; steps begun: {live.steps})")
-
-    async def _poll(self, handle: EngineHandle) -> None:
-        """The stats poll of an engine that proved itself alive: its load, and, if it was
-        down, back up. A failed or late answer changes nothing: liveness decides health."""
-        try:
-            info, load = await self._stats(handle.client)
-        except Exception as e:  # busy (a long step), or going: the liveness probe says which
-            self.stats_missed += 1
-            log.debug("engine %s: stats poll failed: %s", handle.name, e)
-            return
-        handle.load = load
-        if not handle.up and handle.live:
-            try:  # it may have come back as another model
-                self._check_same_model(handle.name, info)
-            except ValueError as e:
-                handle.down_reason = str(e)
-                return
-            log.info("engine %s is up", handle.name)
-            handle.info, handle.up, handle.down_reason = info, True, ""
-            if self._down[handle.name].is_set():  # calls watch it afresh
-                self._down[handle.name] = asyncio.Event()
-
-    async def _stats(self, client: EngineClient) -> tuple[EngineInfo, EngineStats]:
-        """The engine's /microserving/stats, within the health timeout. Raises ValueError
-        (msgspec.ValidationError) if it is not an engine's answer."""
-        try:
-            async with asyncio.timeout(self.health_timeout_s):
-                answer = await client.stats()
-        except TimeoutError:
-            raise BackendUnavailable(f"engine {client.base_url}: no stats within "
-                                     f"{self.health_timeout_s:g} s") from None
-        return answer.info, answer.stats
-
-    async def start(self) -> None:
-        """Begin polling (call once the event loop runs)."""
-        if self._poller is None:
-            self._poller = asyncio.create_task(self._poll_forever())
-
-    async def _poll_forever(self) -> None:
-        """Each poll_interval_s, probe every engine's liveness, and read the stats of each
-        one that proved itself alive; an engine whose last probe or read still runs is
-        skipped (a slow answer holds up no other engine, nor the next probe of its kind)."""
-        while True:
-            for handle in self:
-                self._start_probe("liveness", handle, self._probe)
-                if handle.live:
-                    self._start_probe("stats", handle, self._poll)
-            await asyncio.sleep(self.poll_interval_s)
-
-    def _start_probe(self, kind: str, handle: EngineHandle, probe) -> None:
-        key = (kind, handle.name)
-        if key in self._probes:
-            return
-        task = self._probes[key] = asyncio.create_task(probe(handle))
-        task.add_done_callback(lambda done: self._probes.pop(key, None)
-                               if self._probes.get(key) is done else None)
-
-    async def close(self) -> None:
-        probes = [self._poller] if self._poller is not None else []
-        probes += self._probes.values()
-        for task in probes:
-            task.cancel()
-        await asyncio.gather(*probes, return_exceptions=True)
-        self._poller = None
-        self._probes.clear()
-        for handle in self:
-            handle.client.close()
 
     def metrics_text(self) -> str:
         """Prometheus text of the pool's state, rendered when /metrics is read."""

@@ -4,7 +4,7 @@
         --engine p0=http://127.0.0.1:8001,prefill --engine d0=http://127.0.0.1:8002,decode
 
 It tokenizes (chat template included) and detokenizes once, here, with the same OpenAI frontend
-an engine serves (microserve/openai_app.py) over a RouterBackend; engines see token ids only.
+an engine serves (microserve/openai/app.py) over a RouterBackend; engines see token ids only.
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health (200 while an engine is
 routable), /metrics, and the ops API under /admin (router/admin.py). Binds 127.0.0.1 unless
 told otherwise. No torch.
@@ -24,7 +24,7 @@ from microserve.backend import BackendUnavailable
 from microserve.http_limits import fit_file_limit
 from microserve.http_server import QuietServer, listen_socket
 from microserve.metrics import Registry
-from microserve.openai_app import build_openai_app
+from microserve.openai.app import build_openai_app
 from microserve.tokenizer import Tokenizer
 from router.admin import AdminAPI, add_admin_routes
 from router.backend import RouterBackend

@@ -19,7 +19,7 @@ from dataclasses import Field, dataclass, field, fields
 from microserve.http_limits import HttpLimits
 from router.engines import LIVENESS_TIMEOUT_S
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # microserve/tool_parsers.py's PARSERS
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # microserve/openai/tool_parsers.py's PARSERS
 
 
 def _setting(default, help: str, *, file: str | None = "router", up: bool = False,

@@ -1,4 +1,4 @@
-"""Ending the token stream of an engine the pool marked down (router/engines.py uses it)."""
+"""Ending the token stream of an engine the pool marked down (router/engine_handle.py uses it)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from microserve.backend import BackendUnavailable
 from microserve.messages import GenerateChunk
 
 if TYPE_CHECKING:
-    from router.engines import EngineHandle
+    from router.engine_handle import EngineHandle
 
 
 class StreamWatch:

@@ -39,7 +39,7 @@ from microserve.messages import (
     SendToRequest,
     StartGenerateRequest,
 )
-from microserve.protocol import ChatCompletionRequest, CompletionRequest
+from microserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.admin import EngineBody, MigrateBody, PinBody, StrategyBody
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ PLAUSIBLE = {
 
 def body_fields(model) -> list[str]:
     """The keys of `model`'s body: a pydantic model's fields (by alias), a message's
-    (microserve/messages.py, a dataclass)."""
+    (microserve/messages/, a dataclass)."""
     if dataclasses.is_dataclass(model):
         return [f.name for f in dataclasses.fields(model)]
     return [info.alias or name for name, info in model.model_fields.items()]

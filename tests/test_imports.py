@@ -15,7 +15,7 @@ PACKAGES = ("bench", "engine", "kvcache", "launcher", "microserve", "router", "s
 def test_the_router_and_the_frontends_import_no_torch():
     """The router process and an engine's frontend process run on hosts that may have no GPU
     stack; only the engine core loads torch."""
-    code = ("import sys, router.server, microserve.openai_app, engine.frontend.server; "
+    code = ("import sys, router.server, microserve.openai.app, engine.frontend.server; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT)

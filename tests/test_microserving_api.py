@@ -52,7 +52,7 @@ from microserve.messages import (
     validator,
 )
 from microserve.microserving_client import EngineClient
-from microserve.openai_app import build_openai_app
+from microserve.openai.app import build_openai_app
 from microserve.tokenizer import Tokenizer
 
 MSGPACK = "application/msgpack"

@@ -23,8 +23,8 @@ from microserve.backend import BackendUnavailable, GenerateBackend
 from microserve.http_limits import HttpLimits
 from microserve.http_server import QuietServer, listen_socket
 from microserve.metrics import Registry
-from microserve.openai_app import build_openai_app
-from microserve.protocol import CompletionRequest
+from microserve.openai.app import build_openai_app
+from microserve.openai.protocol import CompletionRequest
 from microserve.tokenizer import Tokenizer
 from microserve.messages import GenerateChunk, SamplingParams, TokenLogprob
 
@@ -715,7 +715,7 @@ async def test_served_sockets_have_tcp_nodelay(tok, bind):
 
 
 async def test_a_body_past_the_limit_gets_413_without_being_read(tok):
-    from microserve.openai_app import MAX_BODY_BYTES
+    from microserve.openai.middleware import MAX_BODY_BYTES
 
     backend = ScriptedBackend(steps(tok, "hello"))
     async with client_for(backend, tok) as client:

@@ -12,7 +12,7 @@ from test_openai_app import ScriptedBackend, client_for, events
 from test_tokenizer import make_tokenizer_dir
 
 from microserve.tokenizer import Tokenizer
-from microserve.tool_parsers import MAX_PARALLEL_CALLS
+from microserve.openai.tool_parsers import MAX_PARALLEL_CALLS
 
 NOW = {"type": "function", "function": {"name": "now", "parameters": {
     "type": "object", "properties": {"x": {}}}}}

@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from microserve.errors import from_validation_errors
-from microserve.protocol import (ChatCompletionRequest, ChatWire, CompletionRequest,
-                                 CompletionWire, usage)
+from microserve.openai.responses import ChatWire, CompletionWire, usage
+from microserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from microserve.messages import SamplingParams, TokenLogprob
 
 

@@ -19,7 +19,8 @@ from microserve.messages import (AbortResponse, EngineInfo, EngineStats, Generat
                                  StatsResponse, Usage, call_of)
 from microserve.metrics import Registry
 from router.backend import RETRY_AFTER_S, RouterBackend
-from router.engines import EngineHandle, EnginePool, EngineSpec, UnknownEngine
+from router.engine_handle import EngineHandle
+from router.engines import EnginePool, EngineSpec, UnknownEngine
 from router.host import (MODULE_PREFIX, StrategyHost, StrategyLoadError, StrategySource,
                          SwapInProgress, builtin_names)
 from router.prefix_index import PrefixIndex

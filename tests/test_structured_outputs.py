@@ -26,7 +26,7 @@ from deployments import assert_quiet, up_prefill_decode
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from microserve.guided import json_schema_grammar
+from microserve.openai.guided import json_schema_grammar
 from microserve.tokenizer import Tokenizer
 from microserve.messages import SamplingParams
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from microserve.guided import checked
-from microserve.tool_parsers import MAX_PARALLEL_CALLS, make_parser
-from microserve.tool_schemas import calls_schema
-from microserve.tools import FunctionDefinition
+from microserve.openai.guided import checked
+from microserve.openai.tool_parsers import MAX_PARALLEL_CALLS, make_parser
+from microserve.openai.tool_schemas import calls_schema
+from microserve.openai.tools import FunctionDefinition
 
 WEATHER = FunctionDefinition(name="get_weather", parameters={
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})

@@ -1,7 +1,7 @@
 """The frontend's handle on its engine-core process (a GenerateBackend). No torch here.
 
 It starts `python -m engine.core_proc` with one end of a Unix socket pair, waits for Ready,
-and then multiplexes requests over that socket (typed frames, microserve/messages.py): one
+and then multiplexes requests over that socket (typed frames, engine/frames.py): one
 asyncio queue per request receives its TokenOutputs from a single reader task, and the
 request's generator makes each one the next GenerateChunk. If the core process dies, every open
 request fails with BackendUnavailable and `healthy()` turns false. The core's heartbeats

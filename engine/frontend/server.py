@@ -20,7 +20,7 @@ from engine.frontend.core_client import CoreClient
 from engine.frontend.microserving_api import add_microserving_routes
 from microserve.http_limits import HttpLimits, fit_file_limit
 from microserve.http_server import QuietServer, listen_socket
-from microserve.openai_app import build_openai_app
+from microserve.openai.app import build_openai_app
 from microserve.tokenizer import Tokenizer
 
 log = logging.getLogger("microserve.engine")

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from microserve.guided import JSON_OPTIONS
-from microserve.tools import FunctionDefinition
+from microserve.openai.guided import JSON_OPTIONS
+from microserve.openai.tools import FunctionDefinition
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 

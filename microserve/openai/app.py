@@ -16,136 +16,43 @@ Routers and engines serve it through microserve/http_server.py (listen_socket: T
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import llguidance
 
 from microserve.backend import BackendError, GenerateBackend
 from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
-from microserve.errors import (OpenAIError, as_openai_error, from_validation_errors,
-                               install_error_handlers, invalid_request, model_not_found)
-from microserve.metrics import CONTENT_TYPE, Counter, Registry
-from microserve.protocol import (MAX_CHOICES, ChatCompletionRequest, ChatWire,
-                                 CompletionRequest, CompletionWire, GenerationRequest, model_card,
-                                 model_list, usage)
-from microserve.guided import checked, request_grammar
+from microserve.errors import (from_validation_errors, install_error_handlers, invalid_request,
+                               model_not_found)
+from microserve.metrics import CONTENT_TYPE, Registry
+from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
+from microserve.openai.protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest,
+                                 GenerationRequest)
+from microserve.openai.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
-from microserve.tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
-from microserve.tools import forced_functions, forces_calls, parses_calls
-from microserve.messages import FinishReason, GenerateChunk, SamplingParams, TokenLogprob
+from microserve.openai.tool_parsers import ToolParser, make_parser
+from microserve.openai.tools import forced_functions, forces_calls, parses_calls
+from microserve.messages import FinishReason, GenerateChunk, TokenLogprob
+from microserve.openai.middleware import CountRequests, LimitBody
+from microserve.openai.runs import (Delta, Run, all_or_none, close_all, collect, run_id, sse,
+                                    stream_error)
 from microserve.request_checks import check_sampling, out_of_vocab
 
 log = logging.getLogger(__name__)
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-
-
-def _sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(
-        payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-class _CountRequests:
-    """ASGI middleware: counts responses by endpoint and status (500 if none was sent)."""
-
-    def __init__(self, app: ASGIApp, counter: Counter):
-        self.app, self.counter = app, counter
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = 500
-
-        async def send_and_note_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note_status)
-        finally:
-            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-            self.counter.inc(endpoint=endpoint, status=str(status))
-
-
-MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt is about 1 MB of JSON; anything far past it is not
-
-
-class _LimitBody:
-    """ASGI middleware: a request body larger than `max_bytes` gets a 413 instead of being read
-    into memory (checked on Content-Length first, then as the body streams in)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            error = self._too_large(length.decode(errors="replace"))
-            return await error.response()(scope, receive, send)
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:  # raised where the handler reads: answered as a 413
-                raise self._too_large(f"more than {self.max_bytes}")
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-    def _too_large(self, length: str) -> OpenAIError:
-        return OpenAIError(413, f"The request body ({length} bytes) is larger than the "
-                           f"{self.max_bytes} bytes this server accepts", code="body_too_large")
-
-
-@dataclass
-class _Delta:
-    """What one backend output added to the response."""
-
-    text: str
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None
-    tool_calls: list[tuple[int, ParsedCall]] = field(default_factory=list)  # (index, call)
-
-
-@dataclass
-class _Run:
-    """One generation in flight; the counters are written by OpenAIFrontend._note_output."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: list[str]
-    arrival: float  # time.perf_counter() when the handler started
-    tool_calls: CallStream | None = None  # reads tool calls out of the text (chat with tools)
-    echo: str | None = None  # completions' echo: the prompt text the first delta starts with
-    num_tool_calls: int = 0  # calls found so far; written by OpenAIFrontend._delta
-    num_generated: int = 0
-    num_cached: int = 0
-    first_token_at: float | None = None
-    last_token_at: float = 0.0
 
 
 async def _parse_body(raw: Request, model: type[BodyT]) -> BodyT:
@@ -154,54 +61,6 @@ async def _parse_body(raw: Request, model: type[BodyT]) -> BodyT:
         return model.model_validate_json(await raw.body())
     except ValidationError as e:
         raise from_validation_errors(e.errors()) from None
-
-
-async def _collect(deltas: AsyncIterator[_Delta]) -> _Delta:
-    """All of a generation's deltas as one."""
-    whole = _Delta("", [], None)
-    texts = []
-    async for delta in deltas:
-        texts.append(delta.text)
-        whole.logprobs.extend(delta.logprobs)
-        whole.tool_calls.extend(delta.tool_calls)
-        whole.finish_reason = delta.finish_reason
-    whole.text = "".join(texts)
-    return whole
-
-
-def _run_id(response_id: str, index: int, total: int) -> str:
-    """The engines' request id of choice `index`: the response's own id when it is the only
-    one."""
-    return response_id if total == 1 else f"{response_id}-{index}"
-
-
-async def _all_or_none(coros: list) -> list:
-    """The results of `coros` run side by side; when one fails (or this is cancelled) the
-    others are cancelled before the error goes on. One is awaited as it is (no task: the
-    common case of one choice pays nothing)."""
-    if len(coros) == 1:
-        return [await coros[0]]
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _close_all(gens: list[AsyncGenerator]) -> None:
-    """Close generators that may be left at a yield (their cleanup aborts their requests)."""
-    for gen in gens:
-        await gen.aclose()
-
-
-def _stream_error(e: Exception, request_id: str) -> dict:
-    """The last event of a stream whose backend failed: the status line is gone already."""
-    error = as_openai_error(e)
-    if error.status_code == 500 and not isinstance(e, BackendError):  # a bug or a crash
-        log.exception("request %s failed while streaming", request_id)
-    return error.body()
 
 
 class OpenAIFrontend:
@@ -254,7 +113,7 @@ class OpenAIFrontend:
                 echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
             for i in range(body.n):
                 index = len(choices)
-                run = self._new_run(_run_id(response_id, index, len(prompts) * body.n), body,
+                run = self._new_run(run_id(response_id, index, len(prompts) * body.n), body,
                                     prompt_ids, max_tokens, body.logprobs, arrival, grammar, i,
                                     echo=echo)
                 wire = CompletionWire(response_id, self.backend.model_name, created, token_text,
@@ -277,7 +136,7 @@ class OpenAIFrontend:
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = []
         for i in range(body.n):
-            run = self._new_run(_run_id(response_id, i, body.n), body, prompt_ids, max_tokens,
+            run = self._new_run(run_id(response_id, i, body.n), body, prompt_ids, max_tokens,
                                 body.requested_logprobs, arrival, grammar, i)
             if parses_calls(body.tools, body.tool_choice):
                 run.tool_calls = self.tool_parser.stream(forces_calls(body.tool_choice))
@@ -380,26 +239,26 @@ class OpenAIFrontend:
 
     def _new_run(self, request_id: str, body: GenerationRequest, prompt_ids: list[int],
                  max_tokens: int, logprobs: int | None, arrival: float,
-                 grammar: str | None, choice: int = 0, echo: str | None = None) -> _Run:
+                 grammar: str | None, choice: int = 0, echo: str | None = None) -> Run:
         """`echo`: the prompt's text to put in front of the completion; with `logprobs`, the
         prompt tokens' logprobs go in front of the completion's too."""
         prompt_logprobs = logprobs if echo is not None else None
         params = body.sampling_params(max_tokens, logprobs, grammar, choice, prompt_logprobs)
         check_sampling(params, self.tokenizer.vocab_size)  # pydantic bounded what an int holds
-        return _Run(request_id=request_id, prompt_ids=prompt_ids, params=params, stop=body.stop,
+        return Run(request_id=request_id, prompt_ids=prompt_ids, params=params, stop=body.stop,
                     arrival=arrival, echo=echo)
 
     # -- generation -----------------------------------------------------------------------
 
     async def _respond(self, raw: Request, body: GenerationRequest,
-                       choices: list[tuple[_Run, CompletionWire | ChatWire]]) -> Response:
+                       choices: list[tuple[Run, CompletionWire | ChatWire]]) -> Response:
         """Answer the request's generations: one body, or one event stream. With several
         choices they run side by side and any one failing fails (and aborts) them all."""
         gens = [self._deltas(run) for run, _ in choices]
         try:
             if not body.stream:
                 wholes = await unless_disconnected(raw.receive,
-                                                   _all_or_none([_collect(g) for g in gens]))
+                                                   all_or_none([collect(g) for g in gens]))
                 bodies = [wire.body(w.text, w.logprobs, w.finish_reason, None, w.tool_calls)
                           for (_, wire), w in zip(choices, wholes)]
                 answer = bodies[0]
@@ -409,12 +268,12 @@ class OpenAIFrontend:
             # Wait for the first output before answering, so that a backend that cannot take
             # the request still gets a 503 status rather than an error event inside a 200.
             firsts = await unless_disconnected(raw.receive,
-                                               _all_or_none([anext(g) for g in gens]))
+                                               all_or_none([anext(g) for g in gens]))
         except ClientDisconnected:
-            await _close_all(gens)
+            await close_all(gens)
             return Response(status_code=499)  # nginx's "client closed request", for the metrics
         except BaseException:
-            await _close_all(gens)
+            await close_all(gens)
             raise
         if len(choices) == 1:
             run, wire = choices[0]
@@ -423,35 +282,35 @@ class OpenAIFrontend:
             events = self._events_of_all(choices, firsts, gens, body.include_usage)
         return EventStream(events, headers={"Cache-Control": "no-cache"})
 
-    async def _events(self, run: _Run, wire: CompletionWire | ChatWire, first: _Delta,
-                      deltas: AsyncGenerator[_Delta, None], include_usage: bool
+    async def _events(self, run: Run, wire: CompletionWire | ChatWire, first: Delta,
+                      deltas: AsyncGenerator[Delta, None], include_usage: bool
                       ) -> AsyncGenerator[bytes, None]:
         """The SSE body: opening chunks, a chunk per delta, usage if asked for, then [DONE]."""
         try:
             for chunk in wire.opening_chunks():
-                yield _sse(chunk)
-            delta: _Delta | None = first
+                yield sse(chunk)
+            delta: Delta | None = first
             while delta is not None:
                 for chunk in wire.delta_chunks(delta.text, delta.logprobs, delta.finish_reason,
                                                delta.tool_calls):
-                    yield _sse(chunk)
+                    yield sse(chunk)
                 delta = await anext(deltas, None)
             if include_usage:
-                yield _sse(wire.usage_chunk(self._usage([run])))
+                yield sse(wire.usage_chunk(self._usage([run])))
         except Exception as e:  # the backend failed mid-stream: the status line is gone already
-            yield _sse(_stream_error(e, run.request_id))
+            yield sse(stream_error(e, run.request_id))
         finally:
             await deltas.aclose()
-        yield _sse("[DONE]")
+        yield sse("[DONE]")
 
-    async def _events_of_all(self, choices: list[tuple[_Run, CompletionWire | ChatWire]],
-                             firsts: list[_Delta], gens: list[AsyncGenerator[_Delta, None]],
+    async def _events_of_all(self, choices: list[tuple[Run, CompletionWire | ChatWire]],
+                             firsts: list[Delta], gens: list[AsyncGenerator[Delta, None]],
                              include_usage: bool) -> AsyncGenerator[bytes, None]:
         """`_events` for several choices: each one's chunks as its generation makes them,
         tagged with its index; one usage chunk for all. One failing ends them all."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(k: int, gen: AsyncGenerator[_Delta, None]) -> None:
+        async def pump(k: int, gen: AsyncGenerator[Delta, None]) -> None:
             try:
                 async for delta in gen:
                     queue.put_nowait((k, delta, None))
@@ -463,11 +322,11 @@ class OpenAIFrontend:
         try:
             for _, wire in choices:
                 for chunk in wire.opening_chunks():
-                    yield _sse(chunk)
+                    yield sse(chunk)
             for (_, wire), delta in zip(choices, firsts):
                 for chunk in wire.delta_chunks(delta.text, delta.logprobs, delta.finish_reason,
                                                delta.tool_calls):
-                    yield _sse(chunk)
+                    yield sse(chunk)
             pumps = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
             running = len(gens)
             while running:
@@ -479,19 +338,19 @@ class OpenAIFrontend:
                     continue
                 for chunk in choices[k][1].delta_chunks(delta.text, delta.logprobs,
                                                         delta.finish_reason, delta.tool_calls):
-                    yield _sse(chunk)
+                    yield sse(chunk)
             if include_usage:
-                yield _sse(choices[0][1].usage_chunk(self._usage([r for r, _ in choices])))
+                yield sse(choices[0][1].usage_chunk(self._usage([r for r, _ in choices])))
         except Exception as e:
-            yield _sse(_stream_error(e, choices[0][1].request_id))
+            yield sse(stream_error(e, choices[0][1].request_id))
         finally:
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
-            await _close_all(gens)
-        yield _sse("[DONE]")
+            await close_all(gens)
+        yield sse("[DONE]")
 
-    async def _deltas(self, run: _Run) -> AsyncGenerator[_Delta, None]:
+    async def _deltas(self, run: Run) -> AsyncGenerator[Delta, None]:
         """The request's new text per backend output, cut at the first stop string.
 
         Aborts the request in the backend unless the backend finished it: on a stop string,
@@ -534,7 +393,7 @@ class OpenAIFrontend:
                 await asyncio.shield(outputs.aclose())
 
     @staticmethod
-    def _echoed(run: _Run, out: GenerateChunk) -> list:
+    def _echoed(run: Run, out: GenerateChunk) -> list:
         """Echo's prompt logprobs: the first token's id alone (nothing scores it), then the
         engine's; none unless the request asked for logprobs."""
         if run.params.prompt_logprobs is None:
@@ -543,12 +402,12 @@ class OpenAIFrontend:
             raise BackendError("the engine sent no prompt logprobs for an echo with logprobs")
         return [run.prompt_ids[0], *out.prompt_logprobs[1:]]
 
-    def _delta(self, run: _Run, text: str, logprobs: list[TokenLogprob],
-               finish_reason: str | None) -> _Delta:
+    def _delta(self, run: Run, text: str, logprobs: list[TokenLogprob],
+               finish_reason: str | None) -> Delta:
         """A delta, with the tool calls its text completed taken out of it (chat with tools).
         A generation that stopped after calling tools finishes with "tool_calls"."""
         if run.tool_calls is None:
-            return _Delta(text, logprobs, finish_reason)
+            return Delta(text, logprobs, finish_reason)
         text, calls = run.tool_calls.feed(text)
         if finish_reason is not None:
             more_text, more_calls = run.tool_calls.flush()
@@ -557,9 +416,9 @@ class OpenAIFrontend:
         run.num_tool_calls += len(calls)
         if finish_reason == FinishReason.STOP and run.num_tool_calls:
             finish_reason = "tool_calls"
-        return _Delta(text, logprobs, finish_reason, indexed)
+        return Delta(text, logprobs, finish_reason, indexed)
 
-    def _text_ids(self, run: _Run, out: GenerateChunk) -> list[int]:
+    def _text_ids(self, run: Run, out: GenerateChunk) -> list[int]:
         """The tokens that become text: a final stop token's or eos's text is left out."""
         ids = out.token_ids
         if out.finish_reason != FinishReason.STOP or not ids:
@@ -569,7 +428,7 @@ class OpenAIFrontend:
             return ids[:-1]
         return ids
 
-    def _note_output(self, run: _Run, out: GenerateChunk) -> None:
+    def _note_output(self, run: Run, out: GenerateChunk) -> None:
         now = time.perf_counter()
         # The first chunk says how many prompt tokens were cached, the last one's usage too.
         cached = out.usage.cached_tokens if out.usage is not None else out.cached_tokens
@@ -585,7 +444,7 @@ class OpenAIFrontend:
         run.num_generated += len(out.token_ids)
         self._generation_tokens.inc(len(out.token_ids))
 
-    def _note_finished(self, run: _Run) -> None:
+    def _note_finished(self, run: Run) -> None:
         if run.first_token_at is not None:
             self._cached_tokens.inc(run.num_cached)
         if run.first_token_at is not None and run.num_generated > 1:
@@ -593,7 +452,7 @@ class OpenAIFrontend:
             self._tpot.observe(elapsed / (run.num_generated - 1))
 
     @staticmethod
-    def _usage(runs: list[_Run]) -> dict:
+    def _usage(runs: list[Run]) -> dict:
         """The usage of a request's generations: each distinct prompt counted once (n choices
         share theirs), with the most of it any of its choices found cached."""
         prompts: dict[int, tuple[int, int]] = {}  # id(prompt_ids) -> (length, cached)
@@ -615,7 +474,7 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
         registry: where the frontend's metrics go; pass one to add your own metrics to the
             same /metrics page (the backend's `metrics_text()` is appended there too).
         tool_call_parser: the format of tool calls in the model's text
-            (microserve/tool_parsers.py: hermes, llama3_json).
+            (microserve/openai/tool_parsers.py: hermes, llama3_json).
 
     Returns:
         The app; add more routes (`app.include_router(...)`) before serving it. Every error it
@@ -625,8 +484,8 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
                               make_parser(tool_call_parser))
     app = FastAPI(title="microserve")
     install_error_handlers(app)
-    app.add_middleware(_LimitBody)
-    app.add_middleware(_CountRequests, counter=frontend.requests)
+    app.add_middleware(LimitBody)
+    app.add_middleware(CountRequests, counter=frontend.requests)
     app.add_api_route("/v1/completions", frontend.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", frontend.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", frontend.models, methods=["GET"])

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from microserve import bounded_json
 from microserve.bounded_json import JSONBoundsError
-from microserve.tool_schemas import calls_schema
-from microserve.tools import FunctionDefinition
+from microserve.openai.tool_schemas import calls_schema
+from microserve.openai.tools import FunctionDefinition
 
 # Calls one forced output may make when parallel calls are allowed: the grammar ends the list
 # there (a small model would otherwise repeat its call until max_tokens).

@@ -1,0 +1,209 @@
+"""The microserving calls' bodies and answers, and each call declared once (`CALLS`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+from msgspec import Raw
+from pydantic import Field
+
+from microserve.bounds import Index, TokenId
+from microserve.messages.fields import CHECKED, Position, Prompt, RequestId
+from microserve.messages.kv import KVAddr
+from microserve.messages.sampling import SamplingParams
+from microserve.messages.status import EngineStats
+
+
+@CHECKED
+@dataclass(slots=True)
+class PrepRecvRequest:
+    request_id: RequestId
+    prompt: Prompt
+    end: Index = -1
+    # default --kv-lease-s; at most --kv-lease-max-s
+    lease_s: Annotated[float, Field(gt=0)] | None = None
+    # How long to wait for pages if none are free: default --kv-recv-wait-s; 0 answers a 503 at
+    # once; at most --kv-recv-wait-max-s.
+    wait_s: Annotated[float, Field(ge=0)] | None = None
+
+
+@dataclass(slots=True)
+class PrepRecvResponse:
+    matched: int  # prompt tokens already in this engine's prefix cache (a page multiple)
+    kv_addr: KVAddr
+
+
+@CHECKED
+@dataclass(slots=True)
+class RemoteSendRequest:
+    request_id: RequestId
+    prompt: Prompt
+    begin: Index = 0
+    end: Index = -1
+    # Where the KV goes. None: not known yet (the receiver's prep_recv runs meanwhile); the
+    # engine computes prompt[:end] now and holds it until a send_to names begin and kv_addr.
+    kv_addr: KVAddr | None = None
+    # Sample the first output token after the prompt with these (end must be the prompt's
+    # length; no logprobs, no grammar) and answer it as first_token. None: sample nothing.
+    sampling: SamplingParams | None = None
+    # How long the call may wait in this engine's queue (from its frontend taking it) before a
+    # step computes it, or the core takes it up if its KV is all cached: past it a 503 with
+    # code queue_timeout, nothing held. None: as long as it takes.
+    queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
+
+
+@dataclass(slots=True)
+class SendTiming:
+    """Where a remote_send's time went on the sender (router/handover.py adds the hops)."""
+
+    queued_s: float  # from the frontend taking the call to the first step computing it
+    prefill_s: float  # from that step to the last one's outputs (0 if all was cached)
+    tail_s: float  # from then to the answer: the writes flushed (and send_to, if late)
+
+
+@dataclass(slots=True)
+class RemoteSendResponse:
+    sent: int  # tokens whose KV now sits in the receiver's slots (= end - begin)
+    computed: int  # tokens this engine prefilled to produce them (may start before begin)
+    reused: int  # tokens of [begin, end) copied from this engine's prefix cache
+    first_token: int | None = None  # sampled when the call carried `sampling`
+    timing: SendTiming | None = field(default=None, compare=False)  # measured, not an outcome
+
+
+@CHECKED
+@dataclass(slots=True)
+class SendToRequest:
+    """Where a remote_send made without kv_addr sends prompt[begin:end] (its receiver's
+    prep_recv answer: begin = matched)."""
+
+    request_id: RequestId
+    begin: Position
+    kv_addr: KVAddr
+
+
+@dataclass(slots=True)
+class SendToResponse:
+    copied: int  # tokens of [begin, end) whose KV was here already, queued for writing at once
+
+
+@CHECKED
+@dataclass(slots=True)
+class StartGenerateRequest:
+    request_id: RequestId
+    prompt: Prompt
+    begin: Index = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = True
+    # The first output token, sampled by the engine that sent the whole prompt's KV (its
+    # remote_send with `sampling`); begin must be the prompt's length. Emitted as is, first.
+    first_token: TokenId | None = None
+    # How long the request may wait in this engine's queue (from its frontend taking the
+    # call) before a step starts on it: past it a 503 with code queue_timeout, nothing held.
+    # None: as long as it takes.
+    queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
+
+
+@CHECKED
+@dataclass(slots=True)
+class CommitRequest:
+    request_id: RequestId
+    pin: bool = False
+
+
+@dataclass(slots=True)
+class CommitResponse:
+    cached: int  # leading tokens of the received context now in the prefix cache (page multiple)
+    pinned: bool
+
+
+@CHECKED
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: RequestId
+
+
+@dataclass(slots=True)
+class AbortResponse:
+    aborted: bool  # False: the engine held nothing under this request_id
+
+
+@CHECKED
+@dataclass(slots=True)
+class PinRequest:
+    prompt: Prompt
+
+
+@CHECKED
+@dataclass(slots=True)
+class UnpinRequest(PinRequest):
+    pass
+
+
+@dataclass(slots=True)
+class PinResponse:
+    tokens: int  # leading tokens of the prompt (a page multiple) now pinned / unpinned
+
+
+@dataclass(slots=True)
+class StatsRequest:
+    """The core's load and KV accounting (its half of GET /microserving/stats)."""
+
+
+@dataclass(slots=True)
+class CheckIntegrityRequest:
+    """Run the core's KV integrity check (GET /microserving/stats?check=1)."""
+
+
+# -- the microserving calls, each declared once ------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request/answer call, declared once; the rest follows from the declaration: the
+    engine frontend's route POST /microserving/{name} (engine/frontend/microserving_api.py),
+    the frames to the core and its handler `on_{name}` (engine/core/handlers.py), and the router's
+    one generic `EngineClient.call(request)` (microserve/microserving_client.py), which
+    decodes the answer once, into `answer`.
+
+    `timeout_s` bounds the wait for the answer (None: as long as the engine works: a prefill, a
+    transfer); `waits` names the request's field that lets the call wait longer on purpose
+    (prep_recv's wait for pages: the engine bounds it). `route` False: between an engine's
+    frontend and its core only."""
+
+    name: str
+    request: type
+    answer: type
+    timeout_s: float | None = 30.0
+    waits: str | None = None
+    route: bool = True
+    _decoders: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_decoders", (msgspec.msgpack.Decoder(self.request),
+                                               msgspec.msgpack.Decoder(self.answer)))
+
+    def decode_request(self, raw: bytes | Raw):
+        return self._decoders[0].decode(raw)
+
+    def decode_answer(self, raw: bytes | Raw):
+        return self._decoders[1].decode(raw)
+
+
+CALLS: dict[str, Call] = {c.name: c for c in (
+    Call("prep_recv", PrepRecvRequest, PrepRecvResponse, waits="wait_s"),
+    Call("remote_send", RemoteSendRequest, RemoteSendResponse, timeout_s=None),
+    Call("send_to", SendToRequest, SendToResponse),
+    Call("commit", CommitRequest, CommitResponse),
+    Call("abort", AbortRequest, AbortResponse),  # the one abort, from anywhere
+    Call("pin", PinRequest, PinResponse),
+    Call("unpin", UnpinRequest, PinResponse),
+    Call("stats", StatsRequest, EngineStats, route=False),
+    Call("check_integrity", CheckIntegrityRequest, bool, route=False),  # failed: an error
+)}
+_CALL_OF = {c.request: c for c in CALLS.values()}
+
+
+def call_of(request) -> Call:
+    """The declaration of the call whose request `request` is."""
+    return _CALL_OF[type(request)]

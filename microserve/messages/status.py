@@ -1,0 +1,104 @@
+"""What an engine is and how loaded (its info, liveness and stats), and a stream's error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from msgspec import Struct
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """Facts the engine core reports once it has loaded the model and sized the KV pool."""
+
+    model_name: str
+    model_dir: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    page_size: int
+    num_pages: int
+    kv_capacity_tokens: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_transfer: str  # how this engine receives KV: shm, tcp, cuda_ipc, nvshmem or none
+    quantization: str | None = None  # fp8: the projections' weights (dtype is the activations')
+    kv_cache_dtype: str | None = None  # the KV pool's element type, e.g. float8_e4m3fn
+    deployment: str | None = None  # set by the engine frontend: the deployment it belongs to
+
+
+@dataclass(slots=True)
+class Liveness:
+    """GET /microserving/live: whether the engine is alive and its core making progress. The
+    frontend answers it from its event loop at once, never waiting for the core, and without
+    the engine key (the router sends the key to no engine that has not proved it holds it)."""
+
+    core_silent_s: float  # since the core's last heartbeat (it sends them in a step too)
+    steps: int  # steps the core had begun at that heartbeat
+    in_step_s: float  # how long the step it was in had run then (0: between steps)
+    # auth.engine_proof(the engine key, the query's challenge); None without either
+    proof: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Load and KV accounting (GET /microserving/stats "stats"; Prometheus on /metrics)."""
+
+    running: int  # requests running
+    waiting: int  # requests waiting for admission
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_pages_cached: int  # held only by the prefix cache (reusable)
+    kv_pages_used: int  # held by running requests
+    kv_pages_pinned: int
+    preemptions: int
+    prompt_tokens: int  # of finished requests
+    cached_prompt_tokens: int  # served from the prefix cache
+    generation_tokens: int
+    kv_reservations: int  # prep_recv reservations waiting for KV or a start_generate
+    kv_recv_waiting: int  # prep_recv calls waiting for KV pages
+    kv_send_jobs: int  # remote_send calls in progress
+    kv_leases_expired: int
+    kv_tokens_sent: int
+    kv_tokens_received: int
+    kv_recv_waited: int  # prep_recv calls that had to wait for pages
+    kv_recv_wait_timeouts: int  # ... and waited their wait_s in vain (503)
+    kv_send_queue_timeouts: int = 0  # remote_send calls not started within their queue_s (503)
+    generate_queue_timeouts: int = 0  # start_generate calls not started within their queue_s
+    # The core's steps and where its time went (engine/loop_stats.py)
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # through the forward pass (cached ones not)
+    tokens_sampled: int = 0
+    step_seconds: float = 0.0  # scheduling, launching, waiting for the GPU's last step
+    device_wait_seconds: float = 0.0  # of step_seconds: waiting for the sampled tokens
+    send_seconds: float = 0.0  # writing outputs to the frontend
+    message_seconds: float = 0.0  # handling the frontend's requests and calls
+    idle_seconds: float = 0.0  # waiting with nothing to run
+
+
+class StatsResponse(Struct, omit_defaults=True):
+    """GET /microserving/stats: the core's load, the engine's facts, and with `?check=1` the
+    integrity check's verdict ("ok", or what is wrong)."""
+
+    stats: EngineStats
+    info: EngineInfo
+    integrity: str | None = None
+
+
+class ErrorDetail(Struct):
+    """OpenAI's error object (microserve/errors.py)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class StreamError(Struct):
+    """The last item of a start_generate stream that failed after its status line went out:
+    the status and error the call would have been answered with."""
+
+    status: int
+    error: ErrorDetail
