@@ -3,8 +3,8 @@
 Why a separate process: the step loop must never wait on HTTP parsing, JSON, tokenization or
 detokenization (vLLM once spent 62% of an H100 decode step outside the GPU). The frontend
 (engine/frontend/, an asyncio process) does all of that and talks to this loop over one Unix
-socket of length-prefixed msgpack frames (microserve/wire.py), each a typed message of
-microserve/messages/, decoded by its "type" tag:
+socket of length-prefixed msgpack frames (microserve/wire.py), each a typed frame of
+engine/frames.py, decoded by its "type" tag:
 
     frontend -> core: Generate, Invoke (one of the calls declared in messages.CALLS, handled
                       by the `on_{name}` method of the core: engine/core/handlers.py), Shutdown
