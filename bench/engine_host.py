@@ -61,7 +61,7 @@ class StubRunner:
             self.backend.plan(batch)
         return len(sample_rows) or None
 
-    def sample(self, n, params, generators, mask=None):
+    def sample(self, n, params, generators, mask=None, adjust=None):
         return _Done([7] * n)
 
 
