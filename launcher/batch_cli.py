@@ -92,7 +92,8 @@ def run_batch(args: argparse.Namespace) -> int:
                 _fail(answer, "following the batch")
                 batch = answer.json()
                 line = _progress(batch, started)
-                if line != shown:
+                # On a terminal the bar redraws in place; in a log, a line when counts change.
+                if tty or line.rsplit(" ", 1)[0] != shown.rsplit(" ", 1)[0]:
                     print(("\r" if tty else "") + line, end="" if tty else "\n",
                           file=sys.stderr, flush=True)
                     shown = line

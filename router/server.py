@@ -98,7 +98,8 @@ class Router:
         self.batches: BatchRunner | None = None  # with a data dir; its task runs from start()
         if config.data_dir is not None:
             self.batches = BatchRunner(Store(config.data_dir), self.app, self.tokenizer,
-                                       self.registry, self.admission, config.api_key)
+                                       self.registry, self.admission, config.api_key,
+                                       config.batch_order)
         self._app: FastAPI | None = None  # built once, by app()
 
     async def start(self) -> None:

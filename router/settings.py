@@ -19,7 +19,8 @@ from dataclasses import Field, dataclass, field, fields
 from microserve.http_limits import HttpLimits
 from router.engines import LIVENESS_TIMEOUT_S
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # microserve/openai/tool_parsers.py's PARSERS
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+BATCH_ORDERS = ("blend", "dfs", "file")  # router/batches/order.py  # microserve/openai/tool_parsers.py's PARSERS
 
 
 def _setting(default, help: str, *, file: str | None = "router", up: bool = False,
@@ -71,6 +72,10 @@ class RouterSettings:
     batch_lines_per_engine: int = _setting(
         8, "batch lines one engine runs at once while no live request is in flight; each live "
            "request in flight takes one of these slots away", up=True)
+    batch_order: str = _setting(
+        "blend", "the order a batch's lines run in: blend (BlendServe's resource-aware prefix "
+                 "tree), dfs (the prefix tree's depth-first order) or file (as written; "
+                 "for comparisons)", up=True, choices=BATCH_ORDERS)
     tool_call_parser: str = _setting(
         "hermes", "how tool calls look in the model's text (as vLLM's option): hermes "
                   "(<tool_call> blocks; also how tools are written into the prompt when the "
@@ -88,6 +93,9 @@ class RouterSettings:
         if not 1 <= self.batch_lines_per_engine <= 4096:
             raise ValueError(f"batch_lines_per_engine {self.batch_lines_per_engine} must be in "
                              "[1, 4096]")
+        if self.batch_order not in BATCH_ORDERS:
+            raise ValueError(f"batch_order {self.batch_order!r} is not one of "
+                             f"{', '.join(BATCH_ORDERS)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of "
                              f"{', '.join(TOOL_CALL_PARSERS)}")

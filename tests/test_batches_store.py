@@ -208,3 +208,26 @@ async def test_without_a_data_dir_the_api_says_how_to_turn_it_on():
             r = await c.request(method, path)
             assert r.status_code == 501
             assert "--data-dir" in r.json()["error"]["message"]
+
+
+# -- where the data directory comes from ----------------------------------------------------
+
+
+def test_the_data_dir_comes_from_the_file_the_command_line_or_ups_default(tmp_path,
+                                                                         monkeypatch):
+    from launcher.cli import parser
+    from launcher.deployment import load_deployment
+    from launcher.options import router_settings
+    from launcher.up import default_data_dir
+
+    config = tmp_path / "deploy.toml"
+    config.write_text('[[engines]]\nname = "e"\n[router]\ndata_dir = "/srv/batches"\n')
+    assert load_deployment(config).router.data_dir == "/srv/batches"
+    args = parser().parse_args(["up", str(config), "--data-dir", "/elsewhere"])
+    assert load_deployment(config, data_dir=args.data_dir).router.data_dir == "/elsewhere"
+    args = parser().parse_args(["router", "--engine", "e=http://h:1", "--data-dir", "/d",
+                                "--batch-lines-per-engine", "3"])
+    assert (router_settings(args).data_dir, router_settings(args).batch_lines_per_engine) == (
+        "/d", 3)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert default_data_dir(8000) == tmp_path / "microserve" / "router-8000"

@@ -199,10 +199,11 @@ def shared_tokens(prompts: Sequence[Sequence[int]], order: Sequence[int], window
     return saved
 
 
-def sharing_ratio(prompts: Sequence[Sequence[int]], ordering: Ordering, window: int = 4
-                  ) -> float:
-    """The prefix sharing of `ordering.order` against the DFS optimum (1.0 when nothing can be
-    shared), with a cache of `window` prompts (see `shared_tokens`)."""
+def sharing_ratio(prompts: Sequence[Sequence[int]], ordering: Ordering,
+                  order: Sequence[int] | None = None, window: int = 4) -> float:
+    """The prefix sharing of `order` (default: `ordering.order`) against the DFS optimum (1.0
+    when nothing can be shared), with a cache of `window` prompts (see `shared_tokens`)."""
     if ordering.shareable_tokens == 0:
         return 1.0
-    return shared_tokens(prompts, ordering.order, window) / ordering.shareable_tokens
+    order = ordering.order if order is None else order
+    return shared_tokens(prompts, order, window) / ordering.shareable_tokens

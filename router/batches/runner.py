@@ -41,9 +41,10 @@ RETRIES = 4  # a 5xx (an engine restarting, overloaded) is tried again this ofte
 
 class BatchRunner:
     def __init__(self, store: Store, app: Callable, tokenizer: Tokenizer, registry: Registry,
-                 admission: Admission, api_key: str | None):
-        """`app`: returns the router's ASGI app (built once, on first use)."""
-        self.store, self._app, self.tokenizer = store, app, tokenizer
+                 admission: Admission, api_key: str | None, order: str = "blend"):
+        """`app`: returns the router's ASGI app (built once, on first use); `order`: blend,
+        dfs or file (router/settings.py's batch_order)."""
+        self.store, self._app, self.tokenizer, self.order = store, app, tokenizer, order
         self.admission, self.api_key = admission, api_key
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None  # set by start()
@@ -122,9 +123,12 @@ class BatchRunner:
                 "code": "file_not_found", "line": None, "param": "input_file_id",
                 "message": f"input file {batch['input_file_id']} was deleted"}]})
             return False
-        lines, ordering = await asyncio.to_thread(self._parse_and_order, data, batch["endpoint"])
+        lines, prompts, ordering = await asyncio.to_thread(self._parse_and_order, data,
+                                                           batch["endpoint"])
         good = [line for line in lines if line.body is not None]
-        position = {good[k].idx: p for p, k in enumerate(ordering.order)}
+        order = {"blend": ordering.order, "dfs": ordering.dfs,
+                 "file": list(range(len(good)))}[self.order]
+        position = {good[k].idx: p for p, k in enumerate(order)}
         rows = []
         for line in lines:
             if line.body is None:
@@ -133,10 +137,11 @@ class BatchRunner:
             else:
                 rows.append((line.idx, position[line.idx], line.custom_id, "pending", line.body,
                              None))
-        prompts = [self._prompt_ids(batch["endpoint"], line.body) for line in good]
-        batch["ordering"] = {"lines": len(good), "dfs_shareable_tokens":
-                             ordering.shareable_tokens,
-                             "prefix_sharing_vs_dfs": round(sharing_ratio(prompts, ordering), 4)}
+        sharing = await asyncio.to_thread(sharing_ratio, prompts, ordering, order)
+        batch["ordering"] = {
+            "order": self.order, "lines": len(good),
+            "dfs_shareable_tokens": ordering.shareable_tokens,
+            "prefix_sharing_vs_dfs": round(sharing, 4)}
         batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
         self.store.add_lines(batch, rows)
         for line in lines:
@@ -144,11 +149,15 @@ class BatchRunner:
                 self._lines.inc(batch=batch["id"], outcome="failed")
         return True
 
-    def _parse_and_order(self, data: bytes, endpoint: str) -> tuple[list[ParsedLine], Ordering]:
+    def _parse_and_order(self, data: bytes, endpoint: str
+                         ) -> tuple[list[ParsedLine], list[list[int]], Ordering]:
+        """The file's lines, the good ones' prompts (token ids) and their order (in a worker
+        thread: tokenizing 50,000 prompts takes seconds)."""
         lines = parse_lines(data, endpoint)
         good = [line for line in lines if line.body is not None]
         prompts = [self._prompt_ids(endpoint, line.body) for line in good]
-        return lines, blend_order(prompts, [expected_output_tokens(line.body) for line in good])
+        outputs = [expected_output_tokens(line.body) for line in good]
+        return lines, prompts, blend_order(prompts, outputs)
 
     def _prompt_ids(self, endpoint: str, body: dict) -> list[int]:
         """The line's prompt as the ordering sees it; a prompt the API will refuse orders as
