@@ -38,16 +38,15 @@ def batch_options(p: argparse.ArgumentParser) -> None:
                    help="where the error lines go (default: FILE with .errors.jsonl)")
 
 
-def _endpoint(path: Path) -> str:
-    with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                try:
-                    return json.loads(raw)["url"]
-                except (ValueError, KeyError, TypeError):
-                    raise ValueError(f"{path}: its first line has no \"url\" to take the "
-                                     "batch's endpoint from") from None
-    raise ValueError(f"{path} has no lines")
+def _endpoint(name: str, data: bytes) -> str:
+    for raw in data.splitlines():
+        if raw.strip():
+            try:
+                return json.loads(raw)["url"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{name}: its first line has no \"url\" to take the batch's "
+                                 "endpoint from") from None
+    raise ValueError(f"{name} has no lines")
 
 
 def _fail(answer: httpx.Response, what: str) -> None:
@@ -68,53 +67,84 @@ def _progress(batch: dict, started: float) -> str:
             f"{batch['status']} {time.monotonic() - started:.0f}s")
 
 
+def client(base_url: str, api_key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=base_url.rstrip("/"), headers=headers,
+                        timeout=httpx.Timeout(30, write=600))
+
+
+def submit(http: httpx.Client, name: str, data: bytes) -> dict:
+    """Upload a batch input file and start its batch; returns the batch object."""
+    endpoint = _endpoint(name, data)
+    answer = http.post("/files", files={"file": (name, data)}, data={"purpose": "batch"})
+    _fail(answer, f"uploading {name}")
+    answer = http.post("/batches", json={"input_file_id": answer.json()["id"],
+                                         "endpoint": endpoint, "completion_window": "24h"})
+    _fail(answer, "creating the batch")
+    return answer.json()
+
+
+def follow(http: httpx.Client, batch: dict, on_progress=None) -> dict:
+    """Poll until the batch ends (Ctrl-C cancels it, then waits for that); returns it."""
+    try:
+        while batch["status"] not in FINAL:
+            time.sleep(POLL_S)
+            answer = http.get(f"/batches/{batch['id']}")
+            _fail(answer, "following the batch")
+            batch = answer.json()
+            if on_progress is not None:
+                on_progress(batch)
+    except KeyboardInterrupt:
+        print("\nmicroserve: cancelling (what finished is kept)", file=sys.stderr)
+        http.post(f"/batches/{batch['id']}/cancel")
+        while batch["status"] not in FINAL:
+            time.sleep(POLL_S)
+            batch = http.get(f"/batches/{batch['id']}").json()
+    return batch
+
+
+def download(http: httpx.Client, batch: dict, output: Path, errors: Path) -> list[Path]:
+    """Write the batch's output and error files (those it has); returns where."""
+    written = []
+    for key, path in (("output_file_id", output), ("error_file_id", errors)):
+        if batch.get(key):
+            answer = http.get(f"/files/{batch[key]}/content")
+            _fail(answer, f"downloading {batch[key]}")
+            path.write_bytes(answer.content)
+            written.append(path)
+    return written
+
+
+def summary(batch: dict) -> str:
+    counts = batch["request_counts"]
+    return (f"batch {batch['status']}: {counts['completed']} completed, {counts['failed']} "
+            f"failed of {counts['total']}")
+
+
 def run_batch(args: argparse.Namespace) -> int:
     """Submit, follow, download; returns the exit code (0: completed)."""
-    endpoint = _endpoint(args.file)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     tty = sys.stderr.isatty()
-    with httpx.Client(base_url=args.base_url.rstrip("/"), headers=headers,
-                      timeout=httpx.Timeout(30, write=600)) as http:
-        with open(args.file, "rb") as f:
-            answer = http.post("/files", files={"file": (args.file.name, f)},
-                               data={"purpose": "batch"})
-        _fail(answer, f"uploading {args.file}")
-        file_id = answer.json()["id"]
-        answer = http.post("/batches", json={"input_file_id": file_id, "endpoint": endpoint,
-                                             "completion_window": "24h"})
-        _fail(answer, "creating the batch")
-        batch, started, shown = answer.json(), time.monotonic(), ""
-        print(f"microserve: batch {batch['id']} of {args.file} ({endpoint})", file=sys.stderr)
-        try:
-            while batch["status"] not in FINAL:
-                time.sleep(POLL_S)
-                answer = http.get(f"/batches/{batch['id']}")
-                _fail(answer, "following the batch")
-                batch = answer.json()
-                line = _progress(batch, started)
-                # On a terminal the bar redraws in place; in a log, a line when counts change.
-                if tty or line.rsplit(" ", 1)[0] != shown.rsplit(" ", 1)[0]:
-                    print(("\r" if tty else "") + line, end="" if tty else "\n",
-                          file=sys.stderr, flush=True)
-                    shown = line
-        except KeyboardInterrupt:
-            print("\nmicroserve: cancelling (what finished is kept)", file=sys.stderr)
-            http.post(f"/batches/{batch['id']}/cancel")
-            while batch["status"] not in FINAL:
-                time.sleep(POLL_S)
-                batch = http.get(f"/batches/{batch['id']}").json()
+    shown = ""
+
+    def show(batch: dict) -> None:
+        nonlocal shown
+        line = _progress(batch, started)
+        # On a terminal the bar redraws in place; in a log, a line when counts change.
+        if tty or line.rsplit(" ", 1)[0] != shown.rsplit(" ", 1)[0]:
+            print(("\r" if tty else "") + line, end="" if tty else "\n", file=sys.stderr,
+                  flush=True)
+            shown = line
+
+    with client(args.base_url, args.api_key) as http:
+        batch, started = submit(http, args.file.name, args.file.read_bytes()), time.monotonic()
+        print(f"microserve: batch {batch['id']} of {args.file} ({batch['endpoint']})",
+              file=sys.stderr)
+        batch = follow(http, batch, show)
         if tty:
             print(file=sys.stderr)
-        for key, path in (("output_file_id", args.output or args.file.with_suffix(
-                ".output.jsonl")), ("error_file_id", args.errors or args.file.with_suffix(
-                    ".errors.jsonl"))):
-            if batch.get(key):
-                answer = http.get(f"/files/{batch[key]}/content")
-                _fail(answer, f"downloading {batch[key]}")
-                path.write_bytes(answer.content)
-                print(f"microserve: {key.split('_')[0]} lines in {path}", file=sys.stderr)
-    counts = batch["request_counts"]
-    print(f"microserve: batch {batch['status']}: {counts['completed']} completed, "
-          f"{counts['failed']} failed of {counts['total']} in "
-          f"{time.monotonic() - started:.1f} s", file=sys.stderr)
+        for path in download(http, batch, args.output or args.file.with_suffix(".output.jsonl"),
+                             args.errors or args.file.with_suffix(".errors.jsonl")):
+            print(f"microserve: lines in {path}", file=sys.stderr)
+    print(f"microserve: {summary(batch)} in {time.monotonic() - started:.1f} s",
+          file=sys.stderr)
     return 0 if batch["status"] == "completed" else 1

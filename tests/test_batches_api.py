@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import pty
+import select
 import signal
 import sqlite3
 import subprocess
@@ -162,6 +165,63 @@ def test_the_cli_runs_a_file_and_writes_its_output(router, tmp_path):
     assert out[2]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
     errors = (tmp_path / "in.errors.jsonl").read_text().splitlines()
     assert [json.loads(x)["error"]["code"] for x in errors] == ["invalid_json"]
+
+
+class Terminal:
+    """A command in a pseudo-terminal: what it prints, read up to a marker."""
+
+    def __init__(self, argv: list[str]):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the command, on the terminal
+            os.execv(sys.executable, [sys.executable, *argv])
+        self.pending = b""
+
+    def read_until(self, marker: str, timeout_s: float = 60) -> str:
+        deadline = time.monotonic() + timeout_s
+        while marker.encode() not in self.pending:
+            ready, _, _ = select.select([self.fd], [], [], max(0, deadline - time.monotonic()))
+            if not ready:
+                pytest.fail(f"no {marker!r} within {timeout_s} s; got {self.pending!r}")
+            self.pending += os.read(self.fd, 4096)
+        text, _, self.pending = self.pending.partition(marker.encode())
+        return text.decode()
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode() + b"\n")
+        self.read_until(text + "\r\n")  # the terminal's echo
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        return os.waitstatus_to_exitcode(status)
+
+
+def test_chat_streams_keeps_history_and_runs_a_batch_in_the_background(router, tmp_path):
+    c = client(router)
+    (tmp_path / "qs.txt").write_text("<5> <6>\n<7> <8>\n<9> <10>\n")
+    term = Terminal(["-m", "launcher.cli", "chat", "--base-url", router.url + "/v1",
+                     "--api-key", KEY, "--max-tokens", "6"])
+    term.read_until("\n> ")
+    term.type("<3> <4>")
+    first = term.read_until("\r\n> ")
+    messages = [{"role": "user", "content": "<3> <4>"}]
+    direct = c.chat.completions.create(model="test-model", messages=messages, max_tokens=6,
+                                       temperature=0).choices[0].message.content
+    assert first == direct
+    term.type(f"/batch {tmp_path / 'qs.txt'}")
+    assert "started (3 lines from" in term.read_until("\r\n> ")
+    term.type("<11>")  # answered while the batch runs, with the history before it
+    second = term.read_until("\r\n")
+    messages += [{"role": "assistant", "content": direct}, {"role": "user", "content": "<11>"}]
+    assert second == c.chat.completions.create(model="test-model", messages=messages,
+                                               max_tokens=6, temperature=0
+                                               ).choices[0].message.content
+    done = term.read_until("> ", timeout_s=60) + term.read_until("> ")
+    assert "batch completed: 3 completed, 0 failed of 3" in done, done
+    term.type("/quit")
+    assert term.wait() == 0
+    out = [json.loads(x) for x in (tmp_path / "qs.output.jsonl").read_text().splitlines()]
+    assert [row["custom_id"] for row in out] == ["qs-0", "qs-1", "qs-2"]
 
 
 def test_cancel_stops_dispatching_and_keeps_what_finished(router, engine):
