@@ -231,3 +231,73 @@ def test_the_data_dir_comes_from_the_file_the_command_line_or_ups_default(tmp_pa
         "/d", 3)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     assert default_data_dir(8000) == tmp_path / "microserve" / "router-8000"
+
+
+# -- admission: live requests take batch slots ---------------------------------------------------
+
+
+async def test_each_live_request_in_flight_takes_a_batch_slot():
+    import asyncio
+
+    from router.batches.admission import Admission, LiveRequests
+
+    admission = Admission(per_engine=3, engines=lambda: 2)
+    release = asyncio.Event()
+    app = FastAPI()
+
+    async def slow():
+        await release.wait()
+        return {}
+
+    app.add_api_route("/v1/completions", slow, methods=["POST"])
+    app.add_middleware(LiveRequests, admission=admission)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://t") as c:
+        assert admission.cap() == 6 and admission.may_start(5) and not admission.may_start(6)
+        live = [asyncio.create_task(c.post("/v1/completions")) for _ in range(2)]
+        line = asyncio.create_task(c.post("/v1/completions",
+                                          headers={Admission.HEADER: admission.secret}))
+        forged = asyncio.create_task(c.post("/v1/completions",
+                                            headers={Admission.HEADER: "guess"}))
+        for _ in range(500):
+            if admission.live == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert admission.cap() == 3  # two live requests and a forged batch header
+        release.set()
+        await asyncio.gather(*live, line, forged)
+        assert (admission.live, admission.cap()) == (0, 6)
+    crowded = Admission(per_engine=1, engines=lambda: 1)
+    crowded.live = 10
+    assert crowded.cap() == 1  # a batch always moves
+    with pytest.raises(ValueError, match="batch_lines_per_engine 0 must be at least 1"):
+        Admission(0, lambda: 1)
+
+
+# -- a subtree's engine: data_parallel's prefix policy ------------------------------------------
+
+
+def test_the_prefix_policy_sends_a_prefix_to_the_engine_holding_it_unless_it_is_crowded():
+    from types import SimpleNamespace
+
+    from test_router_units import make_pool
+
+    from router.prefix_index import PrefixIndex
+    from strategies.data_parallel import DataParallel
+
+    pool = make_pool(("e1", "any"), ("e2", "any"))
+    pool.prefix_index = PrefixIndex(page_size=4)
+    template = [5, 6, 7, 8, 9, 10, 11, 12]
+    pool.prefix_index.insert(template, "e2")
+    strategy = DataParallel("prefix", imbalance=2)
+    request = SimpleNamespace(prompt=template + [40])
+    assert strategy._holder(request, pool).name == "e2"
+    pool["e2"].open_generations = 2  # within the imbalance: still the holder
+    assert strategy._holder(request, pool).name == "e2"
+    pool["e2"].open_generations = 3  # crowded: the least loaded takes it
+    assert strategy._holder(request, pool).name == "e1"
+    pool["e2"].open_generations = 0
+    pool["e1"].open_generations = 1
+    assert strategy._holder(SimpleNamespace(prompt=[99, 98, 97, 96]), pool).name == "e2"
+    assert strategy.describe() == {"policy": "prefix", "imbalance": 2}
+    assert DataParallel().describe() == {"policy": "round_robin"}
