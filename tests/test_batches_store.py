@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from microserve.errors import install_error_handlers
 from router.batches.api import MAX_LINES, BatchAPI, add_batch_routes
@@ -301,3 +303,69 @@ def test_the_prefix_policy_sends_a_prefix_to_the_engine_holding_it_unless_it_is_
     assert strategy._holder(SimpleNamespace(prompt=[99, 98, 97, 96]), pool).name == "e2"
     assert strategy.describe() == {"policy": "prefix", "imbalance": 2}
     assert DataParallel().describe() == {"policy": "round_robin"}
+
+
+# -- the runner over a stand-in app: resume, retry, expiry ---------------------------------------
+
+
+def _runner_with(tmp_path, calls: list):
+    from microserve.metrics import Registry
+    from router.batches.admission import Admission
+    from router.batches.runner import BatchRunner
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    async def completions(raw: dict):
+        calls.append(raw["prompt"])
+        if raw["prompt"] == [666] and calls.count([666]) == 1:
+            return JSONResponse({"error": {"message": "busy"}}, status_code=503)
+        return {"id": f"cmpl-{len(calls)}", "choices": [{"text": str(raw["prompt"])}]}
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    store = Store(tmp_path)
+    return store, BatchRunner(store, lambda: app, None, Registry(), Admission(2, lambda: 1),
+                              None)
+
+
+def _batch(store: Store, prompts: list[list[int]], expires_in: float = 3600) -> dict:
+    data = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": p, "max_tokens": 4}}) + "\n"
+                   for i, p in enumerate(prompts)).encode()
+    made = store.add_file("", "in.jsonl", "batch", data)
+    batch = {"id": "batch-t", "endpoint": "/v1/completions", "input_file_id": made["id"],
+             "status": "validating", "expires_at": time.time() + expires_in}
+    store.add_batch("", batch)
+    return batch
+
+
+async def test_the_runner_resumes_only_pending_lines_and_retries_a_5xx(tmp_path):
+    calls = []
+    store, runner = _runner_with(tmp_path, calls)
+    prompts = [[1, 2], [666], [1, 3]]
+    batch = _batch(store, prompts)
+    await runner._validate(batch)
+    first = store.pending("batch-t")[0]  # as if a router had finished one line and died
+    store.finish_line("batch-t", first.idx, True, {"custom_id": first.custom_id})
+    await runner._run(store.batch(None, "batch-t"))
+    done = store.batch(None, "batch-t")
+    assert done["status"] == "completed" and done["ordering"]["order"] == "blend"
+    assert first.idx == 0  # the blend order here: [0, 1, 2] (one density: DFS, then [666])
+    assert sorted(calls) == [[1, 3], [666], [666]]  # a 503 retried; line 0 never ran again
+    out = [json.loads(x) for x in store.file_path(done["output_file_id"]).read_text().splitlines()]
+    assert [row["custom_id"] for row in out] == ["c0", "c1", "c2"]
+    assert out[1]["response"]["status_code"] == 200  # after one 503
+    store.close()
+
+
+async def test_an_expired_batch_reports_its_unrun_lines(tmp_path):
+    calls = []
+    store, runner = _runner_with(tmp_path, calls)
+    await runner._run(_batch(store, [[1], [2]], expires_in=-1))
+    done = store.batch(None, "batch-t")
+    assert done["status"] == "expired" and calls == [] and done.get("output_file_id") is None
+    errors = [json.loads(x) for x in
+              store.file_path(done["error_file_id"]).read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("c0", "batch_expired"),
+                                                                      ("c1", "batch_expired")]
+    store.close()
