@@ -369,3 +369,10 @@ async def test_an_expired_batch_reports_its_unrun_lines(tmp_path):
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("c0", "batch_expired"),
                                                                       ("c1", "batch_expired")]
     store.close()
+
+
+def test_a_chain_of_turns_thousands_deep_orders_without_recursion():
+    turns = [list(range(k)) for k in range(1, 3001)]  # each prompt extends the one before
+    ordering = blend_order(turns, [8] * 3000)
+    assert sorted(ordering.order) == sorted(ordering.dfs) == list(range(3000))
+    assert ordering.dfs[:3] == [0, 1, 2]  # short turns are dense: the chain's top first

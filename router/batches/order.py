@@ -59,8 +59,8 @@ class _Node:
     depth: int  # tokens from the root to here
     items: list[int] = field(default_factory=list)  # requests whose prompt ends here
     children: list[_Node] = field(default_factory=list)
-    cost: Cost = Cost(0, 0)  # of everything below `depth`, set by _cost()
-    count: int = 0  # requests in the subtree, set by _count()
+    cost: Cost = Cost(0, 0)  # of everything below `depth`, set by _annotate()
+    count: int = 0  # requests in the subtree, set by _annotate()
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -96,48 +96,65 @@ def build_tree(prompts: Sequence[Sequence[int]]) -> _Node:
     return root
 
 
-def _cost(node: _Node, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> Cost:
-    cost = Cost(0, 0)
-    for i in node.items:
-        cost += Cost(output_lens[i], request_memory(prompt_lens[i], output_lens[i]))
-    for child in node.children:
-        cost += Cost(child.depth - node.depth, 0) + _cost(child, prompt_lens, output_lens)
-    node.cost = cost
-    return cost
+def _preorder(root: _Node) -> list[_Node]:
+    """Every node, parents before children (iterative: a long chain of turns is a deep tree)."""
+    nodes, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children)
+    return nodes
 
 
-def _sorted_leaves(node: _Node, output_lens: Sequence[int], prompt_lens: Sequence[int],
-                   out: list[int]) -> None:
+def _annotate(nodes: list[_Node], prompt_lens: Sequence[int], output_lens: Sequence[int]
+              ) -> None:
+    """Each node's `cost` and `count`, children first."""
+    for node in reversed(nodes):
+        cost = Cost(0, 0)
+        for i in node.items:
+            cost += Cost(output_lens[i], request_memory(prompt_lens[i], output_lens[i]))
+        for child in node.children:
+            cost += Cost(child.depth - node.depth, 0) + child.cost
+        node.cost = cost
+        node.count = len(node.items) + sum(child.count for child in node.children)
+
+
+def _sorted_leaves(root: _Node, prompt_lens: Sequence[int], output_lens: Sequence[int]
+                   ) -> list[int]:
     """DFS of the tree with every node's requests and subtrees sorted by density, highest
     first (ties keep the prompts' sorted order)."""
-    units: list[tuple[float, int, object]] = []
-    for k, i in enumerate(node.items):
-        units.append((Cost(output_lens[i], request_memory(prompt_lens[i],
-                                                          output_lens[i])).density, k, i))
-    for k, child in enumerate(node.children, start=len(node.items)):
-        density = (Cost(child.depth - node.depth, 0) + child.cost).density
-        units.append((density, k, child))
-    for _, _, unit in sorted(units, key=lambda u: (-u[0], u[1])):
-        if isinstance(unit, _Node):
-            _sorted_leaves(unit, output_lens, prompt_lens, out)
-        else:
-            out.append(unit)
+    out: list[int] = []
+    stack: list[_Node | int] = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, int):
+            out.append(node)
+            continue
+        units: list[tuple[float, int, _Node | int]] = []
+        for k, i in enumerate(node.items):
+            density = Cost(output_lens[i], request_memory(prompt_lens[i],
+                                                          output_lens[i])).density
+            units.append((density, k, i))
+        for k, child in enumerate(node.children, start=len(node.items)):
+            density = (Cost(child.depth - node.depth, 0) + child.cost).density
+            units.append((density, k, child))
+        units.sort(key=lambda u: (-u[0], u[1]))
+        stack.extend(unit for _, _, unit in reversed(units))
+    return out
 
 
-def _count(node: _Node) -> int:
-    node.count = len(node.items) + sum(_count(child) for child in node.children)
-    return node.count
-
-
-def _shared_compute(node: _Node, inherited: float, output_lens: Sequence[int],
-                    out: dict[int, float]) -> None:
+def _shared_compute(root: _Node, output_lens: Sequence[int]) -> dict[int, float]:
     """Each request's compute with every prefix's tokens split evenly among the requests
     under it: what the request costs in a DFS order, whichever of its siblings runs first."""
-    for i in node.items:
-        out[i] = inherited + output_lens[i]
-    for child in node.children:
-        _shared_compute(child, inherited + (child.depth - node.depth) / child.count,
-                        output_lens, out)
+    out: dict[int, float] = {}
+    stack = [(root, 0.0)]
+    while stack:
+        node, inherited = stack.pop()
+        for i in node.items:
+            out[i] = inherited + output_lens[i]
+        for child in node.children:
+            stack.append((child, inherited + (child.depth - node.depth) / child.count))
+    return out
 
 
 @dataclass(frozen=True)
@@ -153,12 +170,10 @@ def blend_order(prompts: Sequence[Sequence[int]], output_lens: Sequence[int]) ->
         raise ValueError(f"{len(prompts)} prompts but {len(output_lens)} output lengths")
     prompt_lens = [len(p) for p in prompts]
     root = build_tree(prompts)
-    total = _cost(root, prompt_lens, output_lens)
-    dfs: list[int] = []
-    _sorted_leaves(root, output_lens, prompt_lens, dfs)
-    _count(root)
-    compute: dict[int, float] = {}
-    _shared_compute(root, 0.0, output_lens, compute)
+    _annotate(_preorder(root), prompt_lens, output_lens)
+    total = root.cost
+    dfs = _sorted_leaves(root, prompt_lens, output_lens)
+    compute = _shared_compute(root, output_lens)
     memory = [request_memory(p, o) for p, o in zip(prompt_lens, output_lens)]
     density = [compute[i] / memory[i] if memory[i] else float("inf")
                for i in range(len(prompts))]
