@@ -21,22 +21,25 @@ import json
 import random
 
 
-def _ids(rng: random.Random, vocab: int, lo: int, hi: int) -> list[int]:
-    return [rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))]
-
-
-def workload(lines: int, templates: int, vocab: int, seed: int) -> list[dict]:
+def workload(lines: int, templates: int, vocab: int, seed: int, scale: int = 1) -> list[dict]:
+    """`scale`: every length divided by it (16 makes a file a CPU runs in minutes)."""
     rng = random.Random(seed)
-    shots = [_ids(rng, vocab, 512, 2048) for _ in range(templates)]
+
+    def ids(lo: int, hi: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(rng.randint(lo // scale, hi // scale))]
+
+    def length(lo: int, hi: int) -> int:
+        return max(1, rng.randint(lo // scale, hi // scale))
+
+    shots = [ids(512, 2048) for _ in range(templates)]
     requests = []
     for _ in range(lines // 2):
-        prompt = rng.choice(shots) + _ids(rng, vocab, 32, 256)
-        requests.append((prompt, rng.randint(16, 64)))
+        requests.append((rng.choice(shots) + ids(32, 256), length(16, 64)))
     while len(requests) < lines:
-        history = _ids(rng, vocab, 64, 256)
+        history = ids(64, 256)
         for _ in range(min(rng.randint(2, 6), lines - len(requests))):
-            history = history + _ids(rng, vocab, 64, 256)
-            requests.append((history, rng.randint(256, 1024)))
+            history = history + ids(64, 256)
+            requests.append((history, length(256, 1024)))
     rng.shuffle(requests)
     return [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
              "body": {"prompt": prompt, "max_tokens": out, "temperature": 0,
@@ -50,10 +53,11 @@ def main() -> None:
     ap.add_argument("--templates", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32_000, help="token ids drawn below this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=int, default=1, help="divide every length by this")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     with open(args.out, "w") as f:
-        for line in workload(args.lines, args.templates, args.vocab, args.seed):
+        for line in workload(args.lines, args.templates, args.vocab, args.seed, args.scale):
             f.write(json.dumps(line) + "\n")
 
 
