@@ -94,7 +94,8 @@ class Router:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
         self.backend = RouterBackend(self.pool, self.host, config.served_model_name,
                                      self.registry, max_retries=config.max_retries)
-        self.admission = Admission(config.batch_lines_per_engine, lambda: len(self.pool))
+        self.admission = Admission(config.batch_lines_per_engine,
+                                   lambda: len(self.pool.routable()))
         self.batches: BatchRunner | None = None  # with a data dir; its task runs from start()
         if config.data_dir is not None:
             self.batches = BatchRunner(Store(config.data_dir), self.app, self.tokenizer,

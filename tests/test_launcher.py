@@ -140,6 +140,7 @@ class MakeServe(Up):
         self.log_path = log_path
         self.env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_ADMIN_TOKEN"}
         self.env["XDG_RUNTIME_DIR"] = str(run_dir)
+        self.env["XDG_DATA_HOME"] = str(run_dir / "data")  # its batch data, not in $HOME
         self.token_file = run_dir / "microserve" / f"admin-token-{port}"
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(make_serve_argv(port), cwd=ROOT, stdout=log,

@@ -59,7 +59,8 @@ class LineRow:
 class Store:
     def __init__(self, data_dir: str | Path):
         self.root = Path(data_dir)
-        (self.root / "files").mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # users' prompts and answers
+        (self.root / "files").mkdir(mode=0o700, exist_ok=True)
         # One router per data directory: two would run the same batches twice. The lock goes
         # with the process, however it ends.
         self._lock = open(self.root / "lock", "w")
@@ -70,7 +71,9 @@ class Store:
             raise RuntimeError(f"data directory {self.root} is in use by another router")
         self.db = sqlite3.connect(self.root / "batches.sqlite3", isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable at checkpoints, never torn
+        # FULL: a commit is on disk when it returns, power loss included (NORMAL could lose the
+        # last commits, and their lines would run again).
+        self.db.execute("PRAGMA synchronous=FULL")
         self._migrate()
 
     def _migrate(self) -> None:
