@@ -126,8 +126,8 @@ def test_round_trip_matches_direct_requests_and_bad_lines_go_to_the_error_file(r
     assert refused["status_code"] == 400 and "maximum context length is 256" in \
         refused["body"]["error"]["message"]
     metrics = httpx.get(router.url + "/metrics").text
-    assert f'microserve_batch_lines_total{{batch="{batch.id}",outcome="completed"}} 10.0' in metrics
-    assert f'microserve_batch_lines_total{{batch="{batch.id}",outcome="failed"}} 3.0' in metrics
+    for state, count in (("pending", 0), ("completed", 10), ("failed", 3)):
+        assert f'microserve_batch_lines{{batch="{batch.id}",state="{state}"}} {count}.0' in metrics
     listed = c.batches.list(limit=1)
     assert [b.id for b in listed.data] == [batch.id]
     assert c.files.delete(made.id).deleted

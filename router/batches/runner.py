@@ -49,9 +49,10 @@ class BatchRunner:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None  # set by start()
         self._cancelled: set[str] = set()  # batch ids to stop dispatching; written by cancel()
-        self._lines = registry.counter("microserve_batch_lines_total",
-                                       "Batch lines finished, by batch and outcome.",
-                                       ["batch", "outcome"])
+        self._lines = registry.gauge("microserve_batch_lines",
+                                     "Lines of the batches this router ran since it started, "
+                                     "by state as persisted (pending, completed, failed).",
+                                     ["batch", "state"])
         self._in_flight = registry.gauge("microserve_batch_lines_running",
                                          "Batch lines running now.")
 
@@ -101,6 +102,7 @@ class BatchRunner:
                 return
             if not await self._validate(batch):
                 return
+        self._show(batch_id)
         if batch["status"] == "in_progress":
             await self._dispatch(batch)
         if batch_id in self._cancelled:
@@ -144,9 +146,6 @@ class BatchRunner:
             "prefix_sharing_vs_dfs": round(sharing, 4)}
         batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
         self.store.add_lines(batch, rows)
-        for line in lines:
-            if line.body is None:
-                self._lines.inc(batch=batch["id"], outcome="failed")
         return True
 
     def _parse_and_order(self, data: bytes, endpoint: str
@@ -225,9 +224,16 @@ class BatchRunner:
         ok = answer.status_code == 200
         self.store.finish_line(batch["id"], row.idx, ok,
                                output_line(row.custom_id, answer.status_code, body))
-        self._lines.inc(batch=batch["id"], outcome="completed" if ok else "failed")
+        self._lines.dec(batch=batch["id"], state="pending")
+        self._lines.inc(batch=batch["id"], state="completed" if ok else "failed")
 
     # -- state ----------------------------------------------------------------------------------
+
+    def _show(self, batch_id: str) -> None:
+        """The batch's line gauges from its rows (lines then move one at a time in _line)."""
+        counts = self.store.counts(batch_id)
+        for state, name in (("pending", "pending"), ("done", "completed"), ("failed", "failed")):
+            self._lines.set(counts[state], batch=batch_id, state=name)
 
     def _set(self, batch: dict, status: str, **fields) -> None:
         batch.update(status=status, **{f"{status}_at": int(time.time())}, **fields)
@@ -237,10 +243,11 @@ class BatchRunner:
         """Write the output and error files, then move to `status` (one update: a restart
         before it finalizes again)."""
         if status == "expired":
-            for row in self.store.pending(batch["id"]):
-                self.store.finish_line(batch["id"], row.idx, False, output_line(
-                    row.custom_id, None, None, {"code": "batch_expired", "message":
-                                                "the batch expired before this line ran"}))
+            expired = {"code": "batch_expired",
+                       "message": "the batch expired before this line ran"}
+            self.store.fail_pending(batch["id"], lambda row: output_line(row.custom_id, None,
+                                                                         None, expired))
+            self._show(batch["id"])
         owner = self.store.owner_of(batch["id"])
         for state, key, name in (("done", "output_file_id", "output"),
                                  ("failed", "error_file_id", "errors")):

@@ -203,6 +203,15 @@ class Store:
                                  idx)).rowcount
         assert moved == 1, f"line {idx} of {batch_id} was not pending"
 
+    def fail_pending(self, batch_id: str, result) -> None:
+        """Every pending line failed, its result `result(row)`, in one transaction."""
+        rows = self.pending(batch_id)
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("UPDATE lines SET state = 'failed', result = ? "
+                                "WHERE batch_id = ? AND idx = ? AND state = 'pending'",
+                                [(json.dumps(result(row)), batch_id, row.idx) for row in rows])
+
     def counts(self, batch_id: str) -> dict[str, int]:
         rows = self.db.execute("SELECT state, COUNT(*) FROM lines WHERE batch_id = ? "
                                "GROUP BY state", (batch_id,))
