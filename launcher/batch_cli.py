@@ -3,18 +3,27 @@ show its progress, and write its output (and error) lines when it ends.
 
     microserve batch run prompts.jsonl --output results.jsonl
     microserve batch run prompts.jsonl --base-url http://10.0.0.5:8000/v1 --api-key KEY
+    microserve batch run prompts.jsonl --up deploy/local-cpu.toml   # a deployment of its own
 
 The endpoint is the `url` of the file's first line. Ctrl-C cancels the batch (what finished is
-still written). Plain httpx against the router's OpenAI API; no torch.
+still written). With --up, the batch runs on a deployment of its own: `microserve up CONFIG`
+on a free port and a temporary data directory, stopped when the batch ends. Plain httpx
+against the router's OpenAI API; no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,6 +41,9 @@ def batch_options(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_BASE_URL})")
     p.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"),
                    help="the router's --api-key (default: $MICROSERVE_API_KEY)")
+    p.add_argument("--up", default=None, metavar="CONFIG",
+                   help="start `microserve up CONFIG` for this batch alone (free port, "
+                        "temporary data directory) instead of using --base-url")
     p.add_argument("--output", type=Path, default=None,
                    help="where the output lines go (default: FILE with .output.jsonl)")
     p.add_argument("--errors", type=Path, default=None,
@@ -121,8 +133,42 @@ def summary(batch: dict) -> str:
             f"failed of {counts['total']}")
 
 
+@contextlib.contextmanager
+def own_deployment(config: str) -> Iterator[str]:
+    """`microserve up CONFIG` on a free port and a temporary data directory; yields its base
+    URL, and stops it (Ctrl-C, as an operator would) when the block ends."""
+    with socket.socket() as probe:  # the router's port; up checks its engines' ports itself
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="microserve-batch-") as data:
+        log = Path(data) / "up.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", config,
+                                     "--port", str(port), "--data-dir", f"{data}/data"],
+                                    stdout=out, stderr=subprocess.STDOUT)
+        try:
+            print(f"microserve: starting {config} (log: {log})", file=sys.stderr, flush=True)
+            while "microserve up:" not in log.read_text(errors="replace"):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"microserve up {config} exited with {proc.returncode}:"
+                                       f"\n{log.read_text(errors='replace')[-2000:]}")
+                time.sleep(0.5)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            proc.wait()
+
+
 def run_batch(args: argparse.Namespace) -> int:
     """Submit, follow, download; returns the exit code (0: completed)."""
+    if args.up is not None:
+        with own_deployment(args.up) as url:
+            return _run(args, url)
+    return _run(args, args.base_url)
+
+
+def _run(args: argparse.Namespace, base_url: str) -> int:
     tty = sys.stderr.isatty()
     shown = ""
 
@@ -135,7 +181,7 @@ def run_batch(args: argparse.Namespace) -> int:
                   flush=True)
             shown = line
 
-    with client(args.base_url, args.api_key) as http:
+    with client(base_url, args.api_key) as http:
         batch, started = submit(http, args.file.name, args.file.read_bytes()), time.monotonic()
         print(f"microserve: batch {batch['id']} of {args.file} ({batch['endpoint']})",
               file=sys.stderr)

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 from daemons import ENGINE_KEY, Daemon, serve
-from deployments import RouterProcess
+from deployments import RouterProcess, write_config
 from openai import OpenAI
 
 pytestmark = pytest.mark.slow
@@ -165,6 +165,22 @@ def test_the_cli_runs_a_file_and_writes_its_output(router, tmp_path):
     assert out[2]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
     errors = (tmp_path / "in.errors.jsonl").read_text().splitlines()
     assert [json.loads(x)["error"]["code"] for x in errors] == ["invalid_json"]
+
+
+def test_the_cli_can_start_a_deployment_of_its_own(router, tiny_served_dir, tmp_path):
+    config, _, _ = write_config(tmp_path / "own.toml", tiny_served_dir, "data_parallel",
+                                [("e", "any", ["--num-pages", "64", "--max-model-len", "256"])])
+    lines = [line(f"o{i}", SHARED + [90 + i], 5) for i in range(3)]
+    path = tmp_path / "own.jsonl"
+    path.write_bytes(jsonl(lines))
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "batch", "run", str(path),
+                           "--up", str(config)], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "MICROSERVE_API_KEY"})
+    assert done.returncode == 0, done.stderr
+    assert "batch completed: 3 completed, 0 failed of 3" in done.stderr
+    out = [json.loads(x) for x in (tmp_path / "own.output.jsonl").read_text().splitlines()]
+    direct = client(router).completions.create(**lines[1]["body"])  # another router, same model
+    assert out[1]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
 
 
 class Terminal:
