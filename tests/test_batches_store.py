@@ -318,14 +318,17 @@ def _runner_with(tmp_path, calls: list):
 
     async def completions(raw: dict):
         calls.append(raw["prompt"])
+        if raw["prompt"] == [777]:
+            raise RuntimeError("a bug in the app")
         if raw["prompt"] == [666] and calls.count([666]) == 1:
             return JSONResponse({"error": {"message": "busy"}}, status_code=503)
         return {"id": f"cmpl-{len(calls)}", "choices": [{"text": str(raw["prompt"])}]}
 
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     store = Store(tmp_path)
-    return store, BatchRunner(store, lambda: app, None, Registry(), Admission(2, lambda: 1),
-                              None)
+    runner = BatchRunner(store, lambda: app, None, Registry(), Admission(2, lambda: 1), None)
+    runner.retry_backoff_s = 0.0
+    return store, runner
 
 
 def _batch(store: Store, prompts: list[list[int]], expires_in: float = 3600) -> dict:
@@ -355,6 +358,20 @@ async def test_the_runner_resumes_only_pending_lines_and_retries_a_5xx(tmp_path)
     out = [json.loads(x) for x in store.file_path(done["output_file_id"]).read_text().splitlines()]
     assert [row["custom_id"] for row in out] == ["c0", "c1", "c2"]
     assert out[1]["response"]["status_code"] == 200  # after one 503
+    store.close()
+
+
+async def test_an_exception_in_the_app_is_the_lines_500_not_a_lost_line(tmp_path):
+    calls = []
+    store, runner = _runner_with(tmp_path, calls)
+    await runner._run(_batch(store, [[777], [1]]))
+    done = store.batch(None, "batch-t")
+    assert done["status"] == "completed"
+    assert sorted(calls) == [[1]] + [[777]] * 5  # tried once and retried four times
+    [error] = [json.loads(x) for x in
+               store.file_path(done["error_file_id"]).read_text().splitlines()]
+    assert (error["custom_id"], error["response"]["status_code"]) == ("c0", 500)
+    assert store.counts("batch-t") == {"pending": 0, "done": 1, "failed": 1}
     store.close()
 
 

@@ -12,8 +12,8 @@ the same middleware, validation, strategy and engines a client's request takes, 
 socket. Its result is committed to the store before it counts; a router restarted mid-batch
 picks up the `pending` rows where it left them (router/batches/store.py).
 
-Batch lines are filler: at most `max_in_flight` run at once, and every live completion request
-in flight takes one of those slots (`Admission`), so the engines' queues stay about as short as
+Batch lines are filler: at most `batch_lines_per_engine` per engine run at once, and every live
+completion request in flight takes one of those slots (`Admission`), so the engines' queues stay about as short as
 they would be without the batch. When engines get request priorities (the scheduling issue),
 batch lines will go to them at the lowest priority instead.
 """
@@ -37,6 +37,7 @@ from router.batches.store import LineRow, Store
 log = logging.getLogger("microserve.batches")
 
 RETRIES = 4  # a 5xx (an engine restarting, overloaded) is tried again this often, with backoff
+RETRY_BACKOFF_S = 0.5  # before the first retry; doubling
 
 
 class BatchRunner:
@@ -55,6 +56,7 @@ class BatchRunner:
                                      ["batch", "state"])
         self._in_flight = registry.gauge("microserve_batch_lines_running",
                                          "Batch lines running now.")
+        self.retry_backoff_s = RETRY_BACKOFF_S
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batch-runner")
@@ -178,7 +180,9 @@ class BatchRunner:
         """Run the pending lines in order, as many at once as admission allows; return when all
         finished, or once none is left running after a cancel or the batch's expiry."""
         running: set[asyncio.Task] = set()
-        transport = httpx.ASGITransport(app=self._app())
+        # An exception inside the app is its 500 answer, as a client would get: the line's
+        # error, not an exception out of the line's task (which would leave it pending).
+        transport = httpx.ASGITransport(app=self._app(), raise_app_exceptions=False)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         headers[Admission.HEADER] = self.admission.secret
         async with httpx.AsyncClient(transport=transport, base_url="http://router",
@@ -214,7 +218,7 @@ class BatchRunner:
                 answer = await client.post(batch["endpoint"], json=row.request)
                 if answer.status_code < 500 or attempt == RETRIES:
                     break
-                await asyncio.sleep(0.5 * 2 ** attempt)
+                await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
         finally:
             self._in_flight.dec()
         try:
