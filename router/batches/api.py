@@ -157,7 +157,7 @@ class BatchAPI:
         batch = self._batch(batch_id)
         if batch["status"] in ("validating", "in_progress"):
             batch.update(status="cancelling", cancelling_at=int(time.time()))
-            self.store.update_batch({k: v for k, v in batch.items()})
+            self.store.update_batch(batch)
             self.runner.cancel(batch_id)
         elif batch["status"] not in ("cancelling", "cancelled"):
             raise OpenAIError(409, f"Batch {batch_id} is {batch['status']}: only a validating "
