@@ -36,12 +36,14 @@ START_TIMEOUT_S = 900
 class Deployment:
     """`microserve up` in a child process on its own data directory."""
 
-    def __init__(self, config: str, model: str, port: int, order: str, log: Path):
+    def __init__(self, config: str, model: str, port: int, order: str, log: Path,
+                 lines_per_engine: int):
         self.url = f"http://127.0.0.1:{port}/v1"
         self.data = tempfile.mkdtemp(prefix="microserve-batch-bench-")
         self.log = log
         cmd = [sys.executable, "-m", "launcher.cli", "up", config, "--model", model, "--port",
-               str(port), "--batch-order", order, "--data-dir", self.data]
+               str(port), "--batch-order", order, "--data-dir", self.data,
+               "--batch-lines-per-engine", str(lines_per_engine)]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -90,6 +92,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32_000)
     ap.add_argument("--scale", type=int, default=1, help="bench/batch_workload.py's --scale")
     ap.add_argument("--orders", default="blend,dfs,file")
+    ap.add_argument("--lines-per-engine", type=int, default=256,
+                    help="the router's --batch-lines-per-engine (a GPU wants hundreds)")
     ap.add_argument("--live-rate", type=float, default=0.0, help="requests/s (0: no live run)")
     ap.add_argument("--live-requests", type=int, default=200)
     ap.add_argument("--live-input-len", default="256:1024")
@@ -102,7 +106,7 @@ def main() -> None:
     result: dict = {"lines": args.lines, "orders": {}}
     for order in args.orders.split(","):
         up = Deployment(args.config, args.model, args.port, order,
-                        Path(args.logs) / f"batch-bench-{order}.log")
+                        Path(args.logs) / f"batch-bench-{order}.log", args.lines_per_engine)
         try:
             result["orders"][order] = run_file(up.url, data)
         finally:
@@ -114,7 +118,7 @@ def main() -> None:
             result[f"blend_vs_{other}"] = speed["blend"] / speed[other]
     if args.live_rate > 0:
         up = Deployment(args.config, args.model, args.port, "blend",
-                        Path(args.logs) / "batch-bench-live.log")
+                        Path(args.logs) / "batch-bench-live.log", args.lines_per_engine)
         try:
             alone = live(up.url, args, "alone")
             with httpx.Client(base_url=up.url, timeout=60) as http:
