@@ -104,7 +104,7 @@ def main() -> None:
     data = "".join(json.dumps(x) + "\n" for x in
                    workload(args.lines, 8, args.vocab, args.seed, args.scale)).encode()
     result: dict = {"lines": args.lines, "orders": {}}
-    for order in args.orders.split(","):
+    for order in [o for o in args.orders.split(",") if o]:  # "": the live run alone
         up = Deployment(args.config, args.model, args.port, order,
                         Path(args.logs) / f"batch-bench-{order}.log", args.lines_per_engine)
         try:
