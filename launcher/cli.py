@@ -5,6 +5,8 @@
     microserve router ...         the router in front of engines already running
     microserve drain ROUTER ...   drain an engine through a router's admin API and wait
     microserve admin-token        the admin token a running router made for itself
+    microserve batch run FILE     an OpenAI batch file through a running router, with progress
+    microserve chat               chat with a router (streamed); /batch FILE in the background
     microserve model-path [MODEL] the Hugging Face directory a --model resolves to
     microserve quantize MODEL OUT an fp8 copy of a checkpoint
 """
@@ -130,6 +132,47 @@ def _up_args(sub) -> None:
     _secret_args(p, up=True)
 
 
+def _batch_args(sub) -> None:
+    from launcher.batch_cli import batch_options
+
+    p = _command(sub, "batch", "run an OpenAI batch input file (JSONL) through a router's "
+                               "Batch API")
+    actions = p.add_subparsers(dest="batch_command", required=True, metavar="ACTION")
+    run = actions.add_parser("run", help="upload FILE, start the batch, show its progress and "
+                                         "write its output when it ends", formatter_class=Help)
+    batch_options(run)
+
+
+def _run_batch(args) -> None:
+    import httpx
+
+    from launcher.batch_cli import run_batch
+
+    try:
+        code = run_batch(args)
+    except httpx.TransportError as e:
+        raise ValueError(f"cannot reach the router at {args.base_url}: {e}") from None
+    sys.exit(code)
+
+
+def _chat_args(sub) -> None:
+    from launcher.chat_cli import chat_options
+
+    chat_options(_command(sub, "chat", "chat with a running router (answers streamed, history "
+                                       "kept); /batch FILE runs a batch in the background"))
+
+
+def _run_chat(args) -> None:
+    import httpx
+
+    from launcher.chat_cli import run_chat
+
+    try:
+        run_chat(args)
+    except httpx.TransportError as e:
+        raise ValueError(f"cannot reach the router at {args.base_url}: {e}") from None
+
+
 def _quantize_args(sub) -> None:
     p = _command(sub, "quantize", "write a 16-bit checkpoint's fp8 copy (FP8-dynamic, "
                                   "compressed-tensors layout), served without --quantization")
@@ -250,6 +293,8 @@ def parser() -> argparse.ArgumentParser:
     _engine_args(sub)
     _router_args(sub)
     _drain_args(sub)
+    _batch_args(sub)
+    _chat_args(sub)
     _admin_token_args(sub)
     _model_path_args(sub)
     _quantize_args(sub)
@@ -274,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
         {"engine": _run_engine, "router": _run_router, "up": _run_up, "drain": _run_drain,
-         "admin-token": _run_admin_token, "model-path": _run_model_path,
+         "batch": _run_batch, "chat": _run_chat, "admin-token": _run_admin_token, "model-path": _run_model_path,
          "quantize": _run_quantize}[args.command](args)
     except (ValueError, RuntimeError, OSError) as e:
         # Start-up problems the user can fix (bad --model, bad sizes, core failed to start).

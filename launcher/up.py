@@ -35,6 +35,7 @@ import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -243,11 +244,13 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
         starting = asyncio.gather(*(e.wait_healthy(ENGINE_START_TIMEOUT_S) for e in engines))
         if not await _unless(stop, starting):
             return 0
+        settings = deployment.router.settings()
+        settings["data_dir"] = settings["data_dir"] or str(default_data_dir(deployment.port))
         router = Router(RouterConfig(
             tokenizer_dir=model_dir, served_model_name=deployment.served_model_name,
             engines=tuple(EngineSpec(e.name, e.url, e.role) for e in deployment.engines),
             api_key=api_key, admin_token=admin_token, engine_api_key=engine_api_key,
-            deployment=deployment_id, **deployment.router.settings()))
+            deployment=deployment_id, **settings))
         await router.start()
         return await _serve(router, deployment, engines, stop, log_level, router_sock)
     finally:
@@ -260,6 +263,13 @@ async def _up(deployment: Deployment, router_sock, log_level: str, api_key: str 
             shutil.rmtree(rendezvous, ignore_errors=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def default_data_dir(port: int) -> Path:
+    """Where `up` keeps the Files and Batches API's data when the deployment names no
+    data_dir: one directory per router port, so two deployments never share one."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "microserve" / f"router-{port}"
 
 
 async def _unless(stop: asyncio.Event, work) -> bool:
@@ -290,6 +300,7 @@ async def _serve(router: Router, deployment: Deployment, engines: list[EnginePro
           f"http://{deployment.host}:{deployment.port}/v1 — strategy {active.name}, engines "
           + ", ".join(f"{e.launch.name} ({e.launch.role}) {e.launch.url}" for e in engines)
           + "; Ctrl-C stops all", flush=True)
+    print(f"microserve up: batches and files kept in {router.config.data_dir}", flush=True)
     for line in transfer_lines(list(router.pool)):
         print(f"microserve up: {line}", flush=True)
     supervisors = {asyncio.create_task(e.supervise(stop)): e for e in engines}

@@ -6,8 +6,9 @@
 It tokenizes (chat template included) and detokenizes once, here, with the same OpenAI frontend
 an engine serves (microserve/openai/app.py) over a RouterBackend; engines see token ids only.
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health (200 while an engine is
-routable), /metrics, and the ops API under /admin (router/admin.py). Binds 127.0.0.1 unless
-told otherwise. No torch.
+routable), /metrics, OpenAI's Files and Batches API under /v1/files and /v1/batches when it has
+a data directory (router/batches/), and the ops API under /admin (router/admin.py). Binds
+127.0.0.1 unless told otherwise. No torch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from microserve.openai.app import build_openai_app
 from microserve.tokenizer import Tokenizer
 from router.admin import AdminAPI, add_admin_routes
 from router.backend import RouterBackend
+from router.batches.admission import Admission, LiveRequests
+from router.batches.api import UPLOAD_BODY_BYTES, BatchAPI, add_batch_routes
+from router.batches.runner import BatchRunner
+from router.batches.store import Store
 from router.discovery import Discovery, DnsName
 from router.engines import EnginePool, EngineSpec
 from router.host import StrategyHost, StrategySource
@@ -89,6 +94,14 @@ class Router:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
         self.backend = RouterBackend(self.pool, self.host, config.served_model_name,
                                      self.registry, max_retries=config.max_retries)
+        self.admission = Admission(config.batch_lines_per_engine,
+                                   lambda: len(self.pool.routable()))
+        self.batches: BatchRunner | None = None  # with a data dir; its task runs from start()
+        if config.data_dir is not None:
+            self.batches = BatchRunner(Store(config.data_dir), self.app, self.tokenizer,
+                                       self.registry, self.admission, config.api_key,
+                                       config.batch_order)
+        self._app: FastAPI | None = None  # built once, by app()
 
     async def start(self) -> None:
         for spec in self.config.engines:
@@ -100,6 +113,8 @@ class Router:
         await self.pool.start()
         if self.config.watch_strategy:
             self.host.watch()
+        if self.batches is not None:
+            self.batches.start()  # resumes what a previous run left unfinished
 
     async def _add_when_up(self, spec: EngineSpec) -> None:
         loop = asyncio.get_running_loop()
@@ -115,13 +130,27 @@ class Router:
                 await asyncio.sleep(0.5)
 
     async def close(self) -> None:
+        if self.batches is not None:
+            await self.batches.close()
+            self.batches.store.close()
         await self.discovery.close()
         await self.host.close()
         await self.pool.close()
 
     def app(self) -> FastAPI:
+        """The router's ASGI app: built on first call, the same one after (the batch runner
+        sends its lines into it)."""
+        if self._app is None:
+            self._app = self._build_app()
+        return self._app
+
+    def _build_app(self) -> FastAPI:
         app = build_openai_app(self.backend, self.tokenizer, registry=self.registry,
-                               tool_call_parser=self.config.tool_call_parser)
+                               tool_call_parser=self.config.tool_call_parser,
+                               larger_bodies={"/v1/files": UPLOAD_BODY_BYTES})
+        add_batch_routes(app, self.batches and BatchAPI(self.batches.store, self.batches,
+                                                        self.config.api_key))
+        app.add_middleware(LiveRequests, admission=self.admission)
         strategies_dir = self.config.strategies_dir
         add_admin_routes(app, AdminAPI(self.pool, self.host, self.tokenizer,
                                        Path(strategies_dir) if strategies_dir else None))

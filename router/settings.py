@@ -19,7 +19,8 @@ from dataclasses import Field, dataclass, field, fields
 from microserve.http_limits import HttpLimits
 from router.engines import LIVENESS_TIMEOUT_S
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # microserve/openai/tool_parsers.py's PARSERS
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+BATCH_ORDERS = ("blend", "dfs", "file")  # router/batches/order.py  # microserve/openai/tool_parsers.py's PARSERS
 
 
 def _setting(default, help: str, *, file: str | None = "router", up: bool = False,
@@ -64,6 +65,17 @@ class RouterSettings:
               "load as it was (--liveness-timeout-s decides what is down)")
     dns_interval_s: float = _setting(5.0, "seconds between lookups of the --engines-from-dns "
                                           "names", file=None)
+    data_dir: str | None = _setting(
+        None, "the directory the Files and Batches API keeps its files and database in "
+              "(unset: that API is off; `microserve up` defaults it per port, under "
+              "$XDG_DATA_HOME/microserve)", up=True, metavar="DIR")
+    batch_lines_per_engine: int = _setting(
+        8, "batch lines one engine runs at once while no live request is in flight; each live "
+           "request in flight takes one of these slots away", up=True)
+    batch_order: str = _setting(
+        "blend", "the order a batch's lines run in: blend (BlendServe's resource-aware prefix "
+                 "tree), dfs (the prefix tree's depth-first order) or file (as written; "
+                 "for comparisons)", up=True, choices=BATCH_ORDERS)
     tool_call_parser: str = _setting(
         "hermes", "how tool calls look in the model's text (as vLLM's option): hermes "
                   "(<tool_call> blocks; also how tools are written into the prompt when the "
@@ -78,6 +90,12 @@ class RouterSettings:
                              "[0.5, 300] (engine cores beat every 0.2 s)")
         if not 0 < self.queue_timeout_s <= 3600:  # NaN fails too
             raise ValueError(f"queue_timeout_s {self.queue_timeout_s} must be in (0, 3600]")
+        if not 1 <= self.batch_lines_per_engine <= 4096:
+            raise ValueError(f"batch_lines_per_engine {self.batch_lines_per_engine} must be in "
+                             "[1, 4096]")
+        if self.batch_order not in BATCH_ORDERS:
+            raise ValueError(f"batch_order {self.batch_order!r} is not one of "
+                             f"{', '.join(BATCH_ORDERS)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of "
                              f"{', '.join(TOOL_CALL_PARSERS)}")

@@ -57,6 +57,8 @@ class Up:
         self.url = f"http://127.0.0.1:{port}"
         self.engine_urls = engine_urls
         self.log_path = log_path
+        # `up` keeps batch data under XDG_DATA_HOME: the test's own directory, not $HOME.
+        env = {"XDG_DATA_HOME": str(config.parent / "data"), **(env or os.environ)}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "launcher.cli", "up", str(config), *args],

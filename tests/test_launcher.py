@@ -140,6 +140,7 @@ class MakeServe(Up):
         self.log_path = log_path
         self.env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_ADMIN_TOKEN"}
         self.env["XDG_RUNTIME_DIR"] = str(run_dir)
+        self.env["XDG_DATA_HOME"] = str(run_dir / "data")  # its batch data, not in $HOME
         self.token_file = run_dir / "microserve" / f"admin-token-{port}"
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(make_serve_argv(port), cwd=ROOT, stdout=log,
@@ -319,8 +320,8 @@ def commands() -> dict[str, argparse.ArgumentParser]:
 
 def test_microserve_help_describes_each_command_on_its_own_line():
     text = parser().format_help()
-    assert list(commands()) == ["up", "engine", "router", "drain", "admin-token", "model-path",
-                                "quantize"]
+    assert list(commands()) == ["up", "engine", "router", "drain", "batch", "chat",
+                                "admin-token", "model-path", "quantize"]
     for name, command in commands().items():
         assert re.search(rf"^    {name}\s", text, flags=re.M), name
         assert command.description, name

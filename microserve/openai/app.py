@@ -465,7 +465,8 @@ class OpenAIFrontend:
 
 def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
                      registry: Registry | None = None,
-                     tool_call_parser: str = "hermes") -> FastAPI:
+                     tool_call_parser: str = "hermes",
+                     larger_bodies: dict[str, int] | None = None) -> FastAPI:
     """A FastAPI app serving the OpenAI API, /health and /metrics over `backend`.
 
     Args:
@@ -475,6 +476,8 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
             same /metrics page (the backend's `metrics_text()` is appended there too).
         tool_call_parser: the format of tool calls in the model's text
             (microserve/openai/tool_parsers.py: hermes, llama3_json).
+        larger_bodies: paths whose request bodies may be larger than MAX_BODY_BYTES (an upload
+            route added later), and how large.
 
     Returns:
         The app; add more routes (`app.include_router(...)`) before serving it. Every error it
@@ -484,7 +487,7 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
                               make_parser(tool_call_parser))
     app = FastAPI(title="microserve")
     install_error_handlers(app)
-    app.add_middleware(LimitBody)
+    app.add_middleware(LimitBody, larger=larger_bodies)
     app.add_middleware(CountRequests, counter=frontend.requests)
     app.add_api_route("/v1/completions", frontend.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", frontend.chat_completions, methods=["POST"])

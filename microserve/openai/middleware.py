@@ -42,15 +42,19 @@ class LimitBody:
     """ASGI middleware: a request body larger than `max_bytes` gets a 413 instead of being read
     into memory (checked on Content-Length first, then as the body streams in)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES,
+                 larger: dict[str, int] | None = None):
+        """`larger`: paths whose bodies may be this large instead (uploads)."""
+        self.app, self.default_bytes = app, max_bytes
+        self.larger = larger or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        max_bytes = self.larger.get(scope["path"], self.default_bytes)
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            error = self._too_large(length.decode(errors="replace"))
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
+            error = self._too_large(length.decode(errors="replace"), max_bytes)
             return await error.response()(scope, receive, send)
         received = 0
 
@@ -58,12 +62,13 @@ class LimitBody:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_bytes:  # raised where the handler reads: answered as a 413
-                raise self._too_large(f"more than {self.max_bytes}")
+            if received > max_bytes:  # raised where the handler reads: answered as a 413
+                raise self._too_large(f"more than {max_bytes}", max_bytes)
             return message
 
         await self.app(scope, counting_receive, send)
 
-    def _too_large(self, length: str) -> OpenAIError:
+    @staticmethod
+    def _too_large(length: str, max_bytes: int) -> OpenAIError:
         return OpenAIError(413, f"The request body ({length} bytes) is larger than the "
-                           f"{self.max_bytes} bytes this server accepts", code="body_too_large")
+                           f"{max_bytes} bytes this server accepts", code="body_too_large")

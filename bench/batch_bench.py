@@ -1,0 +1,140 @@
+"""The batch API's benchmark (issue 42's targets): one synthetic file run in each order, and
+live traffic measured with and without a batch beside it.
+
+    python -m bench.batch_bench --config deploy/gpu-dp.toml --model random:llama-3.1-8b \\
+        --lines 10000 [--live-rate 4 --live-requests 200] [--json out.json]
+
+For each --orders entry it starts `microserve up CONFIG --batch-order ORDER` on a fresh data
+directory, runs the file from bench/batch_workload.py (--lines, --seed) through the Batch API,
+and stops the deployment. Then, with --live-rate, one more deployment: bench.serve's live load
+alone, then the same load while a batch (blend order) runs. Prints one JSON object:
+`orders.ORDER.{wall_s, output_tokens_per_s, prefix_sharing_vs_dfs}`, `blend_vs_file`,
+`blend_vs_dfs` (throughput ratios), and with live load `live.{alone, with_batch}` (bench.serve's
+figures), `ttft_p99_ratio`, `tpot_p99_ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.batch_workload import workload
+from launcher.batch_cli import follow, submit
+
+START_TIMEOUT_S = 900
+
+
+class Deployment:
+    """`microserve up` in a child process on its own data directory."""
+
+    def __init__(self, config: str, model: str, port: int, order: str, log: Path,
+                 lines_per_engine: int):
+        self.url = f"http://127.0.0.1:{port}/v1"
+        self.data = tempfile.mkdtemp(prefix="microserve-batch-bench-")
+        self.log = log
+        cmd = [sys.executable, "-m", "launcher.cli", "up", config, "--model", model, "--port",
+               str(port), "--batch-order", order, "--data-dir", self.data,
+               "--batch-lines-per-engine", str(lines_per_engine)]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "microserve up:" not in log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"microserve up did not start; see {log}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(120)
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def run_file(url: str, data: bytes) -> dict:
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(60, write=600)) as http:
+        batch = submit(http, "bench.jsonl", data)
+        started = time.monotonic()
+        batch = follow(http, batch)
+        wall = time.monotonic() - started
+        out = http.get(f"/files/{batch['output_file_id']}/content").text.splitlines()
+    tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in out)
+    return {"status": batch["status"], "lines": batch["request_counts"], "wall_s": wall,
+            "output_tokens_per_s": tokens / wall,
+            "prefix_sharing_vs_dfs": batch["ordering"]["prefix_sharing_vs_dfs"]}
+
+
+def live(url: str, args, tag: str) -> dict:
+    out = Path(tempfile.mkdtemp()) / f"live-{tag}.json"
+    subprocess.run([sys.executable, "-m", "bench.serve", "--base-url", url, "--num-requests",
+                    str(args.live_requests), "--request-rate", str(args.live_rate),
+                    "--input-len", args.live_input_len, "--output-len", args.live_output_len,
+                    "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="deploy/gpu-dp.toml")
+    ap.add_argument("--model", default="random:llama-3.1-8b")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--lines", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=32_000)
+    ap.add_argument("--scale", type=int, default=1, help="bench/batch_workload.py's --scale")
+    ap.add_argument("--orders", default="blend,dfs,file")
+    ap.add_argument("--lines-per-engine", type=int, default=256,
+                    help="the router's --batch-lines-per-engine (a GPU wants hundreds)")
+    ap.add_argument("--live-rate", type=float, default=0.0, help="requests/s (0: no live run)")
+    ap.add_argument("--live-requests", type=int, default=200)
+    ap.add_argument("--live-input-len", default="256:1024")
+    ap.add_argument("--live-output-len", default="64:256")
+    ap.add_argument("--logs", default=tempfile.gettempdir())
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    data = "".join(json.dumps(x) + "\n" for x in
+                   workload(args.lines, 8, args.vocab, args.seed, args.scale)).encode()
+    result: dict = {"lines": args.lines, "orders": {}}
+    for order in [o for o in args.orders.split(",") if o]:  # "": the live run alone
+        up = Deployment(args.config, args.model, args.port, order,
+                        Path(args.logs) / f"batch-bench-{order}.log", args.lines_per_engine)
+        try:
+            result["orders"][order] = run_file(up.url, data)
+        finally:
+            up.stop()
+        print(f"{order}: {result['orders'][order]}", file=sys.stderr, flush=True)
+    speed = {k: v["output_tokens_per_s"] for k, v in result["orders"].items()}
+    for other in ("file", "dfs"):
+        if "blend" in speed and other in speed:
+            result[f"blend_vs_{other}"] = speed["blend"] / speed[other]
+    if args.live_rate > 0:
+        up = Deployment(args.config, args.model, args.port, "blend",
+                        Path(args.logs) / "batch-bench-live.log", args.lines_per_engine)
+        try:
+            alone = live(up.url, args, "alone")
+            with httpx.Client(base_url=up.url, timeout=60) as http:
+                batch = submit(http, "bench.jsonl", data)
+                with_batch = live(up.url, args, "with-batch")
+                http.post(f"/batches/{batch['id']}/cancel")
+        finally:
+            up.stop()
+        result["live"] = {"alone": alone, "with_batch": with_batch}
+        for key in ("ttft", "tpot"):
+            result[f"{key}_p99_ratio"] = with_batch[key]["p99_ms"] / alone[key]["p99_ms"]
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

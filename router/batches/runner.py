@@ -1,0 +1,265 @@
+"""The batch runner: one background task that takes batches in the order they were created,
+validates and orders each one's lines, runs them through the router's own app, and writes the
+output and error files.
+
+    validating ──> in_progress ──> finalizing ──> completed
+         │              │ cancel ──> cancelling ──> cancelled     (what finished is kept)
+         │              └ past expires_at ──────> expired       (the rest: batch_expired)
+         └ the input file is gone ──> failed
+
+A line runs as an in-process HTTP request to the router's ASGI app (`httpx.ASGITransport`):
+the same middleware, validation, strategy and engines a client's request takes, without a
+socket. Its result is committed to the store before it counts; a router restarted mid-batch
+picks up the `pending` rows where it left them (router/batches/store.py).
+
+Batch lines are filler: at most `batch_lines_per_engine` per engine run at once, and every live
+completion request in flight takes one of those slots (`Admission`), so the engines' queues stay about as short as
+they would be without the batch. When engines get request priorities (the scheduling issue),
+batch lines will go to them at the lowest priority instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+
+from microserve.metrics import Registry
+from microserve.tokenizer import Tokenizer
+from router.batches.admission import Admission
+from router.batches.lines import ParsedLine, expected_output_tokens, output_line, parse_lines
+from router.batches.order import Ordering, blend_order, sharing_ratio
+from router.batches.store import LineRow, Store
+
+log = logging.getLogger("microserve.batches")
+
+RETRIES = 4  # a 5xx (an engine restarting, overloaded) is tried again this often, with backoff
+RETRY_BACKOFF_S = 0.5  # before the first retry; doubling
+
+
+class BatchRunner:
+    def __init__(self, store: Store, app: Callable, tokenizer: Tokenizer, registry: Registry,
+                 admission: Admission, api_key: str | None, order: str = "blend"):
+        """`app`: returns the router's ASGI app (built once, on first use); `order`: blend,
+        dfs or file (router/settings.py's batch_order)."""
+        self.store, self._app, self.tokenizer, self.order = store, app, tokenizer, order
+        self.admission, self.api_key = admission, api_key
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None  # set by start()
+        self._cancelled: set[str] = set()  # batch ids to stop dispatching; written by cancel()
+        self._lines = registry.gauge("microserve_batch_lines",
+                                     "Lines of the batches this router ran since it started, "
+                                     "by state as persisted (pending, completed, failed).",
+                                     ["batch", "state"])
+        self._in_flight = registry.gauge("microserve_batch_lines_running",
+                                         "Batch lines running now.")
+        self.retry_backoff_s = RETRY_BACKOFF_S
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="batch-runner")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """Stop dispatching `batch_id`'s lines now (those running are aborted and stay
+        pending); the batch then finalizes as cancelled."""
+        self._cancelled.add(batch_id)
+        self.admission.poke()
+        self.wake()
+
+    async def _loop(self) -> None:
+        while True:
+            self._wakeup.clear()
+            for batch in self.store.unfinished_batches():
+                try:
+                    await self._run(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # one batch's bug must not stop the others
+                    log.exception("batch %s failed", batch["id"])
+                    self._set(self.store.batch(None, batch["id"]), "failed", errors={
+                        "object": "list", "data": [{"code": "internal_error", "line": None,
+                                                    "param": None,
+                                                    "message": "the router failed running it"}]})
+            await self._wakeup.wait()
+
+    # -- one batch ------------------------------------------------------------------------------
+
+    async def _run(self, batch: dict) -> None:
+        batch_id = batch["id"]
+        if batch["status"] == "cancelling":  # cancelled before a restart
+            self._cancelled.add(batch_id)
+        if not self.store.has_lines(batch_id):
+            if batch_id in self._cancelled:
+                self._finalize(batch, "cancelled")
+                return
+            if not await self._validate(batch):
+                return
+        self._show(batch_id)
+        if batch["status"] == "in_progress":
+            await self._dispatch(batch)
+        if batch_id in self._cancelled:
+            if batch["status"] != "cancelling":
+                self._set(batch, "cancelling")
+            self._finalize(batch, "cancelled")
+        elif time.time() >= batch["expires_at"]:
+            self._finalize(batch, "expired")
+        else:
+            self._set(batch, "finalizing")
+            self._finalize(batch, "completed")
+        self._cancelled.discard(batch_id)
+
+    async def _validate(self, batch: dict) -> bool:
+        path = self.store.file_path(batch["input_file_id"])
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self._set(batch, "failed", errors={"object": "list", "data": [{
+                "code": "file_not_found", "line": None, "param": "input_file_id",
+                "message": f"input file {batch['input_file_id']} was deleted"}]})
+            return False
+        lines, prompts, ordering = await asyncio.to_thread(self._parse_and_order, data,
+                                                           batch["endpoint"])
+        good = [line for line in lines if line.body is not None]
+        order = {"blend": ordering.order, "dfs": ordering.dfs,
+                 "file": list(range(len(good)))}[self.order]
+        position = {good[k].idx: p for p, k in enumerate(order)}
+        rows = []
+        for line in lines:
+            if line.body is None:
+                result = output_line(line.custom_id, None, None, line.error)
+                rows.append((line.idx, -1, line.custom_id, "failed", None, result))
+            else:
+                rows.append((line.idx, position[line.idx], line.custom_id, "pending", line.body,
+                             None))
+        sharing = await asyncio.to_thread(sharing_ratio, prompts, ordering, order)
+        batch["ordering"] = {
+            "order": self.order, "lines": len(good),
+            "dfs_shareable_tokens": ordering.shareable_tokens,
+            "prefix_sharing_vs_dfs": round(sharing, 4)}
+        batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
+        self.store.add_lines(batch, rows)
+        return True
+
+    def _parse_and_order(self, data: bytes, endpoint: str
+                         ) -> tuple[list[ParsedLine], list[list[int]], Ordering]:
+        """The file's lines, the good ones' prompts (token ids) and their order (in a worker
+        thread: tokenizing 50,000 prompts takes seconds)."""
+        lines = parse_lines(data, endpoint)
+        good = [line for line in lines if line.body is not None]
+        prompts = [self._prompt_ids(endpoint, line.body) for line in good]
+        outputs = [expected_output_tokens(line.body) for line in good]
+        return lines, prompts, blend_order(prompts, outputs)
+
+    def _prompt_ids(self, endpoint: str, body: dict) -> list[int]:
+        """The line's prompt as the ordering sees it; a prompt the API will refuse orders as
+        empty (its line fails when it runs, with the API's own error)."""
+        try:
+            if endpoint == "/v1/chat/completions":
+                text = self.tokenizer.apply_chat_template(body["messages"])
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            return [t for t in prompt if isinstance(t, int)]
+        except Exception:  # any malformed body: the API says what is wrong when it runs
+            return []
+
+    async def _dispatch(self, batch: dict) -> None:
+        """Run the pending lines in order, as many at once as admission allows; return when all
+        finished, or once none is left running after a cancel or the batch's expiry."""
+        running: set[asyncio.Task] = set()
+        # An exception inside the app is its 500 answer, as a client would get: the line's
+        # error, not an exception out of the line's task (which would leave it pending).
+        transport = httpx.ASGITransport(app=self._app(), raise_app_exceptions=False)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers[Admission.HEADER] = self.admission.secret
+        async with httpx.AsyncClient(transport=transport, base_url="http://router",
+                                     headers=headers, timeout=None) as client:
+            try:
+                for row in self.store.pending(batch["id"]):
+                    while not self.admission.may_start(len(running)):
+                        await self.admission.changed(running)
+                    if self._stop(batch):
+                        break
+                    task = asyncio.create_task(self._line(client, batch, row))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await self._drain(batch, running)
+            finally:
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+
+    async def _drain(self, batch: dict, running: set[asyncio.Task]) -> None:
+        while running:
+            if self._stop(batch):
+                return  # the finally above cancels what runs; its rows stay pending
+            await self.admission.changed(running)
+
+    def _stop(self, batch: dict) -> bool:
+        return batch["id"] in self._cancelled or time.time() >= batch["expires_at"]
+
+    async def _line(self, client: httpx.AsyncClient, batch: dict, row: LineRow) -> None:
+        self._in_flight.inc()
+        try:
+            for attempt in range(RETRIES + 1):
+                answer = await client.post(batch["endpoint"], json=row.request)
+                if answer.status_code < 500 or attempt == RETRIES:
+                    break
+                await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
+        finally:
+            self._in_flight.dec()
+        try:
+            body = answer.json()
+        except ValueError:
+            body = {"error": {"message": answer.text, "type": "server_error"}}
+        ok = answer.status_code == 200
+        self.store.finish_line(batch["id"], row.idx, ok,
+                               output_line(row.custom_id, answer.status_code, body))
+        self._lines.dec(batch=batch["id"], state="pending")
+        self._lines.inc(batch=batch["id"], state="completed" if ok else "failed")
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _show(self, batch_id: str) -> None:
+        """The batch's line gauges from its rows (lines then move one at a time in _line)."""
+        counts = self.store.counts(batch_id)
+        for state, name in (("pending", "pending"), ("done", "completed"), ("failed", "failed")):
+            self._lines.set(counts[state], batch=batch_id, state=name)
+
+    def _set(self, batch: dict, status: str, **fields) -> None:
+        batch.update(status=status, **{f"{status}_at": int(time.time())}, **fields)
+        self.store.update_batch(batch)
+
+    def _finalize(self, batch: dict, status: str) -> None:
+        """Write the output and error files, then move to `status` (one update: a restart
+        before it finalizes again)."""
+        if status == "expired":
+            expired = {"code": "batch_expired",
+                       "message": "the batch expired before this line ran"}
+            self.store.fail_pending(batch["id"], lambda row: output_line(row.custom_id, None,
+                                                                         None, expired))
+            self._show(batch["id"])
+        owner = self.store.owner_of(batch["id"])
+        for state, key, name in (("done", "output_file_id", "output"),
+                                 ("failed", "error_file_id", "errors")):
+            results = self.store.results(batch["id"], state)
+            if results:
+                data = "".join(r + "\n" for r in results).encode()
+                added = self.store.add_file(owner, f"{batch['id']}_{name}.jsonl",
+                                            "batch_output", data)
+                batch[key] = added["id"]
+        self._set(batch, status)
+

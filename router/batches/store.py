@@ -1,0 +1,232 @@
+"""What the Files and Batches API keeps, in a data directory: metadata in SQLite, bytes on disk.
+
+    DATA_DIR/batches.sqlite3      files, batches and one row per batch line (WAL mode)
+    DATA_DIR/files/FILE_ID        the bytes of each file (uploads, outputs, error files)
+
+A line's result is committed to its row before the line counts as done, so a router killed at
+any moment loses at most the lines it was running: on restart those rows are still `pending`
+and run again, and every `done` or `failed` row keeps its result and is never run again.
+
+    lines.state:   pending ──> done      (a 2xx answer; its output line is in `result`)
+                          └──> failed    (a bad line or a 4xx/5xx answer; the error line)
+
+The schema is versioned (`PRAGMA user_version`): a data directory written by a newer schema is
+refused rather than misread. One connection, used from the event loop's thread only; every
+write is a short transaction. No torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE files (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL,
+    bytes INTEGER NOT NULL, lines INTEGER NOT NULL, created_at INTEGER NOT NULL);
+CREATE TABLE batches (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, body TEXT NOT NULL);
+CREATE TABLE lines (
+    batch_id TEXT NOT NULL, idx INTEGER NOT NULL, position INTEGER NOT NULL,
+    custom_id TEXT, state TEXT NOT NULL, request TEXT, result TEXT,
+    PRIMARY KEY (batch_id, idx));
+CREATE INDEX lines_by_position ON lines (batch_id, state, position);
+"""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class LineRow:
+    """One line of a batch as the runner sees it: `request` is its parsed body (None for a
+    line that failed before it could run), `position` its place in the dispatch order."""
+
+    idx: int
+    position: int
+    custom_id: str | None
+    request: dict | None
+
+
+class Store:
+    def __init__(self, data_dir: str | Path):
+        self.root = Path(data_dir)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # users' prompts and answers
+        (self.root / "files").mkdir(mode=0o700, exist_ok=True)
+        # One router per data directory: two would run the same batches twice. The lock goes
+        # with the process, however it ends.
+        self._lock = open(self.root / "lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(f"data directory {self.root} is in use by another router")
+        self.db = sqlite3.connect(self.root / "batches.sqlite3", isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is on disk when it returns, power loss included (NORMAL could lose the
+        # last commits, and their lines would run again).
+        self.db.execute("PRAGMA synchronous=FULL")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(f"{self.root}: its database has schema {version}, newer than the "
+                               f"{SCHEMA_VERSION} this microserve reads")
+        if version == 0:
+            self.db.executescript("BEGIN;" + _SCHEMA +
+                                  f"PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+
+    def close(self) -> None:
+        self.db.close()
+        self._lock.close()
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def file_path(self, file_id: str) -> Path:
+        return self.root / "files" / file_id
+
+    def add_file(self, owner: str, filename: str, purpose: str, data: bytes) -> dict:
+        file_id = new_id("file")
+        path = self.file_path(file_id)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:  # bytes first, row second: a row always has its bytes
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(path)
+        lines = sum(1 for line in data.splitlines() if line.strip())
+        self.db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (file_id, owner, filename, purpose, len(data), lines, int(time.time())))
+        return self.file(owner, file_id)
+
+    def file(self, owner: str, file_id: str) -> dict | None:
+        row = self.db.execute("SELECT id, filename, purpose, bytes, lines, created_at FROM files "
+                              "WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
+        return None if row is None else _file_object(row)
+
+    def line_count(self, file_id: str) -> int:
+        return self.db.execute("SELECT lines FROM files WHERE id = ?", (file_id,)).fetchone()[0]
+
+    def files(self, owner: str, purpose: str | None = None) -> list[dict]:
+        rows = self.db.execute("SELECT id, filename, purpose, bytes, lines, created_at FROM files "
+                               "WHERE owner = ? AND (? IS NULL OR purpose = ?) "
+                               "ORDER BY created_at DESC, rowid DESC", (owner, purpose, purpose))
+        return [_file_object(r) for r in rows]
+
+    def delete_file(self, owner: str, file_id: str) -> bool:
+        deleted = self.db.execute("DELETE FROM files WHERE id = ? AND owner = ?",
+                                  (file_id, owner)).rowcount
+        if deleted:
+            self.file_path(file_id).unlink(missing_ok=True)
+        return bool(deleted)
+
+    # -- batches --------------------------------------------------------------------------------
+
+    def add_batch(self, owner: str, batch: dict) -> None:
+        self.db.execute("INSERT INTO batches VALUES (?, ?, ?)",
+                        (batch["id"], owner, json.dumps(batch)))
+
+    def batch(self, owner: str | None, batch_id: str) -> dict | None:
+        """The batch object; `owner` None: whoever owns it (the runner's view)."""
+        row = self.db.execute("SELECT body FROM batches WHERE id = ? AND (? IS NULL OR owner = ?)",
+                              (batch_id, owner, owner)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def batches(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        """Newest first, those created before `after`; and whether more follow."""
+        start = 0
+        if after is not None:
+            start = self.db.execute("SELECT rowid FROM batches WHERE id = ? AND owner = ?",
+                                    (after, owner)).fetchone()
+            start = start[0] if start else 0
+        rows = self.db.execute("SELECT body FROM batches WHERE owner = ? AND (? = 0 OR rowid < ?) "
+                               "ORDER BY rowid DESC LIMIT ?", (owner, start, start, limit + 1))
+        found = [json.loads(r[0]) for r in rows]
+        return found[:limit], len(found) > limit
+
+    def unfinished_batches(self) -> list[dict]:
+        rows = self.db.execute("SELECT body FROM batches WHERE json_extract(body, '$.status') IN "
+                               "('validating', 'in_progress', 'finalizing', 'cancelling') "
+                               "ORDER BY rowid")
+        return [json.loads(r[0]) for r in rows]
+
+    def owner_of(self, batch_id: str) -> str:
+        return self.db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()[0]
+
+    def update_batch(self, batch: dict) -> None:
+        self.db.execute("UPDATE batches SET body = ? WHERE id = ?",
+                        (json.dumps(batch), batch["id"]))
+
+    # -- lines ----------------------------------------------------------------------------------
+
+    def add_lines(self, batch: dict, rows: list[tuple]) -> None:
+        """All lines of a batch and its move to in_progress, in one transaction: a restart finds
+        either no lines (and validates again) or all of them.
+
+        rows: (idx, position, custom_id, state, request or None, result or None)."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(
+                "INSERT INTO lines VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(batch["id"], idx, pos, cid, state,
+                  None if req is None else json.dumps(req),
+                  None if res is None else json.dumps(res))
+                 for idx, pos, cid, state, req, res in rows])
+            self.db.execute("UPDATE batches SET body = ? WHERE id = ?",
+                            (json.dumps(batch), batch["id"]))
+
+    def has_lines(self, batch_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM lines WHERE batch_id = ? LIMIT 1",
+                               (batch_id,)).fetchone() is not None
+
+    def pending(self, batch_id: str) -> list[LineRow]:
+        """The lines still to run, in dispatch order."""
+        rows = self.db.execute("SELECT idx, position, custom_id, request FROM lines "
+                               "WHERE batch_id = ? AND state = 'pending' ORDER BY position",
+                               (batch_id,))
+        return [LineRow(i, p, c, json.loads(r)) for i, p, c, r in rows]
+
+    def finish_line(self, batch_id: str, idx: int, ok: bool, result: dict) -> None:
+        """Record a line's outcome (committed when this returns); only a pending line moves."""
+        moved = self.db.execute("UPDATE lines SET state = ?, result = ? "
+                                "WHERE batch_id = ? AND idx = ? AND state = 'pending'",
+                                ("done" if ok else "failed", json.dumps(result), batch_id,
+                                 idx)).rowcount
+        assert moved == 1, f"line {idx} of {batch_id} was not pending"
+
+    def fail_pending(self, batch_id: str, result) -> None:
+        """Every pending line failed, its result `result(row)`, in one transaction."""
+        rows = self.pending(batch_id)
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("UPDATE lines SET state = 'failed', result = ? "
+                                "WHERE batch_id = ? AND idx = ? AND state = 'pending'",
+                                [(json.dumps(result(row)), batch_id, row.idx) for row in rows])
+
+    def counts(self, batch_id: str) -> dict[str, int]:
+        rows = self.db.execute("SELECT state, COUNT(*) FROM lines WHERE batch_id = ? "
+                               "GROUP BY state", (batch_id,))
+        counts = dict.fromkeys(("pending", "done", "failed"), 0) | dict(rows.fetchall())
+        return counts
+
+    def results(self, batch_id: str, state: str) -> list[str]:
+        """The results of the lines in `state`, in input order, as JSON lines."""
+        rows = self.db.execute("SELECT result FROM lines WHERE batch_id = ? AND state = ? "
+                               "ORDER BY idx", (batch_id, state))
+        return [r[0] for r in rows]
+
+
+def _file_object(row) -> dict:
+    file_id, filename, purpose, size, _lines, created_at = row
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": created_at,
+            "filename": filename, "purpose": purpose, "status": "processed",
+            "status_details": None, "expires_at": None}
