@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.lora.layers import LoraLinear
 from engine.models.fp8 import Fp8Activation, Fp8Linear, Fp8Output
 from microserve.model_config import ModelConfig
 
@@ -278,7 +279,7 @@ def _gemv_weight(proj: nn.Module) -> dict:
 
 def _project_into(proj: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
     """out = proj(x), written into out (a CUDA graph's static buffer)."""
-    if isinstance(proj, Fp8Linear):
+    if isinstance(proj, (Fp8Linear, LoraLinear)):
         proj(x, out=out)
     else:
         torch.mm(x, proj.weight.t(), out=out)
