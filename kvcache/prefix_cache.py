@@ -97,7 +97,9 @@ class PrefixCache:
     def match(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
         """Longest cached prefix of `tokens` in whole pages, within `namespace`; marks it
         recently used."""
-        node, pages = self._walk(tokens, self._roots.get(namespace))
+        if namespace not in self._roots:
+            return PrefixMatch(0, [])
+        node, pages = self._walk(tokens, self._roots[namespace])
         self._touch(node)
         return PrefixMatch(len(pages) * self.page_size, pages)
 
