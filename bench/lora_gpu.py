@@ -125,7 +125,8 @@ def main() -> None:
                                    max_loras=args.max_loras or args.adapters,
                                    max_lora_rank=args.rank, lora_dir=str(tmp)))
     vocab = base.info.vocab_size
-    results = {"model": args.model, "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+    device = args.device if args.device == "cpu" else torch.cuda.get_device_name()
+    results = {"model": args.model, "device": device,
                "adapters": args.adapters, "rank": args.rank, "skew": args.skew,
                "max_loras": lora.config.max_loras}
     print(json.dumps(results), flush=True)
