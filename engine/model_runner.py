@@ -91,10 +91,7 @@ class ModelRunner:
         backend = config.attention_backend
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
-            # batch-1 decode's GEMV kernels fuse the norms into the projections, leaving no
-            # input for the adapters' shrink: with LoRA on, one row runs as any batch does
-            gemv = self.cuda and config.decode_gemv and self.lora is None
-            self.model.use_triton_kernels(True, gemv=gemv)
+            self.model.use_triton_kernels(True, gemv=self.cuda and config.decode_gemv)
         self.sampler = Sampler(self.config.vocab_size, self.device, seed=config.seed,
                                triton_argmax=self.cuda and self.triton)
         self.kv: PagedKVCache | None = None  # set by allocate_kv

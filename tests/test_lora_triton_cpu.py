@@ -53,3 +53,45 @@ def test_piecewise_forward_with_adapters_equals_peft(tiny_model_dir, tmp_path):
     tokens = run(core, {rid: r for rid, r in requests.items()})
     assert tokens == {f"{name}-{i}": want[name][i] for i in range(2) for name in (None, "a1")}
     assert any(padded)
+
+
+class _QueryAsOutput:
+    """Attention stand-in for one layer: returns q (what attention computes is not the point
+    here, only that both paths feed it the same q, k, v)."""
+
+    def attention(self, layer_idx, q, k, v, positions, cos_sin):
+        return q
+
+
+@pytest.mark.slow  # the Triton interpreter
+def test_batch1_gemv_layer_adds_the_adapters_delta(tiny_model_dir):
+    """Batch-1 decode's fused GEMV kernels (norm inside the projection) add each projection's
+    adapter delta as the batched path does: one layer, bfloat16, a random rank-8 adapter."""
+    from engine.lora.adapter import AdapterWeights, module_shapes
+    from engine.lora.layers import LoraModel
+    from engine.models.loader import load_model
+
+    model, config = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    lora = LoraModel(model, config, max_loras=2, max_rank=8, max_tokens=4)
+    gen = torch.Generator().manual_seed(0)
+    weights = {(0, m): (torch.randn(8, d_in, generator=gen) * 0.3,
+                        torch.randn(d_out, 8, generator=gen) * 0.3)
+               for m, (d_in, d_out) in module_shapes(config).items()}
+    lora.write_slot(1, AdapterWeights("a", "/a", 8, 1.0, weights))
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
+    x = torch.randn(1, config.hidden_size, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(1, config.hidden_size, generator=gen).to(torch.bfloat16)
+    positions = torch.tensor([3])
+
+    def forward(one_row: bool, slot: int):
+        lora.batch.set_slots(torch.tensor([slot]))
+        layer.use_gemv = one_row
+        out, summed = layer(x.clone(), residual.clone(), positions, rotary, _QueryAsOutput())
+        return out.float(), summed.float()
+
+    batched, gemv = forward(False, 1), forward(True, 1)
+    base = forward(False, -1)[0]
+    tolerance = 0.05 * batched[0].abs().max()  # bfloat16, summed in other orders
+    for got, want in zip(gemv, batched):  # the MLP's output, and the residual stream
+        assert (got - want).abs().max() < tolerance
+    assert (batched[0] - base).abs().max() > 10 * tolerance, "the adapter changed nothing"

@@ -5,7 +5,7 @@ Each fused projection of the model (qkv_proj, o_proj, gate_up_proj, down_proj) i
 `LoraLinear` holding the stacked weights of every slot, zero where a slot is empty or its
 adapter does not target the module. With L slots of rank R and S slices (q, k, v of qkv_proj):
 
-    shrink   mid  = x @ a                     x [T, in]   a [in, S*L*R]    mid [T, S, L, R]
+    shrink   mid  = x @ a_t^T                 x [T, in]   a_t [S*L*R, in]  mid [T, S, L, R]
     select   mid *= mask[:T, None, :, None]   mask [T, L]: 1 in the token's slot, else 0
     expand   y[:, slice s] += mid[:, s] @ b_s                b_s [L*R, out_s]
 
@@ -59,8 +59,10 @@ class LoraLinear(nn.Module):
         self.rank = rank
         w = base.weight
         loras = batch.max_loras
-        self.a = torch.zeros(w.shape[1], len(slices) * loras * rank, dtype=w.dtype,
-                             device=w.device)
+        # A of every slice and slot, one row per rank: the layout a projection's weight has,
+        # so batch-1 decode's GEMV kernels shrink with it as they project with the base's
+        self.a_t = torch.zeros(len(slices) * loras * rank, w.shape[1], dtype=w.dtype,
+                               device=w.device)
         self.b = [torch.zeros(loras * rank, size, dtype=w.dtype, device=w.device)
                   for size in slices]
         self.offsets = [sum(slices[:i]) for i in range(len(slices))]
@@ -74,12 +76,15 @@ class LoraLinear(nn.Module):
             out = self.base(x)
         else:  # a CUDA graph's static buffer (LlamaForCausalLM.forward_piece)
             torch.mm(x, self.base.weight.t(), out=out)
-        t, loras, rank = x.shape[0], self.batch.max_loras, self.rank
-        mid = (x @ self.a).view(t, len(self.b), loras, rank)
-        mid = mid * self.batch.mask[:t, None, :, None]
+        self.add_delta(x @ self.a_t.t(), out)
+        return out
+
+    def add_delta(self, shrunk: torch.Tensor, out: torch.Tensor) -> None:
+        """out += each token's adapter delta, given shrunk = x @ a_t^T [T, S*L*R]."""
+        t, loras, rank = shrunk.shape[0], self.batch.max_loras, self.rank
+        mid = shrunk.view(t, len(self.b), loras, rank) * self.batch.mask[:t, None, :, None]
         for s, (b, offset) in enumerate(zip(self.b, self.offsets)):
             out[:, offset : offset + b.shape[1]] += mid[:, s].reshape(t, loras * rank) @ b
-        return out
 
     @torch.no_grad()
     def write_slot(self, slot: int, halves: list[tuple[torch.Tensor, torch.Tensor] | None]):
@@ -89,12 +94,12 @@ class LoraLinear(nn.Module):
         for s, pair in enumerate(halves):
             cols = slice((s * loras + slot) * rank, (s * loras + slot + 1) * rank)
             rows = slice(slot * rank, (slot + 1) * rank)
-            self.a[:, cols].zero_()
+            self.a_t[cols].zero_()
             self.b[s][rows].zero_()
             if pair is not None:
                 a, b = pair
                 r = a.shape[0]
-                self.a[:, cols][:, :r].copy_(a.t())
+                self.a_t[cols][:r].copy_(a)
                 self.b[s][rows][:r].copy_(b.t())
 
 
@@ -130,7 +135,7 @@ class LoraModel:
                 for module in _SLICES[name]:
                     pair = None if adapter is None else adapter.weights.get((i, module))
                     halves.append(None if pair is None else
-                                  (pair[0].to(proj.a.dtype), pair[1].to(proj.a.dtype)))
+                                  (pair[0].to(proj.a_t.dtype), pair[1].to(proj.a_t.dtype)))
                 proj.write_slot(slot, halves)
 
 
