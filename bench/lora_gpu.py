@@ -4,9 +4,10 @@ in-process on a GPU.
     python -m bench.lora_gpu --model random:llama-3.1-8b [--adapters 8] [--rank 16]
         [--max-loras 8] [--skew 0] [--only decode1,throughput,load] [--json out.json]
 
-Two engines side by side on the GPU (each --gpu-memory-utilization, default 0.42): the base
-model, and the same weights with --adapters random rank-16 PEFT adapters written to a
-temporary directory. Figures, each printed as a JSON line:
+Two engines side by side on the GPU, each with a KV pool of --num-pages (default 6,144 pages
+of 16 tokens: 12 GiB for Llama-3.1-8B; sizing it from free memory would count the other
+engine's): the base model, and the same weights with --adapters random rank-16 PEFT adapters
+written to a temporary directory. Figures, each printed as a JSON line:
   decode1     batch 1, context 1,024: median wall time per decode step, the base model on the
               base engine, and one adapter on the LoRA engine (target: <= 1.1x)
   throughput  --requests requests (input 512, output 128) sent at once, each naming an
@@ -72,9 +73,10 @@ def decode1(core: EngineCore, vocab: int, lora_name: str | None) -> float:
     return ms
 
 
-def throughput(core: EngineCore, vocab: int, names: list[str | None]) -> dict:
-    """Every request at once (request i names names[i]); tokens/s until the last finishes."""
-    for i, (p, name) in enumerate(zip(prompts(len(names), 512, vocab, 7), names)):
+def throughput(core: EngineCore, vocab: int, names: list[str | None], seed: int = 7) -> dict:
+    """Every request at once (request i names names[i]); tokens/s until the last finishes.
+    Prompts of `seed`: a warm-up must use another, or the run reuses its cached KV."""
+    for i, (p, name) in enumerate(zip(prompts(len(names), 512, vocab, seed), names)):
         core.add_request(f"t{i}", p, greedy(128, name))
     _sync()
     start = time.perf_counter()
@@ -105,7 +107,7 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=None, help="default: --adapters")
     ap.add_argument("--skew", type=float, default=0.0, help="Zipf exponent; 0: uniform")
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.42)
+    ap.add_argument("--num-pages", type=int, default=6144)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--only", default="decode1,throughput,load")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this module")
@@ -119,7 +121,7 @@ def main() -> None:
     for i, name in enumerate(names):
         write_random_adapter(tmp / name, config, args.rank, seed=i)
     common = dict(model=model_dir, device=args.device, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  num_pages=args.num_pages)
     base = EngineCore(EngineConfig(**common))
     lora = EngineCore(EngineConfig(**common, lora_modules=tuple((n, str(tmp / n)) for n in names),
                                    max_loras=args.max_loras or args.adapters,
@@ -135,8 +137,8 @@ def main() -> None:
         results["decode1"] = {"base_tpot_ms": b, "lora_tpot_ms": a, "ratio": a / b}
         print("decode1", json.dumps(results["decode1"]), flush=True)
     if "throughput" in wanted:
-        throughput(base, vocab, [None] * 32)  # warm both up on this shape
-        throughput(lora, vocab, names[:1] * 32)
+        throughput(base, vocab, [None] * 32, seed=8)  # warm both up on this shape
+        throughput(lora, vocab, names[:1] * 32, seed=8)
         b = throughput(base, vocab, [None] * args.requests)
         a = throughput(lora, vocab, popularity(args.requests, names, args.skew))
         results["throughput"] = {"base": b, "lora": a,
