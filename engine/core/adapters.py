@@ -20,8 +20,8 @@ from engine.lora.adapter import AdapterWeights, read_adapter, resolve_path
 from engine.lora.registry import Adapter, LoraRegistry
 from engine.model_runner import ModelRunner
 from engine.sequence import Sequence
-from microserve.backend import MicroservingError, RequestRejected
 from kvcache.integrity import IntegrityError
+from microserve.backend import MicroservingError, RequestRejected
 from microserve.messages import LoadLoraResponse, SamplingParams, UnloadLoraResponse
 
 log = logging.getLogger("engine.core")
