@@ -115,6 +115,7 @@ def test_base_and_two_adapters_in_one_batch_equal_peft(tiny_model_dir, lora_dir,
     assert stats.lora_loads == 2 and stats.lora_load_seconds > 0
 
 
+@pytest.mark.slow  # loads the real model (the marker's rule): 4 s on a quiet machine
 def test_smollm2_adapter_equals_peft(smollm2_dir, tmp_path):
     model = write_adapter(smollm2_dir, tmp_path / "s", rank=8, seed=3, scale_b=0.05)
     prompt = [1, 504, 3458, 2030, 16296, 314, 260, 2365]
