@@ -327,3 +327,11 @@ def test_bad_adapters_at_start_up_and_at_runtime(tiny_model_dir, lora_dir, tmp_p
         core.on_load_lora_adapter(LoadLoraRequest("x", str(bad)), None)
     assert core.stats().lora_registered == []
     core.check_integrity()
+
+
+def test_an_adapter_may_not_take_the_served_models_name(tiny_model_dir):
+    from engine.frontend.core_client import CoreClient
+
+    config = EngineConfig(model=tiny_model_dir, lora_modules=(("tiny", "/anywhere"),))
+    with pytest.raises(ValueError, match="the served model's own name"):
+        CoreClient(config, "tiny")

@@ -80,6 +80,9 @@ class CoreClient(GenerateBackend):
 
     def __init__(self, config: EngineConfig, served_model_name: str,
                  engine_key: str | None = None):
+        if served_model_name in {name for name, _ in config.lora_modules}:
+            raise ValueError(f"--lora-modules names an adapter {served_model_name!r}, the "
+                             "served model's own name: requests could not tell them apart")
         self.config = config
         self._engine_key = engine_key
         self.model_name = served_model_name
