@@ -99,6 +99,19 @@ class EngineConfig:
     # name; then a 503.
     kv_recv_wait_s: float = 60.0
     kv_recv_wait_max_s: float = 3600.0
+    # LoRA adapters (engine/lora/, docs/lora.md): (name, path) served from the start; on with
+    # any of them or with enable_lora (adapters then come through /v1/load_lora_adapter).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters resident in the GPU's slots at once (every step may mix them)
+    max_lora_rank: int = 16  # slots are this wide: an adapter of higher rank is refused
+    # where /v1/load_lora_adapter may read adapters from (its lora_path must resolve inside);
+    # None: runtime loading is refused (start-up --lora-modules may be anywhere)
+    lora_dir: str | None = None
+
+    @property
+    def lora(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     def resolved_kv_transfer(self, has_key: bool = True) -> str:
         """The backend to receive with. auto: shm on CPU, cuda_ipc on CUDA, but only with an
@@ -155,6 +168,18 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got "
                              f"{self.kv_cache_dtype!r}")
+        # (name, path) pairs; JSON (the core process's config) brings them as lists
+        object.__setattr__(self, "lora_modules", tuple(tuple(m) for m in self.lora_modules))
+        if self.lora:
+            for name in ("max_loras", "max_lora_rank"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            names = [name for name, _ in self.lora_modules]
+            if len(set(names)) < len(names):
+                raise ValueError(f"lora_modules names must differ, got {', '.join(names)}")
+            if self.quantization is not None:
+                raise ValueError("LoRA adapters over fp8 weights are not supported yet "
+                                 "(--quantization with --lora-modules or --enable-lora)")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

@@ -16,6 +16,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.device import to_device
 from engine.kernels import pdl
+from engine.lora.layers import LoraModel
 from engine.models import fp8
 from engine.models.loader import load_model
 from engine.penalties import StepAdjustments
@@ -81,6 +82,12 @@ class ModelRunner:
             # The setting is process-wide; an engine owns its process.
             set_blas_library(config.eager_blas_library)
             pdl.configure(config.pdl)
+        self.lora: LoraModel | None = None  # the adapters' slots, with --lora-modules
+        if config.lora:
+            # the most tokens one forward runs: a step, or a decode graph's largest bucket
+            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, 512)
+            self.lora = LoraModel(self.model, self.config, config.max_loras,
+                                  config.max_lora_rank, max_tokens)
         backend = config.attention_backend
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
@@ -205,6 +212,7 @@ class ModelRunner:
         copies: list[PageCopy] = (),
         from_last: list[tuple[int, int]] = (),
         sends: list[KVSend] = (),
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor | None:
         """Launch one step's forward pass: append KV for `input_ids` (packed per `batch`) and
         return the logits at each of `sample_rows` (packed row indices), None if there are
@@ -213,8 +221,12 @@ class ModelRunner:
         `from_last` lists (input index, sampled row of the previous step): inputs whose value
         is the previous step's sampled token, which may not have reached the host yet (async
         scheduling); they are filled on the device. `sends` are KV transfers to start layer
-        by layer during this step (`PagedKVCache.mark_send`). Returns without waiting for the GPU.
+        by layer during this step (`PagedKVCache.mark_send`). `lora_slots`: each input's LoRA
+        slot (-1: the base model); None: all the base. Returns without waiting for the GPU.
         """
+        if self.lora is not None:
+            self.lora.batch.set_slots(to_device(lora_slots or [-1] * len(input_ids),
+                                                torch.long, self.device))
         if copies:
             self.kv.copy_pages(copies)
         if sends:

@@ -29,9 +29,22 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.sequence import Sequence, SeqStatus
 from kvcache.manager import KVCacheManager
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler asks of the LoRA adapters (engine/core/adapters.py): a sequence
+    runs only while its adapter sits in a slot, and holds it there."""
+
+    def acquire(self, seq: Sequence) -> bool:
+        """Put the sequence's adapter in a slot (loading it, maybe evicting an idle one) and
+        count the sequence as running on it. False if no slot can be had now."""
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence stopped running (preempted, finished, aborted)."""
 
 
 class SchedulingPolicy:
@@ -71,6 +84,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         policy: SchedulingPolicy | None = None,
+        adapters: AdapterSlots | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(
@@ -81,6 +95,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.policy = policy or SchedulingPolicy()
+        self.adapters = adapters  # None: no LoRA (every sequence runs the base)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0  # counter for /metrics
@@ -109,6 +124,7 @@ class Scheduler:
         A waiting sequence may hold pages too (KV prepared before admission)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self._release_adapter(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         if not keep_pages and self.kv.has(seq.request_id):
@@ -161,8 +177,13 @@ class Scheduler:
                 return False
         return True
 
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora_id:
+            self.adapters.release(seq)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        self._release_adapter(seq)
         self.kv.free(seq.request_id)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
@@ -182,15 +203,18 @@ class Scheduler:
                 continue
             if not prepared and self._waits_for_twin(seq, twins):
                 continue
+            if seq.lora_id and not self.adapters.acquire(seq):
+                continue  # every slot's adapter is running: it waits, holding no one up
             if prepared:
                 reused = seq.num_computed_tokens
             else:  # reuse cached KV for all but the last token: its logits are needed
                 end = seq.num_tokens - 1
                 if seq.prompt_logprobs is not None:  # nor any prompt token not yet scored
                     end = min(end, seq.prompt_scored - 1)
-                reused = self.kv.open(seq.request_id, seq.token_at(0, end))
+                reused = self.kv.open(seq.request_id, seq.token_at(0, end), seq.lora_id)
             n = min(seq.num_tokens - reused, budget)
             if not self.kv.allocate(seq.request_id, reused + n):
+                self._release_adapter(seq)
                 if not prepared:
                     self.kv.free(seq.request_id)
                     blocked = True  # FCFS among the sequences that need their KV computed
@@ -245,6 +269,6 @@ class Scheduler:
         if not twins or seq.prompt_key not in twins:
             return False
         scores = seq.params.prompt_logprobs
-        return any(t.prompt_token_ids == seq.prompt_token_ids
+        return any(t.prompt_token_ids == seq.prompt_token_ids and t.lora_id == seq.lora_id
                    and (scores is None or t.params.prompt_logprobs == scores)
                    for t in twins[seq.prompt_key])

@@ -44,6 +44,9 @@ class Sequence:
     # a step must start on it, else it fails with a 503 (EngineCore.expire); None: no limit
     queue_s: float | None = None
     start_by: float | None = None
+    # the LoRA adapter it runs with (its registry id, engine/lora/registry.py), 0: the base;
+    # also its prefix-cache namespace
+    lora_id: int = 0
     # appended by EngineCore; the newest may be PENDING while its step is in flight
     output_token_ids: list[int] = field(default_factory=list, init=False)
     status: SeqStatus = field(default=SeqStatus.WAITING, init=False)  # set by the Scheduler

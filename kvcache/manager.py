@@ -65,6 +65,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}  # seq id -> page table; written only here
         self._num_cached: dict[str, int] = {}  # seq id -> leading pages already inserted in the tree
         self._cached_at: dict[str, CachedPrefix] = {}  # seq id -> where its cached pages end
+        # seq id -> its prefix-cache namespace (its LoRA adapter's id), for those not in 0
+        self._namespace: dict[str, int] = {}
         self._changes = TableChanges()  # since the last take_table_changes
 
     # ---- sequences ----------------------------------------------------------------------------
@@ -98,9 +100,11 @@ class KVCacheManager:
         have = len(self._tables[seq_id]) if seq_id is not None else 0
         return max(0, -(-num_tokens // self.page_size) - have)
 
-    def open(self, seq_id: str, tokens: list[int]) -> int:
+    def open(self, seq_id: str, tokens: list[int], namespace: int = 0) -> int:
         """Start a page table for `seq_id`, reusing the longest cached whole-page prefix of
         `tokens`. Returns the number of tokens whose KV is already there (a page multiple).
+        `namespace` (a LoRA adapter's id; 0 the base model) is the part of the cache the
+        sequence reads and fills: KV computed under other weights is never reused.
 
         The caller passes only tokens whose KV it may reuse; a request that must compute at
         least one token to get logits passes its prompt without the last token.
@@ -109,8 +113,10 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} already has KV pages")
         pages: list[int] = []
         if self.enable_prefix_cache:
-            pages = self.cache.match(tokens).pages
+            pages = self.cache.match(tokens, namespace).pages
             self.pool.retain(pages)
+        if namespace:
+            self._namespace[seq_id] = namespace
         self._tables[seq_id] = list(pages)
         self._num_cached[seq_id] = len(pages)
         return len(pages) * self.page_size
@@ -195,7 +201,8 @@ class KVCacheManager:
         after = self._cached_at.get(seq_id)
         start = done if after else 0
         canonical, self._cached_at[seq_id] = self.cache.insert(
-            tokens[start * ps : n_full * ps], table[start:n_full], after
+            tokens[start * ps : n_full * ps], table[start:n_full], after,
+            self._namespace.get(seq_id, 0)
         )
         mine = table[start:n_full]
         dup = [m for m, kept in zip(mine, canonical) if m != kept]
@@ -230,6 +237,7 @@ class KVCacheManager:
                 self._changes = TableChanges(reset=True)
         del self._num_cached[seq_id]
         self._cached_at.pop(seq_id, None)
+        self._namespace.pop(seq_id, None)
         self.pool.release(table)
 
     def fork_sequence(self, parent: str, child: str, num_tokens: int) -> PageCopy | None | bool:
@@ -257,6 +265,8 @@ class KVCacheManager:
         self.pool.retain(shared)
         self._tables[child] = shared + ([copy.dst] if copy else [])
         self._num_cached[child] = min(self._num_cached[parent], n_full)
+        if parent in self._namespace:
+            self._namespace[child] = self._namespace[parent]
         return copy
 
     # ---- router-driven cache control ------------------------------------------------------------
@@ -303,5 +313,7 @@ class KVCacheManager:
                 held.intersection(self.cache.all_pages()))):
             raise IntegrityError(f"stats count {s.used_pages} used and {s.cached_pages} "
                                  f"cached-only pages; the tables hold {len(held)}")
+        if not self._namespace.keys() <= self._tables.keys():
+            raise IntegrityError("a namespace kept for a sequence without a page table")
         if s.free_pages + s.cached_pages + s.used_pages != s.total_pages:
             raise IntegrityError(f"free + cached + used pages != total: {s}")

@@ -77,7 +77,11 @@ class PrefixCache:
         self.pool = pool
         self.page_size = page_size
         self._uids = itertools.count()
-        self._root = _Node([], [], None, 0, next(self._uids))
+        # One tree per namespace (0: the base model; a LoRA adapter's id otherwise): KV is
+        # computed with the namespace's weights, so a prefix matches only within it. A root
+        # is the node without a parent; an adapter's goes once its tree is empty.
+        self._root = _Node([], [], None, 0, next(self._uids))  # the base model's
+        self._roots: dict[int, _Node] = {0: self._root}
         self._clock = 0
         self.num_pages = 0  # pages currently in the tree
         self._pinned: set[_Node] = set()  # nodes with pin_count > 0 (stats walk only these)
@@ -85,9 +89,17 @@ class PrefixCache:
 
     # ---- lookup -------------------------------------------------------------------------------
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        """Longest cached prefix of `tokens` in whole pages; marks it recently used."""
-        node, pages = self._walk(tokens)
+    def _root_of(self, namespace: int) -> _Node:
+        if namespace not in self._roots:
+            self._roots[namespace] = _Node([], [], None, 0, next(self._uids))
+        return self._roots[namespace]
+
+    def match(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
+        """Longest cached prefix of `tokens` in whole pages, within `namespace`; marks it
+        recently used."""
+        if namespace not in self._roots:
+            return PrefixMatch(0, [])
+        node, pages = self._walk(tokens, self._roots[namespace])
         self._touch(node)
         return PrefixMatch(len(pages) * self.page_size, pages)
 
@@ -149,7 +161,8 @@ class PrefixCache:
     # ---- insertion ----------------------------------------------------------------------------
 
     def insert(
-        self, tokens: list[int], pages: list[int], after: "CachedPrefix | None" = None
+        self, tokens: list[int], pages: list[int], after: "CachedPrefix | None" = None,
+        namespace: int = 0,
     ) -> tuple[list[int], "CachedPrefix"]:
         """Cache the whole pages of `tokens` whose KV is in `pages`.
 
@@ -160,18 +173,20 @@ class PrefixCache:
         pages that continue an unpinned leaf extend it; otherwise they hang as a new leaf.
 
         Returns the tree's pages for the inserted range (a caller switches its page table to
-        them and releases duplicates), and a handle for the next insert. A handle stays valid
+        them and releases duplicates), and a handle for the next insert. `namespace` is the
+        tree a first insert (no `after`) goes into; a handle stays in its own. A handle stays valid
         while its owner holds references on the pages up to it (so they cannot be evicted).
         """
         ps = self.page_size
         n_full = min(len(tokens) // ps, len(pages))
         tokens = tokens[: n_full * ps]
-        node, cached = self._walk(tokens, self._resume(after) if after else None)
+        start = self._resume(after) if after else self._root_of(namespace)
+        node, cached = self._walk(tokens, start)
         pos = len(cached) * ps
         if pos < len(tokens):
             new_pages = pages[len(cached) : n_full]
             self.pool.retain(new_pages)
-            if node is not self._root and not node.children and node.pin_count == 0:
+            if node.parent is not None and not node.children and node.pin_count == 0:
                 node.key.extend(tokens[pos:])  # a context growing page by page: one edge
                 node.pages.extend(new_pages)
             else:
@@ -189,7 +204,7 @@ class PrefixCache:
     def _resume(self, after: CachedPrefix) -> _Node:
         """The node ending exactly at `after.end`, splitting one if it now ends inside it."""
         node = after.node
-        while node is not self._root and after.end <= node.start:  # split since: go up
+        while node.parent is not None and after.end <= node.start:  # split since: go up
             node = node.parent
         if after.end < node.end:  # extended since, by this or another sequence
             node = self._split(node, (after.end - node.start) // self.page_size)
@@ -201,7 +216,7 @@ class PrefixCache:
         """Protect the cached whole-page prefix of `tokens` from eviction. Returns tokens pinned."""
         node, pages = self._walk(tokens)
         self._touch(node)
-        while node is not self._root:
+        while node.parent is not None:
             node.pin_count += 1
             if node.pin_count == 1:
                 self.pool.mark_evictable(node.pages, False)
@@ -213,7 +228,7 @@ class PrefixCache:
         """Undo one `pin` of the same prefix. Raises ValueError if that prefix is not pinned."""
         node, pages = self._walk(tokens)
         path = []
-        while node is not self._root:
+        while node.parent is not None:
             path.append(node)
             node = node.parent
         if not path or any(n.pin_count == 0 for n in path):
@@ -262,7 +277,7 @@ class PrefixCache:
             parent = node.parent
             if node.pages:
                 self._push_leaf(node)  # what is left of it stays a leaf
-            elif parent is not self._root and not parent.children:
+            elif parent.parent is not None and not parent.children:
                 self._push_leaf(parent)
         for entry in held:
             heapq.heappush(self._heap, entry)
@@ -273,7 +288,11 @@ class PrefixCache:
         keep = len(node.pages) - n_pages
         dropped = node.pages[keep:]
         if keep == 0:
-            del node.parent.children[tuple(node.key[: self.page_size])]
+            parent = node.parent
+            del parent.children[tuple(node.key[: self.page_size])]
+            if parent.parent is None and not parent.children:  # an adapter's tree is empty
+                self._roots = {ns: root for ns, root in self._roots.items()
+                               if ns == 0 or root is not parent}
         del node.pages[keep:], node.key[keep * self.page_size :]
         self.num_pages -= len(dropped)
         return self.pool.release(dropped)
@@ -288,7 +307,7 @@ class PrefixCache:
             heapq.heapify(self._heap)
 
     def _leaves(self) -> list[_Node]:
-        return [n for n in self._iter_nodes() if not n.children and n is not self._root]
+        return [n for n in self._iter_nodes() if not n.children and n.parent is not None]
 
     # ---- inspection -----------------------------------------------------------------------------
 
@@ -305,7 +324,7 @@ class PrefixCache:
         return self.pool.num_evictable + sum(rc(p) == 1 for n in self._pinned for p in n.pages)
 
     def _iter_nodes(self):
-        stack = [self._root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             yield node
@@ -315,7 +334,7 @@ class PrefixCache:
         """Tree shape, positions, page ownership and the evictable marks agree with the pool."""
         ps, seen = self.page_size, set()
         for node in self._iter_nodes():
-            if node is self._root:
+            if node.parent is None:
                 continue
             if not len(node.key) == len(node.pages) * ps > 0:
                 raise IntegrityError("edge not in whole pages")
@@ -336,6 +355,6 @@ class PrefixCache:
                 seen.add(p)
         if len(seen) != self.num_pages:
             raise IntegrityError(f"{len(seen)} pages in tree, counted {self.num_pages}")
-        pinned = {n for n in self._iter_nodes() if n.pin_count > 0 and n is not self._root}
+        pinned = {n for n in self._iter_nodes() if n.pin_count > 0 and n.parent is not None}
         if pinned != self._pinned:
             raise IntegrityError(f"{len(pinned)} pinned nodes, tracked {len(self._pinned)}")

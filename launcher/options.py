@@ -98,6 +98,29 @@ def engine_options(p: argparse.ArgumentParser) -> None:
     _config_option(p, "--skip-warmup", "warmup", action="store_false",
                    help="CUDA: report ready without serving the start-up requests that compile "
                         "the kernels first requests would otherwise wait for")
+    lora_options(p)
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAME=PATH")
+    return name, path
+
+
+def lora_options(p) -> None:
+    """LoRA adapters over the base model (docs/lora.md)."""
+    _config_option(p, "--lora-modules", type=_lora_module, nargs="+",
+                   help="NAME=PATH ...: PEFT LoRA adapters served from the start; a request "
+                        "picks one with model=NAME")
+    _config_option(p, "--enable-lora", action="store_true",
+                   help="LoRA on without start-up adapters (they come through "
+                        "/v1/load_lora_adapter)")
+    _config_option(p, "--max-loras", type=int, help="adapters resident on the device at once "
+                                                    "(a step mixes any of them)")
+    _config_option(p, "--max-lora-rank", type=int, help="the highest adapter rank accepted")
+    _config_option(p, "--lora-dir", help="the directory /v1/load_lora_adapter reads adapters "
+                                         "from (default: none; runtime loading refused)")
     _config_option(p, "--max-piecewise-tokens", type=int,
                    help="CUDA: steps with prompt tokens, up to this many in all, replay "
                         "piecewise CUDA graphs, attention eager (default: 2048; 0: eager)")

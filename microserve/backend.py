@@ -68,6 +68,11 @@ class GenerateBackend(ABC):
         finishing chunk stops the request wherever it is and frees everything it holds.
         """
 
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters a request may name in `model` besides model_name (it then
+        generates with SamplingParams.lora_name set to it)."""
+        return []
+
     async def healthy(self) -> bool:
         return True
 

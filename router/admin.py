@@ -10,6 +10,8 @@ pinning.
     DELETE /admin/engines/{name}           out of the pool (its requests in flight finish)
     POST   /admin/migrate                  {"prompt" | "text", "source", "destination", "pin"?}
     POST   /admin/pin, /admin/unpin        {"prompt" | "text", "engines"?}
+    POST   /admin/load_lora_adapter        {"lora_name", "lora_path"}: on every engine
+    POST   /admin/unload_lora_adapter      {"lora_name"}: on every engine
 
 Every route needs the admin token (`Authorization: Bearer TOKEN`), GETs included: they show
 engine URLs and strategy arguments, which are the deployment's business. Without an admin token
@@ -29,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -91,6 +94,11 @@ class MigrateBody(_Tokens):
 
 class PinBody(_Tokens):
     engines: list[str] | None = None  # default: every engine in the pool
+
+
+class LoraBody(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str | None = Field(None, min_length=1, max_length=4096)  # load: required
 
 
 async def _body(raw: Request, model: type[_Body]) -> Any:
@@ -198,6 +206,35 @@ class AdminAPI:
             out[engine.name] = answer.tokens
         return JSONResponse({"tokens": out})
 
+    async def load_lora(self, raw: Request) -> JSONResponse:
+        body: LoraBody = await _body(raw, LoraBody)
+        if body.lora_path is None:
+            raise invalid_request("lora_path is required", "lora_path")
+        return await self._on_every_engine(lambda e: e.load_lora(body.lora_name,
+                                                                 body.lora_path))
+
+    async def unload_lora(self, raw: Request) -> JSONResponse:
+        body: LoraBody = await _body(raw, LoraBody)
+        return await self._on_every_engine(lambda e: e.unload_lora(body.lora_name))
+
+    async def _on_every_engine(self, call) -> JSONResponse:
+        """`call(engine)` on every engine in the pool at once: their answers by engine, or
+        the first failure's status with every failure named (those that succeeded stay
+        done: a load is undone with an unload)."""
+        engines = list(self.pool)
+        if not engines:
+            raise OpenAIError(503, "no engines in the pool", type="server_error")
+        results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
+        failed = [(e.name, r) for e, r in zip(engines, results) if isinstance(r, Exception)]
+        if failed:
+            status = getattr(failed[0][1], "status", 503)
+            raise OpenAIError(status, "; ".join(f"engine {name}: {error}"
+                                                for name, error in failed),
+                              type="server_error" if status >= 500 else "invalid_request_error",
+                              param=getattr(failed[0][1], "param", None))
+        return JSONResponse({"engines": {e.name: msgspec.to_builtins(r)
+                                         for e, r in zip(engines, results)}})
+
     # -- helpers --------------------------------------------------------------------------------
 
     def _known(self, name: str):
@@ -235,6 +272,8 @@ def add_admin_routes(app: FastAPI, api: AdminAPI) -> None:
         ("/admin/migrate", api.migrate, "POST"),
         ("/admin/pin", api.pin, "POST"),
         ("/admin/unpin", api.unpin, "POST"),
+        ("/admin/load_lora_adapter", api.load_lora, "POST"),
+        ("/admin/unload_lora_adapter", api.unload_lora, "POST"),
     ]
     for path, handler, method in routes:
         app.add_api_route(path, handler, methods=[method])

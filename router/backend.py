@@ -73,13 +73,19 @@ class RouterBackend(GenerateBackend):
     async def healthy(self) -> bool:
         return bool(self.pool.routable())
 
+    def lora_names(self) -> list[str]:
+        return self.pool.lora_names()
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerateChunk]:
         for attempt in range(self.max_retries + 1):
             request = Request(request_id, prompt_token_ids, params)
             loaded = self.host.acquire()
+            # a LoRA adapter's request goes only to engines that have it registered
+            pool = self.pool if params.lora_name is None else self.pool.with_adapter(
+                params.lora_name)
             if params.prompt_logprobs is None:
-                chunks = loaded.instance.generate(request, self.pool)
+                chunks = loaded.instance.generate(request, pool)
             else:  # scoring the prompt needs it computed whole on one engine: no strategy splits it
                 chunks = self._scoring.whole(request)
             finished = produced = False

@@ -29,7 +29,11 @@ from microserve.messages import (
     EngineStats,
     GenerateChunk,
     KVAddr,
+    LoadLoraRequest,
+    LoadLoraResponse,
     PinRequest,
+    UnloadLoraRequest,
+    UnloadLoraResponse,
     PinResponse,
     PrepRecvRequest,
     PrepRecvResponse,
@@ -283,6 +287,20 @@ class EngineHandle:
 
     async def unpin(self, prompt: list[int]) -> PinResponse:
         return await self._call(UnpinRequest(prompt))
+
+    async def load_lora(self, name: str, path: str) -> LoadLoraResponse:
+        return await self._call(LoadLoraRequest(name, path))
+
+    async def unload_lora(self, name: str) -> UnloadLoraResponse:
+        return await self._call(UnloadLoraRequest(name))
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters requests may name here: by its last polled stats (before the
+        first poll, those it started with)."""
+        if self.load is not None:
+            return self.load.lora_registered
+        return self.info.lora_adapters if self.info is not None else []
 
     # -- plumbing -------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ microserve_router_pd_fallbacks_total).
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 from collections.abc import Iterator
@@ -115,6 +116,7 @@ class EnginePool(PoolHealth):
         self._poller: asyncio.Task | None = None
         # (probe, engine) -> its probe in flight; started and cancelled by the poller alone
         self._probes: dict[tuple[str, str], asyncio.Task] = {}
+        self.adapter: str | None = None  # set in a with_adapter view only
         self.marked_down = 0  # times an engine went down (poll or failed call)
         self.stats_missed = 0  # stats reads that failed or came late (the engine stayed up)
 
@@ -137,8 +139,22 @@ class EnginePool(PoolHealth):
         return len(self._engines)
 
     def routable(self, role: str | None = None) -> list[EngineHandle]:
-        """Engines up, not draining, serving `role` (None: any role), in the order added."""
-        return [e for e in self._engines.values() if e.routable and e.serves(role)]
+        """Engines up, not draining, serving `role` (None: any role), in the order added;
+        in a `with_adapter` view, only those with its adapter registered."""
+        return [e for e in self._engines.values() if e.routable and e.serves(role)
+                and (self.adapter is None or self.adapter in e.lora_names)]
+
+    def with_adapter(self, name: str) -> EnginePool:
+        """This pool as a request for LoRA adapter `name` sees it: every pick (round_robin,
+        least_loaded, pick, prefill_decode) among the engines that have it registered. A
+        shallow copy: engines, load and counters are the pool's own."""
+        view = copy.copy(self)
+        view.adapter = name
+        return view
+
+    def lora_names(self) -> list[str]:
+        """The adapters some routable engine has registered."""
+        return sorted({n for e in self.routable() for n in e.lora_names})
 
     def round_robin(self, role: str | None = None) -> EngineHandle:
         """The next routable engine of `role` in turn. Raises BackendUnavailable if none."""

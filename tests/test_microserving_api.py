@@ -83,7 +83,7 @@ CALLS = {
     "pin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
     "unpin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
 }
-STATS = {**{f.name: 0 for f in dataclasses.fields(EngineStats)},
+STATS = {**{f.name: 0 for f in dataclasses.fields(EngineStats) if f.type != "list[str]"},
          "running": 1, "waiting": 0, "kv_pages_free": 12}
 INFO = {"model_name": "tiny", "model_dir": "/m", "device": "cpu", "dtype": "float32",
         "vocab_size": 64, "max_model_len": 64, "eos_token_ids": [2], "page_size": 4,

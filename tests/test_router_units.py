@@ -88,7 +88,8 @@ def engine_info(**facts) -> EngineInfo:
 
 def engine_load(**counts) -> EngineStats:
     """An engine's polled stats: zero but for `counts`."""
-    return EngineStats(**{f.name: counts.get(f.name, 0) for f in dataclasses.fields(EngineStats)})
+    return EngineStats(**{f.name: counts.get(f.name, 0) for f in dataclasses.fields(EngineStats)
+                          if f.type != "list[str]"})  # the adapter lists: empty
 
 
 def make_pool(*specs: tuple[str, str]) -> EnginePool:

@@ -14,6 +14,7 @@ from dataclasses import asdict
 import torch
 
 from engine.config import EngineConfig
+from engine.core.adapters import EngineAdapters
 from engine.core.handlers import MessageHandlers
 from engine.core.lifecycle import RequestLifecycle
 from engine.core.step import LaunchedStep, StepPipeline
@@ -48,6 +49,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             torch.set_num_threads(config.cpu_threads)
         dtype = resolve_dtype(config.dtype, config.device)
         self.runner = ModelRunner(config, dtype)
+        # LoRA adapters (engine/lora/), with --lora-modules or --enable-lora; None: off
+        self.adapters = EngineAdapters(config, self.runner) if config.lora else None
         mc = self.runner.config
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
         num_pages = self.runner.num_pages_for(self.max_model_len)
@@ -66,7 +69,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         num_pages = self.transfer.kv.shape[2]  # nvshmem: the group's smallest pool
         self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   adapters=self.adapters)
         self.requests = RequestTable()
         # The transfer thread wakes the step loop through this pipe when a send completes.
         self.wakeup_fd, self._wakeup_w = os.pipe()
@@ -82,6 +86,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         self.penalties = PenaltyPool(mc.vocab_size, self.runner.device, sorted(self.eos_token_ids))
         # what a generation holds beside its sequence: given it when added, told when it leaves
         self.side_tables: list[RequestSideTable] = [self.grammars, self.penalties]
+        if self.adapters is not None:
+            self.side_tables.append(self.adapters)
         self._arrivals = itertools.count()
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None
@@ -115,6 +121,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             kv_transfer=self.transfer.kind,
             quantization="fp8" if fp8.is_quantized(self.runner.model) else None,
             kv_cache_dtype=kv_dtype,
+            max_loras=config.max_loras if self.adapters is not None else 0,
+            lora_adapters=self.adapters.registry.registered() if self.adapters else [],
         )
         if self.runner.cuda and config.warmup:
             log.info("warmed up in %.1f s", self.warm_up())
@@ -169,6 +177,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             **self.counters,
             **self.exchange.stats(),
             **asdict(self.loop),
+            **(self.adapters.stats() if self.adapters is not None else {}),
         )
 
     def check_integrity(self) -> None:
@@ -177,4 +186,6 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         IntegrityError."""
         self.kv.check_integrity()
         self.penalties.check_integrity()
+        if self.adapters is not None:
+            self.adapters.check_integrity()
         self.requests.check_integrity(self.scheduler, self.kv, side_tables=self.side_tables)

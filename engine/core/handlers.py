@@ -179,6 +179,19 @@ class MessageHandlers:
             self._outbox.append(Outputs([out]))
         return AbortResponse(aborted)
 
+    def on_load_lora_adapter(self, r, received_at):
+        return self._lora("load").load_call(r.lora_name, r.lora_path)
+
+    def on_unload_lora_adapter(self, r, received_at):
+        return self._lora("unload").unload(r.lora_name)
+
+    def _lora(self, what: str):
+        if self.adapters is None:
+            raise MicroservingError(400, f"cannot {what} LoRA adapters: LoRA is off on this "
+                                    "engine (start it with --enable-lora and --lora-dir)",
+                                    "lora_name")
+        return self.adapters
+
     def on_pin(self, r, received_at) -> PinResponse:
         return _pinned(self.kv.pin, r.prompt)
 

@@ -21,7 +21,7 @@ from engine.requests import RequestState
 from engine.sampler import make_generator
 from engine.sequence import PENDING, Sequence
 from engine.validation import check_request, resolve_index
-from microserve.backend import MicroservingError
+from microserve.backend import MicroservingError, RequestRejected
 from microserve.messages import FinishReason, KVAddr, SamplingParams, TokenOutput
 
 
@@ -52,6 +52,8 @@ class RequestLifecycle:
             raise MicroservingError(409, f"request_id {request_id!r} is already in use",
                                     "request_id")  # fmt: skip
         check_request(prompt, params, self.info)
+        if params.lora_name is not None:
+            self._check_adapter_use(begin != 0 or first_token is not None or entry is not None)
         begin = resolve_index(begin, len(prompt), "begin")
         if first_token is not None:
             self._check_first_token(prompt, params, begin, first_token)
@@ -81,8 +83,10 @@ class RequestLifecycle:
         except BaseException:
             self._release_side_tables(request_id)
             raise
+        lora_id = self.adapters.lora_id(request_id) if self.adapters is not None else 0
         seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
-                       num_cached_tokens=held, queue_s=queue_s, start_by=start_by)  # fmt: skip
+                       num_cached_tokens=held, queue_s=queue_s, start_by=start_by,
+                       lora_id=lora_id)  # fmt: skip
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(prompt)
         self.requests.generate(request_id, seq, generator)
@@ -95,6 +99,17 @@ class RequestLifecycle:
         if final:
             self._remove(seq)
         return out
+
+    def _check_adapter_use(self, from_peer: bool) -> None:
+        """A request naming a LoRA adapter needs LoRA on here and its KV computed here."""
+        if self.adapters is None:
+            raise RequestRejected("this engine serves no LoRA adapters (start it with "
+                                  "--lora-modules or --enable-lora)", "model")
+        if from_peer:
+            raise MicroservingError(
+                400, "KV received from another engine was computed without this request's LoRA "
+                "adapter: P/D and migration do not carry adapters yet (begin must be 0, no "
+                "first_token, no prep_recv)", "model")
 
     def _check_first_token(self, prompt: list[int], params: SamplingParams, begin: int,
                            first_token: int) -> None:
@@ -133,6 +148,9 @@ class RequestLifecycle:
         generator = None
         if sampling is not None:
             check_request(prompt, sampling, self.info)
+            if sampling.lora_name is not None:
+                raise MicroservingError(400, "a remote_send computes KV with the base model: "
+                                        "it carries no LoRA adapter yet", "lora_name")
             if sampling.prompt_logprobs is not None:
                 raise MicroservingError(400, "prompt_logprobs is for a generation, not a "
                                         "remote_send's first token", "prompt_logprobs")

@@ -54,6 +54,7 @@ class Batch(NamedTuple):
     sends: list[KVSend]  # the KV sends this step's pages are marked for
     # prompt tokens to score (SamplingParams.prompt_logprobs): (row, (sequence, token index))
     scored: list[tuple[int, tuple[Sequence, int]]]
+    lora_slots: list[int] | None  # each input's LoRA slot (-1: the base); None: LoRA off
 
 
 class SampleArgs(NamedTuple):
@@ -131,7 +132,8 @@ class StepPipeline:
         args = SampleArgs([seq.params for seq in sampled], self.requests.generators(sampled),
                           self.penalties.step(sampled))
         logits = self.runner.forward(batch.forward, batch.input_ids, batch.sample_rows,
-                                     from_last=batch.from_last, sends=batch.sends)
+                                     from_last=batch.from_last, sends=batch.sends,
+                                     lora_slots=batch.lora_slots)
         scores = []
         if batch.scored:
             rows, targets, num_top = zip(*((row, seq.prompt_token_ids[j],
@@ -193,7 +195,11 @@ class StepPipeline:
             if seq.send_only and (send := self.exchange.sends_for(seq, start, n)) is not None:
                 sends.append(send)
         forward = ForwardBatch(seqs, self.kv.page_size, self.kv.take_table_changes())
-        return Batch(forward, input_ids, sample_rows, from_last, sends, scored)
+        lora_slots = None
+        if self.adapters is not None:
+            lora_slots = [slot for e in sched.scheduled
+                          for slot in [self.adapters.slot_of(e.seq)] * e.num_new_tokens]
+        return Batch(forward, input_ids, sample_rows, from_last, sends, scored, lora_slots)
 
     def _resolve(self, launched: LaunchedStep) -> list[TokenOutput]:
         """Read a launched step's tokens back; emit outputs, finish and free sequences."""

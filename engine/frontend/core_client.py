@@ -52,9 +52,11 @@ from microserve.messages import (
     EngineStats,
     GenerateChunk,
     Liveness,
+    LoadLoraRequest,
     SamplingParams,
     StatsRequest,
     TokenOutput,
+    UnloadLoraRequest,
     Usage,
     call_of,
 )
@@ -78,10 +80,16 @@ class CoreClient(GenerateBackend):
 
     def __init__(self, config: EngineConfig, served_model_name: str,
                  engine_key: str | None = None):
+        if served_model_name in {name for name, _ in config.lora_modules}:
+            raise ValueError(f"--lora-modules names an adapter {served_model_name!r}, the "
+                             "served model's own name: requests could not tell them apart")
         self.config = config
         self._engine_key = engine_key
         self.model_name = served_model_name
         self.info: EngineInfo | None = None  # as the core found it; set by start()
+        # the LoRA adapters registered: set by start(), then by `call` as loads and unloads
+        # succeed (they all come through this frontend)
+        self._lora_names: list[str] = []
         self.max_model_len = 0
         self._proc: subprocess.Popen | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -120,6 +128,7 @@ class CoreClient(GenerateBackend):
             why = first.message if first else "the core process exited"
             raise CoreStartError(f"engine core failed to start: {why}")
         self.info = first.info
+        self._lora_names = list(first.info.lora_adapters)
         self.max_model_len = self.info.max_model_len
         self._alive = True
         self._beat_at = asyncio.get_running_loop().time()  # Ready is a sign of life too
@@ -267,14 +276,26 @@ class CoreClient(GenerateBackend):
         RequestRejected as the core answers, RuntimeError on an internal failure.
         `received_at`: time.perf_counter() when the call came in (a remote_send's queue
         time starts there)."""
+        if isinstance(request, LoadLoraRequest) and request.lora_name == self.model_name:
+            raise MicroservingError(400, f"lora_name {request.lora_name!r} is the base model's "
+                                    "name: pick another", "lora_name")
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = (fut, call_of(request).name)
         try:
             self._send(invoke(call_id, request, received_at))
-            return await asyncio.wait_for(fut, timeout_s)
+            answer = await asyncio.wait_for(fut, timeout_s)
         finally:
             self._calls.pop(call_id, None)
+        if isinstance(request, LoadLoraRequest):  # what requests may name in `model` now
+            self._lora_names.append(request.lora_name)
+        elif isinstance(request, UnloadLoraRequest):
+            self._lora_names.remove(request.lora_name)
+        return answer
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters requests may name (GenerateBackend's)."""
+        return list(self._lora_names)
 
     async def healthy(self) -> bool:
         return self._alive

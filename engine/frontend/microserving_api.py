@@ -256,6 +256,8 @@ def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None)
         if call.route:
             app.add_api_route(f"/microserving/{call.name}", api.call_route(call),
                               methods=["POST"], name=call.name)
+    for name in ("load_lora_adapter", "unload_lora_adapter"):  # vLLM's paths for them too
+        app.add_api_route(f"/v1/{name}", api.call_route(CALLS[name]), methods=["POST"])
     app.add_api_route("/microserving/start_generate", api.start_generate, methods=["POST"])
     app.add_api_route("/microserving/stats", api.stats, methods=["GET"])
     app.add_api_route("/microserving/live", api.live, methods=["GET"])

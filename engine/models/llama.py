@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.lora.layers import LoraLinear
 from engine.models.fp8 import Fp8Activation, Fp8Linear, Fp8Output
 from microserve.model_config import ModelConfig
 
@@ -262,12 +263,30 @@ class LlamaDecoderLayer(nn.Module):
 
         sa, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = rms_norm_gemv(x, residual, norm1.weight, norm1.eps,
-                                      **_gemv_weight(sa.qkv_proj))  # fmt: skip
-        x = gemv(sa.attend(qkv, positions, rotary, attn), **_gemv_weight(sa.o_proj))
-        gate_up, residual = rms_norm_gemv(x, residual, norm2.weight, norm2.eps,
-                                          **_gemv_weight(mlp.gate_up_proj))  # fmt: skip
-        return gemv(gate_up, gated=True, **_gemv_weight(mlp.down_proj)), residual
+        qkv, summed = rms_norm_gemv(x, residual, norm1.weight, norm1.eps,
+                                    **_gemv_weight(sa.qkv_proj))  # fmt: skip
+        # LoRA: the same kernel shrinks with the adapters' A (the norm recomputed: the
+        # kernel is pure but for the residual it writes anew), then the deltas are added
+        _lora_one_row(sa.qkv_proj, qkv, lambda a: rms_norm_gemv(
+            x, residual, norm1.weight, norm1.eps, weight=a)[0])
+        x, residual = sa.attend(qkv, positions, rotary, attn), summed
+        out = gemv(x, **_gemv_weight(sa.o_proj))
+        _lora_one_row(sa.o_proj, out, lambda a: gemv(x, weight=a))
+        x = out
+        gate_up, summed = rms_norm_gemv(x, residual, norm2.weight, norm2.eps,
+                                        **_gemv_weight(mlp.gate_up_proj))  # fmt: skip
+        _lora_one_row(mlp.gate_up_proj, gate_up, lambda a: rms_norm_gemv(
+            x, residual, norm2.weight, norm2.eps, weight=a)[0])
+        out = gemv(gate_up, gated=True, **_gemv_weight(mlp.down_proj))
+        _lora_one_row(mlp.down_proj, out, lambda a: gemv(gate_up, gated=True, weight=a))
+        return out, summed
+
+
+def _lora_one_row(proj: nn.Module, out: torch.Tensor, shrink) -> None:
+    """out += the adapter's delta of a LoraLinear `proj` for one row, `shrink(a_t)` being
+    the GEMV of the projection's input with the adapters' A; nothing for another projection."""
+    if isinstance(proj, LoraLinear):
+        proj.add_delta(shrink(proj.a_t), out)
 
 
 def _gemv_weight(proj: nn.Module) -> dict:
@@ -278,7 +297,7 @@ def _gemv_weight(proj: nn.Module) -> dict:
 
 def _project_into(proj: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
     """out = proj(x), written into out (a CUDA graph's static buffer)."""
-    if isinstance(proj, Fp8Linear):
+    if isinstance(proj, (Fp8Linear, LoraLinear)):
         proj(x, out=out)
     else:
         torch.mm(x, proj.weight.t(), out=out)

@@ -54,7 +54,9 @@ from microserve.messages.calls import (PrepRecvRequest, PrepRecvResponse, Remote
                                        SendToResponse, StartGenerateRequest, CommitRequest,
                                        CommitResponse, AbortRequest, AbortResponse, PinRequest,
                                        UnpinRequest, PinResponse, StatsRequest,
-                                       CheckIntegrityRequest, Call, CALLS, call_of)
+                                       CheckIntegrityRequest, LoadLoraRequest, LoadLoraResponse,
+                                       UnloadLoraRequest, UnloadLoraResponse, Call, CALLS,
+                                       call_of)
 
 __all__ = [
     "CHECKED", "validator", "RequestId", "Prompt", "Slot", "Position", "WindowIndex", "WindowTag",
@@ -63,6 +65,7 @@ __all__ = [
     "StatsResponse", "ErrorDetail", "StreamError", "PrepRecvRequest", "PrepRecvResponse",
     "RemoteSendRequest", "SendTiming", "RemoteSendResponse", "SendToRequest", "SendToResponse",
     "StartGenerateRequest", "CommitRequest", "CommitResponse", "AbortRequest", "AbortResponse",
-    "PinRequest", "UnpinRequest", "PinResponse", "StatsRequest", "CheckIntegrityRequest", "Call",
+    "PinRequest", "UnpinRequest", "PinResponse", "StatsRequest", "CheckIntegrityRequest",
+    "LoadLoraRequest", "LoadLoraResponse", "UnloadLoraRequest", "UnloadLoraResponse", "Call",
     "CALLS", "call_of"
 ]

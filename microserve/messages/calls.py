@@ -146,6 +146,40 @@ class PinResponse:
     tokens: int  # leading tokens of the prompt (a page multiple) now pinned / unpinned
 
 
+LoraName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+@CHECKED
+@dataclass(slots=True)
+class LoadLoraRequest:
+    """Register a PEFT LoRA adapter under `lora_name` (vLLM's /v1/load_lora_adapter body)."""
+
+    lora_name: LoraName
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]  # inside --lora-dir
+
+
+@dataclass(slots=True)
+class LoadLoraResponse:
+    lora_name: str
+    rank: int
+    resident: bool  # put in a slot now (else on its first request)
+    load_s: float  # reading and checking it from disk, and the slot copy if resident
+
+
+@CHECKED
+@dataclass(slots=True)
+class UnloadLoraRequest:
+    lora_name: LoraName
+
+
+@dataclass(slots=True)
+class UnloadLoraResponse:
+    lora_name: str
+    # requests of it were still in the engine: new ones are refused now, and it goes (its
+    # slot freed) with the last of them
+    pending: bool
+
+
 @dataclass(slots=True)
 class StatsRequest:
     """The core's load and KV accounting (its half of GET /microserving/stats)."""
@@ -198,6 +232,8 @@ CALLS: dict[str, Call] = {c.name: c for c in (
     Call("abort", AbortRequest, AbortResponse),  # the one abort, from anywhere
     Call("pin", PinRequest, PinResponse),
     Call("unpin", UnpinRequest, PinResponse),
+    Call("load_lora_adapter", LoadLoraRequest, LoadLoraResponse, timeout_s=300.0),
+    Call("unload_lora_adapter", UnloadLoraRequest, UnloadLoraResponse),
     Call("stats", StatsRequest, EngineStats, route=False),
     Call("check_integrity", CheckIntegrityRequest, bool, route=False),  # failed: an error
 )}

@@ -56,6 +56,9 @@ class SamplingParams:
     logit_bias: Annotated[tuple[tuple[TokenId, LogitBias], ...],
                           Field(max_length=MAX_LOGIT_BIAS)] = ()
     min_tokens: MinTokens = 0  # at most max_tokens
+    # The LoRA adapter to generate with (a name the engine registered: the request's `model`
+    # when it names an adapter); None: the base model.
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @property
     def greedy(self) -> bool:

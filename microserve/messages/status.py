@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec import Struct
 
@@ -27,6 +27,8 @@ class EngineInfo:
     quantization: str | None = None  # fp8: the projections' weights (dtype is the activations')
     kv_cache_dtype: str | None = None  # the KV pool's element type, e.g. float8_e4m3fn
     deployment: str | None = None  # set by the engine frontend: the deployment it belongs to
+    max_loras: int = 0  # LoRA slots; 0: LoRA off
+    lora_adapters: list[str] = field(default_factory=list)  # registered at start-up
 
 
 @dataclass(slots=True)
@@ -76,6 +78,13 @@ class EngineStats:
     send_seconds: float = 0.0  # writing outputs to the frontend
     message_seconds: float = 0.0  # handling the frontend's requests and calls
     idle_seconds: float = 0.0  # waiting with nothing to run
+    # LoRA adapters (docs/lora.md): those requests may name, those in the GPU's slots now
+    lora_registered: list[str] = field(default_factory=list)
+    lora_resident: list[str] = field(default_factory=list)
+    lora_loads: int = 0  # adapters read from disk (start-up and /v1/load_lora_adapter)
+    lora_load_seconds: float = 0.0  # ... the time that took, reading and checking them
+    lora_slot_writes: int = 0  # adapters copied into a slot (on first use, after an eviction)
+    lora_slot_write_seconds: float = 0.0
 
 
 class StatsResponse(Struct, omit_defaults=True):

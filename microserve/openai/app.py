@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -116,7 +117,7 @@ class OpenAIFrontend:
                 run = self._new_run(run_id(response_id, index, len(prompts) * body.n), body,
                                     prompt_ids, max_tokens, body.logprobs, arrival, grammar, i,
                                     echo=echo)
-                wire = CompletionWire(response_id, self.backend.model_name, created, token_text,
+                wire = CompletionWire(response_id, self._served(body.model), created, token_text,
                                       index)
                 choices.append((run, wire))
         return await self._respond(raw, body, choices)
@@ -140,20 +141,21 @@ class OpenAIFrontend:
                                 body.requested_logprobs, arrival, grammar, i)
             if parses_calls(body.tools, body.tool_choice):
                 run.tool_calls = self.tool_parser.stream(forces_calls(body.tool_choice))
-            choices.append((run, ChatWire(response_id, self.backend.model_name, created,
+            choices.append((run, ChatWire(response_id, self._served(body.model), created,
                                           token_bytes, i)))
         return await self._respond(raw, body, choices)
 
     async def models(self) -> JSONResponse:
         return JSONResponse(model_list(self.backend.model_name, self.started,
-                                       self.backend.max_model_len))
+                                       self.backend.max_model_len, self.backend.lora_names()))
 
     async def model(self, model_id: str) -> JSONResponse:
         """GET /v1/models/{id}: the served model's card, or 404 model_not_found."""
-        if model_id != self.backend.model_name:
+        base = self.backend.model_name
+        if model_id != base and model_id not in self.backend.lora_names():
             raise model_not_found(model_id)
-        return JSONResponse(model_card(self.backend.model_name, self.started,
-                                       self.backend.max_model_len))
+        return JSONResponse(model_card(model_id, self.started, self.backend.max_model_len,
+                                       parent=None if model_id == base else base))
 
     async def health(self) -> JSONResponse:
         if await self.backend.healthy():
@@ -201,8 +203,12 @@ class OpenAIFrontend:
 
     def _check_model(self, model: str | None) -> None:
         # An absent or empty model means the served one, as in vLLM.
-        if model and model != self.backend.model_name:
+        if model and model != self.backend.model_name and model not in self.backend.lora_names():
             raise model_not_found(model)
+
+    def _served(self, model: str | None) -> str:
+        """What answers name as their model: the base's name, or the LoRA adapter asked for."""
+        return model if model and model != self.backend.model_name else self.backend.model_name
 
     def _checked_token_ids(self, ids: list[int]) -> list[int]:
         vocab_size = self.tokenizer.vocab_size
@@ -244,6 +250,8 @@ class OpenAIFrontend:
         prompt tokens' logprobs go in front of the completion's too."""
         prompt_logprobs = logprobs if echo is not None else None
         params = body.sampling_params(max_tokens, logprobs, grammar, choice, prompt_logprobs)
+        if (adapter := self._served(body.model)) != self.backend.model_name:
+            params = replace(params, lora_name=adapter)
         check_sampling(params, self.tokenizer.vocab_size)  # pydantic bounded what an int holds
         return Run(request_id=request_id, prompt_ids=prompt_ids, params=params, stop=body.stop,
                     arrival=arrival, echo=echo)

@@ -18,14 +18,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def model_card(model: str, created: int, max_model_len: int) -> dict:
-    """One model object, as GET /v1/models/{id} answers it and /v1/models lists it."""
+def model_card(model: str, created: int, max_model_len: int, parent: str | None = None) -> dict:
+    """One model object, as GET /v1/models/{id} answers it and /v1/models lists it; a LoRA
+    adapter's names the base model as its `parent` (as vLLM's do)."""
     return {"id": model, "object": "model", "created": created, "owned_by": "microserve",
-            "root": model, "max_model_len": max_model_len}
+            "root": model, "parent": parent, "max_model_len": max_model_len}
 
 
-def model_list(model: str, created: int, max_model_len: int) -> dict:
-    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
+def model_list(model: str, created: int, max_model_len: int,
+               adapters: list[str] = ()) -> dict:
+    """The base model, then its LoRA adapters."""
+    return {"object": "list", "data": [model_card(model, created, max_model_len)] + [
+        model_card(name, created, max_model_len, parent=model) for name in adapters]}
 
 
 def _finite(logprob: float) -> float:

@@ -1,0 +1,155 @@
+"""The engine core's LoRA adapters: registering them (start-up, /v1/load_lora_adapter), which
+request uses which (a side table of the core), and which adapter sits in which of the model
+runner's slots (the scheduler's `AdapterSlots`).
+
+Registering reads and checks the adapter from disk once and keeps its weights in host memory
+(in the model's dtype: rank 16 over Llama-3.1-8B is ~80 MB); a slot is filled from there when
+a request of it is admitted and its adapter is not resident, evicting the least recently used
+idle adapter if every slot is taken (S-LoRA's host-to-GPU scheme). A copy into a slot cannot
+fail, so admission never has to undo one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.lora.adapter import AdapterWeights, read_adapter, resolve_path
+from engine.lora.registry import Adapter, LoraRegistry
+from engine.model_runner import ModelRunner
+from engine.sequence import Sequence
+from kvcache.integrity import IntegrityError
+from microserve.backend import MicroservingError, RequestRejected
+from microserve.messages import LoadLoraResponse, SamplingParams, UnloadLoraResponse
+
+log = logging.getLogger("engine.core")
+
+
+class EngineAdapters:
+    """Args: config (lora_modules, max_loras, max_lora_rank, lora_dir), runner (whose `lora`
+    holds the slots). Raises ValueError at construction for a bad --lora-modules adapter."""
+
+    what = "LoRA adapters"  # a RequestSideTable's
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner):
+        self.config, self.runner = config, runner
+        self.registry = LoraRegistry(config.max_loras)
+        self._weights: dict[int, AdapterWeights] = {}  # adapter id -> its host copy
+        self._of: dict[str, Adapter] = {}  # request id -> the adapter it uses
+        self.counters = {"lora_loads": 0, "lora_load_seconds": 0.0, "lora_slot_writes": 0,
+                         "lora_slot_write_seconds": 0.0}
+        for name, path in config.lora_modules:
+            self.load(name, resolve_path(path, None))
+
+    # ---- registering --------------------------------------------------------------------------
+
+    def load(self, name: str, path: Path) -> LoadLoraResponse:
+        """Read, check and register the adapter at `path` as `name`; it goes into a free
+        slot now if there is one. Raises ValueError naming the problem."""
+        if name in self.registry.adapters:
+            raise ValueError(f"an adapter named {name!r} is already loaded; unload it first")
+        start = time.perf_counter()
+        weights = read_adapter(name, path, self.runner.config, self.config.max_lora_rank)
+        dtype = self.runner.dtype
+        for key, (a, b) in weights.weights.items():
+            weights.weights[key] = (a.to(dtype), b.to(dtype))
+        adapter = self.registry.register(name, str(path))
+        self._weights[adapter.id] = weights
+        resident = self._fill_free_slot(adapter)
+        elapsed = time.perf_counter() - start
+        self.counters["lora_loads"] += 1
+        self.counters["lora_load_seconds"] += elapsed
+        log.info("LoRA adapter %r (rank %d) loaded from %s in %.1f ms", name, weights.rank,
+                 path, elapsed * 1e3)
+        return LoadLoraResponse(name, weights.rank, resident, elapsed)
+
+    def load_call(self, name: str, path: str) -> LoadLoraResponse:
+        """/v1/load_lora_adapter: `path` must be inside --lora-dir."""
+        if self.config.lora_dir is None:
+            raise MicroservingError(400, "loading adapters at runtime needs --lora-dir (the "
+                                    "directory lora_path must be inside)", "lora_path")
+        try:
+            return self.load(name, resolve_path(path, self.config.lora_dir))
+        except ValueError as e:
+            raise MicroservingError(400, str(e), "lora_path") from None
+
+    def unload(self, name: str) -> UnloadLoraResponse:
+        try:
+            gone = self.registry.unregister(name)
+        except KeyError:
+            raise MicroservingError(404, f"no LoRA adapter named {name!r} is loaded (loaded: "
+                                    f"{', '.join(self.registry.registered()) or 'none'})",
+                                    "lora_name") from None
+        if gone is not None:
+            self._weights.pop(gone.id)
+        return UnloadLoraResponse(name, pending=gone is None)
+
+    # ---- the side table: which request uses which adapter -------------------------------------
+
+    def admit(self, request_id: str, params: SamplingParams) -> None:
+        if params.lora_name is None:
+            return
+        adapter = self.registry.lookup(params.lora_name)
+        if adapter is None:
+            raise RequestRejected(
+                f"The model '{params.lora_name}' does not exist: no LoRA adapter of that name "
+                f"is loaded (loaded: {', '.join(self.registry.registered()) or 'none'})",
+                "model")
+        self.registry.add_user(adapter)
+        self._of[request_id] = adapter
+
+    def remove(self, request_id: str) -> None:
+        adapter = self._of.pop(request_id, None)
+        if adapter is not None and (gone := self.registry.remove_user(adapter)) is not None:
+            self._weights.pop(gone.id)  # unloaded while in use: its last request left
+
+    def request_ids(self):
+        return self._of.keys()
+
+    def lora_id(self, request_id: str) -> int:
+        """The id of the adapter the request uses (its sequence's lora_id); 0: the base."""
+        adapter = self._of.get(request_id)
+        return 0 if adapter is None else adapter.id
+
+    # ---- slots (the scheduler's AdapterSlots) -------------------------------------------------
+
+    def acquire(self, seq: Sequence) -> bool:
+        adapter = self.registry.by_id(seq.lora_id)
+        if adapter.slot is None:
+            claimed = self.registry.claim_slot(adapter)
+            if claimed is None:
+                return False
+            self._write(claimed[0], adapter)
+        self.registry.start_running(adapter)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.registry.stop_running(self.registry.by_id(seq.lora_id))
+
+    def slot_of(self, seq: Sequence) -> int:
+        """The slot a running sequence's tokens use (-1: the base model)."""
+        return -1 if not seq.lora_id else self.registry.by_id(seq.lora_id).slot
+
+    def _fill_free_slot(self, adapter: Adapter) -> bool:
+        if not self.registry.has_free_slot():
+            return False
+        slot, _ = self.registry.claim_slot(adapter)
+        self._write(slot, adapter)
+        return True
+
+    def _write(self, slot: int, adapter: Adapter) -> None:
+        start = time.perf_counter()
+        self.runner.lora.write_slot(slot, self._weights[adapter.id])
+        self.counters["lora_slot_writes"] += 1
+        self.counters["lora_slot_write_seconds"] += time.perf_counter() - start
+
+    def stats(self) -> dict:
+        return {"lora_registered": self.registry.registered(),
+                "lora_resident": self.registry.resident(), **self.counters}
+
+    def check_integrity(self) -> None:
+        self.registry.check_integrity()
+        if self._weights.keys() != {a.id for a in self.registry.adapters.values()}:
+            raise IntegrityError("host weights kept for other adapters than the registered")

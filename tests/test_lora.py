@@ -1,0 +1,337 @@
+"""LoRA adapters in the engine core (in-process, the tiny random Llama): greedy tokens equal
+transformers + peft's with the same adapter, base and adapters mixed in one step, slots
+evicted least-recently-used, load and unload at runtime, bad adapters refused by name, and no
+KV shared across adapters. The adapters are random (A and B non-zero), written by peft."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+from conftest import TINY_VOCAB
+from lora_adapters import peft_greedy, write_adapter
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.lora.adapter import read_adapter, resolve_path
+from engine.lora.registry import LoraRegistry
+from kvcache.manager import KVCacheManager
+from microserve.backend import MicroservingError, RequestRejected
+from microserve.messages import LoadLoraRequest, SamplingParams, UnloadLoraRequest
+from microserve.model_config import ModelConfig
+
+N_NEW = 12
+
+
+def greedy(lora_name=None, max_tokens=N_NEW):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          lora_name=lora_name)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (5, 17, 40)]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory, prompts):
+    """Two adapters under one directory, a1 (rank 8, every projection) and a2 (rank 4, q and
+    v only, rsLoRA scaling), and PEFT's greedy tokens for each prompt per adapter (None: the
+    base); the three differ."""
+    root = tmp_path_factory.mktemp("adapters")
+    a1 = write_adapter(tiny_model_dir, root / "a1", rank=8, seed=1)
+    a2 = write_adapter(tiny_model_dir, root / "a2", rank=4, seed=2,
+                       targets=("q_proj", "v_proj"), alpha=16, rslora=True)
+    ref = {None: peft_greedy(a1, prompts, N_NEW, base=True),
+           "a1": peft_greedy(a1, prompts, N_NEW), "a2": peft_greedy(a2, prompts, N_NEW)}
+    assert ref["a1"] != ref[None] and ref["a2"] != ref[None] and ref["a1"] != ref["a2"]
+    return root, ref
+
+
+@pytest.fixture(scope="module")
+def lora_dir(adapters):
+    return adapters[0]
+
+
+@pytest.fixture(scope="module")
+def reference(adapters):
+    return adapters[1]
+
+
+def make_core(model_dir, adapters_dir, **kw):
+    kw.setdefault("lora_modules", (("a1", str(adapters_dir / "a1")),
+                                   ("a2", str(adapters_dir / "a2"))))
+    return EngineCore(EngineConfig(model=model_dir, page_size=4, num_pages=256, **kw))
+
+
+def run(core, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
+    """Add every request at once, step until done; request id -> tokens."""
+    for rid, (prompt, name) in requests.items():
+        core.add_request(rid, prompt, greedy(name))
+    tokens = {rid: [] for rid in requests}
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id] += out.token_ids
+    core.check_integrity()
+    assert core.kv.stats().used_pages == 0
+    return tokens
+
+
+def spy_slots(core) -> list[set[int]]:
+    """The set of LoRA slots each forward mixed."""
+    seen, forward = [], core.runner.forward
+
+    def recording(*args, lora_slots=None, **kw):
+        seen.append(set(lora_slots))
+        return forward(*args, lora_slots=lora_slots, **kw)
+
+    core.runner.forward = recording
+    return seen
+
+
+# ---- tokens equal PEFT's ----------------------------------------------------------------------
+
+
+def test_base_and_two_adapters_in_one_batch_equal_peft(tiny_model_dir, lora_dir, prompts,
+                                                        reference):
+    core = make_core(tiny_model_dir, lora_dir)
+    steps = spy_slots(core)
+    requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts)
+                for name in (None, "a1", "a2")}
+    tokens = run(core, requests)
+    assert {rid: tokens[rid] for rid in requests} == {
+        f"{name}-{i}": reference[name][i] for i, _ in enumerate(prompts)
+        for name in (None, "a1", "a2")}
+    assert steps[0] == {-1, 0, 1}, "the first step mixes the base and both adapters"
+    # each adapter run alone gives the same tokens as in the mixed batch
+    for name in ("a1", "a2"):
+        assert run(core, {"alone": (prompts[1], name)})["alone"] == reference[name][1]
+    stats = core.stats()
+    assert (stats.lora_registered, stats.lora_resident) == (["a1", "a2"], ["a1", "a2"])
+    assert stats.lora_loads == 2 and stats.lora_load_seconds > 0
+
+
+@pytest.mark.slow  # loads the real model (the marker's rule): 4 s on a quiet machine
+def test_smollm2_adapter_equals_peft(smollm2_dir, tmp_path):
+    model = write_adapter(smollm2_dir, tmp_path / "s", rank=8, seed=3, scale_b=0.05)
+    prompt = [1, 504, 3458, 2030, 16296, 314, 260, 2365]
+    want = peft_greedy(model, [prompt], 8)[0]
+    assert want != peft_greedy(model, [prompt], 8, base=True)[0], "the adapter does nothing"
+    core = EngineCore(EngineConfig(model=smollm2_dir, num_pages=64,
+                                   lora_modules=(("s", str(tmp_path / "s")),)))
+    core.add_request("r", prompt, greedy("s", max_tokens=8))
+    tokens = []
+    while core.has_work():
+        tokens += [t for out in core.step() for t in out.token_ids]
+    assert tokens == want
+
+
+# ---- slots: least recently used idle adapter evicted -----------------------------------------
+
+
+def test_one_slot_serves_two_adapters_in_turn(tiny_model_dir, lora_dir, prompts, reference):
+    core = make_core(tiny_model_dir, lora_dir, max_loras=1)
+    steps = spy_slots(core)
+    requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in ("a1", "a2")}
+    tokens = run(core, requests)
+    assert tokens == {f"{name}-{i}": reference[name][i] for i, _ in enumerate(prompts)
+                      for name in ("a1", "a2")}
+    assert all(len(s) == 1 for s in steps), "one slot: never two adapters in a step"
+    stats = core.stats()
+    assert stats.lora_slot_writes == 2  # a1 at start-up, a2 once a1's requests were done
+    assert stats.lora_resident == ["a2"]
+
+
+def test_registry_evicts_the_least_recently_used_idle_adapter():
+    reg = LoraRegistry(max_loras=2)
+    a, b, c = (reg.register(n, f"/{n}") for n in "abc")
+    assert reg.claim_slot(a) == (0, None) and reg.claim_slot(b) == (1, None)
+    reg.start_running(a)
+    reg.start_running(b)
+    reg.stop_running(b)
+    reg.start_running(a)  # a used last, but it runs: b (idle) goes
+    assert reg.claim_slot(c) == (1, b) and b.slot is None
+    reg.start_running(c)
+    assert reg.claim_slot(b) is None, "every slot's adapter is running"
+    reg.stop_running(a), reg.stop_running(a), reg.stop_running(c)
+    assert reg.claim_slot(b) == (0, a)  # a's last use is older than c's
+    reg.check_integrity()
+
+
+# ---- KV belongs to its adapter ----------------------------------------------------------------
+
+
+def test_prefix_cache_never_serves_kv_across_adapters(tiny_model_dir, lora_dir, prompts,
+                                                      reference):
+    core = make_core(tiny_model_dir, lora_dir)
+    prompt = prompts[2]  # 40 tokens: 9 whole pages of 4 reusable
+    cached = {}
+    for rid, name in (("base", None), ("a1", "a1"), ("a2", "a2"), ("a1-again", "a1")):
+        core.add_request(rid, prompt, greedy(name))
+        tokens = []
+        while core.has_work():
+            for out in core.step():
+                tokens += out.token_ids
+                cached[rid] = out.num_cached_tokens
+        assert tokens == reference[name][2], rid
+    assert cached == {"base": 0, "a1": 0, "a2": 0, "a1-again": 36}
+    core.check_integrity()
+
+
+def test_kv_manager_namespaces_keep_exact_pages():
+    kv = KVCacheManager(num_pages=16, page_size=4)
+    tokens = list(range(12))
+    assert kv.open("base", tokens) == 0
+    kv.allocate("base", 12)
+    kv.cache_tokens("base", tokens)
+    assert kv.page_table("base") == [0, 1, 2]
+    assert kv.open("lora", tokens, namespace=7) == 0, "the base's pages served to an adapter"
+    kv.allocate("lora", 12)
+    kv.cache_tokens("lora", tokens)
+    assert kv.page_table("lora") == [3, 4, 5]
+    assert kv.open("lora-2", tokens, namespace=7) == 12
+    assert kv.page_table("lora-2") == [3, 4, 5]
+    assert kv.open("base-2", tokens) == 12 and kv.page_table("base-2") == [0, 1, 2]
+    for seq in ("base", "lora", "lora-2", "base-2"):
+        kv.free(seq)
+    kv.check_integrity()
+    assert kv.cache.evict(6) == 6 and list(kv.cache._roots) == [0]  # the adapter's tree goes
+    kv.check_integrity()
+
+
+# ---- load and unload at runtime --------------------------------------------------------------
+
+
+def test_load_and_unload_at_runtime(tiny_model_dir, lora_dir, prompts, reference):
+    core = make_core(tiny_model_dir, lora_dir, lora_modules=(), enable_lora=True,
+                     lora_dir=str(lora_dir))
+    with pytest.raises(RequestRejected, match="no LoRA adapter of that name"):
+        core.add_request("early", prompts[0], greedy("a1"))
+    answer = core.on_load_lora_adapter(LoadLoraRequest("a1", "a1"), None)
+    assert (answer.lora_name, answer.rank, answer.resident) == ("a1", 8, True)
+    with pytest.raises(MicroservingError, match="already loaded"):
+        core.on_load_lora_adapter(LoadLoraRequest("a1", "a2"), None)
+    core.add_request("r", prompts[1], greedy("a1"))
+    tokens = [t for out in core.step() for t in out.token_ids]  # admitted and running
+    gone = core.on_unload_lora_adapter(UnloadLoraRequest("a1"), None)
+    assert gone.pending, "a1 has a request running: it goes with it"
+    with pytest.raises(RequestRejected):
+        core.add_request("late", prompts[0], greedy("a1"))
+    while core.has_work():
+        for out in core.step():
+            tokens += out.token_ids
+    assert tokens == reference["a1"][1]
+    assert core.stats().lora_registered == [] and core.stats().lora_resident == []
+    assert core.adapters._weights == {}
+    core.check_integrity()
+    with pytest.raises(MicroservingError) as e:
+        core.on_unload_lora_adapter(UnloadLoraRequest("a1"), None)
+    assert e.value.status == 404
+    # loaded again under the same name: a new id, so none of its old KV is reused
+    core.on_load_lora_adapter(LoadLoraRequest("a1", str(lora_dir / "a1")), None)
+    assert run(core, {"again": (prompts[1], "a1")})["again"] == reference["a1"][1]
+
+
+def test_requests_for_adapters_refused_where_they_cannot_run(tiny_model_dir, lora_dir, prompts):
+    core = make_core(tiny_model_dir, lora_dir)
+    with pytest.raises(MicroservingError, match="do not carry adapters") as e:
+        core.add_request("pd", prompts[1], greedy("a1"), begin=8)
+    assert e.value.param == "model"
+    plain = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64))
+    with pytest.raises(RequestRejected, match="serves no LoRA adapters"):
+        plain.add_request("x", prompts[0], greedy("a1"))
+    with pytest.raises(MicroservingError, match="LoRA is off"):
+        plain.on_load_lora_adapter(LoadLoraRequest("a1", "a1"), None)
+    for c in (core, plain):
+        c.check_integrity()
+        assert not c.requests.get("pd") and not c.requests.get("x")
+
+
+# ---- bad adapters -----------------------------------------------------------------------------
+
+
+def _copy(lora_dir, tmp_path, name="a1"):
+    dst = tmp_path / "bad"
+    shutil.copytree(lora_dir / name, dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path, edit):
+    file = path / "adapter_model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+
+
+Q_A = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda p: _edit_config(p, r=32), "rank 32 is over --max-lora-rank 16"),
+    (lambda p: _edit_tensors(p, lambda t: t.pop(Q_A)),
+     "layer 1 q_proj has no lora_A tensor"),
+    (lambda p: _edit_tensors(p, lambda t: t.update({Q_A: t[Q_A][:, :10].clone()})),
+     r"has shape \[8, 10\], expected \[8, 64\]"),
+    (lambda p: _edit_config(p, target_modules=["q_proj", "lm_head"]),
+     "unknown target module.s. lm_head"),
+    (lambda p: _edit_tensors(p, lambda t: t.update(
+        {Q_A.replace("q_proj", "rotary"): t[Q_A].clone()})), "unknown target module .rotary."),
+    (lambda p: (p / "adapter_model.safetensors").unlink(), "no adapter_model.safetensors"),
+    (lambda p: _edit_config(p, use_dora=True), "use_dora is not supported"),
+])
+def test_bad_adapter_is_refused_naming_the_problem(tiny_model_dir, lora_dir, tmp_path,
+                                                   break_it, message):
+    bad = _copy(lora_dir, tmp_path)
+    break_it(bad)
+    with pytest.raises(ValueError, match=message):
+        read_adapter("bad", bad, ModelConfig.from_dir(tiny_model_dir), max_rank=16)
+
+
+def test_missing_layer_of_a_target_is_refused(tiny_model_dir, lora_dir, tmp_path):
+    bad = _copy(lora_dir, tmp_path)
+    _edit_tensors(bad, lambda t: [t.pop(k) for k in list(t) if ".layers.0.mlp.down_proj." in k])
+    with pytest.raises(ValueError, match="target module down_proj of layer 0 has no"):
+        read_adapter("bad", bad, ModelConfig.from_dir(tiny_model_dir), max_rank=16)
+
+
+def test_path_outside_the_adapters_directory_is_refused(lora_dir, tmp_path):
+    with pytest.raises(ValueError, match="outside the adapters directory"):
+        resolve_path("../elsewhere", str(lora_dir))
+    (lora_dir / "link").symlink_to(tmp_path)  # a link out of it counts as outside too
+    with pytest.raises(ValueError, match="outside the adapters directory"):
+        resolve_path("link", str(lora_dir))
+    assert resolve_path("a1", str(lora_dir)) == (lora_dir / "a1").resolve()
+
+
+def test_bad_adapters_at_start_up_and_at_runtime(tiny_model_dir, lora_dir, tmp_path):
+    bad = _copy(lora_dir, tmp_path)
+    _edit_config(bad, r=32)
+    with pytest.raises(ValueError, match="rank 32 is over --max-lora-rank 16"):
+        make_core(tiny_model_dir, lora_dir, lora_modules=(("bad", str(bad)),))
+    core = make_core(tiny_model_dir, lora_dir, lora_modules=(), enable_lora=True,
+                     lora_dir=str(lora_dir), max_lora_rank=4)
+    with pytest.raises(MicroservingError, match="rank 8 is over --max-lora-rank 4") as e:
+        core.on_load_lora_adapter(LoadLoraRequest("a1", "a1"), None)
+    assert (e.value.status, e.value.param) == (400, "lora_path")
+    with pytest.raises(MicroservingError, match="outside the adapters directory"):
+        core.on_load_lora_adapter(LoadLoraRequest("x", str(bad)), None)
+    assert core.stats().lora_registered == []
+    core.check_integrity()
+
+
+def test_an_adapter_may_not_take_the_served_models_name(tiny_model_dir):
+    from engine.frontend.core_client import CoreClient
+
+    config = EngineConfig(model=tiny_model_dir, lora_modules=(("tiny", "/anywhere"),))
+    with pytest.raises(ValueError, match="the served model's own name"):
+        CoreClient(config, "tiny")
