@@ -74,9 +74,10 @@ class RouterBackend(GenerateBackend):
         return bool(self.pool.routable())
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[GenerateChunk]:
+                       params: SamplingParams, priority: int = 0
+                       ) -> AsyncIterator[GenerateChunk]:
         for attempt in range(self.max_retries + 1):
-            request = Request(request_id, prompt_token_ids, params)
+            request = Request(request_id, prompt_token_ids, params, priority)
             loaded = self.host.acquire()
             if params.prompt_logprobs is None:
                 chunks = loaded.instance.generate(request, self.pool)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec import Struct
 
@@ -76,6 +76,12 @@ class EngineStats:
     send_seconds: float = 0.0  # writing outputs to the frontend
     message_seconds: float = 0.0  # handling the frontend's requests and calls
     idle_seconds: float = 0.0  # waiting with nothing to run
+    # Scheduling (engine/policies.py): preemptions by why ("pages": a running request needed a
+    # page; "priority": a request the policy ranks higher took the place), requests promoted
+    # for waiting past the starvation bound, and mlfq's requests per queue (top first)
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    scheduling_promotions: int = 0
+    mlfq_queue_requests: list[int] = field(default_factory=list)
 
 
 class StatsResponse(Struct, omit_defaults=True):

@@ -1,0 +1,83 @@
+"""Scheduling policies in a real engine core (the tiny random Llama on CPU): an urgent request
+behind a long batch finishes first under `priority` and `mlfq`, last under `fcfs`, and every
+request's greedy tokens are the same under each policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY_VOCAB
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.policies import SkipJoinMLFQ
+from microserve.messages import SamplingParams
+from test_engine_core import random_prompts
+
+LONG, SHORT = 40, 6  # output tokens of the batch's requests and of the urgent one
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def serve(core: EngineCore) -> tuple[dict[str, list[int]], list[str]]:
+    """Four long low-priority requests fill the seats; two steps later an urgent short one
+    (priority 0) comes. Returns each request's tokens and the order they finished in."""
+    prompts = random_prompts([30, 25, 20, 35, 12], seed=3, vocab=TINY_VOCAB)
+    for i, prompt in enumerate(prompts[:4]):
+        core.add_request(f"batch{i}", prompt, greedy(LONG), priority=5)
+    tokens, finished, steps = {}, [], 0
+    while core.has_work():
+        if steps == 2:
+            core.add_request("urgent", prompts[4], greedy(SHORT), priority=0)
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finish_reason is not None:
+                finished.append(out.request_id)
+        steps += 1
+    core.check_integrity()
+    assert core.kv.stats().used_pages == 0
+    assert core.scheduler.policy.num_sequences == 0  # a record per sequence, none left
+    return tokens, finished
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir):
+    results = {}
+    for policy in ("fcfs", "priority", "mlfq"):
+        core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=256,
+                                       max_num_seqs=4, scheduling_policy=policy))
+        results[policy] = serve(core), core
+    return results
+
+
+def test_greedy_tokens_do_not_depend_on_the_policy(runs):
+    (fcfs_tokens, _), _ = runs["fcfs"]
+    assert sorted(fcfs_tokens) == ["batch0", "batch1", "batch2", "batch3", "urgent"]
+    assert [len(t) for t in fcfs_tokens.values()] == [LONG] * 4 + [SHORT]
+    for policy in ("priority", "mlfq"):
+        (tokens, _), _ = runs[policy]
+        assert tokens == fcfs_tokens, policy
+
+
+def test_fcfs_makes_the_urgent_request_wait_for_a_seat(runs):
+    (_, finished), core = runs["fcfs"]
+    assert finished[-1] == "urgent"
+    assert core.stats().preemptions == 0
+
+
+def test_priority_runs_the_urgent_request_first(runs):
+    (_, finished), core = runs["priority"]
+    assert finished[0] == "urgent"
+    # it took the seat of the newest of the equally ranked batch, recomputed afterwards
+    assert core.stats().preemptions_by_reason == {"priority": 1}
+
+
+def test_mlfq_runs_the_short_job_first_and_demotes_the_long_ones(runs):
+    (_, finished), core = runs["mlfq"]
+    assert finished[0] == "urgent"
+    policy = core.scheduler.policy
+    assert isinstance(policy, SkipJoinMLFQ)
+    assert policy.profile.per_token_s >= 0 and policy.base_quantum_s > 0
+    assert policy.demotions > 0
+    assert core.stats().mlfq_queue_requests == [0] * policy.num_levels  # all finished
