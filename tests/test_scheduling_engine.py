@@ -81,3 +81,18 @@ def test_mlfq_runs_the_short_job_first_and_demotes_the_long_ones(runs):
     assert policy.profile.per_token_s >= 0 and policy.base_quantum_s > 0
     assert policy.demotions > 0
     assert core.stats().mlfq_queue_requests == [0] * policy.num_levels  # all finished
+
+
+def test_metrics_show_preemptions_by_reason_and_the_mlfq_queues(runs):
+    from engine.frontend.core_client import format_core_stats
+
+    _, core = runs["priority"]
+    text = format_core_stats(core.stats(), core.info)
+    assert 'microserve_engine_preemptions_by_reason_total{reason="priority"} 1\n' in text
+    assert 'microserve_engine_preemptions_by_reason_total{reason="pages"} 0\n' in text
+    assert "microserve_engine_scheduling_promotions_total 0\n" in text
+    assert "mlfq" not in text  # only an mlfq engine has queues
+    _, core = runs["mlfq"]
+    text = format_core_stats(core.stats(), core.info)
+    assert all(f'microserve_engine_mlfq_queue_requests{{level="{i}"}} 0\n' in text
+               for i in range(8))
