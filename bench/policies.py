@@ -125,11 +125,12 @@ def main(argv: list[str] | None = None) -> None:
                 result = asyncio.run(serve_run(run_args))
                 runs.append({"policy": policy, "rate": rate, **result})
                 print(line(policy, rate, result), flush=True)
+                if args.json:  # after every run: a run cut short by a timeout keeps the others
+                    with open(args.json, "w") as f:
+                        json.dump({"args": vars(args) | {"engine_args": extra}, "runs": runs},
+                                  f, indent=1)
         finally:
             engine.stop()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args) | {"engine_args": extra}, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ request's greedy tokens are the same under each policy."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import TINY_VOCAB
@@ -96,3 +98,58 @@ def test_metrics_show_preemptions_by_reason_and_the_mlfq_queues(runs):
     text = format_core_stats(core.stats(), core.info)
     assert all(f'microserve_engine_mlfq_queue_requests{{level="{i}"}} 0\n' in text
                for i in range(8))
+
+
+# ---- over HTTP: a `microserve engine` process run with --scheduling-policy priority ----------
+
+
+@pytest.fixture(scope="module")
+def priority_engine(tiny_served_dir, tmp_path_factory):
+    from daemons import Daemon, serve
+
+    log = tmp_path_factory.mktemp("priority-engine") / "daemon.log"
+    yield from serve(Daemon(tiny_served_dir, log, "tiny", "--scheduling-policy", "priority",
+                            "--max-num-seqs", "1", "--page-size", "4", "--num-pages", "256",
+                            "--cpu-threads", "1"))
+
+
+async def test_over_http_an_urgent_request_overtakes_a_long_one_and_tokens_stay(priority_engine):
+    """One seat: a long low-priority stream holds it; an urgent completion (`priority` in the
+    body, as vLLM takes it) preempts it and finishes while the long one still streams. The
+    long one's tokens are those it produces alone."""
+    import asyncio
+    import time
+
+    import httpx
+
+    low = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 150, "temperature": 0,
+           "ignore_eos": True, "priority": 5}
+    urgent = {"prompt": [20, 21, 22], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+              "priority": -1}
+    async with httpx.AsyncClient(base_url=priority_engine.url + "/v1", timeout=120) as http:
+        alone = (await http.post("/completions", json=low)).json()["choices"][0]["text"]
+        done = {}
+        started = asyncio.Event()
+
+        async def stream_low():
+            text = ""
+            async with http.stream("POST", "/completions", json={**low, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        started.set()
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            done["low"] = time.perf_counter()
+            return text
+
+        task = asyncio.create_task(stream_low())
+        await started.wait()
+        response = await http.post("/completions", json=urgent)
+        done["urgent"] = time.perf_counter()
+        streamed = await task
+        refused = await http.post("/completions", json={**urgent, "priority": -2**31 - 1})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    assert done["urgent"] < done["low"]
+    assert streamed == alone
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    metrics = priority_engine.metrics()
+    assert 'microserve_engine_preemptions_by_reason_total{reason="priority"} 1\n' in metrics
