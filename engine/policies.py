@@ -133,10 +133,14 @@ class SchedulingPolicy(ABC):
 
     @abstractmethod
     def rank(self, seq: Sequence) -> tuple:
-        """Smaller runs first; total over the sequences (ties broken by arrival)."""
+        """Smaller runs first; total over the sequences: its last element is the arrival."""
 
     def outranks(self, a: Sequence, b: Sequence) -> bool:
-        return self.rank(a) < self.rank(b)
+        """Whether waiting `a` may take the place of running `b`: its rank is above b's by more
+        than arrival (the rank's last element). Equals never preempt each other: an older
+        request would otherwise push out a newer one holding KV received from a peer, only to
+        be recomputed the same way later."""
+        return self.rank(a)[:-1] < self.rank(b)[:-1]
 
     def admit_order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
         return sorted(waiting, key=self.rank)

@@ -249,3 +249,30 @@ def test_prefill_profile_fit_is_least_squares_and_never_negative():
     fit = PrefillProfile.fit([(1, 0.011), (101, 0.111), (201, 0.211)])
     assert fit.fixed_s == pytest.approx(0.010) and fit.per_token_s == pytest.approx(0.001)
     assert PrefillProfile.fit([(1, 0.5), (100, 0.1)]).per_token_s == 0.0
+
+
+@pytest.mark.parametrize(("policy", "first_step"), [
+    ("fcfs", [("recv", 1)]),
+    ("priority", [("recv", 1)]),
+    ("mlfq", [("recv", 1), ("small", 2)]),  # small's queue (0) is above big's (1)
+])
+def test_every_policy_lets_received_kv_overtake_a_head_that_needs_its_pages(policy,
+                                                                           first_step):
+    """P/D under every policy: D holds KV received for "recv"; "big" waits ahead of it for 4
+    pages, with 2 free. "recv" still runs (it only needs room to grow; finishing frees its
+    pages) and is not pushed out for "big" (same priority: arrival alone never preempts);
+    nothing ranked after "big" overtakes it; "big" runs once "recv" is done."""
+    kv = KVCacheManager(num_pages=4, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=8, policy=make_policy(
+        policy, starvation_s=100, profile=PROFILE, base_quantum_s=0.020))
+    s.add(seq("big", 13, 0))
+    kv.open("recv", [])
+    assert kv.allocate("recv", 7)  # the received prompt[:7], as adopt_for_generate leaves it
+    s.add(Sequence("recv", list(range(100, 108)), SamplingParams(1), 1, num_computed_tokens=7))
+    s.add(seq("small", 2, 2))
+    steps, out = run_step(s)
+    assert steps == first_step and out.preempted == []
+    # then big takes all 4 pages; under mlfq small holds one, so big waits for it
+    second = [("small", 1)] if policy == "mlfq" else [("big", 13)]
+    assert run_step(s)[0] == second
+    kv.check_integrity()
