@@ -54,7 +54,7 @@ class StubRunner:
     def __init__(self, runner, backend: TritonAttentionBackend):
         self.runner, self.backend = runner, backend
 
-    def forward(self, batch, input_ids, sample_rows, copies=(), from_last=(), sends=()):
+    def forward(self, batch, input_ids, sample_rows, copies=(), from_last=(), sends=(), **_):
         if all(s.num_new_tokens == 1 for s in batch.seqs):
             self.backend.plan_graph(batch, len(batch.seqs))
         else:

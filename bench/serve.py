@@ -12,6 +12,18 @@ token / (tokens - 1)), ITL (every gap between chunks), end-to-end latency — p5
 mean — and request and token throughput, and the client's own CPU time (when it nears the
 wall time, the client, not the server, set the pace).
 
+Lengths (--input-len, --output-len) are N, LO:HI (uniform) or lognormal:MEAN:SIGMA (a
+log-normal with that mean and log-space sigma, clipped to [1, --max-len]). `--workload
+heavy-tail` is the scheduling benchmark's (bench/policies.py): prompts lognormal:512:1.0
+(mixed: half are under ~310 tokens, one in twenty over ~1,600) and outputs lognormal:128:1.2
+(heavy-tailed: the median ~62 tokens, one in a hundred over ~1,000), as FastServe's workloads
+have a long tail of long jobs behind many short ones. Every figure is reported as mean and
+p50/p90/p99; JCT (job completion time) is a request's end-to-end latency.
+
+With --priority-by output-len each request carries `priority` = its output length (shortest
+job first, an oracle a real client rarely has): for engines run with --scheduling-policy
+priority.
+
 With --abort-fraction F, that share of the requests (chosen at random) is abandoned by the client
 after a delay drawn from --abort-after LO:HI seconds: the connection closes mid-request, as a
 user who gives up does. They are counted as `aborted` (or as answered, if they finished first)
@@ -24,6 +36,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import random
 import statistics
@@ -45,14 +58,39 @@ async def sse_chunks(resp: httpx.Response):
             yield json.loads(line[6:])
 
 
+WORKLOADS = {"heavy-tail": ("lognormal:512:1.0", "lognormal:128:1.2")}
+
+
 def span(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     return int(lo), int(hi or lo)
 
 
-async def one(client: httpx.AsyncClient, model: str, prompt: list[int], n_out: int) -> dict:
+def draw_len(rng: random.Random, spec: str, max_len: int) -> int:
+    """A length by `spec`: N, LO:HI (uniform) or lognormal:MEAN:SIGMA, within [1, max_len]."""
+    if spec.startswith("lognormal:"):
+        mean, sigma = (float(x) for x in spec.removeprefix("lognormal:").split(":"))
+        mu = math.log(mean) - sigma * sigma / 2  # a log-normal's mean is exp(mu + sigma^2 / 2)
+        return min(max(round(rng.lognormvariate(mu, sigma)), 1), max_len)
+    lo, hi = span(spec)
+    return rng.randint(lo, hi)
+
+
+def workload(args) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request: the same for the same args and seed."""
+    rng = random.Random(args.seed)
+    in_spec, out_spec = WORKLOADS.get(args.workload, (args.input_len, args.output_len))
+    lengths = [(draw_len(rng, in_spec, args.max_len), draw_len(rng, out_spec, args.max_len))
+               for _ in range(args.num_requests)]
+    return [([rng.randrange(args.vocab) for _ in range(n_in)], n_out) for n_in, n_out in lengths]
+
+
+async def one(client: httpx.AsyncClient, model: str, prompt: list[int], n_out: int,
+              priority: int | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": n_out, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if priority is not None:
+        body["priority"] = priority
     start = time.perf_counter()
     times, usage = [], None
     async with client.stream("POST", "/completions", json=body) as resp:
@@ -85,11 +123,8 @@ def pct(values: list[float]) -> dict:
 
 
 async def run(args) -> dict:
-    rng = random.Random(args.seed)
-    lo_in, hi_in = span(args.input_len)
-    lo_out, hi_out = span(args.output_len)
-    work = [([rng.randrange(args.vocab) for _ in range(rng.randint(lo_in, hi_in))],
-             rng.randint(lo_out, hi_out)) for _ in range(args.num_requests)]  # fmt: skip
+    work = workload(args)
+    rng = random.Random(f"{args.seed}/arrivals")
     limit = asyncio.Semaphore(args.concurrency or args.num_requests)
     limits = httpx.Limits(max_connections=args.concurrency or args.num_requests,
                           keepalive_expiry=CLIENT_KEEP_ALIVE_S)
@@ -103,10 +138,11 @@ async def run(args) -> dict:
 
         async def guarded(prompt, n_out, abort: bool):
             async with limit:
+                priority = n_out if args.priority_by == "output-len" else None
                 if not abort:
-                    return await one(client, model, prompt, n_out)
+                    return await one(client, model, prompt, n_out, priority)
                 try:
-                    return await asyncio.wait_for(one(client, model, prompt, n_out),
+                    return await asyncio.wait_for(one(client, model, prompt, n_out, priority),
                                                   rng.uniform(lo_abort, hi_abort))
                 except asyncio.TimeoutError:
                     return {"aborted": True}
@@ -137,11 +173,36 @@ async def run(args) -> dict:
         "total_tokens_per_s": (in_tokens + out_tokens) / wall,
         "ttft": pct([r["ttft"] for r in ok]), "tpot": pct([r["tpot"] for r in ok]),
         "itl": pct([x for r in ok for x in r["itl"]]), "e2e": pct([r["e2e"] for r in ok]),
+        "jct": pct([r["e2e"] for r in ok]),
     }  # fmt: skip
 
 
 def _default_loop() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+
+
+def workload_options(ap: argparse.ArgumentParser) -> None:
+    """What requests are sent, when (bench.policies takes them too)."""
+    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second; inf sends all at once")
+    ap.add_argument("--concurrency", type=int, default=0, help="max in flight (0: no cap)")
+    ap.add_argument("--input-len", default="1024",
+                    help="N, LO:HI (uniform) or lognormal:MEAN:SIGMA")
+    ap.add_argument("--output-len", default="128",
+                    help="N, LO:HI (uniform) or lognormal:MEAN:SIGMA")
+    ap.add_argument("--max-len", type=int, default=2048,
+                    help="log-normal lengths are clipped to this")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                    help="a preset of --input-len and --output-len")
+    ap.add_argument("--priority-by", choices=("none", "output-len"), default="none",
+                    help="output-len: send each request's output length as its priority")
+    ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are < this")
+    ap.add_argument("--abort-fraction", type=float, default=0.0,
+                    help="share of requests the client abandons mid-way")
+    ap.add_argument("--abort-after", default="0.5:5",
+                    help="LO:HI seconds after which an abandoned request is cut off")
+    ap.add_argument("--seed", type=int, default=0)
 
 
 def main() -> None:
@@ -150,18 +211,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the first of /v1/models")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                     help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
-    ap.add_argument("--num-requests", type=int, default=100)
-    ap.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="Poisson arrivals per second; inf sends all at once")
-    ap.add_argument("--concurrency", type=int, default=0, help="max in flight (0: no cap)")
-    ap.add_argument("--input-len", default="1024", help="N or LO:HI (uniform)")
-    ap.add_argument("--output-len", default="128", help="N or LO:HI (uniform)")
-    ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are < this")
-    ap.add_argument("--abort-fraction", type=float, default=0.0,
-                    help="share of requests the client abandons mid-way")
-    ap.add_argument("--abort-after", default="0.5:5",
-                    help="LO:HI seconds after which an abandoned request is cut off")
-    ap.add_argument("--seed", type=int, default=0)
+    workload_options(ap)
     ap.add_argument("--event-loop", choices=("uvloop", "asyncio"), default=_default_loop(),
                     help="the client's event loop (default: uvloop when installed; one "
                          "core parses every stream's chunks, and asyncio's loop costs more "

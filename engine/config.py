@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.policies import POLICIES  # plain data: no torch
 from microserve.nvshmem_group import check_member
 
 MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will consume
@@ -38,6 +39,15 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
+    # Which waiting and running sequences go first (engine/policies.py): fcfs, priority (the
+    # request's `priority`, lower first) or mlfq (FastServe's skip-join MLFQ). Under priority
+    # and mlfq a sequence that has not run for scheduling_starvation_s is promoted to the top.
+    scheduling_policy: str = "fcfs"
+    scheduling_starvation_s: float = 10.0
+    mlfq_levels: int = 8  # mlfq: its queues
+    # mlfq: queue 0's quantum in predicted seconds of running (queue i's: 2**i times it);
+    # None: 8 one-token steps of the start-up profile
+    mlfq_base_quantum_s: float | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     # CUDA: steps with prompt tokens, up to this many tokens in all, replay piecewise CUDA
     # graphs (attention eager between them; engine/cuda_graphs.py); 0: they run eagerly. An
@@ -180,6 +190,17 @@ class EngineConfig:
             if self.quantization is not None:
                 raise ValueError("LoRA adapters over fp8 weights are not supported yet "
                                  "(--quantization with --lora-modules or --enable-lora)")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got "
+                             f"{self.scheduling_policy!r}")
+        if not 0 < self.scheduling_starvation_s <= MAX_LEASE_S:
+            raise ValueError(f"scheduling_starvation_s must be in (0, {MAX_LEASE_S:.0f}] s, got "
+                             f"{self.scheduling_starvation_s}")
+        if not 1 <= self.mlfq_levels <= 32:
+            raise ValueError(f"mlfq_levels must be in [1, 32], got {self.mlfq_levels}")
+        if self.mlfq_base_quantum_s is not None and not 0 < self.mlfq_base_quantum_s <= 3600:
+            raise ValueError(f"mlfq_base_quantum_s must be in (0, 3600] s, got "
+                             f"{self.mlfq_base_quantum_s}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

@@ -29,6 +29,7 @@ class Generate(Frame, tag="generate"):
     begin: int = 0
     first_token: int | None = None
     queue_s: float | None = None  # StartGenerateRequest's
+    priority: int = 0  # StartGenerateRequest's
     received_at: float = 0.0  # time.perf_counter() when the frontend took it; 0: unknown
 
 

@@ -72,7 +72,7 @@ class Sending:
                     sampling: SamplingParams | None = None,
                     generator: torch.Generator | None = None,
                     received_at: float | None = None,
-                    queue_s: float | None = None) -> Sequence | None:
+                    queue_s: float | None = None, priority: int = 0) -> Sequence | None:
         """Start sending KV of prompt[begin:end]; the answer comes from poll(). Returns the
         send-only sequence (made at `arrival`) that computes the KV not cached here, for the
         caller to schedule; None if all of it was cached (the job is flushing already, or
@@ -129,7 +129,7 @@ class Sending:
                 self._flush(request_id, job)
             return None
         seq = Sequence(request_id, tokens, sampling or SamplingParams(max_tokens=1),
-                       arrival, num_computed_tokens=matched, num_cached_tokens=matched,
+                       arrival, priority, num_computed_tokens=matched, num_cached_tokens=matched,
                        send_only=True, send_samples=sampling is not None)
         self.requests.send(request_id, job, seq, generator)
         return seq

@@ -19,6 +19,12 @@ running sequence needs a page and none is left, the policy's victim (the newest 
 sequence under FCFS) is preempted: its pages are released (whole pages stay in the prefix cache)
 and it is recomputed later from prompt + output so far.
 
+The policy (engine/policies.py) orders each group: FCFS keeps the queues' order; a ranked
+policy (priority, mlfq) sorts decodes by rank, interleaves prefill chunks and admissions by
+rank, and lets a waiting sequence that finds no seat or no pages take those of running
+sequences it outranks (worst first; never a send in progress): preemption at iteration
+granularity.
+
     sequence tokens:  [ computed (KV written) | to compute this step | rest ]
                       0                  num_computed          +num_new     num_tokens
     A step samples a token for a sequence when its chunk reaches num_tokens; once the step is
@@ -27,10 +33,12 @@ and it is recomputed later from prompt + output so far.
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.policies import FCFS, SchedulingPolicy
 from engine.sequence import Sequence, SeqStatus
 from kvcache.manager import KVCacheManager
 
@@ -47,17 +55,14 @@ class AdapterSlots(Protocol):
         """The sequence stopped running (preempted, finished, aborted)."""
 
 
-class SchedulingPolicy:
-    """FCFS: admit in arrival order, preempt the most recent arrival first.
+@dataclass
+class _Admission:
+    """One step's admission state."""
 
-    The interface a priority policy (e.g. FastServe's skip-join MLFQ) replaces.
-    """
-
-    def admit_order(self, waiting: deque[Sequence]) -> list[Sequence]:
-        return list(waiting)
-
-    def preemption_victim(self, running: list[Sequence]) -> Sequence:
-        return max(running, key=lambda s: s.arrival)
+    # prompt key -> running sequences computing that prompt (Scheduler._prompts_computing)
+    twins: dict[int, list[Sequence]] | None
+    # a sequence that must compute its KV did not fit: none ranked after it may be admitted
+    blocked: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    short_of_pages: bool = False  # a running sequence's growth preempted: admit nothing more
 
     @property
     def num_tokens(self) -> int:
@@ -94,22 +100,29 @@ class Scheduler:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.policy = policy or SchedulingPolicy()
+        self.policy = policy or FCFS()
         self.adapters = adapters  # None: no LoRA (every sequence runs the base)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0  # counter for /metrics
+        # counters for /metrics: "pages" (a running sequence needed a page), "priority" (a
+        # waiting sequence the policy ranks higher took the place)
+        self.preemptions_by_reason: Counter[str] = Counter()
 
     def add(self, seq: Sequence) -> None:
+        first_chunk = min(seq.num_tokens - seq.num_computed_tokens, self.max_num_batched_tokens)
+        self.policy.add(seq, first_chunk)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def pages_owed(self) -> int:
-        """Pages the first waiting sequence that holds no KV needs for its tokens: what pages
-        reserved for other engines' transfers must leave it (0 if there is none)."""
-        first = next((s for s in self.waiting if not self.kv.has(s.request_id)), None)
+        """Pages the first waiting sequence (in the policy's order) that holds no KV needs for
+        its tokens: what pages reserved for other engines' transfers must leave it (0 if there
+        is none)."""
+        first = next((s for s in self.policy.admit_order(self.waiting)
+                      if not self.kv.has(s.request_id)), None)
         return 0 if first is None else self.kv.pages_needed(None, first.num_tokens)
 
     def headroom(self) -> int:
@@ -130,25 +143,47 @@ class Scheduler:
         if not keep_pages and self.kv.has(seq.request_id):
             self.kv.free(seq.request_id)
         seq.status = SeqStatus.FINISHED
+        self.policy.remove(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        active = [s for s in self.running if s.finish_reason is None]  # see Sequence
+        self.policy.refresh(itertools.chain(self.waiting, self.running))
+        active = self.policy.run_order([s for s in self.running if s.finish_reason is None])
         decoding = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decoding + prefilling:
+        for seq in decoding:
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
-                out.scheduled.append(self._entry(seq, n))
-                budget -= n
-        if not out.preempted:  # don't admit new work in a step that had to preempt
-            budget = self._admit(budget, out)
+            budget = self._run(seq, budget, out)
+        # Prefill chunks, then admissions (FCFS); a ranked policy interleaves them by rank,
+        # so a waiting sequence it ranks higher gets the budget before a running one's chunk.
+        # No new work in a step that had to preempt for pages.
+        waiting = self.policy.admit_order(self.waiting) if not out.short_of_pages else []
+        if self.policy.preempts:
+            work = sorted(prefilling + waiting, key=self.policy.rank)
+        else:
+            work = prefilling + waiting
+        admission = _Admission(self._prompts_computing())
+        for seq in work:
+            if budget == 0:
+                break
+            if seq.status is SeqStatus.RUNNING:
+                budget = self._run(seq, budget, out)
+            elif not out.short_of_pages and seq not in out.preempted:
+                budget = self._admit(seq, budget, out, admission)
+        self.policy.ran([(e.seq, e.num_new_tokens) for e in out.scheduled])
         return out
+
+    def _run(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule a running sequence's next chunk (or decode token). Returns the budget left."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
+            out.scheduled.append(self._entry(seq, n))
+            budget -= n
+        return budget
 
     def advance(self, out: SchedulerOutput) -> list[Sequence]:
         """The step's chunks are launched: their KV counts as computed. Returns the send-only
@@ -172,7 +207,8 @@ class Scheduler:
         while not self.kv.allocate(seq.request_id, num_tokens):
             candidates = [s for s in self.running if s.finish_reason is None]
             victim = self.policy.preemption_victim(candidates)
-            self._preempt(victim, out)
+            self._preempt(victim, out, "pages")
+            out.short_of_pages = True
             if victim is seq:
                 return False
         return True
@@ -181,7 +217,9 @@ class Scheduler:
         if seq.lora_id:
             self.adapters.release(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> int:
+        """Release a running sequence's pages and queue it to be recomputed. Returns the
+        tokens this step had scheduled for it (given back to the budget by the caller)."""
         self.running.remove(seq)
         self._release_adapter(seq)
         self.kv.free(seq.request_id)
@@ -189,47 +227,91 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        freed = sum(e.num_new_tokens for e in out.scheduled if e.seq is seq)
         out.scheduled[:] = [s for s in out.scheduled if s.seq is not seq]
         self.num_preemptions += 1
+        self.preemptions_by_reason[reason] += 1
+        return freed
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> int:
-        blocked = False  # a sequence that must compute its KV did not fit: none after it may
-        twins = self._prompts_computing()
-        for seq in self.policy.admit_order(self.waiting):
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
-                break
-            prepared = self.kv.has(seq.request_id)  # KV received or held since the call came
-            if blocked and not prepared:
-                continue
-            if not prepared and self._waits_for_twin(seq, twins):
-                continue
-            if seq.lora_id and not self.adapters.acquire(seq):
-                continue  # every slot's adapter is running: it waits, holding no one up
-            if prepared:
-                reused = seq.num_computed_tokens
-            else:  # reuse cached KV for all but the last token: its logits are needed
-                end = seq.num_tokens - 1
-                if seq.prompt_logprobs is not None:  # nor any prompt token not yet scored
-                    end = min(end, seq.prompt_scored - 1)
-                reused = self.kv.open(seq.request_id, seq.token_at(0, end), seq.lora_id)
-            n = min(seq.num_tokens - reused, budget)
-            if not self.kv.allocate(seq.request_id, reused + n):
-                self._release_adapter(seq)
-                if not prepared:
-                    self.kv.free(seq.request_id)
-                    blocked = True  # FCFS among the sequences that need their KV computed
-                continue
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
-            seq.num_computed_tokens = reused
-            seq.status, seq.admitted = SeqStatus.RUNNING, True
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            out.scheduled.append(self._entry(seq, n))
-            budget -= n
-            if twins is not None and self._computes_prompt(seq):
-                twins.setdefault(seq.prompt_key, []).append(seq)
-        return budget
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput,
+               admission: _Admission) -> int:
+        """Admit a waiting sequence if it fits (a ranked policy may preempt running sequences
+        it outranks to make it fit). Returns the budget left."""
+        prepared = self.kv.has(seq.request_id)  # KV received or held since the call came
+        if admission.blocked and not prepared:
+            return budget
+        if not prepared and self._waits_for_twin(seq, admission.twins):
+            return budget
+        if len(self.running) >= self.max_num_seqs and self._outranked(seq) is None:
+            admission.blocked |= not prepared  # no sequence ranked after it gets a seat either
+            return budget
+        if seq.lora_id and not self.adapters.acquire(seq):
+            return budget  # every slot's adapter is running: it waits, holding no one up
+        if prepared:
+            reused = seq.num_computed_tokens
+        else:  # reuse cached KV for all but the last token: its logits are needed
+            end = seq.num_tokens - 1
+            if seq.prompt_logprobs is not None:  # nor any prompt token not yet scored
+                end = min(end, seq.prompt_scored - 1)
+            reused = self.kv.open(seq.request_id, seq.token_at(0, end), seq.lora_id)
+        n = min(seq.num_tokens - reused, budget)
+        freed = self._allocate_or_preempt(seq, reused + n, out)
+        if freed is None:
+            self._release_adapter(seq)
+            if not prepared:
+                self.kv.free(seq.request_id)
+                admission.blocked = True  # in policy order among those that compute their KV
+            return budget
+        budget += freed
+        if len(self.running) >= self.max_num_seqs:  # the seat of one it outranks (see above)
+            budget += self._preempt(self._outranked(seq), out, "priority")
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
+        seq.num_computed_tokens = reused
+        seq.status, seq.admitted = SeqStatus.RUNNING, True
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        out.scheduled.append(self._entry(seq, n))
+        if admission.twins is not None and self._computes_prompt(seq):
+            admission.twins.setdefault(seq.prompt_key, []).append(seq)
+        return budget - n
+
+    def _preemptable(self, seq: Sequence) -> list[Sequence]:
+        """Running sequences a ranked policy may preempt for waiting `seq`: those it outranks,
+        worst first. Not a send in progress (its transfer reads its pages as they are written)
+        nor one whose last step is not resolved yet."""
+        if not self.policy.preempts:
+            return []
+        victims = [r for r in self.running if r.finish_reason is None and not r.send_only
+                   and self.policy.outranks(seq, r)]
+        return sorted(victims, key=self.policy.rank, reverse=True)
+
+    def _outranked(self, seq: Sequence) -> Sequence | None:
+        """The running sequence `seq` may take the seat of, if any."""
+        return next(iter(self._preemptable(seq)), None)
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int,
+                             out: SchedulerOutput) -> int | None:
+        """Pages for waiting `seq` to hold `num_tokens`, preempting running sequences it
+        outranks (worst first) when their pages would make it fit. Returns the tokens this
+        step had scheduled for those preempted (back to the budget); None, preempting
+        nothing, if it cannot fit."""
+        if self.kv.allocate(seq.request_id, num_tokens):
+            return 0
+        victims = self._preemptable(seq)
+        if not victims:
+            return None
+        stats = self.kv.stats()  # an upper bound: pages shared with others are not freed
+        reachable = stats.free_pages + stats.cached_pages + sum(
+            len(self.kv.page_table(v.request_id)) for v in victims)
+        if reachable < self.kv.pages_needed(seq.request_id, num_tokens):
+            return None
+        freed = 0
+        for victim in victims:
+            freed += self._preempt(victim, out, "priority")
+            if self.kv.allocate(seq.request_id, num_tokens):
+                return freed
+        return None  # the victims' pages were shared after all; they are recomputed later
 
     # ---- the n choices of a prompt: one prefill -----------------------------------------------
     #

@@ -32,6 +32,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int  # admission order; FCFS sorts on it
+    # the request's priority (lower runs first) under the `priority` scheduling policy
+    priority: int = 0
     num_computed_tokens: int = 0  # KV positions written; the Scheduler's after construction
     # prompt tokens whose KV was reused rather than computed: given at construction when the
     # KV was held then, else set by the Scheduler at first admission

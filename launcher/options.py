@@ -14,6 +14,7 @@ import dataclasses
 import os
 
 from engine.config import KV_CACHE_DTYPES, EngineConfig  # plain data: no torch
+from engine.policies import POLICIES
 from microserve.http_limits import HttpLimits  # plain data: no server
 from router.settings import SETTINGS, RouterSettings
 
@@ -94,6 +95,17 @@ def engine_options(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings)")
     _config_option(p, "--no-prefix-cache", "enable_prefix_cache", action="store_false",
                    help="do not reuse the KV of earlier requests' common prefixes")
+    _config_option(p, "--scheduling-policy", choices=POLICIES,
+                   help="which requests run first: fcfs (arrival order), priority (the "
+                        "request's `priority`, lower first, ties by arrival) or mlfq "
+                        "(FastServe's skip-join multi-level feedback queue; short jobs first)")
+    _config_option(p, "--scheduling-starvation-s", type=float, metavar="SECONDS",
+                   help="priority and mlfq: a request that has not run for this long is "
+                        "promoted to the top")
+    _config_option(p, "--mlfq-levels", type=int, help="mlfq: how many queues")
+    _config_option(p, "--mlfq-base-quantum-s", type=float, metavar="SECONDS",
+                   help="mlfq: the top queue's quantum in predicted seconds of running, "
+                        "doubling per queue (default: 8 one-token steps, measured at start-up)")
     _config_option(p, "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     _config_option(p, "--skip-warmup", "warmup", action="store_false",
                    help="CUDA: report ready without serving the start-up requests that compile "

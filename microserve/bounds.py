@@ -27,6 +27,9 @@ Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # max_tokens and other counts
 MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]  # vLLM's min_tokens; at most max_tokens
 Index = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # begin/end; the engine checks the prompt
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1 and 0 disable it; at most the vocabulary
+# A request's scheduling priority (vLLM's `priority`: lower runs first), for engines run with
+# --scheduling-policy priority; other policies ignore it
+Priority = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # Sampling penalties: OpenAI's range for presence/frequency, and SGLang's upper bound for the
 # repetition penalty (vLLM's and Hugging Face's take any positive value; past 2 the penalty

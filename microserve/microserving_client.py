@@ -190,10 +190,12 @@ class EngineClient:
     async def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
                              sampling: SamplingParams | None = None,
                              first_token: int | None = None,
-                             queue_s: float | None = None) -> AsyncIterator[GenerateChunk]:
+                             queue_s: float | None = None,
+                             priority: int = 0) -> AsyncIterator[GenerateChunk]:
         """Generate from `prompt`, whose KV of `prompt[:begin]` is on the engine already
         (`first_token`: the first output, sampled by the sender of the whole prompt's KV;
-        `queue_s`: how long it may wait for a step to start on it, else a 503 queue_timeout).
+        `queue_s`: how long it may wait for a step to start on it, else a 503 queue_timeout;
+        `priority`: its rank under the engine's priority scheduling policy, lower first).
 
         Yields the engine's chunks as they come; the last has finish_reason and usage.
         Raises MicroservingError / BackendUnavailable, before the first chunk or after (the
@@ -202,7 +204,8 @@ class EngineClient:
         makes the engine abort the request.
         """
         body = StartGenerateRequest(request_id, prompt, begin, sampling or SamplingParams(),
-                                    first_token=first_token, queue_s=queue_s)
+                                    first_token=first_token, queue_s=queue_s,
+                                    priority=priority)
         response = await self._open(b"POST", "start_generate", self._encode(body), None)
         decoder = _ChunkDecoder() if _is_msgpack(response) else _LineDecoder()
         finished = False

@@ -77,9 +77,10 @@ class RouterBackend(GenerateBackend):
         return self.pool.lora_names()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[GenerateChunk]:
+                       params: SamplingParams, priority: int = 0
+                       ) -> AsyncIterator[GenerateChunk]:
         for attempt in range(self.max_retries + 1):
-            request = Request(request_id, prompt_token_ids, params)
+            request = Request(request_id, prompt_token_ids, params, priority)
             loaded = self.host.acquire()
             # a LoRA adapter's request goes only to engines that have it registered
             pool = self.pool if params.lora_name is None else self.pool.with_adapter(

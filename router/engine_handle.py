@@ -135,7 +135,8 @@ class EngineHandle:
             answer = await self._pool.unless_down(
                 watched, self._call(RemoteSendRequest(
                     request.request_id, request.prompt, begin, end, kv_addr,
-                    request.sampling if sample else None, self._pool.queue_timeout_s)),
+                    request.sampling if sample else None, self._pool.queue_timeout_s,
+                    request.priority)),
                 f"while engine {self.name} was sending it KV for request {request.request_id}")
         finally:
             self.open_sends -= 1
@@ -239,7 +240,7 @@ class EngineHandle:
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
                                             request.sampling, first_token,
-                                            self._pool.queue_timeout_s)
+                                            self._pool.queue_timeout_s, priority=request.priority)
         request.timeline.generate_started = now()
         watch = StreamWatch(self, self._pool.down_event(self.name))
         try:

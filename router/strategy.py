@@ -47,6 +47,9 @@ class Request:
     request_id: str
     prompt: list[int]  # token ids (chat template applied, special tokens added)
     sampling: SamplingParams
+    # its rank on engines run with --scheduling-policy priority (lower runs first): the
+    # client's `priority`, which a strategy may change before its calls
+    priority: int = 0
     # Names of the engines called for this request so far, and of those that hold nothing for
     # it now (their call finished, or they were told to abort); written by the engine handles
     # and the router's cleanup, which aborts `touched - settled`, once.

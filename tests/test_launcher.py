@@ -427,9 +427,18 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
                       '"32"]\n')
     [engine] = load_deployment(config).engines
     assert (engine.config.device, engine.config.page_size) == ("cuda:1", 32)
+    config.write_text('[[engines]]\nname = "e"\nargs = ["--scheduling-policy", "mlfq", '
+                      '"--scheduling-starvation-s", "2.5", "--mlfq-levels", "4"]\n')
+    [engine] = load_deployment(config).engines
+    assert (engine.config.scheduling_policy, engine.config.scheduling_starvation_s,
+            engine.config.mlfq_levels, engine.config.mlfq_base_quantum_s) == ("mlfq", 2.5, 4, None)
     for args, message in [('["--page-size", "x"]', "argument --page-size: invalid int value"),
                           ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
-                          ('["--no-such-option"]', "unrecognized arguments: --no-such-option")]:
+                          ('["--no-such-option"]', "unrecognized arguments: --no-such-option"),
+                          ('["--scheduling-policy", "sjf"]',
+                           "argument --scheduling-policy: invalid choice: 'sjf'"),
+                          ('["--scheduling-starvation-s", "0"]',
+                           r"scheduling_starvation_s must be in \(0, 86400\] s, got 0.0")]:
         config.write_text(f'[[engines]]\nname = "e"\nargs = {args}\n')
         with pytest.raises(ValueError, match=rf"engines\[0\] \(e\): {message}"):
             load_deployment(config)

@@ -76,15 +76,17 @@ CALLS = {
                      "kv_addr": KV_ADDR},
                     {"sent": 6, "computed": 10, "reused": 0, "first_token": None},
                     {"request_id": "r1", "prompt": PROMPT, "begin": 4, "end": 10,
-                     "kv_addr": KV_ADDR_ARGS, "sampling": None, "queue_s": None}, None),
+                     "kv_addr": KV_ADDR_ARGS, "sampling": None, "queue_s": None,
+                     "priority": 0}, None),
     "commit": ({"request_id": "r1", "pin": True}, {"cached": 8, "pinned": True},
                {"request_id": "r1", "pin": True}, 30.0),
     "abort": ({"request_id": "r1"}, {"aborted": True}, {"request_id": "r1"}, 30.0),
     "pin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
     "unpin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
 }
-STATS = {**{f.name: 0 for f in dataclasses.fields(EngineStats) if f.type != "list[str]"},
-         "running": 1, "waiting": 0, "kv_pages_free": 12}
+STATS = {**{f.name: 0 for f in dataclasses.fields(EngineStats) if f.type in ("int", "float")},
+         "running": 1, "waiting": 0, "kv_pages_free": 12,
+         "preemptions_by_reason": {"pages": 2, "priority": 1}, "mlfq_queue_requests": [3, 0, 1]}
 INFO = {"model_name": "tiny", "model_dir": "/m", "device": "cpu", "dtype": "float32",
         "vocab_size": 64, "max_model_len": 64, "eos_token_ids": [2], "page_size": 4,
         "num_pages": 16, "kv_capacity_tokens": 64, "max_num_batched_tokens": 64,
@@ -117,6 +119,7 @@ class FakeCore(GenerateBackend):
         self.calls: list[tuple] = []  # (method, args, timeout_s)
         self.generate_calls: list[tuple] = []  # (request_id, prompt, begin, params)
         self.queue_times: list[tuple] = []  # (queue_s, received_at) of each start_generate
+        self.priorities: list[int] = []  # of each start_generate
         self.aborted: list[str] = []
 
     async def call(self, request, timeout_s=30.0, received_at=0.0):
@@ -130,9 +133,10 @@ class FakeCore(GenerateBackend):
         return result
 
     async def start_generate(self, request_id, prompt, begin, params, first_token=None,
-                             queue_s=None, received_at=0.0):
+                             queue_s=None, received_at=0.0, priority=0):
         self.generate_calls.append((request_id, prompt, begin, params))
         self.queue_times.append((queue_s, received_at))
+        self.priorities.append(priority)
         if self.error:
             raise self.error
         num_generated, settled = 0, False
@@ -155,7 +159,7 @@ class FakeCore(GenerateBackend):
             if not settled:
                 await self.abort(request_id)
 
-    def generate(self, request_id, prompt_token_ids, params):
+    def generate(self, request_id, prompt_token_ids, params, priority=0):
         return self.start_generate(request_id, prompt_token_ids, 0, params)
 
     async def abort(self, request_id):
@@ -339,6 +343,12 @@ async def test_engine_core_gone_is_503():
      "(got 2.5)"),
     ("start_generate", {**GENERATE, "queue_s": 0}, "queue_s",
      "Invalid value for 'queue_s': Input should be greater than 0 (got 0)"),
+    ("start_generate", {**GENERATE, "priority": 2**31}, "priority",
+     "Invalid value for 'priority': Input should be less than or equal to 2147483647 "
+     "(got 2147483648)"),
+    ("remote_send", {**CALLS["remote_send"][0], "priority": 1.5}, "priority",
+     "Invalid value for 'priority': Input should be a valid integer, got a number with a "
+     "fractional part (got 1.5)"),
     ("commit", {}, "request_id", "Missing required field 'request_id'"),
 ])
 async def test_validation_error_names_the_field(route, body, param, message, fmt):
@@ -589,7 +599,7 @@ async def test_engine_client_start_generate(use_msgpack):
                               logit_bias=((5, -100.0), (9, 2.5)), min_tokens=2)
     async with engine_client(core, use_msgpack=use_msgpack) as engine:
         chunks = [c async for c in engine.start_generate("g1", PROMPT, 3, sampling,
-                                                         queue_s=2.5)]
+                                                         queue_s=2.5, priority=-7)]
         sent = time.perf_counter()
     assert [plain(c) for c in chunks] == [
         chunk([11], logprobs=logprobs(11), first=True), chunk([12, 13], logprobs=logprobs(12, 13)),
@@ -598,6 +608,7 @@ async def test_engine_client_start_generate(use_msgpack):
     # the queue time, counted from when the engine's frontend took the call
     (queue_s, received_at), = core.queue_times
     assert queue_s == 2.5 and 0 < received_at < sent
+    assert core.priorities == [-7]  # the scheduling priority, as sent
 
 
 def test_generate_frames_carry_every_sampling_option_to_the_core():
@@ -605,7 +616,7 @@ def test_generate_frames_carry_every_sampling_option_to_the_core():
     params = SamplingParams(max_tokens=4, seed=-3, stop_token_ids=(2,), presence_penalty=-2.0,
                             frequency_penalty=2.0, repetition_penalty=0.5,
                             logit_bias=((0, 1.5),), min_tokens=4)
-    frame = Generate(request_id="g1", prompt=PROMPT, params=params, begin=3)
+    frame = Generate(request_id="g1", prompt=PROMPT, params=params, begin=3, priority=-4)
     [decoded] = wire.FrameDecoder(ToCore).feed(wire.encode(frame))
     assert decoded == frame and decoded.params.logit_bias == ((0, 1.5),)
 

@@ -48,12 +48,14 @@ class ScriptedBackend(GenerateBackend):
         self.steps, self.finish_reason, self.logprobs = steps, finish_reason, logprobs
         self.cached, self.hang, self.fail = cached, hang, fail
         self.calls: list[tuple[str, list[int], SamplingParams]] = []
+        self.priorities: list[int] = []  # of each call
         self.aborted: list[str] = []
         self.is_healthy = True
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0):
         """Closed (or failed) before its finishing chunk, it is aborted: `aborted` says so."""
         self.calls.append((request_id, list(prompt_token_ids), params))
+        self.priorities.append(priority)
         finished = False
         try:
             for i, ids in enumerate(self.steps):
@@ -80,7 +82,7 @@ class ScriptedBackend(GenerateBackend):
 
 
 class Unavailable(ScriptedBackend):
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0):
         raise BackendUnavailable("all engines are down")
         yield  # an async generator, like a real backend
 
@@ -161,6 +163,17 @@ async def test_penalties_logit_bias_and_min_tokens_reach_the_backend(tok):
                                                  logit_bias=((0, 100.0), (9, 0.5)))
 
 
+async def test_priority_reaches_the_backend_for_every_choice(tok):
+    """vLLM's `priority` extension field: chat and completions pass it on (default 0)."""
+    backend = ScriptedBackend(steps(tok, "hello"))
+    async with client_for(backend, tok) as client:
+        chat = await client.post(CHAT, json={"messages": HI, "priority": -5, "n": 2})
+        completion = await client.post("/v1/completions", json={"prompt": "hi", "priority": 7})
+        plain = await client.post("/v1/completions", json={"prompt": "hi"})
+    assert (chat.status_code, completion.status_code, plain.status_code) == (200, 200, 200)
+    assert backend.priorities == [-5, -5, 7, 0]
+
+
 async def test_max_tokens_defaults_to_the_rest_of_the_context(tok):
     backend = ScriptedBackend(steps(tok, "hello"))
     async with client_for(backend, tok) as client:
@@ -222,7 +235,7 @@ class FailsOne(ScriptedBackend):
         super().__init__(steps, hang=True)
         self.victim = victim
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0):
         async for chunk in super().generate(request_id, prompt_token_ids, params):
             yield chunk
             if request_id.endswith(self.victim):
@@ -505,6 +518,10 @@ async def test_errors(tok):
          "min_tokens (5) exceeds the completion's max_tokens (4)"),
         ("/v1/completions", {"prompt": [5, 2**64]}, 400, "prompt",
          "Token id 18446744073709551616 at prompt position 1 is out of range"),
+        (CHAT, {"messages": HI, "priority": 2**31}, 400, "priority",
+         "Input should be less than or equal to 2147483647 (got 2147483648)"),
+        ("/v1/completions", {"prompt": "hi", "priority": "high"}, 400, "priority",
+         "Input should be a valid integer"),
     ]
     async with client_for(backend, tok) as client:
         for path, body, status, param, message in cases:

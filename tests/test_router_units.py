@@ -89,7 +89,7 @@ def engine_info(**facts) -> EngineInfo:
 def engine_load(**counts) -> EngineStats:
     """An engine's polled stats: zero but for `counts`."""
     return EngineStats(**{f.name: counts.get(f.name, 0) for f in dataclasses.fields(EngineStats)
-                          if f.type != "list[str]"})  # the adapter lists: empty
+                          if f.type in ("int", "float")})
 
 
 def make_pool(*specs: tuple[str, str]) -> EnginePool:
@@ -510,7 +510,7 @@ class CountingClient(FakeEngine):
             begin=0, end=n, ranges=[(0, n)], layout={}, transfer={}, window=(0, 1)))
 
     async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None,
-                          queue_s=None):
+                          queue_s=None, priority=0):
         if self.hang_send:
             await asyncio.sleep(3600)
         if kv_addr is None:
@@ -522,7 +522,7 @@ class CountingClient(FakeEngine):
         self.addressed.set()
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None):
+                             queue_s=None, priority=0):
         yield GenerateChunk(token_ids=[1], cached_tokens=len(prompt) - 1)
         if self.fail:
             raise MicroservingError(500, "internal error in the engine step: ValueError")
@@ -599,7 +599,7 @@ class PlacesGenerations(CountingClient):
         self.started, self.go = started, asyncio.Event()
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None):
+                             queue_s=None, priority=0):
         self.started.append(request_id)
         await self.go.wait()
         yield GenerateChunk(token_ids=[2], finish_reason="length")
@@ -646,7 +646,7 @@ class QueuedInVain(CountingClient):
         self.queue_s = []
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None):
+                             queue_s=None, priority=0):
         self.queue_s.append(queue_s)
         raise MicroservingError(503, f"waited {queue_s:g} s for this engine to start computing "
                                 f"request {request_id!r} (its queue_s): it is busy; retry "
@@ -674,6 +674,31 @@ async def test_a_data_parallel_request_queued_past_the_queue_timeout_is_a_503_to
     assert pool["a"].client.queue_s + pool["b"].client.queue_s == [0.4]  # one try
 
 
+class Prioritized(CountingClient):
+    """An engine that records the scheduling priority of each generation."""
+
+    def __init__(self):
+        super().__init__()
+        self.priorities = []
+
+    async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
+                             queue_s=None, priority=0):
+        self.priorities.append(priority)
+        yield GenerateChunk(token_ids=[1], finish_reason="length")
+
+
+async def test_the_clients_priority_reaches_the_engine():
+    pool = make_pool(("a", "any"))
+    pool["a"].client = Prioritized()
+    host = StrategyHost(pool)
+    await host.load(StrategySource.builtin("data_parallel"))
+    backend = RouterBackend(pool, host, "m", Registry())
+    for priority in (3, 0, -2):
+        [chunk async for chunk in backend.generate(f"r{priority}", [5, 6], SamplingParams(),
+                                                   priority)]
+    assert pool["a"].client.priorities == [3, 0, -2]
+
+
 # ---- an engine marked down ends its streams; DNS names ---------------------------------------
 
 
@@ -685,7 +710,7 @@ class _SlowStream:
         self.go = asyncio.Event()
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None):
+                             queue_s=None, priority=0):
         yield GenerateChunk(token_ids=[1])
         await self.go.wait()
         yield GenerateChunk(token_ids=[2])
@@ -753,7 +778,7 @@ class _HandOver:
         self.chunks, self.called = chunks, asyncio.Event()
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None):
+                             queue_s=None, priority=0):
         self.called.set()
         for chunk in self.chunks:
             yield chunk
@@ -847,7 +872,7 @@ class _Sender(FakeEngine):
         self.log, self.job, self.early = log, None, None
 
     async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None,
-                          queue_s=None):
+                          queue_s=None, priority=0):
         await asyncio.sleep(0.005)  # on its way: an abort may overtake it
         self.log.append(("p.remote_send", begin, end, kv_addr is None))
         self.job = asyncio.get_running_loop().create_future()

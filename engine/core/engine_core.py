@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core.adapters import EngineAdapters
 from engine.core.handlers import MessageHandlers
 from engine.core.lifecycle import RequestLifecycle
+from engine.core.profile import measure_prefill
 from engine.core.step import LaunchedStep, StepPipeline
 from engine.core.warmup import WARMUP_LENGTHS, warm_up
 from engine.grammar import GrammarMatchers
@@ -25,6 +26,7 @@ from engine.loop_stats import LoopCounters
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models import fp8
 from engine.penalties import PenaltyPool
+from engine.policies import FCFS, PrefillProfile, SchedulingPolicy, make_policy
 from engine.requests import RequestSideTable, RequestTable
 from engine.scheduler import Scheduler
 from kvcache.manager import KVCacheManager
@@ -70,6 +72,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self._policy(None),  # mlfq's waits for its profile
                                    adapters=self.adapters)
         self.requests = RequestTable()
         # The transfer thread wakes the step loop through this pipe when a send completes.
@@ -126,9 +129,24 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         )
         if self.runner.cuda and config.warmup:
             log.info("warmed up in %.1f s", self.warm_up())
+        if config.scheduling_policy == "mlfq":
+            profile = measure_prefill(self)
+            self.scheduler.policy = self._policy(profile)
+            log.info("prefill profile: %.2f ms + %.4f ms per token; mlfq base quantum %.2f ms",
+                     profile.fixed_s * 1e3, profile.per_token_s * 1e3,
+                     self.scheduler.policy.base_quantum_s * 1e3)
         log.info("engine core ready: %s", self.info)
 
     WARMUP_LENGTHS = WARMUP_LENGTHS
+
+    def _policy(self, profile: PrefillProfile | None) -> SchedulingPolicy:
+        """The configured scheduling policy; FCFS for mlfq until its `profile` is measured."""
+        c = self.config
+        if c.scheduling_policy == "mlfq" and profile is None:
+            return FCFS()
+        return make_policy(c.scheduling_policy, starvation_s=c.scheduling_starvation_s,
+                           profile=profile, num_levels=c.mlfq_levels,
+                           base_quantum_s=c.mlfq_base_quantum_s)
 
     def warm_up(self) -> float:
         """Serve the start-up requests, then forget them (engine/core/warmup.py). Returns the
@@ -174,6 +192,9 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             kv_pages_used=s.used_pages,
             kv_pages_pinned=s.pinned_pages,
             preemptions=self.scheduler.num_preemptions,
+            preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
+            scheduling_promotions=self.scheduler.policy.promotions,
+            mlfq_queue_requests=list(self.scheduler.policy.stats().values()),
             **self.counters,
             **self.exchange.stats(),
             **asdict(self.loop),

@@ -94,7 +94,8 @@ class MessageHandlers:
     def _on_generate(self, msg: Generate) -> None:
         try:
             first = self.add_request(msg.request_id, msg.prompt, msg.params, msg.begin,
-                                     msg.first_token, msg.queue_s, msg.received_at)
+                                     msg.first_token, msg.queue_s, msg.received_at,
+                                     msg.priority)
         except (RequestRejected, MicroservingError) as e:
             self._outbox.append(Rejected(msg.request_id, str(e), e.param,
                                          getattr(e, "status", 400), getattr(e, "code", None)))
@@ -163,7 +164,7 @@ class MessageHandlers:
 
     def on_remote_send(self, r, received_at):
         return self.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
-                                r.sampling, received_at, r.queue_s)
+                                r.sampling, received_at, r.queue_s, r.priority)
 
     def on_send_to(self, r, received_at):
         return self.exchange.send_to(r.request_id, r.begin, r.kv_addr)

@@ -32,7 +32,7 @@ class RequestLifecycle:
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     begin: int = 0, first_token: int | None = None,
                     queue_s: float | None = None,
-                    received_at: float | None = None) -> TokenOutput | None:
+                    received_at: float | None = None, priority: int = 0) -> TokenOutput | None:
         """Queue a request. Raises RequestRejected (naming the field and numbers) on bad input.
 
         `begin` > 0 (microserving start_generate): the KV of prompt[:begin] is already on this
@@ -46,6 +46,8 @@ class RequestLifecycle:
         `queue_s`: a step must start on it within this long of `received_at` (the frontend's
         time.perf_counter() when the call came; default now), else it fails with a 503, code
         queue_timeout (`expire`); raised here, holding nothing, if that time has passed.
+
+        `priority`: its rank under the priority scheduling policy (lower runs first).
         """
         entry = self.requests.get(request_id)
         if entry is not None and entry.state is not RequestState.RESERVED:
@@ -86,7 +88,7 @@ class RequestLifecycle:
         lora_id = self.adapters.lora_id(request_id) if self.adapters is not None else 0
         seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
                        num_cached_tokens=held, queue_s=queue_s, start_by=start_by,
-                       lora_id=lora_id)  # fmt: skip
+                       lora_id=lora_id, priority=priority)  # fmt: skip
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(prompt)
         self.requests.generate(request_id, seq, generator)
@@ -138,13 +140,15 @@ class RequestLifecycle:
 
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
                     kv_addr: KVAddr | None, sampling: SamplingParams | None = None,
-                    received_at: float | None = None, queue_s: float | None = None) -> None:
+                    received_at: float | None = None, queue_s: float | None = None,
+                    priority: int = 0) -> None:
         """Start a remote_send (KVExchange.remote_send); the answer comes from `poll()`. The KV
         not cached here is computed by a send-only sequence in the scheduler, which also
         samples the first output token with `sampling` if given (the whole prompt is sent).
         Without `kv_addr` nothing is sent until `exchange.send_to` names the destination.
         `received_at` (time.perf_counter()): when the frontend took the call; default now.
-        `queue_s`: how long it may wait for a step to start on it (`expire`)."""
+        `queue_s`: how long it may wait for a step to start on it (`expire`); `priority`: its
+        rank under the priority scheduling policy."""
         generator = None
         if sampling is not None:
             check_request(prompt, sampling, self.info)
@@ -157,7 +161,7 @@ class RequestLifecycle:
             generator = make_generator(sampling.seed, self.runner.device)
         seq = self.exchange.remote_send(request_id, prompt, begin, end, kv_addr,
                                         next(self._arrivals), sampling, generator, received_at,
-                                        queue_s)
+                                        queue_s, priority)
         if seq is not None:
             self.scheduler.add(seq)
 

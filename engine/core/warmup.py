@@ -38,8 +38,14 @@ def warm_up(core, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> float:
                              params)  # fmt: skip
         while core.has_work():
             core.step()
+    forget(core)
+    return time.monotonic() - start
+
+
+def forget(core) -> None:
+    """Drop what the engine's own start-up requests left: cached pages and counters."""
     core.kv.evict_cached()
     core.counters = dict.fromkeys(core.counters, 0)
     core.loop.reset()
     core.scheduler.num_preemptions = 0
-    return time.monotonic() - start
+    core.scheduler.preemptions_by_reason.clear()

@@ -176,7 +176,7 @@ class _MicroservingAPI:
         # Closed before its finishing chunk, the core client's stream aborts the request.
         chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
                                             body.sampling, body.first_token, body.queue_s,
-                                            received_at)
+                                            received_at, body.priority)
         # Streaming, the first chunk comes before the status line: a call the engine refuses
         # still gets its status rather than an error item inside a 200.
         work = anext(chunks) if body.stream else _merged(chunks, body.sampling.logprobs is not None)

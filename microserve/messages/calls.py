@@ -9,7 +9,7 @@ import msgspec
 from msgspec import Raw
 from pydantic import Field
 
-from microserve.bounds import Index, TokenId
+from microserve.bounds import Index, Priority, TokenId
 from microserve.messages.fields import CHECKED, Position, Prompt, RequestId
 from microserve.messages.kv import KVAddr
 from microserve.messages.sampling import SamplingParams
@@ -52,6 +52,8 @@ class RemoteSendRequest:
     # step computes it, or the core takes it up if its KV is all cached: past it a 503 with
     # code queue_timeout, nothing held. None: as long as it takes.
     queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
+    # Its scheduling priority on this engine (--scheduling-policy priority: lower runs first)
+    priority: Priority = 0
 
 
 @dataclass(slots=True)
@@ -103,6 +105,8 @@ class StartGenerateRequest:
     # call) before a step starts on it: past it a 503 with code queue_timeout, nothing held.
     # None: as long as it takes.
     queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
+    # Its scheduling priority on this engine (--scheduling-policy priority: lower runs first)
+    priority: Priority = 0
 
 
 @CHECKED

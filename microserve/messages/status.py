@@ -85,6 +85,12 @@ class EngineStats:
     lora_load_seconds: float = 0.0  # ... the time that took, reading and checking them
     lora_slot_writes: int = 0  # adapters copied into a slot (on first use, after an eviction)
     lora_slot_write_seconds: float = 0.0
+    # Scheduling (engine/policies.py): preemptions by why ("pages": a running request needed a
+    # page; "priority": a request the policy ranks higher took the place), requests promoted
+    # for waiting past the starvation bound, and mlfq's requests per queue (top first)
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)
+    scheduling_promotions: int = 0
+    mlfq_queue_requests: list[int] = field(default_factory=list)
 
 
 class StatsResponse(Struct, omit_defaults=True):

@@ -254,7 +254,7 @@ class OpenAIFrontend:
             params = replace(params, lora_name=adapter)
         check_sampling(params, self.tokenizer.vocab_size)  # pydantic bounded what an int holds
         return Run(request_id=request_id, prompt_ids=prompt_ids, params=params, stop=body.stop,
-                    arrival=arrival, echo=echo)
+                    arrival=arrival, echo=echo, priority=body.priority)
 
     # -- generation -----------------------------------------------------------------------
 
@@ -366,7 +366,8 @@ class OpenAIFrontend:
         """
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=run.prompt_ids)
         stop = StopChecker(run.stop)
-        outputs = self.backend.generate(run.request_id, run.prompt_ids, run.params)
+        outputs = self.backend.generate(run.request_id, run.prompt_ids, run.params,
+                                        run.priority)
         backend_finished = False
         self._running.inc()
         try:

@@ -30,7 +30,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from microserve.bounds import (FINITE, INT32_MAX, INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, Count,
-                               MinTokens, Penalty, RepetitionPenalty, Seed, TokenId, TopK)
+                               MinTokens, Penalty, Priority, RepetitionPenalty, Seed, TokenId,
+                               TopK)
 from microserve.openai.tools import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
 from microserve.messages import SamplingParams
 
@@ -101,6 +102,9 @@ class GenerationRequest(BaseModel):
     # OpenAI's {"token id": bias}, parsed into int ids by _logit_bias; ids < the vocabulary
     logit_bias: dict[int, float] | None = None
     min_tokens: MinTokens = 0  # vLLM extension; at most max_tokens
+    # vLLM extension: the request's scheduling priority, lower first, on engines run with
+    # --scheduling-policy priority (others ignore it); a 32-bit integer
+    priority: Priority = 0
     # Structured outputs (guided.py): OpenAI's, vLLM's and SGLang's fields, one per request.
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
