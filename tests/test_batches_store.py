@@ -308,16 +308,18 @@ def test_the_prefix_policy_sends_a_prefix_to_the_engine_holding_it_unless_it_is_
 # -- the runner over a stand-in app: resume, retry, expiry ---------------------------------------
 
 
-def _runner_with(tmp_path, calls: list):
+def _runner_with(tmp_path, calls: list, priorities: list | None = None):
     from microserve.metrics import Registry
     from router.batches.admission import Admission
     from router.batches.runner import BatchRunner
 
     app = FastAPI()
     install_error_handlers(app)
+    priorities = [] if priorities is None else priorities
 
     async def completions(raw: dict):
         calls.append(raw["prompt"])
+        priorities.append(raw.get("priority"))
         if raw["prompt"] == [777]:
             raise RuntimeError("a bug in the app")
         if raw["prompt"] == [666] and calls.count([666]) == 1:
@@ -393,3 +395,22 @@ def test_a_chain_of_turns_thousands_deep_orders_without_recursion():
     ordering = blend_order(turns, [8] * 3000)
     assert sorted(ordering.order) == sorted(ordering.dfs) == list(range(3000))
     assert ordering.dfs[:3] == [0, 1, 2]  # short turns are dense: the chain's top first
+
+
+async def test_batch_lines_go_at_the_batch_priority_unless_they_chose_one(tmp_path):
+    from router.batches.runner import BATCH_PRIORITY
+
+    calls, priorities = [], []
+    store, runner = _runner_with(tmp_path, calls, priorities)
+    bodies = [{"prompt": [1], "max_tokens": 4}, {"prompt": [2], "max_tokens": 4, "priority": -5}]
+    data = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                               "body": body}) + "\n" for i, body in enumerate(bodies))
+    made = store.add_file("", "in.jsonl", "batch", data.encode())
+    batch = {"id": "batch-t", "endpoint": "/v1/completions", "input_file_id": made["id"],
+             "status": "validating", "expires_at": time.time() + 3600}
+    store.add_batch("", batch)
+    await runner._run(batch)
+    assert store.batch(None, "batch-t")["status"] == "completed"
+    # the first line goes behind live requests (priority 0); the second asked to go first
+    assert dict(zip([c[0] for c in calls], priorities)) == {1: BATCH_PRIORITY, 2: -5}
+    store.close()

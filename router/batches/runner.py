@@ -40,6 +40,17 @@ RETRIES = 4  # a 5xx (an engine restarting, overloaded) is tried again this ofte
 RETRY_BACKOFF_S = 0.5  # before the first retry; doubling
 
 
+# Batch lines are filler: on engines run with `--scheduling-policy priority` a live request
+# (priority 0 unless it says otherwise; lower runs first) goes before them and may preempt them;
+# the policy's starvation bound still runs a waiting line in time. Other policies ignore it.
+BATCH_PRIORITY = 1_000_000
+
+
+def at_batch_priority(request: dict) -> dict:
+    """A line's body as sent: at BATCH_PRIORITY unless the line chose a priority itself."""
+    return request if "priority" in request else {**request, "priority": BATCH_PRIORITY}
+
+
 class BatchRunner:
     def __init__(self, store: Store, app: Callable, tokenizer: Tokenizer, registry: Registry,
                  admission: Admission, api_key: str | None, order: str = "blend"):
@@ -215,7 +226,7 @@ class BatchRunner:
         self._in_flight.inc()
         try:
             for attempt in range(RETRIES + 1):
-                answer = await client.post(batch["endpoint"], json=row.request)
+                answer = await client.post(batch["endpoint"], json=at_batch_priority(row.request))
                 if answer.status_code < 500 or attempt == RETRIES:
                     break
                 await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
