@@ -58,11 +58,13 @@ class GenerateBackend(ABC):
     @abstractmethod
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0,
+        priority: int = 0, choices_of: str | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Stream the request's output chunks; the last one has finish_reason and usage, the
         first one says how many prompt tokens were cached (`cached_tokens`). `priority`: the
         request's rank on engines run with --scheduling-policy priority (lower first).
+        `choices_of`: a key the `n` choices of one prompt of one response share (None for a
+        lone choice): a backend may compute their prompt once for all of them.
 
         Raises BackendUnavailable before the first output if the request cannot be served now,
         RequestRejected if it can never be served as asked.

@@ -35,6 +35,7 @@ from microserve.backend import BackendError, BackendUnavailable, GenerateBackend
 from microserve.messages import GenerateChunk, SamplingParams
 from microserve.metrics import Registry
 from router.engines import EnginePool
+from router.forks import ChoiceForks, Fork
 from router.handover import StageMetrics, now
 from router.host import LoadedStrategy, StrategyHost
 from router.strategy import Request
@@ -59,12 +60,16 @@ class RouterBackend(GenerateBackend):
         self.pool, self.host, self.model_name = pool, host, model_name
         self.max_retries = max_retries
         self._scoring = _ScoringPlaces(pool)
+        self._forks = ChoiceForks()
         self._requests = registry.counter(
             "microserve_router_requests_total", "Requests by strategy and how they ended.",
             ["strategy", "outcome"])
         self._retries = registry.counter(
             "microserve_router_retries_total", "Requests tried again after an engine failed.")
         self._stages = StageMetrics(registry)
+        self._forked = registry.counter(
+            "microserve_router_forked_choices_total",
+            "Choices (n > 1) generated on the engine holding their prompt's KV from the first.")
 
     @property
     def max_model_len(self) -> int:
@@ -77,23 +82,51 @@ class RouterBackend(GenerateBackend):
         return self.pool.lora_names()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0
+                       params: SamplingParams, priority: int = 0, choices_of: str | None = None
                        ) -> AsyncIterator[GenerateChunk]:
+        # the n choices of a prompt: one prefill (router/forks.py); scored ones: _ScoringPlaces
+        fork = None
+        if choices_of is not None and params.prompt_logprobs is None:
+            fork = self._forks.join(choices_of, request_id)
+        try:
+            async for chunk in self._attempts(request_id, prompt_token_ids, params, priority,
+                                              fork):
+                yield chunk
+        finally:
+            if fork is not None:
+                if fork.leader == request_id:  # it ended: the others go on without it
+                    self._forks.led(fork, None)
+                self._forks.leave(choices_of, fork)
+
+    async def _attempts(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams, priority: int, fork: Fork | None
+                        ) -> AsyncIterator[GenerateChunk]:
+        leads = fork is not None and fork.leader == request_id
+        # a LoRA adapter's request goes only to engines that have it registered
+        pool = self.pool if params.lora_name is None else self.pool.with_adapter(
+            params.lora_name)
         for attempt in range(self.max_retries + 1):
             request = Request(request_id, prompt_token_ids, params, priority)
+            follow = None  # the engine a choice forks from
+            if fork is not None and not leads:
+                follow = await self._forks.engine_for(fork, pool)
+                if follow is not None:
+                    self._forked.inc()
             loaded = self.host.acquire()
-            # a LoRA adapter's request goes only to engines that have it registered
-            pool = self.pool if params.lora_name is None else self.pool.with_adapter(
-                params.lora_name)
-            if params.prompt_logprobs is None:
-                chunks = loaded.instance.generate(request, pool)
-            else:  # scoring the prompt needs it computed whole on one engine: no strategy splits it
+            if params.prompt_logprobs is not None:
+                # scoring the prompt needs it computed whole on one engine: no strategy splits it
                 chunks = self._scoring.whole(request)
+            elif follow is not None:
+                chunks = follow.start_generate(request, begin=0)
+            else:
+                chunks = loaded.instance.generate(request, pool)
             finished = produced = False
             try:
                 async for chunk in chunks:
                     if not produced:
                         request.timeline.first_token = now()
+                        if leads:
+                            self._forks.led(fork, request.generating_on)
                     produced = True
                     finished = chunk.finish_reason is not None
                     yield _with_cache_hits(request, chunk)

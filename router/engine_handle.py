@@ -232,6 +232,7 @@ class EngineHandle:
         self._touch(request)
         if not self.live:  # a strategy that picked it before it went down
             raise self._not_live()
+        request.generating_on = self.name
         early = emit_first and first_token is not None and not self._stops(request, first_token)
         if early:  # as this engine would report it: it holds prompt[:begin] already
             yield GenerateChunk([first_token], cached_tokens=begin)

@@ -63,6 +63,9 @@ class Request:
     # Where its time to first token went (router/handover.py): stamped by the engine handles
     # and the router's backend.
     timeline: Timeline = field(default_factory=lambda: Timeline(now()), compare=False)
+    # The engine whose start_generate streams its output (the last one called); written by
+    # the engine handle, read by the router's choice forks (router/forks.py).
+    generating_on: str | None = field(default=None, compare=False)
 
     @property
     def first_token_travels(self) -> bool:

@@ -159,7 +159,7 @@ class FakeCore(GenerateBackend):
             if not settled:
                 await self.abort(request_id)
 
-    def generate(self, request_id, prompt_token_ids, params, priority=0):
+    def generate(self, request_id, prompt_token_ids, params, priority=0, choices_of=None):
         return self.start_generate(request_id, prompt_token_ids, 0, params)
 
     async def abort(self, request_id):

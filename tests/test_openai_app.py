@@ -52,7 +52,8 @@ class ScriptedBackend(GenerateBackend):
         self.aborted: list[str] = []
         self.is_healthy = True
 
-    async def generate(self, request_id, prompt_token_ids, params, priority=0):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0,
+                       choices_of=None):
         """Closed (or failed) before its finishing chunk, it is aborted: `aborted` says so."""
         self.calls.append((request_id, list(prompt_token_ids), params))
         self.priorities.append(priority)
@@ -82,7 +83,8 @@ class ScriptedBackend(GenerateBackend):
 
 
 class Unavailable(ScriptedBackend):
-    async def generate(self, request_id, prompt_token_ids, params, priority=0):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0,
+                       choices_of=None):
         raise BackendUnavailable("all engines are down")
         yield  # an async generator, like a real backend
 
@@ -235,7 +237,8 @@ class FailsOne(ScriptedBackend):
         super().__init__(steps, hang=True)
         self.victim = victim
 
-    async def generate(self, request_id, prompt_token_ids, params, priority=0):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0,
+                       choices_of=None):
         async for chunk in super().generate(request_id, prompt_token_ids, params):
             yield chunk
             if request_id.endswith(self.victim):

@@ -235,19 +235,24 @@ async def test_logit_bias_and_repetition_penalty_through_pd(up, admin, tok, smol
 
 async def test_n_choices_and_a_batch_of_prompts_through_pd(up, admin, tok, smollm2_dir):
     """n > 1 and a batch of completion prompts, through the pd strategy: each choice is its own
-    request to the engines. Greedy choices are each prompt's single-engine greedy text, in
-    prompt-major order, streamed or not; seeded sampled choices differ from one another and
-    repeat exactly when the request does."""
+    request to the engines, but a prompt's KV moves from P to D once (the other choices fork
+    from the first on D: router/forks.py). Greedy choices are each prompt's single-engine
+    greedy text, in prompt-major order, streamed or not; seeded sampled choices differ from one
+    another and repeat exactly when the request does."""
     use(admin, builtin="pd")
     prompts = [tok.encode(f"[batch {i}] " + TEXT, add_special_tokens=False) for i in range(2)]
     want = [tok.decode(t) for t in hf_greedy(smollm2_dir, prompts, N_NEW)]
+    sent_before = engine_stats(up.engine_urls["p"])["stats"]["kv_tokens_sent"]
     c = client(up)
     try:
-        r = await c.completions.create(model="test-model", prompt=prompts, n=2, **GREEDY)
+        r = await c.completions.create(model="test-model", prompt=prompts, n=3, **GREEDY)
         assert [(x.index, x.text) for x in r.choices] == list(enumerate(
-            [want[0], want[0], want[1], want[1]]))
+            [want[0]] * 3 + [want[1]] * 3))
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
-            len(prompts[0]) + len(prompts[1]), 4 * N_NEW)
+            len(prompts[0]) + len(prompts[1]), 6 * N_NEW)
+        # greedy: P samples the first token, so it sends each whole prompt, once
+        sent = engine_stats(up.engine_urls["p"])["stats"]["kv_tokens_sent"] - sent_before
+        assert sent == len(prompts[0]) + len(prompts[1])
         texts = {}
         async for chunk in await c.chat.completions.create(
                 model="test-model", messages=[{"role": "user", "content": "[n] " + TEXT}], n=2,

@@ -224,8 +224,9 @@ class CoreClient(GenerateBackend):
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0,
+        priority: int = 0, choices_of: str | None = None,
     ) -> AsyncIterator[GenerateChunk]:
+        # choices_of: the scheduler already computes a prompt once for all its choices
         return self.start_generate(request_id, prompt_token_ids, 0, params, priority=priority)
 
     async def start_generate(

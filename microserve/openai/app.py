@@ -102,7 +102,7 @@ class OpenAIFrontend:
         token_text = self.tokenizer.token_text if body.logprobs is not None else None
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         choices = []
-        for prompt in prompts:
+        for number, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 prompt_ids = await self.tokenizer.encode_async(prompt)
             else:
@@ -116,7 +116,8 @@ class OpenAIFrontend:
                 index = len(choices)
                 run = self._new_run(run_id(response_id, index, len(prompts) * body.n), body,
                                     prompt_ids, max_tokens, body.logprobs, arrival, grammar, i,
-                                    echo=echo)
+                                    echo=echo,
+                                    choices_of=f"{response_id}/{number}" if body.n > 1 else None)
                 wire = CompletionWire(response_id, self._served(body.model), created, token_text,
                                       index)
                 choices.append((run, wire))
@@ -138,7 +139,8 @@ class OpenAIFrontend:
         choices = []
         for i in range(body.n):
             run = self._new_run(run_id(response_id, i, body.n), body, prompt_ids, max_tokens,
-                                body.requested_logprobs, arrival, grammar, i)
+                                body.requested_logprobs, arrival, grammar, i,
+                                choices_of=response_id if body.n > 1 else None)
             if parses_calls(body.tools, body.tool_choice):
                 run.tool_calls = self.tool_parser.stream(forces_calls(body.tool_choice))
             choices.append((run, ChatWire(response_id, self._served(body.model), created,
@@ -245,7 +247,8 @@ class OpenAIFrontend:
 
     def _new_run(self, request_id: str, body: GenerationRequest, prompt_ids: list[int],
                  max_tokens: int, logprobs: int | None, arrival: float,
-                 grammar: str | None, choice: int = 0, echo: str | None = None) -> Run:
+                 grammar: str | None, choice: int = 0, echo: str | None = None,
+                 choices_of: str | None = None) -> Run:
         """`echo`: the prompt's text to put in front of the completion; with `logprobs`, the
         prompt tokens' logprobs go in front of the completion's too."""
         prompt_logprobs = logprobs if echo is not None else None
@@ -254,7 +257,7 @@ class OpenAIFrontend:
             params = replace(params, lora_name=adapter)
         check_sampling(params, self.tokenizer.vocab_size)  # pydantic bounded what an int holds
         return Run(request_id=request_id, prompt_ids=prompt_ids, params=params, stop=body.stop,
-                    arrival=arrival, echo=echo, priority=body.priority)
+                    arrival=arrival, echo=echo, priority=body.priority, choices_of=choices_of)
 
     # -- generation -----------------------------------------------------------------------
 
@@ -367,7 +370,7 @@ class OpenAIFrontend:
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=run.prompt_ids)
         stop = StopChecker(run.stop)
         outputs = self.backend.generate(run.request_id, run.prompt_ids, run.params,
-                                        run.priority)
+                                        run.priority, run.choices_of)
         backend_finished = False
         self._running.inc()
         try:

@@ -44,6 +44,7 @@ class Run:
     stop: list[str]
     arrival: float  # time.perf_counter() when the handler started
     priority: int = 0  # the body's, passed to the backend
+    choices_of: str | None = None  # shared by the n > 1 choices of one prompt (the backend's)
     tool_calls: CallStream | None = None  # reads tool calls out of the text (chat with tools)
     echo: str | None = None  # completions' echo: the prompt text the first delta starts with
     num_tool_calls: int = 0  # calls found so far; written by OpenAIFrontend._delta
