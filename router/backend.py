@@ -88,11 +88,12 @@ class RouterBackend(GenerateBackend):
         fork = None
         if choices_of is not None and params.prompt_logprobs is None:
             fork = self._forks.join(choices_of, request_id)
+        attempts = self._attempts(request_id, prompt_token_ids, params, priority, fork)
         try:
-            async for chunk in self._attempts(request_id, prompt_token_ids, params, priority,
-                                              fork):
+            async for chunk in attempts:
                 yield chunk
         finally:
+            await attempts.aclose()  # its cleanup runs now, not when it is collected
             if fork is not None:
                 if fork.leader == request_id:  # it ended: the others go on without it
                     self._forks.led(fork, None)

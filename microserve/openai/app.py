@@ -35,8 +35,8 @@ from microserve.errors import (from_validation_errors, install_error_handlers, i
                                model_not_found)
 from microserve.metrics import CONTENT_TYPE, Registry
 from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
-from microserve.openai.protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest,
-                                 GenerationRequest)
+from microserve.openai.limits import check_choices, fit_context
+from microserve.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from microserve.openai.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 from microserve.openai.tool_parsers import ToolParser, make_parser
@@ -97,7 +97,7 @@ class OpenAIFrontend:
         body = await _parse_body(raw, CompletionRequest)
         self._check_model(body.model)
         prompts = body.prompts
-        self._check_choices(len(prompts), body.n)
+        check_choices(len(prompts), body.n)
         grammar, _ = request_grammar(body.guided_fields())
         token_text = self.tokenizer.token_text if body.logprobs is not None else None
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -107,7 +107,7 @@ class OpenAIFrontend:
                 prompt_ids = await self.tokenizer.encode_async(prompt)
             else:
                 prompt_ids = self._checked_token_ids(prompt)
-            max_tokens = self._fit_context(len(prompt_ids), body.max_tokens, "max_tokens",
+            max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids), body.max_tokens, "max_tokens",
                                            "prompt")
             echo = None
             if body.echo:  # the prompt as sent, or its tokens' text
@@ -127,12 +127,12 @@ class OpenAIFrontend:
         arrival = time.perf_counter()
         body = await _parse_body(raw, ChatCompletionRequest)
         self._check_model(body.model)
-        self._check_choices(1, body.n)
+        check_choices(1, body.n)
         grammar = self._chat_grammar(body)
         text = self._render_chat(body)
         # The template writes the BOS itself.
         prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
-        max_tokens = self._fit_context(len(prompt_ids), body.requested_max_tokens,
+        max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids), body.requested_max_tokens,
                                        body.max_tokens_field, "messages")
         token_bytes = self.tokenizer.token_bytes if body.logprobs else None
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -196,13 +196,6 @@ class OpenAIFrontend:
         lark = self.tool_parser.grammar(functions, parallel)
         return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
-    @staticmethod
-    def _check_choices(prompts: int, n: int) -> None:
-        if prompts * n > MAX_CHOICES:
-            raise invalid_request(f"{prompts} prompt{'s' if prompts > 1 else ''} x n {n} = "
-                                  f"{prompts * n} generations; at most {MAX_CHOICES} in one "
-                                  "request", "n")
-
     def _check_model(self, model: str | None) -> None:
         # An absent or empty model means the served one, as in vLLM.
         if model and model != self.backend.model_name and model not in self.backend.lora_names():
@@ -219,31 +212,6 @@ class OpenAIFrontend:
             raise invalid_request(f"Token id {ids[bad]} at prompt position {bad} is out of range "
                                   f"for a vocabulary of {vocab_size} tokens", "prompt")
         return ids
-
-    def _fit_context(self, prompt_len: int, max_tokens: int | None, max_tokens_field: str,
-                     prompt_field: str) -> int:
-        """The completion budget: `max_tokens` if prompt + completion fit, else a 400.
-
-        Without max_tokens the budget is what is left of the context.
-        """
-        limit = self.backend.max_model_len
-        if prompt_len == 0:
-            raise invalid_request(f"The {prompt_field} is empty after tokenization", prompt_field)
-        where = "in the messages" if prompt_field == "messages" else "in the prompt"
-        if max_tokens is None:
-            if prompt_len < limit:
-                return limit - prompt_len
-            raise invalid_request(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {prompt_len} tokens {where}, which leaves no room for the completion. "
-                f"Please reduce the length of the {prompt_field}.", prompt_field)
-        if prompt_len + max_tokens > limit:
-            raise invalid_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} {where}, {max_tokens} in the "
-                f"completion). Please reduce the length of the {prompt_field} or completion.",
-                max_tokens_field if prompt_len < limit else prompt_field)
-        return max_tokens
 
     def _new_run(self, request_id: str, body: GenerationRequest, prompt_ids: list[int],
                  max_tokens: int, logprobs: int | None, arrival: float,
