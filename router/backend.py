@@ -31,9 +31,11 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from microserve.backend import BackendError, BackendUnavailable, GenerateBackend, MicroservingError
+from microserve.backend import (CLIENT, BackendError, BackendUnavailable, GenerateBackend,
+                                MicroservingError)
 from microserve.messages import GenerateChunk, SamplingParams
 from microserve.metrics import Registry
+from router.arms import ArmMetrics
 from router.engines import EnginePool
 from router.handover import StageMetrics, now
 from router.host import LoadedStrategy, StrategyHost
@@ -65,6 +67,7 @@ class RouterBackend(GenerateBackend):
         self._retries = registry.counter(
             "microserve_router_retries_total", "Requests tried again after an engine failed.")
         self._stages = StageMetrics(registry)
+        self._arms = ArmMetrics(registry)
 
     @property
     def max_model_len(self) -> int:
@@ -81,7 +84,7 @@ class RouterBackend(GenerateBackend):
                        ) -> AsyncIterator[GenerateChunk]:
         for attempt in range(self.max_retries + 1):
             request = Request(request_id, prompt_token_ids, params, priority)
-            loaded = self.host.acquire()
+            loaded = self.host.acquire(CLIENT.get(), request_id)
             # a LoRA adapter's request goes only to engines that have it registered
             pool = self.pool if params.lora_name is None else self.pool.with_adapter(
                 params.lora_name)
@@ -89,13 +92,17 @@ class RouterBackend(GenerateBackend):
                 chunks = loaded.instance.generate(request, pool)
             else:  # scoring the prompt needs it computed whole on one engine: no strategy splits it
                 chunks = self._scoring.whole(request)
-            finished = produced = False
+            finished = produced = retrying = False
+            tokens, ended = 0, None
             try:
                 async for chunk in chunks:
                     if not produced:
                         request.timeline.first_token = now()
                     produced = True
                     finished = chunk.finish_reason is not None
+                    tokens += len(chunk.token_ids)
+                    if finished:
+                        ended = now()
                     yield _with_cache_hits(request, chunk)
                     if finished:
                         # Then run the strategy to its end (a consumer that reads on after
@@ -111,6 +118,7 @@ class RouterBackend(GenerateBackend):
                     if not produced and _overloaded(e):
                         e.retry_after = RETRY_AFTER_S
                     raise
+                retrying = True
                 self._retries.inc()
                 log.warning("request %s: %s; trying again (attempt %d)", request_id, e,
                             attempt + 2)
@@ -129,6 +137,9 @@ class RouterBackend(GenerateBackend):
                                    outcome="finished" if finished else "failed")
                 if finished:
                     self._stages.observe(loaded.name, request.timeline)
+                if loaded.arm is not None and not retrying:
+                    self._arms.record(loaded.arm, _times(request, tokens, ended)
+                                      if finished else None)
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
 
     def _retryable(self, error: Exception, attempt: int) -> bool:
@@ -181,6 +192,16 @@ class _ScoringPlaces:
             place[1] -= 1
             if place[1] == 0 and self._places.get(key) is place:
                 del self._places[key]
+
+
+def _times(request: Request, tokens: int, ended: float) -> dict[str, float]:
+    """A finished request's TTFT, JCT and (with more than one output token) TPOT: the time
+    between its first and last token over the tokens after the first."""
+    timeline = request.timeline
+    times = {"ttft": timeline.first_token - timeline.arrived, "jct": ended - timeline.arrived}
+    if tokens > 1:
+        times["tpot"] = (ended - timeline.first_token) / (tokens - 1)
+    return times
 
 
 def _who(loaded: LoadedStrategy) -> str:
