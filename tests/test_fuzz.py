@@ -40,7 +40,7 @@ from microserve.messages import (
     StartGenerateRequest,
 )
 from microserve.openai.protocol import ChatCompletionRequest, CompletionRequest
-from router.admin import EngineBody, MigrateBody, PinBody, StrategyBody
+from router.admin import ArmBody, EngineBody, MigrateBody, PinBody, StrategyBody, WeightBody
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +90,9 @@ PLAUSIBLE = {
     "engines": st.lists(st.sampled_from(["p", "d", "nope"]), max_size=2),
     "text": st.text(max_size=30),
     "url": st.sampled_from(["http://127.0.0.1:1", "ftp://x", "http://[::1"]),
+    "weight": st.sampled_from([0, 1, 0.5, -1, 1e6, 1e7]),
+    "sticky_by": st.sampled_from(["user", "request_id", "header:X-User", "header:", "x"]),
+    "slo": st.fixed_dictionaries({}, optional={"ttft_s": FLOATS, "tpot_s": FLOATS}),
 }
 
 
@@ -369,9 +372,18 @@ def test_openai_bodies_never_answer_5xx_through_the_router_or_an_engine(path, ro
     run()
 
 
+# A/B arms: each arm a strategy body of its own (never `source`, as below)
+ARM = {"name": "a", "builtin": "data_parallel"}
+ARM_LISTS = st.lists(bodies(ArmBody, ARM, source=st.none()), max_size=3)
+ARMS_BASE = {"arms": [ARM, {"name": "b", "builtin": "pd", "weight": 2}],
+             "sticky_by": "header:X-User"}
+
 ADMIN_CALLS = {
     # `source` is code the router runs: never fuzzed (the router refuses no admin's code).
-    ("PUT", "/admin/strategy"): bodies(StrategyBody, {"builtin": "pd"}, source=st.none()),
+    ("PUT", "/admin/strategy"): (bodies(StrategyBody, {"builtin": "pd"}, source=st.none())
+                                 | bodies(StrategyBody, ARMS_BASE, source=st.none(),
+                                          arms=ARM_LISTS)),
+    ("PATCH", "/admin/strategy/arms/a"): bodies(WeightBody, {"weight": 1}),
     ("POST", "/admin/engines"): bodies(EngineBody, {"name": "fuzzed",
                                                               "url": "http://127.0.0.1:1"}),
     ("POST", "/admin/migrate"): bodies(MigrateBody, {"prompt": SMALL_PROMPT, "source": "p",
