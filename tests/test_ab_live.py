@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -163,3 +165,24 @@ def test_bad_arms_bodies_get_a_4xx_naming_the_field(up, admin):
     r = admin.put("/admin/strategy", json={"builtin": "pd"})
     assert r.status_code == 200
     assert admin.get("/admin/strategy").json()["experiment"] is None
+
+
+def test_microserve_ab_runs_an_experiment_prints_it_and_restores_the_strategy(up, admin):
+    admin.put("/admin/strategy", json={"builtin": "balanced_pd", "args": {"ratio": 0.5}})
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "ab", "--base-url", up.url + "/v1",
+         "--admin-token", ADMIN, "--arm", "a=data_parallel", "--arm", "b=pd@3",
+         "--duration-s", "2", "--rate", "10", "--input-len", "8", "--output-len", "4",
+         "--vocab", "256"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.startswith(("a ", "b "))}
+    assert rows["a"][1:3] == ["DataParallel", "{}"] and rows["b"][1:3] == ["PrefillDecode", "{}"]
+    assert rows["a"][3] == "1" and rows["b"][3] == "3"
+    assert int(rows["a"][4]) + int(rows["b"][4]) == 21  # 20 arrivals and the warm-up
+    assert rows["a"][5] == rows["b"][5] == "0"  # none failed
+    assert "difference b-a: goodput" in out.stdout
+    assert "restored builtin:balanced_pd {'ratio': 0.5}" in out.stdout
+    state = admin.get("/admin/strategy").json()
+    assert state["experiment"] is None
+    assert (state["active"]["class"], state["active"]["args"]) == ("BalancedPD", {"ratio": 0.5})
