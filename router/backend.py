@@ -82,6 +82,7 @@ class RouterBackend(GenerateBackend):
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0
                        ) -> AsyncIterator[GenerateChunk]:
+        arrived = now()  # an A/B arm's times count the attempts before the last
         for attempt in range(self.max_retries + 1):
             request = Request(request_id, prompt_token_ids, params, priority)
             loaded = self.host.acquire(CLIENT.get(), request_id)
@@ -138,7 +139,7 @@ class RouterBackend(GenerateBackend):
                 if finished:
                     self._stages.observe(loaded.name, request.timeline)
                 if loaded.arm is not None and not retrying:
-                    self._arms.record(loaded.arm, _times(request, tokens, ended)
+                    self._arms.record(loaded.arm, _times(request, arrived, tokens, ended)
                                       if finished else None)
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
 
@@ -194,13 +195,13 @@ class _ScoringPlaces:
                 del self._places[key]
 
 
-def _times(request: Request, tokens: int, ended: float) -> dict[str, float]:
-    """A finished request's TTFT, JCT and (with more than one output token) TPOT: the time
-    between its first and last token over the tokens after the first."""
-    timeline = request.timeline
-    times = {"ttft": timeline.first_token - timeline.arrived, "jct": ended - timeline.arrived}
+def _times(request: Request, arrived: float, tokens: int, ended: float) -> dict[str, float]:
+    """A finished request's TTFT and JCT from its arrival, and (with more than one output
+    token) TPOT: the time between its first and last token over the tokens after the first."""
+    first = request.timeline.first_token
+    times = {"ttft": first - arrived, "jct": ended - arrived}
     if tokens > 1:
-        times["tpot"] = (ended - timeline.first_token) / (tokens - 1)
+        times["tpot"] = (ended - first) / (tokens - 1)
     return times
 
 
