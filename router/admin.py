@@ -9,6 +9,7 @@ pinning.
     POST   /admin/engines                  {"name", "url", "role"?}: add one (it must answer)
     POST   /admin/engines/{name}/drain     no new requests; the ones it has finish
     POST   /admin/engines/{name}/undrain
+    POST   /admin/engines/{name}/role      {"role", "wait_s"?}: drain its old role's work, flip
     DELETE /admin/engines/{name}           out of the pool (its requests in flight finish)
     POST   /admin/migrate                  {"prompt" | "text", "source", "destination", "pin"?}
     POST   /admin/pin, /admin/unpin        {"prompt" | "text", "engines"?}
@@ -31,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -46,6 +47,7 @@ from router.engines import EnginePool, EngineSpec, UnknownEngine
 from router.arm_stats import Slo
 from router.arms import check_sticky_by
 from router.host import ArmSpec, StrategyHost, StrategyLoadError, StrategySource, SwapInProgress
+from router.roles import FlipInProgress
 from router.strategy import Request as StrategyRequest
 
 
@@ -124,6 +126,11 @@ class EngineBody(_Body):
     name: str = Field(min_length=1)
     url: str = Field(min_length=1)
     role: str = "any"
+
+
+class RoleBody(_Body):
+    role: Literal["prefill", "decode", "any"]
+    wait_s: float = Field(30.0, ge=0, le=600)  # then it flips with the old work still open
 
 
 class _Tokens(_Body):
@@ -245,6 +252,14 @@ class AdminAPI:
         self.pool.undrain(name)
         return JSONResponse(self._engine(name))
 
+    async def set_role(self, name: str, raw: Request) -> JSONResponse:
+        body: RoleBody = await _body(raw, RoleBody)
+        self._known(name)
+        try:
+            return JSONResponse(await self.pool.roles.flip(name, body.role, body.wait_s))
+        except FlipInProgress as e:
+            raise OpenAIError(409, str(e)) from None
+
     async def remove_engine(self, name: str) -> JSONResponse:
         self._known(name)
         handle = self.pool.remove(name)
@@ -358,6 +373,7 @@ def add_admin_routes(app: FastAPI, api: AdminAPI) -> None:
         ("/admin/engines", api.add_engine, "POST"),
         ("/admin/engines/{name}/drain", api.drain_engine, "POST"),
         ("/admin/engines/{name}/undrain", api.undrain_engine, "POST"),
+        ("/admin/engines/{name}/role", api.set_role, "POST"),
         ("/admin/engines/{name}", api.remove_engine, "DELETE"),
         ("/admin/migrate", api.migrate, "POST"),
         ("/admin/pin", api.pin, "POST"),

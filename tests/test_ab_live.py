@@ -186,3 +186,46 @@ def test_microserve_ab_runs_an_experiment_prints_it_and_restores_the_strategy(up
     state = admin.get("/admin/strategy").json()
     assert state["experiment"] is None
     assert (state["active"]["class"], state["active"]["args"]) == ("BalancedPD", {"ratio": 0.5})
+
+
+# holds its last chunk back on engine d: a generation open on d for a while
+HOLDS_ON_D = SLOW.replace("engines.round_robin()", 'engines["d"]')
+
+
+async def test_a_role_flip_waits_for_the_old_roles_work_then_flips(up, admin):
+    r = admin.put("/admin/strategy", json={"source": HOLDS_ON_D, "filename": "holds_on_d.py"})
+    assert r.status_code == 200, r.text
+    body = {"model": "test-model", "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=up.url, timeout=60) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # generating on d
+            # decode -> prefill: d's generation is decode work, waited for
+            r = await asyncio.to_thread(admin.post, "/admin/engines/d/role",
+                                        json={"role": "prefill", "wait_s": 10})
+            rest = [line async for line in lines if line.startswith("data: ")]
+    assert r.status_code == 200, r.text
+    flip = r.json()
+    assert (flip["from"], flip["to"], flip["flipped"], flip["left"]) == (
+        "decode", "prefill", True, 0)
+    assert 0.5 < flip["waited_s"] < 2.0  # the held second and a half, less what had passed
+    assert rest[-1] == "data: [DONE]"
+    roles = {e["name"]: (e["role"], e["state"]) for e in admin.get("/admin/engines").json()[
+        "engines"]}
+    assert roles == {"p": ("prefill", "up"), "d": ("prefill", "up")}
+    # back: nothing of prefill's is open on d, so no wait; the same role again changes nothing
+    back = admin.post("/admin/engines/d/role", json={"role": "decode"}).json()
+    assert back["flipped"] and back["waited_s"] < 0.5
+    assert not admin.post("/admin/engines/d/role", json={"role": "decode"}).json()["flipped"]
+    metrics = admin.get("/metrics").text
+    for old, new in (("decode", "prefill"), ("prefill", "decode")):
+        assert (f'microserve_router_role_flips_total{{engine="d",from_role="{old}",'
+                f'to_role="{new}"}} 1') in metrics
+    # bad calls
+    r = admin.post("/admin/engines/d/role", json={"role": "both"})
+    assert r.status_code == 400 and "role" in r.text
+    r = admin.post("/admin/engines/zz/role", json={"role": "any"})
+    assert r.status_code == 404 and "no engine named 'zz'" in r.text
+    r = admin.post("/admin/engines/d/role", json={"role": "any", "wait_s": -1})
+    assert r.status_code == 400 and "wait_s" in r.text

@@ -40,7 +40,8 @@ from microserve.messages import (
     StartGenerateRequest,
 )
 from microserve.openai.protocol import ChatCompletionRequest, CompletionRequest
-from router.admin import ArmBody, EngineBody, MigrateBody, PinBody, StrategyBody, WeightBody
+from router.admin import (ArmBody, EngineBody, MigrateBody, PinBody, RoleBody, StrategyBody,
+                          WeightBody)
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +92,8 @@ PLAUSIBLE = {
     "text": st.text(max_size=30),
     "url": st.sampled_from(["http://127.0.0.1:1", "ftp://x", "http://[::1"]),
     "weight": st.sampled_from([0, 1, 0.5, -1, 1e6, 1e7]),
+    "role": st.sampled_from(["prefill", "decode", "any", "both"]),
+    "wait_s": st.sampled_from([0, 0.1, -1, 601]),
     "sticky_by": st.sampled_from(["user", "request_id", "header:X-User", "header:", "x"]),
     "slo": st.fixed_dictionaries({}, optional={"ttft_s": FLOATS, "tpot_s": FLOATS}),
 }
@@ -384,6 +387,7 @@ ADMIN_CALLS = {
                                  | bodies(StrategyBody, ARMS_BASE, source=st.none(),
                                           arms=ARM_LISTS)),
     ("PATCH", "/admin/strategy/arms/a"): bodies(WeightBody, {"weight": 1}),
+    ("POST", "/admin/engines/p/role"): bodies(RoleBody, {"role": "any", "wait_s": 0.1}),
     ("POST", "/admin/engines"): bodies(EngineBody, {"name": "fuzzed",
                                                               "url": "http://127.0.0.1:1"}),
     ("POST", "/admin/migrate"): bodies(MigrateBody, {"prompt": SMALL_PROMPT, "source": "p",
@@ -411,3 +415,5 @@ def test_admin_bodies_never_answer_5xx(call, router):
 
     run()
     httpx.put(router.url + "/admin/strategy", json={"builtin": "pd"}, headers=ADMIN_AUTH)
+    httpx.post(router.url + "/admin/engines/p/role", json={"role": "prefill"},
+               headers=ADMIN_AUTH)
