@@ -7,6 +7,7 @@
     microserve admin-token        the admin token a running router made for itself
     microserve batch run FILE     an OpenAI batch file through a running router, with progress
     microserve chat               chat with a router (streamed); /batch FILE in the background
+    microserve ab --arm ...       an A/B of routing strategies on a running router's traffic
     microserve model-path [MODEL] the Hugging Face directory a --model resolves to
     microserve quantize MODEL OUT an fp8 copy of a checkpoint
 """
@@ -173,6 +174,25 @@ def _run_chat(args) -> None:
         raise ValueError(f"cannot reach the router at {args.base_url}: {e}") from None
 
 
+def _ab_args(sub) -> None:
+    from launcher.ab_cli import ab_options
+
+    ab_options(_command(sub, "ab", "A/B-test routing strategies inside a running router: set "
+                                   "the arms, drive load for a while, print the comparison, "
+                                   "restore the strategy"))
+
+
+def _run_ab(args) -> None:
+    import httpx
+
+    from launcher.ab_cli import run_ab
+
+    try:
+        run_ab(args)
+    except httpx.TransportError as e:
+        raise ValueError(f"cannot reach the router at {args.base_url}: {e}") from None
+
+
 def _quantize_args(sub) -> None:
     p = _command(sub, "quantize", "write a 16-bit checkpoint's fp8 copy (FP8-dynamic, "
                                   "compressed-tensors layout), served without --quantization")
@@ -295,6 +315,7 @@ def parser() -> argparse.ArgumentParser:
     _drain_args(sub)
     _batch_args(sub)
     _chat_args(sub)
+    _ab_args(sub)
     _admin_token_args(sub)
     _model_path_args(sub)
     _quantize_args(sub)
@@ -319,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
         {"engine": _run_engine, "router": _run_router, "up": _run_up, "drain": _run_drain,
-         "batch": _run_batch, "chat": _run_chat, "admin-token": _run_admin_token, "model-path": _run_model_path,
+         "batch": _run_batch, "chat": _run_chat, "ab": _run_ab,
+         "admin-token": _run_admin_token, "model-path": _run_model_path,
          "quantize": _run_quantize}[args.command](args)
     except (ValueError, RuntimeError, OSError) as e:
         # Start-up problems the user can fix (bad --model, bad sizes, core failed to start).

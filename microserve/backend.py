@@ -8,7 +8,9 @@ stop strings and the OpenAI wire format; a backend speaks token ids only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 from microserve.messages import GenerateChunk, SamplingParams
 
@@ -18,6 +20,19 @@ class BackendUnavailable(Exception):
     a Retry-After header if `retry_after` (seconds) is set."""
 
     retry_after: int | None = None
+
+
+@dataclass(frozen=True)
+class Client:
+    """Who sent the request being generated: what a router's A/B experiment keys its arm on
+    (router/arms.py). Set by the OpenAI frontend for the request's task (`CLIENT`), so a
+    backend reads it without every generate() signature carrying it."""
+
+    user: str | None = None  # the body's `user` field
+    headers: Mapping[str, str] = field(default_factory=dict)  # case-insensitive where HTTP's
+
+
+CLIENT: ContextVar[Client | None] = ContextVar("microserve_client", default=None)
 
 
 class RequestRejected(ValueError):

@@ -2,11 +2,14 @@
 pinning.
 
     GET    /admin/strategy                 the active strategy, its version, and retired ones
-    PUT    /admin/strategy                 {"builtin" | "path" | "source", "class"?, "args"?}
+    PUT    /admin/strategy                 {"builtin" | "path" | "source", "class"?, "args"?},
+                                           or {"arms": [...], "sticky_by"?, "slo"?} (A/B)
+    PATCH  /admin/strategy/arms/{name}     {"weight"}: re-weight one arm (0 stops it)
     GET    /admin/engines                  every engine: state, role, open calls, polled load
     POST   /admin/engines                  {"name", "url", "role"?}: add one (it must answer)
     POST   /admin/engines/{name}/drain     no new requests; the ones it has finish
     POST   /admin/engines/{name}/undrain
+    POST   /admin/engines/{name}/role      {"role", "wait_s"?}: drain its old role's work, flip
     DELETE /admin/engines/{name}           out of the pool (its requests in flight finish)
     POST   /admin/migrate                  {"prompt" | "text", "source", "destination", "pin"?}
     POST   /admin/pin, /admin/unpin        {"prompt" | "text", "engines"?}
@@ -29,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -41,7 +44,10 @@ from microserve.errors import OpenAIError, from_validation_errors, invalid_reque
 from microserve.messages import SamplingParams
 from microserve.tokenizer import Tokenizer
 from router.engines import EnginePool, EngineSpec, UnknownEngine
-from router.host import StrategyHost, StrategyLoadError, StrategySource, SwapInProgress
+from router.arm_stats import Slo
+from router.arms import check_sticky_by
+from router.host import ArmSpec, StrategyHost, StrategyLoadError, StrategySource, SwapInProgress
+from router.roles import FlipInProgress
 from router.strategy import Request as StrategyRequest
 
 
@@ -56,7 +62,11 @@ def _exactly_one(body: BaseModel, fields: tuple[str, ...]) -> None:
                          f"{', '.join(given) or 'none'})")
 
 
-class StrategyBody(_Body):
+MAX_ARMS = 16
+Weight = Annotated[float, Field(ge=0, le=1e6)]
+
+
+class _Spec(_Body):
     builtin: str | None = None  # a module of strategies/: "pd"
     path: str | None = None  # a .py file in the router's strategies directory
     source: str | None = None  # the module's text
@@ -64,16 +74,63 @@ class StrategyBody(_Body):
     class_: str | None = Field(None, alias="class")
     args: dict[str, Any] = Field(default_factory=dict)
 
+
+class ArmBody(_Spec):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    weight: Weight = 1.0
+
     @model_validator(mode="after")
     def _one_source(self):
         _exactly_one(self, ("builtin", "path", "source"))
         return self
 
 
+class SloBody(_Body):
+    ttft_s: float = Field(Slo.ttft_s, gt=0, le=3600)
+    tpot_s: float = Field(Slo.tpot_s, gt=0, le=3600)
+
+
+class StrategyBody(_Spec):
+    arms: list[ArmBody] | None = Field(None, min_length=1, max_length=MAX_ARMS)  # an A/B
+    sticky_by: str | None = Field(None, max_length=300)  # "request_id" (default), "user",
+    slo: SloBody | None = None                              # "header:NAME"
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        _exactly_one(self, ("builtin", "path", "source", "arms"))
+        if self.arms is None:
+            given = [f for f in ("sticky_by", "slo") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} go with arms only")
+            return self
+        given = [f for f in ("class_", "args") if f in self.model_fields_set]
+        if given:
+            raise ValueError(f"{', '.join(g.rstrip('_') for g in given)} go inside each arm "
+                             "when arms are given")
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arm names must be unique, got {names}")
+        if sum(a.weight for a in self.arms) <= 0:
+            raise ValueError(f"the arms' weights must have a positive sum, got "
+                             f"{[a.weight for a in self.arms]}")
+        self.sticky_by = check_sticky_by(self.sticky_by or "request_id")
+        self.slo = self.slo or SloBody()
+        return self
+
+
+class WeightBody(_Body):
+    weight: Weight
+
+
 class EngineBody(_Body):
     name: str = Field(min_length=1)
     url: str = Field(min_length=1)
     role: str = "any"
+
+
+class RoleBody(_Body):
+    role: Literal["prefill", "decode", "any"]
+    wait_s: float = Field(30.0, ge=0, le=600)  # then it flips with the old work still open
 
 
 class _Tokens(_Body):
@@ -119,24 +176,59 @@ class AdminAPI:
 
     async def put_strategy(self, raw: Request) -> JSONResponse:
         body: StrategyBody = await _body(raw, StrategyBody)
-        if body.path is not None and self.strategies_dir is None:
-            raise OpenAIError(403, "Loading strategy files is off: start the router with "
-                              "--strategies-dir DIR to load .py files from DIR, or upload the "
-                              "module's text as 'source'.", param="path")
+        if body.arms is not None:
+            return await self._put_arms(body)
         try:
-            if body.builtin is not None:
-                source = StrategySource.builtin(body.builtin)
-            elif body.path is not None:
-                source = StrategySource.file(body.path, root=self.strategies_dir)
-            else:
-                source = StrategySource.upload(body.source, body.filename)
+            source = self._source(body)
             loaded = await self.host.load(source, body.args, body.class_)
         except StrategyLoadError as e:
-            raise invalid_request(str(e), "source" if body.source is not None else
-                                  "path" if body.path is not None else "builtin") from None
+            raise invalid_request(str(e), _source_field(body)) from None
         except SwapInProgress as e:
             raise OpenAIError(409, str(e)) from None
         return JSONResponse(loaded.describe())
+
+    async def _put_arms(self, body: StrategyBody) -> JSONResponse:
+        specs = []
+        for i, arm in enumerate(body.arms):
+            try:
+                source = self._source(arm, f"arms.{i}.")
+            except StrategyLoadError as e:
+                raise invalid_request(f"arm {arm.name!r}: {e}",
+                                      f"arms.{i}.{_source_field(arm)}") from None
+            specs.append(ArmSpec(arm.name, source, arm.args, arm.class_, arm.weight))
+        try:
+            experiment = await self.host.load_arms(
+                specs, body.sticky_by, Slo(body.slo.ttft_s, body.slo.tpot_s))
+        except StrategyLoadError as e:
+            raise invalid_request(str(e), "arms") from None
+        except SwapInProgress as e:
+            raise OpenAIError(409, str(e)) from None
+        return JSONResponse(experiment.describe())
+
+    def _source(self, spec: _Spec, where: str = "") -> StrategySource:
+        if spec.path is not None and self.strategies_dir is None:
+            raise OpenAIError(403, "Loading strategy files is off: start the router with "
+                              "--strategies-dir DIR to load .py files from DIR, or upload the "
+                              "module's text as 'source'.", param=where + "path")
+        if spec.builtin is not None:
+            return StrategySource.builtin(spec.builtin)
+        if spec.path is not None:
+            return StrategySource.file(spec.path, root=self.strategies_dir)
+        return StrategySource.upload(spec.source, spec.filename)
+
+    async def patch_arm(self, name: str, raw: Request) -> JSONResponse:
+        body: WeightBody = await _body(raw, WeightBody)
+        try:
+            self.host.reweight(name, body.weight)
+        except KeyError:
+            experiment = self.host.experiment
+            known = (", ".join(a.name for a in experiment.arms) if experiment
+                     else "none: no experiment is running")
+            raise OpenAIError(404, f"no A/B arm {name!r} (arms: {known})",
+                              param="name") from None
+        except ValueError as e:
+            raise invalid_request(str(e), "weight") from None
+        return JSONResponse(self.host.experiment.describe())
 
     async def list_engines(self) -> JSONResponse:
         return JSONResponse({"engines": self.pool.describe()})
@@ -159,6 +251,14 @@ class AdminAPI:
         self._known(name)
         self.pool.undrain(name)
         return JSONResponse(self._engine(name))
+
+    async def set_role(self, name: str, raw: Request) -> JSONResponse:
+        body: RoleBody = await _body(raw, RoleBody)
+        self._known(name)
+        try:
+            return JSONResponse(await self.pool.roles.flip(name, body.role, body.wait_s))
+        except FlipInProgress as e:
+            raise OpenAIError(409, str(e)) from None
 
     async def remove_engine(self, name: str) -> JSONResponse:
         self._known(name)
@@ -260,14 +360,20 @@ class AdminAPI:
         return ids
 
 
+def _source_field(spec: _Spec) -> str:
+    return "source" if spec.source is not None else "path" if spec.path is not None else "builtin"
+
+
 def add_admin_routes(app: FastAPI, api: AdminAPI) -> None:
     routes = [
         ("/admin/strategy", api.get_strategy, "GET"),
         ("/admin/strategy", api.put_strategy, "PUT"),
+        ("/admin/strategy/arms/{name}", api.patch_arm, "PATCH"),
         ("/admin/engines", api.list_engines, "GET"),
         ("/admin/engines", api.add_engine, "POST"),
         ("/admin/engines/{name}/drain", api.drain_engine, "POST"),
         ("/admin/engines/{name}/undrain", api.undrain_engine, "POST"),
+        ("/admin/engines/{name}/role", api.set_role, "POST"),
         ("/admin/engines/{name}", api.remove_engine, "DELETE"),
         ("/admin/migrate", api.migrate, "POST"),
         ("/admin/pin", api.pin, "POST"),

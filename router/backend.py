@@ -31,9 +31,11 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from microserve.backend import BackendError, BackendUnavailable, GenerateBackend, MicroservingError
+from microserve.backend import (CLIENT, BackendError, BackendUnavailable, GenerateBackend,
+                                MicroservingError)
 from microserve.messages import GenerateChunk, SamplingParams
 from microserve.metrics import Registry
+from router.arms import ArmMetrics
 from router.engines import EnginePool
 from router.forks import ChoiceForks, Fork
 from router.handover import StageMetrics, now
@@ -70,6 +72,7 @@ class RouterBackend(GenerateBackend):
         self._forked = registry.counter(
             "microserve_router_forked_choices_total",
             "Choices (n > 1) generated on the engine holding their prompt's KV from the first.")
+        self._arms = ArmMetrics(registry)
 
     @property
     def max_model_len(self) -> int:
@@ -103,6 +106,7 @@ class RouterBackend(GenerateBackend):
                         params: SamplingParams, priority: int, fork: Fork | None
                         ) -> AsyncIterator[GenerateChunk]:
         leads = fork is not None and fork.leader == request_id
+        arrived = now()  # an A/B arm's times count the attempts before the last
         # a LoRA adapter's request goes only to engines that have it registered
         pool = self.pool if params.lora_name is None else self.pool.with_adapter(
             params.lora_name)
@@ -113,7 +117,7 @@ class RouterBackend(GenerateBackend):
                 follow = await self._forks.engine_for(fork, pool)
                 if follow is not None:
                     self._forked.inc()
-            loaded = self.host.acquire()
+            loaded = self.host.acquire(CLIENT.get(), request_id)
             if params.prompt_logprobs is not None:
                 # scoring the prompt needs it computed whole on one engine: no strategy splits it
                 chunks = self._scoring.whole(request)
@@ -121,7 +125,8 @@ class RouterBackend(GenerateBackend):
                 chunks = follow.start_generate(request, begin=0)
             else:
                 chunks = loaded.instance.generate(request, pool)
-            finished = produced = False
+            finished = produced = retrying = False
+            tokens, ended = 0, None
             try:
                 async for chunk in chunks:
                     if not produced:
@@ -130,6 +135,9 @@ class RouterBackend(GenerateBackend):
                             self._forks.led(fork, request.generating_on)
                     produced = True
                     finished = chunk.finish_reason is not None
+                    tokens += len(chunk.token_ids)
+                    if finished:
+                        ended = now()
                     yield _with_cache_hits(request, chunk)
                     if finished:
                         # Then run the strategy to its end (a consumer that reads on after
@@ -145,6 +153,7 @@ class RouterBackend(GenerateBackend):
                     if not produced and _overloaded(e):
                         e.retry_after = RETRY_AFTER_S
                     raise
+                retrying = True
                 self._retries.inc()
                 log.warning("request %s: %s; trying again (attempt %d)", request_id, e,
                             attempt + 2)
@@ -163,6 +172,9 @@ class RouterBackend(GenerateBackend):
                                    outcome="finished" if finished else "failed")
                 if finished:
                     self._stages.observe(loaded.name, request.timeline)
+                if loaded.arm is not None and not retrying:
+                    self._arms.record(loaded.arm, _times(request, arrived, tokens, ended)
+                                      if finished else None)
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
 
     def _retryable(self, error: Exception, attempt: int) -> bool:
@@ -215,6 +227,16 @@ class _ScoringPlaces:
             place[1] -= 1
             if place[1] == 0 and self._places.get(key) is place:
                 del self._places[key]
+
+
+def _times(request: Request, arrived: float, tokens: int, ended: float) -> dict[str, float]:
+    """A finished request's TTFT and JCT from its arrival, and (with more than one output
+    token) TPOT: the time between its first and last token over the tokens after the first."""
+    first = request.timeline.first_token
+    times = {"ttft": first - arrived, "jct": ended - arrived}
+    if tokens > 1:
+        times["tpot"] = (ended - first) / (tokens - 1)
+    return times
 
 
 def _who(loaded: LoadedStrategy) -> str:

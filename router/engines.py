@@ -38,6 +38,7 @@ from microserve.microserving_client import EngineClient
 from router.engine_handle import EngineHandle
 from router.engine_health import PoolHealth
 from router.prefix_index import PrefixIndex
+from router.roles import RoleFlips
 
 if TYPE_CHECKING:
     from router.strategy import Request
@@ -111,6 +112,7 @@ class EnginePool(PoolHealth):
         self._aborts = registry.counter(
             "microserve_router_engine_aborts_total", "Abort calls sent to engines.")
         self.prefix_index = PrefixIndex()  # page size set from the first engine's info
+        self.roles = RoleFlips(self, registry)  # POST /admin/engines/{name}/role
         self._engines: dict[str, EngineHandle] = {}
         self._rr = itertools.count()
         self._poller: asyncio.Task | None = None

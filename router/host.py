@@ -35,6 +35,9 @@ from pathlib import Path
 
 import strategies
 from microserve.metrics import Registry
+from microserve.backend import Client
+from router.arm_stats import Slo
+from router.arms import Arm, Experiment
 from router.engines import EnginePool
 from router.strategy import Strategy
 
@@ -156,6 +159,7 @@ class LoadedStrategy:
     finished: int = 0  # ended with a finish reason
     failed: int = 0  # ended any other way: error, abort, client gone
     retired: bool = False
+    arm: Arm | None = None  # the A/B arm it serves, if it is one
 
     @property
     def name(self) -> str:
@@ -165,13 +169,26 @@ class LoadedStrategy:
         return {"version": self.version, "class": self.name, "source": self.source.origin,
                 "args": self.args, "loaded_at": self.loaded_at, "inflight": self.inflight,
                 "started": self.started, "finished": self.finished, "failed": self.failed,
-                "settings": self.instance.describe()}
+                "settings": self.instance.describe(),
+                **({"arm": self.arm.name} if self.arm is not None else {})}
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm of a PUT: its name, strategy and weight."""
+
+    name: str
+    source: StrategySource
+    args: dict
+    class_name: str | None
+    weight: float
 
 
 class StrategyHost:
     def __init__(self, pool: EnginePool):
         self.pool = pool
-        self.active: LoadedStrategy | None = None
+        self.active: LoadedStrategy | None = None  # None while an experiment runs
+        self.experiment: Experiment | None = None  # A/B arms (router/arms.py)
         self.retired: list[LoadedStrategy] = []  # swapped out, requests still running
         self.history: deque[LoadedStrategy] = deque(maxlen=HISTORY)  # the last loads, active last
         self._versions = itertools.count(1)
@@ -203,10 +220,73 @@ class StrategyHost:
             log.info("strategy v%d active: %s from %s, args %s", loaded.version, loaded.name,
                      source.origin, loaded.args)
             if old is not None:
-                old.retired = True
-                self.retired.append(old)
-                self._stop_if_idle(old)
+                self._retire(old)
+            if self.experiment is not None:  # a single strategy ends the experiment
+                log.info("A/B experiment ended: arms %s retired",
+                         [a.name for a in self.experiment.arms])
+                for arm in self.experiment.arms:
+                    self._retire(arm.loaded)
+                self.experiment = None
             return loaded
+
+    async def load_arms(self, specs: list[ArmSpec], sticky_by: str, slo: Slo) -> Experiment:
+        """Serve `specs` as A/B arms (router/arms.py). An arm of the running experiment with
+        the same name, source, arguments and class keeps its instance and numbers (only its
+        weight changes); other arms are built and started; arms left out, and a single
+        active strategy, are retired (their requests finish on them). Raises as `load`; a
+        failed arm names itself, and nothing changes."""
+        if self._loading.locked():
+            raise SwapInProgress("a strategy load is already in progress; retry when it is done")
+        async with self._loading:
+            old = {a.name: a for a in self.experiment.arms} if self.experiment else {}
+            arms, built = [], []
+            try:
+                for spec in specs:
+                    arm = old.get(spec.name)
+                    if arm is None or not _same(arm.loaded, spec):
+                        loaded = await self._build(spec.source, dict(spec.args),
+                                                   spec.class_name)
+                        built.append(loaded)
+                        arm = Arm(spec.name, spec.weight, loaded)
+                        loaded.arm = arm
+                    arm.weight, arm.slo = spec.weight, slo
+                    arms.append(arm)
+            except StrategyLoadError as e:
+                self.failed_loads += 1
+                for loaded in built:
+                    await self._stop(loaded)
+                raise StrategyLoadError(f"arm {spec.name!r}: {e}") from e
+            kept = {id(a) for a in arms}
+            for arm in old.values():
+                if id(arm) not in kept:
+                    self._retire(arm.loaded)
+            if self.active is not None:
+                self._retire(self.active)
+                self.active = None
+            self.history.extend(built)
+            self.experiment = Experiment(arms, sticky_by, slo)
+            log.info("A/B experiment: %s, sticky by %s", ", ".join(
+                f"{a.name}={a.loaded.name} v{a.loaded.version} weight {a.weight:g}"
+                for a in arms), sticky_by)
+            return self.experiment
+
+    def reweight(self, name: str, weight: float) -> Arm:
+        """Change one arm's weight (0 stops it taking new requests). Raises KeyError for an
+        unknown arm (or no experiment), ValueError if no arm would be left with weight."""
+        arm = self.experiment.arm(name) if self.experiment else None
+        if arm is None:
+            raise KeyError(name)
+        if weight + sum(a.weight for a in self.experiment.arms if a is not arm) <= 0:
+            raise ValueError(f"weight {weight:g} for arm {name!r} would leave no arm with a "
+                             "positive weight")
+        log.info("A/B arm %s: weight %g -> %g", name, arm.weight, weight)
+        arm.weight = weight
+        return arm
+
+    def _retire(self, loaded: LoadedStrategy) -> None:
+        loaded.retired = True
+        self.retired.append(loaded)
+        self._stop_if_idle(loaded)
 
     async def _build(self, source: StrategySource, args: dict,
                      class_name: str | None) -> LoadedStrategy:
@@ -239,9 +319,13 @@ class StrategyHost:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def acquire(self) -> LoadedStrategy:
-        """The active strategy, held by one more request until `release`."""
-        loaded = self.active
+    def acquire(self, client: Client | None = None, request_id: str = "") -> LoadedStrategy:
+        """The active strategy, or in an experiment the arm's strategy for this client and
+        request, held by one more request until `release`."""
+        if self.experiment is not None:
+            loaded = self.experiment.choose(client, request_id).loaded
+        else:
+            loaded = self.active
         if loaded is None:
             raise RuntimeError("no strategy loaded")
         loaded.inflight += 1
@@ -300,10 +384,11 @@ class StrategyHost:
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
-        for loaded in [*self.retired, *([self.active] if self.active else [])]:
+        arms = [a.loaded for a in self.experiment.arms] if self.experiment else []
+        for loaded in [*self.retired, *([self.active] if self.active else []), *arms]:
             await self._stop(loaded)
         self.retired.clear()
-        self.active = None
+        self.active, self.experiment = None, None
         await asyncio.gather(*self._stopping, return_exceptions=True)
 
     def metrics_text(self) -> str:
@@ -325,7 +410,13 @@ class StrategyHost:
         return {"active": self.active.describe() if self.active else None,
                 "retired": [r.describe() for r in self.retired],
                 "history": [h.describe() for h in self.history],
+                "experiment": self.experiment.describe() if self.experiment else None,
                 "builtin": builtin_names(), "failed_loads": self.failed_loads}
+
+
+def _same(loaded: LoadedStrategy, spec: ArmSpec) -> bool:
+    return (loaded.source == spec.source and loaded.args == spec.args
+            and spec.class_name in (None, loaded.name))
 
 
 def _strategy_class(module: types.ModuleType, class_name: str | None,

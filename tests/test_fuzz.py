@@ -40,7 +40,8 @@ from microserve.messages import (
     StartGenerateRequest,
 )
 from microserve.openai.protocol import ChatCompletionRequest, CompletionRequest
-from router.admin import EngineBody, MigrateBody, PinBody, StrategyBody
+from router.admin import (ArmBody, EngineBody, MigrateBody, PinBody, RoleBody, StrategyBody,
+                          WeightBody)
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +91,11 @@ PLAUSIBLE = {
     "engines": st.lists(st.sampled_from(["p", "d", "nope"]), max_size=2),
     "text": st.text(max_size=30),
     "url": st.sampled_from(["http://127.0.0.1:1", "ftp://x", "http://[::1"]),
+    "weight": st.sampled_from([0, 1, 0.5, -1, 1e6, 1e7]),
+    "role": st.sampled_from(["prefill", "decode", "any", "both"]),
+    "wait_s": st.sampled_from([0, 0.1, -1, 601]),
+    "sticky_by": st.sampled_from(["user", "request_id", "header:X-User", "header:", "x"]),
+    "slo": st.fixed_dictionaries({}, optional={"ttft_s": FLOATS, "tpot_s": FLOATS}),
 }
 
 
@@ -369,9 +375,19 @@ def test_openai_bodies_never_answer_5xx_through_the_router_or_an_engine(path, ro
     run()
 
 
+# A/B arms: each arm a strategy body of its own (never `source`, as below)
+ARM = {"name": "a", "builtin": "data_parallel"}
+ARM_LISTS = st.lists(bodies(ArmBody, ARM, source=st.none()), max_size=3)
+ARMS_BASE = {"arms": [ARM, {"name": "b", "builtin": "pd", "weight": 2}],
+             "sticky_by": "header:X-User"}
+
 ADMIN_CALLS = {
     # `source` is code the router runs: never fuzzed (the router refuses no admin's code).
-    ("PUT", "/admin/strategy"): bodies(StrategyBody, {"builtin": "pd"}, source=st.none()),
+    ("PUT", "/admin/strategy"): (bodies(StrategyBody, {"builtin": "pd"}, source=st.none())
+                                 | bodies(StrategyBody, ARMS_BASE, source=st.none(),
+                                          arms=ARM_LISTS)),
+    ("PATCH", "/admin/strategy/arms/a"): bodies(WeightBody, {"weight": 1}),
+    ("POST", "/admin/engines/p/role"): bodies(RoleBody, {"role": "any", "wait_s": 0.1}),
     ("POST", "/admin/engines"): bodies(EngineBody, {"name": "fuzzed",
                                                               "url": "http://127.0.0.1:1"}),
     ("POST", "/admin/migrate"): bodies(MigrateBody, {"prompt": SMALL_PROMPT, "source": "p",
@@ -399,3 +415,5 @@ def test_admin_bodies_never_answer_5xx(call, router):
 
     run()
     httpx.put(router.url + "/admin/strategy", json={"builtin": "pd"}, headers=ADMIN_AUTH)
+    httpx.post(router.url + "/admin/engines/p/role", json={"role": "prefill"},
+               headers=ADMIN_AUTH)

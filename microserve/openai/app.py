@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 import llguidance
 
-from microserve.backend import BackendError, GenerateBackend
+from microserve.backend import CLIENT, BackendError, Client, GenerateBackend
 from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
 from microserve.errors import (from_validation_errors, install_error_handlers, invalid_request,
                                model_not_found)
@@ -233,6 +233,9 @@ class OpenAIFrontend:
                        choices: list[tuple[Run, CompletionWire | ChatWire]]) -> Response:
         """Answer the request's generations: one body, or one event stream. With several
         choices they run side by side and any one failing fails (and aborts) them all."""
+        # Read where the backend generates (the tasks below and the event stream's copy this
+        # context): a router's A/B experiment assigns arms by it.
+        CLIENT.set(Client(body.user, raw.headers))
         gens = [self._deltas(run) for run, _ in choices]
         try:
             if not body.stream:
