@@ -92,6 +92,8 @@ class ModelRunner:
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
             self.model.use_triton_kernels(True, gemv=self.cuda and config.decode_gemv)
+        if self.lora is not None:
+            self.lora.use_triton_kernels(self.triton)
         self.sampler = Sampler(self.config.vocab_size, self.device, seed=config.seed,
                                triton_argmax=self.cuda and self.triton)
         self.kv: PagedKVCache | None = None  # set by allocate_kv
@@ -225,8 +227,7 @@ class ModelRunner:
         slot (-1: the base model); None: all the base. Returns without waiting for the GPU.
         """
         if self.lora is not None:
-            self.lora.batch.set_slots(to_device(lora_slots or [-1] * len(input_ids),
-                                                torch.long, self.device))
+            self.lora.batch.set_slots(lora_slots or ())
         if copies:
             self.kv.copy_pages(copies)
         if sends:
