@@ -8,6 +8,7 @@ the part a GPU runner (CUDA graphs, overlap) replaces.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -174,13 +175,16 @@ class ModelRunner:
             from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 
             before = set_blas_library(config.blas_library)
+            # graphs hold the LoRA kernels even though no step has used an adapter yet
+            lora = self.lora.batch.capturing() if self.lora is not None else nullcontext()
             try:
-                self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
-                self.graphs.capture()
-                tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
-                if tokens > 0:
-                    self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens)
-                    self.pieces.capture()
+                with lora:
+                    self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
+                    self.graphs.capture()
+                    tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
+                    if tokens > 0:
+                        self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens)
+                        self.pieces.capture()
             finally:
                 set_blas_library(before)
 

@@ -15,7 +15,8 @@ where s(n) is the slice (q, k, v of a fused qkv) that output column n belongs to
 sized from the token count alone (tiles can be at most min(T, T/BLOCK_M + slots)), so a CUDA
 graph captures it; tiles past the step's are empty and return at once. Splitting K across
 programs keeps batch-1 decode's shrink (one tile) spread over the GPU; the expand sums the
-splits, so there are no atomics and no buffer to zero: two launches per projection.
+splits, so there are no atomics and no buffer to zero: two launches per projection. Both
+launch with PDL where the engine's kernels do (engine/kernels/pdl.py), waiting first.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels import pdl as _pdl
 
 BLOCK_M = 32  # tokens per tile (the host's tile table is cut to this)
 _BLOCK_K = 64
@@ -45,9 +48,12 @@ def _tile(rows_ptr, tiles_ptr, max_tiles, tile, BLOCK_M: tl.constexpr):
 def _shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, rows_ptr, tiles_ptr, max_tiles,
                    norm_ptr, eps, K, N, k_per_split, part_split_stride,
                    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """MODE 0: x as given; 1: x is the residual stream, RMS-normed here (batch-1 decode's
     fused norm); 2: x is [gate | up], SiLU(gate) * up taken here (the down projection's)."""
+    if PDL:  # first, even for an empty tile: the kernels after wait for this one only
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, tl.program_id(0),
                                        BLOCK_M)
     if length == 0:
@@ -90,7 +96,10 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, rows_ptr, tiles_ptr, max_ti
 def _expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, rows_ptr, tiles_ptr, max_tiles,
                    R, N_shrunk, N_out, splits, part_split_stride, bound1, bound2,
                    SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, even for an empty tile: the kernels after wait for this one only
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, tl.program_id(0),
                                        BLOCK_M)
     if length == 0:
@@ -145,12 +154,14 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     splits = -(-k // k_per_split)
     part = torch.empty(splits, t, n_shrunk, dtype=torch.float32, device=x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)
+    pdl = _pdl.use_pdl(x)
     _shrink_kernel[(grid_tiles, splits)](
         x, x.stride(0), a, part, rows, tiles, tiles.shape[1], norm_weight, eps, k, n_shrunk,
         k_per_split, part.stride(0), MODE=mode, BLOCK_M=BLOCK_M,
-        BLOCK_N=max(16, triton.next_power_of_2(n_shrunk)), BLOCK_K=_BLOCK_K)
+        BLOCK_N=max(16, triton.next_power_of_2(n_shrunk)), BLOCK_K=_BLOCK_K, PDL=pdl,
+        **_pdl.launch_options(pdl))
     b1, b2 = (list(bounds) + [n_out, n_out])[:2]
     _expand_kernel[(grid_tiles, triton.cdiv(n_out, _BLOCK_N))](
         part, b, out, out.stride(0), rows, tiles, tiles.shape[1], r, n_shrunk, n_out, splits,
         part.stride(0), b1, b2, SLICES=len(bounds) + 1, BLOCK_M=BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_R=max(16, triton.next_power_of_2(r)))
+        BLOCK_R=max(16, triton.next_power_of_2(r)), PDL=pdl, **_pdl.launch_options(pdl))

@@ -19,6 +19,7 @@ launches, but their tiles are empty and return at once).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from contextlib import nullcontext as _no_stream
 
 import torch
@@ -47,6 +48,9 @@ class LoraBatch:
         self.device = device
         self.use_triton = False  # set by LoraModel.use_triton_kernels
         self.active = False  # any token of this forward uses an adapter; set by set_slots
+        # while CUDA graphs are captured (and their warm-up runs): every LoraLinear launches
+        # its kernels whatever `active` says, so graphs hold them; set by `capturing`
+        self.launch_always = False
         self.groups: list[tuple[int, torch.Tensor]] = []  # set by set_slots
         self.rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.max_tiles = -(-max_tokens // _BLOCK_M) + max_loras
@@ -55,6 +59,15 @@ class LoraBatch:
         # the last slot write's copies (CUDA), which the next forward waits for; set by
         # LoraModel.write_slot, cleared by set_slots
         self.copied: torch.cuda.Event | None = None
+
+    @contextmanager
+    def capturing(self):
+        """Around CUDA graph capture (the runner's)."""
+        self.launch_always = True
+        try:
+            yield
+        finally:
+            self.launch_always = False
 
     def set_slots(self, slots: list[int]) -> None:
         """slots: each token's slot, -1 for the base (plain ints, known when the step is
@@ -126,8 +139,7 @@ class LoraLinear(nn.Module):
         decode's fused kernels, for the input RMSNorm(x) * weight (norm: (weight, eps)) or
         SiLU(gate) * up of x = [gate | up] (gated)."""
         batch = self.batch
-        capturing = out.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not batch.active and not capturing:
+        if not (batch.active or batch.launch_always):
             return
         if batch.use_triton:
             from engine.lora.kernels import lora_shrink_expand
