@@ -26,15 +26,21 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl as _pdl
+from engine.lora.layers import TILE_ROWS
 
-BLOCK_M = 32  # tokens per tile (the host's tile table is cut to this)
+BLOCK_M = TILE_ROWS  # tokens per tile: the host's tile table is cut to this
 _BLOCK_K = 64
 _BLOCK_N = 64
 _TARGET_PROGRAMS = 128  # shrink programs to aim for: about one wave on an H100
 
 
 @triton.jit
-def _tile(rows_ptr, tiles_ptr, max_tiles, tile, BLOCK_M: tl.constexpr):
+def _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """This program's tile: (length, slot, its rows, which of BLOCK_M are rows)."""
+    if PDL:  # first, even for an empty tile: the kernels after wait for this one only
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tile = tl.program_id(0)
     start = tl.load(tiles_ptr + tile)
     length = tl.load(tiles_ptr + max_tiles + tile)
     slot = tl.load(tiles_ptr + 2 * max_tiles + tile)
@@ -51,11 +57,7 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, rows_ptr, tiles_ptr, max_ti
                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """MODE 0: x as given; 1: x is the residual stream, RMS-normed here (batch-1 decode's
     fused norm); 2: x is [gate | up], SiLU(gate) * up taken here (the down projection's)."""
-    if PDL:  # first, even for an empty tile: the kernels after wait for this one only
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, tl.program_id(0),
-                                       BLOCK_M)
+    length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M, PDL)
     if length == 0:
         return
     split = tl.program_id(1)
@@ -97,11 +99,7 @@ def _expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, rows_ptr, tiles_ptr, ma
                    R, N_shrunk, N_out, splits, part_split_stride, bound1, bound2,
                    SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # first, even for an empty tile: the kernels after wait for this one only
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, tl.program_id(0),
-                                       BLOCK_M)
+    length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M, PDL)
     if length == 0:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -32,7 +32,7 @@ from microserve.model_config import ModelConfig
 # our fused projection -> the PEFT modules in its output rows, in order
 _SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
            "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-_BLOCK_M = 32  # engine.lora.kernels.BLOCK_M (not imported: that module needs triton)
+TILE_ROWS = 32  # the most tokens of one tile (the kernels' BLOCK_M)
 
 
 class LoraBatch:
@@ -53,7 +53,7 @@ class LoraBatch:
         self.launch_always = False
         self.groups: list[tuple[int, torch.Tensor]] = []  # set by set_slots
         self.rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)
-        self.max_tiles = -(-max_tokens // _BLOCK_M) + max_loras
+        self.max_tiles = -(-max_tokens // TILE_ROWS) + max_loras
         self.tiles = torch.zeros(3, self.max_tiles, dtype=torch.int32, device=device)
         self._tiles_empty = True  # what `tiles` holds on the device; set by set_slots
         # the last slot write's copies (CUDA), which the next forward waits for; set by
@@ -86,9 +86,9 @@ class LoraBatch:
             return
         rows, starts, lengths, tile_slots = [], [], [], []
         for slot, tokens in sorted(by_slot.items()):
-            for i in range(0, len(tokens), _BLOCK_M):
+            for i in range(0, len(tokens), TILE_ROWS):
                 starts.append(len(rows) + i)
-                lengths.append(min(_BLOCK_M, len(tokens) - i))
+                lengths.append(min(TILE_ROWS, len(tokens) - i))
                 tile_slots.append(slot)
             rows += tokens
         pad = self.max_tiles - len(starts)  # empty tiles: the grid's rest returns at once
