@@ -158,13 +158,14 @@ class LoraLinear(nn.Module):
             lo, hi = self.offsets[s], self.offsets[s + 1]
             out[rows, lo:hi] += shrunk[:, s * r : (s + 1) * r] @ self.b[slot, :, lo:hi]
 
-    def pack(self, halves: list[tuple[torch.Tensor, torch.Tensor] | None]):
+    def pack(self, halves: list[tuple[torch.Tensor, torch.Tensor] | None], pin: bool = False):
         """One adapter's (A [r, in], B [out, r]) of each slice (None: not a target) laid out
-        as a slot holds them: (a [S*R, in], b [R, out]) on the host; None if no slice is."""
+        as a slot holds them: (a [S*R, in], b [R, out]) on the host, in pinned memory if
+        `pin`; None if no slice is."""
         if all(pair is None for pair in halves):
             return None
-        a = torch.zeros(self.a.shape[1:], dtype=self.a.dtype)
-        b = torch.zeros(self.b.shape[1:], dtype=self.b.dtype)
+        a = torch.zeros(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
+        b = torch.zeros(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
         for s, pair in enumerate(halves):
             if pair is not None:
                 r = pair[0].shape[0]
@@ -237,11 +238,7 @@ class LoraModel:
             layer = {}
             for name, proj in wrapped.items():
                 pairs = [adapter.weights.get((i, module)) for module in _SLICES[name]]
-                layer[name] = proj.pack([None if p is None else (p[0].to(proj.a.dtype),
-                                                                 p[1].to(proj.a.dtype))
-                                         for p in pairs])
-                if pin and layer[name] is not None:
-                    layer[name] = tuple(t.pin_memory() for t in layer[name])
+                layer[name] = proj.pack(pairs, pin)  # cast as they are copied in
             packed.append(layer)
         return packed
 
