@@ -8,6 +8,7 @@ the part a GPU runner (CUDA graphs, overlap) replaces.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,6 +93,8 @@ class ModelRunner:
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
             self.model.use_triton_kernels(True, gemv=self.cuda and config.decode_gemv)
+        if self.lora is not None:
+            self.lora.use_triton_kernels(self.triton)
         self.sampler = Sampler(self.config.vocab_size, self.device, seed=config.seed,
                                triton_argmax=self.cuda and self.triton)
         self.kv: PagedKVCache | None = None  # set by allocate_kv
@@ -172,13 +175,16 @@ class ModelRunner:
             from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 
             before = set_blas_library(config.blas_library)
+            # graphs hold the LoRA kernels even though no step has used an adapter yet
+            lora = self.lora.batch.capturing() if self.lora is not None else nullcontext()
             try:
-                self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
-                self.graphs.capture()
-                tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
-                if tokens > 0:
-                    self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens)
-                    self.pieces.capture()
+                with lora:
+                    self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
+                    self.graphs.capture()
+                    tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
+                    if tokens > 0:
+                        self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens)
+                        self.pieces.capture()
             finally:
                 set_blas_library(before)
 
@@ -225,8 +231,7 @@ class ModelRunner:
         slot (-1: the base model); None: all the base. Returns without waiting for the GPU.
         """
         if self.lora is not None:
-            self.lora.batch.set_slots(to_device(lora_slots or [-1] * len(input_ids),
-                                                torch.long, self.device))
+            self.lora.batch.set_slots(lora_slots or ())
         if copies:
             self.kv.copy_pages(copies)
         if sends:

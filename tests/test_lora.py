@@ -6,8 +6,12 @@ KV shared across adapters. The adapters are random (A and B non-zero), written b
 from __future__ import annotations
 
 import json
+import os
 import random
+import select
 import shutil
+import threading
+import time
 
 import pytest
 from conftest import TINY_VOCAB
@@ -16,14 +20,30 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.frames import CallFailed, invoke
 from engine.lora.adapter import read_adapter, resolve_path
 from engine.lora.registry import LoraRegistry
 from kvcache.manager import KVCacheManager
 from microserve.backend import MicroservingError, RequestRejected
-from microserve.messages import LoadLoraRequest, SamplingParams, UnloadLoraRequest
+from microserve.messages import (CALLS, LoadLoraRequest, LoadLoraResponse, SamplingParams,
+                                 UnloadLoraRequest)
 from microserve.model_config import ModelConfig
 
 N_NEW = 12
+
+
+def load(core, request: LoadLoraRequest) -> LoadLoraResponse:
+    """/v1/load_lora_adapter as the core's loop runs it: deferred while the loader thread
+    reads the adapter, answered by a tick once the thread wakes the loop (wakeup_fd)."""
+    frames = core.handle(invoke(7, request))
+    while not frames:
+        assert select.select([core.wakeup_fd], [], [], 30)[0], "the load never finished"
+        os.read(core.wakeup_fd, 4096)
+        frames = core.tick(time.monotonic()).frames
+    [frame] = frames
+    if isinstance(frame, CallFailed):
+        raise MicroservingError(frame.status, frame.error, frame.param)
+    return CALLS["load_lora_adapter"].decode_answer(frame.result)
 
 
 def greedy(lora_name=None, max_tokens=N_NEW):
@@ -113,6 +133,40 @@ def test_base_and_two_adapters_in_one_batch_equal_peft(tiny_model_dir, lora_dir,
     stats = core.stats()
     assert (stats.lora_registered, stats.lora_resident) == (["a1", "a2"], ["a1", "a2"])
     assert stats.lora_loads == 2 and stats.lora_load_seconds > 0
+
+
+def test_prefill_chunks_and_decodes_of_adapters_in_one_step_equal_peft(
+        tiny_model_dir, lora_dir, prompts, reference):
+    """A 16-token budget: the 40-token prompts arrive in chunks while shorter requests of
+    other adapters decode, in the same steps; every request still gets PEFT's tokens."""
+    core = make_core(tiny_model_dir, lora_dir, max_num_batched_tokens=16, max_num_seqs=9)
+    steps, forward = [], core.runner.forward
+
+    def recording(batch, *args, lora_slots=None, **kw):
+        steps.append([(s.num_new_tokens, slot) for s, slot in zip(
+            batch.seqs, _first_slot_of_each(batch, lora_slots))])
+        return forward(batch, *args, lora_slots=lora_slots, **kw)
+
+    core.runner.forward = recording
+    requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts)
+                for name in (None, "a1", "a2")}
+    tokens = run(core, requests)
+    assert tokens == {f"{name}-{i}": reference[name][i] for i, _ in enumerate(prompts)
+                      for name in (None, "a1", "a2")}
+    mixed = [step for step in steps
+             if any(n > 1 and slot >= 0 for n, slot in step)
+             and len({slot for n, slot in step if n == 1}) >= 2]
+    assert mixed, "no step had an adapter's prefill chunk beside decodes of two slots"
+    core.check_integrity()
+
+
+def _first_slot_of_each(batch, lora_slots):
+    """The slot of each sequence of the batch (its tokens are contiguous in lora_slots)."""
+    at, slots = 0, []
+    for s in batch.seqs:
+        slots.append(lora_slots[at])
+        at += s.num_new_tokens
+    return slots
 
 
 @pytest.mark.slow  # loads the real model (the marker's rule): 4 s on a quiet machine
@@ -211,10 +265,12 @@ def test_load_and_unload_at_runtime(tiny_model_dir, lora_dir, prompts, reference
                      lora_dir=str(lora_dir))
     with pytest.raises(RequestRejected, match="no LoRA adapter of that name"):
         core.add_request("early", prompts[0], greedy("a1"))
-    answer = core.on_load_lora_adapter(LoadLoraRequest("a1", "a1"), None)
+    answer = load(core, LoadLoraRequest("a1", "a1"))
     assert (answer.lora_name, answer.rank, answer.resident) == ("a1", 8, True)
+    print(f"\nrank-8 adapter of the tiny model loaded in {answer.load_s * 1e3:.1f} ms (CPU: "
+          f"read, check and pack in the loader thread, then the slot write)")
     with pytest.raises(MicroservingError, match="already loaded"):
-        core.on_load_lora_adapter(LoadLoraRequest("a1", "a2"), None)
+        load(core, LoadLoraRequest("a1", "a2"))
     core.add_request("r", prompts[1], greedy("a1"))
     tokens = [t for out in core.step() for t in out.token_ids]  # admitted and running
     gone = core.on_unload_lora_adapter(UnloadLoraRequest("a1"), None)
@@ -226,14 +282,46 @@ def test_load_and_unload_at_runtime(tiny_model_dir, lora_dir, prompts, reference
             tokens += out.token_ids
     assert tokens == reference["a1"][1]
     assert core.stats().lora_registered == [] and core.stats().lora_resident == []
-    assert core.adapters._weights == {}
+    assert core.adapters._packed == {}
     core.check_integrity()
     with pytest.raises(MicroservingError) as e:
         core.on_unload_lora_adapter(UnloadLoraRequest("a1"), None)
     assert e.value.status == 404
     # loaded again under the same name: a new id, so none of its old KV is reused
-    core.on_load_lora_adapter(LoadLoraRequest("a1", str(lora_dir / "a1")), None)
+    load(core, LoadLoraRequest("a1", str(lora_dir / "a1")))
     assert run(core, {"again": (prompts[1], "a1")})["again"] == reference["a1"][1]
+
+
+def test_steps_go_on_while_an_adapter_loads(tiny_model_dir, lora_dir, prompts, reference,
+                                           monkeypatch):
+    """The read from disk runs in the loader thread: a base request's steps run to the end
+    while it is held, the call is answered only once it is done, and the adapter then
+    serves PEFT's tokens."""
+    import engine.core.adapters as adapters_module
+
+    held = threading.Event()
+    real_read = adapters_module.read_adapter
+
+    def held_read(*args):
+        assert held.wait(30)
+        return real_read(*args)
+
+    monkeypatch.setattr(adapters_module, "read_adapter", held_read)
+    core = make_core(tiny_model_dir, lora_dir, lora_modules=(), enable_lora=True,
+                     lora_dir=str(lora_dir))
+    assert core.handle(invoke(7, LoadLoraRequest("a1", "a1"))) == []  # deferred
+    with pytest.raises(MicroservingError, match="already loaded"):  # nor loaded twice
+        load(core, LoadLoraRequest("a1", "a2"))
+    assert run(core, {"base": (prompts[1], None)})["base"] == reference[None][1]
+    assert core.tick(time.monotonic()).frames == [] and core.stats().lora_registered == []
+    held.set()
+    assert select.select([core.wakeup_fd], [], [], 30)[0]
+    [reply] = core.tick(time.monotonic()).frames
+    answer = CALLS["load_lora_adapter"].decode_answer(reply.result)
+    assert (answer.lora_name, answer.resident) == ("a1", True)
+    assert run(core, {"lora": (prompts[1], "a1")})["lora"] == reference["a1"][1]
+    core.check_integrity()
+    core.close()
 
 
 def test_requests_for_adapters_refused_where_they_cannot_run(tiny_model_dir, lora_dir, prompts):
@@ -245,7 +333,7 @@ def test_requests_for_adapters_refused_where_they_cannot_run(tiny_model_dir, lor
     with pytest.raises(RequestRejected, match="serves no LoRA adapters"):
         plain.add_request("x", prompts[0], greedy("a1"))
     with pytest.raises(MicroservingError, match="LoRA is off"):
-        plain.on_load_lora_adapter(LoadLoraRequest("a1", "a1"), None)
+        load(plain, LoadLoraRequest("a1", "a1"))
     for c in (core, plain):
         c.check_integrity()
         assert not c.requests.get("pd") and not c.requests.get("x")
@@ -321,10 +409,10 @@ def test_bad_adapters_at_start_up_and_at_runtime(tiny_model_dir, lora_dir, tmp_p
     core = make_core(tiny_model_dir, lora_dir, lora_modules=(), enable_lora=True,
                      lora_dir=str(lora_dir), max_lora_rank=4)
     with pytest.raises(MicroservingError, match="rank 8 is over --max-lora-rank 4") as e:
-        core.on_load_lora_adapter(LoadLoraRequest("a1", "a1"), None)
+        load(core, LoadLoraRequest("a1", "a1"))
     assert (e.value.status, e.value.param) == (400, "lora_path")
     with pytest.raises(MicroservingError, match="outside the adapters directory"):
-        core.on_load_lora_adapter(LoadLoraRequest("x", str(bad)), None)
+        load(core, LoadLoraRequest("x", str(bad)))
     assert core.stats().lora_registered == []
     core.check_integrity()
 

@@ -73,18 +73,19 @@ def test_batch1_gemv_layer_adds_the_adapters_delta(tiny_model_dir):
 
     model, config = load_model(tiny_model_dir, dtype=torch.bfloat16)
     lora = LoraModel(model, config, max_loras=2, max_rank=8, max_tokens=4)
+    lora.use_triton_kernels(True)
     gen = torch.Generator().manual_seed(0)
     weights = {(0, m): (torch.randn(8, d_in, generator=gen) * 0.3,
                         torch.randn(d_out, 8, generator=gen) * 0.3)
                for m, (d_in, d_out) in module_shapes(config).items()}
-    lora.write_slot(1, AdapterWeights("a", "/a", 8, 1.0, weights))
+    lora.write_slot(1, lora.pack(AdapterWeights("a", "/a", 8, 1.0, weights)))
     layer, rotary = model.model.layers[0], model.model.rotary_emb
     x = torch.randn(1, config.hidden_size, generator=gen).to(torch.bfloat16)
     residual = torch.randn(1, config.hidden_size, generator=gen).to(torch.bfloat16)
     positions = torch.tensor([3])
 
     def forward(one_row: bool, slot: int):
-        lora.batch.set_slots(torch.tensor([slot]))
+        lora.batch.set_slots([slot])
         layer.use_gemv = one_row
         out, summed = layer(x.clone(), residual.clone(), positions, rotary, _QueryAsOutput())
         return out.float(), summed.float()
@@ -95,3 +96,52 @@ def test_batch1_gemv_layer_adds_the_adapters_delta(tiny_model_dir):
     for got, want in zip(gemv, batched):  # the MLP's output, and the residual stream
         assert (got - want).abs().max() < tolerance
     assert (batched[0] - base).abs().max() > 10 * tolerance, "the adapter changed nothing"
+
+
+def _masked_delta(x, a, b, offsets, slots, rank):
+    """The dense form the segmented kernels replace: every slot for every token, a one-hot
+    mask keeping each token's own (base tokens: zero)."""
+    loras = a.shape[0]
+    mask = (torch.tensor(slots)[:, None] == torch.arange(loras)[None, :]).to(x.dtype)
+    mid = torch.einsum("tk,lnk->tln", x, a) * mask[:, :, None]  # [T, L, S*R]
+    out = torch.zeros(x.shape[0], offsets[-1], dtype=x.dtype)
+    for s in range(len(offsets) - 1):
+        lo, hi = offsets[s], offsets[s + 1]
+        out[:, lo:hi] = torch.einsum("tlr,lrn->tn", mid[:, :, s * rank : (s + 1) * rank],
+                                     b[:, :, lo:hi])
+    return out
+
+
+@pytest.mark.parametrize("form", ["plain", "norm", "gated"])
+def test_segmented_kernels_equal_torch_path_and_masked_form(form):
+    """Random fp32 inputs, 40 tokens over 3 of 4 slots and the base, interleaved (slot 2's
+    group spans two tiles), a fused projection of three uneven slices: the Triton kernels,
+    the torch loop over groups and the dense masked form give the same deltas."""
+    from engine.lora.layers import LoraBatch, LoraLinear, _input
+
+    gen = torch.Generator().manual_seed(0)
+    k, slices, rank = 320, [48, 16, 32], 8  # K over two splits, not a multiple of 64
+    slots = [2 if i % 3 else (-1 if i % 2 else [0, 3][i % 4 == 0]) for i in range(40)]
+    width = 2 * k if form == "gated" else k
+    x = torch.randn(len(slots), width, generator=gen)
+    norm = (torch.rand(k, generator=gen) + 0.5, 1e-5) if form == "norm" else None
+    results = {}
+    for use_triton in (True, False):
+        batch = LoraBatch(max_loras=4, max_tokens=64, device=torch.device("cpu"))
+        batch.use_triton = use_triton
+        proj = LoraLinear(torch.nn.Linear(k, sum(slices), bias=False), batch, slices, rank)
+        torch.manual_seed(1)
+        for slot in (0, 2, 3):
+            proj.write_slot(slot, proj.pack([(torch.randn(r, k), torch.randn(n, r))
+                                             for r, n in zip((rank, 4, rank), slices)]))
+        batch.set_slots(slots)
+        out = torch.zeros(len(slots), sum(slices))
+        proj.add_delta(x, out, norm=norm, gated=form == "gated")
+        results[use_triton] = out
+    masked = _masked_delta(_input(x, norm, form == "gated"), proj.a, proj.b, proj.offsets,
+                           slots, rank)
+    assert torch.allclose(results[False], masked, rtol=1e-4, atol=1e-3)
+    assert torch.allclose(results[True], masked, rtol=1e-4, atol=1e-3)
+    base_rows = [i for i, s in enumerate(slots) if s < 0]
+    assert base_rows and not results[True][base_rows].any()
+    assert results[True][[i for i, s in enumerate(slots) if s >= 0]].abs().min() > 0

@@ -2,8 +2,10 @@
 request uses which (a side table of the core), and which adapter sits in which of the model
 runner's slots (the scheduler's `AdapterSlots`).
 
-Registering reads and checks the adapter from disk once and keeps its weights in host memory
-(in the model's dtype: rank 16 over Llama-3.1-8B is ~80 MB); a slot is filled from there when
+Registering reads and checks the adapter from disk once and keeps its weights in host memory,
+laid out as a slot holds them (in the model's dtype, pinned on CUDA: rank 16 over every
+projection of Llama-3.1-8B is ~80 MB). A runtime load reads in a thread, so the step loop goes
+on meanwhile; the loop registers the adapter once it is read (`poll`). A slot is filled when
 a request of it is admitted and its adapter is not resident, evicting the least recently used
 idle adapter if every slot is taken (S-LoRA's host-to-GPU scheme). A copy into a slot cannot
 fail, so admission never has to undo one.
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.lora.adapter import AdapterWeights, read_adapter, resolve_path
+from engine.lora.adapter import read_adapter, resolve_path
+from engine.lora.layers import PackedAdapter
 from engine.lora.registry import Adapter, LoraRegistry
 from engine.model_runner import ModelRunner
 from engine.sequence import Sequence
@@ -27,17 +32,29 @@ from microserve.messages import LoadLoraResponse, SamplingParams, UnloadLoraResp
 log = logging.getLogger("engine.core")
 
 
+def load_key(name: str) -> str:
+    """The key a deferred /v1/load_lora_adapter call is answered under (handlers' `poll`)."""
+    return f"lora-load:{name}"
+
+
 class EngineAdapters:
     """Args: config (lora_modules, max_loras, max_lora_rank, lora_dir), runner (whose `lora`
-    holds the slots). Raises ValueError at construction for a bad --lora-modules adapter."""
+    holds the slots), notify (called from the loader thread when a load is done: wakes the
+    core's loop). Raises ValueError at construction for a bad --lora-modules adapter."""
 
     what = "LoRA adapters"  # a RequestSideTable's
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner):
+    def __init__(self, config: EngineConfig, runner: ModelRunner,
+                 notify: Callable[[], None] = lambda: None):
         self.config, self.runner = config, runner
         self.registry = LoraRegistry(config.max_loras)
-        self._weights: dict[int, AdapterWeights] = {}  # adapter id -> its host copy
+        self._packed: dict[int, PackedAdapter] = {}  # adapter id -> its host copy
         self._of: dict[str, Adapter] = {}  # request id -> the adapter it uses
+        # runtime loads read and check from disk in this thread, off the step loop; the
+        # loop registers each when done (`poll`). name -> (its read, its path)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        self._loading: dict[str, tuple[Future, Path]] = {}
+        self._notify = notify
         self.counters = {"lora_loads": 0, "lora_load_seconds": 0.0, "lora_slot_writes": 0,
                          "lora_slot_write_seconds": 0.0}
         for name, path in config.lora_modules:
@@ -46,34 +63,67 @@ class EngineAdapters:
     # ---- registering --------------------------------------------------------------------------
 
     def load(self, name: str, path: Path) -> LoadLoraResponse:
-        """Read, check and register the adapter at `path` as `name`; it goes into a free
-        slot now if there is one. Raises ValueError naming the problem."""
-        if name in self.registry.adapters:
-            raise ValueError(f"an adapter named {name!r} is already loaded; unload it first")
-        start = time.perf_counter()
-        weights = read_adapter(name, path, self.runner.config, self.config.max_lora_rank)
-        dtype = self.runner.dtype
-        for key, (a, b) in weights.weights.items():
-            weights.weights[key] = (a.to(dtype), b.to(dtype))
-        adapter = self.registry.register(name, str(path))
-        self._weights[adapter.id] = weights
-        resident = self._fill_free_slot(adapter)
-        elapsed = time.perf_counter() - start
-        self.counters["lora_loads"] += 1
-        self.counters["lora_load_seconds"] += elapsed
-        log.info("LoRA adapter %r (rank %d) loaded from %s in %.1f ms", name, weights.rank,
-                 path, elapsed * 1e3)
-        return LoadLoraResponse(name, weights.rank, resident, elapsed)
+        """Read, check and register the adapter at `path` as `name` now (start-up); it goes
+        into a free slot if there is one. Raises ValueError naming the problem."""
+        self._check_name(name)
+        return self._register(name, path, *self._read(name, path))
 
-    def load_call(self, name: str, path: str) -> LoadLoraResponse:
-        """/v1/load_lora_adapter: `path` must be inside --lora-dir."""
+    def load_call(self, name: str, path: str) -> None:
+        """/v1/load_lora_adapter: `path` must be inside --lora-dir. Starts the read in the
+        loader thread and returns None: `poll` answers the call (under `load_key(name)`)."""
         if self.config.lora_dir is None:
             raise MicroservingError(400, "loading adapters at runtime needs --lora-dir (the "
                                     "directory lora_path must be inside)", "lora_path")
         try:
-            return self.load(name, resolve_path(path, self.config.lora_dir))
+            self._check_name(name)
+            resolved = resolve_path(path, self.config.lora_dir)
         except ValueError as e:
             raise MicroservingError(400, str(e), "lora_path") from None
+        future = self._loader.submit(self._read, name, resolved)
+        future.add_done_callback(lambda _: self._notify())
+        self._loading[name] = (future, resolved)
+
+    def poll(self) -> list[tuple[str, LoadLoraResponse | MicroservingError]]:
+        """(load_key(name), answer) of each runtime load the loader thread has finished,
+        registered now (a refusal: the 400 naming the problem)."""
+        answers = []
+        for name, (future, path) in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[name]
+            try:
+                answer = self._register(name, path, *future.result())
+            except ValueError as e:
+                answer = MicroservingError(400, str(e), "lora_path")
+            answers.append((load_key(name), answer))
+        return answers
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+
+    def _check_name(self, name: str) -> None:
+        if name in self.registry.adapters or name in self._loading:
+            raise ValueError(f"an adapter named {name!r} is already loaded; unload it first")
+
+    def _read(self, name: str, path: Path) -> tuple[int, PackedAdapter, float]:
+        """(rank, the adapter packed for the slots, seconds): no device work, any thread."""
+        start = time.perf_counter()
+        weights = read_adapter(name, path, self.runner.config, self.config.max_lora_rank)
+        packed = self.runner.lora.pack(weights)
+        return weights.rank, packed, time.perf_counter() - start
+
+    def _register(self, name: str, path: Path, rank: int, packed: PackedAdapter,
+                  read_s: float) -> LoadLoraResponse:
+        start = time.perf_counter()
+        adapter = self.registry.register(name, str(path))
+        self._packed[adapter.id] = packed
+        resident = self._fill_free_slot(adapter)
+        elapsed = read_s + time.perf_counter() - start
+        self.counters["lora_loads"] += 1
+        self.counters["lora_load_seconds"] += elapsed
+        log.info("LoRA adapter %r (rank %d) loaded from %s in %.1f ms (%.1f ms reading)", name,
+                 rank, path, elapsed * 1e3, read_s * 1e3)
+        return LoadLoraResponse(name, rank, resident, elapsed)
 
     def unload(self, name: str) -> UnloadLoraResponse:
         try:
@@ -83,7 +133,7 @@ class EngineAdapters:
                                     f"{', '.join(self.registry.registered()) or 'none'})",
                                     "lora_name") from None
         if gone is not None:
-            self._weights.pop(gone.id)
+            self._packed.pop(gone.id)
         return UnloadLoraResponse(name, pending=gone is None)
 
     # ---- the side table: which request uses which adapter -------------------------------------
@@ -103,7 +153,7 @@ class EngineAdapters:
     def remove(self, request_id: str) -> None:
         adapter = self._of.pop(request_id, None)
         if adapter is not None and (gone := self.registry.remove_user(adapter)) is not None:
-            self._weights.pop(gone.id)  # unloaded while in use: its last request left
+            self._packed.pop(gone.id)  # unloaded while in use: its last request left
 
     def request_ids(self):
         return self._of.keys()
@@ -141,7 +191,7 @@ class EngineAdapters:
 
     def _write(self, slot: int, adapter: Adapter) -> None:
         start = time.perf_counter()
-        self.runner.lora.write_slot(slot, self._weights[adapter.id])
+        self.runner.lora.write_slot(slot, self._packed[adapter.id])
         self.counters["lora_slot_writes"] += 1
         self.counters["lora_slot_write_seconds"] += time.perf_counter() - start
 
@@ -151,5 +201,5 @@ class EngineAdapters:
 
     def check_integrity(self) -> None:
         self.registry.check_integrity()
-        if self._weights.keys() != {a.id for a in self.registry.adapters.values()}:
+        if self._packed.keys() != {a.id for a in self.registry.adapters.values()}:
             raise IntegrityError("host weights kept for other adapters than the registered")

@@ -52,7 +52,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         dtype = resolve_dtype(config.dtype, config.device)
         self.runner = ModelRunner(config, dtype)
         # LoRA adapters (engine/lora/), with --lora-modules or --enable-lora; None: off
-        self.adapters = EngineAdapters(config, self.runner) if config.lora else None
+        self.adapters = (EngineAdapters(config, self.runner, notify=self._wake)
+                         if config.lora else None)
         mc = self.runner.config
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
         num_pages = self.runner.num_pages_for(self.max_model_len)
@@ -174,6 +175,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             pass
 
     def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
         self.exchange.sender.close()
         self.transfer.close()
         os.close(self._wakeup_w)

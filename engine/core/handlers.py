@@ -18,11 +18,13 @@ from typing import NamedTuple
 
 import msgspec
 
+from engine.core.adapters import load_key
 from engine.frames import (CallFailed, Frame, Generate, Invoke, Outputs, Rejected, Reply,
                            Shutdown, ToCore)
 from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
-from microserve.messages import CALLS, AbortRequest, AbortResponse, PinResponse
+from microserve.messages import CALLS, AbortRequest, AbortResponse, LoadLoraRequest, PinResponse
+
 log = logging.getLogger("microserve.core")
 _encoder = msgspec.msgpack.Encoder()
 
@@ -125,7 +127,9 @@ class MessageHandlers:
             self._reply(msg.id, RuntimeError(f"internal error: {type(e).__name__}"))
         else:
             if answer is None:  # answered once settled (_answer_deferred)
-                self._deferred[request.request_id] = (call, msg.id)
+                key = (load_key(request.lora_name) if isinstance(request, LoadLoraRequest)
+                       else request.request_id)
+                self._deferred[key] = (call, msg.id)
             else:
                 self._reply(msg.id, answer)
 

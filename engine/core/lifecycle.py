@@ -195,11 +195,12 @@ class RequestLifecycle:
         return rejected
 
     def poll(self) -> list[tuple[str, Answer]]:
-        """Answers for the deferred calls now settled (KVExchange.poll). Sends whose transfer
-        failed leave the scheduler first."""
+        """Answers for the deferred calls now settled (KVExchange.poll, and adapters read by
+        the loader thread). Sends whose transfer failed leave the scheduler first."""
         for seq in self.exchange.drop_failed_sends():
             self.scheduler.remove(seq)
-        return self.exchange.poll()
+        loads = self.adapters.poll() if self.adapters is not None else []
+        return self.exchange.poll() + loads
 
     def abort_request(self, request_id: str) -> TokenOutput | None:
         """Drop a request wherever it is and release its pages. Returns the final output of a

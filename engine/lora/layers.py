@@ -1,26 +1,30 @@
-"""Adapters in fixed slots, applied to every token of a step at once: y = base(x) + delta(x),
-where each token's delta uses the adapter in its slot (none: zero).
+"""Adapters in fixed slots, applied per token: y = base(x) + delta(x), where a token's delta
+uses the adapter in its slot and a base token's is nothing (not a zero product: no work).
 
 Each fused projection of the model (qkv_proj, o_proj, gate_up_proj, down_proj) is wrapped in a
-`LoraLinear` holding the stacked weights of every slot, zero where a slot is empty or its
-adapter does not target the module. With L slots of rank R and S slices (q, k, v of qkv_proj):
+`LoraLinear` holding every slot's weights, zero where a slot is empty or its adapter does not
+target a slice. With L slots of max rank R and S slices (q, k, v of qkv_proj):
 
-    shrink   mid  = x @ a_t^T                 x [T, in]   a_t [S*L*R, in]  mid [T, S, L, R]
-    select   mid *= mask[:T, None, :, None]   mask [T, L]: 1 in the token's slot, else 0
-    expand   y[:, slice s] += mid[:, s] @ b_s                b_s [L*R, out_s]
+    a  [L, S*R, in]      the slices' A stacked: one shrink covers the fused projection
+    b  [L, R, out]       B^T (scale folded in), slice s in its own columns of the fused output
 
-Every slot is computed and the mask keeps the token's own: no per-token indexing, no host
-sync, fixed shapes, so a CUDA graph captures it (the mask and the slot weights are static
-buffers written in place). It costs L*R/in of the base's FLOPs per projection (8 slots of rank
-16 over a 4,096 input: 3%); a segmented kernel (Punica's SGMV) would skip the other slots' work
-and is not written yet. The shrink of a token without an adapter multiplies zeros: base tokens
-get exactly y = base(x) + 0.
+The step's tokens are grouped by slot on the host (`LoraBatch.set_slots`, plain ints from the
+scheduler) and each group is computed alone: shrink h = x[group] @ a[slot]^T [n, S*R], then
+expand y[group, slice s] += h[:, s] @ b[slot, :, slice s]. On the GPU (and under the Triton
+interpreter) two Triton kernels do it from a tile table in static buffers, so CUDA graphs
+capture it (engine/lora/kernels.py); elsewhere a torch loop over the present groups does.
+A step without adapter tokens runs no LoRA code at all (outside CUDA graphs, which keep the
+launches, but their tiles are empty and return at once).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextlib import nullcontext as _no_stream
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from engine.lora.adapter import TARGET_MODULES, AdapterWeights, module_shapes
 from microserve.model_config import ModelConfig
@@ -28,29 +32,82 @@ from microserve.model_config import ModelConfig
 # our fused projection -> the PEFT modules in its output rows, in order
 _SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
            "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+TILE_ROWS = 32  # the most tokens of one tile (the kernels' BLOCK_M)
 
 
 class LoraBatch:
-    """The per-token slot mask every LoraLinear of the model reads: row t is token t's slot
-    (one-hot), all zero for the base. Written by `set_slots` before each forward (the
-    runner's), sized for the largest step or CUDA graph bucket."""
+    """Which tokens of the forward use which slot, read by every LoraLinear of the model.
 
-    def __init__(self, max_loras: int, max_tokens: int, dtype: torch.dtype,
-                 device: torch.device):
+    Written by `set_slots` before each forward (the runner's): `groups` (slot -> token
+    indices) for the torch path, and the Triton kernels' tile table in static device buffers
+    (`rows` [max_tokens], `tiles` [3, max tiles]) sized for the largest step or graph bucket.
+    """
+
+    def __init__(self, max_loras: int, max_tokens: int, device: torch.device):
         self.max_loras = max_loras
-        self.mask = torch.zeros(max_tokens, max_loras, dtype=dtype, device=device)
-        self._slot_ids = torch.arange(max_loras, device=device)
+        self.device = device
+        self.use_triton = False  # set by LoraModel.use_triton_kernels
+        self.active = False  # any token of this forward uses an adapter; set by set_slots
+        # while CUDA graphs are captured (and their warm-up runs): every LoraLinear launches
+        # its kernels whatever `active` says, so graphs hold them; set by `capturing`
+        self.launch_always = False
+        self.groups: list[tuple[int, torch.Tensor]] = []  # set by set_slots
+        self.rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.max_tiles = -(-max_tokens // TILE_ROWS) + max_loras
+        self.tiles = torch.zeros(3, self.max_tiles, dtype=torch.int32, device=device)
+        self._tiles_empty = True  # what `tiles` holds on the device; set by set_slots
+        # the last slot write's copies (CUDA), which the next forward waits for; set by
+        # LoraModel.write_slot, cleared by set_slots
+        self.copied: torch.cuda.Event | None = None
 
-    def set_slots(self, slots: torch.Tensor) -> None:
-        """slots [T] (long, on the device): each token's slot, -1 for the base. Rows past T
-        (a graph's padding) are zeroed."""
-        n = slots.shape[0]
-        self.mask[:n] = (slots[:, None] == self._slot_ids[None, :]).to(self.mask.dtype)
-        self.mask[n:].zero_()
+    @contextmanager
+    def capturing(self):
+        """Around CUDA graph capture (the runner's)."""
+        self.launch_always = True
+        try:
+            yield
+        finally:
+            self.launch_always = False
+
+    def set_slots(self, slots: list[int]) -> None:
+        """slots: each token's slot, -1 for the base (plain ints, known when the step is
+        planned: no device work to find them)."""
+        if self.copied is not None:  # a slot was written since the last forward
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+            self.copied = None
+        by_slot: dict[int, list[int]] = {}
+        for token, slot in enumerate(slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(token)
+        self.active = bool(by_slot)
+        if not self.use_triton:
+            self.groups = [(slot, torch.tensor(rows, device=self.device))
+                           for slot, rows in sorted(by_slot.items())]
+            return
+        rows, starts, lengths, tile_slots = [], [], [], []
+        for slot, tokens in sorted(by_slot.items()):
+            for i in range(0, len(tokens), TILE_ROWS):
+                starts.append(len(rows) + i)
+                lengths.append(min(TILE_ROWS, len(tokens) - i))
+                tile_slots.append(slot)
+            rows += tokens
+        pad = self.max_tiles - len(starts)  # empty tiles: the grid's rest returns at once
+        table = [starts + [0] * pad, lengths + [0] * pad, tile_slots + [0] * pad]
+        if self.active or not self._tiles_empty:  # a base-only step after another: no copy
+            self.tiles.copy_(_to_device(table, self.device))
+            if rows:
+                self.rows[: len(rows)].copy_(_to_device(rows, self.device))
+        self._tiles_empty = not self.active
+
+
+def _to_device(values, device):
+    from engine.device import to_device
+
+    return to_device(values, torch.int32, device)
 
 
 class LoraLinear(nn.Module):
-    """A projection plus the LoRA deltas of every slot (see the module's docstring)."""
+    """A projection plus the LoRA deltas of its tokens' slots (see the module's docstring)."""
 
     def __init__(self, base: nn.Linear, batch: LoraBatch, slices: list[int], rank: int):
         super().__init__()
@@ -59,13 +116,10 @@ class LoraLinear(nn.Module):
         self.rank = rank
         w = base.weight
         loras = batch.max_loras
-        # A of every slice and slot, one row per rank: the layout a projection's weight has,
-        # so batch-1 decode's GEMV kernels shrink with it as they project with the base's
-        self.a_t = torch.zeros(len(slices) * loras * rank, w.shape[1], dtype=w.dtype,
-                               device=w.device)
-        self.b = [torch.zeros(loras * rank, size, dtype=w.dtype, device=w.device)
-                  for size in slices]
-        self.offsets = [sum(slices[:i]) for i in range(len(slices))]
+        self.a = torch.zeros(loras, len(slices) * rank, w.shape[1], dtype=w.dtype,
+                             device=w.device)
+        self.b = torch.zeros(loras, rank, sum(slices), dtype=w.dtype, device=w.device)
+        self.offsets = [sum(slices[:i]) for i in range(len(slices) + 1)]
 
     @property
     def weight(self) -> torch.Tensor:  # the base's: what fused kernels and loaders read
@@ -76,35 +130,78 @@ class LoraLinear(nn.Module):
             out = self.base(x)
         else:  # a CUDA graph's static buffer (LlamaForCausalLM.forward_piece)
             torch.mm(x, self.base.weight.t(), out=out)
-        self.add_delta(x @ self.a_t.t(), out)
+        self.add_delta(x, out)
         return out
 
-    def add_delta(self, shrunk: torch.Tensor, out: torch.Tensor) -> None:
-        """out += each token's adapter delta, given shrunk = x @ a_t^T [T, S*L*R]."""
-        t, loras, rank = shrunk.shape[0], self.batch.max_loras, self.rank
-        mid = shrunk.view(t, len(self.b), loras, rank) * self.batch.mask[:t, None, :, None]
-        for s, (b, offset) in enumerate(zip(self.b, self.offsets)):
-            out[:, offset : offset + b.shape[1]] += mid[:, s].reshape(t, loras * rank) @ b
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor,
+                  norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> None:
+        """out += each token's adapter delta for the projection's input x; or, for batch-1
+        decode's fused kernels, for the input RMSNorm(x) * weight (norm: (weight, eps)) or
+        SiLU(gate) * up of x = [gate | up] (gated)."""
+        batch = self.batch
+        if not (batch.active or batch.launch_always):
+            return
+        if batch.use_triton:
+            from engine.lora.kernels import lora_shrink_expand
+
+            mode = 1 if norm is not None else 2 if gated else 0
+            lora_shrink_expand(x, out, self.a, self.b, batch.rows, batch.tiles,
+                               self.offsets[1:-1], mode, norm)
+            return
+        for slot, rows in batch.groups:
+            self._add_group(_input(x[rows], norm, gated), out, slot, rows)
+
+    def _add_group(self, x: torch.Tensor, out: torch.Tensor, slot: int, rows: torch.Tensor):
+        shrunk = x @ self.a[slot].t()  # [n, S*R]
+        r = self.rank
+        for s in range(len(self.offsets) - 1):
+            lo, hi = self.offsets[s], self.offsets[s + 1]
+            out[rows, lo:hi] += shrunk[:, s * r : (s + 1) * r] @ self.b[slot, :, lo:hi]
+
+    def pack(self, halves: list[tuple[torch.Tensor, torch.Tensor] | None], pin: bool = False):
+        """One adapter's (A [r, in], B [out, r]) of each slice (None: not a target) laid out
+        as a slot holds them: (a [S*R, in], b [R, out]) on the host, in pinned memory if
+        `pin`; None if no slice is."""
+        if all(pair is None for pair in halves):
+            return None
+        a = torch.zeros(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
+        b = torch.zeros(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
+        for s, pair in enumerate(halves):
+            if pair is not None:
+                r = pair[0].shape[0]
+                a[s * self.rank : s * self.rank + r] = pair[0]
+                b[:r, self.offsets[s] : self.offsets[s + 1]] = pair[1].t()
+        return a, b
 
     @torch.no_grad()
-    def write_slot(self, slot: int, halves: list[tuple[torch.Tensor, torch.Tensor] | None]):
-        """Put one adapter's (A [r, in], B [out, r]) of each slice into `slot` (None: the
-        adapter does not target that slice), zeroing what it does not fill."""
-        loras, rank = self.batch.max_loras, self.rank
-        for s, pair in enumerate(halves):
-            cols = slice((s * loras + slot) * rank, (s * loras + slot + 1) * rank)
-            rows = slice(slot * rank, (slot + 1) * rank)
-            self.a_t[cols].zero_()
-            self.b[s][rows].zero_()
-            if pair is not None:
-                a, b = pair
-                r = a.shape[0]
-                self.a_t[cols][:r].copy_(a)
-                self.b[s][rows][:r].copy_(b.t())
+    def write_slot(self, slot: int, packed: tuple[torch.Tensor, torch.Tensor] | None):
+        """Copy `pack`'s output into `slot` (None: zero it); asynchronous from pinned memory."""
+        if packed is None:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+        else:
+            self.a[slot].copy_(packed[0], non_blocking=True)
+            self.b[slot].copy_(packed[1], non_blocking=True)
+
+
+def _input(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, gated: bool):
+    """What the projection multiplies, for add_delta's forms of x (torch path)."""
+    if norm is not None:
+        weight, eps = norm
+        v = x.float()
+        return weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+# per layer: projection -> LoraLinear.pack's (a, b) on the host, None where nothing is targeted
+PackedAdapter = list[dict[str, tuple[torch.Tensor, torch.Tensor] | None]]
 
 
 class LoraModel:
-    """The LoRA side of one model: its LoraLinears by (layer, projection) and the batch mask.
+    """The LoRA side of one model: its LoraLinears by (layer, projection) and the batch.
 
     Args: model (a LlamaForCausalLM, 16- or 32-bit weights), config, max_loras (slots),
     max_rank, max_tokens (the most tokens in one forward, padding included)."""
@@ -112,7 +209,7 @@ class LoraModel:
     def __init__(self, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int,
                  max_tokens: int):
         w = model.model.embed_tokens.weight
-        self.batch = LoraBatch(max_loras, max_tokens, w.dtype, w.device)
+        self.batch = LoraBatch(max_loras, max_tokens, w.device)
         shapes = module_shapes(config)
         self.layers: list[dict[str, LoraLinear]] = []
         for layer in model.model.layers:
@@ -126,17 +223,40 @@ class LoraModel:
                     wrapped[name] = LoraLinear(base, self.batch, sizes, max_rank)
                     setattr(parent, name, wrapped[name])
             self.layers.append(wrapped)
+        self._copy_stream = torch.cuda.Stream(w.device) if w.is_cuda else None
 
-    def write_slot(self, slot: int, adapter: AdapterWeights | None) -> None:
-        """Load `adapter` into `slot` (None: empty it)."""
+    def use_triton_kernels(self, on: bool) -> None:
+        """The segmented Triton kernels (on: the GPU, or the interpreter) or the torch loop."""
+        self.batch.use_triton = on
+
+    def pack(self, adapter: AdapterWeights) -> PackedAdapter:
+        """The adapter as the slots hold it, in host memory (pinned on CUDA, so a slot write
+        is an asynchronous copy). Runs in the loader thread: no device work."""
+        pin = self.batch.device.type == "cuda"
+        packed = []
         for i, wrapped in enumerate(self.layers):
+            layer = {}
             for name, proj in wrapped.items():
-                halves = []
-                for module in _SLICES[name]:
-                    pair = None if adapter is None else adapter.weights.get((i, module))
-                    halves.append(None if pair is None else
-                                  (pair[0].to(proj.a_t.dtype), pair[1].to(proj.a_t.dtype)))
-                proj.write_slot(slot, halves)
+                pairs = [adapter.weights.get((i, module)) for module in _SLICES[name]]
+                layer[name] = proj.pack(pairs, pin)  # cast as they are copied in
+            packed.append(layer)
+        return packed
+
+    def write_slot(self, slot: int, packed: PackedAdapter | None) -> None:
+        """Put a packed adapter into `slot` (None: empty it). On CUDA the copies run on a
+        side stream, after the work already queued (a step in flight may still read the
+        slot's old adapter), and the next forward waits for them on the device (`set_slots`):
+        the host never waits."""
+        stream = self._copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.batch.device))
+        with torch.cuda.stream(stream) if stream is not None else _no_stream():
+            for i, wrapped in enumerate(self.layers):
+                for name, proj in wrapped.items():
+                    proj.write_slot(slot, None if packed is None else packed[i][name])
+            if stream is not None:
+                self.batch.copied = torch.cuda.Event()
+                self.batch.copied.record(stream)
 
 
 assert set(TARGET_MODULES) == {m for ms in _SLICES.values() for m in ms}

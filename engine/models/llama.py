@@ -265,28 +265,26 @@ class LlamaDecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv, summed = rms_norm_gemv(x, residual, norm1.weight, norm1.eps,
                                     **_gemv_weight(sa.qkv_proj))  # fmt: skip
-        # LoRA: the same kernel shrinks with the adapters' A (the norm recomputed: the
-        # kernel is pure but for the residual it writes anew), then the deltas are added
-        _lora_one_row(sa.qkv_proj, qkv, lambda a: rms_norm_gemv(
-            x, residual, norm1.weight, norm1.eps, weight=a)[0])
+        # LoRA: the shrink norms the residual stream the GEMV wrote (summed) itself, and the
+        # down projection's takes SiLU(gate) * up itself, as the GEMVs do
+        _lora_one_row(sa.qkv_proj, summed, qkv, norm=(norm1.weight, norm1.eps))
         x, residual = sa.attend(qkv, positions, rotary, attn), summed
         out = gemv(x, **_gemv_weight(sa.o_proj))
-        _lora_one_row(sa.o_proj, out, lambda a: gemv(x, weight=a))
+        _lora_one_row(sa.o_proj, x, out)
         x = out
         gate_up, summed = rms_norm_gemv(x, residual, norm2.weight, norm2.eps,
                                         **_gemv_weight(mlp.gate_up_proj))  # fmt: skip
-        _lora_one_row(mlp.gate_up_proj, gate_up, lambda a: rms_norm_gemv(
-            x, residual, norm2.weight, norm2.eps, weight=a)[0])
+        _lora_one_row(mlp.gate_up_proj, summed, gate_up, norm=(norm2.weight, norm2.eps))
         out = gemv(gate_up, gated=True, **_gemv_weight(mlp.down_proj))
-        _lora_one_row(mlp.down_proj, out, lambda a: gemv(gate_up, gated=True, weight=a))
+        _lora_one_row(mlp.down_proj, gate_up, out, gated=True)
         return out, summed
 
 
-def _lora_one_row(proj: nn.Module, out: torch.Tensor, shrink) -> None:
-    """out += the adapter's delta of a LoraLinear `proj` for one row, `shrink(a_t)` being
-    the GEMV of the projection's input with the adapters' A; nothing for another projection."""
+def _lora_one_row(proj: nn.Module, x: torch.Tensor, out: torch.Tensor, **form) -> None:
+    """out += the adapter's delta of a LoraLinear `proj` for one row (x in the form
+    `LoraLinear.add_delta` takes); nothing for another projection."""
     if isinstance(proj, LoraLinear):
-        proj.add_delta(shrink(proj.a_t), out)
+        proj.add_delta(x, out, **form)
 
 
 def _gemv_weight(proj: nn.Module) -> dict:
