@@ -161,7 +161,7 @@ class HostSwap:
 
     # ---- the engine's ---------------------------------------------------------------------------
 
-    def measure_copy_rate(self, num_pages: int = 8) -> float:
+    def measure_copy_rate(self, num_pages: int = 64) -> float:
         """Time copies of `num_pages` GPU pages out and back (pages 0.., at start-up while the
         pool is idle: what comes back is what was there) and keep the slower way's rate, in
         bytes per second, unless a rate was configured. Returns it."""

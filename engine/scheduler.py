@@ -274,13 +274,17 @@ class Scheduler:
         return freed
 
     def _swap_out(self, seq: Sequence, need_pages: bool) -> bool:
-        """Swap a sequence being preempted to the host if that beats recomputing it (its
-        whole pages the prefix cache holds would not be recomputed). Its GPU pages are
-        released once the copy lands: now if `need_pages`. False: recompute it."""
+        """Swap a sequence being preempted to the host if that beats recomputing it. Its GPU
+        pages are released once the copy lands: now if `need_pages`. False: recompute it.
+
+        What a recompute would compute: for a seat given up (`need_pages` False) the pages
+        stay in the prefix cache and only what it did not cache is recomputed; when its
+        pages are taken because they are short, the cache gives them away next (eviction),
+        so all of it would be."""
         rid, computed = seq.request_id, seq.num_computed_tokens
         if self.swapper is None or seq.send_only or computed == 0:
             return False
-        cached = self.kv.num_cached_pages(rid) * self.kv.page_size
+        cached = 0 if need_pages else self.kv.num_cached_pages(rid) * self.kv.page_size
         if not self.swapper.wants(computed, computed - min(cached, computed)):
             return False
         pages = self.kv.page_table(rid)[: -(-computed // self.kv.page_size)]

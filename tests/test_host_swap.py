@@ -261,3 +261,31 @@ def test_the_swap_counters_are_in_metrics(swapped_run):
     assert "microserve_engine_kv_swap_ins_total 1" in text.splitlines()
     assert "microserve_engine_kv_swap_recomputes_total 0" in text.splitlines()
     assert f"microserve_engine_kv_host_pages_total {core.host_swap.tier.pool.num_pages}" in text
+
+
+def test_requests_swapped_for_pages_equal_hf(tiny_model_dir):
+    """FCFS with too few pages for three growing requests: the newest is preempted for the
+    pages (the copy waited for, then its pages freed), comes back from the host, and every
+    request's greedy tokens still equal Hugging Face's."""
+    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=24,
+                                   max_num_seqs=4, kv_host_memory_gb=0.01,
+                                   kv_host_copy_gbps=1000.0))
+    prompts = random_prompts([20, 18, 16], seed=5, vocab=TINY_VOCAB)
+    from microserve.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+    tokens = {}
+    while core.has_work():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        core.check_integrity()
+    stats = core.stats()
+    assert stats.preemptions_by_reason["pages"] >= 1
+    assert stats.kv_swap_outs == stats.kv_swap_ins == stats.preemptions
+    assert stats.kv_swap_recomputes == 0
+    assert stats.kv_host_pages_free == stats.kv_host_pages_total
+    assert core.kv.stats().used_pages == 0
+    ref = hf_greedy(tiny_model_dir, prompts, 24)
+    assert [tokens[f"r{i}"] for i in range(3)] == ref
