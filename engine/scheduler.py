@@ -211,7 +211,25 @@ class Scheduler:
             elif not out.short_of_pages and seq not in out.preempted:
                 budget = self._admit(seq, budget, out, admission)
         self.policy.ran([(e.seq, e.num_new_tokens) for e in out.scheduled])
+        if self.swapper is not None and self.waiting and not out.short_of_pages:
+            self._prefetch()
         return out
+
+    def _prefetch(self) -> None:
+        """Start copying back the KV of the waiting sequence the policy admits next, if it is
+        on the host and free pages hold it beside a page of growth per running sequence: the
+        copy then overlaps this step, and the sequence is admitted later as one whose KV is
+        held (as a received one is)."""
+        first = next(iter(self.policy.admit_order(self.waiting)))
+        rid = first.request_id
+        if self.swapper.state(rid) is not HostState.HELD:
+            return
+        need = -(-first.num_computed_tokens // self.kv.page_size)
+        if self.kv.stats().free_pages < need + len(self.running):
+            return
+        self.kv.open(rid, [], first.lora_id)
+        self.kv.allocate(rid, first.num_computed_tokens)
+        self.swapper.swap_in(rid, list(self.kv.page_table(rid)))
 
     def _run(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule a running sequence's next chunk (or decode token). Returns the budget left."""

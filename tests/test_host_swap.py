@@ -16,6 +16,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus
 from kvcache.host_tier import HostState, HostTier
 from kvcache.manager import KVCacheManager
+from microserve.messages import SamplingParams
 from test_engine_core import random_prompts
 from test_scheduling_policies import run_step, seq
 
@@ -149,6 +150,27 @@ def test_a_seat_preemption_keeps_the_gpu_pages_until_the_copy_out_lands():
     check_nothing_held(kv, swap, sched)
 
 
+def test_the_next_sequence_to_run_is_prefetched_while_it_waits():
+    """`high` runs three steps; once `low`'s copy out lands, its GPU pages are freed and, as the
+    policy's next and with free pages, its KV is copied back while it still waits."""
+    kv, swap, sched, low, high = seat_preemption()
+    high.params = SamplingParams(max_tokens=3)
+    before = swap.gpu_kv[:, :, [0, 1]].clone()
+    assert run_step(sched)[0] == [("high", 5)]
+    assert swap.state("low") is HostState.COPYING_OUT and kv.page_table("low") == [0, 1]
+    swap.landed = True
+    assert run_step(sched)[0] == [("high", 1)]
+    assert swap.state("low") is HostState.COPYING_IN and low.status is SeqStatus.WAITING
+    assert kv.page_table("low") == [1, 4]
+    assert torch.equal(swap.gpu_kv[:, :, [1, 4]], before)
+    assert run_step(sched)[0] == [("high", 1)]  # high finishes; the copy landed
+    assert swap.state("low") is None and swap.tier.pool.num_free == 8
+    assert run_step(sched)[0] == [("low", 1)]  # admitted with its KV: one decode token
+    assert low.num_computed_tokens == 8 and swap.counters["kv_swap_ins"] == 1
+    sched.remove(low)
+    check_nothing_held(kv, swap, sched)
+
+
 def test_admission_before_the_copy_out_lands_keeps_the_gpu_pages():
     kv, swap, sched, low, high = seat_preemption()
     run_step(sched)
@@ -193,8 +215,6 @@ def serve(core: EngineCore, snapshots: list | None = None):
     newest one's seat. Returns each request's tokens."""
     prompts = random_prompts([30, 25, 20, 35, 12], seed=3, vocab=TINY_VOCAB)
     params = lambda n: dict(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
-    from microserve.messages import SamplingParams
-
     for i, prompt in enumerate(prompts[:4]):
         core.add_request(f"batch{i}", prompt, SamplingParams(**params(LONG)), priority=5)
     tokens, steps = {}, 0
@@ -271,8 +291,6 @@ def test_requests_swapped_for_pages_equal_hf(tiny_model_dir):
                                    max_num_seqs=4, kv_host_memory_gb=0.01,
                                    kv_host_copy_gbps=1000.0))
     prompts = random_prompts([20, 18, 16], seed=5, vocab=TINY_VOCAB)
-    from microserve.messages import SamplingParams
-
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add_request(f"r{i}", prompt, params)
