@@ -19,8 +19,8 @@ On CUDA the copies run on a stream of their own. A copy out first waits for the 
 stream (the step in flight may still be writing the pages); the GPU pages stay held until its
 event completes (`poll`, or `settle_out` when the scheduler needs them now). A copy in waits
 for the compute stream too (its pages may have been another sequence's a moment ago), and the
-compute stream waits for it before the next forward (`before_forward`): the host never blocks
-on a copy in. On CPU every copy is a plain, finished copy.
+compute stream waits for it before the forward that runs the sequence (`before_forward`): the
+host never blocks on a copy in. On CPU every copy is a plain, finished copy.
 """
 
 from __future__ import annotations
@@ -142,14 +142,16 @@ class HostSwap:
                 self.tier.copied_in(seq_id)
         return landed
 
-    def before_forward(self) -> None:
-        """Make the compute stream wait for the copies in flight into the GPU pool."""
+    def before_forward(self, seq_ids: list[str]) -> None:
+        """Make the compute stream wait for the copies in flight into the GPU pool of the
+        sequences a step runs (`seq_ids`; a prefetch for a later step goes on beside it)."""
         if not self.cuda:
             return
         current = torch.cuda.current_stream(self.gpu_kv.device)
-        for seq_id, (event, _) in self._in_flight.items():
-            if self.tier.state(seq_id) is HostState.COPYING_IN:
-                current.wait_event(event)
+        for seq_id in seq_ids:
+            copy = self._in_flight.get(seq_id)
+            if copy is not None and self.tier.state(seq_id) is HostState.COPYING_IN:
+                current.wait_event(copy[0])
 
     def release(self, seq_id: str) -> int:
         """Free a sequence's host pages in any state (abort, expiry, finish, a copy out that

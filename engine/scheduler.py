@@ -217,13 +217,16 @@ class Scheduler:
 
     def _prefetch(self) -> None:
         """Start copying back the KV of the waiting sequence the policy admits next, if it is
-        on the host and free pages hold it beside a page of growth per running sequence: the
-        copy then overlaps this step, and the sequence is admitted later as one whose KV is
-        held (as a received one is)."""
+        on the host, will find a seat (one is free, or it outranks a running sequence) and
+        free pages hold it beside a page of growth per running sequence: the copy then
+        overlaps this step, and the sequence is admitted later as one whose KV is held (as a
+        received one is)."""
         first = next(iter(self.policy.admit_order(self.waiting)))
         rid = first.request_id
         if self.swapper.state(rid) is not HostState.HELD:
             return
+        if len(self.running) >= self.max_num_seqs and self._outranked(first) is None:
+            return  # it would hold its pages while it waits for a seat
         need = -(-first.num_computed_tokens // self.kv.page_size)
         if self.kv.stats().free_pages < need + len(self.running):
             return

@@ -45,7 +45,7 @@ def round_trip(kv: torch.Tensor) -> None:
     assert swap.state("a") is HostState.HELD
     kv[:, :, [1, 2, 3, 4, 5, 7]] = 0
     assert swap.swap_in("a", [1, 3, 4]) == 10
-    swap.before_forward()
+    swap.before_forward(["a"])
     if kv.is_cuda:
         torch.cuda.synchronize()
         assert swap.poll() == []  # the copy in landed: its host pages are freed
@@ -283,13 +283,15 @@ def test_the_swap_counters_are_in_metrics(swapped_run):
     assert f"microserve_engine_kv_host_pages_total {core.host_swap.tier.pool.num_pages}" in text
 
 
-def test_requests_swapped_for_pages_equal_hf(tiny_model_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device):
     """FCFS with too few pages for three growing requests: the newest is preempted for the
     pages (the copy waited for, then its pages freed), comes back from the host, and every
-    request's greedy tokens still equal Hugging Face's."""
-    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=24,
-                                   max_num_seqs=4, kv_host_memory_gb=0.01,
-                                   kv_host_copy_gbps=1000.0))
+    request's greedy tokens still equal Hugging Face's. On CUDA: the copy stream, events,
+    async scheduling and CUDA graphs, in fp32 to compare with Hugging Face."""
+    core = EngineCore(EngineConfig(model=tiny_model_dir, device=device, dtype="float32",
+                                   page_size=4, num_pages=24, max_num_seqs=4,
+                                   kv_host_memory_gb=0.01, kv_host_copy_gbps=1000.0))
     prompts = random_prompts([20, 18, 16], seed=5, vocab=TINY_VOCAB)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):

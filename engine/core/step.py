@@ -129,7 +129,7 @@ class StepPipeline:
         self._count(sched)
         batch = self._build_batch(sched)
         if self.host_swap is not None:  # KV copied back from the host lands first
-            self.host_swap.before_forward()
+            self.host_swap.before_forward([e.seq.request_id for e in sched.scheduled])
         sampled = [e.seq for e in sched.scheduled if e.sample]
         args = SampleArgs([seq.params for seq in sampled], self.requests.generators(sampled),
                           self.penalties.step(sampled))
