@@ -152,11 +152,14 @@ def test_a_seat_preemption_keeps_the_gpu_pages_until_the_copy_out_lands():
 
 def test_the_next_sequence_to_run_is_prefetched_while_it_waits():
     """`high` runs three steps; once `low`'s copy out lands, its GPU pages are freed and, as the
-    policy's next and with free pages, its KV is copied back while it still waits."""
+    policy's next, with a seat and free pages but no token budget left, its KV is copied back
+    while it still waits."""
     kv, swap, sched, low, high = seat_preemption()
     high.params = SamplingParams(max_tokens=3)
     before = swap.gpu_kv[:, :, [0, 1]].clone()
     assert run_step(sched)[0] == [("high", 5)]
+    sched.max_num_seqs, sched.max_num_batched_tokens = 2, 1  # a seat, but high's decode
+    # takes the step's whole budget
     assert swap.state("low") is HostState.COPYING_OUT and kv.page_table("low") == [0, 1]
     swap.landed = True
     assert run_step(sched)[0] == [("high", 1)]
@@ -167,6 +170,18 @@ def test_the_next_sequence_to_run_is_prefetched_while_it_waits():
     assert swap.state("low") is None and swap.tier.pool.num_free == 8
     assert run_step(sched)[0] == [("low", 1)]  # admitted with its KV: one decode token
     assert low.num_computed_tokens == 8 and swap.counters["kv_swap_ins"] == 1
+    sched.remove(low)
+    check_nothing_held(kv, swap, sched)
+
+
+def test_no_prefetch_for_a_sequence_without_a_seat():
+    kv, swap, sched, low, high = seat_preemption()
+    high.params = SamplingParams(max_tokens=3)
+    run_step(sched)
+    swap.landed = True
+    run_step(sched)  # the one seat is high's, which low does not outrank: it waits on the host
+    assert swap.state("low") is HostState.HELD and not kv.has("low")
+    sched.remove(high)
     sched.remove(low)
     check_nothing_held(kv, swap, sched)
 
