@@ -9,8 +9,9 @@ options after `--`, e.g. `-- --gpu-memory-utilization 0.5`), waits for /health, 
 rate sends bench.serve's workload (same --seed: the same prompts, lengths and Poisson arrival
 times for every policy) and records its figures; then stops the engine. Under `priority` each
 request's priority is its output length (shortest job first; --priority-by none to send none).
-One line per run holds the mean and p99 of JCT, TTFT and TPOT, in ms; --json writes every
-figure.
+One line per run holds the mean and p99 of JCT, TTFT and TPOT, in ms, and the run's
+preemptions, swaps to host memory (with `-- --kv-host-memory-gb N`) and recomputes chosen
+over a swap, from the engine's /metrics; --json writes every figure.
 """
 
 from __future__ import annotations
@@ -64,6 +65,18 @@ class Engine:
             time.sleep(0.5)
         raise RuntimeError(f"the engine was not ready after {timeout_s:g} s; see {self.log.name}")
 
+    # /metrics counters a run's line reports (the run's share: after less before)
+    COUNTERS = ("preemptions", "kv_swap_outs", "kv_swap_recomputes")
+
+    def counters(self) -> dict[str, float]:
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
+        values = {}
+        for key in self.COUNTERS:
+            name = f"microserve_engine_{key}_total "
+            values[key] = next((float(l.split()[-1]) for l in text.splitlines()
+                                if l.startswith(name)), 0.0)
+        return values
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -80,12 +93,15 @@ def line(policy: str, rate: float, r: dict) -> str:
         q = r.get(key) or {}
         return f"{q.get('mean_ms', float('nan')):9.0f} {q.get('p99_ms', float('nan')):9.0f}"
 
+    c = r.get("engine_counters", {})
     return (f"{policy:9s} {rate:6g} {r['requests'] - r['failed']:5d}/{r['requests']:<5d} "
-            f"{f('jct')}  {f('ttft')}  {f('tpot')}  {r['output_tokens_per_s']:8.0f}")
+            f"{f('jct')}  {f('ttft')}  {f('tpot')}  {r['output_tokens_per_s']:8.0f} "
+            f"{c.get('preemptions', 0):8.0f} {c.get('kv_swap_outs', 0):6.0f} "
+            f"{c.get('kv_swap_recomputes', 0):9.0f}")
 
 
 HEADER = ("policy      rate    ok/sent   JCT mean   JCT p99  TTFT mean  TTFT p99 TPOT mean "
-          " TPOT p99  out tok/s")
+          " TPOT p99  out tok/s  preempt  swaps recomputes")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,7 +138,10 @@ def main(argv: list[str] | None = None) -> None:
                     "request_rate": rate, "event_loop": "asyncio"})
                 if policy != "priority":
                     run_args.priority_by = "none"
+                before = engine.counters()
                 result = asyncio.run(serve_run(run_args))
+                after = engine.counters()
+                result["engine_counters"] = {k: after[k] - before[k] for k in after}
                 runs.append({"policy": policy, "rate": rate, **result})
                 print(line(policy, rate, result), flush=True)
                 if args.json:  # after every run: a run cut short by a timeout keeps the others

@@ -48,6 +48,13 @@ class EngineConfig:
     # mlfq: queue 0's quantum in predicted seconds of running (queue i's: 2**i times it);
     # None: 8 one-token steps of the start-up profile
     mlfq_base_quantum_s: float | None = None
+    # Host memory for the KV of preempted sequences (kvcache/host_tier.py, engine/host_swap.py):
+    # a preempted sequence whose KV copies back faster than it recomputes is swapped out to it
+    # and resumes without recomputing; 0: off, every preemption recomputes.
+    kv_host_memory_gb: float = 0.0
+    # The host <-> device copy rate the swap-or-recompute choice assumes, one way; None:
+    # measured at start-up (a round trip of a few pages).
+    kv_host_copy_gbps: float | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     # CUDA: steps with prompt tokens, up to this many tokens in all, replay piecewise CUDA
     # graphs (attention eager between them; engine/cuda_graphs.py); 0: they run eagerly. An
@@ -201,6 +208,10 @@ class EngineConfig:
         if self.mlfq_base_quantum_s is not None and not 0 < self.mlfq_base_quantum_s <= 3600:
             raise ValueError(f"mlfq_base_quantum_s must be in (0, 3600] s, got "
                              f"{self.mlfq_base_quantum_s}")
+        if self.kv_host_memory_gb < 0:
+            raise ValueError(f"kv_host_memory_gb must be >= 0, got {self.kv_host_memory_gb}")
+        if self.kv_host_copy_gbps is not None and self.kv_host_copy_gbps <= 0:
+            raise ValueError(f"kv_host_copy_gbps must be > 0, got {self.kv_host_copy_gbps}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

@@ -17,7 +17,9 @@ One step packs, under a token budget:
 Admission happens only when pages exist, so the engine never runs out of KV mid-step. When a
 running sequence needs a page and none is left, the policy's victim (the newest running
 sequence under FCFS) is preempted: its pages are released (whole pages stay in the prefix cache)
-and it is recomputed later from prompt + output so far.
+and it is recomputed later from prompt + output so far, unless a host KV tier
+(`swapper`, engine/host_swap.py) takes its KV: then it waits on the host and, admitted again,
+gets fresh pages that its KV is copied back into, and resumes where it was.
 
 The policy (engine/policies.py) orders each group: FCFS keeps the queues' order; a ranked
 policy (priority, mlfq) sorts decodes by rank, interleaves prefill chunks and admissions by
@@ -40,6 +42,7 @@ from typing import Protocol
 
 from engine.policies import FCFS, SchedulingPolicy
 from engine.sequence import Sequence, SeqStatus
+from kvcache.host_tier import HostState
 from kvcache.manager import KVCacheManager
 
 
@@ -53,6 +56,32 @@ class AdapterSlots(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """The sequence stopped running (preempted, finished, aborted)."""
+
+
+class KVSwapper(Protocol):
+    """What the scheduler asks of the host KV tier (engine/host_swap.py's HostSwap)."""
+
+    def state(self, seq_id: str) -> HostState | None:
+        """Where the sequence's KV is on the host; None: it has none there."""
+
+    def wants(self, num_tokens: int, recompute_tokens: int) -> bool:
+        """Whether swapping a preempted sequence beats recomputing it."""
+
+    def swap_out(self, seq_id: str, gpu_pages: list[int], num_tokens: int) -> bool:
+        """Start the copy out (COPYING_OUT; HELD at once where copies are synchronous). The
+        GPU pages must stay held until it lands. False, copying nothing: host pool full."""
+
+    def settle_out(self, seq_id: str) -> None:
+        """Wait for the copy out to land (now HELD)."""
+
+    def swap_in(self, seq_id: str, gpu_pages: list[int]) -> int:
+        """Start the copy of a HELD sequence's KV into `gpu_pages`. Returns its tokens."""
+
+    def poll(self) -> list[str]:
+        """Settle the copies that landed; returns those whose copy out did."""
+
+    def release(self, seq_id: str) -> int:
+        """Free its host pages, in any state (waits out a copy in flight)."""
 
 
 @dataclass
@@ -91,6 +120,7 @@ class Scheduler:
         max_num_seqs: int,
         policy: SchedulingPolicy | None = None,
         adapters: AdapterSlots | None = None,
+        swapper: KVSwapper | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(
@@ -102,6 +132,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.policy = policy or FCFS()
         self.adapters = adapters  # None: no LoRA (every sequence runs the base)
+        self.swapper = swapper  # None: no host KV tier (every preemption recomputes)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0  # counter for /metrics
@@ -140,6 +171,8 @@ class Scheduler:
             self._release_adapter(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        if self.swapper is not None:
+            self.swapper.release(seq.request_id)
         if not keep_pages and self.kv.has(seq.request_id):
             self.kv.free(seq.request_id)
         seq.status = SeqStatus.FINISHED
@@ -148,6 +181,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.swapper is not None:
+            for seq_id in self.swapper.poll():  # copied out: their GPU pages are free now
+                self.kv.free(seq_id)
         self.policy.refresh(itertools.chain(self.waiting, self.running))
         active = self.policy.run_order([s for s in self.running if s.finish_reason is None])
         decoding = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
@@ -175,7 +211,28 @@ class Scheduler:
             elif not out.short_of_pages and seq not in out.preempted:
                 budget = self._admit(seq, budget, out, admission)
         self.policy.ran([(e.seq, e.num_new_tokens) for e in out.scheduled])
+        if self.swapper is not None and self.waiting and not out.short_of_pages:
+            self._prefetch()
         return out
+
+    def _prefetch(self) -> None:
+        """Start copying back the KV of the waiting sequence the policy admits next, if it is
+        on the host, will find a seat (one is free, or it outranks a running sequence) and
+        free pages hold it beside a page of growth per running sequence: the copy then
+        overlaps this step, and the sequence is admitted later as one whose KV is held (as a
+        received one is)."""
+        first = next(iter(self.policy.admit_order(self.waiting)))
+        rid = first.request_id
+        if self.swapper.state(rid) is not HostState.HELD:
+            return
+        if len(self.running) >= self.max_num_seqs and self._outranked(first) is None:
+            return  # it would hold its pages while it waits for a seat
+        need = -(-first.num_computed_tokens // self.kv.page_size)
+        if self.kv.stats().free_pages < need + len(self.running):
+            return
+        self.kv.open(rid, [], first.lora_id)
+        self.kv.allocate(rid, first.num_computed_tokens)
+        self.swapper.swap_in(rid, list(self.kv.page_table(rid)))
 
     def _run(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule a running sequence's next chunk (or decode token). Returns the budget left."""
@@ -217,14 +274,18 @@ class Scheduler:
         if seq.lora_id:
             self.adapters.release(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> int:
-        """Release a running sequence's pages and queue it to be recomputed. Returns the
-        tokens this step had scheduled for it (given back to the budget by the caller)."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str,
+                 need_pages: bool = True) -> int:
+        """Take a running sequence out and queue it again: its KV swapped to the host, or
+        its pages released for it to be recomputed. `need_pages`: the caller needs its pages
+        now (else a copy out keeps them until it lands). Returns the tokens this step had
+        scheduled for it (given back to the budget by the caller)."""
         self.running.remove(seq)
         self._release_adapter(seq)
-        self.kv.free(seq.request_id)
+        if not self._swap_out(seq, need_pages):
+            self.kv.free(seq.request_id)
+            seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
-        seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         freed = sum(e.num_new_tokens for e in out.scheduled if e.seq is seq)
@@ -233,14 +294,41 @@ class Scheduler:
         self.preemptions_by_reason[reason] += 1
         return freed
 
+    def _swap_out(self, seq: Sequence, need_pages: bool) -> bool:
+        """Swap a sequence being preempted to the host if that beats recomputing it. Its GPU
+        pages are released once the copy lands: now if `need_pages`. False: recompute it.
+
+        What a recompute would compute: for a seat given up (`need_pages` False) the pages
+        stay in the prefix cache and only what it did not cache is recomputed; when its
+        pages are taken because they are short, the cache gives them away next (eviction),
+        so all of it would be."""
+        rid, computed = seq.request_id, seq.num_computed_tokens
+        if self.swapper is None or seq.send_only or computed == 0:
+            return False
+        cached = 0 if need_pages else self.kv.num_cached_pages(rid) * self.kv.page_size
+        if not self.swapper.wants(computed, computed - min(cached, computed)):
+            return False
+        pages = self.kv.page_table(rid)[: -(-computed // self.kv.page_size)]
+        if not self.swapper.swap_out(rid, list(pages), computed):
+            return False
+        if need_pages:
+            self.swapper.settle_out(rid)
+        if self.swapper.state(rid) is HostState.HELD:
+            self.kv.free(rid)
+        return True
+
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput,
                admission: _Admission) -> int:
         """Admit a waiting sequence if it fits (a ranked policy may preempt running sequences
         it outranks to make it fit). Returns the budget left."""
+        on_host = None if self.swapper is None else self.swapper.state(seq.request_id)
+        if on_host is HostState.COPYING_OUT:  # its GPU pages are still there: keep them
+            self.swapper.release(seq.request_id)
+            on_host = None
         prepared = self.kv.has(seq.request_id)  # KV received or held since the call came
         if admission.blocked and not prepared:
             return budget
-        if not prepared and self._waits_for_twin(seq, admission.twins):
+        if not prepared and on_host is None and self._waits_for_twin(seq, admission.twins):
             return budget
         if len(self.running) >= self.max_num_seqs and self._outranked(seq) is None:
             admission.blocked |= not prepared  # no sequence ranked after it gets a seat either
@@ -248,6 +336,9 @@ class Scheduler:
         if seq.lora_id and not self.adapters.acquire(seq):
             return budget  # every slot's adapter is running: it waits, holding no one up
         if prepared:
+            reused = seq.num_computed_tokens
+        elif on_host is HostState.HELD:  # fresh pages; its KV is copied into them below
+            self.kv.open(seq.request_id, [], seq.lora_id)
             reused = seq.num_computed_tokens
         else:  # reuse cached KV for all but the last token: its logits are needed
             end = seq.num_tokens - 1
@@ -264,7 +355,10 @@ class Scheduler:
             return budget
         budget += freed
         if len(self.running) >= self.max_num_seqs:  # the seat of one it outranks (see above)
-            budget += self._preempt(self._outranked(seq), out, "priority")
+            budget += self._preempt(self._outranked(seq), out, "priority", need_pages=False)
+        if on_host is HostState.HELD:
+            held = self.kv.page_table(seq.request_id)[: -(-reused // self.kv.page_size)]
+            self.swapper.swap_in(seq.request_id, list(held))
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
         seq.num_computed_tokens = reused

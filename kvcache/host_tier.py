@@ -56,6 +56,12 @@ class HostTier:
     def pages(self, seq_id: str) -> list[int]:
         return list(self._swapped[seq_id].pages)
 
+    def num_tokens(self, seq_id: str) -> int:
+        return self._swapped[seq_id].num_tokens
+
+    def seq_ids(self) -> set[str]:
+        return set(self._swapped)
+
     def reserve(self, seq_id: str, num_tokens: int) -> list[int] | None:
         """Host pages for `num_tokens` of KV of `seq_id`, which starts COPYING_OUT. None,
         taking nothing, if too few are free."""

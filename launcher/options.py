@@ -106,6 +106,13 @@ def engine_options(p: argparse.ArgumentParser) -> None:
     _config_option(p, "--mlfq-base-quantum-s", type=float, metavar="SECONDS",
                    help="mlfq: the top queue's quantum in predicted seconds of running, "
                         "doubling per queue (default: 8 one-token steps, measured at start-up)")
+    _config_option(p, "--kv-host-memory-gb", type=float, metavar="GB",
+                   help="host memory for the KV of preempted requests: one that copies back "
+                        "faster than it recomputes is swapped out and resumes where it was "
+                        "(default 0: off, preempted requests are recomputed)")
+    _config_option(p, "--kv-host-copy-gbps", type=float, metavar="GB/S",
+                   help="the host <-> device copy rate the swap-or-recompute choice assumes "
+                        "(default: measured at start-up)")
     _config_option(p, "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     _config_option(p, "--skip-warmup", "warmup", action="store_false",
                    help="CUDA: report ready without serving the start-up requests that compile "

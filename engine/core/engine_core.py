@@ -21,6 +21,7 @@ from engine.core.profile import measure_prefill
 from engine.core.step import LaunchedStep, StepPipeline
 from engine.core.warmup import WARMUP_LENGTHS, warm_up
 from engine.grammar import GrammarMatchers
+from engine.host_swap import HostSwap
 from engine.kv_exchange import KVExchange
 from engine.loop_stats import LoopCounters
 from engine.model_runner import ModelRunner, resolve_dtype
@@ -72,9 +73,13 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         num_pages = self.transfer.kv.shape[2]  # nvshmem: the group's smallest pool
         self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
+        # the host KV tier for preempted sequences, with --kv-host-memory-gb; None: off
+        self.host_swap = (HostSwap(self.runner.kv.kv, config.kv_host_memory_gb,
+                                   config.kv_host_copy_gbps)
+                          if config.kv_host_memory_gb > 0 else None)  # fmt: skip
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self._policy(None),  # mlfq's waits for its profile
-                                   adapters=self.adapters)
+                                   adapters=self.adapters, swapper=self.host_swap)
         self.requests = RequestTable()
         # The transfer thread wakes the step loop through this pipe when a send completes.
         self.wakeup_fd, self._wakeup_w = os.pipe()
@@ -130,12 +135,18 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         )
         if self.runner.cuda and config.warmup:
             log.info("warmed up in %.1f s", self.warm_up())
-        if config.scheduling_policy == "mlfq":
+        if config.scheduling_policy == "mlfq" or self.host_swap is not None:
             profile = measure_prefill(self)
-            self.scheduler.policy = self._policy(profile)
-            log.info("prefill profile: %.2f ms + %.4f ms per token; mlfq base quantum %.2f ms",
-                     profile.fixed_s * 1e3, profile.per_token_s * 1e3,
-                     self.scheduler.policy.base_quantum_s * 1e3)
+            log.info("prefill profile: %.2f ms + %.4f ms per token",
+                     profile.fixed_s * 1e3, profile.per_token_s * 1e3)
+            if config.scheduling_policy == "mlfq":
+                self.scheduler.policy = self._policy(profile)
+                log.info("mlfq base quantum %.2f ms", self.scheduler.policy.base_quantum_s * 1e3)
+            if self.host_swap is not None:  # what swapping is weighed against
+                self.host_swap.prefill_s = profile.predict
+                log.info("host KV tier: %d pages, copies at %.1f GB/s",
+                         self.host_swap.tier.pool.num_pages,
+                         self.host_swap.measure_copy_rate() / 1e9)
         log.info("engine core ready: %s", self.info)
 
     WARMUP_LENGTHS = WARMUP_LENGTHS
@@ -202,6 +213,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             **self.exchange.stats(),
             **asdict(self.loop),
             **(self.adapters.stats() if self.adapters is not None else {}),
+            **(self.host_swap.stats() if self.host_swap is not None else {}),
         )
 
     def check_integrity(self) -> None:
@@ -212,4 +224,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         self.penalties.check_integrity()
         if self.adapters is not None:
             self.adapters.check_integrity()
+        if self.host_swap is not None:
+            self.host_swap.check_integrity({s.request_id for s in (*self.scheduler.running,
+                                                                   *self.scheduler.waiting)})
         self.requests.check_integrity(self.scheduler, self.kv, side_tables=self.side_tables)

@@ -85,7 +85,7 @@ class LaunchedStep:
 
 class StepPipeline:
     """`step()` and what it takes. Mixed into EngineCore, whose fields it reads: runner,
-    scheduler, kv, requests, exchange, grammars, penalties, loop, max_model_len."""
+    scheduler, kv, requests, exchange, grammars, penalties, loop, max_model_len, host_swap."""
 
     _in_flight: LaunchedStep | None  # async: the step launched, not yet resolved
     _pending_rows: dict[str, int]  # seq id -> its row in the last launch's sample
@@ -128,6 +128,8 @@ class StepPipeline:
             return None
         self._count(sched)
         batch = self._build_batch(sched)
+        if self.host_swap is not None:  # KV copied back from the host lands first
+            self.host_swap.before_forward([e.seq.request_id for e in sched.scheduled])
         sampled = [e.seq for e in sched.scheduled if e.sample]
         args = SampleArgs([seq.params for seq in sampled], self.requests.generators(sampled),
                           self.penalties.step(sampled))

@@ -47,5 +47,7 @@ def forget(core) -> None:
     core.kv.evict_cached()
     core.counters = dict.fromkeys(core.counters, 0)
     core.loop.reset()
+    if core.host_swap is not None:
+        core.host_swap.counters = dict.fromkeys(core.host_swap.counters, 0)
     core.scheduler.num_preemptions = 0
     core.scheduler.preemptions_by_reason.clear()

@@ -91,6 +91,16 @@ class EngineStats:
     preemptions_by_reason: dict[str, int] = field(default_factory=dict)
     scheduling_promotions: int = 0
     mlfq_queue_requests: list[int] = field(default_factory=list)
+    # The host KV tier (--kv-host-memory-gb; engine/host_swap.py): preempted requests swapped
+    # out and back in, the bytes each way, preemptions that recomputed instead (cheaper, or
+    # the host pool was full), and the host pool's pages
+    kv_swap_outs: int = 0
+    kv_swap_ins: int = 0
+    kv_swap_out_bytes: int = 0
+    kv_swap_in_bytes: int = 0
+    kv_swap_recomputes: int = 0
+    kv_host_pages_total: int = 0
+    kv_host_pages_free: int = 0
 
 
 class StatsResponse(Struct, omit_defaults=True):

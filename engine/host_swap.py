@@ -1,0 +1,234 @@
+"""The host KV tier's memory and copies (`--kv-host-memory-gb`): where a preempted sequence's
+KV goes instead of being dropped, and how it comes back. The bookkeeping (which host pages a
+sequence holds, its state) is kvcache/host_tier.py's HostTier; this is the one module of the
+tier that holds tensors.
+
+Layouts. The GPU pool is layer-major, `kv[layer, K|V, page, slot, head, dim]`, so one page is
+`layers x 2` fragments (64 of 32 KiB for an 8B model). The host pool is page-major,
+`host[page, layer, K|V, slot, head, dim]`: a host page is one contiguous block, and pages the
+host pool hands out together are mostly adjacent (its free list is LIFO), so a copy is
+
+    GPU pages --gather (one index_select on the device)--> staging [n, layer, K|V, ...]
+    staging --one DMA per run of adjacent host pages--> host pages
+
+and the reverse on the way in (DMA into staging, then one index_copy_ into the pool). The
+gather costs a device-to-device pass (GB/s in the hundreds) to turn 64 small DMAs a page into
+one large one; `bench/host_copy.py` measures both ways.
+
+On CUDA the copies run on a stream of their own. A copy out first waits for the compute
+stream (the step in flight may still be writing the pages); the GPU pages stay held until its
+event completes (`poll`, or `settle_out` when the scheduler needs them now). A copy in waits
+for the compute stream too (its pages may have been another sequence's a moment ago), and the
+compute stream waits for it before the forward that runs the sequence (`before_forward`): the
+host never blocks on a copy in. On CPU every copy is a plain, finished copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvcache.host_tier import HostState, HostTier, swap_or_recompute
+from kvcache.integrity import IntegrityError
+
+
+class HostSwap:
+    """Args:
+        gpu_kv: the GPU pool, `[layers, 2, pages, page_size, kv_heads, head_dim]`.
+        memory_gb: host memory for the pool (rounded down to whole pages).
+        copy_gbps: the copy rate to assume, one way; None: measured (`measure_copy_rate`).
+    """
+
+    def __init__(self, gpu_kv: torch.Tensor, memory_gb: float, copy_gbps: float | None = None):
+        self.gpu_kv = gpu_kv
+        layers, _, _, page_size, heads, dim = gpu_kv.shape
+        self.page_shape = (layers, 2, page_size, heads, dim)
+        self.page_bytes = gpu_kv[:, :, 0].numel() * gpu_kv.element_size()
+        num_pages = int(memory_gb * 2**30 // self.page_bytes)
+        if num_pages < 1:
+            raise ValueError(f"kv_host_memory_gb {memory_gb} holds no KV page "
+                             f"({self.page_bytes} bytes each)")
+        self.cuda = gpu_kv.device.type == "cuda"
+        self.host = torch.empty((num_pages, *self.page_shape), dtype=gpu_kv.dtype,
+                                pin_memory=self.cuda)
+        self.tier = HostTier(num_pages, page_size)
+        self.stream = torch.cuda.Stream(gpu_kv.device) if self.cuda else None
+        self.synchronous = not self.cuda  # a copy has landed when its call returns
+        # seq id -> (the copy's event, the staging tensor it reads or writes)
+        self._in_flight: dict[str, tuple[torch.cuda.Event, torch.Tensor]] = {}
+        self.copy_bytes_per_s = copy_gbps * 1e9 if copy_gbps else None
+        self.prefill_s: Callable[[int], float] | None = None  # set by the engine (its profile)
+        self.counters = {"kv_swap_outs": 0, "kv_swap_ins": 0, "kv_swap_out_bytes": 0,
+                         "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0}
+
+    # ---- the scheduler's calls (engine/scheduler.py, KVSwapper) --------------------------------
+
+    def state(self, seq_id: str) -> HostState | None:
+        return self.tier.state(seq_id)
+
+    def wants(self, num_tokens: int, recompute_tokens: int) -> bool:
+        """Whether a preempted sequence holding `num_tokens` of KV, of which recomputing would
+        compute `recompute_tokens`, should be swapped (counted as a recompute otherwise)."""
+        swap = (self.prefill_s is not None and self.copy_bytes_per_s is not None
+                and swap_or_recompute(num_tokens, recompute_tokens,
+                                      self.page_bytes // self.tier.page_size,
+                                      self.copy_bytes_per_s, self.prefill_s,
+                                      copy_out_overlapped=self.cuda) == "swap")
+        self.counters["kv_swap_recomputes"] += not swap
+        return swap
+
+    def swap_out(self, seq_id: str, gpu_pages: list[int], num_tokens: int) -> bool:
+        """Start copying `num_tokens` of KV from `gpu_pages` to the host. False, copying
+        nothing, if the host pool is short (the caller recomputes it instead)."""
+        host_pages = self.tier.reserve(seq_id, num_tokens)
+        if host_pages is None:
+            self.counters["kv_swap_recomputes"] += 1
+            return False
+        assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
+        with self._on_copy_stream():
+            index = self._index(gpu_pages)
+            staging = self.gpu_kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+            for start, end, first in _runs(host_pages):
+                self.host[first : first + end - start].copy_(staging[start:end],
+                                                            non_blocking=self.cuda)
+        self._finish_or_track(seq_id, staging)
+        if self.synchronous:
+            self.tier.copied_out(seq_id)
+        self.counters["kv_swap_outs"] += 1
+        self.counters["kv_swap_out_bytes"] += len(gpu_pages) * self.page_bytes
+        return True
+
+    def settle_out(self, seq_id: str) -> None:
+        """Wait for a copy out to land (the scheduler needs its GPU pages now)."""
+        if self.tier.state(seq_id) is HostState.COPYING_OUT:
+            self._in_flight.pop(seq_id)[0].synchronize()
+            self.tier.copied_out(seq_id)
+
+    def swap_in(self, seq_id: str, gpu_pages: list[int]) -> int:
+        """Start copying a HELD sequence's KV into `gpu_pages` (as many as it held). Returns
+        the tokens restored; the next forward waits for the copy (`before_forward`)."""
+        host_pages = self.tier.start_in(seq_id)
+        assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
+        with self._on_copy_stream():
+            staging = torch.empty((len(host_pages), *self.page_shape), dtype=self.host.dtype,
+                                  device=self.gpu_kv.device)
+            for start, end, first in _runs(host_pages):
+                staging[start:end].copy_(self.host[first : first + end - start],
+                                         non_blocking=self.cuda)
+            self.gpu_kv.index_copy_(2, self._index(gpu_pages), staging.permute(1, 2, 0, 3, 4, 5))
+        num_tokens = self.tier.num_tokens(seq_id)
+        self._finish_or_track(seq_id, staging)
+        if self.synchronous:
+            self.tier.copied_in(seq_id)
+        self.counters["kv_swap_ins"] += 1
+        self.counters["kv_swap_in_bytes"] += len(gpu_pages) * self.page_bytes
+        return num_tokens
+
+    def poll(self) -> list[str]:
+        """Settle the copies that landed. Returns the sequences whose copy out did (their GPU
+        pages may be freed now)."""
+        landed = []
+        for seq_id, (event, _) in list(self._in_flight.items()):
+            if not event.query():
+                continue
+            del self._in_flight[seq_id]
+            if self.tier.state(seq_id) is HostState.COPYING_OUT:
+                self.tier.copied_out(seq_id)
+                landed.append(seq_id)
+            else:
+                self.tier.copied_in(seq_id)
+        return landed
+
+    def before_forward(self, seq_ids: list[str]) -> None:
+        """Make the compute stream wait for the copies in flight into the GPU pool of the
+        sequences a step runs (`seq_ids`; a prefetch for a later step goes on beside it)."""
+        if not self.cuda:
+            return
+        current = torch.cuda.current_stream(self.gpu_kv.device)
+        for seq_id in seq_ids:
+            copy = self._in_flight.get(seq_id)
+            if copy is not None and self.tier.state(seq_id) is HostState.COPYING_IN:
+                current.wait_event(copy[0])
+
+    def release(self, seq_id: str) -> int:
+        """Free a sequence's host pages in any state (abort, expiry, finish, a copy out that
+        admission overtook), first waiting out its copy in flight. Returns how many."""
+        copy = self._in_flight.pop(seq_id, None)
+        if copy is not None:
+            copy[0].synchronize()
+        return self.tier.release(seq_id)
+
+    # ---- the engine's ---------------------------------------------------------------------------
+
+    def measure_copy_rate(self, num_pages: int = 64) -> float:
+        """Time copies of `num_pages` GPU pages out and back (pages 0.., at start-up while the
+        pool is idle: what comes back is what was there) and keep the slower way's rate, in
+        bytes per second, unless a rate was configured. Returns it."""
+        if self.copy_bytes_per_s is not None:
+            return self.copy_bytes_per_s
+        n = min(num_pages, self.tier.pool.num_pages, self.gpu_kv.shape[2])
+        pages, slowest = list(range(n)), 0.0
+        for _ in range(2):  # the first round pays for allocations
+            start = time.perf_counter()
+            self.swap_out("measure", pages, n * self.tier.page_size)
+            self.settle_out("measure")
+            out_s = time.perf_counter() - start
+            start = time.perf_counter()
+            self.swap_in("measure", pages)
+            self.release("measure")
+            slowest = max(out_s, time.perf_counter() - start)
+        for key in self.counters:
+            self.counters[key] = 0
+        self.copy_bytes_per_s = n * self.page_bytes / max(slowest, 1e-9)
+        return self.copy_bytes_per_s
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "kv_host_pages_total": self.tier.pool.num_pages,
+                "kv_host_pages_free": self.tier.pool.num_free}
+
+    def check_integrity(self, scheduled: set[str]) -> None:
+        """The host pages (HostTier.check_integrity), and every sequence holding some is one
+        the scheduler holds (`scheduled`: its running and waiting ids)."""
+        self.tier.check_integrity()
+        on_host = self.tier.seq_ids()
+        stray = on_host - scheduled
+        if stray or not self._in_flight.keys() <= on_host:
+            raise IntegrityError(f"host pages of gone sequences: {stray}")
+
+    # ---- copies ---------------------------------------------------------------------------------
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        return torch.tensor(pages, dtype=torch.long).to(self.gpu_kv.device, non_blocking=True)
+
+    def _on_copy_stream(self):
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.gpu_kv.device))
+        return torch.cuda.stream(self.stream)
+
+    def _finish_or_track(self, seq_id: str, staging: torch.Tensor) -> None:
+        """Unless copies are synchronous, remember the copy's event (and keep its staging
+        alive until it lands)."""
+        if not self.synchronous:
+            self._in_flight[seq_id] = (self._record(), staging)
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of adjacent ids in `pages`: (start, end) in the list and the run's first id.
+
+        [7, 8, 9, 3, 4] -> (0, 3, 7), (3, 5, 3)
+    """
+    runs, start = [], 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+            runs.append((start, i, pages[start]))
+            start = i
+    return runs

@@ -1,0 +1,326 @@
+"""The host KV tier's copies and its use by the scheduler and the engine (--kv-host-memory-gb):
+pages come back byte-equal, the swap-or-recompute choice at its exact threshold, a swapped
+request's greedy tokens equal Hugging Face's, aborts in every host state free everything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB, hf_greedy
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.host_swap import HostSwap, _runs
+from engine.policies import Priority
+from engine.scheduler import Scheduler
+from engine.sequence import SeqStatus
+from kvcache.host_tier import HostState, HostTier
+from kvcache.manager import KVCacheManager
+from microserve.messages import SamplingParams
+from test_engine_core import random_prompts
+from test_scheduling_policies import run_step, seq
+
+# a GPU pool's shape: [layers, K|V, pages, page_size, kv_heads, head_dim]; a page is 512 bytes
+SHAPE = (2, 2, 8, 4, 2, 4)
+PAGE_BYTES = 2 * 2 * 4 * 2 * 4 * 4
+
+
+def pool(device="cpu"):
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def test_runs_of_adjacent_pages():
+    assert _runs([7, 8, 9, 3, 4]) == [(0, 3, 7), (3, 5, 3)]
+    assert _runs([5]) == [(0, 1, 5)]
+    assert _runs([2, 1]) == [(0, 1, 2), (1, 2, 1)]
+
+
+def round_trip(kv: torch.Tensor) -> None:
+    """Swap pages [5, 2, 7] out, spoil them, swap the KV into pages [1, 3, 4]: byte-equal."""
+    swap = HostSwap(kv, memory_gb=4 * PAGE_BYTES / 2**30)
+    assert swap.tier.pool.num_pages == 4
+    before = kv[:, :, [5, 2, 7]].clone()
+    assert swap.swap_out("a", [5, 2, 7], 10)
+    swap.settle_out("a")
+    assert swap.state("a") is HostState.HELD
+    kv[:, :, [1, 2, 3, 4, 5, 7]] = 0
+    assert swap.swap_in("a", [1, 3, 4]) == 10
+    swap.before_forward(["a"])
+    if kv.is_cuda:
+        torch.cuda.synchronize()
+        assert swap.poll() == []  # the copy in landed: its host pages are freed
+    assert torch.equal(kv[:, :, [1, 3, 4]], before)
+    assert swap.state("a") is None and swap.tier.pool.num_free == 4
+    assert swap.stats() == {"kv_swap_outs": 1, "kv_swap_ins": 1,
+                            "kv_swap_out_bytes": 3 * PAGE_BYTES,
+                            "kv_swap_in_bytes": 3 * PAGE_BYTES, "kv_swap_recomputes": 0,
+                            "kv_host_pages_total": 4, "kv_host_pages_free": 4}
+    swap.check_integrity(set())
+
+
+def test_pages_come_back_byte_equal_into_other_pages():
+    round_trip(pool())
+
+
+@pytest.mark.gpu
+def test_pages_come_back_byte_equal_on_cuda():
+    round_trip(pool("cuda"))
+
+
+def test_a_full_host_pool_means_recompute():
+    swap = HostSwap(pool(), memory_gb=2 * PAGE_BYTES / 2**30)
+    assert not swap.swap_out("a", [0, 1, 2], 9)  # 3 pages, 2 free: nothing taken
+    assert swap.state("a") is None and swap.tier.pool.num_free == 2
+    assert swap.counters["kv_swap_recomputes"] == 1
+
+
+def test_swap_or_recompute_at_the_exact_threshold():
+    """On CPU both copies are on the sequence's path: 2 x 10 tokens x 128 bytes = 2,560 bytes
+    against a 10 ms recompute (1 ms a token): 256,000 B/s is the tie, which recomputes."""
+    swap = HostSwap(pool(), memory_gb=4 * PAGE_BYTES / 2**30, copy_gbps=256_000 / 1e9)
+    assert not swap.wants(10, 10)  # no profile yet: recompute
+    swap.prefill_s = lambda n: n / 1000
+    assert not swap.wants(10, 10)  # a tie
+    swap.copy_bytes_per_s = 256_001
+    assert swap.wants(10, 10)
+    assert not swap.wants(10, 0)  # all of it cached: nothing to save
+    assert not swap.wants(10, 6)  # 6 ms to recompute the uncached part beats 9.99 ms
+    assert swap.counters["kv_swap_recomputes"] == 4
+
+
+class FakeEvent:
+    """A copy's event that completes when the test says (as a CUDA event does when the copy
+    stream gets there)."""
+
+    def __init__(self, swap):
+        self.swap = swap
+
+    def query(self) -> bool:
+        return self.swap.landed
+
+    def synchronize(self) -> None:
+        pass
+
+
+class DeferredSwap(HostSwap):
+    """CPU copies whose landing is deferred like CUDA's, so the scheduler meets COPYING_OUT
+    and COPYING_IN (the bytes are copied at once; the bookkeeping waits for `landed`)."""
+
+    def __init__(self, kv):
+        super().__init__(kv, memory_gb=8 * PAGE_BYTES / 2**30, copy_gbps=1e6)
+        self.prefill_s = lambda n: 1.0  # a second to recompute: always swap
+        self.synchronous, self.landed = False, False
+
+    def _record(self):
+        return FakeEvent(self)
+
+
+def seat_preemption():
+    """One seat: `low` (priority 5) runs two steps, then `high` (priority 0) takes its seat."""
+    kv = KVCacheManager(8, 4)
+    swap = DeferredSwap(pool())
+    sched = Scheduler(kv, 64, 1, Priority(starvation_s=1000), swapper=swap)
+    low = seq("low", 6, 0, priority=5)
+    sched.add(low)
+    run_step(sched)
+    run_step(sched)  # low: 7 tokens computed, 2 pages
+    high = seq("high", 5, 1, priority=0, max_tokens=1)
+    sched.add(high)
+    return kv, swap, sched, low, high
+
+
+def check_nothing_held(kv, swap, sched):
+    kv.check_integrity()
+    swap.check_integrity({s.request_id for s in (*sched.running, *sched.waiting)})
+    assert swap.tier.pool.num_free == 8
+    assert kv.stats().used_pages == 0
+
+
+def test_a_seat_preemption_keeps_the_gpu_pages_until_the_copy_out_lands():
+    kv, swap, sched, low, high = seat_preemption()
+    run_step(sched)  # high admitted, low preempted: its copy out is in flight
+    assert swap.state("low") is HostState.COPYING_OUT
+    assert low.status is SeqStatus.WAITING and low.num_computed_tokens == 7
+    assert kv.page_table("low") == [0, 1] and swap.tier.pages("low") == [0, 1]
+    swap.landed = True
+    run_step(sched)  # high finished before; the copy landed: GPU pages freed, low admitted
+    assert swap.counters["kv_swap_ins"] == 1
+    assert low.status is SeqStatus.RUNNING and low.num_computed_tokens == 8  # no recompute
+    sched.remove(low)
+    check_nothing_held(kv, swap, sched)
+
+
+def test_the_next_sequence_to_run_is_prefetched_while_it_waits():
+    """`high` runs three steps; once `low`'s copy out lands, its GPU pages are freed and, as the
+    policy's next, with a seat and free pages but no token budget left, its KV is copied back
+    while it still waits."""
+    kv, swap, sched, low, high = seat_preemption()
+    high.params = SamplingParams(max_tokens=3)
+    before = swap.gpu_kv[:, :, [0, 1]].clone()
+    assert run_step(sched)[0] == [("high", 5)]
+    sched.max_num_seqs, sched.max_num_batched_tokens = 2, 1  # a seat, but high's decode
+    # takes the step's whole budget
+    assert swap.state("low") is HostState.COPYING_OUT and kv.page_table("low") == [0, 1]
+    swap.landed = True
+    assert run_step(sched)[0] == [("high", 1)]
+    assert swap.state("low") is HostState.COPYING_IN and low.status is SeqStatus.WAITING
+    assert kv.page_table("low") == [1, 4]
+    assert torch.equal(swap.gpu_kv[:, :, [1, 4]], before)
+    assert run_step(sched)[0] == [("high", 1)]  # high finishes; the copy landed
+    assert swap.state("low") is None and swap.tier.pool.num_free == 8
+    assert run_step(sched)[0] == [("low", 1)]  # admitted with its KV: one decode token
+    assert low.num_computed_tokens == 8 and swap.counters["kv_swap_ins"] == 1
+    sched.remove(low)
+    check_nothing_held(kv, swap, sched)
+
+
+def test_no_prefetch_for_a_sequence_without_a_seat():
+    kv, swap, sched, low, high = seat_preemption()
+    high.params = SamplingParams(max_tokens=3)
+    run_step(sched)
+    swap.landed = True
+    run_step(sched)  # the one seat is high's, which low does not outrank: it waits on the host
+    assert swap.state("low") is HostState.HELD and not kv.has("low")
+    sched.remove(high)
+    sched.remove(low)
+    check_nothing_held(kv, swap, sched)
+
+
+def test_admission_before_the_copy_out_lands_keeps_the_gpu_pages():
+    kv, swap, sched, low, high = seat_preemption()
+    run_step(sched)
+    sched.remove(high)
+    run_step(sched)  # the copy out is still in flight: it is dropped, the GPU pages kept
+    assert swap.state("low") is None and swap.tier.pool.num_free == 8
+    assert low.status is SeqStatus.RUNNING and low.num_computed_tokens == 8
+    assert kv.page_table("low") == [0, 1]
+    assert swap.counters["kv_swap_ins"] == 0
+    sched.remove(low)
+    check_nothing_held(kv, swap, sched)
+
+
+@pytest.mark.parametrize("when", ["copying_out", "held", "copying_in"])
+def test_an_abort_in_any_host_state_frees_everything(when):
+    kv, swap, sched, low, high = seat_preemption()
+    run_step(sched)
+    if when != "copying_out":
+        swap.landed = True
+        sched.remove(high)  # nothing runs: `low` comes back next step
+        if when == "held":
+            swap.poll()
+            sched.kv.free("low")
+        else:
+            sched.schedule()  # landed: GPU pages freed; admitted: new pages, copy in started
+            swap.landed = False
+            assert swap.state("low") is HostState.COPYING_IN
+    assert swap.state("low").value == when
+    sched.remove(low)
+    if high.status is not SeqStatus.FINISHED:
+        sched.remove(high)
+    check_nothing_held(kv, swap, sched)
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+LONG, SHORT = 40, 6
+
+
+def serve(core: EngineCore, snapshots: list | None = None):
+    """Four long low-priority requests fill the seats; two steps later an urgent one takes the
+    newest one's seat. Returns each request's tokens."""
+    prompts = random_prompts([30, 25, 20, 35, 12], seed=3, vocab=TINY_VOCAB)
+    params = lambda n: dict(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    for i, prompt in enumerate(prompts[:4]):
+        core.add_request(f"batch{i}", prompt, SamplingParams(**params(LONG)), priority=5)
+    tokens, steps = {}, 0
+    while core.has_work():
+        if steps == 2:
+            core.add_request("urgent", prompts[4], SamplingParams(**params(SHORT)), priority=0)
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        steps += 1
+        core.check_integrity()
+    return prompts, tokens
+
+
+@pytest.fixture(scope="module")
+def swapped_run(tiny_model_dir):
+    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=256,
+                                   max_num_seqs=4, scheduling_policy="priority",
+                                   max_num_batched_tokens=64,  # a shorter start-up profile
+                                   kv_host_memory_gb=0.01, kv_host_copy_gbps=1000.0,
+                                   # with it, the victim's whole pages stay cached and only
+                                   # its last partial page would be recomputed: cheaper
+                                   enable_prefix_cache=False))
+    swap, kv = core.host_swap, core.runner.kv.kv
+    out_pages, in_pages = [], []
+    swap_out, swap_in = swap.swap_out, swap.swap_in
+
+    def spy_out(seq_id, gpu_pages, num_tokens):
+        out_pages.append(kv[:, :, gpu_pages].clone())
+        return swap_out(seq_id, gpu_pages, num_tokens)
+
+    def spy_in(seq_id, gpu_pages):
+        tokens = swap_in(seq_id, gpu_pages)
+        in_pages.append(kv[:, :, gpu_pages].clone())
+        return tokens
+
+    swap.swap_out, swap.swap_in = spy_out, spy_in
+    prompts, tokens = serve(core)
+    return core, prompts, tokens, out_pages, in_pages
+
+
+def test_a_swapped_request_resumes_with_its_pages_and_hf_tokens(swapped_run, tiny_model_dir):
+    core, prompts, tokens, out_pages, in_pages = swapped_run
+    stats = core.stats()
+    assert stats.preemptions_by_reason == {"priority": 1}
+    assert (stats.kv_swap_outs, stats.kv_swap_ins, stats.kv_swap_recomputes) == (1, 1, 0)
+    assert len(out_pages) == len(in_pages) == 1
+    assert torch.equal(out_pages[0], in_pages[0])  # byte-equal KV in its new pages
+    pages = out_pages[0].shape[2]
+    assert stats.kv_swap_out_bytes == stats.kv_swap_in_bytes == pages * core.host_swap.page_bytes
+    assert stats.kv_host_pages_free == stats.kv_host_pages_total > 0
+    assert core.kv.stats().used_pages == 0
+    ref = hf_greedy(tiny_model_dir, prompts, LONG)
+    for i in range(4):
+        assert tokens[f"batch{i}"] == ref[i], i
+    assert tokens["urgent"] == ref[4][:SHORT]
+
+
+def test_the_swap_counters_are_in_metrics(swapped_run):
+    from engine.frontend.core_client import format_core_stats
+
+    core = swapped_run[0]
+    text = format_core_stats(core.stats(), core.info)
+    assert "microserve_engine_kv_swap_outs_total 1" in text.splitlines()
+    assert "microserve_engine_kv_swap_ins_total 1" in text.splitlines()
+    assert "microserve_engine_kv_swap_recomputes_total 0" in text.splitlines()
+    assert f"microserve_engine_kv_host_pages_total {core.host_swap.tier.pool.num_pages}" in text
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device):
+    """FCFS with too few pages for three growing requests: the newest is preempted for the
+    pages (the copy waited for, then its pages freed), comes back from the host, and every
+    request's greedy tokens still equal Hugging Face's. On CUDA: the copy stream, events,
+    async scheduling and CUDA graphs, in fp32 to compare with Hugging Face."""
+    core = EngineCore(EngineConfig(model=tiny_model_dir, device=device, dtype="float32",
+                                   page_size=4, num_pages=24, max_num_seqs=4,
+                                   kv_host_memory_gb=0.01, kv_host_copy_gbps=1000.0))
+    prompts = random_prompts([20, 18, 16], seed=5, vocab=TINY_VOCAB)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+    tokens = {}
+    while core.has_work():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        core.check_integrity()
+    stats = core.stats()
+    assert stats.preemptions_by_reason["pages"] >= 1
+    assert stats.kv_swap_outs == stats.kv_swap_ins == stats.preemptions
+    assert stats.kv_swap_recomputes == 0
+    assert stats.kv_host_pages_free == stats.kv_host_pages_total
+    assert core.kv.stats().used_pages == 0
+    ref = hf_greedy(tiny_model_dir, prompts, 24)
+    assert [tokens[f"r{i}"] for i in range(3)] == ref
