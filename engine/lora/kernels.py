@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl as _pdl
-from engine.lora.layers import TILE_ROWS
+from engine.lora.tiles import TILE_ROWS
 
 BLOCK_M = TILE_ROWS  # tokens per tile: the host's tile table is cut to this
 _BLOCK_K = 64

@@ -27,12 +27,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.lora.adapter import TARGET_MODULES, AdapterWeights, module_shapes
+from engine.lora.tiles import TILE_ROWS
 from microserve.model_config import ModelConfig
 
 # our fused projection -> the PEFT modules in its output rows, in order
 _SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
            "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-TILE_ROWS = 32  # the most tokens of one tile (the kernels' BLOCK_M)
 
 
 class LoraBatch:
