@@ -280,9 +280,10 @@ class Scheduler:
         its pages released for it to be recomputed. `need_pages`: the caller needs its pages
         now (else a copy out keeps them until it lands). Returns the tokens this step had
         scheduled for it (given back to the budget by the caller)."""
+        swapped = self._swap_out(seq, need_pages)  # first: if it raises, nothing has moved
         self.running.remove(seq)
         self._release_adapter(seq)
-        if not self._swap_out(seq, need_pages):
+        if not swapped:
             self.kv.free(seq.request_id)
             seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
@@ -305,6 +306,8 @@ class Scheduler:
         rid, computed = seq.request_id, seq.num_computed_tokens
         if self.swapper is None or seq.send_only or computed == 0:
             return False
+        if self.swapper.state(rid) is not None:  # its copy back has not landed yet: wait for
+            self.swapper.release(rid)  # it (the GPU pages then hold the KV), free the host's
         cached = 0 if need_pages else self.kv.num_cached_pages(rid) * self.kv.page_size
         if not self.swapper.wants(computed, computed - min(cached, computed)):
             return False

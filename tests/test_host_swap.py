@@ -186,6 +186,32 @@ def test_no_prefetch_for_a_sequence_without_a_seat():
     check_nothing_held(kv, swap, sched)
 
 
+def test_a_sequence_preempted_again_before_its_copy_back_lands_swaps_out_anew():
+    """Preempted, swapped back in, and preempted again before the host saw the copy in land
+    (a GPU engine under MLFQ did this): the copy is waited out, the host pages freed, and the
+    sequence swapped out anew; nothing is lost or held twice."""
+    kv, swap, sched, low, high = seat_preemption()
+    run_step(sched)  # low preempted: copy out in flight
+    swap.landed = True
+    sched.remove(high)
+    run_step(sched)  # the copy out landed; low admitted, its copy back started
+    assert swap.state("low") is HostState.COPYING_IN and low.status is SeqStatus.RUNNING
+    swap.landed = False  # the copy back has not landed when...
+    urgent = seq("urgent", 5, 2, priority=0, max_tokens=1)
+    sched.add(urgent)
+    recomputes = swap.counters["kv_swap_recomputes"]
+    run_step(sched)  # ...urgent takes low's seat again: its whole pages are in the prefix
+    # cache, so it is recomputed from there, and its host pages are freed (not left behind)
+    assert low.status is SeqStatus.WAITING and swap.state("low") is None
+    assert swap.tier.pool.num_free == 8 and swap.counters["kv_swap_outs"] == 1
+    assert swap.counters["kv_swap_recomputes"] == recomputes + 1
+    sched.remove(urgent)
+    assert run_step(sched)[0] == [("low", 1)]  # its 8 cached tokens reused, 1 computed
+    assert low.status is SeqStatus.RUNNING and low.num_computed_tokens == 9
+    sched.remove(low)
+    check_nothing_held(kv, swap, sched)
+
+
 def test_admission_before_the_copy_out_lands_keeps_the_gpu_pages():
     kv, swap, sched, low, high = seat_preemption()
     run_step(sched)
