@@ -95,7 +95,8 @@ def load_while_serving(core: EngineCore, vocab: int) -> dict:
     (read + check + pack in the loader thread, then registering), the wall time until the
     call's answer, and the decode steps' times before and during the load (the step loop
     must not pause)."""
-    core.add_request("bg", prompts(1, 256, vocab, 3)[0], greedy(100_000))
+    # long enough to outlast the steps below and the load (~100 ms), within any KV pool here
+    core.add_request("bg", prompts(1, 256, vocab, 3)[0], greedy(8192))
     for _ in range(20):
         core.step()
 
