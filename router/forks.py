@@ -64,6 +64,3 @@ class ChoiceForks:
         if engine is None or engine not in pool.routable():
             return None
         return engine
-
-    def __len__(self) -> int:
-        return len(self._forks)
