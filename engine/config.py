@@ -116,6 +116,11 @@ class EngineConfig:
     # name; then a 503.
     kv_recv_wait_s: float = 60.0
     kv_recv_wait_max_s: float = 3600.0
+    # Ranks the model is split over (engine/tp/, engine/models/parallel.py): one process each,
+    # on GPUs device + 0 .. size - 1 (CPU: gloo, for tests). A collective that waits longer
+    # than tensor_parallel_timeout_s on a rank fails instead of hanging.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 300.0
     # LoRA adapters (engine/lora/, docs/lora.md): (name, path) served from the start; on with
     # any of them or with enable_lora (adapters then come through /v1/load_lora_adapter).
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -132,9 +137,10 @@ class EngineConfig:
 
     def resolved_kv_transfer(self, has_key: bool = True) -> str:
         """The backend to receive with. auto: shm on CPU, cuda_ipc on CUDA, but only with an
-        engine key (KV transfer is authenticated by it); none without one."""
+        engine key (KV transfer is authenticated by it); none without one, and none for a
+        tensor-parallel engine (its KV is split over its ranks; moving it is not built yet)."""
         if self.kv_transfer == "auto":
-            if not has_key:
+            if not has_key or self.tensor_parallel_size > 1:
                 return "none"
             return "cuda_ipc" if self.device.startswith("cuda") else "shm"
         return self.kv_transfer
@@ -212,6 +218,27 @@ class EngineConfig:
             raise ValueError(f"kv_host_memory_gb must be >= 0, got {self.kv_host_memory_gb}")
         if self.kv_host_copy_gbps is not None and self.kv_host_copy_gbps <= 0:
             raise ValueError(f"kv_host_copy_gbps must be > 0, got {self.kv_host_copy_gbps}")
+        if self.tensor_parallel_size != 1:
+            self._check_tensor_parallel()
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
+    def _check_tensor_parallel(self) -> None:
+        """What a tensor-parallel engine cannot do yet, refused before the model loads; the
+        model's heads must divide (ModelConfig.check_tensor_parallel)."""
+        size = self.tensor_parallel_size
+        if not 1 <= size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in [1, 64], got {size}")
+        if not 0 < self.tensor_parallel_timeout_s <= MAX_LEASE_S:
+            raise ValueError(f"tensor_parallel_timeout_s must be in (0, {MAX_LEASE_S:.0f}], got "
+                             f"{self.tensor_parallel_timeout_s}")
+        unsupported = {"LoRA adapters": self.lora, "the host KV tier": self.kv_host_memory_gb > 0,
+                       f"--kv-transfer {self.kv_transfer}": self.kv_transfer not in ("auto",
+                                                                                    "none")}
+        for what, asked in unsupported.items():
+            if asked:
+                raise ValueError(f"{what} and tensor_parallel_size {size} do not work together "
+                                 "yet")
+        from microserve.model_config import ModelConfig  # plain data: no torch
+
+        ModelConfig.from_dir(self.model).check_tensor_parallel(size)

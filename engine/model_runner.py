@@ -20,6 +20,7 @@ from engine.kernels import pdl
 from engine.lora.layers import LoraModel
 from engine.models import fp8
 from engine.models.loader import load_model
+from engine.models.parallel import TensorParallel
 from engine.penalties import StepAdjustments
 from engine.sampler import PendingSample, Sampler, TokenMask
 from kvcache.forward import ForwardBatch, KVSend, SeqForward
@@ -50,6 +51,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of tensor-parallel `rank` of an engine on `device`: cuda:N puts rank r on
+    GPU N + r (cpu: every rank on the CPU)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or rank == 0:
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
+
+
 def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type for --kv-cache-dtype `name` (EngineConfig.kv_cache_dtype)
     and the model's `dtype`."""
@@ -60,11 +70,17 @@ class ModelRunner:
     """Args: config (sizes, device), dtype. On CUDA the model runs its Triton kernels, attention
     is the Triton backend, and steps replay CUDA graphs unless config.enforce_eager: whole
     graphs for decode-only steps, piecewise ones (attention eager) for steps with prompt
-    tokens up to config.max_piecewise_tokens (engine/cuda_graphs.py)."""
+    tokens up to config.max_piecewise_tokens (engine/cuda_graphs.py).
 
-    def __init__(self, config: EngineConfig, dtype: torch.dtype):
+    `tp`: this process's rank of a tensor-parallel engine (engine/tp/): it holds that share of
+    the model and of every KV page, on GPU config.device + rank; `config` stays the whole
+    model's (vocabulary, layers), `shape` is the rank's (heads)."""
+
+    def __init__(self, config: EngineConfig, dtype: torch.dtype,
+                 tp: TensorParallel = TensorParallel()):
         self.engine_config = config
-        self.device = torch.device(config.device)
+        self.tp = tp
+        self.device = rank_device(config.device, tp.rank)
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device, and the KV transfer's streams and events
             # are made there: --device cuda:N makes N current for the whole core process.
@@ -74,7 +90,8 @@ class ModelRunner:
         if self.kv_dtype == torch.float8_e4m3fn:
             fp8.check_supported(self.device, "kv_cache_dtype fp8")
         self.model, self.config = load_model(config.model, dtype=dtype, device=self.device,
-                                             quantization=config.quantization)
+                                             quantization=config.quantization, tp=tp)
+        self.shape = self.model.config  # this rank's heads and rows
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             # cuBLASLt heuristics for torch's GEMMs: at batch 128 the down projection (K 14,336)
@@ -103,8 +120,12 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None  # the previous step's sampled ids (device)
         self._hidden: torch.Tensor | None = None  # the last forward's final hidden states
 
+    def close(self) -> None:
+        """Nothing to release: the process's end frees the device (a tensor-parallel runner
+        stops its workers here)."""
+
     def kv_bytes_per_page(self, page_size: int) -> int:
-        c = self.config
+        c = self.shape
         return PagedKVCache.bytes_per_page(
             c.num_layers, page_size, c.num_kv_heads, c.head_dim, self.kv_dtype
         )
@@ -153,7 +174,7 @@ class ModelRunner:
     def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True,
                     pool: torch.Tensor | None = None):
         """Build the paged KV cache (on `pool` when given: a transfer backend's memory)."""
-        c, config = self.config, self.engine_config
+        c, config = self.shape, self.engine_config
         if self.triton:
             from engine.attention.triton_backend import TritonAttentionBackend
 

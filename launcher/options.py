@@ -40,11 +40,12 @@ def log_level_option(p) -> None:
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
 
-def _config_option(p, flag: str, field: str | None = None, **kwargs) -> None:
+def _config_option(p, flag: str, field: str | None = None, aliases: tuple[str, ...] = (),
+                   **kwargs) -> None:
     """An option that sets the EngineConfig field `field` (default: the flag's name), with the
     field's default: the config says what the defaults are, the command line how to ask."""
     field = field or flag.removeprefix("--").replace("-", "_")
-    p.add_argument(flag, dest=field, default=_CONFIG_FIELDS[field].default, **kwargs)
+    p.add_argument(flag, *aliases, dest=field, default=_CONFIG_FIELDS[field].default, **kwargs)
 
 
 def _auto_on_off(value: str) -> bool | None:
@@ -71,6 +72,13 @@ def engine_options(p: argparse.ArgumentParser) -> None:
     _config_option(p, "--device", help="cpu, cuda or cuda:N")
     _config_option(p, "--dtype", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, "
                                       "float16")
+    _config_option(p, "--tensor-parallel-size", aliases=("-tp",), type=int,
+                   help="ranks the model is split over (one process each; CUDA: GPUs --device "
+                        "and the next ones): attention heads, MLP rows and the LM head split, "
+                        "two all-reduces per layer (docs/engine.md)")
+    _config_option(p, "--tensor-parallel-timeout-s", type=float, metavar="SECONDS",
+                   help="a collective that waits longer on a rank fails the engine instead "
+                        "of hanging it")
     _config_option(p, "--quantization", choices=("fp8",),
                    help="fp8: the decoder layers' weights as float8 e4m3, quantized at load "
                         "with a scale per output channel; activations quantized per token "

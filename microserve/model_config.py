@@ -84,6 +84,24 @@ class ModelConfig:
             torch_dtype=config.get("torch_dtype") or config.get("dtype") or "float32",
         )
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """Refuse `size` ranks unless each gets whole attention heads and an equal share of the
+        MLP rows; KV heads may be fewer than the ranks (each is then replicated on the ranks
+        whose q heads read it) if `size` is a multiple of them. ValueError names the numbers."""
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"num_attention_heads {self.num_heads} is not divisible by it")
+        kv = self.num_kv_heads
+        if (kv % size if kv >= size else size % kv):
+            problems.append(f"num_key_value_heads {kv} is neither a multiple nor a divisor of "
+                            f"it")
+        if self.intermediate_size % size:
+            problems.append(f"intermediate_size {self.intermediate_size} is not divisible by "
+                            f"it")
+        if problems:
+            raise ValueError(f"tensor_parallel_size {size} does not fit model {self.name}: "
+                             f"{'; '.join(problems)}")
+
 
 def _read_json(path: Path) -> dict:
     try:

@@ -51,7 +51,12 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         dtype = resolve_dtype(config.dtype, config.device)
-        self.runner = ModelRunner(config, dtype)
+        if config.tensor_parallel_size > 1:
+            from engine.tp.runner import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(config, dtype)
+        else:
+            self.runner = ModelRunner(config, dtype)
         # LoRA adapters (engine/lora/), with --lora-modules or --enable-lora; None: off
         self.adapters = (EngineAdapters(config, self.runner, notify=self._wake)
                          if config.lora else None)
@@ -60,10 +65,13 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         num_pages = self.runner.num_pages_for(self.max_model_len)
         kv_dtype = str(self.runner.kv_dtype).removeprefix("torch.")
         layout = KVLayout(mc.name, kv_dtype, config.page_size,
-                          mc.num_layers, mc.num_kv_heads, mc.head_dim)  # fmt: skip
+                          mc.num_layers, self.runner.shape.num_kv_heads, mc.head_dim)  # fmt: skip
         kind = config.resolved_kv_transfer(has_key=transfer_key is not None)
         if kind != config.resolved_kv_transfer(has_key=True):
             log.info("KV transfer off: no engine key (--api-key) to authenticate it with")
+        elif kind == "none" and config.tensor_parallel_size > 1:
+            log.info("KV transfer off: a tensor-parallel engine neither sends nor receives KV "
+                     "yet")
         self.transfer = make_backend(
             kind, layout, num_pages, self.runner.device,
             host=config.kv_transfer_host, port=config.kv_transfer_port,
@@ -190,6 +198,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             self.adapters.close()
         self.exchange.sender.close()
         self.transfer.close()
+        self.runner.close()
         os.close(self._wakeup_w)
         os.close(self.wakeup_fd)
 

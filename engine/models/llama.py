@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.lora.layers import LoraLinear
 from engine.models.fp8 import Fp8Activation, Fp8Linear, Fp8Output
+from engine.models.parallel import TensorParallel
 from microserve.model_config import ModelConfig
 
 
@@ -177,9 +178,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    """config: this rank's shapes (TensorParallel.local_config): its heads only; o_proj's
+    partial products are summed over the ranks."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = tp
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -192,7 +197,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
     ) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, rotary, attn))
+        return self.tp.all_reduce(self.o_proj(self.attend(self.qkv_proj(x), positions, rotary,
+                                                          attn)))
 
     def attend(
         self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
@@ -207,8 +213,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.tp = tp  # config has this rank's rows; down's partial products are summed
         # rows: [ gate (intermediate) | up (intermediate) ]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -217,20 +224,20 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if isinstance(self.down_proj, Fp8Linear):  # SiLU·mul inside its input's quantization
-            return self.down_proj(gate_up, gated=True)
+            return self.tp.all_reduce(self.down_proj(gate_up, gated=True))
         if self.use_triton:
             from engine.kernels.fused import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(silu_and_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # one-token steps through the Triton GEMV kernels (set by use_triton_kernels)
@@ -271,13 +278,13 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = sa.attend(qkv, positions, rotary, attn), summed
         out = gemv(x, **_gemv_weight(sa.o_proj))
         _lora_one_row(sa.o_proj, x, out)
-        x = out
+        x = sa.tp.all_reduce(out)
         gate_up, summed = rms_norm_gemv(x, residual, norm2.weight, norm2.eps,
                                         **_gemv_weight(mlp.gate_up_proj))  # fmt: skip
         _lora_one_row(mlp.gate_up_proj, summed, gate_up, norm=(norm2.weight, norm2.eps))
         out = gemv(gate_up, gated=True, **_gemv_weight(mlp.down_proj))
         _lora_one_row(mlp.down_proj, gate_up, out, gated=True)
-        return out, summed
+        return mlp.tp.all_reduce(out), summed
 
 
 def _lora_one_row(proj: nn.Module, x: torch.Tensor, out: torch.Tensor, **form) -> None:
@@ -302,11 +309,11 @@ def _project_into(proj: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # replicated
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -323,17 +330,21 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Module names mirror transformers' (`model.layers.N.self_attn...`) so checkpoint names map
-    one to one, except the fused `qkv_proj` and `gate_up_proj` (see loader.py)."""
+    one to one, except the fused `qkv_proj` and `gate_up_proj` (see loader.py).
 
-    def __init__(self, config: ModelConfig):
+    With `tp` of more than one rank the model is this rank's share (engine/models/parallel.py):
+    `config` is then the rank's shapes (`TensorParallel.local_config` of the model's)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.config = config = tp.local_config(config)
+        self.model = LlamaModel(config, tp)
         # tied: compute_logits reads the embedding matrix, so there is one weight to load
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, tp.vocab_per_rank(config.vocab_size), bias=False)
         )
         self.gemv_logits = False  # one-row logits through the Triton GEMV (use_triton_kernels)
 
@@ -359,8 +370,9 @@ class LlamaForCausalLM(nn.Module):
             x = m.layers[0].input_layernorm(x)
         else:
             prev = m.layers[i - 1]
-            x, _ = prev.post_attention_layernorm(prev.self_attn.o_proj(bufs.attn_out[:t]),
-                                                 residual)  # fmt: skip
+            attn = prev.self_attn
+            out = attn.tp.all_reduce(attn.o_proj(bufs.attn_out[:t]))
+            x, _ = prev.post_attention_layernorm(out, residual)
             last = i == len(m.layers)
             x, _ = (m.norm if last else m.layers[i].input_layernorm)(prev.mlp(x), residual)
             if last:
@@ -374,14 +386,21 @@ class LlamaForCausalLM(nn.Module):
                  v.view(t, sa.num_kv_heads, sa.head_dim))  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the hidden rows [N, hidden] the runner samples from."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """Float32 logits [N, vocab] for the hidden rows [N, hidden] the runner samples from
+        (under tensor parallelism a collective: every rank calls it and gets the whole rows)."""
+        vocab, tp = self.config.vocab_size, self.tp
+        if self.lm_head is None:  # tied: this rank's rows of the (replicated) embedding
+            weight = self.model.embed_tokens.weight[tp.vocab_rows(vocab)]
+        else:
+            weight = self.lm_head.weight
         if self.gemv_logits and hidden.shape[0] == 1:
             from engine.kernels.gemv import gemv
 
-            return gemv(hidden, weight, torch.empty(1, weight.shape[0], dtype=torch.float32,
-                                                    device=hidden.device))
-        return F.linear(hidden, weight).float()
+            logits = gemv(hidden, weight, torch.empty(1, weight.shape[0], dtype=torch.float32,
+                                                      device=hidden.device))
+        else:
+            logits = F.linear(hidden, weight).float()
+        return tp.gather_vocab(logits, vocab)
 
     def use_triton_kernels(self, enabled: bool = True, gemv: bool = False) -> None:
         """Run norms and SiLU*mul as the fused Triton kernels (CUDA); attention and RoPE are
@@ -409,8 +428,8 @@ class LlamaForCausalLM(nn.Module):
         # norm, the final one), which applies their scales at decode sizes (fp8.Fp8Output)
         for layer in self.model.layers:
             for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                if isinstance(proj, Fp8Linear):
-                    proj.defer_scales = (proj.use_triton
+                if isinstance(proj, Fp8Linear):  # (not across ranks: the sum needs the values)
+                    proj.defer_scales = (proj.use_triton and self.tp.size == 1
                                          and rms_norm_fp8_fits(proj.weight.shape[0]))
         self.gemv_logits = gemv
 

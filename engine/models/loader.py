@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from engine.models import fp8
 from engine.models.llama import LlamaForCausalLM
+from engine.models.parallel import TensorParallel
 from microserve.model_config import ModelConfig
 from microserve.random_models import RANDOM_WEIGHTS_MARKER
 
@@ -25,12 +26,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    quantization: str | None = None,
+    quantization: str | None = None, tp: TensorParallel = TensorParallel(),
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `model_dir`'s config.json and load its weights; `quantization`
     "fp8" then quantizes the decoder layers' projections (engine/models/fp8.py). A checkpoint
     whose config.json has an fp8 `quantization_config` loads its fp8 projections as they are
     stored, with or without `quantization` (fp8.checkpoint_scheme).
+
+    With `tp` of more than one rank, builds and loads this rank's share of every weight
+    (engine/models/parallel.py); the config returned is still the whole model's.
 
     Returns the model in eval mode with gradients off, and its config. Raises ValueError naming
     the weights when the checkpoint lacks some the model needs, has ones it does not know, or
@@ -49,17 +53,17 @@ def load_model(
     if fp8_checkpoint:
         fp8.check_supported(torch.device(device), f"the fp8 checkpoint {model_dir}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model.to(dtype=dtype)
     model.to_empty(device=device)
     marker = model_dir / RANDOM_WEIGHTS_MARKER
     if marker.is_file():
-        _random_weights(model, seed=int(marker.read_text().strip() or 0))
+        _random_weights(model, seed=int(marker.read_text().strip() or 0), whole=config)
     else:
         files = _safetensors_files(model_dir)
         if fp8_checkpoint:
             _fp8_projections(model, files)
-        _load_weights(model, files, fp8_checkpoint)
+        _load_weights(model, files, fp8_checkpoint, whole=config)
     if quantization == "fp8":
         fp8.quantize_model(model)
     model.reset_cache()
@@ -69,15 +73,24 @@ def load_model(
 
 
 @torch.no_grad()
-def _random_weights(model: LlamaForCausalLM, seed: int) -> None:
+def _random_weights(model: LlamaForCausalLM, seed: int, whole: ModelConfig) -> None:
     """Synthetic models (microserve/random_models.py): N(0, 0.02) matrices, unit norms, drawn
-    on the model's device so an 8B model fills in seconds."""
+    on the model's device so an 8B model fills in seconds. A rank of a tensor-parallel model
+    draws each whole matrix, in the same order, and keeps its share: every rank count serves
+    the same model."""
+    tp = model.tp
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    if tp.size > 1:
+        with torch.device("meta"):
+            shapes = {name: p.shape for name, p in LlamaForCausalLM(whole).named_parameters()}
     for name, param in model.named_parameters():
         if param.dim() == 1:
             param.fill_(1.0)
-        else:
+        elif tp.size == 1:
             param.normal_(0.0, 0.02, generator=gen)
+        else:
+            full = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
+            param.copy_(tp.shard_parameter(name, full.normal_(0.0, 0.02, generator=gen), whole))
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -156,8 +169,10 @@ def _fp8_projections(model: LlamaForCausalLM, files: list[Path]) -> None:
                 linear.weight.device))  # fmt: skip
 
 
-def _load_weights(model: LlamaForCausalLM, files: list[Path], fp8_checkpoint: bool = False
-                  ) -> None:
+def _load_weights(model: LlamaForCausalLM, files: list[Path], fp8_checkpoint: bool = False,
+                  whole: ModelConfig | None = None) -> None:
+    """`whole`: the unsharded model's config, for a rank of a tensor-parallel one to cut its
+    share out of each checkpoint tensor."""
     # the parameters and the fp8 projections' weight and scale buffers
     params = dict(model.state_dict(keep_vars=True))
     fused = fused_rows(model.config)
@@ -174,7 +189,8 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path], fp8_checkpoint: bo
                 if target not in params:
                     unexpected.append(name)
                     continue
-                _copy_rows(params[target], start, rows, f.get_tensor(name), name)
+                tensor = model.tp.shard_checkpoint(name, f.get_tensor(name), whole or model.config)
+                _copy_rows(params[target], start, rows, tensor, name)
                 missing.pop((target, start), None)
     problems = []
     if missing:

@@ -1,0 +1,51 @@
+"""Joining a tensor-parallel engine's process group."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import signal
+import socket
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.model_runner import rank_device
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (for the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(config: EngineConfig, rank: int, init_method: str) -> None:
+    """Join the group of config.tensor_parallel_size ranks as `rank`: NCCL when the engine is
+    on CUDA (each rank's GPU made current first), gloo on the CPU. Every collective of the
+    group, this one included, fails after config.tensor_parallel_timeout_s instead of
+    hanging on a rank that stopped. One all-reduce follows, so the communicator exists
+    before any CUDA graph is captured (a capture cannot create it)."""
+    size = config.tensor_parallel_size
+    device = rank_device(config.device, rank)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=config.tensor_parallel_timeout_s),
+        **({"device_id": device} if cuda else {}),
+    )  # fmt: skip
+    dist.all_reduce(torch.ones(1, device=device))
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when the process that started it exits (Linux), so a
+    worker never outlives its engine, however rank 0 ends."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not Linux: rank 0's watchdog and the pipe's EOF still end the worker
+        return
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -1,0 +1,167 @@
+"""Rank 0's model runner of a tensor-parallel engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner, rank_device
+from engine.models.parallel import TensorParallel
+from engine.sampler import PendingSample
+from engine.tp import worker
+from engine.tp.group import free_port, join
+
+log = logging.getLogger("microserve.tp")
+
+# exit status of the core process when a worker rank died: the frontend then exits, and `up`
+# restarts the engine like any other that died
+RANK_DIED_EXIT = 70
+
+
+class TensorParallelRunner:
+    """The ModelRunner the engine core sees, over config.tensor_parallel_size ranks: it starts
+    the workers, holds rank 0's share itself (`local`) and sends each call that runs a
+    collective to every worker before making it here. Everything else — attributes, the KV
+    cache the core's KV sender writes into — is rank 0's runner's.
+
+    A worker that dies ends the engine at once (a watchdog thread): the other ranks would
+    otherwise wait on its next collective, and a rank cannot rejoin a group mid-run.
+    Raises RuntimeError at start when a worker cannot start, with its reason.
+    """
+
+    def __init__(self, config: EngineConfig, dtype: torch.dtype):
+        size = config.tensor_parallel_size
+        _check_devices(config.device, size)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._closing = False
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            # a fresh interpreter (CUDA cannot be forked; spawn would re-import our __main__),
+            # given one end of a socket pair for rank 0's calls
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.tp.worker", "--rank", str(rank),
+                 "--fd", str(theirs.fileno()), "--init-method", init_method,
+                 "--config", json.dumps(asdict(config))],
+                pass_fds=(theirs.fileno(),))  # fmt: skip
+            theirs.close()
+            self._conns.append(Connection(ours.detach()))
+            self._procs.append(proc)
+        try:
+            # every rank loads its share at once, then they join: a rank that cannot load
+            # says why before anyone waits on the group
+            self.tp = TensorParallel(size, 0)
+            self.local = ModelRunner(config, dtype, self.tp)
+            for rank in range(1, size):
+                self._wait_ready(rank)
+            join(config, 0, init_method)
+        except BaseException:
+            self.close()
+            raise
+        for rank, proc in enumerate(self._procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}",
+                             daemon=True).start()
+        log.info("tensor parallel: %d ranks on %s", size,
+                 ", ".join(str(d) for d in _rank_devices(config.device, size)))
+
+    def _wait_ready(self, rank: int) -> None:
+        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
+        while not conn.poll(0.1):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited while starting (status "
+                                   f"{proc.returncode})")
+        try:
+            status, why = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"tensor-parallel rank {rank} exited while starting (status "
+                               f"{proc.wait()})") from None
+        if status != "ready":
+            raise RuntimeError(f"tensor-parallel rank {rank} did not start: {why}")
+
+    def __getattr__(self, name: str):
+        return getattr(self.local, name)
+
+    def _send(self, name: str, *args, **kwargs) -> None:
+        assert name in worker.CALLS, name
+        for conn in self._conns:
+            conn.send((name, args, kwargs))
+
+    # ---- the calls with collectives -------------------------------------------------------
+
+    def num_pages_for(self, max_model_len: int) -> int:
+        self._send("num_pages_for", max_model_len)
+        return worker.agreed_num_pages(self.tp, self.local.num_pages_for(max_model_len),
+                                       self.local.device)
+
+    def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True,
+                    pool: torch.Tensor | None = None) -> None:
+        self._send("allocate_kv", num_pages, max_model_len, capture_graphs)
+        self.local.allocate_kv(num_pages, max_model_len, capture_graphs, pool)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor | None:
+        self._send("forward", *args, **kwargs)
+        return self.local.forward(*args, **kwargs)
+
+    def sample(self, logits: torch.Tensor, *args, **kwargs) -> PendingSample:
+        pending = self.local.sample(logits, *args, **kwargs)
+        self._send("take_sampled", pending.token_ids.shape[0])
+        self.tp.broadcast(pending.token_ids)
+        return pending
+
+    def score(self, rows: list[int], token_ids: list[int], num_top: list[int]
+              ) -> list[PendingSample]:
+        self._send("score", rows)
+        return self.local.score(rows, token_ids, num_top)
+
+    # ---- life ---------------------------------------------------------------------------
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        """End the engine when worker `rank` exits while it runs."""
+        status = proc.wait()
+        if self._closing:
+            return
+        log.error("tensor-parallel rank %d exited (status %s): the engine stops", rank, status)
+        os._exit(RANK_DIED_EXIT)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tell the workers to stop and wait for them (killed after `timeout_s`)."""
+        self._closing = True
+        for conn in self._conns:
+            try:
+                conn.send(("close", (), {}))
+            except OSError:  # already gone
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rank_devices(device: str, size: int) -> list[torch.device]:
+    return [rank_device(device, rank) for rank in range(size)]
+
+
+def _check_devices(device: str, size: int) -> None:
+    """Refuse a CUDA engine whose ranks would need GPUs the machine does not have."""
+    last = _rank_devices(device, size)[-1]
+    if last.type == "cuda" and last.index >= torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} on {device} needs GPUs up to cuda:"
+                         f"{last.index}; this machine has {torch.cuda.device_count()}")

@@ -1,0 +1,220 @@
+"""Tensor parallelism on the CPU (gloo): an engine split over 2, 3 or 4 processes gives the
+greedy tokens of one process and of Hugging Face, with chunked prefill, async scheduling,
+prefix-cache hits and KV heads replicated where the ranks outnumber them; the cut itself
+reassembles to the whole weights; what cannot be split is refused with the numbers; a rank
+that dies ends its engine instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from conftest import hf_greedy
+from daemons import Daemon, gone_within
+from engine.config import EngineConfig
+from engine.models.parallel import TensorParallel
+from microserve.model_config import ModelConfig
+from microserve.random_models import materialize
+from test_engine_core import N_NEW, greedy, make_core, random_prompts, run_all
+
+LENGTHS = [1, 5, 17, 40, 64, 90]
+
+
+def tp_core(model_dir, size, **kw):
+    kw.setdefault("cpu_threads", 1)  # the ranks share the machine's cores
+    return make_core(model_dir, tensor_parallel_size=size, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(tiny_model_dir):
+    prompts = random_prompts(LENGTHS)
+    return prompts, hf_greedy(tiny_model_dir, prompts, N_NEW)
+
+
+@pytest.mark.parametrize("size,overlap", [(2, False), (2, True), (4, False)],
+                         ids=["tp2-sync", "tp2-async", "tp4-replicated-kv-heads"])
+def test_tiny_equals_hf(tiny_model_dir, tiny_ref, size, overlap):
+    """The tiny model (4 heads, 2 KV heads, untied head): TP 4 puts one q head on each rank
+    and each KV head on two. A budget of 7 tokens chunks every long prompt; the second round
+    hits the prefix cache."""
+    prompts, ref = tiny_ref
+    core = tp_core(tiny_model_dir, size, max_num_batched_tokens=7, async_scheduling=overlap)
+    try:
+        assert core.runner.shape.num_heads == 4 // size
+        assert core.runner.shape.num_kv_heads == max(1, 2 // size)
+        assert core.runner.kv.kv.shape[-2] == max(1, 2 // size)  # the rank's KV heads only
+        for round_ in range(2):
+            got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+            for i, expected in enumerate(ref):
+                assert got[f"r{i}"][0] == expected, f"round {round_}, prompt {i}"
+            if round_:
+                assert got["r5"][1] == (90 // 4) * 4  # whole pages of the prompt were cached
+    finally:
+        core.close()
+
+
+def test_smollm2_tp3_equals_hf(smollm2_dir):
+    """SmolLM2-135M (9 heads, 3 KV heads, tied embeddings: the LM head is each rank's rows of
+    the replicated embedding) split over 3 ranks: 2 is refused, its heads do not divide."""
+    from microserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(smollm2_dir)
+    prompts = [tok.encode("The capital of France is"),
+               tok.encode("def fibonacci(n):\n    ")]
+    ref = hf_greedy(smollm2_dir, prompts, 16)
+    core = tp_core(smollm2_dir, 3, page_size=16, num_pages=64)
+    try:
+        got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(16))
+        assert [got[f"r{i}"][0] for i in range(2)] == ref
+    finally:
+        core.close()
+
+
+def test_random_weights_are_the_same_model_at_every_size(tmp_path):
+    """random:tiny drawn by 2 ranks (each draws every whole matrix and keeps its share) is
+    the model one process draws: the same greedy tokens."""
+    model = str(materialize("random:tiny", tmp_path))
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts([3, 30], vocab=2048))}
+    one = run_all(make_core(model), prompts)
+    core = tp_core(model, 2)
+    try:
+        assert run_all(core, prompts) == one
+    finally:
+        core.close()
+
+
+# ---- the cut, without processes ---------------------------------------------------------------
+
+
+def test_the_shares_reassemble_to_the_whole_weights():
+    """Each rank's share of every kind of weight, put back together, is the whole weight: q,
+    k, v by heads (KV heads replicated when fewer than ranks), gate and up by rows, o and down
+    by columns, the LM head by vocabulary rows padded to equal shares."""
+    config = ModelConfig.from_dicts("t", {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 301, "hidden_size": 16,
+        "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+    }, {})  # fmt: skip
+    d, q, kv = 4, 16, 8  # head_dim, q rows, k (and v) rows
+    qkv = torch.arange((q + 2 * kv) * 16.0).reshape(q + 2 * kv, 16)
+    o = torch.arange(16 * q * 1.0).reshape(16, q)
+    head = torch.arange(301 * 16.0).reshape(301, 16)
+    for size in (2, 4):
+        shares = [TensorParallel(size, r) for r in range(size)]
+        cut = [tp.shard_parameter("model.layers.0.self_attn.qkv_proj.weight", qkv, config)
+               for tp in shares]
+        q_rows = q // size
+        assert torch.equal(torch.cat([c[:q_rows] for c in cut]), qkv[:q])
+        k_rows = cut[0].shape[0] - q_rows
+        assert k_rows == 2 * max(d, kv // size)
+        if size == 4:  # two ranks per KV head: ranks 0, 1 hold head 0; ranks 2, 3 head 1
+            assert torch.equal(cut[0][q_rows:], cut[1][q_rows:])
+            assert torch.equal(cut[2][q_rows : q_rows + d], qkv[q + d : q + 2 * d])
+        else:
+            assert torch.equal(torch.cat([c[q_rows : q_rows + kv // 2] for c in cut]),
+                               qkv[q : q + kv])
+        o_cut = [tp.shard_parameter("model.layers.0.self_attn.o_proj.weight", o, config)
+                 for tp in shares]
+        assert torch.equal(torch.cat(o_cut, dim=1), o)
+        head_cut = [tp.shard_parameter("lm_head.weight", head, config) for tp in shares]
+        per = -(-301 // size)
+        assert all(h.shape == (per, 16) for h in head_cut)
+        assert torch.equal(torch.cat(head_cut)[:301], head)
+        assert not torch.cat(head_cut)[301:].any()  # padding rows are zero
+        # a checkpoint's separate k_proj, cut the same way
+        k = qkv[q : q + kv]
+        k_cut = [tp.shard_checkpoint("model.layers.0.self_attn.k_proj.weight", k, config)
+                 for tp in shares]
+        assert all(torch.equal(c, cut[r][q_rows : q_rows + k_rows // 2])
+                   for r, c in enumerate(k_cut))
+
+
+@pytest.mark.parametrize("size,problem", [
+    (3, "num_attention_heads 4 is not divisible by it; num_key_value_heads 2 is neither a "
+        "multiple nor a divisor of it; intermediate_size 128 is not divisible by it"),
+    (8, "num_attention_heads 4 is not divisible by it"),
+])  # fmt: skip
+def test_sizes_that_do_not_divide_the_model_are_refused(tiny_model_dir, size, problem):
+    name = Path(tiny_model_dir).name
+    with pytest.raises(ValueError) as e:
+        EngineConfig(model=tiny_model_dir, tensor_parallel_size=size)
+    assert str(e.value).startswith(f"tensor_parallel_size {size} does not fit model {name}: ")
+    assert problem in str(e.value)
+
+
+@pytest.mark.parametrize("kw,what", [
+    ({"enable_lora": True}, "LoRA adapters"),
+    ({"kv_host_memory_gb": 1.0}, "the host KV tier"),
+    ({"kv_transfer": "shm"}, "--kv-transfer shm"),
+    ({"tensor_parallel_size": 0}, None),
+])  # fmt: skip
+def test_what_tensor_parallel_engines_cannot_do_yet_is_refused(tiny_model_dir, kw, what):
+    kw = {"tensor_parallel_size": 2, **kw}
+    with pytest.raises(ValueError, match=(f"{what} and tensor_parallel_size 2 do not work "
+                                          "together yet" if what else
+                                          "tensor_parallel_size must be in \\[1, 64\\], got 0")):
+        EngineConfig(model=tiny_model_dir, **kw)
+    # auto: no KV transfer for a tensor-parallel engine, with or without a key
+    assert EngineConfig(model=tiny_model_dir, tensor_parallel_size=2).resolved_kv_transfer() \
+        == "none"
+
+
+# ---- a daemon: HTTP, then a rank killed -------------------------------------------------------
+
+
+def _workers(core_pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{core_pid}/task").iterdir():
+        children += map(int, (task / "children").read_text().split())
+    return children
+
+
+def test_engine_serves_then_ends_when_a_rank_dies(tiny_served_dir, tiny_ref, tmp_path):
+    """`microserve engine --tensor-parallel-size 2` answers /v1/completions with Hugging
+    Face's greedy tokens; SIGKILL of its worker rank ends the whole engine within seconds
+    (no hang on the collective the worker will never join), saying which rank died."""
+    prompts, ref = tiny_ref
+    daemon = Daemon(tiny_served_dir, tmp_path / "engine.log", "tp", "--tensor-parallel-size",
+                    "2", "--cpu-threads", "1", "--num-pages", "128", "--page-size", "4")
+    try:
+        daemon.wait_ready()
+        r = daemon.http.post("/v1/completions", json={
+            "model": "tp", "prompt": prompts[3], "max_tokens": N_NEW, "temperature": 0,
+            "ignore_eos": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].split() == [f"<{t}>" for t in ref[3]]
+        core = daemon.core_pid()
+        workers = _workers(core)
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        assert daemon.proc.wait(30) != 0
+        assert gone_within(core, 10)
+        assert "tensor-parallel rank 1 exited (status -9): the engine stops" in daemon.log()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop()
+
+
+def test_a_stopped_engine_takes_its_ranks_with_it(tiny_served_dir, tmp_path):
+    """SIGTERM (a clean stop): the engine exits 0 and no worker rank is left behind."""
+    daemon = Daemon(tiny_served_dir, tmp_path / "engine.log", "tp", "--tensor-parallel-size",
+                    "2", "--cpu-threads", "1", "--num-pages", "64", "--page-size", "4")
+    try:
+        daemon.wait_ready()
+        workers = _workers(daemon.core_pid())
+        assert daemon.stop() == 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(gone_within(w, 0.1) for w in workers):
+            pass
+        assert all(gone_within(w, 0.1) for w in workers), daemon.log()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{daemon.url}/health", timeout=2)
