@@ -21,6 +21,8 @@ import pytest
 from conftest import DAEMON_LOGS
 from daemons import IDLE_KEYS, Daemon, serve
 
+pytestmark = pytest.mark.slow
+
 QUEUE_TIMEOUT_S = 0.25
 LONG_TOKENS = 480  # the seat holder's output: ~0.8 s on this model, past the queue time
 PROMPT = [(7 * i + 5) % 256 for i in range(24)]
