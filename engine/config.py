@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.policies import POLICIES  # plain data: no torch
+from microserve.backend import QUEUE_TIMEOUT_S
 from microserve.nvshmem_group import check_member
 
 MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will consume
@@ -121,6 +122,10 @@ class EngineConfig:
     # than tensor_parallel_timeout_s on a rank fails instead of hanging.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
+    # A request sent to this engine's own /v1 that no step has started on within this long
+    # fails with a 503 (code queue_timeout) and Retry-After, holding nothing; the router's
+    # calls carry the router's own queue_timeout_s instead. The router's default.
+    queue_timeout_s: float = QUEUE_TIMEOUT_S
     # LoRA adapters (engine/lora/, docs/lora.md): (name, path) served from the start; on with
     # any of them or with enable_lora (adapters then come through /v1/load_lora_adapter).
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -182,6 +187,8 @@ class EngineConfig:
             raise ValueError(f"need 0 <= kv_recv_wait_s ({self.kv_recv_wait_s}) <= "
                              f"kv_recv_wait_max_s ({self.kv_recv_wait_max_s}) <= "
                              f"{MAX_LEASE_S:.0f}")
+        if not 0 < self.queue_timeout_s <= 3600:  # NaN fails too; the router's bounds
+            raise ValueError(f"queue_timeout_s must be in (0, 3600] s, got {self.queue_timeout_s}")
         for name in ("blas_library", "eager_blas_library"):
             if getattr(self, name) not in BLAS_LIBRARIES:
                 raise ValueError(f"{name} must be one of {', '.join(BLAS_LIBRARIES)}; got "

@@ -189,6 +189,10 @@ def lora_options(p) -> None:
                         "no wait_s (then a 503)")
     _config_option(p, "--kv-recv-wait-max-s", type=float,
                    help="the longest wait_s a prep_recv may name")
+    _config_option(p, "--queue-timeout-s", type=float, metavar="SECONDS",
+                   help="a request to this engine's own /v1 that no step has started on "
+                        "within this long gets a 503 (code queue_timeout) with Retry-After; a "
+                        "router's requests carry the router's --queue-timeout-s instead")
     log_level_option(p)
 
 

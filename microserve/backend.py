@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 
 from microserve.messages import GenerateChunk, SamplingParams
 
+# How long a request may wait for an engine to start computing it before it gets a 503 (code
+# queue_timeout): the default of the router's queue_timeout_s and of an engine's own
+# --queue-timeout-s (its /v1); one default for both, so an engine alone bounds what a router does
+QUEUE_TIMEOUT_S = 60.0
+# What a client whose request found no room (or waited its queue time) is told: Retry-After
+RETRY_AFTER_S = 5
+
 
 class BackendUnavailable(Exception):
     """The backend cannot take the request now (engine down, KV full): maps to HTTP 503, with

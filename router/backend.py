@@ -31,8 +31,8 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from microserve.backend import (CLIENT, BackendError, BackendUnavailable, GenerateBackend,
-                                MicroservingError)
+from microserve.backend import (CLIENT, RETRY_AFTER_S, BackendError, BackendUnavailable,
+                                GenerateBackend, MicroservingError)
 from microserve.messages import GenerateChunk, SamplingParams
 from microserve.metrics import Registry
 from router.arms import ArmMetrics
@@ -46,7 +46,6 @@ log = logging.getLogger("microserve.router")
 
 RETRY_STATUSES = (502, 503)  # transfer failed / no KV space now: another engine may do
 RETRY_BACKOFF_S = 0.1  # before the first retry; doubled for each one after it
-RETRY_AFTER_S = 5  # what a client is told when the engines had no room for its request
 # 503s of a request that waited its queue time (D's pages, P's start): tried again, it would
 # only wait again
 QUEUE_TIMEOUTS = ("kv_wait_timeout", "queue_timeout")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import Field, dataclass, field, fields
 
+from microserve.backend import QUEUE_TIMEOUT_S
 from microserve.http_limits import HttpLimits
 from router.engines import LIVENESS_TIMEOUT_S
 
@@ -52,7 +53,7 @@ class RouterSettings:
         None, "the directory PUT /admin/strategy {\"path\": ...} may load .py files from "
               "(unset: built-ins and uploads only)", up=True)
     queue_timeout_s: float = _setting(
-        60.0, "how long a request may wait for KV pages on a receiving engine, or for a "
+        QUEUE_TIMEOUT_S, "how long a request may wait for KV pages on a receiving engine, or for a "
               "prefill engine to start computing it, before it gets a 503 with Retry-After",
         up=True)
     liveness_timeout_s: float = _setting(

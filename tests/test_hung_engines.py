@@ -6,7 +6,8 @@ A stopped engine (SIGSTOP of the whole engine, or of its core alone) loses its r
 the liveness timeout, not the 30-s health timeout of before: a stream from it ends with an
 error, new requests are served without it, and SIGCONT brings it back. A prefill engine that
 does not start on a request within the queue timeout gets it a 503 with Retry-After, aborted
-everywhere, nothing left held. After each test both engines hold nothing.
+everywhere, nothing left held; so does an engine a data-parallel request went to. After each
+test both engines hold nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def engines(up: Up) -> dict[str, dict]:
     r = httpx.get(up.url + "/admin/engines", headers=AUTH)
     assert r.status_code == 200, r.text
     return {e["name"]: e for e in r.json()["engines"]}
+
+
+def use_strategy(up: Up, builtin: str) -> None:
+    r = httpx.put(up.url + "/admin/strategy", json={"builtin": builtin}, headers=AUTH)
+    assert r.status_code == 200, r.text
 
 
 def wait_state(up: Up, name: str, state: str, timeout_s: float) -> float:
@@ -144,15 +150,11 @@ def test_a_stopped_engine_loses_its_requests_within_the_liveness_timeout(up, wha
     assert metric(up, "microserve_router_engine_down_total") == down_before + 1
 
 
-def test_a_prefill_engine_that_does_not_start_in_the_queue_time_gets_a_503(up):
-    """P's core is held (SIGSTOP, 1.2 s: less than the liveness timeout, so P is up but does
-    not start): the request waits its 0.4-s queue time there and the client gets a 503 with
-    Retry-After, not retried; the request is aborted on D and P, which hold nothing."""
-    p_url = up.engine_urls["p"]
-    before = engine_stats(p_url)["stats"]["kv_send_queue_timeouts"]
-    retries = metric(up, "microserve_router_retries_total")
-    core = pids(up, "p", "core")
-    signal_all(core, signal.SIGSTOP)
+def sent_while_stopped(up: Up, cores: list[int]) -> httpx.Response:
+    """A completion sent to the router while `cores` are held (SIGSTOP, 1.2 s: less than the
+    liveness timeout, so their engines are up but start nothing), past the 0.4-s queue time:
+    its answer, which came once the cores went on, not before."""
+    signal_all(cores, signal.SIGSTOP)
     try:
         started = time.monotonic()
         with httpx.Client(timeout=30) as http:
@@ -162,20 +164,57 @@ def test_a_prefill_engine_that_does_not_start_in_the_queue_time_gets_a_503(up):
             thread = threading.Thread(target=lambda: answer.append(http.send(pending)))
             thread.start()
             time.sleep(1.2)
-            signal_all(core, signal.SIGCONT)
+            signal_all(cores, signal.SIGCONT)
             thread.join(30)
     finally:
-        signal_all(core, signal.SIGCONT)
+        signal_all(cores, signal.SIGCONT)
     elapsed = time.monotonic() - started
+    assert 1.2 <= elapsed < 1.2 + 3.0, elapsed
     [r] = answer
+    return r
+
+
+def assert_queue_timeout(r: httpx.Response) -> None:
+    """The router's 503 for a request its engine did not start within the queue time."""
     assert (r.status_code, r.headers.get("retry-after")) == (503, "5"), r.text
     error = r.json()["error"]
     assert error["code"] == "queue_timeout"
     assert re.fullmatch(r"waited 0.4 s for this engine to start computing request 'cmpl-\w+' "
                         r"\(its queue_s\): it is busy; retry later", error["message"]), error
-    assert 1.2 <= elapsed < 1.2 + 3.0, elapsed
+
+
+def test_a_prefill_engine_that_does_not_start_in_the_queue_time_gets_a_503(up):
+    """P's core is held: the request waits its 0.4-s queue time there and the client gets a
+    503 with Retry-After, not retried; the request is aborted on D and P, which hold
+    nothing."""
+    p_url = up.engine_urls["p"]
+    before = engine_stats(p_url)["stats"]["kv_send_queue_timeouts"]
+    retries = metric(up, "microserve_router_retries_total")
+    assert_queue_timeout(sent_while_stopped(up, pids(up, "p", "core")))
     assert engine_stats(p_url)["stats"]["kv_send_queue_timeouts"] == before + 1
     assert metric(up, "microserve_router_retries_total") == retries  # not tried again
     assert engines(up)["p"]["state"] == "up"  # busy, not down
+    assert complete(up.url).status_code == 200
+
+
+def test_a_data_parallel_request_no_engine_starts_in_the_queue_time_gets_a_503(up):
+    """Under data_parallel the router sends its queue time with each start_generate: both
+    cores held, the request waits its 0.4 s on the engine it went to and the client gets a 503
+    with Retry-After, not retried (another engine's queue would only be waited in again); that
+    engine counts it, both stay up, and neither holds anything (the autouse check)."""
+    timeouts = {name: engine_stats(url)["stats"]["generate_queue_timeouts"]
+                for name, url in up.engine_urls.items()}
+    retries = metric(up, "microserve_router_retries_total")
+    use_strategy(up, "data_parallel")
+    try:
+        assert_queue_timeout(sent_while_stopped(up, pids(up, "p", "core") +
+                                                pids(up, "d", "core")))
+    finally:
+        use_strategy(up, "pd")
+    counted = {name: engine_stats(url)["stats"]["generate_queue_timeouts"] - timeouts[name]
+               for name, url in up.engine_urls.items()}
+    assert sorted(counted.values()) == [0, 1], counted  # one engine, tried once
+    assert metric(up, "microserve_router_retries_total") == retries
+    assert {e["state"] for e in engines(up).values()} == {"up"}
     assert complete(up.url).status_code == 200
 

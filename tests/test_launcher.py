@@ -31,6 +31,7 @@ from deployments import Up, stop_and_check, with_engine_key
 from launcher.cli import parser
 from launcher.credentials import admin_token
 from launcher.deployment import load_deployment
+from router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_PORT = 8000  # the port the README's commands name
@@ -432,13 +433,19 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
     [engine] = load_deployment(config).engines
     assert (engine.config.scheduling_policy, engine.config.scheduling_starvation_s,
             engine.config.mlfq_levels, engine.config.mlfq_base_quantum_s) == ("mlfq", 2.5, 4, None)
+    # an engine's own /v1 queue bound: the router's default unless given
+    assert engine.config.queue_timeout_s == RouterSettings().queue_timeout_s == 60.0
+    config.write_text('[[engines]]\nname = "e"\nargs = ["--queue-timeout-s", "2.5"]\n')
+    assert load_deployment(config).engines[0].config.queue_timeout_s == 2.5
     for args, message in [('["--page-size", "x"]', "argument --page-size: invalid int value"),
                           ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
                           ('["--no-such-option"]', "unrecognized arguments: --no-such-option"),
                           ('["--scheduling-policy", "sjf"]',
                            "argument --scheduling-policy: invalid choice: 'sjf'"),
                           ('["--scheduling-starvation-s", "0"]',
-                           r"scheduling_starvation_s must be in \(0, 86400\] s, got 0.0")]:
+                           r"scheduling_starvation_s must be in \(0, 86400\] s, got 0.0"),
+                          ('["--queue-timeout-s", "nan"]',
+                           r"queue_timeout_s must be in \(0, 3600\] s, got nan")]:
         config.write_text(f'[[engines]]\nname = "e"\nargs = {args}\n')
         with pytest.raises(ValueError, match=rf"engines\[0\] \(e\): {message}"):
             load_deployment(config)

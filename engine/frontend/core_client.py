@@ -20,12 +20,14 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 
 from engine.config import EngineConfig
 from microserve.backend import (
+    RETRY_AFTER_S,
     BackendUnavailable,
     GenerateBackend,
     MicroservingError,
@@ -226,8 +228,11 @@ class CoreClient(GenerateBackend):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, choices_of: str | None = None,
     ) -> AsyncIterator[GenerateChunk]:
-        # choices_of: the scheduler already computes a prompt once for all its choices
-        return self.start_generate(request_id, prompt_token_ids, 0, params, priority=priority)
+        """A request of this engine's own /v1: bounded by its queue_timeout_s, from now.
+        choices_of: unused, the scheduler already computes a prompt once for all its choices."""
+        return self.start_generate(request_id, prompt_token_ids, 0, params,
+                                   queue_s=self.config.queue_timeout_s,
+                                   received_at=time.perf_counter(), priority=priority)
 
     async def start_generate(
         self, request_id: str, prompt: list[int], begin: int, params: SamplingParams,
@@ -330,7 +335,10 @@ def _error(status: int, message: str, param: str | None, code: str | None = None
         return RequestRejected(message, param)
     if status >= 500 and status != 502 and status != 503:
         return RuntimeError(message)
-    return MicroservingError(status, message, param, code)
+    error = MicroservingError(status, message, param, code)
+    if code == "queue_timeout":  # the engine is busy: the client may come back later
+        error.retry_after = RETRY_AFTER_S
+    return error
 
 
 _STAT_HELP = {
