@@ -369,6 +369,9 @@ def main() -> None:
                     help="the engine's --quantization (fp8 weights)")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                     help="the engine's --kv-cache-dtype (fp8: an e4m3 KV cache)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="the engine over this many GPUs (cuda:0 and the next ones)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model_dir = str(resolve_model(args.model))
@@ -380,6 +383,8 @@ def main() -> None:
            {"max_piecewise_tokens": args.max_piecewise_tokens}),
         decode_gemv=not args.no_gemv, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         **({"blas_library": args.blas} if args.blas else {}),
         **({"eager_blas_library": args.eager_blas} if args.eager_blas else {}),
     )  # fmt: skip
@@ -387,6 +392,7 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "blas": config.blas_library, "eager_blas": config.eager_blas_library}  # fmt: skip
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
+    results["tensor_parallel_size"] = args.tensor_parallel_size
     results["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     core = EngineCore(config)
@@ -403,6 +409,7 @@ def main() -> None:
         results[name] = FIGURES[name](core, vocab)
         core.check_integrity()
         print(name, json.dumps(results[name]), flush=True)
+    core.close()  # the tensor-parallel ranks stop with it
     if "hf" in wanted:
         del core
         torch.cuda.empty_cache()

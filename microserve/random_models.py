@@ -45,6 +45,18 @@ RANDOM_MODELS = {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     },
+    # Llama-3.1-70B's shape (141 GB in bf16): for tensor-parallel figures on 2 GPUs
+    "llama-3.1-70b": {
+        **_LLAMA3_COMMON,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
     "llama-3.2-1b": {
         **_LLAMA3_COMMON,
         "hidden_size": 2048,

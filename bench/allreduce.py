@@ -1,0 +1,90 @@
+"""All-reduce latency at the sizes a tensor-parallel step sums: NCCL through torch.distributed,
+launched one by one (eager) and replayed from a CUDA graph (how decode steps run), per size.
+
+A decode step of an 8B model at batch B all-reduces B x 4,096 bf16 values twice per layer:
+8 KiB at batch 1, 1 MiB at batch 128. The figure per size is the median time of one
+all-reduce over `--iters`, measured with CUDA events on rank 0 (the ranks are in step after
+the first barrier).
+
+    python -m bench.allreduce --ranks 2 --sizes-kib 8,32,128,512,1024 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _time_ms(fn, iters: int) -> float:
+    """Median ms of `fn` over `iters` calls, each between two CUDA events."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, out: str | None
+          ) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ranks, device_id=torch.device("cuda", rank))
+    dist.all_reduce(torch.ones(1, device="cuda"))
+    rows = []
+    per_graph = 20  # all-reduces captured in one graph: its replay time / 20 is one's
+    for kib in sizes_kib:
+        x = torch.randn(kib * 1024 // 2, dtype=torch.bfloat16, device="cuda")
+        for _ in range(10):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        dist.barrier()
+        eager = _time_ms(lambda: dist.all_reduce(x), iters)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for _ in range(per_graph):
+                dist.all_reduce(x)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graphed = _time_ms(graph.replay, max(1, iters // per_graph)) / per_graph
+        rows.append({"kib": kib, "eager_us": eager * 1e3, "graph_us": graphed * 1e3})
+        if rank == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    if rank == 0 and out:
+        with open(out, "w") as f:
+            json.dump({"ranks": ranks, "device": torch.cuda.get_device_name(),
+                       "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                       "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows},
+                      f, indent=1)  # fmt: skip
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--sizes-kib", default="8,16,32,64,128,256,512,1024")
+    ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from engine.tp.group import free_port
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (lent machines)
+    sizes = [int(s) for s in args.sizes_kib.split(",")]
+    mp.spawn(_rank, args=(args.ranks, free_port(), sizes, args.iters, args.json),
+             nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()

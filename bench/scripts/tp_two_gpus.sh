@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Tensor parallelism on two GPUs (issue 43), each part bounded by a timeout, logs under $OUT:
+#   tests     the gpu-marked TP tests (fp32 TP 2 tokens equal TP 1's and Hugging Face's)
+#   allreduce NCCL all-reduce latency, eager and in a CUDA graph, 8 KiB to 1 MiB
+#   8b        random:llama-3.1-8b bf16 at TP 1 and TP 2: batch-1 decode, 8 x 4,096 prefill,
+#             128-sequence decode (bench.engine_gpu)
+#   70b       random:llama-3.1-70b at TP 2 (bf16 on cards of >= 100 GB, else fp8 weights):
+#             batch-1 decode and 128-sequence decode
+#
+#   OUT=/tmp/tp bash bench/scripts/tp_two_gpus.sh tests,allreduce,8b
+set -u
+OUT=${OUT:-/tmp/tp-two-gpus}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off (the lent machines)
+parts=",${1:-tests,allreduce,8b},"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpus.csv"
+if [[ $parts == *,tests,* ]]; then
+  timeout 300 python -m pytest -q -p no:cacheprovider -rs tests/test_gpu_tp.py \
+    > "$OUT/tests.log" 2>&1; echo "tests: $?"
+fi
+if [[ $parts == *,allreduce,* ]]; then
+  timeout 120 python -m bench.allreduce --json "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
+  echo "allreduce: $?"
+fi
+if [[ $parts == *,8b,* ]]; then
+  for tp in 1 2; do
+    timeout 300 python -m bench.engine_gpu --only decode1,prefill,decode128 \
+      --tensor-parallel-size $tp --json "$OUT/8b-tp$tp.json" > "$OUT/8b-tp$tp.log" 2>&1
+    echo "8b tp$tp: $?"
+  done
+fi
+if [[ $parts == *,70b,* ]]; then
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  quant=(); [[ $mem -lt 100000 ]] && quant=(--quantization fp8)
+  timeout 500 python -m bench.engine_gpu --model random:llama-3.1-70b "${quant[@]}" \
+    --only decode1,decode128 --tensor-parallel-size 2 --max-num-batched-tokens 2048 \
+    --json "$OUT/70b-tp2.json" > "$OUT/70b-tp2.log" 2>&1
+  echo "70b tp2 ${quant[*]}: $?"
+fi
