@@ -31,6 +31,8 @@ def join(config: EngineConfig, rank: int, init_method: str) -> None:
     device = rank_device(config.device, rank)
     cuda = device.type == "cuda"
     if cuda:
+        if device.index is None:  # rank 0 of --device cuda: the current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
