@@ -15,7 +15,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off (the le
 parts=",${1:-tests,allreduce,8b},"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpus.csv"
 if [[ $parts == *,tests,* ]]; then
-  timeout 300 python -m pytest -q -p no:cacheprovider -rs tests/test_gpu_tp.py \
+  PYTHONUNBUFFERED=1 timeout 240 python -m pytest -q -p no:cacheprovider -rs tests/test_gpu_tp.py \
     > "$OUT/tests.log" 2>&1; echo "tests: $?"
 fi
 if [[ $parts == *,allreduce,* ]]; then
@@ -32,7 +32,7 @@ fi
 if [[ $parts == *,70b,* ]]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   quant=(); [[ $mem -lt 100000 ]] && quant=(--quantization fp8)
-  timeout 500 python -m bench.engine_gpu --model random:llama-3.1-70b "${quant[@]}" \
+  timeout 330 python -m bench.engine_gpu --model random:llama-3.1-70b "${quant[@]}" \
     --only decode1,decode128 --tensor-parallel-size 2 --max-num-batched-tokens 2048 \
     --json "$OUT/70b-tp2.json" > "$OUT/70b-tp2.log" 2>&1
   echo "70b tp2 ${quant[*]}: $?"

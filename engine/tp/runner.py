@@ -13,14 +13,13 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 
 import torch
-import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, rank_device
 from engine.models.parallel import TensorParallel
 from engine.sampler import PendingSample
 from engine.tp import worker
-from engine.tp.group import free_port, join
+from engine.tp.group import free_port, join, leave
 
 log = logging.getLogger("microserve.tp")
 
@@ -151,8 +150,7 @@ class TensorParallelRunner:
                 proc.wait()
         for conn in self._conns:
             conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave()
 
 
 def _rank_devices(device: str, size: int) -> list[torch.device]:

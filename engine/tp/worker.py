@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> None:
             if name == "close":
                 break
             getattr(calls, name)(*args, **kwargs)  # raises: the process exits non-zero
-    dist.destroy_process_group()
+    # no teardown of the group: rank 0 is leaving it too, and the process's end frees the
+    # device (an orderly NCCL destroy can wait on the other ranks forever)
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
