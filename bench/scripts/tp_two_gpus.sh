@@ -6,6 +6,9 @@
 #             128-sequence decode (bench.engine_gpu)
 #   70b       random:llama-3.1-70b at TP 2 (bf16 on cards of >= 100 GB, else fp8 weights):
 #             batch-1 decode and 128-sequence decode
+#   hbm       the GPU's memory bandwidth (a large device copy), for the weights-read roofline
+#   serve     random:llama-3.1-70b through `microserve up deploy/gpu-tp2.toml`: bench.serve,
+#             200 requests of 1,024 in / 128 out at once
 #
 #   OUT=/tmp/tp bash bench/scripts/tp_two_gpus.sh tests,allreduce,8b
 set -u
@@ -36,4 +39,29 @@ if [[ $parts == *,70b,* ]]; then
     --only decode1,decode128 --tensor-parallel-size 2 --max-num-batched-tokens 2048 \
     --json "$OUT/70b-tp2.json" > "$OUT/70b-tp2.log" 2>&1
   echo "70b tp2 ${quant[*]}: $?"
+fi
+if [[ $parts == *,hbm,* ]]; then
+  timeout 60 python -c "
+import torch, time
+x = torch.empty(4 << 30, dtype=torch.uint8, device='cuda'); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+torch.cuda.synchronize(); t = time.perf_counter()
+for _ in range(20): y.copy_(x)
+torch.cuda.synchronize(); s = (time.perf_counter() - t) / 20
+print('hbm copy GB/s (read + write)', 2 * x.numel() / s / 1e9)" > "$OUT/hbm.log" 2>&1
+  echo "hbm: $?"
+fi
+if [[ $parts == *,serve,* ]]; then
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  model=random:llama-3.1-70b; [[ $mem -lt 100000 ]] && model=random:llama-3.1-8b
+  setsid python -m launcher.cli up deploy/gpu-tp2.toml --model $model --port 8000 \
+    > "$OUT/up.log" 2>&1 &
+  up=$!
+  for _ in $(seq 240); do
+    curl -sf http://127.0.0.1:8000/v1/models > /dev/null && break; sleep 1
+  done
+  timeout 240 python -m bench.serve --num-requests 200 --input-len 1024 --output-len 128 \
+    --vocab 128000 --json "$OUT/serve-$model.json" > "$OUT/serve.log" 2>&1
+  echo "serve $model: $?"
+  kill -INT -- -$up; sleep 5; kill -KILL -- -$up 2>/dev/null
 fi

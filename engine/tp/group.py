@@ -5,17 +5,13 @@ from __future__ import annotations
 import ctypes
 import datetime
 import signal
-import logging
 import socket
-import threading
 
 import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model_runner import rank_device
-
-log = logging.getLogger("microserve.tp")
 
 
 def free_port() -> int:
@@ -57,17 +53,11 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def leave(timeout_s: float = 10.0) -> None:
-    """Leave the group so this process may join another (in-process tests). NCCL: abort the
-    communicators; an orderly destroy waited forever on 2xH200 while CUDA graphs that hold
-    the communicator's kernels were alive, in the engine and in bench.allreduce alike. Bounded:
-    if it does not return within `timeout_s` the process goes on (its exit frees it)."""
-    if not dist.is_initialized():
-        return
-    nccl = dist.get_backend() == "nccl"
-    done = threading.Thread(target=dist.distributed_c10d._abort_process_group if nccl
-                            else dist.destroy_process_group, daemon=True)
-    done.start()
-    done.join(timeout_s)
-    if done.is_alive():
-        log.warning("leaving the tensor-parallel group took over %.0f s; going on", timeout_s)
+def leave() -> None:
+    """Leave the group so this process may join another (gloo: the in-process CPU tests).
+    NCCL's group is left as it is, for the process's end to free: with CUDA graphs holding
+    its kernels alive, both an orderly destroy and an abort waited on 2xH200 until a timeout
+    killed the process (bench.allreduce, the engine's close). A process joins one NCCL group
+    in its life (a CUDA engine core is one process per engine)."""
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        dist.destroy_process_group()
