@@ -4,9 +4,11 @@ microserve.messages.EngineInfo)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.policies import POLICIES  # plain data: no torch
 from microserve.backend import QUEUE_TIMEOUT_S
+from microserve.model_config import ModelConfig  # plain data: no torch
 from microserve.nvshmem_group import check_member
 
 MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will consume
@@ -231,8 +233,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
     def _check_tensor_parallel(self) -> None:
-        """What a tensor-parallel engine cannot do yet, refused before the model loads; the
-        model's heads must divide (ModelConfig.check_tensor_parallel)."""
+        """What a tensor-parallel engine cannot do yet, refused before the model loads, and a
+        rank count the model's heads do not divide (ModelConfig.check_tensor_parallel)."""
         size = self.tensor_parallel_size
         if not 1 <= size <= 64:
             raise ValueError(f"tensor_parallel_size must be in [1, 64], got {size}")
@@ -246,6 +248,7 @@ class EngineConfig:
             if asked:
                 raise ValueError(f"{what} and tensor_parallel_size {size} do not work together "
                                  "yet")
-        from microserve.model_config import ModelConfig  # plain data: no torch
-
-        ModelConfig.from_dir(self.model).check_tensor_parallel(size)
+        # a model not resolved to its directory yet (`up` reads deployment files before it
+        # fetches random:NAME) is checked when it loads (TensorParallel.local_config)
+        if (Path(self.model) / "config.json").is_file():
+            ModelConfig.from_dir(self.model).check_tensor_parallel(size)

@@ -218,3 +218,17 @@ def test_a_stopped_engine_takes_its_ranks_with_it(tiny_served_dir, tmp_path):
             daemon.stop()
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{daemon.url}/health", timeout=2)
+
+
+def test_a_model_not_resolved_yet_is_checked_when_it_loads(tmp_path):
+    """`up` reads a deployment file (each engine's args into an EngineConfig) before it
+    resolves `random:NAME` to a directory: the heads are checked at load instead."""
+    from engine.model_runner import ModelRunner
+
+    config = EngineConfig(model="random:tiny", tensor_parallel_size=3)  # no error yet
+    resolved = str(materialize("random:tiny", tmp_path))
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not fit model random-tiny: "
+                                         "num_attention_heads 4 is not divisible by it"):
+        ModelRunner(EngineConfig(**{**config.__dict__, "model": resolved,
+                                    "tensor_parallel_size": 1}), torch.float32,
+                    TensorParallel(3, 0))
