@@ -44,7 +44,7 @@ _PRIOR_B = 25e-6  # s per prompt token (Llama-3.1-8B on an H100: ~40k tokens/s)
 _PRIOR_A = 5e-3  # s per decode step at batch 1 (the same)
 
 
-class _Fit:
+class Fit:
     """y ≈ Σ x_i·θ_i by exponentially weighted least squares (normal equations, k <= 3).
 
     A prior keeps the fit defined where the data cannot separate two terms (a steady load
@@ -102,8 +102,8 @@ class BalanceModel:
         # decode step samples one per sequence) + b_D·prompt tokens.
         # Scales: a poll's typical counts; priors: D's prompt tokens as dear as P's (one
         # model, one GPU kind) and a decode step's batch adding a tenth per 64 sequences.
-        self.p = _Fit(scale=(1e4,))
-        self.d = _Fit(scale=(50.0, 1e3, 1e3))
+        self.p = Fit(scale=(1e4,))
+        self.d = Fit(scale=(50.0, 1e3, 1e3))
         self._last: dict[tuple[str, str], object] = {}  # (side, engine) -> stats last taken
         self._arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt, output)
 

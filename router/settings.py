@@ -44,8 +44,8 @@ class RouterSettings:
     # what each client connection may take; its fields are the options and keys
     http_limits: HttpLimits = _setting(HttpLimits, "what each client connection may take")
     strategy: str = _setting("data_parallel", "a built-in strategy (data_parallel, pd, "
-                                              "balanced_pd, context_migration) or a path to a "
-                                              ".py file")
+                                              "balanced_pd, context_migration, auto) or a path "
+                                              "to a .py file")
     strategy_args: dict = _setting(dict, "the strategy's constructor arguments (as JSON on the "
                                          "command line: '{\"ratio\": 0.2}')")
     watch_strategy: bool = _setting(False, "reload the strategy's file whenever it changes")

@@ -111,6 +111,8 @@ STRATEGIES = {
     "balanced_fixed": {"builtin": "balanced_pd", "args": {"ratio": 0.2}},
     "balanced_adaptive": {"builtin": "balanced_pd", "args": {"adaptive": True}},
     "context_migration": {"builtin": "context_migration", "args": {"min_tokens": 16}},
+    "auto": {"builtin": "auto"},
+    "auto_balanced": {"builtin": "auto", "args": {"kinds": ["balanced"], "ratios": [0.2]}},
 }
 
 
@@ -139,8 +141,11 @@ async def test_each_strategy_gives_the_greedy_tokens_of_one_engine(up, admin, to
     # The token-id prompt is new to both engines: what P sent is exactly the strategy's split
     # (pd: all of it, with the first token P sampled).
     n = len(ids_prompt)
+    # auto: idle engines, so the whole request on D costs least (no handover; nobody decoding
+    # on D to delay); restricted to balanced at 0.2, the fixed split's
     expected_sent = {"data_parallel": 0, "pd": n, "balanced_fixed": n - math.ceil(0.2 * n),
-                     "context_migration": 0}
+                     "context_migration": 0, "auto": 0,
+                     "auto_balanced": n - math.ceil(0.2 * n)}
     if strategy in expected_sent:
         assert sent - sent_before == expected_sent[strategy]
     else:  # adaptive, the model without data yet (a fresh instance): the start ratio 0.2

@@ -1,0 +1,135 @@
+"""The `auto` strategy's model: for one request, what each way of serving it costs.
+
+For a prompt of n tokens of which `held_e` are cached on engine e (the router's prefix index),
+each choice is priced from each engine's polled load — `queue_e`, the prompt tokens of its
+open calls not yet computed, and `m_e`, the sequences decoding on it — and from one fit of
+the engines' step time over the counters every engine reports, polled twice a second:
+
+    step seconds = a·steps + c·sampled tokens + b·prompt tokens        (Fit, weighted least
+                                                                        squares, as the
+                                                                        balance model's)
+    an engine e that prefills t tokens of it costs others   D_e(t) = b·t·m_e + λ_e·(b·t)²
+    whole on e:           TTFT = b·(queue_e + n − held_e) + a          delay = D_e(n − held_e)
+    P/D on (P, D):        TTFT = b·(queue_P + n − held_P) + a + h      delay = D_P(n − held_P)
+    balanced r on (P, D): TTFT = b·(queue_P + (n − held_P)·(1 − r)) + b·n·r + a + h
+                          delay = D_P((n − held_P)·(1 − r)) + D_D(n·r)
+
+`D_e(t)` is what the t tokens cost other requests: the m_e sequences decoding on e each wait
+them out (chunked prefill shares their steps), and the requests that arrive at e while they
+are computed (λ_e per second: the request rate the strategy sees, spread evenly over the
+engines) wait on average half of it each — λ_e·(b·t)² in all, as in an M/D/1 queue. The
+second term is what makes balanced P/D worth its transfer: D computes the tail as fast as P
+would, so it shortens no request's own TTFT, but it shortens P's queue for the next ones.
+`h` is the handover (its p50 on two H200s: 3.6–14 ms; `handover_s`, 5 ms). The cost of a
+choice is its TTFT plus the delay it adds; among choices whose TTFT meets the SLO
+(`slo_ttft_s`) the cheapest wins, else the one with the least TTFT. Ties go to the earlier
+choice in the order whole, P/D, balanced: fewer calls, no transfer.
+
+What this leaves out, and why it is a first version: the transfer's bandwidth (the same for
+every P/D choice of one prompt), the TPOT part of the SLO (not used to choose yet), and a
+measurement on GPUs (not run yet: issue 44's targets are open). No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.balance_model import Fit
+
+KINDS = ("whole", "pd", "balanced")
+_PRIOR = (5e-3, 5e-3 * 0.1 / 64, 25e-6)  # a, c, b: Llama-3.1-8B on an H100 (balance_model)
+_SCALE = (50.0, 1e3, 1e3)  # a poll's typical steps, sampled and prompt tokens
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to serve a request: `kind` "whole" (on `generate`), "pd" or "balanced" (with
+    `prefill` and the share `ratio` of the prompt D computes), its predicted TTFT and the
+    delay it adds to other requests, in seconds."""
+
+    kind: str
+    generate: str
+    prefill: str | None = None
+    ratio: float = 0.0
+    ttft_s: float = 0.0
+    delay_s: float = 0.0
+
+    @property
+    def cost_s(self) -> float:
+        return self.ttft_s + self.delay_s
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the model reads of an engine: its name, whether it can be P or D, and its load."""
+
+    name: str
+    prefill: bool
+    decode: bool
+    queue: int  # prompt tokens of its open calls not yet computed
+    decoding: int  # sequences generating on it
+    held: int = 0  # tokens of this prompt it has cached
+
+
+class ChoiceModel:
+    """Fed each engine's polled stats by `observe`; asked `choices` for one prompt."""
+
+    def __init__(self, ratios: tuple[float, ...] = (0.1, 0.2, 0.3), handover_s: float = 5e-3):
+        self.fit = Fit(scale=_SCALE)
+        self.ratios, self.handover_s = ratios, handover_s
+        self._last: dict[str, object] = {}
+
+    def observe(self, engine: str, stats) -> None:
+        """`stats` (EngineStats) of `engine`: the difference from its last is one poll."""
+        last = self._last.get(engine)
+        self._last[engine] = stats
+        if last is None or stats is last:
+            return
+        steps = stats.steps - last.steps
+        busy = stats.step_seconds - last.step_seconds
+        if steps <= 0 or busy <= 0:  # idle, or restarted (the counters went back)
+            return
+        self.fit.add((steps, stats.tokens_sampled - last.tokens_sampled,
+                      stats.prompt_tokens_computed - last.prompt_tokens_computed), busy)
+
+    def costs(self) -> tuple[float, float, float]:
+        """(a, c, b): seconds per step, per sampled token, per prompt token."""
+        a, c, b = self.fit.solve(_PRIOR)
+        return a, c, b
+
+    def choices(self, n: int, engines: list[EngineLoad], rate: float = 0.0) -> list[Choice]:
+        """Every choice for a prompt of n tokens over `engines`, priced, with requests
+        arriving at `rate` per second in all."""
+        a, _, b = self.costs()
+        lam = rate / max(len(engines), 1)
+
+        def delay(e: EngineLoad, tokens: float) -> float:
+            return b * tokens * e.decoding + lam * (b * tokens) ** 2
+
+        whole = [e for e in engines if e.decode] or engines  # prefill engines are kept for P
+        out = [Choice("whole", e.name, ttft_s=b * (e.queue + n - e.held) + a,
+                      delay_s=delay(e, n - e.held)) for e in whole]
+        for p in (e for e in engines if e.prefill):
+            for d in (e for e in engines if e.decode and e is not p):
+                todo = n - p.held
+                out.append(Choice("pd", d.name, p.name,
+                                  ttft_s=b * (p.queue + todo) + a + self.handover_s,
+                                  delay_s=delay(p, todo)))
+                out += [Choice("balanced", d.name, p.name, r,
+                               ttft_s=b * (p.queue + todo * (1 - r)) + b * n * r + a
+                               + self.handover_s,
+                               delay_s=delay(p, todo * (1 - r)) + delay(d, n * r))
+                        for r in self.ratios]
+        return out
+
+    def pick(self, n: int, engines: list[EngineLoad], slo_ttft_s: float, rate: float = 0.0,
+             kinds: tuple[str, ...] = KINDS) -> Choice:
+        """The cheapest choice of `kinds` whose TTFT meets `slo_ttft_s`, else the fastest
+        (any choice when none of `kinds` is possible: a P/D kind needs two engines)."""
+        options = self.choices(n, engines, rate)
+        options = [c for c in options if c.kind in kinds] or options
+        meeting = [c for c in options if c.ttft_s <= slo_ttft_s]
+        # to the nanosecond: choices equal but for rounding go to the earlier one
+        if meeting:
+            return min(meeting, key=lambda c: round(c.cost_s, 9))
+        return min(options, key=lambda c: round(c.ttft_s, 9))

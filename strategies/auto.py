@@ -1,0 +1,97 @@
+"""auto: each request served whole, by P/D or by balanced P/D, whichever the live
+measurements predict costs least (router/choice_model.py has the model).
+
+    choice = model.pick(len(prompt), loads, slo_ttft_s)
+    whole:     E.start_generate(begin=0)
+    pd:        P.send_prompt(D), then D.start_generate          (as strategies/pd.py)
+    balanced:  D.prep_recv(end=s), P.remote_send(..., s),       (as strategies/balanced_pd.py)
+               D.start_generate(begin=s)
+
+The model's fit and the count of each choice are in `GET /admin/strategy`. On a deployment of
+"any" engines every engine may be P, D or whole; with roles, P/D pairs follow them.
+"""
+
+import math
+import time
+from collections import deque
+
+from router.choice_model import KINDS, ChoiceModel, EngineLoad
+from router.strategy import Strategy
+
+RATE_WINDOW_S = 10.0  # the request rate is counted over this window
+
+
+class Auto(Strategy):
+    def __init__(self, slo_ttft_s: float = 2.0, ratios: tuple[float, ...] = (0.1, 0.2, 0.3),
+                 handover_s: float = 0.005, kinds: tuple[str, ...] = KINDS):
+        """
+        Args:
+            slo_ttft_s: the TTFT target: a choice predicted to meet it is preferred to one
+                that does not, whatever it costs others.
+            ratios: the shares of a prompt balanced P/D may give D.
+            handover_s: what a P/D handover adds to TTFT.
+            kinds: the choices it may make, of "whole", "pd" and "balanced" (all by default).
+        """
+        if not 0 < slo_ttft_s < math.inf:
+            raise ValueError(f"slo_ttft_s {slo_ttft_s} must be a number of seconds > 0")
+        if not all(0 < r < 1 for r in ratios):
+            raise ValueError(f"ratios {list(ratios)} must each be within (0, 1)")
+        if not 0 <= handover_s < math.inf:
+            raise ValueError(f"handover_s {handover_s} must be a number of seconds >= 0")
+        if not kinds or set(kinds) - set(KINDS):
+            raise ValueError(f"kinds {list(kinds)} must be some of {', '.join(KINDS)}")
+        self.slo_ttft_s, self.kinds = slo_ttft_s, tuple(kinds)
+        self.model = ChoiceModel(tuple(ratios), handover_s)
+        self.chosen = {"whole": 0, "pd": 0, "balanced": 0}
+        self._arrivals: deque[float] = deque()
+        self.last = None  # the last request's Choice
+
+    def loads(self, request, engines) -> list[EngineLoad]:
+        """Each routable engine's load, as the model reads it (its stats fed to the fit)."""
+        held = engines.prefix_index.match(request.prompt)
+        out = []
+        for e in engines.routable():
+            if e.load is not None:
+                self.model.observe(e.name, e.load)
+            out.append(EngineLoad(e.name, e.serves("prefill"), e.serves("decode"),
+                                  e.pending_prefill_tokens, e.open_generations,
+                                  held.get(e.name, 0)))
+        return out
+
+    def rate(self) -> float:
+        """Requests per second over the last RATE_WINDOW_S (this one included)."""
+        now = time.monotonic()
+        self._arrivals.append(now)
+        while self._arrivals[0] < now - RATE_WINDOW_S:
+            self._arrivals.popleft()
+        return len(self._arrivals) / max(now - self._arrivals[0], 1.0)
+
+    async def generate(self, request, engines):
+        n = len(request.prompt)
+        choice = self.model.pick(n, self.loads(request, engines), self.slo_ttft_s, self.rate(),
+                                 self.kinds)
+        self.chosen[choice.kind] += 1
+        self.last = choice
+        decode = engines[choice.generate]
+        begin, first = 0, None
+        if choice.kind == "pd" and n > 1:
+            begin, first = await engines[choice.prefill].send_prompt(request, decode)
+        elif choice.kind == "balanced" and n > 1:
+            begin = n - max(1, math.ceil(choice.ratio * n))  # D computes at least one token
+            recv = await decode.prep_recv(request, end=begin)
+            if recv.matched < begin:
+                await engines[choice.prefill].remote_send(request, recv.matched, begin,
+                                                          recv.kv_addr)
+        async for chunk in decode.start_generate(request, begin=begin, first_token=first):
+            yield chunk
+
+    def describe(self) -> dict:
+        a, c, b = self.model.costs()
+        last = self.last
+        return {"slo_ttft_s": self.slo_ttft_s, "kinds": list(self.kinds),
+                "ratios": list(self.model.ratios),
+                "handover_s": self.model.handover_s, "chosen": dict(self.chosen),
+                "fit": {"step_s": a, "per_sampled_token_s": c, "per_prompt_token_s": b},
+                "last": None if last is None else {
+                    "kind": last.kind, "generate": last.generate, "prefill": last.prefill,
+                    "ratio": last.ratio, "ttft_s": last.ttft_s, "delay_s": last.delay_s}}

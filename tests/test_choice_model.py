@@ -1,0 +1,130 @@
+"""router/choice_model.py: the `auto` strategy's prices, on engine stats made from a known
+cost model (a step of 6 ms + 50 µs per sampled token + 26 µs per prompt token), as the
+router's poller would see them: the fit recovers the costs, and each situation gets the
+choice its prices say, exactly."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+
+from router.choice_model import ChoiceModel, EngineLoad
+
+A, C, B = 6e-3, 50e-6, 26e-6
+N = 3000
+
+
+@dataclass(frozen=True)
+class Stats:  # the EngineStats counters the model reads
+    steps: int = 0
+    step_seconds: float = 0.0
+    prompt_tokens_computed: int = 0
+    tokens_sampled: int = 0
+
+
+@pytest.fixture(scope="module")
+def model() -> ChoiceModel:
+    m, rng = ChoiceModel(), random.Random(0)
+    engines = {"e0": Stats(), "e1": Stats()}
+    for _ in range(60):
+        for name, s in engines.items():
+            m.observe(name, s)
+            steps, batch, prompt = rng.randint(20, 80), rng.randint(1, 64), rng.randint(0, 9000)
+            engines[name] = replace(s, steps=s.steps + steps,
+                                    tokens_sampled=s.tokens_sampled + steps * batch,
+                                    prompt_tokens_computed=s.prompt_tokens_computed + prompt,
+                                    step_seconds=s.step_seconds + steps * (A + C * batch)
+                                    + prompt * B)
+    return m
+
+
+def test_the_fit_recovers_the_engines_costs(model):
+    a, c, b = model.costs()  # the prior (an H100's costs) pulls them by well under 1%
+    assert a == pytest.approx(A, rel=1e-2)
+    assert c == pytest.approx(C, rel=1e-2)
+    assert b == pytest.approx(B, rel=1e-2)
+
+
+def fitted(model):
+    a, _, b = model.costs()
+    return a, b
+
+
+def any_engine(name, queue=0, decoding=0, held=0, prefill=True, decode=True):
+    return EngineLoad(name, prefill, decode, queue, decoding, held)
+
+
+def test_idle_engines_serve_it_whole(model):
+    """Nobody to delay and no handover to pay: whole, on the engine with the shorter queue."""
+    a, b = fitted(model)
+    choice = model.pick(N, [any_engine("e0", queue=500), any_engine("e1")], slo_ttft_s=2.0)
+    assert (choice.kind, choice.generate) == ("whole", "e1")
+    assert choice.ttft_s == pytest.approx(b * N + a)
+    assert choice.delay_s == 0
+
+
+def test_a_cached_prefix_draws_it_to_its_holder(model):
+    a, b = fitted(model)
+    choice = model.pick(N, [any_engine("e0", held=2800), any_engine("e1")], slo_ttft_s=2.0)
+    assert (choice.kind, choice.generate) == ("whole", "e0")
+    assert choice.ttft_s == pytest.approx(b * 200 + a)
+
+
+def test_a_long_prompt_goes_to_p_when_every_decoder_is_busy(model):
+    """60 sequences decoding on D, P idle: prefilling 3,000 tokens on D would hold each of
+    them 78 ms; P/D costs them nothing and the request one handover."""
+    a, b = fitted(model)
+    engines = [any_engine("p", decode=False), any_engine("d", decoding=60, prefill=False)]
+    choice = model.pick(N, engines, slo_ttft_s=2.0)
+    assert (choice.kind, choice.prefill, choice.generate) == ("pd", "p", "d")
+    assert choice.ttft_s == pytest.approx(b * N + a + 0.005)
+    whole = next(c for c in model.choices(N, engines) if c.kind == "whole")
+    assert (whole.generate, whole.delay_s) == ("d", pytest.approx(b * N * 60))
+
+
+def test_a_queued_p_loses_to_whole_on_d_when_its_wait_breaks_the_slo(model):
+    """P has 80,000 prompt tokens queued (2.08 s: past a 2-s TTFT target), D decodes 2
+    sequences: every P/D choice waits out P's queue, so the request goes whole to D, and its
+    two sequences wait out the prompt."""
+    a, b = fitted(model)
+    engines = [any_engine("p", queue=80_000, decode=False),
+               any_engine("d", decoding=2, prefill=False)]
+    choice = model.pick(N, engines, slo_ttft_s=2.0)
+    assert (choice.kind, choice.generate) == ("whole", "d")
+    assert choice.cost_s == pytest.approx(b * N + a + b * N * 2)
+    assert all(c.ttft_s > 2.0 for c in model.choices(N, engines) if c.kind != "whole")
+
+
+def test_at_a_high_rate_a_share_on_idle_d_shortens_ps_queue_for_the_next_requests(model):
+    """10 requests/s over two engines, nobody decoding: D computes a tail as fast as P would,
+    so no choice has a faster first token than whole; but 30% of the prompt on D leaves the
+    next arrivals at each engine less to wait for, which pays for the handover."""
+    a, b = fitted(model)
+    engines = [any_engine("p", decode=False), any_engine("d", prefill=False)]
+    choice = model.pick(N, engines, slo_ttft_s=2.0, rate=10.0)
+    assert (choice.kind, choice.prefill, choice.generate, choice.ratio) == (
+        "balanced", "p", "d", 0.3)
+    assert choice.delay_s == pytest.approx(5.0 * (b * N) ** 2 * (0.7**2 + 0.3**2))
+    # the same with 40 sequences decoding on D: any share on D would hold them all
+    busy = [engines[0], any_engine("d", decoding=40, prefill=False)]
+    assert model.pick(N, busy, slo_ttft_s=2.0, rate=10.0).kind == "pd"
+    # and with no traffic to speak of, whole on D: no handover, nobody to delay
+    assert model.pick(N, engines, slo_ttft_s=2.0, rate=0.0).kind == "whole"
+
+
+def test_when_nothing_meets_the_slo_the_fastest_first_token_wins(model):
+    engines = [any_engine("p", queue=200_000, decode=False),
+               any_engine("d", queue=150_000, decoding=10, prefill=False)]
+    choice = model.pick(N, engines, slo_ttft_s=0.5)
+    assert choice.ttft_s == min(c.ttft_s for c in model.choices(N, engines))
+    assert (choice.kind, choice.generate) == ("whole", "d")
+
+
+def test_kinds_restrict_the_choice(model):
+    engines = [any_engine("e0"), any_engine("e1")]
+    choice = model.pick(N, engines, slo_ttft_s=2.0, kinds=("balanced",))  # all cost the same
+    assert (choice.kind, choice.ratio) == ("balanced", 0.1)
+    # one engine: no P/D choice exists, so it is served whole whatever kinds says
+    assert model.pick(N, engines[:1], 2.0, kinds=("pd",)).kind == "whole"
