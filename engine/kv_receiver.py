@@ -68,7 +68,8 @@ class Receiving:
                                     "(this engine's --kv-recv-wait-max-s)", "wait_s")
         if self.backend.kind == "none":
             raise MicroservingError(400, "this engine cannot receive KV: it runs with "
-                                    "--kv-transfer none, or without an engine key (--api-key)")
+                                    "--kv-transfer none, without an engine key (--api-key), or "
+                                    "tensor-parallel (--tensor-parallel-size above 1)")
         self._check_free(request_id)
         tokens = prompt[:end]
         need, total = self.kv.pages_needed(None, end), self.kv.pool.num_pages

@@ -85,8 +85,26 @@ def test_random_weights_are_the_same_model_at_every_size(tmp_path):
     core = tp_core(model, 2)
     try:
         assert run_all(core, prompts) == one
+        assert core.info.tensor_parallel_size == 2
+        refuses_kv_transfer(core)
     finally:
         core.close()
+
+
+def refuses_kv_transfer(core) -> None:
+    """A tensor-parallel engine neither receives KV nor sends it (its KV is split over its
+    ranks): both calls are 400s that say so, and nothing is held after them."""
+    from microserve.backend import MicroservingError
+    from microserve.messages.calls import PrepRecvRequest, RemoteSendRequest
+
+    with pytest.raises(MicroservingError, match="cannot receive KV: .* or tensor-parallel") as e:
+        core.on_prep_recv(PrepRecvRequest("recv", [5, 6, 7, 8, 9], 4), 0.0)
+    assert e.value.status == 400
+    with pytest.raises(MicroservingError, match="cannot send KV: it is tensor-parallel "
+                                                "\\(--tensor-parallel-size 2\\)") as e:
+        core.on_remote_send(RemoteSendRequest("send", [5, 6, 7, 8, 9], 0, 4), 0.0)
+    assert e.value.status == 400
+    assert core.kv.stats().used_pages == 0 and not core.has_work()
 
 
 # ---- the cut, without processes ---------------------------------------------------------------

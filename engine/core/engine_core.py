@@ -140,6 +140,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             kv_cache_dtype=kv_dtype,
             max_loras=config.max_loras if self.adapters is not None else 0,
             lora_adapters=self.adapters.registry.registered() if self.adapters else [],
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         if self.runner.cuda and config.warmup:
             log.info("warmed up in %.1f s", self.warm_up())

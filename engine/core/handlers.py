@@ -167,6 +167,10 @@ class MessageHandlers:
         return self.exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
 
     def on_remote_send(self, r, received_at):
+        if self.config.tensor_parallel_size > 1:  # its KV is split over its ranks' memories
+            raise MicroservingError(400, "this engine cannot send KV: it is tensor-parallel "
+                                    f"(--tensor-parallel-size {self.config.tensor_parallel_size}"
+                                    "), and KV transfer between such engines is not built yet")
         return self.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
                                 r.sampling, received_at, r.queue_s, r.priority)
 

@@ -29,6 +29,7 @@ class EngineInfo:
     deployment: str | None = None  # set by the engine frontend: the deployment it belongs to
     max_loras: int = 0  # LoRA slots; 0: LoRA off
     lora_adapters: list[str] = field(default_factory=list)  # registered at start-up
+    tensor_parallel_size: int = 1  # GPUs (ranks) the model is split over
 
 
 @dataclass(slots=True)
