@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -94,8 +95,9 @@ class TensorParallelRunner:
 
     def _send(self, name: str, *args, **kwargs) -> None:
         assert name in worker.CALLS, name
-        for conn in self._conns:
-            conn.send((name, args, kwargs))
+        data = pickle.dumps((name, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._conns:  # pickled once for all the workers
+            conn.send_bytes(data)
 
     # ---- the calls with collectives -------------------------------------------------------
 
@@ -139,7 +141,7 @@ class TensorParallelRunner:
         self._closing = True
         for conn in self._conns:
             try:
-                conn.send(("close", (), {}))
+                conn.send_bytes(pickle.dumps(("close", (), {})))
             except OSError:  # already gone
                 pass
         for proc in self._procs:
