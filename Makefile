@@ -66,7 +66,7 @@ serve: install
 	    $(if $(STRATEGIES_DIR),--strategies-dir $(STRATEGIES_DIR))
 
 test: install-test
-	$(VENV)/bin/python -m pytest -q -rs $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
