@@ -22,6 +22,9 @@ from engine.models.parallel import TensorParallel
 from microserve.model_config import ModelConfig
 from microserve.random_models import materialize
 from test_engine_core import N_NEW, greedy, make_core, random_prompts, run_all
+from test_lora import adapters, lora_dir, load, prompts, reference  # noqa: F401 (fixtures)
+from test_lora import run as run_lora
+from microserve.messages import LoadLoraRequest
 
 LENGTHS = [1, 5, 17, 40, 64, 90]
 
@@ -107,6 +110,25 @@ def refuses_kv_transfer(core) -> None:
     assert core.kv.stats().used_pages == 0 and not core.has_work()
 
 
+def test_lora_adapters_mixed_in_a_batch_equal_peft_at_tp2(tiny_model_dir, lora_dir, prompts,
+                                                          reference):
+    """a1 (rank 8, every projection) from the start and a2 (rank 4, q and v) loaded at
+    runtime, each rank holding its share of each (B by output rows for q, k, v, gate, up; A
+    by input columns for o and down): base and both adapters in one batch give PEFT's
+    tokens."""
+    core = tp_core(tiny_model_dir, 2, lora_modules=(("a1", str(lora_dir / "a1")),),
+                   lora_dir=str(lora_dir))
+    try:
+        assert load(core, LoadLoraRequest("a2", "a2")).resident
+        requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts)
+                    for name in (None, "a1", "a2")}
+        assert run_lora(core, requests) == {f"{name}-{i}": reference[name][i]
+                                            for i, _ in enumerate(prompts)
+                                            for name in (None, "a1", "a2")}
+    finally:
+        core.close()
+
+
 # ---- the cut, without processes ---------------------------------------------------------------
 
 
@@ -167,7 +189,6 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_model_dir, size, pr
 
 
 @pytest.mark.parametrize("kw,what", [
-    ({"enable_lora": True}, "LoRA adapters"),
     ({"kv_host_memory_gb": 1.0}, "the host KV tier"),
     ({"kv_transfer": "shm"}, "--kv-transfer shm"),
     ({"tensor_parallel_size": 0}, None),

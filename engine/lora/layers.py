@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 from engine.lora.adapter import TARGET_MODULES, AdapterWeights, module_shapes
 from engine.lora.tiles import TILE_ROWS
+from engine.models.parallel import TensorParallel
 from microserve.model_config import ModelConfig
 
 # our fused projection -> the PEFT modules in its output rows, in order
@@ -208,9 +209,12 @@ class LoraModel:
 
     def __init__(self, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int,
                  max_tokens: int):
+        """`config`: the whole model's; a rank of a tensor-parallel model (`model.tp`) holds
+        its share of each adapter, in slots shaped like its projections."""
+        self.tp, self.whole = model.tp, config
         w = model.model.embed_tokens.weight
         self.batch = LoraBatch(max_loras, max_tokens, w.device)
-        shapes = module_shapes(config)
+        shapes = module_shapes(model.config)  # this rank's shapes
         self.layers: list[dict[str, LoraLinear]] = []
         for layer in model.model.layers:
             wrapped = {}
@@ -229,15 +233,19 @@ class LoraModel:
         """The segmented Triton kernels (on: the GPU, or the interpreter) or the torch loop."""
         self.batch.use_triton = on
 
-    def pack(self, adapter: AdapterWeights) -> PackedAdapter:
-        """The adapter as the slots hold it, in host memory (pinned on CUDA, so a slot write
-        is an asynchronous copy). Runs in the loader thread: no device work."""
+    def pack(self, adapter: AdapterWeights, rank: int | None = None) -> PackedAdapter:
+        """The adapter as the slots of tensor-parallel `rank` (default: this one) hold it, in
+        host memory (pinned on CUDA, so a slot write is an asynchronous copy). Runs in the
+        loader thread: no device work."""
         pin = self.batch.device.type == "cuda"
+        tp = self.tp if rank is None else TensorParallel(self.tp.size, rank)
         packed = []
         for i, wrapped in enumerate(self.layers):
             layer = {}
             for name, proj in wrapped.items():
                 pairs = [adapter.weights.get((i, module)) for module in _SLICES[name]]
+                pairs = [None if pair is None else tp.shard_lora(module, *pair, self.whole)
+                         for module, pair in zip(_SLICES[name], pairs)]
                 layer[name] = proj.pack(pairs, pin)  # cast as they are copied in
             packed.append(layer)
         return packed

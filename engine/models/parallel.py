@@ -153,6 +153,18 @@ class TensorParallel:
             return self._pad_rows(full[self.vocab_rows(config.vocab_size)], config)
         return full
 
+    def shard_lora(self, module: str, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA adapter's (A [r, in], B [out, r]) for HF `module`: a
+        column-parallel projection's B by its output rows (A whole: the input is replicated);
+        a row-parallel one's A by its input columns (B whole: the delta is a partial sum,
+        added up by the all-reduce after the projection like the base's product)."""
+        if self.size == 1:
+            return a, b
+        if module in COLUMN_PARTS:
+            return a, b[self._part_rows(COLUMN_PARTS[module], config)]
+        return a[:, self._row_columns(module, config)], b
+
     def _pad_rows(self, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         """The LM head's rows of the last rank padded to the others' count (zero rows: their
         logits are cut off after the gather)."""

@@ -70,6 +70,8 @@ class TensorParallelRunner:
         except BaseException:
             self.close()
             raise
+        if self.local.lora is not None:
+            self.lora = TensorParallelLora(self)
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}",
                              daemon=True).start()
@@ -93,9 +95,14 @@ class TensorParallelRunner:
     def __getattr__(self, name: str):
         return getattr(self.local, name)
 
+    def send_to(self, rank: int, name: str, *args, **kwargs) -> None:
+        """A call for worker `rank` alone (data that differs per rank)."""
+        assert name in worker.CALLS, name
+        self._conns[rank - 1].send_bytes(_pickled(name, args, kwargs))
+
     def _send(self, name: str, *args, **kwargs) -> None:
         assert name in worker.CALLS, name
-        data = pickle.dumps((name, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        data = _pickled(name, args, kwargs)
         for conn in self._conns:  # pickled once for all the workers
             conn.send_bytes(data)
 
@@ -141,7 +148,7 @@ class TensorParallelRunner:
         self._closing = True
         for conn in self._conns:
             try:
-                conn.send_bytes(pickle.dumps(("close", (), {})))
+                conn.send_bytes(_pickled("close", (), {}))
             except OSError:  # already gone
                 pass
         for proc in self._procs:
@@ -153,6 +160,35 @@ class TensorParallelRunner:
         for conn in self._conns:
             conn.close()
         leave()
+
+
+class TensorParallelLora:
+    """Rank 0's LoRA slots over the ranks (the adapters' side of `runner.lora`): an adapter
+    is packed once per rank by rank 0's loader thread (each rank its share, sliced as its
+    projections are), and a slot write sends each worker its share before rank 0 writes its
+    own, so a worker has the slot filled before the step that first reads it."""
+
+    def __init__(self, runner: TensorParallelRunner):
+        self._runner, self._local = runner, runner.local.lora
+
+    def __getattr__(self, name: str):
+        return getattr(self._local, name)
+
+    def pack(self, adapter) -> list:
+        return [self._local.pack(adapter, rank) for rank in range(self._runner.tp.size)]
+
+    def write_slot(self, slot: int, packed: list | None) -> None:
+        for rank in range(1, self._runner.tp.size):
+            self._runner.send_to(rank, "lora_write_slot", slot,
+                                 None if packed is None else packed[rank])
+        self._local.write_slot(slot, None if packed is None else packed[0])
+
+
+def _pickled(name: str, args: tuple, kwargs: dict) -> bytes:
+    """A call as the worker reads it. Plain pickle, not Connection.send's: that one passes
+    tensors as handles to shared memory, which only a process of multiprocessing's own
+    family may open; these go by value."""
+    return pickle.dumps((name, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _rank_devices(device: str, size: int) -> list[torch.device]:

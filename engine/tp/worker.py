@@ -58,6 +58,10 @@ class WorkerCalls:
                     ) -> None:
         self.runner.allocate_kv(num_pages, max_model_len, capture_graphs)
 
+    def lora_write_slot(self, slot: int, packed) -> None:
+        """This rank's share of an adapter (packed by rank 0) into `slot` (None: empty it)."""
+        self.runner.lora.write_slot(slot, packed)
+
     def num_pages_for(self, max_model_len: int) -> None:
         r = self.runner
         agreed_num_pages(r.tp, r.num_pages_for(max_model_len), r.device)
