@@ -21,13 +21,16 @@ engines) wait on average half of it each — λ_e·(b·t)² in all, as in an M/D
 second term is what makes balanced P/D worth its transfer: D computes the tail as fast as P
 would, so it shortens no request's own TTFT, but it shortens P's queue for the next ones.
 `h` is the handover (its p50 on two H200s: 3.6–14 ms; `handover_s`, 5 ms). The cost of a
-choice is its TTFT plus the delay it adds; among choices whose TTFT meets the SLO
-(`slo_ttft_s`) the cheapest wins, else the one with the least TTFT. Ties go to the earlier
-choice in the order whole, P/D, balanced: fewer calls, no transfer.
+choice is its TTFT plus the delay it adds. The SLO filters first: a choice whose generating
+engine's predicted TPOT, a + c·(m + 1) once the request joins its batch, is over `slo_tpot_s`
+is dropped while another keeps within it; then among those whose TTFT meets `slo_ttft_s` the
+cheapest wins, else the one with the least TTFT. Ties go to the earlier choice in the order
+whole, P/D, balanced: fewer calls, no transfer.
 
 What this leaves out, and why it is a first version: the transfer's bandwidth (the same for
-every P/D choice of one prompt), the TPOT part of the SLO (not used to choose yet), and a
-measurement on GPUs (not run yet: issue 44's targets are open). No torch.
+every P/D choice of one prompt), the prefill a decoding engine takes on slowing its TPOT
+while it lasts, and a measurement on GPUs (not run yet: issue 44's targets are open). No
+torch.
 """
 
 from __future__ import annotations
@@ -122,12 +125,22 @@ class ChoiceModel:
                         for r in self.ratios]
         return out
 
+    def tpot_s(self, engine: EngineLoad) -> float:
+        """`engine`'s step time once one more sequence decodes on it."""
+        a, c, _ = self.costs()
+        return a + c * (engine.decoding + 1)
+
     def pick(self, n: int, engines: list[EngineLoad], slo_ttft_s: float, rate: float = 0.0,
-             kinds: tuple[str, ...] = KINDS) -> Choice:
-        """The cheapest choice of `kinds` whose TTFT meets `slo_ttft_s`, else the fastest
-        (any choice when none of `kinds` is possible: a P/D kind needs two engines)."""
+             kinds: tuple[str, ...] = KINDS, slo_tpot_s: float = float("inf")) -> Choice:
+        """The cheapest choice of `kinds` that keeps its engine within `slo_tpot_s` and meets
+        `slo_ttft_s`, else the fastest first token (any choice when none of `kinds` is
+        possible: a P/D kind needs two engines; any engine when none keeps within the TPOT
+        target)."""
         options = self.choices(n, engines, rate)
         options = [c for c in options if c.kind in kinds] or options
+        by_name = {e.name: e for e in engines}
+        options = [c for c in options
+                   if self.tpot_s(by_name[c.generate]) <= slo_tpot_s] or options
         meeting = [c for c in options if c.ttft_s <= slo_ttft_s]
         # to the nanosecond: choices equal but for rounding go to the earlier one
         if meeting:

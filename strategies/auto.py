@@ -22,25 +22,30 @@ RATE_WINDOW_S = 10.0  # the request rate is counted over this window
 
 
 class Auto(Strategy):
-    def __init__(self, slo_ttft_s: float = 2.0, ratios: tuple[float, ...] = (0.1, 0.2, 0.3),
-                 handover_s: float = 0.005, kinds: tuple[str, ...] = KINDS):
+    def __init__(self, slo_ttft_s: float = 2.0, slo_tpot_ms: float = 25.0,
+                 ratios: tuple[float, ...] = (0.1, 0.2, 0.3), handover_s: float = 0.005,
+                 kinds: tuple[str, ...] = KINDS):
         """
         Args:
             slo_ttft_s: the TTFT target: a choice predicted to meet it is preferred to one
                 that does not, whatever it costs others.
+            slo_tpot_ms: the TPOT target: an engine whose step would pass it with one more
+                sequence decoding does not get the request while another would not.
             ratios: the shares of a prompt balanced P/D may give D.
             handover_s: what a P/D handover adds to TTFT.
             kinds: the choices it may make, of "whole", "pd" and "balanced" (all by default).
         """
         if not 0 < slo_ttft_s < math.inf:
             raise ValueError(f"slo_ttft_s {slo_ttft_s} must be a number of seconds > 0")
+        if not 0 < slo_tpot_ms < math.inf:
+            raise ValueError(f"slo_tpot_ms {slo_tpot_ms} must be a number of ms > 0")
         if not all(0 < r < 1 for r in ratios):
             raise ValueError(f"ratios {list(ratios)} must each be within (0, 1)")
         if not 0 <= handover_s < math.inf:
             raise ValueError(f"handover_s {handover_s} must be a number of seconds >= 0")
         if not kinds or set(kinds) - set(KINDS):
             raise ValueError(f"kinds {list(kinds)} must be some of {', '.join(KINDS)}")
-        self.slo_ttft_s, self.kinds = slo_ttft_s, tuple(kinds)
+        self.slo_ttft_s, self.slo_tpot_ms, self.kinds = slo_ttft_s, slo_tpot_ms, tuple(kinds)
         self.model = ChoiceModel(tuple(ratios), handover_s)
         self.chosen = {"whole": 0, "pd": 0, "balanced": 0}
         self._arrivals: deque[float] = deque()
@@ -69,7 +74,7 @@ class Auto(Strategy):
     async def generate(self, request, engines):
         n = len(request.prompt)
         choice = self.model.pick(n, self.loads(request, engines), self.slo_ttft_s, self.rate(),
-                                 self.kinds)
+                                 self.kinds, self.slo_tpot_ms / 1e3)
         self.chosen[choice.kind] += 1
         self.last = choice
         decode = engines[choice.generate]
@@ -88,7 +93,8 @@ class Auto(Strategy):
     def describe(self) -> dict:
         a, c, b = self.model.costs()
         last = self.last
-        return {"slo_ttft_s": self.slo_ttft_s, "kinds": list(self.kinds),
+        return {"slo_ttft_s": self.slo_ttft_s, "slo_tpot_ms": self.slo_tpot_ms,
+                "kinds": list(self.kinds),
                 "ratios": list(self.model.ratios),
                 "handover_s": self.model.handover_s, "chosen": dict(self.chosen),
                 "fit": {"step_s": a, "per_sampled_token_s": c, "per_prompt_token_s": b},

@@ -128,3 +128,18 @@ def test_kinds_restrict_the_choice(model):
     assert (choice.kind, choice.ratio) == ("balanced", 0.1)
     # one engine: no P/D choice exists, so it is served whole whatever kinds says
     assert model.pick(N, engines[:1], 2.0, kinds=("pd",)).kind == "whole"
+
+
+def test_an_engine_past_the_tpot_target_only_prefills_what_it_holds(model):
+    """e0 holds all but the last token of the prompt but decodes 400 sequences: one more
+    makes its step 26 ms, past a 25-ms target. Without the target the request runs whole on
+    e0; with it, e0 computes the last token and hands the KV over to e1 (P/D), which
+    decodes it."""
+    a, c, _ = model.costs()
+    engines = [any_engine("e0", held=N - 1, decoding=400), any_engine("e1")]
+    assert model.tpot_s(engines[0]) == pytest.approx(a + c * 401)
+    assert model.tpot_s(engines[0]) > 0.025
+    assert (model.pick(N, engines, slo_ttft_s=2.0).kind,
+            model.pick(N, engines, slo_ttft_s=2.0).generate) == ("whole", "e0")
+    choice = model.pick(N, engines, slo_ttft_s=2.0, slo_tpot_s=0.025)
+    assert (choice.kind, choice.prefill, choice.generate) == ("pd", "e0", "e1")
