@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -285,12 +286,22 @@ class ModelRunner:
         """Logprobs of `token_ids` at the last forward's packed `rows` (prompt tokens scored
         by the position before each), in blocks of SCORE_ROWS. Call before the next forward."""
         pending = []
-        for i in range(0, len(rows), self.SCORE_ROWS):
-            block = to_device(rows[i : i + self.SCORE_ROWS], torch.long, self.device)
-            logits = self.model.compute_logits(self._hidden[block])
+        for i, logits in zip(range(0, len(rows), self.SCORE_ROWS), self.score_logits(rows)):
             pending.append(self.sampler.score_async(logits, token_ids[i : i + self.SCORE_ROWS],
                                                     num_top[i : i + self.SCORE_ROWS]))
         return pending
+
+    def score_logits(self, rows: list[int]) -> Iterator[torch.Tensor]:
+        """The logits at the last forward's packed `rows`, SCORE_ROWS at a time (under tensor
+        parallelism each block is a collective: every rank walks the same blocks)."""
+        for i in range(0, len(rows), self.SCORE_ROWS):
+            block = to_device(rows[i : i + self.SCORE_ROWS], torch.long, self.device)
+            yield self.model.compute_logits(self._hidden[block])
+
+    def use_sampled(self, token_ids: torch.Tensor) -> None:
+        """The last step's sampled ids, sampled by another rank: the next step's `from_last`
+        inputs (a tensor-parallel worker, which does not sample)."""
+        self._last_tokens = token_ids
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],

@@ -24,6 +24,7 @@ from microserve.random_models import materialize
 from test_engine_core import N_NEW, greedy, make_core, random_prompts, run_all
 from test_lora import adapters, lora_dir, load, prompts, reference  # noqa: F401 (fixtures)
 from test_lora import run as run_lora
+from test_prompt_logprobs import assert_hf_scores, collect, scoring
 from microserve.messages import LoadLoraRequest
 
 LENGTHS = [1, 5, 17, 40, 64, 90]
@@ -58,6 +59,10 @@ def test_tiny_equals_hf(tiny_model_dir, tiny_ref, size, overlap):
                 assert got[f"r{i}"][0] == expected, f"round {round_}, prompt {i}"
             if round_:
                 assert got["r5"][1] == (90 // 4) * 4  # whole pages of the prompt were cached
+        # prompt logprobs: the scoring blocks gather their logits across the ranks too
+        scored = collect(core, {"s": (prompts[3], scoring())})["s"]
+        assert scored[0] == ref[3][:2]
+        assert_hf_scores(tiny_model_dir, prompts[3], scored[1])
     finally:
         core.close()
 

@@ -46,13 +46,11 @@ class WorkerCalls:
     def take_sampled(self, rows: int) -> None:
         """Rank 0's sampled tokens of the last step: the next step's `from_last` inputs."""
         r = self.runner
-        r._last_tokens = r.tp.broadcast(torch.empty(rows, dtype=torch.long, device=r.device))
+        r.use_sampled(r.tp.broadcast(torch.empty(rows, dtype=torch.long, device=r.device)))
 
     def score(self, rows: list[int]) -> None:
-        r = self.runner
-        for i in range(0, len(rows), r.SCORE_ROWS):
-            block = torch.tensor(rows[i : i + r.SCORE_ROWS], dtype=torch.long, device=r.device)
-            r.model.compute_logits(r._hidden[block])
+        for _ in self.runner.score_logits(rows):  # the gathers; rank 0 scores
+            pass
 
     def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True
                     ) -> None:
