@@ -1,0 +1,151 @@
+"""The prefix cache's second level (kvcache/prefix_host.py) to the exact page id: eviction
+demotes to host pages, a match on them loads them back, a recomputed prefix replaces its host
+copy, swap-outs take host pages first, and nothing leaks. No torch."""
+
+from kvcache.host_tier import HostTier
+from kvcache.manager import KVCacheManager
+from kvcache.page_pool import PagePool
+
+PS = 4
+
+
+def toks(n, start=0):
+    return list(range(start, start + n))
+
+
+class Mover:
+    """Records the copies the bookkeeping asks for."""
+
+    def __init__(self):
+        self.copies = []
+
+    def demote(self, device_pages, host_pages):
+        self.copies.append(("demote", list(device_pages), list(host_pages)))
+
+    def load(self, host_pages, device_pages):
+        self.copies.append(("load", list(host_pages), list(device_pages)))
+
+
+def make(device_pages=4, host_pages=4):
+    kv = KVCacheManager(device_pages, PS)
+    tier = HostTier(host_pages, PS)
+    mover = Mover()
+    kv.attach_host(tier, mover)
+    return kv, tier, mover
+
+
+def run(kv, seq_id, tokens, load=True):
+    """A sequence reuses what is cached of `tokens`, computes the rest, caches it, finishes.
+    Returns (tokens reused, of them loaded from the host, its page table)."""
+    held, loaded = (kv.open_from_tiers if load else lambda *a: (kv.open(*a), 0))(seq_id, tokens)
+    assert kv.allocate(seq_id, len(tokens))
+    table = list(kv.page_table(seq_id))
+    kv.cache_tokens(seq_id, tokens)
+    kv.free(seq_id)
+    return held, loaded, table
+
+
+def check(kv, tier):
+    kv.check_integrity()
+    tier.check_integrity(kv.cache.host_pages())
+
+
+def test_eviction_demotes_and_a_match_loads_back():
+    kv, tier, mover = make()
+    assert run(kv, "a", toks(9)) == (0, 0, [0, 1, 2])  # 2 whole pages cached: [0, 1]
+    # b needs all 4 pages: a's 2 cached ones are evicted, to host pages 0, 1
+    assert run(kv, "b", toks(16, 100)) == (0, 0, [0, 1, 2, 3])
+    assert mover.copies == [("demote", [0, 1], [0, 1])]
+    assert kv.stats().host_cached_pages == 2 and kv.stats().cached_pages == 4
+    check(kv, tier)
+    m = kv.cache.match(toks(9))
+    assert (m.matched_len, m.pages, m.host_len) == (0, [], 8)
+    # c matches a's prefix on the host: 2 device pages are found by demoting b's least
+    # recent (its tail, pages 2, 3, to host pages 2, 3), a's KV is loaded into them, then
+    # c's partial page takes b's page 1 (to the host page a's KV left)
+    mover.copies.clear()
+    held, loaded, table = run(kv, "c", toks(10))
+    assert (held, loaded, table) == (8, 8, [2, 3, 1])
+    assert mover.copies == [("demote", [2, 3], [2, 3]), ("load", [0, 1], [2, 3]),
+                            ("demote", [1], [0])]
+    assert kv.stats().host_cached_pages == 3 and kv.stats().cached_pages == 3
+    m = kv.cache.match(toks(16, 100))  # b: page 0, then host pages 0, 2, 3
+    assert (m.matched_len, m.pages, m.host_len) == (4, [0], 12)
+    check(kv, tier)
+
+
+def test_a_prefix_computed_again_replaces_its_host_copy():
+    kv, tier, mover = make()
+    run(kv, "a", toks(8))
+    run(kv, "b", toks(16, 100))  # a's pages demoted
+    assert kv.stats().host_cached_pages == 2
+    # a sequence that does not load (a prep_recv's open) computes a's prefix again: the tree
+    # takes its device pages and frees the host pages; b's are demoted to make room for it
+    held, loaded, table = run(kv, "c", toks(8), load=False)
+    assert (held, loaded) == (0, 0)
+    assert kv.cache.match(toks(8)).pages == table
+    assert kv.cache.match(toks(8)).host_len == 0
+    assert sorted(kv.cache.host_pages()) == [2, 3]  # b's tail; a's host pages 0, 1 freed
+    check(kv, tier)
+
+
+def test_a_swap_out_drops_cached_host_pages_oldest_first():
+    kv, tier, mover = make(device_pages=4, host_pages=3)
+    run(kv, "a", toks(8))
+    run(kv, "b", toks(16, 100))  # a's 2 pages demoted: host pages 0, 1
+    assert tier.reserve("s", 8) == [1, 2]  # a's tail (host page 1) dropped, and the free one
+    assert kv.cache.match(toks(8)).host_len == 4  # a's first page is still on the host
+    check(kv, tier)
+    assert tier.reserve("t", 12) is None  # 3 pages: 1 cached page reclaimable, 2 held by s
+    assert kv.stats().host_cached_pages == 0 and tier.pool.num_free == 1
+    tier.release("s")
+    check(kv, tier)
+
+
+def test_a_full_host_drops_from_the_device_and_what_hangs_below():
+    kv, tier, mover = make(device_pages=4, host_pages=2)
+    run(kv, "a", toks(16))  # 4 pages, one edge
+    run(kv, "b", toks(8, 100))  # evicts a's last 2 pages to the host: a = [0, 1]{0, 1}
+    assert kv.cache.match(toks(16)).host_len == 8
+    tier.reserve("s", 8)  # a swap-out takes the host pages back
+    assert kv.cache.match(toks(16)).host_len == 0
+    run(kv, "c", toks(16, 200))  # no host room: a and b are dropped
+    assert kv.stats().host_cached_pages == 0
+    assert kv.cache.match(toks(16)).matched_len == 0
+    check(kv, tier)
+    tier.release("s")
+
+
+def test_a_load_short_of_device_pages_leaves_them_on_the_host():
+    kv, tier, mover = make(device_pages=4, host_pages=4)
+    run(kv, "a", toks(8))
+    run(kv, "b", toks(16, 100))
+    kv.open("hold", toks(16, 100))  # b's 4 device pages held: none to load into
+    assert kv.open_from_tiers("c", toks(9)) == (0, 0)
+    assert kv.cache.match(toks(9)).host_len == 8
+    kv.free("c")
+    kv.free("hold")
+    check(kv, tier)
+
+
+def test_evict_cached_drops_both_tiers():
+    kv, tier, mover = make()
+    run(kv, "a", toks(8))
+    run(kv, "b", toks(16, 100))
+    assert kv.evict_cached() == 4
+    assert kv.stats().host_cached_pages == 0 and tier.pool.num_free == 4
+    assert kv.stats().free_pages == 4
+    check(kv, tier)
+
+
+def test_pins_keep_pages_on_the_device_and_cover_only_the_device_part():
+    kv, tier, mover = make()
+    run(kv, "a", toks(8))
+    assert kv.pin(toks(8)) == 8
+    run(kv, "b", toks(8, 100))
+    run(kv, "c", toks(8, 200))  # b demoted, not a (pinned)
+    assert kv.cache.match(toks(8)).matched_len == 8
+    assert kv.cache.match(toks(8, 100)).host_len == 8
+    assert kv.pin(toks(8, 100)) == 0  # on the host: nothing pinned
+    assert kv.unpin(toks(8)) == 8
+    check(kv, tier)
