@@ -66,6 +66,7 @@ class HostSwap:
         self._in_flight: dict[str, tuple[torch.cuda.Event, torch.Tensor]] = {}
         self.copy_bytes_per_s = copy_gbps * 1e9 if copy_gbps else None
         self.prefill_s: Callable[[int], float] | None = None  # set by the engine (its profile)
+        self._demoted: torch.cuda.Event | None = None  # the last demotion not waited for (CUDA)
         self.counters = {"kv_swap_outs": 0, "kv_swap_ins": 0, "kv_swap_out_bytes": 0,
                          "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0,
                          "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0}
@@ -163,12 +164,22 @@ class HostSwap:
     def demote(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy evicted prefix-cache pages to the host, on the compute stream."""
         self._copy_out(device_pages, host_pages)
+        if self.cuda:
+            self._demoted = torch.cuda.Event()
+            self._demoted.record()
         self.counters["kv_host_prefix_demoted_pages"] += len(device_pages)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy prefix-cache pages back from the host, on the compute stream."""
         self._copy_in(host_pages, device_pages)
         self.counters["kv_host_prefix_loaded_pages"] += len(device_pages)
+
+    def settle(self) -> None:
+        """Wait for the last demotion's copy (and so for the step before it): its device pages
+        are about to be written by a peer, outside the compute stream."""
+        if self._demoted is not None:
+            self._demoted.synchronize()
+            self._demoted = None
 
     # ---- the engine's ---------------------------------------------------------------------------
 

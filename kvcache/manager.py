@@ -152,18 +152,20 @@ class KVCacheManager:
 
     def prep_recv(self, seq_id: str, tokens: list[int], headroom: int = 0) -> int | None:
         """Reserve KV for receiving `tokens` (paper Table 2): reuse the longest cached prefix
-        and allocate pages for the rest, so a peer can write positions [matched, len(tokens)).
+        (loading its part on the host tier back) and allocate pages for the rest, so a peer can write positions [matched, len(tokens)).
         Returns `matched` (a page multiple), or None, changing nothing, if pages are short, or
         would leave fewer than `headroom` pages free or evictable.
 
             tokens:  [ matched: cached pages, held | reserved: the peer writes here ]
         """
-        matched = self.open(seq_id, tokens)
+        matched, _ = self._open(seq_id, tokens, 0, load_host=True)
         need = self.pages_needed(seq_id, len(tokens))
         if (headroom and not self.can_allocate(need + headroom)) or not self.allocate(
                 seq_id, len(tokens)):
             self.free(seq_id)
             return None
+        if self.cache.mover is not None:  # the peer writes the pages without our stream
+            self.cache.mover.settle()
         return matched
 
     def slot_ranges(self, seq_id: str, begin: int, end: int) -> list[tuple[int, int]]:

@@ -44,6 +44,10 @@ class KVMover(Protocol):
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy the KV of `host_pages` into `device_pages` (pairwise)."""
 
+    def settle(self) -> None:
+        """Wait until the copies issued so far have landed: before pages freed by a demotion
+        go to a writer outside the compute stream (a peer's transfer)."""
+
 
 class HostLevel:
     """The host-tier half of PrefixCache: demotion, loads, host eviction, host integrity."""

@@ -25,6 +25,9 @@ class Mover:
     def load(self, host_pages, device_pages):
         self.copies.append(("load", list(host_pages), list(device_pages)))
 
+    def settle(self):
+        self.copies.append(("settle",))
+
 
 def make(device_pages=4, host_pages=4):
     kv = KVCacheManager(device_pages, PS)
@@ -148,4 +151,19 @@ def test_pins_keep_pages_on_the_device_and_cover_only_the_device_part():
     assert kv.cache.match(toks(8, 100)).host_len == 8
     assert kv.pin(toks(8, 100)) == 0  # on the host: nothing pinned
     assert kv.unpin(toks(8)) == 8
+    check(kv, tier)
+
+
+def test_prep_recv_counts_and_loads_the_host_part_and_settles_the_copies():
+    """A receiver's matched prefix includes what it holds on the host (the router's index
+    counts it as held); the copies have landed before the peer may write the pages."""
+    kv, tier, mover = make()
+    run(kv, "a", toks(8))
+    run(kv, "b", toks(16, 100))  # a's pages on the host
+    mover.copies.clear()
+    assert kv.prep_recv("r", toks(12)) == 8
+    assert mover.copies == [("demote", [2, 3], [2, 3]), ("load", [0, 1], [2, 3]),
+                            ("demote", [1], [0]), ("settle",)]
+    assert kv.page_table("r") == [2, 3, 1]
+    kv.free("r")
     check(kv, tier)
