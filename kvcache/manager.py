@@ -152,7 +152,8 @@ class KVCacheManager:
 
     def prep_recv(self, seq_id: str, tokens: list[int], headroom: int = 0) -> int | None:
         """Reserve KV for receiving `tokens` (paper Table 2): reuse the longest cached prefix
-        (loading its part on the host tier back) and allocate pages for the rest, so a peer can write positions [matched, len(tokens)).
+        (loading its part on the host tier back) and allocate pages for the rest, so a peer
+        can write positions [matched, len(tokens)).
         Returns `matched` (a page multiple), or None, changing nothing, if pages are short, or
         would leave fewer than `headroom` pages free or evictable.
 

@@ -130,3 +130,17 @@ def test_a_host_hit_on_cuda_gives_hf_tokens(tiny_model_dir):
     a, b, c, out, *_ = scenario(core)
     assert [out["a"], out["b"], out["c"]] == hf_greedy(tiny_model_dir, [a, b, c], NEW)
     nothing_held(core)
+
+
+def test_the_host_prefix_bench_runs(host_hit):
+    """bench.host_prefix's measurement on the tiny model: the host round loads the prompt's
+    whole pages but the last token's (19 tokens: 4 pages), and leaves nothing cached."""
+    from bench.host_prefix import measure
+
+    core = host_hit[0]
+    result = measure(core, prompt_len=19, repeats=1)
+    assert set(result) == {"recompute", "device", "host", "host_over_recompute", "loaded_pages",
+                           "load_gbps"}
+    assert result["loaded_pages"] == 4 and result["load_gbps"] > 0
+    nothing_held(core)
+    assert core.kv.stats().host_cached_pages == 0
