@@ -167,3 +167,73 @@ def test_prep_recv_counts_and_loads_the_host_part_and_settles_the_copies():
     assert kv.page_table("r") == [2, 3, 1]
     kv.free("r")
     check(kv, tier)
+
+
+class ShadowMover:
+    """Tracks what each device and host page holds (the whole-prefix tokens whose KV it is),
+    copying it as the engine's HostSwap copies KV."""
+
+    def __init__(self):
+        self.device, self.host = {}, {}
+
+    def demote(self, device_pages, host_pages):
+        for d, h in zip(device_pages, host_pages):
+            self.host[h] = self.device[d]
+
+    def load(self, host_pages, device_pages):
+        for h, d in zip(host_pages, device_pages):
+            self.device[d] = self.host[h]
+
+    def settle(self):
+        pass
+
+
+def test_random_traffic_keeps_every_reused_page_holding_its_prefix():
+    """Sequences sharing prefixes of a few contexts come and go over a small device pool and
+    host pool, with swap-outs taking host pages: every page a sequence reuses (from either
+    tier) holds exactly the KV of its prefix, and the books balance after every move."""
+    import random
+
+    rng = random.Random(7)
+    kv = KVCacheManager(10, PS)
+    tier, mover = HostTier(6, PS), ShadowMover()
+    kv.attach_host(tier, mover)
+    contexts = [[rng.randrange(50) for _ in range(40)] for _ in range(4)]
+    live, swapped, loaded, most_on_host = {}, [], 0, 0
+    for step in range(600):
+        op = rng.random()
+        if op < 0.45 and len(live) < 3:
+            ctx = rng.choice(contexts)
+            tokens = ctx[: rng.randrange(1, 30)] + [rng.randrange(50, 60)] * rng.randrange(3)
+            sid = f"s{step}"
+            held, from_host = kv.open_from_tiers(sid, tokens)
+            loaded += from_host
+            for i, page in enumerate(kv.page_table(sid)):  # the reused pages
+                assert mover.device[page] == tuple(tokens[: (i + 1) * PS]), (step, i)
+            if not kv.allocate(sid, len(tokens)):
+                kv.free(sid)
+                continue
+            for i, page in enumerate(kv.page_table(sid)[held // PS :], held // PS):
+                mover.device[page] = tuple(tokens[: (i + 1) * PS])  # computed here
+            kv.cache_tokens(sid, tokens)
+            live[sid] = tokens
+        elif op < 0.8 and live:
+            sid = rng.choice(sorted(live))
+            del live[sid]
+            kv.free(sid)
+        elif op < 0.9:
+            sid = f"w{step}"
+            if tier.reserve(sid, rng.randrange(1, 12)) is not None:
+                swapped.append(sid)
+        elif swapped:
+            tier.release(swapped.pop(rng.randrange(len(swapped))))
+        kv.check_integrity()
+        tier.check_integrity(kv.cache.host_pages())
+        most_on_host = max(most_on_host, kv.cache.num_host_pages)
+    assert loaded > 0 and most_on_host > 0  # both tiers were exercised
+    for sid in list(live):
+        kv.free(sid)
+    kv.evict_cached()
+    for sid in swapped:
+        tier.release(sid)
+    assert kv.stats().free_pages == 10 and tier.pool.num_free == 6
