@@ -18,6 +18,11 @@ host reference on each of its host pages. The copies themselves are the `KVMover
 engine's HostSwap); it is called at the moment the bookkeeping moves a page, so copies happen
 in the order their pages are reused.
 
+Scale: whether a node is a device leaf is a scan of its children (`_has_device_child`), O(1)
+without a host tier (the first child is on the device) but O(children) for a node whose many
+children all went to the host (a shared system prompt under thousands of demoted contexts),
+each time one of them is evicted; a count of device children per node would make it O(1).
+
 Plain Python; mixed into PrefixCache (kvcache/prefix_cache.py), whose fields it uses.
 """
 
