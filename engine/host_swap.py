@@ -161,9 +161,15 @@ class HostSwap:
 
     # ---- the prefix cache's (kvcache/prefix_host.py's KVMover) ---------------------------------
 
+    # pages per staged copy of the prefix cache's: bounds the staging tensor (64 pages of an
+    # 8B model: 128 MiB), which the compute stream frees and reuses chunk after chunk
+    PREFIX_COPY_PAGES = 64
+
     def demote(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy evicted prefix-cache pages to the host, on the compute stream."""
-        self._copy_out(device_pages, host_pages)
+        for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
+            chunk = slice(at, at + self.PREFIX_COPY_PAGES)
+            self._copy_out(device_pages[chunk], host_pages[chunk])
         if self.cuda:
             self._demoted = torch.cuda.Event()
             self._demoted.record()
@@ -171,7 +177,9 @@ class HostSwap:
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy prefix-cache pages back from the host, on the compute stream."""
-        self._copy_in(host_pages, device_pages)
+        for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
+            chunk = slice(at, at + self.PREFIX_COPY_PAGES)
+            self._copy_in(host_pages[chunk], device_pages[chunk])
         self.counters["kv_host_prefix_loaded_pages"] += len(device_pages)
 
     def settle(self) -> None:

@@ -352,3 +352,19 @@ def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device):
     assert core.kv.stats().used_pages == 0
     ref = hf_greedy(tiny_model_dir, prompts, 24)
     assert [tokens[f"r{i}"] for i in range(3)] == ref
+
+
+def test_prefix_pages_demote_and_load_back_byte_equal_in_chunks():
+    """The prefix cache's copies (HostSwap.demote, load) move pages in chunks that bound the
+    staging tensor: pages [5, 2, 7] to host pages [3, 0, 1] in chunks of 2, back into
+    [1, 3, 4], byte-equal."""
+    kv = pool()
+    swap = HostSwap(kv, memory_gb=4 * PAGE_BYTES / 2**30)
+    swap.PREFIX_COPY_PAGES = 2
+    before = kv[:, :, [5, 2, 7]].clone()
+    swap.demote([5, 2, 7], [3, 0, 1])
+    kv[:, :, [1, 2, 3, 4, 5, 7]] = 0
+    swap.load([3, 0, 1], [1, 3, 4])
+    assert torch.equal(kv[:, :, [1, 3, 4]], before)
+    assert swap.counters["kv_host_prefix_demoted_pages"] == 3
+    assert swap.counters["kv_host_prefix_loaded_pages"] == 3
