@@ -188,6 +188,7 @@ class HostLevel:
             stack.extend(child.children.values())
             self.host_pool.release(child.pages)
             self.num_host_pages -= len(child.pages)
+            child.pages, child.key = [], []  # its heap entries are stale now
         node.children.clear()
 
     # ---- inspection ----------------------------------------------------------------------------

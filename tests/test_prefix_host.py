@@ -2,6 +2,8 @@
 demotes to host pages, a match on them loads them back, a recomputed prefix replaces its host
 copy, swap-outs take host pages first, and nothing leaks. No torch."""
 
+import pytest
+
 from kvcache.host_tier import HostTier
 from kvcache.manager import KVCacheManager
 from kvcache.page_pool import PagePool
@@ -188,13 +190,14 @@ class ShadowMover:
         pass
 
 
-def test_random_traffic_keeps_every_reused_page_holding_its_prefix():
+@pytest.mark.parametrize("seed", range(24))  # 18 once dropped a host subtree twice
+def test_random_traffic_keeps_every_reused_page_holding_its_prefix(seed):
     """Sequences sharing prefixes of a few contexts come and go over a small device pool and
     host pool, with swap-outs taking host pages: every page a sequence reuses (from either
     tier) holds exactly the KV of its prefix, and the books balance after every move."""
     import random
 
-    rng = random.Random(7)
+    rng = random.Random(seed)
     kv = KVCacheManager(10, PS)
     tier, mover = HostTier(6, PS), ShadowMover()
     kv.attach_host(tier, mover)
@@ -210,7 +213,10 @@ def test_random_traffic_keeps_every_reused_page_holding_its_prefix():
             loaded += from_host
             for i, page in enumerate(kv.page_table(sid)):  # the reused pages
                 assert mover.device[page] == tuple(tokens[: (i + 1) * PS]), (step, i)
+            need = kv.pages_needed(sid, len(tokens))
             if not kv.allocate(sid, len(tokens)):
+                # short only if the pool says so: every evictable page was found by eviction
+                assert not kv.can_allocate(need), step
                 kv.free(sid)
                 continue
             for i, page in enumerate(kv.page_table(sid)[held // PS :], held // PS):
