@@ -192,9 +192,10 @@ class ShadowMover:
 
 @pytest.mark.parametrize("seed", range(24))  # 18 once dropped a host subtree twice
 def test_random_traffic_keeps_every_reused_page_holding_its_prefix(seed):
-    """Sequences sharing prefixes of a few contexts come and go over a small device pool and
-    host pool, with swap-outs taking host pages: every page a sequence reuses (from either
-    tier) holds exactly the KV of its prefix, and the books balance after every move."""
+    """Sequences sharing prefixes of a few contexts, in two namespaces (LoRA adapters), come
+    and go over a small device pool and host pool, with swap-outs taking host pages, pins and
+    a full eviction now and then: every page a sequence reuses (from either tier) holds
+    exactly the KV of its prefix, and the books balance after every move."""
     import random
 
     rng = random.Random(seed)
@@ -202,17 +203,17 @@ def test_random_traffic_keeps_every_reused_page_holding_its_prefix(seed):
     tier, mover = HostTier(6, PS), ShadowMover()
     kv.attach_host(tier, mover)
     contexts = [[rng.randrange(50) for _ in range(40)] for _ in range(4)]
-    live, swapped, loaded, most_on_host = {}, [], 0, 0
-    for step in range(600):
+    live, swapped, pinned, loaded, most_on_host = {}, [], [], 0, 0
+    for step in range(1000):
         op = rng.random()
         if op < 0.45 and len(live) < 3:
-            ctx = rng.choice(contexts)
+            ctx, ns = rng.choice(contexts), rng.choice([0, 0, 1])
             tokens = ctx[: rng.randrange(1, 30)] + [rng.randrange(50, 60)] * rng.randrange(3)
             sid = f"s{step}"
-            held, from_host = kv.open_from_tiers(sid, tokens)
+            held, from_host = kv.open_from_tiers(sid, tokens, ns)
             loaded += from_host
             for i, page in enumerate(kv.page_table(sid)):  # the reused pages
-                assert mover.device[page] == tuple(tokens[: (i + 1) * PS]), (step, i)
+                assert mover.device[page] == (ns, *tokens[: (i + 1) * PS]), (step, i)
             need = kv.pages_needed(sid, len(tokens))
             if not kv.allocate(sid, len(tokens)):
                 # short only if the pool says so: every evictable page was found by eviction
@@ -220,14 +221,23 @@ def test_random_traffic_keeps_every_reused_page_holding_its_prefix(seed):
                 kv.free(sid)
                 continue
             for i, page in enumerate(kv.page_table(sid)[held // PS :], held // PS):
-                mover.device[page] = tuple(tokens[: (i + 1) * PS])  # computed here
+                mover.device[page] = (ns, *tokens[: (i + 1) * PS])  # computed here
             kv.cache_tokens(sid, tokens)
             live[sid] = tokens
         elif op < 0.8 and live:
             sid = rng.choice(sorted(live))
             del live[sid]
             kv.free(sid)
-        elif op < 0.9:
+        elif op < 0.82 and len(pinned) < 2:  # more would pin the small pool full
+            tokens = rng.choice(contexts)[: rng.randrange(4, 16)]
+            held = kv.pin(tokens)  # the part on the device: what an unpin names
+            if held:
+                pinned.append(tokens[:held])
+        elif op < 0.86 and pinned:
+            kv.unpin(pinned.pop(rng.randrange(len(pinned))))
+        elif op < 0.865:
+            kv.evict_cached()
+        elif op < 0.93:
             sid = f"w{step}"
             if tier.reserve(sid, rng.randrange(1, 12)) is not None:
                 swapped.append(sid)
@@ -239,6 +249,8 @@ def test_random_traffic_keeps_every_reused_page_holding_its_prefix(seed):
     assert loaded > 0 and most_on_host > 0  # both tiers were exercised
     for sid in list(live):
         kv.free(sid)
+    for tokens in pinned:
+        kv.unpin(tokens)
     kv.evict_cached()
     for sid in swapped:
         tier.release(sid)
