@@ -66,7 +66,8 @@ class HostSwap:
         self._in_flight: dict[str, tuple[torch.cuda.Event, torch.Tensor]] = {}
         self.copy_bytes_per_s = copy_gbps * 1e9 if copy_gbps else None
         self.prefill_s: Callable[[int], float] | None = None  # set by the engine (its profile)
-        self._demoted: torch.cuda.Event | None = None  # the last demotion not waited for (CUDA)
+        # the last prefix-cache copy (demote, load) not waited for by `settle` (CUDA)
+        self._last_prefix_copy: torch.cuda.Event | None = None
         self.counters = {"kv_swap_outs": 0, "kv_swap_ins": 0, "kv_swap_out_bytes": 0,
                          "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0,
                          "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0}
@@ -170,9 +171,7 @@ class HostSwap:
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)
             self._copy_out(device_pages[chunk], host_pages[chunk])
-        if self.cuda:
-            self._demoted = torch.cuda.Event()
-            self._demoted.record()
+        self._mark_prefix_copy()
         self.counters["kv_host_prefix_demoted_pages"] += len(device_pages)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
@@ -180,14 +179,21 @@ class HostSwap:
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)
             self._copy_in(host_pages[chunk], device_pages[chunk])
+        self._mark_prefix_copy()
         self.counters["kv_host_prefix_loaded_pages"] += len(device_pages)
 
     def settle(self) -> None:
-        """Wait for the last demotion's copy (and so for the step before it): its device pages
-        are about to be written by a peer, outside the compute stream."""
-        if self._demoted is not None:
-            self._demoted.synchronize()
-            self._demoted = None
+        """Wait for the last of those copies (and so for the steps before it): their device
+        pages are about to be written or read outside the compute stream (a peer's transfer,
+        the sender's thread)."""
+        if self._last_prefix_copy is not None:
+            self._last_prefix_copy.synchronize()
+            self._last_prefix_copy = None
+
+    def _mark_prefix_copy(self) -> None:
+        if self.cuda:
+            self._last_prefix_copy = torch.cuda.Event()
+            self._last_prefix_copy.record()
 
     # ---- the engine's ---------------------------------------------------------------------------
 

@@ -165,9 +165,14 @@ class KVCacheManager:
                 seq_id, len(tokens)):
             self.free(seq_id)
             return None
-        if self.cache.mover is not None:  # the peer writes the pages without our stream
-            self.cache.mover.settle()
+        self.settle_copies()  # the peer writes the pages without our stream
         return matched
+
+    def settle_copies(self) -> None:
+        """Wait for the host-tier copies issued so far (demotions, loads) to land: before a
+        thread or a peer outside the compute stream touches pages they used."""
+        if self.cache.mover is not None:
+            self.cache.mover.settle()
 
     def slot_ranges(self, seq_id: str, begin: int, end: int) -> list[tuple[int, int]]:
         """The flat slots (page * page_size + offset) of positions [begin, end) of a sequence,

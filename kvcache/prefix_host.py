@@ -50,8 +50,8 @@ class KVMover(Protocol):
         """Copy the KV of `host_pages` into `device_pages` (pairwise)."""
 
     def settle(self) -> None:
-        """Wait until the copies issued so far have landed: before pages freed by a demotion
-        go to a writer outside the compute stream (a peer's transfer)."""
+        """Wait until the copies issued so far have landed: before their device pages go to a
+        writer or reader outside the compute stream (a peer's transfer, a sender's thread)."""
 
 
 class HostLevel:

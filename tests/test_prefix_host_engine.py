@@ -144,3 +144,37 @@ def test_the_host_prefix_bench_runs(host_hit):
     assert result["loaded_pages"] == 4 and result["load_gbps"] > 0
     nothing_held(core)
     assert core.kv.stats().host_cached_pages == 0
+
+
+def test_pd_reuses_prefixes_held_on_the_host_tiers_of_both_engines(tiny_model_dir):
+    """P holds 40 tokens of the prompt and D 8, both only on their host tiers: D's prep_recv
+    counts (and loads) its 8, P loads its 40, copies 32 of them and computes the rest; D's
+    tokens equal Hugging Face's, and both engines end holding nothing."""
+    from microserve.messages import RemoteSendResponse
+    from test_kv_exchange import N_NEW, assert_clean, generate, send
+    from test_kv_exchange import make_core as make_pd_core
+
+    p, d = (make_pd_core(tiny_model_dir, "shm", max_num_batched_tokens=64,
+                         kv_host_memory_gb=0.001, kv_host_copy_gbps=1000.0) for _ in range(2))
+    try:
+        prompt = random_prompts([45], seed=7, vocab=TINY_VOCAB)[0]
+        generate(p, "warm", prompt[:40] + [9])
+        generate(d, "warm", prompt[:8] + [9])
+        for core in (p, d):  # every cached page to the host tier
+            core.kv.cache.evict(core.kv.cache.num_evictable())
+        assert p.kv.cache.match(prompt).host_len == 40 and d.kv.cache.match(prompt).host_len == 8
+        r = d.exchange.prep_recv("c", prompt, -1, None)
+        assert r.matched == 8
+        out = send(p, "c", prompt, 8, -1, r.kv_addr)
+        assert out == RemoteSendResponse(sent=len(prompt) - 1 - 8, computed=len(prompt) - 1 - 40,
+                                         reused=32)
+        tokens, _ = generate(d, "c", prompt, begin=len(prompt) - 1)
+        assert tokens == hf_greedy(tiny_model_dir, [prompt], N_NEW)[0]
+        assert (p.stats().kv_host_prefix_loaded_pages, d.stats().kv_host_prefix_loaded_pages) == (
+            10, 2)
+        for core in (p, d):
+            assert_clean(core)
+            nothing_held(core)
+    finally:
+        p.close()
+        d.close()
