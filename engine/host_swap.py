@@ -21,6 +21,11 @@ event completes (`poll`, or `settle_out` when the scheduler needs them now). A c
 for the compute stream too (its pages may have been another sequence's a moment ago), and the
 compute stream waits for it before the forward that runs the sequence (`before_forward`): the
 host never blocks on a copy in. On CPU every copy is a plain, finished copy.
+
+The prefix cache's second level (kvcache/prefix_host.py) uses the same pool and layout through
+`demote` and `load`: those copies run on the compute stream, in the order the bookkeeping
+issues them, so a page is read before the pool hands it to anyone else, and the forward that
+reads a loaded page comes after its load, without host waits or events.
 """
 
 from __future__ import annotations
@@ -61,8 +66,11 @@ class HostSwap:
         self._in_flight: dict[str, tuple[torch.cuda.Event, torch.Tensor]] = {}
         self.copy_bytes_per_s = copy_gbps * 1e9 if copy_gbps else None
         self.prefill_s: Callable[[int], float] | None = None  # set by the engine (its profile)
+        # the last prefix-cache copy (demote, load) not waited for by `settle` (CUDA)
+        self._last_prefix_copy: torch.cuda.Event | None = None
         self.counters = {"kv_swap_outs": 0, "kv_swap_ins": 0, "kv_swap_out_bytes": 0,
-                         "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0}
+                         "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0,
+                         "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0}
 
     # ---- the scheduler's calls (engine/scheduler.py, KVSwapper) --------------------------------
 
@@ -89,11 +97,7 @@ class HostSwap:
             return False
         assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
         with self._on_copy_stream():
-            index = self._index(gpu_pages)
-            staging = self.gpu_kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-            for start, end, first in _runs(host_pages):
-                self.host[first : first + end - start].copy_(staging[start:end],
-                                                            non_blocking=self.cuda)
+            staging = self._copy_out(gpu_pages, host_pages)
         self._finish_or_track(seq_id, staging)
         if self.synchronous:
             self.tier.copied_out(seq_id)
@@ -113,12 +117,7 @@ class HostSwap:
         host_pages = self.tier.start_in(seq_id)
         assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
         with self._on_copy_stream():
-            staging = torch.empty((len(host_pages), *self.page_shape), dtype=self.host.dtype,
-                                  device=self.gpu_kv.device)
-            for start, end, first in _runs(host_pages):
-                staging[start:end].copy_(self.host[first : first + end - start],
-                                         non_blocking=self.cuda)
-            self.gpu_kv.index_copy_(2, self._index(gpu_pages), staging.permute(1, 2, 0, 3, 4, 5))
+            staging = self._copy_in(host_pages, gpu_pages)
         num_tokens = self.tier.num_tokens(seq_id)
         self._finish_or_track(seq_id, staging)
         if self.synchronous:
@@ -161,6 +160,41 @@ class HostSwap:
             copy[0].synchronize()
         return self.tier.release(seq_id)
 
+    # ---- the prefix cache's (kvcache/prefix_host.py's KVMover) ---------------------------------
+
+    # pages per staged copy of the prefix cache's: bounds the staging tensor (64 pages of an
+    # 8B model: 128 MiB), which the compute stream frees and reuses chunk after chunk
+    PREFIX_COPY_PAGES = 64
+
+    def demote(self, device_pages: list[int], host_pages: list[int]) -> None:
+        """Copy evicted prefix-cache pages to the host, on the compute stream."""
+        for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
+            chunk = slice(at, at + self.PREFIX_COPY_PAGES)
+            self._copy_out(device_pages[chunk], host_pages[chunk])
+        self._mark_prefix_copy()
+        self.counters["kv_host_prefix_demoted_pages"] += len(device_pages)
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
+        """Copy prefix-cache pages back from the host, on the compute stream."""
+        for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
+            chunk = slice(at, at + self.PREFIX_COPY_PAGES)
+            self._copy_in(host_pages[chunk], device_pages[chunk])
+        self._mark_prefix_copy()
+        self.counters["kv_host_prefix_loaded_pages"] += len(device_pages)
+
+    def settle(self) -> None:
+        """Wait for the last of those copies (and so for the steps before it): their device
+        pages are about to be written or read outside the compute stream (a peer's transfer,
+        the sender's thread)."""
+        if self._last_prefix_copy is not None:
+            self._last_prefix_copy.synchronize()
+            self._last_prefix_copy = None
+
+    def _mark_prefix_copy(self) -> None:
+        if self.cuda:
+            self._last_prefix_copy = torch.cuda.Event()
+            self._last_prefix_copy.record()
+
     # ---- the engine's ---------------------------------------------------------------------------
 
     def measure_copy_rate(self, num_pages: int = 64) -> float:
@@ -189,16 +223,38 @@ class HostSwap:
         return {**self.counters, "kv_host_pages_total": self.tier.pool.num_pages,
                 "kv_host_pages_free": self.tier.pool.num_free}
 
-    def check_integrity(self, scheduled: set[str]) -> None:
-        """The host pages (HostTier.check_integrity), and every sequence holding some is one
-        the scheduler holds (`scheduled`: its running and waiting ids)."""
-        self.tier.check_integrity()
+    def check_integrity(self, scheduled: set[str], cached_pages: list[int] = ()) -> None:
+        """The host pages (HostTier.check_integrity; `cached_pages`: the prefix cache's), and
+        every sequence holding some is one the scheduler holds (`scheduled`: its running and
+        waiting ids)."""
+        self.tier.check_integrity(cached_pages)
         on_host = self.tier.seq_ids()
         stray = on_host - scheduled
         if stray or not self._in_flight.keys() <= on_host:
             raise IntegrityError(f"host pages of gone sequences: {stray}")
 
     # ---- copies ---------------------------------------------------------------------------------
+
+    def _copy_out(self, gpu_pages: list[int], host_pages: list[int]) -> torch.Tensor:
+        """Gather `gpu_pages` into a page-major staging tensor, then DMA it into `host_pages`
+        (on the current stream). Returns the staging tensor (it must outlive the copy)."""
+        index = self._index(gpu_pages)
+        staging = self.gpu_kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        for start, end, first in _runs(host_pages):
+            self.host[first : first + end - start].copy_(staging[start:end],
+                                                        non_blocking=self.cuda)
+        return staging
+
+    def _copy_in(self, host_pages: list[int], gpu_pages: list[int]) -> torch.Tensor:
+        """DMA `host_pages` into a staging tensor, then scatter it into `gpu_pages` (on the
+        current stream). Returns the staging tensor."""
+        staging = torch.empty((len(host_pages), *self.page_shape), dtype=self.host.dtype,
+                              device=self.gpu_kv.device)
+        for start, end, first in _runs(host_pages):
+            staging[start:end].copy_(self.host[first : first + end - start],
+                                     non_blocking=self.cuda)
+        self.gpu_kv.index_copy_(2, self._index(gpu_pages), staging.permute(1, 2, 0, 3, 4, 5))
+        return staging
 
     def _index(self, pages: list[int]) -> torch.Tensor:
         return torch.tensor(pages, dtype=torch.long).to(self.gpu_kv.device, non_blocking=True)

@@ -164,7 +164,7 @@ class Receiving:
         entry = self.requests.get(rid)
         res = None if entry is None else entry.reservation
         if res is None:  # no transfer: the prefix must be cached here
-            held = self.kv.open(rid, prompt[: len(prompt) - 1])
+            held, _ = self.kv.open_from_tiers(rid, prompt[: len(prompt) - 1])
             if held < begin:
                 self.kv.free(rid)
                 raise MicroservingError(

@@ -107,7 +107,10 @@ class Sending:
         if queue_s is not None and waited > queue_s:  # the core took it up too late
             self.counters["kv_send_queue_timeouts"] += 1
             raise queue_timeout(request_id, queue_s)
-        matched = self.kv.open(request_id, tokens[:-1] if sampling else tokens)
+        # a prefix on the host tier is loaded too; the transfer thread reads the pages
+        matched, loaded = self.kv.open_from_tiers(request_id, tokens[:-1] if sampling else tokens)
+        if loaded:
+            self.kv.settle_copies()
         job = SendJob(tokens, begin, end, None, 0, computed=end - matched if matched < end else 0,
                       samples=sampling is not None, matched=matched)
         if received_at is not None:

@@ -338,6 +338,7 @@ class Scheduler:
             return budget
         if seq.lora_id and not self.adapters.acquire(seq):
             return budget  # every slot's adapter is running: it waits, holding no one up
+        loaded = 0  # tokens of its cached prefix loaded from the host tier
         if prepared:
             reused = seq.num_computed_tokens
         elif on_host is HostState.HELD:  # fresh pages; its KV is copied into them below
@@ -347,7 +348,8 @@ class Scheduler:
             end = seq.num_tokens - 1
             if seq.prompt_logprobs is not None:  # nor any prompt token not yet scored
                 end = min(end, seq.prompt_scored - 1)
-            reused = self.kv.open(seq.request_id, seq.token_at(0, end), seq.lora_id)
+            reused, loaded = self.kv.open_from_tiers(seq.request_id, seq.token_at(0, end),
+                                                     seq.lora_id)
         n = min(seq.num_tokens - reused, budget)
         freed = self._allocate_or_preempt(seq, reused + n, out)
         if freed is None:
@@ -364,6 +366,8 @@ class Scheduler:
             self.swapper.swap_in(seq.request_id, list(held))
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
+            # the host's pages come after the device's: the part of them within the prompt
+            seq.num_host_cached_tokens = max(0, seq.num_cached_tokens - (reused - loaded))
         seq.num_computed_tokens = reused
         seq.status, seq.admitted = SeqStatus.RUNNING, True
         self.waiting.remove(seq)

@@ -38,6 +38,9 @@ class Sequence:
     # prompt tokens whose KV was reused rather than computed: given at construction when the
     # KV was held then, else set by the Scheduler at first admission
     num_cached_tokens: int | None = None
+    # of those, the ones loaded from the host tier (the prefix cache's second level); set by
+    # the Scheduler with num_cached_tokens
+    num_host_cached_tokens: int = 0
     # a remote_send job: computes KV for its tokens and sends it; samples only if
     # `send_samples` (the first output token, handed to the receiver with the KV)
     send_only: bool = False

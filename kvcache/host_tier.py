@@ -10,12 +10,15 @@ A swapped sequence's life on the host (issue 40, item 2, groundwork):
        └─────────────┴──── release (abort, expiry, or the copy failed): pages freed ──────┘
 
 Host pages come from a PagePool of their own (ids and refcounts, a deterministic LIFO), so a
-page is held by exactly one swapped sequence; `check_integrity` proves free + held == total.
+page is held by exactly one swapped sequence, or by the prefix cache (its second level,
+kvcache/prefix_host.py); `check_integrity` proves free + held == total. Swapped sequences come
+first: a swap-out short of pages drops cached prefix pages to make room (`reclaim`).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvcache.integrity import IntegrityError
@@ -45,6 +48,9 @@ class HostTier:
         self.pool = PagePool(num_pages)
         self.page_size = page_size
         self._swapped: dict[str, Swapped] = {}
+        # set by the prefix cache sharing the pool (KVCacheManager.attach_host's caller):
+        # drops at least n of its host pages, least recently used first; returns how many
+        self.reclaim: Callable[[int], int] | None = None
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._swapped
@@ -69,7 +75,10 @@ class HostTier:
             raise ValueError(f"sequence {seq_id!r} already has host pages")
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        pages = self.pool.alloc(-(-num_tokens // self.page_size))
+        need = -(-num_tokens // self.page_size)
+        if need > self.pool.num_free and self.reclaim is not None:
+            self.reclaim(need - self.pool.num_free)
+        pages = self.pool.alloc(need)
         if pages is None:
             return None
         self._swapped[seq_id] = Swapped(pages, num_tokens)
@@ -110,11 +119,14 @@ class HostTier:
         entry.state = to
         return entry
 
-    def check_integrity(self) -> None:
-        """Every host page is free or held by exactly one swapped sequence, once, and each
-        holds as many pages as its tokens need."""
+    def check_integrity(self, cached_pages: Iterable[int] = ()) -> None:
+        """Every host page is free, or held once by exactly one swapped sequence or by the
+        prefix cache (`cached_pages`, its host pages), and each sequence holds as many pages
+        as its tokens need."""
         self.pool.check_integrity()
         holders = [0] * self.pool.num_pages
+        for p in cached_pages:
+            holders[p] += 1
         for seq_id, entry in self._swapped.items():
             if len(entry.pages) != -(-entry.num_tokens // self.page_size):
                 raise IntegrityError(f"{seq_id}: {len(entry.pages)} host pages for "

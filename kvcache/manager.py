@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvcache.host_tier import HostTier
 from kvcache.integrity import IntegrityError
 from kvcache.page_pool import PagePool
 from kvcache.prefix_cache import CachedPrefix, PrefixCache
+from kvcache.prefix_host import KVMover
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class KVStats:
     cached_pages: int  # in the prefix cache and held by nothing else: reusable or evictable
     used_pages: int  # held by at least one sequence
     pinned_pages: int
+    host_cached_pages: int = 0  # prefix-cache pages demoted to the host tier
 
 
 class KVCacheManager:
@@ -109,33 +112,67 @@ class KVCacheManager:
         The caller passes only tokens whose KV it may reuse; a request that must compute at
         least one token to get logits passes its prompt without the last token.
         """
+        return self._open(seq_id, tokens, namespace, load_host=False)[0]
+
+    def open_from_tiers(self, seq_id: str, tokens: list[int], namespace: int = 0
+                        ) -> tuple[int, int]:
+        """`open`, and where the cached prefix goes on in host pages (the prefix cache's
+        second level), load them into device pages (the copies are issued before this returns,
+        ahead of any later forward). Returns the tokens whose KV is there, and how many of
+        them came from the host (0 if no device pages could be found for them)."""
+        return self._open(seq_id, tokens, namespace, load_host=True)
+
+    def _open(self, seq_id: str, tokens: list[int], namespace: int, load_host: bool
+              ) -> tuple[int, int]:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has KV pages")
         pages: list[int] = []
+        loaded: list[int] = []
         if self.enable_prefix_cache:
-            pages = self.cache.match(tokens, namespace).pages
-            self.pool.retain(pages)
+            match = self.cache.match(tokens, namespace)
+            pages = match.pages
+            self.pool.retain(pages)  # first: loading may evict, never these
+            if load_host and match.host_len:
+                loaded = self.cache.load(match, self._alloc)
+                self.pool.retain(loaded)
+                pages = pages + loaded
         if namespace:
             self._namespace[seq_id] = namespace
         self._tables[seq_id] = list(pages)
         self._num_cached[seq_id] = len(pages)
-        return len(pages) * self.page_size
+        return len(pages) * self.page_size, len(loaded) * self.page_size
+
+    def attach_host(self, tier: HostTier, mover: KVMover) -> None:
+        """Make the host tier's pool the prefix cache's second level: evicted pages demote to
+        it through `mover`, `open_from_tiers` loads them back, and the tier's swap-outs drop
+        them when short of room. Without a prefix cache, nothing is cached to demote."""
+        if self.enable_prefix_cache:
+            self.cache.attach_host(tier.pool, mover)
+            tier.reclaim = self.cache.evict_host
 
     def prep_recv(self, seq_id: str, tokens: list[int], headroom: int = 0) -> int | None:
         """Reserve KV for receiving `tokens` (paper Table 2): reuse the longest cached prefix
-        and allocate pages for the rest, so a peer can write positions [matched, len(tokens)).
+        (loading its part on the host tier back) and allocate pages for the rest, so a peer
+        can write positions [matched, len(tokens)).
         Returns `matched` (a page multiple), or None, changing nothing, if pages are short, or
         would leave fewer than `headroom` pages free or evictable.
 
             tokens:  [ matched: cached pages, held | reserved: the peer writes here ]
         """
-        matched = self.open(seq_id, tokens)
+        matched, _ = self._open(seq_id, tokens, 0, load_host=True)
         need = self.pages_needed(seq_id, len(tokens))
         if (headroom and not self.can_allocate(need + headroom)) or not self.allocate(
                 seq_id, len(tokens)):
             self.free(seq_id)
             return None
+        self.settle_copies()  # the peer writes the pages without our stream
         return matched
+
+    def settle_copies(self) -> None:
+        """Wait for the host-tier copies issued so far (demotions, loads) to land: before a
+        thread or a peer outside the compute stream touches pages they used."""
+        if self.cache.mover is not None:
+            self.cache.mover.settle()
 
     def slot_ranges(self, seq_id: str, begin: int, end: int) -> list[tuple[int, int]]:
         """The flat slots (page * page_size + offset) of positions [begin, end) of a sequence,
@@ -158,8 +195,11 @@ class KVCacheManager:
 
     def evict_cached(self) -> int:
         """Drop every cached page that no sequence holds and no pin keeps (the engine's own
-        start-up requests, for one). Returns how many pages were freed."""
-        return self.cache.evict(self.cache.num_evictable())
+        start-up requests, for one), and every page on the host tier. Returns how many device
+        pages were freed."""
+        freed = self.cache.evict(self.cache.num_evictable(), demote=False)
+        self.cache.evict_host(self.cache.num_host_pages)
+        return freed
 
     def can_allocate(self, num_pages: int) -> bool:
         free = self.pool.num_free
@@ -290,6 +330,7 @@ class KVCacheManager:
             cached_pages=cached_only,
             used_pages=pool.num_pages - pool.num_free - cached_only,
             pinned_pages=self.cache.num_pinned_pages(),
+            host_cached_pages=self.cache.num_host_pages,
         )
 
     def check_integrity(self) -> None:

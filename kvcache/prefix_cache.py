@@ -22,21 +22,26 @@ Scale (a decoded context grows one page at a time, for tens of thousands of page
   any path: all of them can be freed by trimming leaves, tail first.
 - Leaves wait for eviction in a heap ordered by last use, pushed when used; stale entries are
   skipped, and the heap is rebuilt once it holds more entries than the tree has pages.
+
+With a host tier attached (kvcache/prefix_host.py), evicted pages move to host memory instead
+of leaving the tree; "leaf" for device eviction then means a device node without device
+children.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcache.integrity import IntegrityError
 from kvcache.page_pool import PagePool
+from kvcache.prefix_host import HostLevel
 
 
 class _Node:
     __slots__ = ("key", "pages", "children", "parent", "start", "last_access", "pin_count",
-                 "uid")
+                 "uid", "on_host")
 
     def __init__(self, key: list[int], pages: list[int], parent: "_Node | None",
                  start: int, uid: int):
@@ -48,6 +53,7 @@ class _Node:
         self.last_access = 0  # logical clock, set by PrefixCache
         self.pin_count = 0
         self.uid = uid  # creation order: deterministic tie-break for eviction
+        self.on_host = False  # its pages are host pages (kvcache/prefix_host.py)
 
     @property
     def end(self) -> int:
@@ -68,11 +74,13 @@ class CachedPrefix:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    matched_len: int  # tokens matched, a multiple of page_size
-    pages: list[int]  # the cached pages covering them (no references taken)
+    matched_len: int  # tokens matched in device pages, a multiple of page_size
+    pages: list[int]  # the device pages covering them (no references taken)
+    host_len: int = 0  # tokens matched past them in host pages (`load` brings them back)
+    node: "_Node | None" = field(default=None, repr=False, compare=False)  # where it ends
 
 
-class PrefixCache:
+class PrefixCache(HostLevel):
     def __init__(self, pool: PagePool, page_size: int):
         self.pool = pool
         self.page_size = page_size
@@ -86,6 +94,7 @@ class PrefixCache:
         self.num_pages = 0  # pages currently in the tree
         self._pinned: set[_Node] = set()  # nodes with pin_count > 0 (stats walk only these)
         self._heap: list[tuple[int, int, _Node]] = []  # (last_access, uid, leaf), lazily
+        self._init_host()
 
     # ---- lookup -------------------------------------------------------------------------------
 
@@ -95,13 +104,15 @@ class PrefixCache:
         return self._roots[namespace]
 
     def match(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
-        """Longest cached prefix of `tokens` in whole pages, within `namespace`; marks it
-        recently used."""
+        """Longest cached prefix of `tokens` in whole pages, within `namespace`, on the device
+        and then on the host; marks it recently used."""
         if namespace not in self._roots:
             return PrefixMatch(0, [])
         node, pages = self._walk(tokens, self._roots[namespace])
         self._touch(node)
-        return PrefixMatch(len(pages) * self.page_size, pages)
+        n_host = sum(len(n.pages) for n in self._host_path(node))
+        device = pages[: len(pages) - n_host]
+        return PrefixMatch(len(device) * self.page_size, device, n_host * self.page_size, node)
 
     def _walk(self, tokens: list[int], node: "_Node | None" = None) -> tuple[_Node, list[int]]:
         """Follow `tokens` down the tree page by page from `node` (the root by default),
@@ -141,6 +152,7 @@ class PrefixCache:
                       next(self._uids))
         upper.last_access = node.last_access
         upper.pin_count = node.pin_count  # a pin covers both halves of a pinned edge
+        upper.on_host = node.on_host
         if upper.pin_count:
             self._pinned.add(upper)
         node.parent.children[tuple(node.key[: self.page_size])] = upper
@@ -151,12 +163,17 @@ class PrefixCache:
 
     def _touch(self, node: _Node) -> None:
         self._clock += 1
-        leaf = node if not node.children and node.pages else None
+        end = node
         while node is not None:
             node.last_access = self._clock
             node = node.parent
-        if leaf is not None:
-            self._push_leaf(leaf)  # its earlier entries are stale now
+        # its earlier heap entries are stale now: the leaf's on the host, if the path ends in
+        # one, and its deepest device node's (a device leaf if only host nodes hang below it)
+        if end.on_host:
+            self._push_leaf(end)
+        while end.on_host:
+            end = end.parent
+        self._push_leaf(end)
 
     # ---- insertion ----------------------------------------------------------------------------
 
@@ -182,6 +199,10 @@ class PrefixCache:
         tokens = tokens[: n_full * ps]
         start = self._resume(after) if after else self._root_of(namespace)
         node, cached = self._walk(tokens, start)
+        on_host = self._host_path(node)
+        if on_host:  # computed again here: the device pages replace the host copies
+            n_host = sum(len(n.pages) for n in on_host)
+            cached = cached[: len(cached) - n_host] + self._adopt(on_host, pages, start.end)
         pos = len(cached) * ps
         if pos < len(tokens):
             new_pages = pages[len(cached) : n_full]
@@ -213,9 +234,14 @@ class PrefixCache:
     # ---- pins -----------------------------------------------------------------------------------
 
     def pin(self, tokens: list[int]) -> int:
-        """Protect the cached whole-page prefix of `tokens` from eviction. Returns tokens pinned."""
+        """Protect the cached whole-page prefix of `tokens` from eviction, its part on the
+        device (a host tail is not loaded for it). Returns tokens pinned."""
         node, pages = self._walk(tokens)
         self._touch(node)
+        n_host = sum(len(n.pages) for n in self._host_path(node))
+        pages = pages[: len(pages) - n_host]
+        while node.on_host:
+            node = node.parent
         while node.parent is not None:
             node.pin_count += 1
             if node.pin_count == 1:
@@ -227,6 +253,9 @@ class PrefixCache:
     def unpin(self, tokens: list[int]) -> int:
         """Undo one `pin` of the same prefix. Raises ValueError if that prefix is not pinned."""
         node, pages = self._walk(tokens)
+        pages = pages[: len(pages) - sum(len(n.pages) for n in self._host_path(node))]
+        while node.on_host:
+            node = node.parent
         path = []
         while node.parent is not None:
             path.append(node)
@@ -238,8 +267,7 @@ class PrefixCache:
             if n.pin_count == 0:
                 self.pool.mark_evictable(n.pages, True)
                 self._pinned.discard(n)
-                if not n.children:
-                    self._push_leaf(n)
+                self._push_leaf(n)
         return len(pages) * self.page_size
 
     # ---- eviction -----------------------------------------------------------------------------
@@ -248,19 +276,22 @@ class PrefixCache:
         """Pages that `evict` could free now: in unpinned nodes, held only by the tree. O(1)."""
         return self.pool.num_evictable
 
-    def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages by trimming least-recently-used leaves, or as many as
-        possible. Returns the number of pages freed.
+    def evict(self, num_pages: int, demote: bool = True) -> int:
+        """Free at least `num_pages` device pages by trimming least-recently-used leaves, or as
+        many as possible. Returns the number of pages freed.
 
         A leaf gives up the pages at its end that only the tree holds (all of them if nobody
         holds any), unless it is pinned; once empty it is dropped, which may make its parent a
-        leaf. A leaf longer than what is still needed loses only its tail.
+        leaf. A leaf longer than what is still needed loses only its tail. With a host tier
+        and `demote`, the pages given up move to the host while it has room (evicting its
+        oldest); else they leave the tree, with whatever hangs below them on the host.
         """
         freed, held = 0, []
         while self._heap and freed < num_pages:
             entry = heapq.heappop(self._heap)
             last_access, _, node = entry
-            if last_access != node.last_access or node.children or not node.pages:
+            if (last_access != node.last_access or node.on_host or not node.pages
+                    or self._has_device_child(node)):
                 continue  # stale: used since (a newer entry waits), grew children, dropped
             if node.pin_count:
                 continue  # unpin pushes it again
@@ -273,18 +304,25 @@ class PrefixCache:
                 held.append(entry)  # a sequence holds its tail: a candidate again later
                 continue
             take = min(num_pages - freed, free_tail)
-            freed += self._drop_tail(node, take)
             parent = node.parent
-            if node.pages:
-                self._push_leaf(node)  # what is left of it stays a leaf
-            elif parent.parent is not None and not parent.children:
-                self._push_leaf(parent)
+            demoted = None
+            if demote and self.host_pool is not None:
+                demoted = self._demote_tail(node, take)
+            if demoted is None:
+                self._drop_host_children(node)
+                demoted = self._drop_tail(node, take)
+            freed += demoted
+            self._push_leaf(node if node.pages and not node.on_host else parent)
         for entry in held:
             heapq.heappush(self._heap, entry)
         return freed
 
+    def _has_device_child(self, node: _Node) -> bool:
+        return any(not child.on_host for child in node.children.values())
+
     def _drop_tail(self, node: _Node, n_pages: int) -> int:
-        """Remove the last `n_pages` pages of a leaf (the whole leaf if that is all of it)."""
+        """Remove the last `n_pages` pages of a leaf (the whole leaf if that is all of it),
+        from its pool (the host's for a node on the host)."""
         keep = len(node.pages) - n_pages
         dropped = node.pages[keep:]
         if keep == 0:
@@ -294,25 +332,34 @@ class PrefixCache:
                 self._roots = {ns: root for ns, root in self._roots.items()
                                if ns == 0 or root is not parent}
         del node.pages[keep:], node.key[keep * self.page_size :]
+        if node.on_host:
+            self.num_host_pages -= len(dropped)
+            return self.host_pool.release(dropped)
         self.num_pages -= len(dropped)
         return self.pool.release(dropped)
 
     def _push_leaf(self, node: _Node) -> None:
-        heapq.heappush(self._heap, (node.last_access, node.uid, node))
+        """Queue `node` for eviction if it is a leaf: on the host, one without children; on
+        the device, one without device children (not the root)."""
+        if node.on_host:
+            if not node.children:
+                heapq.heappush(self._host_heap, (node.last_access, node.uid, node))
+        elif node.parent is not None and node.pages and not self._has_device_child(node):
+            heapq.heappush(self._heap, (node.last_access, node.uid, node))
 
     def _maybe_compact(self) -> None:
-        """Drop the heap's stale entries once they outnumber the tree's pages (amortized O(1))."""
-        if len(self._heap) > 2 * self.num_pages + 1024:
-            self._heap = [(n.last_access, n.uid, n) for n in self._leaves()]
-            heapq.heapify(self._heap)
-
-    def _leaves(self) -> list[_Node]:
-        return [n for n in self._iter_nodes() if not n.children and n.parent is not None]
+        """Drop the heaps' stale entries once they outnumber the tree's pages (amortized O(1))."""
+        if len(self._heap) + len(self._host_heap) > 2 * (self.num_pages + self.num_host_pages
+                                                        ) + 1024:
+            self._heap, self._host_heap = [], []
+            for node in self._iter_nodes():
+                self._push_leaf(node)
 
     # ---- inspection -----------------------------------------------------------------------------
 
     def all_pages(self) -> list[int]:
-        return [p for node in self._iter_nodes() for p in node.pages]
+        """The device pages in the tree."""
+        return [p for node in self._iter_nodes() if not node.on_host for p in node.pages]
 
     def num_pinned_pages(self) -> int:
         return sum(len(n.pages) for n in self._pinned)
@@ -332,10 +379,11 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         """Tree shape, positions, page ownership and the evictable marks agree with the pool."""
-        ps, seen = self.page_size, set()
+        ps, seen, seen_host = self.page_size, set(), set()
         for node in self._iter_nodes():
             if node.parent is None:
                 continue
+            self._check_host_node(node, seen_host)
             if not len(node.key) == len(node.pages) * ps > 0:
                 raise IntegrityError("edge not in whole pages")
             if node.parent.children.get(tuple(node.key[:ps])) is not node:
@@ -344,7 +392,7 @@ class PrefixCache:
                 raise IntegrityError(f"node at {node.start} under {node.parent.end}")
             if node.pin_count < 0:
                 raise IntegrityError(f"node at {node.start}: pin count {node.pin_count}")
-            for p in node.pages:
+            for p in ([] if node.on_host else node.pages):
                 if p in seen:
                     raise IntegrityError(f"page {p} twice in the prefix cache")
                 if self.pool.refcount(p) < 1:
@@ -353,8 +401,9 @@ class PrefixCache:
                     raise IntegrityError(f"page {p}: evictable mark {self.pool.is_marked(p)}, "
                                          f"pin {node.pin_count}")
                 seen.add(p)
-        if len(seen) != self.num_pages:
-            raise IntegrityError(f"{len(seen)} pages in tree, counted {self.num_pages}")
+        if (len(seen), len(seen_host)) != (self.num_pages, self.num_host_pages):
+            raise IntegrityError(f"{len(seen)} device and {len(seen_host)} host pages in tree, "
+                                 f"counted {self.num_pages} and {self.num_host_pages}")
         pinned = {n for n in self._iter_nodes() if n.pin_count > 0 and n.parent is not None}
         if pinned != self._pinned:
             raise IntegrityError(f"{len(pinned)} pinned nodes, tracked {len(self._pinned)}")

@@ -54,6 +54,7 @@ def round_trip(kv: torch.Tensor) -> None:
     assert swap.stats() == {"kv_swap_outs": 1, "kv_swap_ins": 1,
                             "kv_swap_out_bytes": 3 * PAGE_BYTES,
                             "kv_swap_in_bytes": 3 * PAGE_BYTES, "kv_swap_recomputes": 0,
+                            "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0,
                             "kv_host_pages_total": 4, "kv_host_pages_free": 4}
     swap.check_integrity(set())
 
@@ -346,7 +347,24 @@ def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device):
     assert stats.preemptions_by_reason["pages"] >= 1
     assert stats.kv_swap_outs == stats.kv_swap_ins == stats.preemptions
     assert stats.kv_swap_recomputes == 0
-    assert stats.kv_host_pages_free == stats.kv_host_pages_total
+    # no sequence holds host pages: those not free are prefix-cache pages demoted there
+    assert stats.kv_host_pages_free + stats.kv_host_pages_cached == stats.kv_host_pages_total
     assert core.kv.stats().used_pages == 0
     ref = hf_greedy(tiny_model_dir, prompts, 24)
     assert [tokens[f"r{i}"] for i in range(3)] == ref
+
+
+def test_prefix_pages_demote_and_load_back_byte_equal_in_chunks():
+    """The prefix cache's copies (HostSwap.demote, load) move pages in chunks that bound the
+    staging tensor: pages [5, 2, 7] to host pages [3, 0, 1] in chunks of 2, back into
+    [1, 3, 4], byte-equal."""
+    kv = pool()
+    swap = HostSwap(kv, memory_gb=4 * PAGE_BYTES / 2**30)
+    swap.PREFIX_COPY_PAGES = 2
+    before = kv[:, :, [5, 2, 7]].clone()
+    swap.demote([5, 2, 7], [3, 0, 1])
+    kv[:, :, [1, 2, 3, 4, 5, 7]] = 0
+    swap.load([3, 0, 1], [1, 3, 4])
+    assert torch.equal(kv[:, :, [1, 3, 4]], before)
+    assert swap.counters["kv_host_prefix_demoted_pages"] == 3
+    assert swap.counters["kv_host_prefix_loaded_pages"] == 3

@@ -85,6 +85,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         self.host_swap = (HostSwap(self.runner.kv.kv, config.kv_host_memory_gb,
                                    config.kv_host_copy_gbps)
                           if config.kv_host_memory_gb > 0 else None)  # fmt: skip
+        if self.host_swap is not None:  # and the prefix cache's second level
+            self.kv.attach_host(self.host_swap.tier, self.host_swap)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self._policy(None),  # mlfq's waits for its profile
                                    adapters=self.adapters, swapper=self.host_swap)
@@ -115,7 +117,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         # only a message, a finished send or a lease's end can free): the loop then waits.
         self.stalled = False
         self._pending_rows: dict[str, int] = {}  # seq id -> its row in the last launch's sample
-        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
+        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0,
+                         "cached_prompt_tokens_host": 0, "generation_tokens": 0,
                          "generate_queue_timeouts": 0}
         # generations failed before a step started on them (their queue_s passed), for the
         # core process to answer: taken by `take_rejected`
@@ -215,6 +218,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             kv_pages_cached=s.cached_pages,
             kv_pages_used=s.used_pages,
             kv_pages_pinned=s.pinned_pages,
+            kv_host_pages_cached=s.host_cached_pages,
             preemptions=self.scheduler.num_preemptions,
             preemptions_by_reason=dict(self.scheduler.preemptions_by_reason),
             scheduling_promotions=self.scheduler.policy.promotions,
@@ -236,5 +240,6 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             self.adapters.check_integrity()
         if self.host_swap is not None:
             self.host_swap.check_integrity({s.request_id for s in (*self.scheduler.running,
-                                                                   *self.scheduler.waiting)})
+                                                                   *self.scheduler.waiting)},
+                                           self.kv.cache.host_pages())
         self.requests.check_integrity(self.scheduler, self.kv, side_tables=self.side_tables)

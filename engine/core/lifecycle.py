@@ -243,6 +243,7 @@ class RequestLifecycle:
         self._release_side_tables(seq.request_id)
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
         self.counters["cached_prompt_tokens"] += seq.num_cached_tokens or 0
+        self.counters["cached_prompt_tokens_host"] += seq.num_host_cached_tokens
         self.counters["generation_tokens"] += sum(t != PENDING for t in seq.output_token_ids)
 
     def _release_side_tables(self, request_id: str) -> None:

@@ -102,6 +102,12 @@ class EngineStats:
     kv_swap_recomputes: int = 0
     kv_host_pages_total: int = 0
     kv_host_pages_free: int = 0
+    # The host tier as the prefix cache's second level: pages demoted to it and loaded back,
+    # those it holds now, and the prompt tokens of cached_prompt_tokens that came from it
+    kv_host_prefix_demoted_pages: int = 0
+    kv_host_prefix_loaded_pages: int = 0
+    kv_host_pages_cached: int = 0
+    cached_prompt_tokens_host: int = 0
 
 
 class StatsResponse(Struct, omit_defaults=True):
