@@ -72,6 +72,8 @@ class EngineLoad:
     queue: int  # prompt tokens of its open calls not yet computed
     decoding: int  # sequences generating on it
     held: int = 0  # tokens of this prompt it has cached
+    sends_kv: bool = True  # may be P (not a tensor-parallel engine)
+    receives_kv: bool = True  # may be D (runs a KV transfer)
 
 
 class ChoiceModel:
@@ -112,8 +114,8 @@ class ChoiceModel:
         whole = [e for e in engines if e.decode] or engines  # prefill engines are kept for P
         out = [Choice("whole", e.name, ttft_s=b * (e.queue + n - e.held) + a,
                       delay_s=delay(e, n - e.held)) for e in whole]
-        for p in (e for e in engines if e.prefill):
-            for d in (e for e in engines if e.decode and e is not p):
+        for p in (e for e in engines if e.prefill and e.sends_kv):
+            for d in (e for e in engines if e.decode and e.receives_kv and e is not p):
                 todo = n - p.held
                 out.append(Choice("pd", d.name, p.name,
                                   ttft_s=b * (p.queue + todo) + a + self.handover_s,

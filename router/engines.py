@@ -187,7 +187,10 @@ class EnginePool(PoolHealth):
             if self.routable("prefill"):
                 self._fallbacks.inc(missing="decode")
             return None, decode
-        prefill = self.pick("prefill", exclude=(decode.name,))
+        if not decode.receives_kv:  # e.g. a tensor-parallel engine: it serves requests whole
+            return None, decode
+        cannot_send = tuple(e.name for e in self.routable("prefill") if not e.sends_kv)
+        prefill = self.pick("prefill", exclude=(decode.name, *cannot_send))
         if prefill is None and self._prefill_engines_down(decode):
             self._fallbacks.inc(missing="prefill")
         return prefill, decode

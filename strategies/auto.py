@@ -60,7 +60,7 @@ class Auto(Strategy):
                 self.model.observe(e.name, e.load)
             out.append(EngineLoad(e.name, e.serves("prefill"), e.serves("decode"),
                                   e.pending_prefill_tokens, e.open_generations,
-                                  held.get(e.name, 0)))
+                                  held.get(e.name, 0), e.sends_kv, e.receives_kv))
         return out
 
     def rate(self) -> float:

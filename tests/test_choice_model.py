@@ -143,3 +143,17 @@ def test_an_engine_past_the_tpot_target_only_prefills_what_it_holds(model):
             model.pick(N, engines, slo_ttft_s=2.0).generate) == ("whole", "e0")
     choice = model.pick(N, engines, slo_ttft_s=2.0, slo_tpot_s=0.025)
     assert (choice.kind, choice.prefill, choice.generate) == ("pd", "e0", "e1")
+
+
+def test_engines_that_cannot_move_kv_are_never_p_or_d(model):
+    """A tensor-parallel engine neither sends nor receives KV (and an engine without a KV
+    transfer receives none). p cannot send, so only e can be P; once e cannot receive
+    either and d decodes 60 sequences, the request runs whole on e, the idle one."""
+    engines = [EngineLoad("p", True, False, 0, 0, sends_kv=False),
+               any_engine("d", decoding=60, prefill=False), any_engine("e")]
+    assert {(c.kind, c.prefill, c.generate) for c in model.choices(N, engines)
+            if c.kind != "whole"} == {("pd", "e", "d"), ("balanced", "e", "d")}
+    engines[2] = EngineLoad("e", True, True, 0, 0, sends_kv=False, receives_kv=False)
+    assert all(c.kind == "whole" for c in model.choices(N, engines))
+    choice = model.pick(N, engines, slo_ttft_s=2.0)
+    assert (choice.kind, choice.generate) == ("whole", "e")
