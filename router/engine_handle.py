@@ -110,9 +110,10 @@ class EngineHandle:
             wait_s = self._pool.queue_timeout_s
         started = now()
         answer = await self._call(PrepRecvRequest(request.request_id, request.prompt, end,
-                                                  lease_s, wait_s))
+                                                  lease_s, wait_s, request.adapter))
         request.timeline.prep_recv_s = now() - started
-        self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
+        self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched,
+                                       request.adapter)
         return answer
 
     async def remote_send(self, request: Request, begin: int, end: int, kv_addr: KVAddr | None,
@@ -136,12 +137,12 @@ class EngineHandle:
                 watched, self._call(RemoteSendRequest(
                     request.request_id, request.prompt, begin, end, kv_addr,
                     request.sampling if sample else None, self._pool.queue_timeout_s,
-                    request.priority)),
+                    request.priority, request.adapter)),
                 f"while engine {self.name} was sending it KV for request {request.request_id}")
         finally:
             self.open_sends -= 1
             self.pending_prefill_tokens -= tokens
-        self._pool.prefix_index.insert(request.prompt[:end], self.name)
+        self._pool.prefix_index.insert(request.prompt[:end], self.name, request.adapter)
         request.settled.add(self.name)  # a sender holds nothing once its send is done
         request.received_tokens += answer.sent
         request.peer_cached_tokens += answer.reused
@@ -169,7 +170,8 @@ class EngineHandle:
         n = len(request.prompt)
         end = n if request.first_token_travels else n - 1
         if early and _room_now(receiver, end) and (
-                self._pool.prefix_index.match(request.prompt).get(receiver.name, 0) < end):
+                self._pool.prefix_index.match(request.prompt, request.adapter).get(
+                    receiver.name, 0) < end):
             sent = await self._send_early(request, receiver, end)
             if sent is not None:
                 return sent
@@ -257,7 +259,7 @@ class EngineHandle:
                     if chunk is None:
                         continue
                 if chunk.finish_reason is not None:
-                    self._pool.prefix_index.insert(request.prompt, self.name)
+                    self._pool.prefix_index.insert(request.prompt, self.name, request.adapter)
                     request.settled.add(self.name)
                 yield chunk
         except BackendUnavailable as e:
@@ -277,7 +279,8 @@ class EngineHandle:
         self._touch(request)
         answer = await self._call(CommitRequest(request.request_id, pin))
         request.settled.add(self.name)
-        self._pool.prefix_index.insert(request.prompt[:answer.cached], self.name)
+        self._pool.prefix_index.insert(request.prompt[:answer.cached], self.name,
+                                       request.adapter)
         return answer
 
     async def abort(self, request: Request) -> bool:

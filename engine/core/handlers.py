@@ -164,11 +164,12 @@ class MessageHandlers:
         return True
 
     def on_prep_recv(self, r, received_at):
-        return self.exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
+        return self.exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s,
+                                       self.adapter_id(r.lora_name))
 
     def on_remote_send(self, r, received_at):
         return self.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
-                                r.sampling, received_at, r.queue_s, r.priority)
+                                r.sampling, received_at, r.queue_s, r.priority, r.lora_name)
 
     def on_send_to(self, r, received_at):
         return self.exchange.send_to(r.request_id, r.begin, r.kv_addr)
