@@ -4,6 +4,8 @@
     pd                  prefill on a prefill engine, decode on a decode engine (1PnD, cache aware)
     balanced_pd         P/D with the prompt's tail prefilled on D (fixed or adaptive ratio)
     context_migration   follow the context: route to its holder, move it when the holder is busy
+    lora_affinity       each request whole on the engine best by LoRA adapter residency, prefix
+                        held and load (router/affinity.py)
 
 Each is also a worked example of the strategy API (router/strategy.py); docs/router.md shows
 how to write your own. No torch.

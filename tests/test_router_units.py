@@ -221,7 +221,8 @@ class Counting(Strategy):
 
 async def test_host_loads_builtins_files_and_uploads_into_fresh_modules(tmp_path):
     host = StrategyHost(make_pool(("e", "any")))
-    assert builtin_names() == ["balanced_pd", "context_migration", "data_parallel", "pd"]
+    assert builtin_names() == ["balanced_pd", "context_migration", "data_parallel", "lora_affinity",
+                               "pd"]
     first = await host.load(StrategySource.builtin("pd"))
     assert (first.version, first.name, first.source.origin) == (1, "PrefillDecode", "builtin:pd")
     path = tmp_path / "mine.py"
