@@ -2,7 +2,9 @@
 HTTP): a prefill engine p (adapters a1 and a2, both resident: --max-loras 2) and a decode
 engine d (the same two registered, one slot: a1 resident). P/D and balanced P/D carry the
 adapter: PEFT's tokens, the KV sent exactly once, and d caches the prompt under a1 only. The
-lora_affinity strategy sends a2's requests to p, where a2 is resident, and none to d."""
+lora_affinity strategy sends a2's requests to p, where a2 is resident, and none to d.
+/admin/migrate moves an adapter's context. The adapters are placed on the engines by the
+deployment file (each engine's --lora-modules)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ ADMIN = "lora-pd-admin"
 N_NEW = 8
 PAGE = 16  # the engines' default page size
 _rng = random.Random(41)
-PROMPTS = [[_rng.randrange(3, TINY_VOCAB) for _ in range(40)] for _ in range(3)]
+PROMPTS = [[_rng.randrange(3, TINY_VOCAB) for _ in range(40)] for _ in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +114,22 @@ def test_pd_carries_the_adapter(up, admin, adapters, strategy, args, sent):
     d = up.engine_urls["d"]
     assert complete(d, "a1", PROMPTS[i], ENGINE_AUTH) == (ref["a1"][i], 32)  # prompt[:39]
     assert complete(d, "test-model", PROMPTS[i], ENGINE_AUTH) == (ref[None][i], 0)
+
+
+def test_admin_migrate_moves_an_adapters_context(up, admin, adapters):
+    """/admin/migrate with lora_name: p computes the context with a1, d commits it under a1."""
+    ref = adapters[1]
+    r = admin.post("/admin/migrate", json={"prompt": PROMPTS[3], "source": "p",
+                                           "destination": "d", "lora_name": "a1"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"tokens": 40, "already_cached": 0, "sent": 40, "computed": 40,
+                        "reused": 0, "cached": 32, "pinned": False}
+    d = up.engine_urls["d"]
+    assert complete(d, "a1", PROMPTS[3], ENGINE_AUTH) == (ref["a1"][3], 32)
+    assert complete(d, "test-model", PROMPTS[3], ENGINE_AUTH) == (ref[None][3], 0)
+    r = admin.post("/admin/migrate", json={"prompt": PROMPTS[3], "source": "p",
+                                           "destination": "d", "lora_name": "nope"})
+    assert r.status_code == 404 and "no LoRA adapter named 'nope'" in r.text, r.text
 
 
 def test_an_engine_without_the_adapter_refuses_by_name(up, admin):
