@@ -1,7 +1,8 @@
 """Adapter affinity (issue 41; llm-d's LoRA-aware scorer): which engine should serve a request,
 scored by where its LoRA adapter is, how much of its prompt the engine holds, and its load.
 
-    adapter  1.0  the adapter sits in one of the engine's slots (resident): nothing to copy
+    adapter  1.0  the adapter sits in one of the engine's slots (resident, by its polled
+                  stats, or a generation of it from this router is open there): nothing to copy
              0.8  registered, and a slot is free: one copy into it, nothing evicted
              0.6  registered, every slot taken: a copy, and another adapter evicted for it
              (a request for the base model scores 1.0 everywhere)
@@ -59,8 +60,10 @@ class Score:
 
 
 def adapter_score(engine: EngineHandle, adapter: str | None) -> float:
-    """Where `adapter` is on `engine`, by its last polled stats (the table above)."""
-    if adapter is None:
+    """Where `adapter` is on `engine`, by its last polled stats and the router's open calls
+    (the table above). The calls come first: stats are up to half a second old, and a busy
+    engine's slots change faster than that."""
+    if adapter is None or adapter in engine.open_adapters:
         return RESIDENT
     stats = engine.load
     if stats is None:  # not polled yet: started with it, resident if a slot was free then

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -72,6 +73,9 @@ class EngineHandle:
         self.open_sends = 0
         self.open_generations = 0
         self.pending_prefill_tokens = 0  # prompt tokens of open calls not yet computed here
+        # LoRA adapter -> generations of it open here: fresher than the polled stats' resident
+        # adapters (router/affinity.py); an adapter leaves when its count drops to 0
+        self.open_adapters: Counter[str] = Counter()
 
     @property
     def name(self) -> str:
@@ -240,6 +244,8 @@ class EngineHandle:
             yield GenerateChunk([first_token], cached_tokens=begin)
         prefill = _span(len(request.prompt), begin, len(request.prompt))
         self.open_generations += 1
+        if request.adapter is not None:
+            self.open_adapters[request.adapter] += 1
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
                                             request.sampling, first_token,
@@ -272,6 +278,10 @@ class EngineHandle:
             await watch.aclose()
             await chunks.aclose()
             self.open_generations -= 1
+            if request.adapter is not None:
+                self.open_adapters[request.adapter] -= 1
+                if not self.open_adapters[request.adapter]:
+                    del self.open_adapters[request.adapter]
             self.pending_prefill_tokens -= prefill
 
     async def commit(self, request: Request, pin: bool = False) -> CommitResponse:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_router_units import engine_info, engine_load, make_pool
+from test_router_units import CountingClient, engine_info, engine_load, make_pool
 
 from microserve.messages import SamplingParams
 from router.affinity import Weights, scores
@@ -83,6 +83,10 @@ def test_scores_by_adapter_state_prefix_and_load(pool):
     pool["e3"].open_generations = 4  # calls open from this router count as load
     assert totals(request("a1"), a1, adapter=0, prefix=0) == [("e1", 0.5), ("e2", 0.5),
                                                              ("e3", 0.0)]
+    # ... and a generation of a1 open on e3 makes a1 resident there before a poll says so
+    pool["e3"].open_adapters["a1"] = 1
+    assert totals(request("a1"), a1, prefix=0, load=0) == [("e1", 1.0), ("e3", 1.0),
+                                                          ("e2", 0.8)]
     with pytest.raises(ValueError, match="load_weight -1 must be within"):
         Weights(load=-1)
 
@@ -103,3 +107,13 @@ async def test_the_builtin_strategy_takes_weights_and_routes_to_the_best(pool):
     async for _ in loaded.instance.generate(request("a1"), pool.with_adapter("a1")):
         pass
     assert picked == ["e2"]  # e1 resident but busy; e2 a free slot
+
+
+async def test_an_engine_counts_its_open_generations_per_adapter(pool):
+    """While a1's generation streams from e2, e2 counts it (a1 scores resident there); the
+    count goes with the stream."""
+    pool["e2"].client = CountingClient()
+    seen = []
+    async for _ in pool["e2"].start_generate(request("a1")):
+        seen.append(dict(pool["e2"].open_adapters))
+    assert seen == [{"a1": 1}, {"a1": 1}] and pool["e2"].open_adapters == {}
