@@ -55,9 +55,11 @@ class Receiving:
     adoption, commit). Mixed into KVExchange."""
 
     def prep_recv(self, request_id: str, prompt: list[int], end: int,
-                  lease_s: float | None, wait_s: float | None = None
+                  lease_s: float | None, wait_s: float | None = None, namespace: int = 0
                   ) -> PrepRecvResponse | None:
-        """The answer, or None when the call waits for pages: `poll()` answers it later."""
+        """The answer, or None when the call waits for pages: `poll()` answers it later.
+        `namespace`: the LoRA adapter's id (0: the base) whose KV this is: matched and later
+        cached in that part of the prefix cache only."""
         check_prompt(prompt, self.vocab_size)
         end = resolve_index(end, len(prompt), "end")
         if lease_s is not None and not 0 < lease_s <= self.max_lease_s:
@@ -80,25 +82,26 @@ class Receiving:
         lease_s = lease_s or self.lease_s
         wait_s = self.wait_s if wait_s is None else wait_s
         if not self.requests.count(RequestState.RECV_WAITING):  # FIFO: nobody overtakes
-            answer = self._reserve(request_id, tokens, lease_s)
+            answer = self._reserve(request_id, tokens, lease_s, namespace)
             if answer is not None:
                 return answer
         if wait_s == 0:
             raise MicroservingError(503, f"no KV pages free to receive {end} tokens ({need} "
                                     f"pages; {self.kv.pool.num_free} free)")  # fmt: skip
         self.requests.wait_recv(request_id, WaitingRecv(tokens, lease_s, wait_s,
-                                                        time.monotonic() + wait_s, need))
+                                                        time.monotonic() + wait_s, need,
+                                                        namespace))
         self.counters["kv_recv_waited"] += 1
         return None
 
-    def _reserve(self, request_id: str, tokens: list[int], lease_s: float
+    def _reserve(self, request_id: str, tokens: list[int], lease_s: float, namespace: int = 0
                  ) -> PrepRecvResponse | None:
         """Reserve pages and a window for receiving `tokens`. The engine's own work comes
         first: a page stays free for each running sequence to grow into (the next decode step
         must not preempt for us), and the pages of the first waiting sequence that must be
         computed from scratch (a preempted one, say). None, holding nothing, if they are not
         there now."""
-        matched = self.kv.prep_recv(request_id, tokens, headroom=self.headroom())
+        matched = self.kv.prep_recv(request_id, tokens, self.headroom(), namespace)
         if matched is None:
             return None
         end = len(tokens)
@@ -110,7 +113,7 @@ class Receiving:
         deadline = time.monotonic() + lease_s
         digest = kv_digest(tokens, matched)
         self.requests.reserve(request_id, Reservation(tokens, matched, window, digest, lease_s,
-                                                      deadline))
+                                                      deadline, namespace))
         addr = KVAddr(
             begin=matched, end=end, ranges=ranges, layout=self.layout,
             transfer=self.backend.descriptor(), window=(window.index, window.tag),
@@ -142,7 +145,8 @@ class Receiving:
             self._room_when_tried = room
             return
         for rid, entry in list(waiting.items()):
-            answer = self._reserve(rid, entry.waiting.tokens, entry.waiting.lease_s)
+            w = entry.waiting
+            answer = self._reserve(rid, w.tokens, w.lease_s, w.namespace)
             if answer is None:
                 self._room_when_tried = self._room()
                 return
@@ -153,18 +157,20 @@ class Receiving:
         return self.kv.pool.num_free + self.kv.cache.num_evictable() - self.headroom()
 
     def adopt_for_generate(self, request_id: str, prompt: list[int], begin: int,
-                           whole: bool = False) -> int:
+                           whole: bool = False, namespace: int = 0) -> int:
         """Hold for a new sequence the KV of prompt[:begin]: received under its request_id, or
         already in the prefix cache. Returns how many leading tokens' KV it holds (its initial
         num_computed_tokens). Raises MicroservingError (nothing held) if it is not here.
         `whole`: the prompt's first output token came with its KV (begin = len(prompt)): all
-        of it is held, none computed here.
+        of it is held, none computed here. `namespace`: the generation's LoRA adapter (its id;
+        0: the base): cached KV is matched there, and a reservation must have been made for
+        it (a 400 otherwise, nothing held: KV of other weights is never adopted).
         """
         rid, ps = request_id, self.kv.page_size
         entry = self.requests.get(rid)
         res = None if entry is None else entry.reservation
         if res is None:  # no transfer: the prefix must be cached here
-            held, _ = self.kv.open_from_tiers(rid, prompt[: len(prompt) - 1])
+            held, _ = self.kv.open_from_tiers(rid, prompt[: len(prompt) - 1], namespace)
             if held < begin:
                 self.kv.free(rid)
                 raise MicroservingError(
@@ -172,6 +178,12 @@ class Receiving:
                     f"this engine, and no prep_recv was made for request_id {rid!r}", "begin",
                 )  # fmt: skip
             return held
+        if res.namespace != namespace:
+            raise MicroservingError(
+                400, f"request_id {rid!r} was prepared (prep_recv) for KV of "
+                f"{_weights(res.namespace)}, but start_generate is for {_weights(namespace)}: "
+                "pass the request's LoRA adapter (lora_name) to prep_recv and remote_send too",
+                "lora_name")
         self._check_same_prompt(res, prompt, begin)
         # At least the last prompt token is computed here (its logits are sampled), unless its
         # token came with the KV. If the reservation's cached part reaches it, drop the pages
@@ -261,3 +273,7 @@ class Receiving:
         raise MicroservingError(409, f"{why}; refused, and its pages freed", "request_id",
                                 code="kv_refused")
 
+
+
+def _weights(namespace: int) -> str:
+    return "the base model" if namespace == 0 else f"LoRA adapter id {namespace}"

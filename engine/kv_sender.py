@@ -72,7 +72,8 @@ class Sending:
                     sampling: SamplingParams | None = None,
                     generator: torch.Generator | None = None,
                     received_at: float | None = None,
-                    queue_s: float | None = None, priority: int = 0) -> Sequence | None:
+                    queue_s: float | None = None, priority: int = 0,
+                    lora_id: int = 0) -> Sequence | None:
         """Start sending KV of prompt[begin:end]; the answer comes from poll(). Returns the
         send-only sequence (made at `arrival`) that computes the KV not cached here, for the
         caller to schedule; None if all of it was cached (the job is flushing already, or
@@ -83,7 +84,8 @@ class Sending:
         and at least the last prompt token is computed here (its logits are sampled).
         `queue_s`: a step must start on it within this long of `received_at` (the caller's
         time.perf_counter() when the call came; default now), else a 503 (queue_timeout);
-        raised here, holding nothing, if that time has passed already."""
+        raised here, holding nothing, if that time has passed already. `lora_id`: the LoRA
+        adapter (0: the base) the KV is computed with, and reused from the cache under."""
         check_prompt(prompt, self.vocab_size)
         n = len(prompt)
         begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
@@ -108,7 +110,8 @@ class Sending:
             self.counters["kv_send_queue_timeouts"] += 1
             raise queue_timeout(request_id, queue_s)
         # a prefix on the host tier is loaded too; the transfer thread reads the pages
-        matched, loaded = self.kv.open_from_tiers(request_id, tokens[:-1] if sampling else tokens)
+        matched, loaded = self.kv.open_from_tiers(request_id, tokens[:-1] if sampling else tokens,
+                                                  lora_id)
         if loaded:
             self.kv.settle_copies()
         job = SendJob(tokens, begin, end, None, 0, computed=end - matched if matched < end else 0,
@@ -133,7 +136,7 @@ class Sending:
             return None
         seq = Sequence(request_id, tokens, sampling or SamplingParams(max_tokens=1),
                        arrival, priority, num_computed_tokens=matched, num_cached_tokens=matched,
-                       send_only=True, send_samples=sampling is not None)
+                       send_only=True, send_samples=sampling is not None, lora_id=lora_id)
         self.requests.send(request_id, job, seq, generator)
         return seq
 

@@ -72,6 +72,7 @@ class Reservation:
     digest: bytes  # kv_digest(tokens, matched): the seal the window's KV must come with
     lease_s: float  # how long the reservation lives without a renewal from its sender
     deadline: float  # time.monotonic() when the lease is next looked at (see expire_leases)
+    namespace: int = 0  # the LoRA adapter (its id; 0: the base) the KV is reserved under
 
 
 @dataclass
@@ -83,6 +84,7 @@ class WaitingRecv:
     wait_s: float
     deadline: float  # time.monotonic() when it gives up with a 503
     pages: int  # pages it needs at most (no prefix matched)
+    namespace: int = 0  # the LoRA adapter (its id; 0: the base) to reserve under
 
 
 @dataclass

@@ -57,6 +57,13 @@ class AdapterSlots(Protocol):
     def release(self, seq: Sequence) -> None:
         """The sequence stopped running (preempted, finished, aborted)."""
 
+    def hold(self, seq: Sequence) -> None:
+        """A send-only sequence (a remote_send's) entered the scheduler: its adapter stays
+        registered while it is there (a generation's is held by the core's side table)."""
+
+    def let_go(self, seq: Sequence) -> None:
+        """That send-only sequence left the scheduler (`hold`'s end)."""
+
 
 class KVSwapper(Protocol):
     """What the scheduler asks of the host KV tier (engine/host_swap.py's HostSwap)."""
@@ -141,6 +148,8 @@ class Scheduler:
         self.preemptions_by_reason: Counter[str] = Counter()
 
     def add(self, seq: Sequence) -> None:
+        if seq.send_only and seq.lora_id:
+            self.adapters.hold(seq)
         first_chunk = min(seq.num_tokens - seq.num_computed_tokens, self.max_num_batched_tokens)
         self.policy.add(seq, first_chunk)
         self.waiting.append(seq)
@@ -177,6 +186,8 @@ class Scheduler:
             self.kv.free(seq.request_id)
         seq.status = SeqStatus.FINISHED
         self.policy.remove(seq)
+        if seq.send_only and seq.lora_id:
+            self.adapters.let_go(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

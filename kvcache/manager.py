@@ -150,16 +150,18 @@ class KVCacheManager:
             self.cache.attach_host(tier.pool, mover)
             tier.reclaim = self.cache.evict_host
 
-    def prep_recv(self, seq_id: str, tokens: list[int], headroom: int = 0) -> int | None:
+    def prep_recv(self, seq_id: str, tokens: list[int], headroom: int = 0,
+                  namespace: int = 0) -> int | None:
         """Reserve KV for receiving `tokens` (paper Table 2): reuse the longest cached prefix
         (loading its part on the host tier back) and allocate pages for the rest, so a peer
         can write positions [matched, len(tokens)).
         Returns `matched` (a page multiple), or None, changing nothing, if pages are short, or
-        would leave fewer than `headroom` pages free or evictable.
+        would leave fewer than `headroom` pages free or evictable. `namespace` as for `open`:
+        the prefix is matched, and the received KV later cached, in that part of the cache.
 
             tokens:  [ matched: cached pages, held | reserved: the peer writes here ]
         """
-        matched, _ = self._open(seq_id, tokens, 0, load_host=True)
+        matched, _ = self._open(seq_id, tokens, namespace, load_host=True)
         need = self.pages_needed(seq_id, len(tokens))
         if (headroom and not self.can_allocate(need + headroom)) or not self.allocate(
                 seq_id, len(tokens)):

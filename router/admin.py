@@ -11,7 +11,8 @@ pinning.
     POST   /admin/engines/{name}/undrain
     POST   /admin/engines/{name}/role      {"role", "wait_s"?}: drain its old role's work, flip
     DELETE /admin/engines/{name}           out of the pool (its requests in flight finish)
-    POST   /admin/migrate                  {"prompt" | "text", "source", "destination", "pin"?}
+    POST   /admin/migrate                  {"prompt" | "text", "source", "destination", "pin"?,
+                                            "lora_name"?}
     POST   /admin/pin, /admin/unpin        {"prompt" | "text", "engines"?}
     POST   /admin/load_lora_adapter        {"lora_name", "lora_path"}: on every engine
     POST   /admin/unload_lora_adapter      {"lora_name"}: on every engine
@@ -147,6 +148,8 @@ class MigrateBody(_Tokens):
     source: str
     destination: str
     pin: bool = False
+    # the LoRA adapter the context's KV is of (both engines must have it); None: the base
+    lora_name: str | None = Field(None, min_length=1, max_length=256)
 
 
 class PinBody(_Tokens):
@@ -274,7 +277,7 @@ class AdminAPI:
                                   "destination")
         prompt = self._tokens(body)
         request = StrategyRequest(f"migrate-{uuid.uuid4().hex}", prompt,
-                                  SamplingParams(max_tokens=1))
+                                  SamplingParams(max_tokens=1, lora_name=body.lora_name))
         try:
             recv = await destination.prep_recv(request, end=len(prompt))
             sent = None

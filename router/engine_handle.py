@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -72,6 +73,9 @@ class EngineHandle:
         self.open_sends = 0
         self.open_generations = 0
         self.pending_prefill_tokens = 0  # prompt tokens of open calls not yet computed here
+        # LoRA adapter -> generations of it open here: fresher than the polled stats' resident
+        # adapters (router/affinity.py); an adapter leaves when its count drops to 0
+        self.open_adapters: Counter[str] = Counter()
 
     @property
     def name(self) -> str:
@@ -122,9 +126,10 @@ class EngineHandle:
             wait_s = self._pool.queue_timeout_s
         started = now()
         answer = await self._call(PrepRecvRequest(request.request_id, request.prompt, end,
-                                                  lease_s, wait_s))
+                                                  lease_s, wait_s, request.adapter))
         request.timeline.prep_recv_s = now() - started
-        self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched)
+        self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched,
+                                       request.adapter)
         return answer
 
     async def remote_send(self, request: Request, begin: int, end: int, kv_addr: KVAddr | None,
@@ -148,12 +153,12 @@ class EngineHandle:
                 watched, self._call(RemoteSendRequest(
                     request.request_id, request.prompt, begin, end, kv_addr,
                     request.sampling if sample else None, self._pool.queue_timeout_s,
-                    request.priority)),
+                    request.priority, request.adapter)),
                 f"while engine {self.name} was sending it KV for request {request.request_id}")
         finally:
             self.open_sends -= 1
             self.pending_prefill_tokens -= tokens
-        self._pool.prefix_index.insert(request.prompt[:end], self.name)
+        self._pool.prefix_index.insert(request.prompt[:end], self.name, request.adapter)
         request.settled.add(self.name)  # a sender holds nothing once its send is done
         request.received_tokens += answer.sent
         request.peer_cached_tokens += answer.reused
@@ -181,7 +186,8 @@ class EngineHandle:
         n = len(request.prompt)
         end = n if request.first_token_travels else n - 1
         if early and _room_now(receiver, end) and (
-                self._pool.prefix_index.match(request.prompt).get(receiver.name, 0) < end):
+                self._pool.prefix_index.match(request.prompt, request.adapter).get(
+                    receiver.name, 0) < end):
             sent = await self._send_early(request, receiver, end)
             if sent is not None:
                 return sent
@@ -250,6 +256,8 @@ class EngineHandle:
             yield GenerateChunk([first_token], cached_tokens=begin)
         prefill = _span(len(request.prompt), begin, len(request.prompt))
         self.open_generations += 1
+        if request.adapter is not None:
+            self.open_adapters[request.adapter] += 1
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
                                             request.sampling, first_token,
@@ -269,7 +277,7 @@ class EngineHandle:
                     if chunk is None:
                         continue
                 if chunk.finish_reason is not None:
-                    self._pool.prefix_index.insert(request.prompt, self.name)
+                    self._pool.prefix_index.insert(request.prompt, self.name, request.adapter)
                     request.settled.add(self.name)
                 yield chunk
         except BackendUnavailable as e:
@@ -282,6 +290,10 @@ class EngineHandle:
             await watch.aclose()
             await chunks.aclose()
             self.open_generations -= 1
+            if request.adapter is not None:
+                self.open_adapters[request.adapter] -= 1
+                if not self.open_adapters[request.adapter]:
+                    del self.open_adapters[request.adapter]
             self.pending_prefill_tokens -= prefill
 
     async def commit(self, request: Request, pin: bool = False) -> CommitResponse:
@@ -289,7 +301,8 @@ class EngineHandle:
         self._touch(request)
         answer = await self._call(CommitRequest(request.request_id, pin))
         request.settled.add(self.name)
-        self._pool.prefix_index.insert(request.prompt[:answer.cached], self.name)
+        self._pool.prefix_index.insert(request.prompt[:answer.cached], self.name,
+                                       request.adapter)
         return answer
 
     async def abort(self, request: Request) -> bool:

@@ -5,8 +5,11 @@
                                                    # the engine's own running + waiting
     p = engines.pick("prefill", exclude=(d.name,)) # the same, or None if no such engine is up
     p, d = engines.prefill_decode()                # a P/D pair, degrading when a role is down
+    e = engines.by_affinity(request)               # best by LoRA adapter residency, prefix held
+                                                   # and load (router/affinity.py)
     p = engines["p0"]                              # by name
-    engines.prefix_index.match(request.prompt)     # which engine holds how much of the prompt
+    engines.prefix_index.match(request.prompt, request.adapter)  # which engine holds how much
+                                                   # of the prompt (for its LoRA adapter)
 
 `EngineHandle` (router/engine_handle.py) is one engine with the router's bookkeeping around
 each call; `PoolHealth` (router/engine_health.py) probes each engine's liveness and polls its
@@ -35,6 +38,7 @@ from microserve.backend import BackendUnavailable
 from microserve.messages import EngineInfo
 from microserve.metrics import Registry
 from microserve.microserving_client import EngineClient
+from router.affinity import Weights, scores
 from router.engine_handle import EngineHandle
 from router.engine_health import PoolHealth
 from router.prefix_index import PrefixIndex
@@ -175,6 +179,14 @@ class EnginePool(PoolHealth):
         """`least_loaded(role)` among the engines not in `exclude`, or None if none is up."""
         engines = [e for e in self.routable(role) if e.name not in exclude]
         return min(engines, key=lambda e: (e.open_calls, _queued(e))) if engines else None
+
+    def by_affinity(self, request: Request, role: str | None = None,
+                    weights: Weights = Weights()) -> EngineHandle:
+        """The routable engine of `role` that scores best for `request` by its LoRA adapter's
+        residency, the prefix it holds and its load (router/affinity.py). Raises
+        BackendUnavailable if none is up."""
+        self._need(role)
+        return self[scores(request, self, role, weights)[0].engine]
 
     def prefill_decode(self) -> tuple[EngineHandle | None, EngineHandle]:
         """The (prefill, decode) pair for a P/D request, least loaded first, degrading rather

@@ -11,6 +11,9 @@ engine calls then say what is really there (prep_recv's `matched`); `forget()` c
                      │                └ (u32..u47)      engines {"e1", "e2"}
                      └ ...
 
+One tree per LoRA adapter (`adapter`, None: the base model), as each engine keeps one per
+adapter: KV computed with an adapter is held for that adapter's requests only.
+
 No torch; plain Python, tested to the exact node.
 """
 
@@ -43,7 +46,7 @@ class PrefixIndex:
             raise ValueError(f"page_size {page_size} and max_pages {max_pages} must be >= 1")
         self.page_size = page_size
         self.max_pages = max_pages
-        self._root = _Node((), None)
+        self._roots: dict[str | None, _Node] = {}  # adapter -> its tree (None: the base)
         self._num_nodes = 0
         self._clock = itertools.count(1)
 
@@ -55,9 +58,12 @@ class PrefixIndex:
         for start in range(0, len(tokens) - ps + 1, ps):
             yield tuple(tokens[start : start + ps])
 
-    def insert(self, tokens: Sequence[int], engine: str) -> int:
-        """Record that `engine` holds the whole pages of `tokens`. Returns the tokens indexed."""
-        node, now, depth = self._root, next(self._clock), 0
+    def insert(self, tokens: Sequence[int], engine: str, adapter: str | None = None) -> int:
+        """Record that `engine` holds the whole pages of `tokens` (computed with LoRA adapter
+        `adapter`; None: the base model). Returns the tokens indexed."""
+        if adapter not in self._roots:
+            self._roots[adapter] = _Node((), None)
+        node, now, depth = self._roots[adapter], next(self._clock), 0
         for key in self._pages(tokens):
             child = node.children.get(key)
             if child is None:
@@ -69,11 +75,14 @@ class PrefixIndex:
         self._evict(keep=node)
         return depth * self.page_size
 
-    def match(self, tokens: Sequence[int]) -> dict[str, int]:
-        """For each engine believed to hold a prefix of `tokens`: its length in tokens (a page
-        multiple). Engines holding nothing of it are absent. Marks the path as used."""
+    def match(self, tokens: Sequence[int], adapter: str | None = None) -> dict[str, int]:
+        """For each engine believed to hold a prefix of `tokens` (for LoRA adapter `adapter`;
+        None: the base): its length in tokens (a page multiple). Engines holding nothing of it
+        are absent. Marks the path as used."""
         out: dict[str, int] = {}
-        node, now, depth = self._root, next(self._clock), 0
+        if adapter not in self._roots:
+            return out
+        node, now, depth = self._roots[adapter], next(self._clock), 0
         for key in self._pages(tokens):
             node = node.children.get(key)
             if node is None:
@@ -84,10 +93,13 @@ class PrefixIndex:
                 out[engine] = depth * self.page_size
         return out
 
-    def forget(self, tokens: Sequence[int], engine: str, held: int = 0) -> None:
-        """`engine` holds only the first `held` tokens of `tokens` (it said so): drop it from
-        the nodes past that along the path, and from everything below them."""
-        node = self._root
+    def forget(self, tokens: Sequence[int], engine: str, held: int = 0,
+               adapter: str | None = None) -> None:
+        """`engine` holds only the first `held` tokens of `tokens` (for `adapter`; it said
+        so): drop it from the nodes past that along the path, and from everything below."""
+        node = self._roots.get(adapter)
+        if node is None:
+            return
         for depth, key in enumerate(self._pages(tokens)):
             node = node.children.get(key)
             if node is None:
@@ -98,12 +110,13 @@ class PrefixIndex:
 
     def remove_engine(self, engine: str) -> None:
         """The engine left the pool (or restarted with an empty cache)."""
-        self._drop_engine(self._root, engine)
+        for root in list(self._roots.values()):
+            self._drop_engine(root, engine)
 
-    def engines_of(self, tokens: Sequence[int]) -> set[str]:
-        """Engines believed to hold all whole pages of `tokens`."""
+    def engines_of(self, tokens: Sequence[int], adapter: str | None = None) -> set[str]:
+        """Engines believed to hold all whole pages of `tokens` (for `adapter`)."""
         full = len(tokens) // self.page_size * self.page_size
-        return {e for e, n in self.match(tokens).items() if n == full}
+        return {e for e, n in self.match(tokens, adapter).items() if n == full}
 
     # -- upkeep ---------------------------------------------------------------------------------
 
@@ -124,7 +137,7 @@ class PrefixIndex:
             order.append(node)
             stack.extend(node.children.values())
         for node in reversed(order):
-            if node is not self._root and not node.engines and not node.children:
+            if node.parent is not None and not node.engines and not node.children:
                 del node.parent.children[node.key]
                 self._num_nodes -= 1
 
@@ -141,7 +154,7 @@ class PrefixIndex:
             self._num_nodes -= 1
 
     def _walk(self) -> Iterable[_Node]:
-        stack = list(self._root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

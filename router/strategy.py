@@ -68,6 +68,13 @@ class Request:
     generating_on: str | None = field(default=None, compare=False)
 
     @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter it runs with (its `model`, when that names one); None: the base.
+        Every engine call carries it (router/engine_handle.py); the prefix index is per
+        adapter (`engines.prefix_index.match(request.prompt, request.adapter)`)."""
+        return self.sampling.lora_name
+
+    @property
     def first_token_travels(self) -> bool:
         """Whether the engine that prefills the prompt may also sample the first output token
         and hand it to the generating engine with the KV. Not with logprobs, a grammar or

@@ -6,6 +6,8 @@
     context_migration   follow the context: route to its holder, move it when the holder is busy
     auto                per request, whole, P/D or balanced P/D: whichever the live
                         measurements price lowest (router/choice_model.py)
+    lora_affinity       each request whole on the engine best by LoRA adapter residency, prefix
+                        held and load (router/affinity.py)
 
 Each is also a worked example of the strategy API (router/strategy.py); docs/router.md shows
 how to write your own. No torch.

@@ -53,7 +53,7 @@ class Auto(Strategy):
 
     def loads(self, request, engines) -> list[EngineLoad]:
         """Each routable engine's load, as the model reads it (its stats fed to the fit)."""
-        held = engines.prefix_index.match(request.prompt)
+        held = engines.prefix_index.match(request.prompt, request.adapter)
         out = []
         for e in engines.routable():
             if e.load is not None:

@@ -38,7 +38,8 @@ class ContextMigration(Strategy):
     async def generate(self, request, engines):
         idle = engines.least_loaded()
         up = {e.name for e in engines if e.up}  # draining engines still send
-        held = {name: n for name, n in engines.prefix_index.match(request.prompt).items()
+        matched = engines.prefix_index.match(request.prompt, request.adapter)
+        held = {name: n for name, n in matched.items()
                 if n >= self.min_tokens and name in up}
         holder = engines[max(held, key=held.get)] if held else None
         last = len(request.prompt) - 1

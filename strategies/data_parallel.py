@@ -33,7 +33,7 @@ class DataParallel(Strategy):
 
     def _holder(self, request, engines):
         least = engines.least_loaded()
-        held = engines.prefix_index.match(request.prompt)
+        held = engines.prefix_index.match(request.prompt, request.adapter)
         near = [e for e in engines.routable()
                 if e.open_calls <= least.open_calls + self.imbalance]
         # Longest cached prefix first; then the less loaded (least_loaded's own order).

@@ -303,7 +303,8 @@ def test_every_curl_to_admin_or_microserving_in_the_docs_carries_a_token():
                 assert '-H "Authorization: Bearer $' in command, f"{name}: {command}"
     assert {name: len(commands) for name, commands in guarded.items()} == {
         "README.md": 3, "deploy/local-cpu.toml": 1, "docs/deploy.md": 2,
-        "docs/microserving.md": 3, "docs/router.md": 1, "docs/lora.md": 1}
+        "docs/microserving.md": 3, "docs/router.md": 1, "docs/lora.md": 3,
+        "deploy/local-cpu-lora.toml": 1}
 
 
 def test_the_example_strategy_is_the_one_docs_router_md_shows():

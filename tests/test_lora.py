@@ -326,9 +326,10 @@ def test_steps_go_on_while_an_adapter_loads(tiny_model_dir, lora_dir, prompts, r
 
 def test_requests_for_adapters_refused_where_they_cannot_run(tiny_model_dir, lora_dir, prompts):
     core = make_core(tiny_model_dir, lora_dir)
-    with pytest.raises(MicroservingError, match="do not carry adapters") as e:
+    run(core, {"base": (prompts[1], None)})  # cached under the base: nothing of it for a1
+    with pytest.raises(MicroservingError, match="beyond the 0 tokens of this prompt cached") as e:
         core.add_request("pd", prompts[1], greedy("a1"), begin=8)
-    assert e.value.param == "model"
+    assert e.value.param == "begin"
     plain = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64))
     with pytest.raises(RequestRejected, match="serves no LoRA adapters"):
         plain.add_request("x", prompts[0], greedy("a1"))

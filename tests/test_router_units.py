@@ -234,7 +234,8 @@ class Counting(Strategy):
 
 async def test_host_loads_builtins_files_and_uploads_into_fresh_modules(tmp_path):
     host = StrategyHost(make_pool(("e", "any")))
-    assert builtin_names() == ["auto", "balanced_pd", "context_migration", "data_parallel", "pd"]
+    assert builtin_names() == ["auto", "balanced_pd", "context_migration", "data_parallel",
+                               "lora_affinity", "pd"]
     first = await host.load(StrategySource.builtin("pd"))
     assert (first.version, first.name, first.source.origin) == (1, "PrefillDecode", "builtin:pd")
     path = tmp_path / "mine.py"
@@ -517,13 +518,14 @@ class CountingClient(FakeEngine):
         self.aborts, self.fail, self.hang_send = 0, fail, hang_send
         self.addressed = asyncio.Event()  # a remote_send without kv_addr waits for send_to
 
-    async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None):
+    async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None,
+                        lora_name=None):
         n = range(len(prompt) + 1)[end]
         return PrepRecvResponse(matched=0, kv_addr=KVAddr(
             begin=0, end=n, ranges=[(0, n)], layout={}, transfer={}, window=(0, 1)))
 
     async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None,
-                          queue_s=None, priority=0):
+                          queue_s=None, priority=0, lora_name=None):
         if self.hang_send:
             await asyncio.sleep(3600)
         if kv_addr is None:
@@ -885,7 +887,7 @@ class _Sender(FakeEngine):
         self.log, self.job, self.early = log, None, None
 
     async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None,
-                          queue_s=None, priority=0):
+                          queue_s=None, priority=0, lora_name=None):
         await asyncio.sleep(0.005)  # on its way: an abort may overtake it
         self.log.append(("p.remote_send", begin, end, kv_addr is None))
         self.job = asyncio.get_running_loop().create_future()
@@ -913,7 +915,8 @@ class _Receiver(FakeEngine):
     def __init__(self, log: list, matched: int = 8, full: bool = False):
         self.log, self.matched, self.full = log, matched, full
 
-    async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None):
+    async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None,
+                        lora_name=None):
         self.log.append(("d.prep_recv", end, wait_s))
         if self.full and wait_s == 0:
             raise MicroservingError(503, "no KV pages free to receive 20 tokens")

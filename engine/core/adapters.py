@@ -152,11 +152,27 @@ class EngineAdapters:
 
     def remove(self, request_id: str) -> None:
         adapter = self._of.pop(request_id, None)
-        if adapter is not None and (gone := self.registry.remove_user(adapter)) is not None:
+        if adapter is not None:
+            self._drop_user(adapter)
+
+    def _drop_user(self, adapter: Adapter) -> None:
+        if (gone := self.registry.remove_user(adapter)) is not None:
             self._packed.pop(gone.id)  # unloaded while in use: its last request left
 
     def request_ids(self):
         return self._of.keys()
+
+    def id_of(self, name: str) -> int:
+        """The id of the adapter registered as `name`, for a KV exchange call naming it (its
+        lora_name). Raises a 404 naming the adapter and those loaded."""
+        adapter = self.registry.lookup(name)
+        if adapter is None:
+            raise MicroservingError(
+                404, f"no LoRA adapter named {name!r} is loaded on this engine (loaded: "
+                f"{', '.join(self.registry.registered()) or 'none'}): load it here first "
+                "(/v1/load_lora_adapter) or route the request to an engine that has it",
+                "lora_name", code="model_not_found")
+        return adapter.id
 
     def lora_id(self, request_id: str) -> int:
         """The id of the adapter the request uses (its sequence's lora_id); 0: the base."""
@@ -178,6 +194,12 @@ class EngineAdapters:
     def release(self, seq: Sequence) -> None:
         self.registry.stop_running(self.registry.by_id(seq.lora_id))
 
+    def hold(self, seq: Sequence) -> None:
+        self.registry.add_user(self.registry.by_id(seq.lora_id))
+
+    def let_go(self, seq: Sequence) -> None:
+        self._drop_user(self.registry.by_id(seq.lora_id))
+
     def slot_of(self, seq: Sequence) -> int:
         """The slot a running sequence's tokens use (-1: the base model)."""
         return -1 if not seq.lora_id else self.registry.by_id(seq.lora_id).slot
@@ -197,7 +219,8 @@ class EngineAdapters:
 
     def stats(self) -> dict:
         return {"lora_registered": self.registry.registered(),
-                "lora_resident": self.registry.resident(), **self.counters}
+                "lora_resident": self.registry.resident(), "lora_loading": list(self._loading),
+                **self.counters}
 
     def check_integrity(self) -> None:
         self.registry.check_integrity()

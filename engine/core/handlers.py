@@ -164,7 +164,8 @@ class MessageHandlers:
         return True
 
     def on_prep_recv(self, r, received_at):
-        return self.exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s)
+        return self.exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s,
+                                       self.adapter_id(r.lora_name))
 
     def on_remote_send(self, r, received_at):
         if self.config.tensor_parallel_size > 1:  # its KV is split over its ranks' memories
@@ -172,7 +173,7 @@ class MessageHandlers:
                                     f"(--tensor-parallel-size {self.config.tensor_parallel_size}"
                                     "), and KV transfer between such engines is not built yet")
         return self.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
-                                r.sampling, received_at, r.queue_s, r.priority)
+                                r.sampling, received_at, r.queue_s, r.priority, r.lora_name)
 
     def on_send_to(self, r, received_at):
         return self.exchange.send_to(r.request_id, r.begin, r.kv_addr)

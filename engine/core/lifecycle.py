@@ -54,8 +54,9 @@ class RequestLifecycle:
             raise MicroservingError(409, f"request_id {request_id!r} is already in use",
                                     "request_id")  # fmt: skip
         check_request(prompt, params, self.info)
-        if params.lora_name is not None:
-            self._check_adapter_use(begin != 0 or first_token is not None or entry is not None)
+        if params.lora_name is not None and self.adapters is None:
+            raise RequestRejected("this engine serves no LoRA adapters (start it with "
+                                  "--lora-modules or --enable-lora)", "model")
         begin = resolve_index(begin, len(prompt), "begin")
         if first_token is not None:
             self._check_first_token(prompt, params, begin, first_token)
@@ -79,13 +80,13 @@ class RequestLifecycle:
         try:
             for table in self.side_tables:
                 table.admit(request_id, params)  # RequestRejected: e.g. no grammar
-            if begin or entry is not None:
+            lora_id = self.adapters.lora_id(request_id) if self.adapters is not None else 0
+            if begin or entry is not None:  # KV received, or cached, under its adapter
                 held = self.exchange.adopt_for_generate(request_id, prompt, begin,
-                                                        whole=first_token is not None)
+                                                        first_token is not None, lora_id)
         except BaseException:
             self._release_side_tables(request_id)
             raise
-        lora_id = self.adapters.lora_id(request_id) if self.adapters is not None else 0
         seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
                        num_cached_tokens=held, queue_s=queue_s, start_by=start_by,
                        lora_id=lora_id, priority=priority)  # fmt: skip
@@ -102,16 +103,17 @@ class RequestLifecycle:
             self._remove(seq)
         return out
 
-    def _check_adapter_use(self, from_peer: bool) -> None:
-        """A request naming a LoRA adapter needs LoRA on here and its KV computed here."""
+    def adapter_id(self, lora_name: str | None) -> int:
+        """The id of the LoRA adapter a KV exchange call names (0: the base model). Raises a
+        400 if LoRA is off here, a 404 if no adapter of that name is loaded: KV is never
+        computed, received or reused under other weights than the request's."""
+        if lora_name is None:
+            return 0
         if self.adapters is None:
-            raise RequestRejected("this engine serves no LoRA adapters (start it with "
-                                  "--lora-modules or --enable-lora)", "model")
-        if from_peer:
-            raise MicroservingError(
-                400, "KV received from another engine was computed without this request's LoRA "
-                "adapter: P/D and migration do not carry adapters yet (begin must be 0, no "
-                "first_token, no prep_recv)", "model")
+            raise MicroservingError(400, f"lora_name {lora_name!r}: this engine serves no LoRA "
+                                    "adapters (start it with --lora-modules or --enable-lora)",
+                                    "lora_name")
+        return self.adapters.id_of(lora_name)
 
     def _check_first_token(self, prompt: list[int], params: SamplingParams, begin: int,
                            first_token: int) -> None:
@@ -141,27 +143,31 @@ class RequestLifecycle:
     def remote_send(self, request_id: str, prompt: list[int], begin: int, end: int,
                     kv_addr: KVAddr | None, sampling: SamplingParams | None = None,
                     received_at: float | None = None, queue_s: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_name: str | None = None) -> None:
         """Start a remote_send (KVExchange.remote_send); the answer comes from `poll()`. The KV
         not cached here is computed by a send-only sequence in the scheduler, which also
         samples the first output token with `sampling` if given (the whole prompt is sent).
         Without `kv_addr` nothing is sent until `exchange.send_to` names the destination.
         `received_at` (time.perf_counter()): when the frontend took the call; default now.
         `queue_s`: how long it may wait for a step to start on it (`expire`); `priority`: its
-        rank under the priority scheduling policy."""
+        rank under the priority scheduling policy; `lora_name`: the LoRA adapter the KV is
+        computed with (None: the base model)."""
         generator = None
+        lora_id = self.adapter_id(lora_name)
         if sampling is not None:
             check_request(prompt, sampling, self.info)
-            if sampling.lora_name is not None:
-                raise MicroservingError(400, "a remote_send computes KV with the base model: "
-                                        "it carries no LoRA adapter yet", "lora_name")
+            if sampling.lora_name != lora_name:
+                raise MicroservingError(
+                    400, f"sampling.lora_name {sampling.lora_name!r} differs from the "
+                    f"remote_send's lora_name {lora_name!r}: the first token is sampled with "
+                    "the adapter the KV is computed with", "lora_name")
             if sampling.prompt_logprobs is not None:
                 raise MicroservingError(400, "prompt_logprobs is for a generation, not a "
                                         "remote_send's first token", "prompt_logprobs")
             generator = make_generator(sampling.seed, self.runner.device)
         seq = self.exchange.remote_send(request_id, prompt, begin, end, kv_addr,
                                         next(self._arrivals), sampling, generator, received_at,
-                                        queue_s, priority)
+                                        queue_s, priority, lora_id)
         if seq is not None:
             self.scheduler.add(seq)
 

@@ -15,6 +15,8 @@ from microserve.messages.kv import KVAddr
 from microserve.messages.sampling import SamplingParams
 from microserve.messages.status import EngineStats
 
+LoraName = Annotated[str, Field(min_length=1, max_length=256)]
+
 
 @CHECKED
 @dataclass(slots=True)
@@ -27,6 +29,10 @@ class PrepRecvRequest:
     # How long to wait for pages if none are free: default --kv-recv-wait-s; 0 answers a 503 at
     # once; at most --kv-recv-wait-max-s.
     wait_s: Annotated[float, Field(ge=0)] | None = None
+    # The LoRA adapter the KV is computed with (docs/lora.md): the pages are reserved, and
+    # matched, in that adapter's part of the prefix cache; start_generate must name the same
+    # adapter. None: the base model.
+    lora_name: LoraName | None = None
 
 
 @dataclass(slots=True)
@@ -54,6 +60,9 @@ class RemoteSendRequest:
     queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
     # Its scheduling priority on this engine (--scheduling-policy priority: lower runs first)
     priority: Priority = 0
+    # The LoRA adapter to compute the KV with (and reuse cached KV of); None: the base model.
+    # With `sampling`, its lora_name must be the same.
+    lora_name: LoraName | None = None
 
 
 @dataclass(slots=True)
@@ -148,9 +157,6 @@ class UnpinRequest(PinRequest):
 @dataclass(slots=True)
 class PinResponse:
     tokens: int  # leading tokens of the prompt (a page multiple) now pinned / unpinned
-
-
-LoraName = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 @CHECKED

@@ -79,9 +79,11 @@ class EngineStats:
     send_seconds: float = 0.0  # writing outputs to the frontend
     message_seconds: float = 0.0  # handling the frontend's requests and calls
     idle_seconds: float = 0.0  # waiting with nothing to run
-    # LoRA adapters (docs/lora.md): those requests may name, those in the GPU's slots now
+    # LoRA adapters (docs/lora.md): those requests may name, those in the GPU's slots now,
+    # those a /v1/load_lora_adapter is reading from disk (not requestable yet)
     lora_registered: list[str] = field(default_factory=list)
     lora_resident: list[str] = field(default_factory=list)
+    lora_loading: list[str] = field(default_factory=list)
     lora_loads: int = 0  # adapters read from disk (start-up and /v1/load_lora_adapter)
     lora_load_seconds: float = 0.0  # ... the time that took, reading and checking them
     lora_slot_writes: int = 0  # adapters copied into a slot (on first use, after an eviction)
