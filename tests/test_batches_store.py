@@ -292,7 +292,7 @@ def test_the_prefix_policy_sends_a_prefix_to_the_engine_holding_it_unless_it_is_
     template = [5, 6, 7, 8, 9, 10, 11, 12]
     pool.prefix_index.insert(template, "e2")
     strategy = DataParallel("prefix", imbalance=2)
-    request = SimpleNamespace(prompt=template + [40])
+    request = SimpleNamespace(prompt=template + [40], adapter=None)
     assert strategy._holder(request, pool).name == "e2"
     pool["e2"].open_generations = 2  # within the imbalance: still the holder
     assert strategy._holder(request, pool).name == "e2"
@@ -300,7 +300,8 @@ def test_the_prefix_policy_sends_a_prefix_to_the_engine_holding_it_unless_it_is_
     assert strategy._holder(request, pool).name == "e1"
     pool["e2"].open_generations = 0
     pool["e1"].open_generations = 1
-    assert strategy._holder(SimpleNamespace(prompt=[99, 98, 97, 96]), pool).name == "e2"
+    assert strategy._holder(SimpleNamespace(prompt=[99, 98, 97, 96], adapter=None),
+                            pool).name == "e2"
     assert strategy.describe() == {"policy": "prefix", "imbalance": 2}
     assert DataParallel().describe() == {"policy": "round_robin"}
 
