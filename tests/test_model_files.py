@@ -95,7 +95,7 @@ def test_resolve_unknown_name():
         resolve_model("x")
     assert str(excinfo.value) == (
         "--model 'x': not a directory and not a known model name (known: smollm2-135m-instruct, "
-        "random:llama-3.1-8b, random:llama-3.2-1b, random:tiny)"
+        "random:llama-3.1-8b, random:llama-3.1-70b, random:llama-3.2-1b, random:tiny)"
     )
 
 
