@@ -326,6 +326,11 @@ async def main() -> None:
     ap.add_argument("--kv-transfer", default=None,
                     help="the receivers' kinds, comma-separated (default: cuda_ipc,tcp on a "
                          "GPU, shm,tcp on CPU); with nvshmem, P joins that receiver's group")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="P's ranks, on GPUs --device + 0 .. N-1")
+    ap.add_argument("--receiver-tensor-parallel-size", type=int, default=1,
+                    help="each receiver's ranks, on GPUs --receiver-device + 0 .. N-1 (KV "
+                         "moves between engines of any two sizes by shm or cuda_ipc)")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     model = str(resolve_model(args.model))
@@ -351,6 +356,10 @@ async def main() -> None:
         transfer["nvshmem"] += ("--nvshmem-group", f"1/2@{group}")
     device |= {k: args.receiver_device or args.device for k in kinds}
     placed = {k: ("--device", device[k]) if gpu else () for k in ports}
+    for k in ports:
+        size = args.tensor_parallel_size if k == "p" else args.receiver_tensor_parallel_size
+        if size > 1:
+            placed[k] += ("--tensor-parallel-size", str(size))
     procs = {k: start_engine(model, port, *common, *placed[k], *transfer[k], api_key=ENGINE_KEY)
              for k, port in ports.items()}
     urls = {k: f"http://127.0.0.1:{port}" for k, port in ports.items()}
@@ -364,6 +373,9 @@ async def main() -> None:
             kv_bytes_per_token //= 2
         where = info.device if len(set(device.values())) == 1 else (
             f"P on {device['p']}, receivers on {device[kinds[0]]}")
+        if args.tensor_parallel_size > 1 or args.receiver_tensor_parallel_size > 1:
+            where += (f"; P at TP {args.tensor_parallel_size}, receivers at TP "
+                      f"{args.receiver_tensor_parallel_size}")
         print(f"model {mc.name} on {where}, KV {kv_bytes_per_token} B/token "
               f"({info.dtype}), median of {args.repeat} runs after one warm-up\n")
         if "send" in modes:

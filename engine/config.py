@@ -144,10 +144,10 @@ class EngineConfig:
 
     def resolved_kv_transfer(self, has_key: bool = True) -> str:
         """The backend to receive with. auto: shm on CPU, cuda_ipc on CUDA, but only with an
-        engine key (KV transfer is authenticated by it); none without one, and none for a
-        tensor-parallel engine (its KV is split over its ranks; moving it is not built yet)."""
+        engine key (KV transfer is authenticated by it); none without one. A tensor-parallel
+        engine moves KV only with these two (kvcache/transfer/tp_peer.py)."""
         if self.kv_transfer == "auto":
-            if not has_key or self.tensor_parallel_size > 1:
+            if not has_key:
                 return "none"
             return "cuda_ipc" if self.device.startswith("cuda") else "shm"
         return self.kv_transfer
@@ -242,8 +242,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_timeout_s must be in (0, {MAX_LEASE_S:.0f}], got "
                              f"{self.tensor_parallel_timeout_s}")
         unsupported = {"the host KV tier": self.kv_host_memory_gb > 0,
-                       f"--kv-transfer {self.kv_transfer}": self.kv_transfer not in ("auto",
-                                                                                    "none")}
+                       f"--kv-transfer {self.kv_transfer} (tcp and nvshmem cannot reach every "
+                       "rank's pool; shm and cuda_ipc can)": self.kv_transfer in ("tcp",
+                                                                                 "nvshmem")}
         for what, asked in unsupported.items():
             if asked:
                 raise ValueError(f"{what} and tensor_parallel_size {size} do not work together "

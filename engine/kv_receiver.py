@@ -70,8 +70,7 @@ class Receiving:
                                     "(this engine's --kv-recv-wait-max-s)", "wait_s")
         if self.backend.kind == "none":
             raise MicroservingError(400, "this engine cannot receive KV: it runs with "
-                                    "--kv-transfer none, without an engine key (--api-key), or "
-                                    "tensor-parallel (--tensor-parallel-size above 1)")
+                                    "--kv-transfer none, or without an engine key (--api-key)")
         self._check_free(request_id)
         tokens = prompt[:end]
         need, total = self.kv.pages_needed(None, end), self.kv.pool.num_pages

@@ -172,6 +172,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak - pages * self.kv_bytes_per_page(config.page_size)
 
+    def kv_shape(self, num_pages: int) -> tuple[int, ...]:
+        """This rank's KV pool of `num_pages` pages (PagedKVCache's layout)."""
+        c = self.shape
+        return (c.num_layers, 2, num_pages, self.engine_config.page_size, c.num_kv_heads,
+                c.head_dim)
+
     def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True,
                     pool: torch.Tensor | None = None):
         """Build the paged KV cache (on `pool` when given: a transfer backend's memory)."""

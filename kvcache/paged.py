@@ -73,6 +73,9 @@ class PagedKVCache:
         assert pool.shape == shape and pool.dtype == dtype, (pool.shape, shape, pool.dtype)
         self.kv = pool
         self.sender: KVSender | None = None  # set by the owner when this engine sends KV
+        # A tensor-parallel engine's rank 0 hands a step's KV over once the step is over: only
+        # then are the other ranks' pools written too (kvcache/transfer/tp_peer.py).
+        self.send_after_step = False
         self._batch: ForwardBatch | None = None
         self._marked: list[KVSend] = []  # declared by mark_send for the next step
         self._sends: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # the open step's
@@ -125,11 +128,19 @@ class PagedKVCache:
         return out
 
     def _layer_written(self, layer: int) -> None:
+        if self.send_after_step:
+            return
         for job_id, src, dst in self._sends:  # this layer's KV is in the pool now
             self.sender.layer_written(job_id, layer, src, dst)
 
     def end_forward(self) -> None:
+        """Close the step. A tensor-parallel rank 0 hands its sends over here, after the last
+        layer's all-reduce, which no rank passes before every rank wrote its KV (an exception
+        in the step ends the engine; the copy of its pages is then moot)."""
         assert self._batch is not None, "end_forward without begin_forward"
+        if self.send_after_step:
+            for job_id, src, dst in self._sends:
+                self.sender.write_all_layers(job_id, src, dst)
         self._batch = None
         self._sends = []
 

@@ -72,7 +72,7 @@ class EngineLoad:
     queue: int  # prompt tokens of its open calls not yet computed
     decoding: int  # sequences generating on it
     held: int = 0  # tokens of this prompt it has cached
-    sends_kv: bool = True  # may be P (not a tensor-parallel engine)
+    sends_kv: bool = True  # may be P (a tensor-parallel engine only with a KV transfer)
     receives_kv: bool = True  # may be D (runs a KV transfer)
 
 

@@ -102,15 +102,16 @@ class EngineHandle:
 
     @property
     def receives_kv(self) -> bool:
-        """Whether it can be the D of P/D: it runs a KV transfer (not `--kv-transfer none`,
-        which a tensor-parallel engine also reports). Unknown until its info came: assumed."""
+        """Whether it can be the D of P/D: it runs a KV transfer (not `--kv-transfer none`).
+        Unknown until its info came: assumed."""
         return self.info is None or self.info.kv_transfer != "none"
 
     @property
     def sends_kv(self) -> bool:
-        """Whether it can be the P of P/D: any engine but a tensor-parallel one (its KV is
-        split over its ranks)."""
-        return self.info is None or self.info.tensor_parallel_size == 1
+        """Whether it can be the P of P/D: any engine, but a tensor-parallel one only with a
+        KV transfer (its ranks' pools are exported for it)."""
+        return (self.info is None or self.info.tensor_parallel_size == 1
+                or self.info.kv_transfer != "none")
 
     def __repr__(self) -> str:
         return f"<engine {self.name} {self.role} {self.url}>"

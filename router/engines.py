@@ -199,7 +199,7 @@ class EnginePool(PoolHealth):
             if self.routable("prefill"):
                 self._fallbacks.inc(missing="decode")
             return None, decode
-        if not decode.receives_kv:  # e.g. a tensor-parallel engine: it serves requests whole
+        if not decode.receives_kv:  # --kv-transfer none: it serves requests whole
             return None, decode
         cannot_send = tuple(e.name for e in self.routable("prefill") if not e.sends_kv)
         prefill = self.pick("prefill", exclude=(decode.name, *cannot_send))

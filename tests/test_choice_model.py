@@ -146,8 +146,8 @@ def test_an_engine_past_the_tpot_target_only_prefills_what_it_holds(model):
 
 
 def test_engines_that_cannot_move_kv_are_never_p_or_d(model):
-    """A tensor-parallel engine neither sends nor receives KV (and an engine without a KV
-    transfer receives none). p cannot send, so only e can be P; once e cannot receive
+    """An engine that cannot send (a tensor-parallel one without a KV transfer) is never P,
+    and one that cannot receive (no KV transfer) never D. p cannot send, so only e can be P; once e cannot receive
     either and d decodes 60 sequences, the request runs whole on e, the idle one."""
     engines = [EngineLoad("p", True, False, 0, 0, sends_kv=False),
                any_engine("d", decoding=60, prefill=False), any_engine("e")]

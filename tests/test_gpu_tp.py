@@ -65,3 +65,37 @@ def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path):
     prompts = random_prompts([7, 300, 1000], vocab=128256)
     one = tokens(model, prompts, max_num_batched_tokens=512)
     assert tokens(model, prompts, tensor_parallel_size=2, max_num_batched_tokens=512) == one
+
+
+_PD = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_kv_exchange import make_core
+from test_tp_transfer import pd_between
+prompts, ref, p_size = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+kw = dict(dtype="float32", page_size=16, num_pages=256, max_num_seqs=16)
+tp = make_core({model!r}, "cuda_ipc", device="cuda:0", tensor_parallel_size=2, **kw)
+one = make_core({model!r}, "cuda_ipc", device="cuda:2", **kw)
+pd_between(*((tp, one) if p_size == 2 else (one, tp)), prompts, ref, "gpu")
+tp.close()
+one.close()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("p_size", [2, 1], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_cuda_ipc_pd_between_tp2_and_tp1(tiny_model_dir, p_size):
+    """P/D over cuda_ipc between a TP 2 engine (cuda:0-1) and a TP 1 engine (cuda:2), both
+    ways: D's tokens equal Hugging Face's and D's KV equals P's to the byte, head by head."""
+    import torch
+
+    if torch.cuda.device_count() < 3:
+        pytest.skip("needs three GPUs")
+    from test_kv_exchange import N_NEW
+
+    prompts = random_prompts([45, 23, 70], seed=11)
+    ref = hf_greedy(tiny_model_dir, prompts, N_NEW)
+    code = _PD.format(tests=str(Path(__file__).parent), model=tiny_model_dir)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(prompts), json.dumps(ref),
+                          str(p_size)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

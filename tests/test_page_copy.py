@@ -43,11 +43,33 @@ def test_copy_rows_over_a_run_of_layers_equals_one_layer_at_a_time():
     assert not torch.equal(dst[1], pool(8, 4, 2, 8, 1, torch.bfloat16)[1])
 
 
+@pytest.mark.parametrize(("src_heads", "dst_heads"), [
+    (range(2, 4), range(0, 2)),  # a rank's share out of a whole pool (split)
+    (range(0, 2), range(2, 4)),  # a whole pool's share from a rank's (gather)
+    (range(1, 2), range(3, 4))])
+def test_copy_rows_of_some_heads_equals_torch_indexing(src_heads, dst_heads):
+    """Pools split over different tensor-parallel sizes: only the heads named move."""
+    src, dst = pool(6, 4, 4, 8, 0, torch.bfloat16), pool(8, 4, 4, 8, 1, torch.bfloat16)
+    want = dst.clone()
+    src_slots = torch.tensor([3, 17, 5, 22, 9], device=DEVICE)
+    dst_slots = torch.tensor([12, 1, 27, 6, 31], device=DEVICE)
+    s, d = slice(src_heads.start, src_heads.stop), slice(dst_heads.start, dst_heads.stop)
+    for layer in range(3):
+        want[layer][:, :, :, d].view(2, -1, len(dst_heads), 8)[:, dst_slots] = (
+            src[layer][:, :, :, s].reshape(2, -1, len(src_heads), 8)[:, src_slots])
+    page_copy.copy_rows(src, dst, src_slots, dst_slots, 3, 2, src_heads, dst_heads)
+    assert torch.equal(dst, want)
+
+
 def test_copy_rows_refuses_mismatched_pools():
     src, dst = pool(2, 4, 2, 8, 0, torch.float32), pool(2, 4, 2, 16, 0, torch.float32)
     slots = torch.tensor([0, 1], device=DEVICE)
-    with pytest.raises(ValueError, match="rows differ: 16 vs 32"):
+    with pytest.raises(ValueError, match=r"rows differ: heads range\(0, 2\) of \(2, 8\) vs "
+                                         r"heads range\(0, 2\) of \(2, 16\)"):
         page_copy.copy_rows(src[0], dst[0], slots, slots)
+    with pytest.raises(ValueError, match=r"heads range\(1, 3\) of \(2, 8\)"):
+        page_copy.copy_rows(src[0], src[1], slots, slots, src_heads=range(1, 3),
+                            dst_heads=range(0, 2))
     with pytest.raises(ValueError, match="2 source slots but 1 destinations"):
         page_copy.copy_rows(src[0], src[1], slots, slots[:1])
     with pytest.raises(ValueError, match=r"runs of as many layers: \(2, 2, 2, 4, 2, 8\) vs "

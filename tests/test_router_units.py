@@ -128,9 +128,9 @@ def fallbacks(pool: EnginePool) -> dict[str, float]:
 
 
 def test_prefill_decode_leaves_out_engines_that_cannot_move_kv():
-    """A tensor-parallel engine (it reports kv_transfer none and its rank count) is neither
-    P nor D: picked as the decode engine it serves the request whole; as a prefill engine it
-    is passed over for another that can send."""
+    """A tensor-parallel engine without a KV transfer (it reports kv_transfer none and its
+    rank count) is neither P nor D: picked as the decode engine it serves the request whole;
+    as a prefill engine it is passed over for another that can send. With one it is both."""
     pool = make_pool(("p", "prefill"), ("tp", "prefill"), ("d", "decode"))
     pool["tp"].info = engine_info(kv_transfer="none", tensor_parallel_size=2)
     pool["p"].open_sends = 1  # busier: least_loaded would take tp
@@ -138,6 +138,8 @@ def test_prefill_decode_leaves_out_engines_that_cannot_move_kv():
     pool["d"].info = engine_info(kv_transfer="none", tensor_parallel_size=2)
     assert [e and e.name for e in pool.prefill_decode()] == [None, "d"]
     assert not pool["d"].receives_kv and not pool["d"].sends_kv and pool["p"].sends_kv
+    pool["d"].info = engine_info(kv_transfer="cuda_ipc", tensor_parallel_size=2)
+    assert pool["d"].receives_kv and pool["d"].sends_kv
 
 
 def test_prefill_decode_degrades_instead_of_failing():

@@ -100,16 +100,19 @@ def test_random_weights_are_the_same_model_at_every_size(tmp_path):
 
 
 def refuses_kv_transfer(core) -> None:
-    """A tensor-parallel engine neither receives KV nor sends it (its KV is split over its
-    ranks): both calls are 400s that say so, and nothing is held after them."""
+    """A tensor-parallel engine without an engine key neither receives KV nor sends it (its
+    ranks' pools are not exported): both calls are 400s that say so, nothing held after them.
+    With a key it does both (tests/test_tp_transfer.py)."""
     from microserve.backend import MicroservingError
     from microserve.messages.calls import PrepRecvRequest, RemoteSendRequest
 
-    with pytest.raises(MicroservingError, match="cannot receive KV: .* or tensor-parallel") as e:
+    with pytest.raises(MicroservingError, match="cannot receive KV: .* without an engine key"
+                       ) as e:
         core.on_prep_recv(PrepRecvRequest("recv", [5, 6, 7, 8, 9], 4), 0.0)
     assert e.value.status == 400
     with pytest.raises(MicroservingError, match="cannot send KV: it is tensor-parallel "
-                                                "\\(--tensor-parallel-size 2\\)") as e:
+                                                "\\(--tensor-parallel-size 2\\) and runs with "
+                                                "--kv-transfer none") as e:
         core.on_remote_send(RemoteSendRequest("send", [5, 6, 7, 8, 9], 0, 4), 0.0)
     assert e.value.status == 400
     assert core.kv.stats().used_pages == 0 and not core.has_work()
@@ -195,18 +198,19 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_model_dir, size, pr
 
 @pytest.mark.parametrize("kw,what", [
     ({"kv_host_memory_gb": 1.0}, "the host KV tier"),
-    ({"kv_transfer": "shm"}, "--kv-transfer shm"),
+    ({"kv_transfer": "tcp"}, "--kv-transfer tcp"),
     ({"tensor_parallel_size": 0}, None),
 ])  # fmt: skip
 def test_what_tensor_parallel_engines_cannot_do_yet_is_refused(tiny_model_dir, kw, what):
     kw = {"tensor_parallel_size": 2, **kw}
-    with pytest.raises(ValueError, match=(f"{what} and tensor_parallel_size 2 do not work "
+    with pytest.raises(ValueError, match=(f"{what} .*and tensor_parallel_size 2 do not work "
                                           "together yet" if what else
                                           "tensor_parallel_size must be in \\[1, 64\\], got 0")):
         EngineConfig(model=tiny_model_dir, **kw)
-    # auto: no KV transfer for a tensor-parallel engine, with or without a key
-    assert EngineConfig(model=tiny_model_dir, tensor_parallel_size=2).resolved_kv_transfer() \
-        == "none"
+    # auto: as for one rank, shm on CPUs with a key, none without
+    config = EngineConfig(model=tiny_model_dir, tensor_parallel_size=2)
+    assert config.resolved_kv_transfer() == "shm"
+    assert config.resolved_kv_transfer(has_key=False) == "none"
 
 
 # ---- a daemon: HTTP, then a rank killed -------------------------------------------------------

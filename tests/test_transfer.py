@@ -481,7 +481,7 @@ def fake_peers(monkeypatch):
     """Every peer KVSender opens, in order."""
     peers: list[FakePeer] = []
 
-    def open_fake(descriptor, local_kv, layout, key):
+    def open_fake(descriptor, local_kv, layout, key, local_ranks=None):
         peers.append(FakePeer())
         return peers[-1]
 

@@ -33,6 +33,7 @@ from engine.scheduler import Scheduler
 from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.sender import KVSender
+from kvcache.transfer.tp_peer import rank_fields
 from microserve.backend import MicroservingError
 from microserve.messages import EngineInfo, EngineStats
 
@@ -64,14 +65,12 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc)
         num_pages = self.runner.num_pages_for(self.max_model_len)
         kv_dtype = str(self.runner.kv_dtype).removeprefix("torch.")
-        layout = KVLayout(mc.name, kv_dtype, config.page_size,
-                          mc.num_layers, self.runner.shape.num_kv_heads, mc.head_dim)  # fmt: skip
+        tp = config.tensor_parallel_size
+        layout = KVLayout(mc.name, kv_dtype, config.page_size, mc.num_layers,
+                          self.runner.shape.num_kv_heads, mc.head_dim, tp, mc.num_kv_heads)
         kind = config.resolved_kv_transfer(has_key=transfer_key is not None)
         if kind != config.resolved_kv_transfer(has_key=True):
             log.info("KV transfer off: no engine key (--api-key) to authenticate it with")
-        elif kind == "none" and config.tensor_parallel_size > 1:
-            log.info("KV transfer off: a tensor-parallel engine neither sends nor receives KV "
-                     "yet")
         self.transfer = make_backend(
             kind, layout, num_pages, self.runner.device,
             host=config.kv_transfer_host, port=config.kv_transfer_port,
@@ -79,7 +78,13 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             nvshmem_group=config.nvshmem_group,
         )  # fmt: skip
         num_pages = self.transfer.kv.shape[2]  # nvshmem: the group's smallest pool
-        self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
+        if tp > 1:  # the workers' pools, mapped here for the transfers (kvcache/transfer/tp_peer)
+            self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv,
+                                    export=kind != "none")
+            if kind != "none":
+                self.transfer.add_ranks(rank_fields(layout, self.runner.rank_exports))
+        else:
+            self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
         # the host KV tier for preempted sequences, with --kv-host-memory-gb; None: off
         self.host_swap = (HostSwap(self.runner.kv.kv, config.kv_host_memory_gb,
@@ -94,7 +99,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         # The transfer thread wakes the step loop through this pipe when a send completes.
         self.wakeup_fd, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_w, False)
-        sender = KVSender(self.transfer.kv, layout, notify=self._wake, key=transfer_key)
+        sender = KVSender(self.transfer.kv, layout, notify=self._wake, key=transfer_key,
+                          local_ranks=self.runner.rank_pools if tp > 1 else None)
         self.runner.kv.sender = sender
         self.exchange = KVExchange(self.kv, self.requests, self.scheduler.headroom,
                                    mc.vocab_size, self.transfer, sender, layout,

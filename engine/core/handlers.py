@@ -168,14 +168,21 @@ class MessageHandlers:
                                        self.adapter_id(r.lora_name))
 
     def on_remote_send(self, r, received_at):
-        if self.config.tensor_parallel_size > 1:  # its KV is split over its ranks' memories
-            raise MicroservingError(400, "this engine cannot send KV: it is tensor-parallel "
-                                    f"(--tensor-parallel-size {self.config.tensor_parallel_size}"
-                                    "), and KV transfer between such engines is not built yet")
+        self._check_sends()
         return self.remote_send(r.request_id, r.prompt, r.begin, r.end, r.kv_addr,
                                 r.sampling, received_at, r.queue_s, r.priority, r.lora_name)
 
+    def _check_sends(self) -> None:
+        """A tensor-parallel engine sends KV only through the transfer its ranks' pools were
+        exported for (kvcache/transfer/tp_peer.py)."""
+        if self.config.tensor_parallel_size > 1 and self.transfer.kind == "none":
+            raise MicroservingError(400, "this engine cannot send KV: it is tensor-parallel "
+                                    f"(--tensor-parallel-size {self.config.tensor_parallel_size}"
+                                    ") and runs with --kv-transfer none (or without an engine "
+                                    "key), so its ranks' pools are not exported")
+
     def on_send_to(self, r, received_at):
+        self._check_sends()
         return self.exchange.send_to(r.request_id, r.begin, r.kv_addr)
 
     def on_commit(self, r, received_at):

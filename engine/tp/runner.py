@@ -21,6 +21,7 @@ from engine.models.parallel import TensorParallel
 from engine.sampler import PendingSample
 from engine.tp import worker
 from engine.tp.group import free_port, join, leave
+from kvcache.transfer.tp_peer import MappedPool
 
 log = logging.getLogger("microserve.tp")
 
@@ -45,6 +46,9 @@ class TensorParallelRunner:
         _check_devices(config.device, size)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._closing = False
+        self.rank_exports: list[dict] = []  # ranks 1.. pools' exports, when the engine moves KV
+        self.rank_pools: list[torch.Tensor] = []  # every rank's pool, mapped here
+        self._mapped: list[MappedPool] = []
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
         for rank in range(1, size):
@@ -114,9 +118,22 @@ class TensorParallelRunner:
                                        self.local.device)
 
     def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True,
-                    pool: torch.Tensor | None = None) -> None:
-        self._send("allocate_kv", num_pages, max_model_len, capture_graphs)
+                    pool: torch.Tensor | None = None, export: bool = False) -> None:
+        """Every rank's pool (rank 0's on `pool`). With `export` (the engine moves KV), the
+        workers' pools are in memory this process maps: `rank_pools` and `rank_exports`
+        (kvcache/transfer/tp_peer.py)."""
+        self._send("allocate_kv", num_pages, max_model_len, capture_graphs, export)
         self.local.allocate_kv(num_pages, max_model_len, capture_graphs, pool)
+        self.local.kv.send_after_step = True
+        if not export:
+            return
+        shape, dtype = self.local.kv_shape(num_pages), self.local.kv_dtype
+        for rank in range(1, self.tp.size):
+            status, export_info = self._conns[rank - 1].recv()
+            assert status == "pool", status
+            self.rank_exports.append(export_info)
+            self._mapped.append(MappedPool(export_info, shape, dtype, self.local.device))
+        self.rank_pools = [self.local.kv.kv] + [m.kv for m in self._mapped]
 
     def forward(self, *args, **kwargs) -> torch.Tensor | None:
         self._send("forward", *args, **kwargs)

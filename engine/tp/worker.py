@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models.parallel import TensorParallel
 from engine.tp.group import die_with_parent, join
+from kvcache.transfer.tp_peer import export_pool
 
 log = logging.getLogger("microserve.tp")
 
@@ -37,11 +38,12 @@ def agreed_num_pages(tp: TensorParallel, num_pages: int, device: torch.device) -
 class WorkerCalls:
     """The calls rank 0 sends, each the worker's half of a TensorParallelRunner method."""
 
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, conn: Connection):
+        self.runner, self._conn = runner, conn
 
-    def forward(self, *args, **kwargs) -> None:
-        self.runner.forward(*args, **kwargs)  # the logits' gather included; rank 0 samples
+    def forward(self, *args, sends=(), **kwargs) -> None:
+        # the logits' gather included; rank 0 samples, and rank 0 sends every rank's KV
+        self.runner.forward(*args, **kwargs)
 
     def take_sampled(self, rows: int) -> None:
         """Rank 0's sampled tokens of the last step: the next step's `from_last` inputs."""
@@ -52,9 +54,16 @@ class WorkerCalls:
         for _ in self.runner.score_logits(rows):  # the gathers; rank 0 scores
             pass
 
-    def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True
-                    ) -> None:
-        self.runner.allocate_kv(num_pages, max_model_len, capture_graphs)
+    def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True,
+                    export: bool = False) -> None:
+        """Allocate the rank's pool; with `export`, in memory rank 0 can map (its KV moves
+        through rank 0's transfers), and answer rank 0 with the export."""
+        pool = None
+        if export:
+            r = self.runner
+            pool, info = export_pool(r.kv_shape(num_pages), r.kv_dtype, r.device)
+            self._conn.send(("pool", info))
+        self.runner.allocate_kv(num_pages, max_model_len, capture_graphs, pool)
 
     def lora_write_slot(self, slot: int, packed) -> None:
         """This rank's share of an adapter (packed by rank 0) into `slot` (None: empty it)."""
@@ -98,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     conn.send(("ready", None))
     join(engine_config, rank, init_method)
-    calls = WorkerCalls(runner)
+    calls = WorkerCalls(runner, conn)
     with torch.inference_mode():
         while True:
             try:

@@ -84,10 +84,11 @@ def make_backend(
 
 
 def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout,
-              key: bytes | None) -> Peer:
-    """Open the receiver `descriptor` names for writing from `local_kv` (this engine's pool).
-    The caller has checked that both engines share `layout`. Nothing is opened, mapped or
-    dialed unless the descriptor is signed with `key` (transfer_auth.verify). Raises TransferError if
+              key: bytes | None, local_ranks: list[torch.Tensor] | None = None) -> Peer:
+    """Open the receiver `descriptor` names for writing from `local_kv` (this engine's pool;
+    a tensor-parallel engine's ranks' pools are `local_ranks`, rank 0's first). The caller has
+    checked that the layouts agree (KVLayout.mismatch). Nothing is opened, mapped or dialed
+    unless the descriptor is signed with `key` (transfer_auth.verify). Raises TransferError if
     the descriptor is not signed, or the receiver cannot take KV or cannot be reached."""
     if descriptor.get("kind") == "none":
         raise TransferError("the receiving engine was started with --kv-transfer none")
@@ -96,6 +97,10 @@ def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout,
     except TransferAuthError as e:
         raise TransferError(str(e)) from None
     kind = descriptor.get("kind")
+    if descriptor.get("tp_size", 1) > 1 or len(local_ranks or ()) > 1:
+        from kvcache.transfer.tp_peer import open_split_peer
+
+        return open_split_peer(descriptor, local_ranks or [local_kv], layout)
     if kind == "shm":
         from kvcache.transfer.shm import ShmPeer
 

@@ -170,6 +170,12 @@ class TransferBackend(ABC):
         only when a lease is due."""
         return None
 
+    def add_ranks(self, fields: dict) -> None:
+        """Add a tensor-parallel engine's other ranks' pools to the descriptor
+        (kvcache/transfer/tp_peer.py): only shm and cuda_ipc can carry them."""
+        raise TransferError(f"--kv-transfer {self.kind} cannot reach a tensor-parallel "
+                            "engine's other ranks; use shm or cuda_ipc")
+
     def close(self) -> None:
         """Stop listeners and release the pool's export. The tensor stays valid."""
 

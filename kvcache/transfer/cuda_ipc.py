@@ -49,6 +49,19 @@ def _hex(value: bytes | None) -> str | None:
     return None if value is None else bytes(value).hex()
 
 
+def ipc_export(kv: torch.Tensor) -> dict:
+    """What a same-host process needs to map the GPU tensor `kv` (plain data)."""
+    (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+     event_sync) = kv.untyped_storage()._share_cuda_()
+    return {
+        "cuda_device": int(dev), "ipc_handle": _hex(handle),
+        "storage_bytes": int(size_bytes), "storage_offset_bytes": int(offset_bytes),
+        "ref_counter": _hex(ref_handle), "ref_counter_offset": int(ref_offset),
+        "event_handle": _hex(event_handle), "event_sync": bool(event_sync),
+        "tensor_offset": int(kv.storage_offset()),
+    }
+
+
 class CudaIpcBackend(ShmBackend):
     """A receiver's pool on `device`, exported to same-host senders by CUDA IPC."""
 
@@ -62,15 +75,7 @@ class CudaIpcBackend(ShmBackend):
                              f"{device}; use shm or tcp")
         dtype = getattr(torch, layout.dtype)
         self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=dtype, device=device)
-        (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-         event_sync) = self.kv.untyped_storage()._share_cuda_()
-        export = {
-            "cuda_device": int(dev), "ipc_handle": _hex(handle),
-            "storage_bytes": int(size_bytes), "storage_offset_bytes": int(offset_bytes),
-            "ref_counter": _hex(ref_handle), "ref_counter_offset": int(ref_offset),
-            "event_handle": _hex(event_handle), "event_sync": bool(event_sync),
-            "tensor_offset": int(self.kv.storage_offset()),
-        }
+        export = ipc_export(self.kv)
         super().__init__(layout, num_pages, num_windows, key=key, extra=export)
 
 
@@ -156,14 +161,18 @@ class CudaIpcPeer(ShmPeer):
                     self._stream.wait_event(ready)
                 else:  # a direct caller: whatever the default stream wrote before
                     self._stream.wait_stream(torch.cuda.default_stream(device))
-                src, dst = src_slots.to(device), dst_slots.to(device)
-                copy_rows(self._local[first:end], self._remote[first:end], src, dst,
-                          self.num_programs, self.rows_at_once)
+                self._copy(first, end, src_slots.to(device), dst_slots.to(device))
         except BaseException:
             self._drain()
             raise
         if end == self._remote.shape[0]:
             self._drain()
+
+    def _copy(self, first: int, end: int, src_slots: torch.Tensor,
+              dst_slots: torch.Tensor) -> None:
+        """Queue the copy of layers [first, end) on the current stream."""
+        copy_rows(self._local[first:end], self._remote[first:end], src_slots, dst_slots,
+                  self.num_programs, self.rows_at_once)
 
     def flush(self, window: Window) -> None:
         """Wait for the queued copies, then check the receiver is alive and the window open."""

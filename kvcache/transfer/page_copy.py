@@ -32,7 +32,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, src_slots_ptr, dst_slots_ptr, n, total, row,
+def _copy_rows_kernel(src_ptr, dst_ptr, src_slots_ptr, dst_slots_ptr, n, total, width,
+                      src_row, dst_row, src_col, dst_col,
                       src_layer_stride, dst_layer_stride, src_kv_stride, dst_kv_stride,
                       NUM_PROGRAMS: tl.constexpr, ROWS: tl.constexpr,
                       BLOCK: tl.constexpr):  # fmt: skip
@@ -44,14 +45,15 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_slots_ptr, dst_slots_ptr, n, total, 
         layer, i = (pair // n).to(tl.int64), pair % n
         s = tl.load(src_slots_ptr + i, mask=ok, other=0).to(tl.int64)
         d = tl.load(dst_slots_ptr + i, mask=ok, other=0).to(tl.int64)
-        src = src_ptr + layer * src_layer_stride + kv * src_kv_stride + s * row
-        dst = dst_ptr + layer * dst_layer_stride + kv * dst_kv_stride + d * row
-        mask = ok[:, None] & (cols < row)
+        src = src_ptr + layer * src_layer_stride + kv * src_kv_stride + s * src_row + src_col
+        dst = dst_ptr + layer * dst_layer_stride + kv * dst_kv_stride + d * dst_row + dst_col
+        mask = ok[:, None] & (cols < width)
         tl.store(dst[:, None] + cols, tl.load(src[:, None] + cols, mask=mask), mask=mask)
 
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor,
-              dst_slots: torch.Tensor, num_programs: int = 132, rows_at_once: int = 4) -> None:
+              dst_slots: torch.Tensor, num_programs: int = 132, rows_at_once: int = 4,
+              src_heads: range | None = None, dst_heads: range | None = None) -> None:
     """Copy K and V rows `src_slots` of `src` into rows `dst_slots` of `dst`.
 
     Args:
@@ -63,6 +65,9 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor,
         num_programs: the grid; fewer programs leave more of the GPU to other streams.
         rows_at_once: rows each program moves per iteration (a power of two). One row (2 KiB
             for Llama-3.1-8B) at a time leaves the copy bound by memory latency.
+        src_heads, dst_heads: copy only these KV heads of each row, as many on each side
+            (pools of tensor-parallel engines split differently, kvcache/transfer/tp_peer.py);
+            None: all of them.
     """
     if src.dtype != dst.dtype or src.device != dst.device:
         raise ValueError(f"pools differ: {src.dtype} on {src.device} vs "
@@ -77,12 +82,19 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor,
     n = len(src_slots)
     if n != len(dst_slots):
         raise ValueError(f"{n} source slots but {len(dst_slots)} destinations")
-    row = src.shape[-1] * src.shape[-2]  # kv_heads * head_dim
-    if dst.shape[-1] * dst.shape[-2] != row:
-        raise ValueError(f"rows differ: {row} vs {dst.shape[-1] * dst.shape[-2]}")
+    dim = src.shape[-1]
+    src_heads = src_heads if src_heads is not None else range(src.shape[-2])
+    dst_heads = dst_heads if dst_heads is not None else range(dst.shape[-2])
+    if dst.shape[-1] != dim or len(src_heads) != len(dst_heads) or not (
+            0 <= src_heads.start < src_heads.stop <= src.shape[-2]
+            and 0 <= dst_heads.start < dst_heads.stop <= dst.shape[-2]):
+        raise ValueError(f"rows differ: heads {src_heads} of {tuple(src.shape[-2:])} vs heads "
+                         f"{dst_heads} of {tuple(dst.shape[-2:])}")
+    width = len(src_heads) * dim
     if n == 0 or src.shape[0] == 0:
         return
     _copy_rows_kernel[(num_programs,)](
-        src, dst, src_slots, dst_slots, n, src.shape[0] * 2 * n, row,
+        src, dst, src_slots, dst_slots, n, src.shape[0] * 2 * n, width,
+        src.shape[-2] * dim, dst.shape[-2] * dim, src_heads.start * dim, dst_heads.start * dim,
         src.stride(0), dst.stride(0), src[0, 0].numel(), dst[0, 0].numel(),
-        NUM_PROGRAMS=num_programs, ROWS=rows_at_once, BLOCK=triton.next_power_of_2(row))
+        NUM_PROGRAMS=num_programs, ROWS=rows_at_once, BLOCK=triton.next_power_of_2(width))

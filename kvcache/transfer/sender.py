@@ -93,9 +93,12 @@ class KVSender:
 
     def __init__(
         self, local_kv: torch.Tensor, layout: KVLayout, notify: Callable[[], None] = lambda: None,
-        key: bytes | None = None,
+        key: bytes | None = None, local_ranks: list[torch.Tensor] | None = None,
     ):
+        """`local_ranks`: a tensor-parallel engine's ranks' pools, rank 0's (`local_kv`)
+        first, mapped into this process (kvcache/transfer/tp_peer.py)."""
         self.local_kv = local_kv
+        self.local_ranks = local_ranks
         self.layout = layout
         self.key = key  # the deployment's transfer key: receivers' descriptors must be signed
         self._notify = notify
@@ -142,7 +145,8 @@ class KVSender:
                     self._retire(key, peer)
                     peer = None
             if peer is None:
-                peer = open_peer(descriptor, self.local_kv, self.layout, self.key)
+                peer = open_peer(descriptor, self.local_kv, self.layout, self.key,
+                                 self.local_ranks)
             with self._lock:
                 self._peers[key] = peer
                 self._jobs[job_id] = _Job(job_id, peer, key, window, allowed, digest)

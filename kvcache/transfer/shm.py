@@ -204,6 +204,7 @@ class ShmBackend(TransferBackend):
             self.kv = flat.view(shape)
 
         self.num_windows = num_windows
+        self._key = key
         self._descriptor = sign({
             "kind": self.kind,
             "pid": os.getpid(),
@@ -225,6 +226,12 @@ class ShmBackend(TransferBackend):
 
     def descriptor(self) -> dict:
         return dict(self._descriptor)
+
+    def add_ranks(self, fields: dict) -> None:
+        """Add a tensor-parallel engine's other ranks' pools (kvcache/transfer/tp_peer.py) to
+        the descriptor, signed with the rest. Called once, before any peer saw it."""
+        body = {k: v for k, v in self._descriptor.items() if k != "mac"}
+        self._descriptor = sign({**body, **fields}, self._key)
 
     def open_window(self, slots: torch.Tensor | None = None) -> Window | None:
         """A fresh window; None when all `num_windows` are open or the backend is closed.
@@ -293,7 +300,10 @@ class ShmPeer(Peer):
 
     kind = "shm"
 
-    def __init__(self, descriptor: dict, local_kv: torch.Tensor, layout: KVLayout):
+    def __init__(self, descriptor: dict, local_kv: torch.Tensor, layout: KVLayout,
+                 remote_layout: KVLayout | None = None):
+        """`remote_layout`: the receiver's, where its heads are split otherwise than this
+        engine's (tensor parallelism, kvcache/transfer/tp_peer.py); None: `layout`."""
         pid = descriptor["pid"]
         if descriptor["boot_id"] != _boot_id():
             raise TransferError(
@@ -306,7 +316,7 @@ class ShmPeer(Peer):
         assert local_kv.shape == expected and local_kv.dtype == dtype, (
             f"local pool {tuple(local_kv.shape)} {local_kv.dtype} does not match {layout}"
         )
-        shape = layout.pool_shape(descriptor["num_pages"])
+        shape = (remote_layout or layout).pool_shape(descriptor["num_pages"])
         count = math.prod(shape)
         in_file = count * dtype.itemsize if descriptor["kind"] == "shm" else 0
         if descriptor["kv_offset"] + in_file > descriptor["nbytes"]:
@@ -439,9 +449,12 @@ class ShmPeer(Peer):
     ) -> None:
         """Copy synchronously: the bytes are in the receiver's pool when this returns."""
         with self._window_open(window):
-            local = self._local[layer].view(self._rows)
-            rows = local.index_select(1, src_slots.to(local.device)).cpu()
-            self._remote[layer].view(self._rows).index_copy_(1, dst_slots, rows)
+            self._copy_layer(layer, src_slots, dst_slots)
+
+    def _copy_layer(self, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        local = self._local[layer].view(self._rows)
+        rows = local.index_select(1, src_slots.to(local.device)).cpu()
+        self._remote[layer].view(self._rows).index_copy_(1, dst_slots, rows)
 
     def flush(self, window: Window) -> None:
         """Writes are synchronous: only check the receiver is alive and the window open."""

@@ -14,34 +14,67 @@ from microserve.messages.fields import CHECKED, Position, Slot, WindowIndex, Win
 @CHECKED
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """What must be equal for two engines to exchange KV pages (kvcache/transfer/)."""
+    """What must agree for two engines to exchange KV pages (kvcache/transfer/).
+
+    A tensor-parallel engine's pool is one per rank, each with the rank's share of the KV
+    heads: `num_kv_heads` is a rank's (what `pool_shape` holds), `total_kv_heads` the model's.
+    Engines of different tensor-parallel sizes exchange KV: a copy gathers or splits heads
+    (`rank_heads` says which rank holds which)."""
 
     model: str
     dtype: str  # the pool's element type: float32, bfloat16, float8_e4m3fn (--kv-cache-dtype)
     page_size: Annotated[int, Field(ge=1, le=INT32_MAX)]
     num_layers: Annotated[int, Field(ge=1, le=INT32_MAX)]
-    num_kv_heads: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    num_kv_heads: Annotated[int, Field(ge=1, le=INT32_MAX)]  # in one rank's pool
     head_dim: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    total_kv_heads: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # the model's; 0: num_kv_heads
 
     def pool_shape(self, num_pages: int) -> tuple[int, ...]:
+        """One rank's pool."""
         return (self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
+    def rank_heads(self, rank: int) -> range:
+        """The model's KV heads rank `rank`'s pool holds, in order: a run of them, or with
+        fewer heads than ranks the one head its q heads read, replicated on size // heads
+        ranks (engine/models/parallel.py cuts the weights the same way)."""
+        heads, size = self.model_kv_heads, self.tensor_parallel_size
+        if heads >= size:
+            per = heads // size
+            return range(rank * per, (rank + 1) * per)
+        head = rank * heads // size
+        return range(head, head + 1)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> KVLayout:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def mismatch(self, peer: KVLayout) -> str | None:
-        """None if the layouts agree, else a message naming both layouts and what differs."""
-        diff = [f.name for f in fields(self) if getattr(self, f.name) != getattr(peer, f.name)]
+        """None if KV can move between the two layouts, else a message naming both layouts and
+        what differs. How the heads are split over ranks may differ; the model's may not."""
+        split = ("num_kv_heads", "tensor_parallel_size", "total_kv_heads")
+        diff = [f.name for f in fields(self)
+                if f.name not in split and getattr(self, f.name) != getattr(peer, f.name)]
+        if self.model_kv_heads != peer.model_kv_heads:
+            diff.append("total_kv_heads")
         if not diff:
             return None
         return (
             f"KV layout mismatch in {', '.join(diff)}: this engine has {self.to_dict()}, "
             f"the peer has {peer.to_dict()}"
         )
+
+    def same_split(self, peer: KVLayout) -> bool:
+        """Whether both pools hold the same heads rank by rank (a copy moves whole rows)."""
+        return (self.tensor_parallel_size, self.num_kv_heads) == (
+            peer.tensor_parallel_size, peer.num_kv_heads) and not self.mismatch(peer)
 
 
 # A receiver's transfer descriptor: what a sender needs to open its pool. Its fields are its

@@ -1,0 +1,115 @@
+"""KV transfer between engines of different tensor-parallel sizes, on the CPU (gloo, shm).
+
+P at TP 2 sends to D at TP 1 (each head gathered from the rank that holds it), and P at TP 1
+sends to D at TP 2 (split into each rank's heads): D's greedy tokens equal Hugging Face's, and
+the KV D received is byte-equal to what P's ranks hold, head by head. Two engines in one test
+process, one of them tensor-parallel at a time (a process joins one group). The copy plan is
+checked on its own for every split, including KV heads replicated over more ranks than heads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy
+from test_engine_core import random_prompts
+from test_kv_exchange import N_NEW, assert_clean, generate, make_core, reset, send
+
+from engine.core import EngineCore
+from kvcache.transfer.tp_peer import HeadRun, head_plan
+from microserve.messages import KVLayout, RemoteSendResponse
+
+
+def layout(tp: int, heads: int = 8) -> KVLayout:
+    per = max(1, heads // tp)
+    return KVLayout("m", "float32", 4, 2, per, 16, tp, heads)
+
+
+def test_the_plan_gathers_splits_and_maps_rank_to_rank():
+    assert head_plan(layout(2), layout(1)) == [
+        HeadRun(0, range(0, 4), 0, range(0, 4)), HeadRun(1, range(0, 4), 0, range(4, 8))]
+    assert head_plan(layout(1), layout(2)) == [
+        HeadRun(0, range(0, 4), 0, range(0, 4)), HeadRun(0, range(4, 8), 1, range(0, 4))]
+    assert head_plan(layout(2), layout(2)) == [
+        HeadRun(0, range(0, 4), 0, range(0, 4)), HeadRun(1, range(0, 4), 1, range(0, 4))]
+    assert head_plan(layout(4), layout(2)) == [
+        HeadRun(0, range(0, 2), 0, range(0, 2)), HeadRun(1, range(0, 2), 0, range(2, 4)),
+        HeadRun(2, range(0, 2), 1, range(0, 2)), HeadRun(3, range(0, 2), 1, range(2, 4))]
+    # 2 KV heads over 4 ranks: each head on two ranks; the first that holds it sends it,
+    # every rank that holds it receives it
+    two = layout(4, heads=2)
+    assert [two.rank_heads(r) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2),
+                                                     range(1, 2)]
+    assert head_plan(two, layout(1, heads=2)) == [
+        HeadRun(0, range(0, 1), 0, range(0, 1)), HeadRun(2, range(0, 1), 0, range(1, 2))]
+    assert head_plan(layout(1, heads=2), two) == [
+        HeadRun(0, range(0, 1), 0, range(0, 1)), HeadRun(0, range(0, 1), 1, range(0, 1)),
+        HeadRun(0, range(1, 2), 2, range(0, 1)), HeadRun(0, range(1, 2), 3, range(0, 1))]
+
+
+def test_layouts_of_one_model_split_otherwise_agree_and_other_models_do_not():
+    assert layout(2).mismatch(layout(1)) is None
+    assert not layout(2).same_split(layout(1)) and layout(2).same_split(layout(2))
+    assert "total_kv_heads" in layout(2, heads=8).mismatch(layout(1, heads=4))
+
+
+def rank_pools(core: EngineCore) -> list[torch.Tensor]:
+    return core.runner.rank_pools if core.config.tensor_parallel_size > 1 else [core.transfer.kv]
+
+
+def whole_heads(core: EngineCore, slots: torch.Tensor) -> torch.Tensor:
+    """K and V of every layer at `slots`, with all the model's heads, from the core's ranks:
+    [layers, 2, len(slots), heads, dim]."""
+    lay = core.exchange.layout
+    parts = []
+    for head in range(lay.model_kv_heads):
+        rank = next(r for r in range(lay.tensor_parallel_size) if head in lay.rank_heads(r))
+        pool = rank_pools(core)[rank].flatten(2, 3)  # [layers, 2, slots, heads, dim]
+        parts.append(pool[:, :, slots, lay.rank_heads(rank).index(head)])
+    return torch.stack(parts, dim=3)
+
+
+def pd_between(p: EngineCore, d: EngineCore, prompts: list[list[int]], ref: list[list[int]],
+               tag: str) -> None:
+    """P/D of each prompt from p to d: D's greedy tokens are `ref`'s, and the KV D received,
+    every head of every rank, is P's to the byte (P cached the prompt's whole pages where it
+    computed them). Nothing is held afterwards."""
+    page = p.config.page_size
+    for i, prompt in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        r = d.exchange.prep_recv(rid, prompt, -1, None)
+        out = send(p, rid, prompt, 0, -1, r.kv_addr)
+        n = len(prompt) - 1
+        assert out == RemoteSendResponse(sent=n, computed=n, reused=0)
+        slots = torch.tensor([s + k for s, c in r.kv_addr.ranges for k in range(c)])
+        got = whole_heads(d, slots)
+        match = p.kv.cache.match(prompt[:n])
+        assert match.matched_len == n // page * page
+        p_slots = torch.tensor([pg * page + k for pg in match.pages for k in range(page)])
+        assert torch.equal(got[:, :, : match.matched_len].cpu(), whole_heads(p, p_slots).cpu())
+        assert got.abs().sum() > 0  # KV was written, not left zero
+        tokens, cached = generate(d, rid, prompt, begin=n)
+        assert tokens == ref[i], f"prompt {i}"
+        assert cached == n
+    assert_clean(p, d)
+
+
+@pytest.fixture(scope="module")
+def one(tiny_model_dir):
+    core = make_core(tiny_model_dir, "shm")
+    yield core
+    core.close()
+
+
+@pytest.mark.parametrize("p_size,d_size", [(2, 1), (1, 2)], ids=["gather", "split"])
+def test_pd_between_tensor_parallel_sizes(tiny_model_dir, one, p_size, d_size):
+    """Two engines in this process, the tensor-parallel one with its worker rank beside."""
+    tp = make_core(tiny_model_dir, "shm", tensor_parallel_size=2, cpu_threads=1)
+    reset(one)
+    try:
+        assert tp.info.kv_transfer == "shm"
+        prompts = random_prompts([45, 23], seed=11)
+        pd_between(*((tp, one) if p_size == 2 else (one, tp)), prompts,
+                   hf_greedy(tiny_model_dir, prompts, N_NEW), f"{p_size}to{d_size}")
+    finally:
+        tp.close()
