@@ -214,6 +214,8 @@ class SplitCudaIpcPeer(_SplitCopies, CudaIpcPeer):
     """cuda_ipc between GPU engines split differently: one page-copy kernel per head run, on
     the sender's rank 0 GPU."""
 
+    num_programs = int(os.environ.get("MICROSERVE_TP_COPY_PROGRAMS", CudaIpcPeer.num_programs))
+
     def __init__(self, descriptor: dict, local_ranks: list[torch.Tensor], layout: KVLayout,
                  remote: KVLayout):
         super().__init__(descriptor, local_ranks[0], layout, remote)
