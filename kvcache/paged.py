@@ -107,6 +107,8 @@ class PagedKVCache:
         dev = self.kv.device
         self._sends = [(s.job_id, _upload(s.src_slots, dev), _upload(s.dst_slots, dev))
                        for s in self._marked]
+        for s, (job_id, _, dst) in zip(self._marked, self._sends):
+            self.sender.check_destinations(job_id, s.dst_slots, dst)
         self._marked = []
 
     def begin_forward_static(self) -> None:

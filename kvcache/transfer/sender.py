@@ -151,6 +151,17 @@ class KVSender:
                 self._peers[key] = peer
                 self._jobs[job_id] = _Job(job_id, peer, key, window, allowed, digest)
 
+    def check_destinations(self, job_id: str, host_slots: torch.Tensor,
+                           device_slots: torch.Tensor) -> None:
+        """Check a step's destinations against the job's window on the host copy, before the
+        step: the writes that then name `device_slots` (the same slots, uploaded) skip the
+        check, which on a GPU tensor would wait for the GPU to catch up with the host (a
+        stall of the step pipeline, every step a send runs in). Raises ValueError as
+        `write` does."""
+        job = self._job(job_id)
+        _check_inside(job, host_slots)
+        job.checked = device_slots
+
     def write(
         self, job_id: str, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
     ) -> None:
