@@ -67,36 +67,61 @@ def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path):
     assert tokens(model, prompts, tensor_parallel_size=2, max_num_batched_tokens=512) == one
 
 
-_PD = """
-import faulthandler, json, sys
-faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where, in the test's output
-sys.path.insert(0, {tests!r})
-from test_kv_exchange import make_core
-from test_tp_transfer import pd_between
-prompts, ref, p_size = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
-kw = dict(dtype="float32", page_size=16, num_pages=256, max_num_seqs=16)
-tp = make_core({model!r}, "cuda_ipc", device="cuda:0", tensor_parallel_size=2, **kw)
-one = make_core({model!r}, "cuda_ipc", device="cuda:2", **kw)
-pd_between(*((tp, one) if p_size == 2 else (one, tp)), prompts, ref, "gpu")
-tp.close()
-one.close()
-print("ok")
-"""
+async def _pd(p_url: str, d_url: str, prompts: list[list[int]]) -> list[list[int]]:
+    """P/D of each prompt from the engine at p_url to the one at d_url: D's greedy tokens."""
+    from microserve.messages import PrepRecvRequest, RemoteSendRequest, SamplingParams
+    from microserve.microserving_client import EngineClient
+
+    from daemons import ENGINE_KEY
+    from test_kv_exchange import N_NEW
+
+    P, D = EngineClient(p_url, api_key=ENGINE_KEY), EngineClient(d_url, api_key=ENGINE_KEY)
+    out = []
+    try:
+        for i, prompt in enumerate(prompts):
+            r = await D.call(PrepRecvRequest(f"pd-{i}", prompt, end=-1))
+            begin = r.kv_addr.begin  # what D holds already (nothing on a fresh engine)
+            sent = await P.call(RemoteSendRequest(f"pd-{i}", prompt, begin, -1, r.kv_addr))
+            assert sent.sent == len(prompt) - 1 - begin
+            tokens = []
+            async for chunk in D.start_generate(f"pd-{i}", prompt, len(prompt) - 1,
+                                                SamplingParams(max_tokens=N_NEW, temperature=0,
+                                                               ignore_eos=True)):
+                tokens += chunk.token_ids
+            out.append(tokens)
+    finally:
+        await P.aclose()
+        await D.aclose()
+    return out
 
 
 @pytest.mark.parametrize("p_size", [2, 1], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_cuda_ipc_pd_between_tp2_and_tp1(tiny_model_dir, p_size):
-    """P/D over cuda_ipc between a TP 2 engine (cuda:0-1) and a TP 1 engine (cuda:2), both
-    ways: D's tokens equal Hugging Face's and D's KV equals P's to the byte, head by head."""
+def test_cuda_ipc_pd_between_tp2_and_tp1(tiny_model_dir, tmp_path, p_size):
+    """P/D over cuda_ipc between engine daemons at TP 2 (cuda:0-1) and TP 1 (cuda:2), both
+    ways, in fp32: D's tokens equal Hugging Face's. (That the KV arrives byte-equal, head by
+    head, is tests/test_tp_transfer.py's on CPUs, and the head-range copy kernel's on GPUs is
+    tests/test_page_copy.py's.)"""
+    import asyncio
+
     import torch
+
+    from daemons import ENGINE_KEY, Daemon
+    from test_kv_exchange import N_NEW
 
     if torch.cuda.device_count() < 3:
         pytest.skip("needs three GPUs")
-    from test_kv_exchange import N_NEW
-
-    prompts = random_prompts([45, 23, 70], seed=11)
-    ref = hf_greedy(tiny_model_dir, prompts, N_NEW)
-    code = _PD.format(tests=str(Path(__file__).parent), model=tiny_model_dir)
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(prompts), json.dumps(ref),
-                          str(p_size)], capture_output=True, text=True, timeout=200)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-6000:]
+    common = ("--dtype", "float32", "--num-pages", "256", "--api-key", ENGINE_KEY,
+              "--kv-transfer", "cuda_ipc")
+    tp = Daemon(tiny_model_dir, tmp_path / "tp.log", "tp", *common, "--device", "cuda:0",
+                "--tensor-parallel-size", "2")
+    one = Daemon(tiny_model_dir, tmp_path / "one.log", "one", *common, "--device", "cuda:2")
+    try:
+        tp.wait_ready()
+        one.wait_ready()
+        prompts = random_prompts([45, 23, 70], seed=11)
+        p, d = (tp, one) if p_size == 2 else (one, tp)
+        got = asyncio.run(_pd(p.url, d.url, prompts))
+        assert got == hf_greedy(tiny_model_dir, prompts, N_NEW)
+    finally:
+        tp.stop()
+        one.stop()
