@@ -9,6 +9,9 @@ checked on its own for every split, including KV heads replicated over more rank
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 from conftest import hf_greedy
@@ -113,3 +116,79 @@ def test_pd_between_tensor_parallel_sizes(tiny_model_dir, one, p_size, d_size):
                    hf_greedy(tiny_model_dir, prompts, N_NEW), f"{p_size}to{d_size}")
     finally:
         tp.close()
+
+
+# ---- through the router: microserve up with a TP 2 prefill engine and a TP 1 decode engine ----
+
+LIVE_STRATEGIES = {
+    "pd": {"builtin": "pd"},
+    "balanced": {"builtin": "balanced_pd", "args": {"ratio": 0.5}},
+}
+
+
+@pytest.fixture(scope="module")
+def tp_up(tiny_served_dir, tmp_path_factory):
+    from deployments import Up, stop_and_check, write_config
+
+    tmp = tmp_path_factory.mktemp("tp-up")
+    common = ["--num-pages", "256", "--cpu-threads", "1"]
+    config, port, urls = write_config(tmp / "deploy.toml", tiny_served_dir, "pd", [
+        ("p", "prefill", [*common, "--tensor-parallel-size", "2"]),
+        ("d", "decode", common)])
+    up = Up(config, port, urls, tmp / "up.log",
+            env={**os.environ, "MICROSERVE_ADMIN_TOKEN": "tp-admin"})
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        if up.proc.poll() is None:
+            stop_and_check(up)
+
+
+def test_strategies_move_kv_from_a_tp2_prefill_engine_to_a_tp1_decode_engine(
+        tp_up, tiny_served_dir):
+    """Through the router and the official client: each P/D strategy gives Hugging Face's
+    greedy tokens and the prefill engine (TP 2) sent the KV; a context migrates the other way
+    (TP 1 to TP 2) and is served from the cache there; both engines end quiet with their
+    caches intact."""
+    import httpx
+    from daemons import ENGINE_AUTH
+    from deployments import assert_quiet, engine_stats
+    from openai import OpenAI
+
+    client = OpenAI(base_url=tp_up.url + "/v1", api_key="unused", max_retries=0)
+    admin = httpx.Client(base_url=tp_up.url, headers={"Authorization": "Bearer tp-admin"},
+                         timeout=60)
+    for i, (name, strategy) in enumerate(LIVE_STRATEGIES.items()):
+        assert admin.put("/admin/strategy", json=strategy).status_code == 200
+        prompt = random_prompts([60], seed=100 + i)[0]
+        [want] = hf_greedy(tiny_served_dir, [prompt], N_NEW)
+        sent = engine_stats(tp_up.engine_urls["p"], check=False)["stats"]["kv_tokens_sent"]
+        r = client.completions.create(model="test-model", prompt=prompt, max_tokens=N_NEW,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        # the placeholder tokenizer's token i is "<i>"
+        assert [int(t) for t in re.findall(r"<(\d+)>", r.choices[0].text)] == want, name
+        after = engine_stats(tp_up.engine_urls["p"], check=False)["stats"]["kv_tokens_sent"]
+        assert after > sent, f"{name}: the TP 2 engine sent no KV"
+        for engine, url in tp_up.engine_urls.items():
+            assert_quiet(engine, url)
+    # /admin/migrate the other way: a context served on d (TP 1) moves into p's (TP 2) cache,
+    # split over its ranks; p then computes only what follows it
+    context, question = random_prompts([70, 9], seed=200)
+    d, p = tp_up.engine_urls["d"], tp_up.engine_urls["p"]
+    assert httpx.post(d + "/v1/completions", json={"prompt": context, "max_tokens": 1},
+                      headers=ENGINE_AUTH, timeout=60).status_code == 200
+    r = admin.post("/admin/migrate", json={"prompt": context, "source": "d",
+                                           "destination": "p"})
+    assert r.status_code == 200, r.text
+    whole = len(context) // 16 * 16
+    assert r.json()["cached"] == whole
+    r = httpx.post(p + "/v1/completions", headers=ENGINE_AUTH, timeout=60, json={
+        "prompt": context + question, "temperature": 0, "max_tokens": N_NEW, "ignore_eos": True})
+    body = r.json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
+    [want] = hf_greedy(tiny_served_dir, [context + question], N_NEW)
+    assert [int(t) for t in re.findall(r"<(\d+)>", body["choices"][0]["text"])] == want
+    for engine, url in tp_up.engine_urls.items():
+        assert_quiet(engine, url)
+    admin.close()

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # P/D between tensor-parallel engines (issue 43 item 3) on four GPUs of one host, each part
 # bounded by a timeout, logs under $OUT:
-#   tests   the gpu-marked tests of tests/test_gpu_tp.py (P/D between TP 2 and TP 1 both ways
-#           over cuda_ipc: Hugging Face's tokens, byte-equal KV) and the head-range page copy
+#   tests   tests/test_gpu_tp.py's P/D between TP 2 and TP 1 engine daemons both ways over
+#           cuda_ipc (Hugging Face's tokens), and the head-range page copy on the GPU
 #   gather  bench.transfer, P at TP 2 on cuda:0-1, D at TP 1 on cuda:2: remote_send of 3,000
 #           tokens against the same prefill on P alone, and migration against recompute
 #   split   the same with P at TP 1 on cuda:0 and D at TP 2 on cuda:1-2
 #   same    P at TP 2 on cuda:0-1, D at TP 2 on cuda:2-3
+#   one     P at TP 1 on cuda:0, D at TP 1 on cuda:1 (the baseline across GPUs)
 #
 #   OUT=/tmp/tp-pd bash bench/scripts/tp_pd.sh tests,gather
 set -u
@@ -32,10 +33,4 @@ bench() {  # name, P's TP size, P's first GPU, D's TP size, D's first GPU
 [[ $parts == *,split,* ]] && bench split 1 0 2 1
 [[ $parts == *,same,* ]] && bench same 2 0 2 2
 [[ $parts == *,one,* ]] && bench one 1 0 1 1
-if [[ $parts == *,programs,* ]]; then  # the TP copy's grid: fewer programs leave NVLink and SMs
-  for n in 16 32 64; do                # to the sender's all-reduces
-    MICROSERVE_TP_COPY_PROGRAMS=$n bench gather-$n 2 0 1 2
-    MICROSERVE_TP_COPY_PROGRAMS=$n bench same-$n 2 0 2 2
-  done
-fi
 exit 0

@@ -214,7 +214,9 @@ class SplitCudaIpcPeer(_SplitCopies, CudaIpcPeer):
     """cuda_ipc between GPU engines split differently: one page-copy kernel per head run, on
     the sender's rank 0 GPU."""
 
-    num_programs = int(os.environ.get("MICROSERVE_TP_COPY_PROGRAMS", CudaIpcPeer.num_programs))
+    # The grid stays cuda_ipc's (132 programs): 16, 32 and 64 left more of the GPU and NVLink
+    # to the sender's all-reduces but made a 3,000-token remote_send slower, not faster
+    # (1.15-1.17x / 1.12-1.15x a local prefill vs 1.12-1.13x, 4x H200, 2026-11-27).
 
     def __init__(self, descriptor: dict, local_ranks: list[torch.Tensor], layout: KVLayout,
                  remote: KVLayout):
