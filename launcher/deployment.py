@@ -198,7 +198,32 @@ def _engines(engines: list, router_port: int, model: str, path: Path) -> list[En
             config=config, role=engine.get("role", "any"), host=engine.get("host", "127.0.0.1"),
             args=tuple(engine.get("args", [])),
             env={str(k): str(v) for k, v in engine.get("env", {}).items()}))
+    _check_gpu_shares(launches, str(path))
     return launches
+
+
+def _check_gpu_shares(launches: list[EngineLaunch], where: str) -> None:
+    """Refuse engines whose memory shares on one GPU add up to more than all of it (each rank
+    of a tensor-parallel engine takes its share of its own GPU): they would fail one after
+    another at start-up, out of memory. Engines given CUDA_VISIBLE_DEVICES number GPUs their
+    own way and are left out."""
+    claims: dict[int, list[tuple[str, float]]] = {}
+    for launch in launches:
+        c = launch.config
+        if not c.device.startswith("cuda") or "CUDA_VISIBLE_DEVICES" in launch.env:
+            continue
+        first = int(c.device.partition(":")[2] or 0)
+        for gpu in range(first, first + c.tensor_parallel_size):
+            claims.setdefault(gpu, []).append((launch.name, c.gpu_memory_utilization))
+    for gpu, shares in sorted(claims.items()):
+        total = sum(share for _, share in shares)
+        if total > 1.0 + 1e-9:
+            named = ", ".join(f"{name} {share:g}" for name, share in shares)
+            raise ValueError(f"{where}: GPU cuda:{gpu} is shared by {named} "
+                             f"(--gpu-memory-utilization), {total:g} of its memory in all; give "
+                             f"the engines shares adding up to at most 1 (e.g. "
+                             f"{1 / len(shares):.2f} each), or other GPUs (a tensor-parallel "
+                             f"engine on cuda:N takes cuda:N .. N+size-1)")
 
 
 def _no_unknown(table: dict, known: set[str], where: str) -> None:

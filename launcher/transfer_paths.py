@@ -43,6 +43,16 @@ def transfer_lines(engines) -> list[str]:
                 continue
             if s.role not in ("prefill", "any") or r.role not in ("decode", "any"):
                 continue
-            lines.append(f"KV transfer: {s.name} ({s.info.device}) -> {r.name} "
-                         f"({r.info.device}): {_path(s.info.device, r.info.device, r.info.kv_transfer)}")
+            path = _path(s.info.device, r.info.device, r.info.kv_transfer)
+            sizes = (s.info.tensor_parallel_size, r.info.tensor_parallel_size)
+            if sizes != (1, 1) and r.info.kv_transfer != "none":
+                path += (f"; heads from {sizes[0]} rank(s) to {sizes[1]}, rank 0's process "
+                         f"copying for all of them")
+            lines.append(f"KV transfer: {s.name} ({_where(s.info)}) -> {r.name} "
+                         f"({_where(r.info)}): {path}")
     return lines
+
+
+def _where(info) -> str:
+    n = info.tensor_parallel_size
+    return info.device if n == 1 else f"{info.device}, TP {n}"

@@ -450,3 +450,27 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
         config.write_text(f'[[engines]]\nname = "e"\nargs = {args}\n')
         with pytest.raises(ValueError, match=rf"engines\[0\] \(e\): {message}"):
             load_deployment(config)
+
+
+def test_engines_whose_shares_of_one_gpu_add_up_to_more_than_it_are_refused(tmp_path):
+    """A TP 2 engine on cuda:0 takes cuda:0 and cuda:1: an engine on cuda:1 beside it at the
+    default 0.9 would run out of memory at start, so the file is refused naming the GPU, the
+    engines and their shares. Shares that fit, and engines numbering GPUs their own way
+    (CUDA_VISIBLE_DEVICES), pass."""
+    config = tmp_path / "deploy.toml"
+
+    def engines(share: str = "", env: str = "") -> str:
+        return ('model = "random:llama-3.1-8b"\n'
+                '[[engines]]\nname = "p"\nargs = ["--device", "cuda:0", '
+                f'"--tensor-parallel-size", "2"{share}]\n'
+                f'[[engines]]\nname = "d"\nargs = ["--device", "cuda:1"{share}]\n{env}')
+
+    config.write_text(engines())
+    with pytest.raises(ValueError, match=r"GPU cuda:1 is shared by p 0.9, d 0.9 "
+                                         r"\(--gpu-memory-utilization\), 1.8 of its memory in "
+                                         r"all; .* \(e.g. 0.50 each\)"):
+        load_deployment(config)
+    config.write_text(engines(', "--gpu-memory-utilization", "0.45"'))
+    assert [e.name for e in load_deployment(config).engines] == ["p", "d"]
+    config.write_text(engines(env='env = {CUDA_VISIBLE_DEVICES = "2"}\n'))
+    assert len(load_deployment(config).engines) == 2

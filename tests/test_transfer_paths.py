@@ -7,9 +7,9 @@ from types import SimpleNamespace
 from launcher.transfer_paths import transfer_lines
 
 
-def engine(name, role, device, kind):
-    return SimpleNamespace(name=name, role=role,
-                           info=SimpleNamespace(device=device, kv_transfer=kind))
+def engine(name, role, device, kind, tp=1):
+    return SimpleNamespace(name=name, role=role, info=SimpleNamespace(
+        device=device, kv_transfer=kind, tensor_parallel_size=tp))
 
 
 def test_one_line_per_pair_a_strategy_may_send_over():
@@ -35,3 +35,12 @@ def test_cpu_pairs_and_mismatches_say_what_happens():
     odd = [engine("p", "prefill", "cpu", "tcp"), engine("d", "decode", "cuda:0", "cuda_ipc")]
     assert transfer_lines(odd) == ["KV transfer: p (cpu) -> d (cuda:0): cuda_ipc, but the "
                                    "sender is on cpu: its sends fail (use tcp)"]
+
+
+def test_pairs_of_tensor_parallel_engines_say_their_sizes():
+    engines = [engine("prefill-tp2", "prefill", "cuda:0", "cuda_ipc", tp=2),
+               engine("decode-0", "decode", "cuda:2", "cuda_ipc")]
+    assert transfer_lines(engines) == [
+        "KV transfer: prefill-tp2 (cuda:0, TP 2) -> decode-0 (cuda:2): cuda_ipc, across GPUs "
+        "(the sender's copy kernel stores into the receiver's pool, mapped into its GPU through "
+        "CUDA IPC); heads from 2 rank(s) to 1, rank 0's process copying for all of them"]
