@@ -241,8 +241,7 @@ class EngineConfig:
         if not 0 < self.tensor_parallel_timeout_s <= MAX_LEASE_S:
             raise ValueError(f"tensor_parallel_timeout_s must be in (0, {MAX_LEASE_S:.0f}], got "
                              f"{self.tensor_parallel_timeout_s}")
-        unsupported = {"the host KV tier": self.kv_host_memory_gb > 0,
-                       f"--kv-transfer {self.kv_transfer} (tcp and nvshmem cannot reach every "
+        unsupported = {f"--kv-transfer {self.kv_transfer} (tcp and nvshmem cannot reach every "
                        "rank's pool; shm and cuda_ipc can)": self.kv_transfer in ("tcp",
                                                                                  "nvshmem")}
         for what, asked in unsupported.items():

@@ -22,6 +22,13 @@ for the compute stream too (its pages may have been another sequence's a moment 
 compute stream waits for it before the forward that runs the sequence (`before_forward`): the
 host never blocks on a copy in. On CPU every copy is a plain, finished copy.
 
+A tensor-parallel engine's pages are split over its ranks' pools (each its share of the KV
+heads): rank 0's process maps them all (kvcache/transfer/tp_peer.py) and copies every rank's
+share of a page, so a host page is `[rank, layer, K|V, slot, head, dim]`. The other ranks
+compute on streams of their own, which wait for nothing of rank 0's: so on GPUs each copy of
+such an engine is waited for on the host before the call that made it returns (no overlap),
+and no rank's next step can read a page before it is loaded, or write one before it is saved.
+
 The prefix cache's second level (kvcache/prefix_host.py) uses the same pool and layout through
 `demote` and `load`: those copies run on the compute stream, in the order the bookkeeping
 issues them, so a page is read before the pool hands it to anyone else, and the forward that
@@ -45,13 +52,20 @@ class HostSwap:
         gpu_kv: the GPU pool, `[layers, 2, pages, page_size, kv_heads, head_dim]`.
         memory_gb: host memory for the pool (rounded down to whole pages).
         copy_gbps: the copy rate to assume, one way; None: measured (`measure_copy_rate`).
+        rank_pools: a tensor-parallel engine's ranks' pools, rank 0's (`gpu_kv`) first, mapped
+            into this process; a host page then holds every rank's share.
     """
 
-    def __init__(self, gpu_kv: torch.Tensor, memory_gb: float, copy_gbps: float | None = None):
+    def __init__(self, gpu_kv: torch.Tensor, memory_gb: float, copy_gbps: float | None = None,
+                 rank_pools: list[torch.Tensor] | None = None):
         self.gpu_kv = gpu_kv
+        # a tensor-parallel engine's ranks' pools, rank 0's (gpu_kv) first, mapped here
+        self.pools = rank_pools if rank_pools and len(rank_pools) > 1 else [gpu_kv]
         layers, _, _, page_size, heads, dim = gpu_kv.shape
         self.page_shape = (layers, 2, page_size, heads, dim)
-        self.page_bytes = gpu_kv[:, :, 0].numel() * gpu_kv.element_size()
+        if len(self.pools) > 1:
+            self.page_shape = (len(self.pools), *self.page_shape)
+        self.page_bytes = gpu_kv[:, :, 0].numel() * gpu_kv.element_size() * len(self.pools)
         num_pages = int(memory_gb * 2**30 // self.page_bytes)
         if num_pages < 1:
             raise ValueError(f"kv_host_memory_gb {memory_gb} holds no KV page "
@@ -61,7 +75,10 @@ class HostSwap:
                                 pin_memory=self.cuda)
         self.tier = HostTier(num_pages, page_size)
         self.stream = torch.cuda.Stream(gpu_kv.device) if self.cuda else None
-        self.synchronous = not self.cuda  # a copy has landed when its call returns
+        # every copy waited for on the host: the other ranks' streams wait for no event here
+        self._wait_each = self.cuda and len(self.pools) > 1
+        # a copy has landed when its call returns
+        self.synchronous = not self.cuda or self._wait_each
         # seq id -> (the copy's event, the staging tensor it reads or writes)
         self._in_flight: dict[str, tuple[torch.cuda.Event, torch.Tensor]] = {}
         self.copy_bytes_per_s = copy_gbps * 1e9 if copy_gbps else None
@@ -98,6 +115,7 @@ class HostSwap:
         assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
         with self._on_copy_stream():
             staging = self._copy_out(gpu_pages, host_pages)
+        self._wait_if_ranks()
         self._finish_or_track(seq_id, staging)
         if self.synchronous:
             self.tier.copied_out(seq_id)
@@ -118,6 +136,7 @@ class HostSwap:
         assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
         with self._on_copy_stream():
             staging = self._copy_in(host_pages, gpu_pages)
+        self._wait_if_ranks()
         num_tokens = self.tier.num_tokens(seq_id)
         self._finish_or_track(seq_id, staging)
         if self.synchronous:
@@ -171,6 +190,7 @@ class HostSwap:
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)
             self._copy_out(device_pages[chunk], host_pages[chunk])
+        self._wait_if_ranks()
         self._mark_prefix_copy()
         self.counters["kv_host_prefix_demoted_pages"] += len(device_pages)
 
@@ -179,6 +199,7 @@ class HostSwap:
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)
             self._copy_in(host_pages[chunk], device_pages[chunk])
+        self._wait_if_ranks()
         self._mark_prefix_copy()
         self.counters["kv_host_prefix_loaded_pages"] += len(device_pages)
 
@@ -239,7 +260,11 @@ class HostSwap:
         """Gather `gpu_pages` into a page-major staging tensor, then DMA it into `host_pages`
         (on the current stream). Returns the staging tensor (it must outlive the copy)."""
         index = self._index(gpu_pages)
-        staging = self.gpu_kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        if len(self.pools) == 1:
+            staging = self.gpu_kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        else:  # [n, rank, layer, K|V, ...]
+            staging = torch.stack([pool.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
+                                   for pool in self.pools], dim=1)
         for start, end, first in _runs(host_pages):
             self.host[first : first + end - start].copy_(staging[start:end],
                                                         non_blocking=self.cuda)
@@ -253,8 +278,19 @@ class HostSwap:
         for start, end, first in _runs(host_pages):
             staging[start:end].copy_(self.host[first : first + end - start],
                                      non_blocking=self.cuda)
-        self.gpu_kv.index_copy_(2, self._index(gpu_pages), staging.permute(1, 2, 0, 3, 4, 5))
+        index = self._index(gpu_pages)
+        if len(self.pools) == 1:
+            self.gpu_kv.index_copy_(2, index, staging.permute(1, 2, 0, 3, 4, 5))
+        else:
+            for rank, pool in enumerate(self.pools):
+                pool.index_copy_(2, index, staging[:, rank].permute(1, 2, 0, 3, 4, 5))
         return staging
+
+    def _wait_if_ranks(self) -> None:
+        """A tensor-parallel engine on GPUs: wait until the copies queued on this device so far
+        (every rank's share is copied from here) have landed."""
+        if self._wait_each:
+            torch.cuda.synchronize(self.gpu_kv.device)
 
     def _index(self, pages: list[int]) -> torch.Tensor:
         return torch.tensor(pages, dtype=torch.long).to(self.gpu_kv.device, non_blocking=True)

@@ -197,8 +197,9 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_model_dir, size, pr
 
 
 @pytest.mark.parametrize("kw,what", [
-    ({"kv_host_memory_gb": 1.0}, "the host KV tier"),
     ({"kv_transfer": "tcp"}, "--kv-transfer tcp"),
+    ({"kv_transfer": "nvshmem", "nvshmem_group": "0/2@/tmp", "device": "cuda"},
+     "--kv-transfer nvshmem"),
     ({"tensor_parallel_size": 0}, None),
 ])  # fmt: skip
 def test_what_tensor_parallel_engines_cannot_do_yet_is_refused(tiny_model_dir, kw, what):
@@ -280,3 +281,46 @@ def test_a_model_not_resolved_yet_is_checked_when_it_loads(tmp_path):
         ModelRunner(EngineConfig(**{**config.__dict__, "model": resolved,
                                     "tensor_parallel_size": 1}), torch.float32,
                     TensorParallel(3, 0))
+
+
+def test_the_host_tier_swaps_every_ranks_share_and_tokens_equal_hf(tiny_model_dir):
+    """The host KV tier on a TP 2 engine: too few pages for three growing requests, so one is
+    preempted, its pages (both ranks' heads) go to the host and come back into other pages,
+    byte-equal rank by rank; evicted prefix pages are demoted there too. Every request's greedy
+    tokens equal Hugging Face's, and nothing is held at the end."""
+    from test_host_swap import TINY_VOCAB
+
+    from microserve.messages import SamplingParams
+
+    core = tp_core(tiny_model_dir, 2, page_size=4, num_pages=24, max_num_seqs=4,
+                   kv_host_memory_gb=0.01, kv_host_copy_gbps=1000.0)
+    try:
+        swap = core.host_swap
+        assert len(swap.pools) == 2 and swap.page_shape[0] == 2
+        out_pages, in_pages = [], []
+        swap_out, swap_in = swap.swap_out, swap.swap_in
+
+        def spy_out(seq_id, gpu_pages, num_tokens):
+            out_pages.append([pool[:, :, gpu_pages].clone() for pool in swap.pools])
+            return swap_out(seq_id, gpu_pages, num_tokens)
+
+        def spy_in(seq_id, gpu_pages):
+            tokens = swap_in(seq_id, gpu_pages)
+            in_pages.append([pool[:, :, gpu_pages].clone() for pool in swap.pools])
+            return tokens
+
+        swap.swap_out, swap.swap_in = spy_out, spy_in
+        prompts = random_prompts([20, 18, 16], seed=5, vocab=TINY_VOCAB)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, params)
+        stats = core.stats()
+        assert stats.preemptions_by_reason["pages"] >= 1
+        assert stats.kv_swap_outs == stats.kv_swap_ins == stats.preemptions == len(out_pages)
+        for out, back in zip(out_pages, in_pages):
+            assert all(torch.equal(a, b) for a, b in zip(out, back))  # each rank's share
+        assert stats.kv_host_prefix_demoted_pages > 0
+        assert [got[f"r{i}"][0] for i in range(3)] == hf_greedy(tiny_model_dir, prompts, 24)
+        assert stats.kv_host_pages_free + stats.kv_host_pages_cached == \
+            stats.kv_host_pages_total
+    finally:
+        core.close()

@@ -80,7 +80,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         num_pages = self.transfer.kv.shape[2]  # nvshmem: the group's smallest pool
         if tp > 1:  # the workers' pools, mapped here for the transfers (kvcache/transfer/tp_peer)
             self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv,
-                                    export=kind != "none")
+                                    export=kind != "none" or config.kv_host_memory_gb > 0)
             if kind != "none":
                 self.transfer.add_ranks(rank_fields(layout, self.runner.rank_exports))
         else:
@@ -88,7 +88,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)
         # the host KV tier for preempted sequences, with --kv-host-memory-gb; None: off
         self.host_swap = (HostSwap(self.runner.kv.kv, config.kv_host_memory_gb,
-                                   config.kv_host_copy_gbps)
+                                   config.kv_host_copy_gbps,
+                                   self.runner.rank_pools if tp > 1 else None)
                           if config.kv_host_memory_gb > 0 else None)  # fmt: skip
         if self.host_swap is not None:  # and the prefix cache's second level
             self.kv.attach_host(self.host_swap.tier, self.host_swap)
