@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.kv_receiver import _NEVER_TRIED, Receiving
 from engine.kv_sender import COMPUTED, Sending
@@ -26,18 +27,34 @@ from engine.requests import (IllegalTransition, RequestState, RequestTable, Rese
                              WaitingRecv)
 from engine.sequence import Sequence
 from kvcache.manager import KVCacheManager
-from kvcache.transfer import KVLayout, TransferBackend
+from kvcache.transfer import TransferBackend
 from kvcache.transfer.base import slot_tensor
 from kvcache.transfer.sender import KVSender
 from microserve.backend import MicroservingError
 from microserve.messages import KVAddr, PrepRecvResponse, RemoteSendResponse
 
-__all__ = ["Answer", "KVExchange", "Reservation", "SendJob", "WaitingRecv", "slot_tensor"]
+__all__ = ["Answer", "ExchangeLimits", "KVExchange", "Reservation", "SendJob", "WaitingRecv", "slot_tensor"]
 
 log = logging.getLogger(__name__)
 
 # What poll() answers a deferred call with: its response, or its error.
 Answer = PrepRecvResponse | RemoteSendResponse | MicroservingError
+
+
+@dataclass(frozen=True)
+class ExchangeLimits:
+    """How long reservations live and prep_recv calls wait (EngineConfig's kv_lease_s,
+    kv_lease_max_s, kv_recv_wait_s, kv_recv_wait_max_s)."""
+
+    lease_s: float  # a reservation's lease when prep_recv names none
+    max_lease_s: float  # the longest lease prep_recv may name
+    wait_s: float = 0.0  # how long prep_recv waits for pages when it names no wait_s
+    max_wait_s: float = 0.0  # the longest wait prep_recv may name
+
+    @classmethod
+    def from_config(cls, config) -> ExchangeLimits:
+        return cls(config.kv_lease_s, config.kv_lease_max_s, config.kv_recv_wait_s,
+                   config.kv_recv_wait_max_s)
 
 
 class KVExchange(Receiving, Sending):
@@ -46,23 +63,23 @@ class KVExchange(Receiving, Sending):
         requests: the core's request table; the exchange moves only the transfer states.
         headroom: pages the scheduler's own work needs first (`Scheduler.headroom`).
         vocab_size: prompt token ids must be below it.
+        backend, sender: this engine's receiving and sending sides (kvcache/transfer/); the
+            sender's layout is the engine's.
+        limits: leases and waits.
     """
 
     def __init__(self, kv: KVCacheManager, requests: RequestTable, headroom: Callable[[], int],
-                 vocab_size: int, backend: TransferBackend, sender: KVSender, layout: KVLayout,
-                 lease_s: float, max_lease_s: float, wait_s: float = 0.0,
-                 max_wait_s: float = 0.0):  # fmt: skip
+                 vocab_size: int, backend: TransferBackend, sender: KVSender,
+                 limits: ExchangeLimits):
         self.kv = kv
         self.requests = requests
         self.headroom = headroom
         self.vocab_size = vocab_size
         self.backend = backend
         self.sender = sender
-        self.layout = layout
-        self.lease_s = lease_s  # when prep_recv names none
-        self.max_lease_s = max_lease_s  # the longest prep_recv may name
-        self.wait_s = wait_s  # how long prep_recv waits for pages when it names no wait_s
-        self.max_wait_s = max_wait_s  # the longest prep_recv may name
+        self.layout = sender.layout
+        self.lease_s, self.max_lease_s = limits.lease_s, limits.max_lease_s
+        self.wait_s, self.max_wait_s = limits.wait_s, limits.max_wait_s
         self._room_when_tried = _NEVER_TRIED  # _room() when the head last did not fit (Receiving)
         self._answers: list[tuple[str, Answer]] = []  # given by the next poll(); both halves add
         # sampling sends whose transfer completed before their token was resolved (Sending)

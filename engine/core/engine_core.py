@@ -22,7 +22,7 @@ from engine.core.step import LaunchedStep, StepPipeline
 from engine.core.warmup import WARMUP_LENGTHS, warm_up
 from engine.grammar import GrammarMatchers
 from engine.host_swap import HostSwap
-from engine.kv_exchange import KVExchange
+from engine.kv_exchange import ExchangeLimits, KVExchange
 from engine.loop_stats import LoopCounters
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models import fp8
@@ -104,9 +104,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
                           local_ranks=self.runner.rank_pools if tp > 1 else None)
         self.runner.kv.sender = sender
         self.exchange = KVExchange(self.kv, self.requests, self.scheduler.headroom,
-                                   mc.vocab_size, self.transfer, sender, layout,
-                                   config.kv_lease_s, config.kv_lease_max_s,
-                                   config.kv_recv_wait_s, config.kv_recv_wait_max_s)
+                                   mc.vocab_size, self.transfer, sender,
+                                   ExchangeLimits.from_config(config))
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.grammars = GrammarMatchers(config.model, mc.vocab_size, sorted(self.eos_token_ids))
         self.penalties = PenaltyPool(mc.vocab_size, self.runner.device, sorted(self.eos_token_ids))
