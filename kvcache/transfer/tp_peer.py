@@ -175,10 +175,10 @@ class _SplitCopies:
         self._remotes = [self._remote] + [copyable(m.kv) for m in self._mapped]
 
     def _close_ranks(self) -> None:
+        self._remotes = []  # the views first: a mapping with tensors over it cannot close
         for mapped in getattr(self, "_mapped", ()):
             mapped.close()
         self._mapped = []
-        self._remotes = []
 
 
 def _heads(x: torch.Tensor, heads: range) -> torch.Tensor:
