@@ -55,13 +55,20 @@ class Receiving:
     adoption, commit). Mixed into KVExchange."""
 
     def prep_recv(self, request_id: str, prompt: list[int], end: int,
-                  lease_s: float | None, wait_s: float | None = None, namespace: int = 0
-                  ) -> PrepRecvResponse | None:
+                  lease_s: float | None, wait_s: float | None = None, namespace: int = 0,
+                  own: int = 0) -> PrepRecvResponse | None:
         """The answer, or None when the call waits for pages: `poll()` answers it later.
         `namespace`: the LoRA adapter's id (0: the base) whose KV this is: matched and later
-        cached in that part of the prefix cache only."""
+        cached in that part of the prefix cache only. `own`: positions [matched, own) this
+        engine will hold by itself by adoption (BlockLLM's split migration: the caller has it
+        compute prompt[:own] as a request of its own meanwhile); the sender writes from there
+        on (`_graft_own`)."""
         check_prompt(prompt, self.vocab_size)
         end = resolve_index(end, len(prompt), "end")
+        ps = self.kv.page_size
+        if own % ps or not 0 <= own < end:
+            raise MicroservingError(400, f"own {own} must be a multiple of the page size {ps} "
+                                    f"in [0, end {end})", "own")
         if lease_s is not None and not 0 < lease_s <= self.max_lease_s:
             raise MicroservingError(400, f"lease_s {lease_s} must be in (0, {self.max_lease_s}] "
                                     "(this engine's --kv-lease-max-s)", "lease_s")
@@ -81,7 +88,7 @@ class Receiving:
         lease_s = lease_s or self.lease_s
         wait_s = self.wait_s if wait_s is None else wait_s
         if not self.requests.count(RequestState.RECV_WAITING):  # FIFO: nobody overtakes
-            answer = self._reserve(request_id, tokens, lease_s, namespace)
+            answer = self._reserve(request_id, tokens, lease_s, namespace, own)
             if answer is not None:
                 return answer
         if wait_s == 0:
@@ -89,12 +96,12 @@ class Receiving:
                                     f"pages; {self.kv.pool.num_free} free)")  # fmt: skip
         self.requests.wait_recv(request_id, WaitingRecv(tokens, lease_s, wait_s,
                                                         time.monotonic() + wait_s, need,
-                                                        namespace))
+                                                        namespace, own))
         self.counters["kv_recv_waited"] += 1
         return None
 
-    def _reserve(self, request_id: str, tokens: list[int], lease_s: float, namespace: int = 0
-                 ) -> PrepRecvResponse | None:
+    def _reserve(self, request_id: str, tokens: list[int], lease_s: float, namespace: int = 0,
+                 own: int = 0) -> PrepRecvResponse | None:
         """Reserve pages and a window for receiving `tokens`. The engine's own work comes
         first: a page stays free for each running sequence to grow into (the next decode step
         must not preempt for us), and the pages of the first waiting sequence that must be
@@ -103,18 +110,18 @@ class Receiving:
         matched = self.kv.prep_recv(request_id, tokens, self.headroom(), namespace)
         if matched is None:
             return None
-        end = len(tokens)
-        ranges = self.kv.slot_ranges(request_id, matched, end)
+        end, sent_from = len(tokens), max(matched, own)
+        ranges = self.kv.slot_ranges(request_id, sent_from, end)
         window = self.backend.open_window(slot_tensor(ranges))
         if window is None:
             self.kv.free(request_id)
             return None
         deadline = time.monotonic() + lease_s
-        digest = kv_digest(tokens, matched)
+        digest = kv_digest(tokens, sent_from)
         self.requests.reserve(request_id, Reservation(tokens, matched, window, digest, lease_s,
-                                                      deadline, namespace))
+                                                      deadline, namespace, own))
         addr = KVAddr(
-            begin=matched, end=end, ranges=ranges, layout=self.layout,
+            begin=sent_from, end=end, ranges=ranges, layout=self.layout,
             transfer=self.backend.descriptor(), window=(window.index, window.tag),
             digest=digest.hex(),
         )  # fmt: skip
@@ -145,7 +152,7 @@ class Receiving:
             return
         for rid, entry in list(waiting.items()):
             w = entry.waiting
-            answer = self._reserve(rid, w.tokens, w.lease_s, w.namespace)
+            answer = self._reserve(rid, w.tokens, w.lease_s, w.namespace, w.own)
             if answer is None:
                 self._room_when_tried = self._room()
                 return
@@ -190,10 +197,12 @@ class Receiving:
         start = min(max(begin, res.matched), len(prompt) - (not whole))
         sealed = self.backend.close_window(res.window)  # the core makes it GENERATING
         self._check_sealed(rid, res, sealed, start)
+        if start > res.matched and not self._graft_own(rid, res):
+            start = res.matched  # its own part is not here: computed again from there on
         if start < res.matched:
             start = start // ps * ps
             self.kv.truncate(rid, start // ps)
-        self.counters["kv_tokens_received"] += max(0, min(begin, len(res.tokens)) - res.matched)
+        self.counters["kv_tokens_received"] += max(0, min(begin, len(res.tokens)) - res.sent_from)
         self.kv.cache_tokens(rid, prompt[:start])
         return start
 
@@ -205,12 +214,14 @@ class Receiving:
                                     "request_id")  # fmt: skip
         res = entry.reservation
         self._check_sealed(request_id, res, self._close(request_id, res), len(res.tokens))
-        self.kv.cache_tokens(request_id, res.tokens)
+        # without its own part, what was received cannot be cached (no KV before it)
+        self.kv.cache_tokens(request_id, res.tokens if self._graft_own(request_id, res)
+                             else res.tokens[: res.matched])
         cached = self.kv.num_cached_pages(request_id) * self.kv.page_size
         if pin and cached:
             self.kv.pin(res.tokens[:cached])
         self.kv.free(request_id)
-        self.counters["kv_tokens_received"] += len(res.tokens) - res.matched
+        self.counters["kv_tokens_received"] += len(res.tokens) - res.sent_from
         return CommitResponse(cached, bool(pin and cached))
 
     def _expire_reservations(self, now: float) -> int:
@@ -245,6 +256,20 @@ class Receiving:
                 400, f"prompt differs at position {at} from the one prep_recv reserved for "
                 f"this request", "prompt")  # fmt: skip
 
+    def _graft_own(self, request_id: str, res: Reservation) -> bool:
+        """Whether the reservation's own part, [matched, own), is held: put in its place the
+        pages the prefix cache holds for it now (computed by a request of this engine's own
+        while the peer sent the rest). False, changing nothing, if the cache does not hold all
+        of it (evicted, or the request computing it has not finished)."""
+        if res.own <= res.matched:
+            return True
+        ps = self.kv.page_size
+        match = self.kv.cache.match(res.tokens[: res.own], res.namespace)
+        if match.matched_len < res.own:
+            return False
+        self.kv.graft(request_id, res.matched // ps, match.pages[res.matched // ps : res.own // ps])
+        return True
+
     def _close(self, request_id: str, res: Reservation) -> bytes | None:
         """End a reservation: no more writes (its pages stay with request_id; the caller frees
         or caches them). Returns the window's seal."""
@@ -256,12 +281,12 @@ class Receiving:
         """The KV of prompt[:upto] is about to be adopted: what was received of it, from
         `res.matched` on, must be sealed with the digest the window was reserved for. If not,
         end the request and free its pages (none entered the prefix cache) and raise a 409."""
-        if upto <= res.matched or sealed == res.digest:
+        if upto <= res.sent_from or sealed == res.digest:
             return
         if request_id in self.requests:
             self.requests.finish(request_id)
         self.kv.free(request_id)
-        where = f"positions [{res.matched}, {len(res.tokens)}) of request_id {request_id!r}"
+        where = f"positions [{res.sent_from}, {len(res.tokens)}) of request_id {request_id!r}"
         if sealed is None:
             why = (f"no KV arrived for {where}: no remote_send completed into the window "
                    "prep_recv reserved for them")

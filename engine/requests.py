@@ -69,10 +69,17 @@ class Reservation:
     tokens: list[int]  # prompt[:end]: the KV this engine will hold when the peer is done
     matched: int  # leading tokens found in the prefix cache; the peer writes [matched, end)
     window: Window
-    digest: bytes  # kv_digest(tokens, matched): the seal the window's KV must come with
+    digest: bytes  # kv_digest(tokens, sent_from): the seal the window's KV must come with
     lease_s: float  # how long the reservation lives without a renewal from its sender
     deadline: float  # time.monotonic() when the lease is next looked at (see expire_leases)
     namespace: int = 0  # the LoRA adapter (its id; 0: the base) the KV is reserved under
+    # [matched, own): positions this engine computes itself meanwhile (BlockLLM's split
+    # migration); the peer writes [sent_from, end)
+    own: int = 0
+
+    @property
+    def sent_from(self) -> int:
+        return max(self.matched, self.own)
 
 
 @dataclass
@@ -85,6 +92,7 @@ class WaitingRecv:
     deadline: float  # time.monotonic() when it gives up with a 503
     pages: int  # pages it needs at most (no prefix matched)
     namespace: int = 0  # the LoRA adapter (its id; 0: the base) to reserve under
+    own: int = 0  # as Reservation.own
 
 
 @dataclass

@@ -256,6 +256,21 @@ class KVCacheManager:
                 i for i, (m, kept) in enumerate(zip(mine, canonical)) if m != kept))
         self._num_cached[seq_id] = n_full
 
+    def graft(self, seq_id: str, first: int, pages: list[int]) -> None:
+        """Put `pages` (cached ones, holding the KV of the sequence's positions there) at
+        table[first : first + len(pages)], releasing the pages they replace (BlockLLM's split
+        migration: the receiver computed that part as a request of its own)."""
+        table = self._tables[seq_id]
+        old = table[first : first + len(pages)]
+        assert len(old) == len(pages), (first, len(pages), len(table))
+        self.pool.retain(pages)
+        table[first : first + len(pages)] = pages
+        self.pool.release(old)
+        self._rewritten(seq_id, first)
+        if self._num_cached[seq_id] == first:  # the leading cached run goes on through them
+            self._num_cached[seq_id] = first + len(pages)
+        self._cached_at.pop(seq_id, None)  # the next insert starts from the root
+
     def truncate(self, seq_id: str, num_pages: int) -> None:
         """Release the sequence's pages from index `num_pages` on (shared ones stay cached)."""
         table = self._tables[seq_id]

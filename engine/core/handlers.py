@@ -165,7 +165,7 @@ class MessageHandlers:
 
     def on_prep_recv(self, r, received_at):
         return self.exchange.prep_recv(r.request_id, r.prompt, r.end, r.lease_s, r.wait_s,
-                                       self.adapter_id(r.lora_name))
+                                       self.adapter_id(r.lora_name), r.own or 0)
 
     def on_remote_send(self, r, received_at):
         self._check_sends()

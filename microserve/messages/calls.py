@@ -33,6 +33,10 @@ class PrepRecvRequest:
     # matched, in that adapter's part of the prefix cache; start_generate must name the same
     # adapter. None: the base model.
     lora_name: LoraName | None = None
+    # BlockLLM's split migration: positions [matched, own) this engine will hold by itself by
+    # start_generate or commit (the caller has it compute prompt[:own] meanwhile, as a request
+    # of its own), so the sender writes only [own, end). A multiple of the page size. None: 0.
+    own: Annotated[int, Field(ge=0)] | None = None
 
 
 @dataclass(slots=True)
