@@ -4,8 +4,9 @@ Fed one `Observation` of the pool per poll (each routable engine's role, prompt 
 sequences decoding, predicted TPOT and KV use; the choices `auto` made since the last one), it
 answers at most one `Flip`. Three rules, checked in this order:
 
-    decode_bound   every routable engine that decodes is saturated (its predicted step with one
-                   more sequence >= tpot_share x the TPOT target, or its KV use >= kv_use)
+    decode_bound   every routable engine that decodes is saturated (it decodes, and its
+                   predicted step with one more sequence >= tpot_share x the TPOT target, or
+                   its KV use >= kv_use)
                    while a prefill engine idles (fewer than backlog_tokens / 10 prompt tokens
                    waiting): that engine -> decode, or -> any when it is the last engine that
                    prefills and `auto` sent a request P/D or balanced within the window
@@ -230,7 +231,10 @@ class RolePolicy:
         return Flip(engine.name, engine.role, "any", "chat_like")
 
     def _saturated(self, e: EngineView) -> bool:
-        return e.tpot_s >= self.saturated_s or e.kv_use >= self.settings.kv_use
+        # an idle engine stepping slower than the target is not saturated: another engine
+        # that decodes would step no faster
+        return e.decoding > 0 and (e.tpot_s >= self.saturated_s
+                                   or e.kv_use >= self.settings.kv_use)
 
     def _has_room(self, e: EngineView) -> bool:
         return (e.tpot_s <= ROOM_SHARE * self.saturated_s

@@ -52,14 +52,21 @@ def test_decode_bound_flips_the_idle_prefill_engine_after_the_window():
 
 def test_decode_bound_without_p_d_traffic_makes_it_a_decode_engine():
     """KV nearly full on D (TPOT fine), no request went P/D: P becomes a decode engine."""
-    pool = [engine("p", "prefill", waiting=99), engine("d", "decode", kv_use=0.95)]
+    pool = [engine("p", "prefill", waiting=99), engine("d", "decode", 0, 1, kv_use=0.95)]
     assert run(policy(), [(pool, {"whole": 1})] * 5) == [
         (2.0, Flip("p", "prefill", "decode", "decode_bound"))]
 
 
+def test_an_idle_decode_engine_is_not_saturated_however_slow_its_step():
+    """A step slower than the target with nothing decoding: another decode engine would step
+    no faster, so nothing flips."""
+    pool = [engine("p", "prefill"), engine("d", "decode", 0, 0, FULL)]
+    assert run(policy(), [(pool, {})] * 10) == []
+
+
 def test_a_miss_restarts_the_window():
-    held = [engine("p", "prefill"), engine("d", "decode", tpot_s=FULL)]
-    missed = [engine("p", "prefill", waiting=100), engine("d", "decode", tpot_s=FULL)]  # busy P
+    held = [engine("p", "prefill"), engine("d", "decode", 0, 8, FULL)]
+    missed = [engine("p", "prefill", waiting=100), engine("d", "decode", 0, 8, FULL)]  # busy P
     frames = [(held, {})] * 3 + [(missed, {})] + [(held, {})] * 6
     assert run(policy(), frames) == [(4.0, Flip("p", "prefill", "decode", "decode_bound"))]
 
@@ -68,8 +75,8 @@ def test_nothing_in_the_cool_down_then_a_full_window_again():
     """2P1D, every decoder saturated: p0 flips at 2.0; p1 would be next, but the cool-down
     (5 s from 2.0) and then a fresh window put it at 9.0."""
     def pool(p0_role):
-        return [engine("p0", p0_role, tpot_s=FULL), engine("p1", "prefill"),
-                engine("d", "decode", tpot_s=FULL)]
+        return [engine("p0", p0_role, 0, 3, FULL), engine("p1", "prefill"),
+                engine("d", "decode", 0, 8, FULL)]
     frames = [(pool("prefill"), {})] * 5 + [(pool("decode"), {})] * 16
     assert run(policy(), frames) == [
         (2.0, Flip("p0", "prefill", "decode", "decode_bound")),
@@ -78,7 +85,7 @@ def test_nothing_in_the_cool_down_then_a_full_window_again():
 
 def test_one_flip_in_flight_at_most():
     p = policy()
-    pool = [engine("p", "prefill"), engine("d", "decode", tpot_s=FULL)]
+    pool = [engine("p", "prefill"), engine("d", "decode", 0, 8, FULL)]
     flips = [p.observe(Observation(i * TICK, tuple(pool))) for i in range(10)]
     assert flips[4] == Flip("p", "prefill", "decode", "decode_bound")
     assert flips[:4] == [None] * 4 and flips[5:] == [None] * 5  # never done: no second one
@@ -89,8 +96,8 @@ def test_one_flip_in_flight_at_most():
 def test_an_ops_flip_pauses_the_rules_and_its_change_starts_the_cool_down():
     """An ops flip in flight at 1.0 restarts the window; d changed by it (seen at 1.5: decode
     -> any) starts a cool-down: the rule holds again from 6.5, flips at 8.5."""
-    before = [engine("p", "prefill"), engine("d", "decode", tpot_s=FULL)]
-    after = [engine("p", "prefill"), engine("d", "any", tpot_s=FULL)]
+    before = [engine("p", "prefill"), engine("d", "decode", 0, 8, FULL)]
+    after = [engine("p", "prefill"), engine("d", "any", 0, 8, FULL)]
     frames = [(before, {})] * 3 + [(after, {})] * 16
     assert run(policy(), frames, flipping=(1.0,)) == [
         (8.5, Flip("p", "prefill", "decode", "decode_bound"))]
