@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from router.engines import EnginePool
+from router.host import StrategyHost, StrategySource
 from strategies.auto import Auto
 from router.role_policy import (EngineView, Flip, FlipSettings, Observation, RolePolicy,
                                 keeps_needed_roles)
@@ -168,16 +169,19 @@ def test_settings_from_the_strategy_argument():
     assert Auto().describe()["flip_roles"] is None
 
 
-async def test_auto_steers_from_start_until_retired():
-    """The steering task runs from `start` (observing an empty pool here) and ends at
-    `retire`, before `stop`: a swapped-out auto flips nothing while its last requests run."""
-    auto = Auto(flip_roles={"window_s": 0})
-    await auto.start(EnginePool(poll_interval_s=0.01))
-    task = auto.steering._task
+async def test_a_swap_ends_auto_s_steering_while_its_last_request_runs():
+    """The steering task runs from `start` (observing an empty pool here) and ends when the
+    host swaps auto out (`retire`), not after its last request: a swapped-out auto flips
+    nothing under the strategy that replaced it."""
+    host = StrategyHost(EnginePool(poll_interval_s=0.01))
+    auto = await host.load(StrategySource.builtin("auto"), {"flip_roles": {"window_s": 0}})
+    task = auto.instance.steering._task
     await asyncio.sleep(0.05)
-    assert not task.done() and auto.describe()["flip_roles"]["flips"] == []
-    auto.retire()
+    assert not task.done() and auto.describe()["settings"]["flip_roles"]["flips"] == []
+    running = host.acquire()  # a request still on auto
+    await host.load(StrategySource.builtin("data_parallel"))
     await asyncio.sleep(0)
-    assert task.cancelled()
-    await auto.stop()
+    assert task.cancelled() and host.retired == [auto]
+    host.release(running, finished=True)
+    await host.close()
     assert Auto(flip_roles=False).steering is None
