@@ -4,12 +4,12 @@ Fed one `Observation` of the pool per poll (each routable engine's role, prompt 
 sequences decoding, predicted TPOT and KV use; the choices `auto` made since the last one), it
 answers at most one `Flip`. Three rules, checked in this order:
 
-    decode_bound   every routable engine that decodes is saturated (it decodes, and its
-                   predicted step with one more sequence >= tpot_share x the TPOT target, or
-                   its KV use >= kv_use)
-                   while a prefill engine idles (fewer than backlog_tokens / 10 prompt tokens
-                   waiting): that engine -> decode, or -> any when it is the last engine that
-                   prefills and `auto` sent a request P/D or balanced within the window
+    decode_bound   every routable engine that decodes is saturated (it decodes something,
+                   and its predicted step with one more sequence >= tpot_share x the TPOT
+                   target, or its KV use >= kv_use) while a prefill engine idles (fewer than
+                   backlog_tokens / 10 prompt tokens waiting): that engine -> decode, or -> any
+                   when it is the last engine that prefills and `auto` sent a request P/D or
+                   balanced within the window
     prefill_bound  the prefill engines have backlog_tokens or more prompt tokens waiting each
                    (on average) while a decode engine has room (TPOT and KV use at most half of
                    saturated) and is not the last engine that decodes: that engine -> prefill
@@ -137,10 +137,9 @@ class Flip:
 def keeps_needed_roles(engines: tuple[EngineView, ...], flip: Flip, needs_prefill: bool) -> bool:
     """Whether the pool, with `flip` done, still has an engine that decodes (every request
     needs one) and, if `needs_prefill`, one that prefills."""
-    after = [EngineView(e.name, flip.to_role if e.name == flip.engine else e.role, 0, 0, 0, 0)
-             for e in engines]
-    return any(e.decodes for e in after) and (not needs_prefill or any(e.prefills
-                                                                       for e in after))
+    roles = [flip.to_role if e.name == flip.engine else e.role for e in engines]
+    return ("decode" in roles or "any" in roles) and (
+        not needs_prefill or "prefill" in roles or "any" in roles)
 
 
 class RolePolicy:
