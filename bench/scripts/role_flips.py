@@ -5,8 +5,10 @@ failures.
 
     microserve up deploy/gpu-1p1d.toml --model random:llama-3.1-8b    # strategy pd
     MICROSERVE_ADMIN_TOKEN=... python -m bench.scripts.role_flips --num-requests 600 \\
-        --request-rate 6 --input-len 3000 --output-len 100 --vocab 128000 \\
-        --flips p=decode,p=prefill,d=prefill,d=decode,p=any,p=prefill
+        --request-rate 8 --input-len 3000 --output-len 100 --vocab 128000 --every-s 8 \\
+        --flips prefill-0=decode,prefill-0=prefill,decode-0=prefill,decode-0=decode
+
+(bench/scripts/role_flips.sh starts the deployment and runs this.)
 
 Prints one `flip` line per flip (engine, roles, waited_s, left, HTTP status), then `load`:
 requests, failed, and TTFT/TPOT p99; exits 1 if a flip took longer than --limit-s or a
@@ -59,8 +61,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--api-key", default=os.environ.get("MICROSERVE_API_KEY"))
     ap.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"))
-    ap.add_argument("--flips", default="p=decode,p=prefill,d=prefill,d=decode,p=any,p=prefill",
-                    help="ENGINE=ROLE,...: in this order")
+    ap.add_argument("--flips", required=True, help="ENGINE=ROLE,...: in this order")
     ap.add_argument("--every-s", type=float, default=5.0, help="seconds before each flip")
     ap.add_argument("--wait-s", type=float, default=2.0, help="each flip's wait_s")
     ap.add_argument("--limit-s", type=float, default=2.0, help="a flip slower than this fails")
