@@ -13,8 +13,9 @@ instance or the new one, never a half-loaded one. A module that fails to compile
 or start raises StrategyLoadError and the active instance stays as it was.
 
 Requests hold their instance from start to end (`acquire`/`release`): a swapped-out instance
-finishes the requests it has, then its `stop()` runs. Loads are serialized; a load while another
-is in progress raises SwapInProgress (a 409 in the admin API) rather than queueing behind it.
+is told at once (`retire()`), finishes the requests it has, then its `stop()` runs. Loads are
+serialized; a load while another is in progress raises SwapInProgress (a 409 in the admin API)
+rather than queueing behind it.
 """
 
 from __future__ import annotations
@@ -285,6 +286,10 @@ class StrategyHost:
 
     def _retire(self, loaded: LoadedStrategy) -> None:
         loaded.retired = True
+        try:
+            loaded.instance.retire()
+        except Exception:
+            log.exception("strategy v%d retire() failed", loaded.version)
         self.retired.append(loaded)
         self._stop_if_idle(loaded)
 

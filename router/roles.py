@@ -10,7 +10,9 @@ no such call open on it, then sets the new role and puts the engine back (draine
 if it was drained before). Work of the kind the new role keeps is not waited for. After
 `wait_s` the flip happens anyway, with the calls still open reported: every engine can do
 every call, so they finish; the wait only keeps the engine from taking new work of its old
-kind meanwhile. Each flip is logged and counted (microserve_router_role_flips_total).
+kind meanwhile. Each flip is logged and counted (microserve_router_role_flips_total), with
+its reason: "ops" for this call, the rule's name for the `auto` strategy's own flips
+(router/role_policy.py).
 """
 
 from __future__ import annotations
@@ -49,12 +51,19 @@ class RoleFlips:
         self.pool = pool
         self._flipping: set[str] = set()
         self._flips = registry.counter(
-            "microserve_router_role_flips_total", "Engine role changes, by engine and roles.",
-            ["engine", "from_role", "to_role"])
+            "microserve_router_role_flips_total",
+            "Engine role changes, by engine, roles and reason (ops: the admin API; else the "
+            "auto strategy's rule).", ["engine", "from_role", "to_role", "reason"])
 
-    async def flip(self, name: str, role: str, wait_s: float) -> dict:
-        """Drain `name`'s old-role work (at most `wait_s`), then give it `role`. Raises
-        UnknownEngine, ValueError (a role that is none), FlipInProgress."""
+    @property
+    def in_flight(self) -> bool:
+        """Whether some engine's role is being flipped now."""
+        return bool(self._flipping)
+
+    async def flip(self, name: str, role: str, wait_s: float, reason: str = "ops") -> dict:
+        """Drain `name`'s old-role work (at most `wait_s`), then give it `role`; `reason` is
+        who asked (the counter's label). Raises UnknownEngine, ValueError (a role that is
+        none), FlipInProgress."""
         engine = self.pool[name]
         replace(engine.spec, role=role)  # checks the role before anything changes
         if name in self._flipping:
@@ -77,8 +86,8 @@ class RoleFlips:
             engine.draining = was_draining
             self._flipping.discard(name)
         waited = loop.time() - started
-        self._flips.inc(engine=name, from_role=old, to_role=role)
-        log.info("engine %s: role %s -> %s after %.3f s%s", name, old, role, waited,
+        self._flips.inc(engine=name, from_role=old, to_role=role, reason=reason)
+        log.info("engine %s: role %s -> %s (%s) after %.3f s%s", name, old, role, reason, waited,
                  f" ({left} calls of its old role still open)" if left else "")
         return {"engine": name, "from": old, "to": role, "flipped": True, "waited_s": waited,
                 "left": left}

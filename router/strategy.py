@@ -19,7 +19,8 @@ What the router guarantees around `generate` (router/backend.py):
 - if it raises, or the client goes away, or an engine fails, the request is aborted on every
   engine it touched: a strategy never needs try/finally to clean up engines;
 - a request runs start to end on the instance it started with, even if the strategy is swapped
-  meanwhile (router/host.py); `start()` runs before the first request, `stop()` after the last.
+  meanwhile (router/host.py); `start()` runs before the first request, `retire()` when it is
+  swapped out, `stop()` after its last request.
 
 A strategy must be safe to run for many requests at once (it is one object) and must not block
 the event loop: it is on every token's path.
@@ -101,6 +102,12 @@ class Strategy(ABC):
     async def start(self, engines: EnginePool) -> None:
         """Called once before the instance serves its first request: start background tasks
         here (and keep them). The default does nothing."""
+
+    def retire(self) -> None:
+        """Called once when the instance is swapped out, while its last requests may still
+        run (`stop` follows them): stop whatever acts on the pool as a whole, such as auto's
+        role flips, so that it does not go on under the strategy that replaced it. The
+        default does nothing."""
 
     async def stop(self) -> None:
         """Called once after the instance was swapped out and its last request finished:

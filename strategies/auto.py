@@ -9,13 +9,21 @@ measurements predict costs least (router/choice_model.py has the model).
 
 The model's fit and the count of each choice are in `GET /admin/strategy`. On a deployment of
 "any" engines every engine may be P, D or whole; with roles, P/D pairs follow them.
+
+With `flip_roles` (off by default) it also changes engines' roles as the traffic shifts: a
+background task, begun by `start` and ended by `retire`/`stop`, shows the pool to a
+RolePolicy each poll (router/role_policy.py has the rules and their hysteresis) and flips
+what it decides through the same call as the ops API (router/role_steering.py).
 """
 
 import math
 import time
 from collections import deque
+from dataclasses import asdict
 
 from router.choice_model import KINDS, ChoiceModel, EngineLoad
+from router.role_policy import FlipSettings, RolePolicy
+from router.role_steering import RoleSteering
 from router.strategy import Strategy
 
 RATE_WINDOW_S = 10.0  # the request rate is counted over this window
@@ -24,7 +32,7 @@ RATE_WINDOW_S = 10.0  # the request rate is counted over this window
 class Auto(Strategy):
     def __init__(self, slo_ttft_s: float = 2.0, slo_tpot_ms: float = 25.0,
                  ratios: tuple[float, ...] = (0.1, 0.2, 0.3), handover_s: float = 0.005,
-                 kinds: tuple[str, ...] = KINDS):
+                 kinds: tuple[str, ...] = KINDS, flip_roles: bool | dict = False):
         """
         Args:
             slo_ttft_s: the TTFT target: a choice predicted to meet it is preferred to one
@@ -34,6 +42,8 @@ class Auto(Strategy):
             ratios: the shares of a prompt balanced P/D may give D.
             handover_s: what a P/D handover adds to TTFT.
             kinds: the choices it may make, of "whole", "pd" and "balanced" (all by default).
+            flip_roles: change engines' roles from the traffic: false (default), true, or a
+                table of FlipSettings (router/role_policy.py) to change some of their defaults.
         """
         if not 0 < slo_ttft_s < math.inf:
             raise ValueError(f"slo_ttft_s {slo_ttft_s} must be a number of seconds > 0")
@@ -46,7 +56,9 @@ class Auto(Strategy):
         if not kinds or set(kinds) - set(KINDS):
             raise ValueError(f"kinds {list(kinds)} must be some of {', '.join(KINDS)}")
         self.slo_ttft_s, self.slo_tpot_ms, self.kinds = slo_ttft_s, slo_tpot_ms, tuple(kinds)
+        self.flip = FlipSettings.parse(flip_roles)  # None: roles are left alone
         self.model = ChoiceModel(tuple(ratios), handover_s)
+        self.steering: RoleSteering | None = None  # with flip_roles, from start()
         self.chosen = {"whole": 0, "pd": 0, "balanced": 0}
         self._arrivals: deque[float] = deque()
         self.last = None  # the last request's Choice
@@ -62,6 +74,28 @@ class Auto(Strategy):
                                   e.pending_prefill_tokens, e.open_generations,
                                   held.get(e.name, 0), e.sends_kv, e.receives_kv))
         return out
+
+    async def start(self, engines) -> None:
+        if self.flip is not None:
+            policy = RolePolicy(self.flip, self.slo_tpot_ms / 1e3)
+            self.steering = RoleSteering(policy, engines, lambda: self.chosen, self.tpot_s,
+                                         self.flip.wait_s)
+            self.steering.start()
+
+    def retire(self) -> None:
+        if self.steering is not None:
+            self.steering.retire()
+
+    async def stop(self) -> None:
+        if self.steering is not None:
+            await self.steering.stop()
+
+    def tpot_s(self, engine) -> float:
+        """`engine`'s predicted step time with one more sequence decoding on it."""
+        if engine.load is not None:
+            self.model.observe(engine.name, engine.load)
+        return self.model.tpot_s(EngineLoad(engine.name, True, True, 0,
+                                            engine.open_generations))
 
     def rate(self) -> float:
         """Requests per second over the last RATE_WINDOW_S (this one included)."""
@@ -100,4 +134,7 @@ class Auto(Strategy):
                 "fit": {"step_s": a, "per_sampled_token_s": c, "per_prompt_token_s": b},
                 "last": None if last is None else {
                     "kind": last.kind, "generate": last.generate, "prefill": last.prefill,
-                    "ratio": last.ratio, "ttft_s": last.ttft_s, "delay_s": last.delay_s}}
+                    "ratio": last.ratio, "ttft_s": last.ttft_s, "delay_s": last.delay_s},
+                "flip_roles": None if self.flip is None else {
+                    "settings": asdict(self.flip),
+                    **(self.steering.describe() if self.steering else {})}}

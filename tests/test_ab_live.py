@@ -1,7 +1,8 @@
-"""A/B arms on a live router: `microserve up` with two tiny-model engines (one deployment for
-the module). Requests land on the arm their key hashes to and /metrics counts exactly those; a
-request in flight when the arms change finishes on the arm it started on; bad bodies get a 4xx
-naming the field; a single strategy ends the experiment."""
+"""A/B arms and role flips on a live router: `microserve up` with two tiny-model engines (one
+deployment for the module). Requests land on the arm their key hashes to and /metrics counts
+exactly those; a request in flight when the arms change finishes on the arm it started on; bad
+bodies get a 4xx naming the field; a single strategy ends the experiment. A role flip waits for
+the old role's work; `auto` flips roles by itself under sustained load, and no request fails."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -221,7 +223,7 @@ async def test_a_role_flip_waits_for_the_old_roles_work_then_flips(up, admin):
     metrics = admin.get("/metrics").text
     for old, new in (("decode", "prefill"), ("prefill", "decode")):
         assert (f'microserve_router_role_flips_total{{engine="d",from_role="{old}",'
-                f'to_role="{new}"}} 1') in metrics
+                f'to_role="{new}",reason="ops"}} 1') in metrics
     # bad calls
     r = admin.post("/admin/engines/d/role", json={"role": "both"})
     assert r.status_code == 400 and "role" in r.text
@@ -229,3 +231,80 @@ async def test_a_role_flip_waits_for_the_old_roles_work_then_flips(up, admin):
     assert r.status_code == 404 and "no engine named 'zz'" in r.text
     r = admin.post("/admin/engines/d/role", json={"role": "any", "wait_s": -1})
     assert r.status_code == 400 and "wait_s" in r.text
+
+
+# Short windows so that the test sees two flips in seconds; a handover priced at 0.5 s keeps
+# `auto` choosing "whole" for these short prompts whatever the CPU's fit says (chat-like).
+AUTO_FLIPS = {"builtin": "auto", "args": {
+    "slo_tpot_ms": 10_000, "handover_s": 0.5,
+    "flip_roles": {"window_s": 1.0, "cooldown_s": 1.0, "min_requests": 5}}}
+
+
+async def test_auto_flips_roles_under_chat_like_load_and_no_request_fails(up, admin):
+    """Sustained short requests: auto turns P, then D, to "any" (rule chat_like); then, load
+    still on, an ops call turns P back to prefill, waiting for the generations it has."""
+    r = admin.put("/admin/strategy", json=AUTO_FLIPS)
+    assert r.status_code == 200, r.text
+    assert r.json()["settings"]["flip_roles"]["settings"]["window_s"] == 1.0
+
+    def auto_flips() -> list[dict]:
+        return admin.get("/admin/strategy").json()["active"]["settings"]["flip_roles"]["flips"]
+
+    async def flips_then_ops_flip() -> dict:
+        deadline = time.monotonic() + 20
+        while len(await asyncio.to_thread(auto_flips)) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        r = await asyncio.to_thread(admin.post, "/admin/engines/p/role",
+                                    json={"role": "prefill", "wait_s": 2})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    answers, ops = await load_while(up.url, flips_then_ops_flip())
+    # no request failed, and each gave the same greedy tokens wherever it ran
+    assert {(status, text) for status, text in answers} == {(200, answers[0][1])}
+    assert len(answers) >= 10
+    flips = auto_flips()
+    assert [(f["engine"], f["from"], f["to"], f["reason"], f["left"]) for f in flips] == [
+        ("p", "prefill", "any", "chat_like", 0), ("d", "decode", "any", "chat_like", 0)]
+    assert all(f["waited_s"] < 0.5 for f in flips)  # to "any": nothing to wait for
+    assert (ops["from"], ops["to"], ops["flipped"], ops["left"]) == ("any", "prefill", True, 0)
+    assert ops["waited_s"] < 2.0  # p's generations of 8 tokens drained
+    roles = {e["name"]: e["role"] for e in admin.get("/admin/engines").json()["engines"]}
+    assert roles == {"p": "prefill", "d": "any"}
+    metrics = admin.get("/metrics").text
+    for name, old in (("p", "prefill"), ("d", "decode")):
+        assert (f'microserve_router_role_flips_total{{engine="{name}",from_role="{old}",'
+                f'to_role="any",reason="chat_like"}} 1') in metrics
+        assert f"engine {name}: role {old} -> any (chat_like) after" in up.log()
+    assert ('microserve_router_role_flips_total{engine="p",from_role="any",'
+            'to_role="prefill",reason="ops"} 1') in metrics
+
+    # swapped out with no request left, auto is stopped (its steering with it)
+    assert admin.put("/admin/strategy", json={"builtin": "data_parallel"}).status_code == 200
+    assert admin.get("/admin/strategy").json()["retired"] == []
+    assert admin.post("/admin/engines/d/role", json={"role": "decode"}).json()["flipped"]
+
+
+async def load_while(url: str, work) -> tuple[list[tuple[int, str]], object]:
+    """Four clients sending short completions back to back until `work` (a coroutine) is
+    done; every answer's status and text, and what `work` returned."""
+    answers: list[tuple[int, str]] = []
+    done = asyncio.Event()
+    body = {"model": "test-model", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not done.is_set():
+            r = await http.post("/v1/completions", json=body)
+            answers.append((r.status_code, r.json()["choices"][0]["text"]
+                            if r.status_code == 200 else r.text))
+
+    async def run_work():
+        try:
+            return await work
+        finally:
+            done.set()
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        result, *_ = await asyncio.gather(run_work(), *(client(http) for _ in range(4)))
+    return answers, result

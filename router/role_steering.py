@@ -1,0 +1,107 @@
+"""The `auto` strategy's role steering: the task that shows the pool to its RolePolicy
+(router/role_policy.py) once per poll and carries out the flips it decides.
+
+    steering = RoleSteering(policy, pool, chosen=lambda: auto.chosen, tpot_s=auto.tpot_s,
+                            wait_s=2.0)
+    steering.start()      # auto's start(): the task begins
+    steering.retire()     # auto swapped out: no flip from now on (its requests still run)
+    await steering.stop() # auto's stop(): the task is cancelled and awaited
+
+A flip goes through the same call as the ops API's (`pool.roles.flip`, reason: the rule), so it
+drains the old role's work the same way, is logged and counted in
+microserve_router_role_flips_total{engine,from_role,to_role,reason}; the last ones are kept
+for GET /admin/strategy. A flip cancelled by `stop` leaves the engine's role and routing as
+they were (RoleFlips restores them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from router.engines import UnknownEngine
+from router.role_policy import EngineView, Observation, RolePolicy
+from router.roles import FlipInProgress
+
+if TYPE_CHECKING:
+    from router.engine_handle import EngineHandle
+    from router.engines import EnginePool
+
+log = logging.getLogger("microserve.router")
+
+KEPT_FLIPS = 8  # the last flips GET /admin/strategy shows
+
+
+class RoleSteering:
+    def __init__(self, policy: RolePolicy, pool: EnginePool,
+                 chosen: Callable[[], Mapping[str, int]],
+                 tpot_s: Callable[[EngineHandle], float], wait_s: float):
+        """
+        Args:
+            chosen: the strategy's running count of its choices, by kind.
+            tpot_s: an engine's predicted step time with one more sequence decoding.
+            wait_s: how long a flip waits for its old role's work.
+        """
+        self.policy, self.pool, self.wait_s = policy, pool, wait_s
+        self._chosen, self._tpot_s = chosen, tpot_s
+        self._last_chosen: dict[str, int] = dict(chosen())
+        self._task: asyncio.Task | None = None  # started by start(), ended by stop()
+        self.flips: deque[dict] = deque(maxlen=KEPT_FLIPS)  # written by _flip only
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def retire(self) -> None:
+        """No flip from now on; `stop` still awaits the task's end."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def observation(self, now: float) -> Observation:
+        """The pool now, and the choices made since the last observation."""
+        chosen = dict(self._chosen())
+        since = {k: n - self._last_chosen.get(k, 0) for k, n in chosen.items()}
+        self._last_chosen = chosen
+        engines = tuple(EngineView(e.name, e.role, e.pending_prefill_tokens, e.open_generations,
+                                   self._tpot_s(e), _kv_use(e))
+                        for e in self.pool.routable())
+        return Observation(now, engines, since, self.pool.roles.in_flight)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.pool.poll_interval_s)
+            try:
+                flip = self.policy.observe(self.observation(time.monotonic()))
+            except Exception:  # a bug here must not end the steering silently
+                log.exception("auto: role steering failed to observe the pool")
+                continue
+            if flip is not None:
+                try:
+                    await self._flip(flip)
+                finally:
+                    self.policy.done(time.monotonic())
+
+    async def _flip(self, flip) -> None:
+        try:
+            result = await self.pool.roles.flip(flip.engine, flip.to_role, self.wait_s,
+                                                reason=flip.reason)
+        except (UnknownEngine, FlipInProgress) as e:  # it left the pool, or an ops flip won
+            log.warning("auto: no %s flip of engine %s: %s", flip.reason, flip.engine, e)
+            return
+        self.flips.append({**result, "reason": flip.reason, "at": time.time()})
+
+    def describe(self) -> dict:
+        return {**self.policy.describe(time.monotonic()), "flips": list(self.flips)}
+
+
+def _kv_use(engine: EngineHandle) -> float:
+    load = engine.load
+    return load.kv_pages_used / load.kv_pages_total if load and load.kv_pages_total else 0.0
