@@ -49,6 +49,7 @@ from router.arm_stats import Slo
 from router.arms import check_sticky_by
 from router.host import ArmSpec, StrategyHost, StrategyLoadError, StrategySource, SwapInProgress
 from router.roles import FlipInProgress
+from router.split_migration import SplitRates, split_migrate
 from router.strategy import Request as StrategyRequest
 
 
@@ -148,6 +149,10 @@ class MigrateBody(_Tokens):
     source: str
     destination: str
     pin: bool = False
+    # BlockLLM's split (router/split_migration.py): the share of the context the destination
+    # computes itself while the source copies the rest, or "auto" (from measured rates);
+    # None: the source sends it all
+    split: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] | None = None
     # the LoRA adapter the context's KV is of (both engines must have it); None: the base
     lora_name: str | None = Field(None, min_length=1, max_length=256)
 
@@ -173,6 +178,7 @@ class AdminAPI:
                  strategies_dir: Path | None = None):
         self.pool, self.host, self.tokenizer = pool, host, tokenizer
         self.strategies_dir = strategies_dir  # where `path` may point; None: nowhere
+        self.split_rates = SplitRates()  # what /admin/migrate's split "auto" goes by
 
     async def get_strategy(self) -> JSONResponse:
         return JSONResponse(self.host.describe())
@@ -278,6 +284,11 @@ class AdminAPI:
         prompt = self._tokens(body)
         request = StrategyRequest(f"migrate-{uuid.uuid4().hex}", prompt,
                                   SamplingParams(max_tokens=1, lora_name=body.lora_name))
+        if body.split is not None:
+            share = (self.split_rates.share(source.name, destination.name)
+                     if body.split == "auto" else body.split)
+            return JSONResponse(await split_migrate(self.pool, source, destination, request,
+                                                    share, self.split_rates, body.pin))
         try:
             recv = await destination.prep_recv(request, end=len(prompt))
             sent = None

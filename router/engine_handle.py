@@ -119,15 +119,18 @@ class EngineHandle:
     # -- microserving calls ---------------------------------------------------------------------
 
     async def prep_recv(self, request: Request, end: int = -1, lease_s: float | None = None,
-                        wait_s: float | None = None) -> PrepRecvResponse:
+                        wait_s: float | None = None, own: int | None = None
+                        ) -> PrepRecvResponse:
         """Reserve this engine's slots for `request.prompt[matched:end]` (see EngineClient).
-        Waits its turn for free pages up to `wait_s` (default: the pool's queue_timeout_s)."""
+        Waits its turn for free pages up to `wait_s` (default: the pool's queue_timeout_s).
+        `own`: positions before it this engine will hold by itself (router/split_migration.py);
+        the sender then writes from there on."""
         self._touch(request)
         if wait_s is None:
             wait_s = self._pool.queue_timeout_s
         started = now()
         answer = await self._call(PrepRecvRequest(request.request_id, request.prompt, end,
-                                                  lease_s, wait_s, request.adapter))
+                                                  lease_s, wait_s, request.adapter, own))
         request.timeline.prep_recv_s = now() - started
         self._pool.prefix_index.forget(request.prompt[:end], self.name, answer.matched,
                                        request.adapter)

@@ -413,6 +413,40 @@ async def test_migrate_moves_a_context_and_the_destination_shows_it_cached(up, a
     assert r.status_code == 400 and "exactly one of prompt, text" in r.json()["error"]["message"]
 
 
+async def test_a_split_migration_computes_the_head_on_the_destination(up, admin, tok,
+                                                                      smollm2_dir):
+    """BlockLLM's split: d computes the first half of the context itself while p copies the
+    rest; d ends holding the whole context, and a request there computes only what follows
+    it, with Hugging Face's tokens. `auto` then splits by the rates the first one measured."""
+    p, d = up.engine_urls["p"], up.engine_urls["d"]
+    question = tok.encode(" In one word, what is kept in pages?", add_special_tokens=False)
+    for i, split in enumerate([0.5, "auto"]):
+        context = tok.encode(f"Split migration {i}. " + TEXT * 6, add_special_tokens=False)
+        r = httpx.post(p + "/v1/completions", json={"prompt": context, "max_tokens": 1},
+                       timeout=60, headers=ENGINE_AUTH)
+        assert r.status_code == 200, r.text
+        r = admin.post("/admin/migrate", json={"prompt": context, "source": "p",
+                                               "destination": "d", "split": split})
+        assert r.status_code == 200, r.text
+        moved = r.json()
+        whole, n = len(context) // 16 * 16, len(context)
+        own = moved["own"]
+        if split == 0.5:
+            assert own == n // 2 // 16 * 16
+        assert 0 < own < n and own % 16 == 0 and moved["computed_on_destination"] == own
+        assert moved["sent"] == n - own and moved["cached"] == whole
+        r = httpx.post(d + "/v1/completions", headers=ENGINE_AUTH, timeout=60, json={
+            "prompt": context + question, "temperature": 0, "max_tokens": N_NEW,
+            "ignore_eos": True})
+        body = r.json()
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
+        want = tok.decode(hf_greedy(smollm2_dir, [context + question], N_NEW)[0])
+        assert body["choices"][0]["text"] == want
+    r = admin.post("/admin/migrate", json={"prompt": context, "source": "p",
+                                           "destination": "d", "split": 1.5})
+    assert r.status_code == 400 and "split" in r.json()["error"]["param"]
+
+
 async def test_engines_list_drain_and_undrain(up, admin):
     engines = {e["name"]: e for e in admin.get("/admin/engines").json()["engines"]}
     assert {n: (e["role"], e["source"], e["state"]) for n, e in engines.items()} == {
