@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from microserve.messages import SamplingParams
 from router.strategy import Request as StrategyRequest
@@ -60,20 +61,33 @@ def _ewma(old: float | None, new: float) -> float:
     return new if old is None else EWMA * new + (1 - EWMA) * old
 
 
-async def split_migrate(pool, source, destination, request: StrategyRequest, share: float,
-                        rates: SplitRates, pin: bool = False) -> dict:
-    """Move `request.prompt` from `source` to `destination` of `pool`, the destination
-    computing `share` of it (rounded down to its whole pages) while the source copies the
-    rest; commit it there. Returns what moved, what was computed where, and the times. On
-    any failure both the migration and the head's request are released on every engine."""
-    prompt, n = request.prompt, len(request.prompt)
+@dataclass
+class SplitSend:
+    """What a split moved: positions [0, own) computed on the destination (`head` of them
+    there, the rest it held), [sent_from, end) sent by the source (`sent`: its answer)."""
+
+    own: int
+    head: int
+    head_s: float
+    sent: object  # RemoteSendResponse | None
+    copy_s: float
+    matched: int
+
+
+async def split_send(pool, source, destination, request: StrategyRequest, end: int,
+                     share: float, rates: SplitRates) -> SplitSend:
+    """Put the KV of `request.prompt[:end]` into a reservation on `destination`, which
+    computes `share` of it (rounded down to its whole pages) as a request of its own while
+    `source` sends the rest, side by side. The caller then adopts it (`commit`, or
+    `start_generate(begin=end)`). On any failure the head's request is released on every
+    engine (the caller releases `request`)."""
     page = destination.info.page_size if destination.info else 16
-    own = min(int(n * share) // page * page, (n - 1) // page * page)
-    head_request = StrategyRequest(f"{request.request_id}-head", prompt[:own],
+    own = min(int(end * share) // page * page, max(0, end - 1) // page * page)
+    head_request = StrategyRequest(f"{request.request_id}-head", request.prompt[:own],
                                    SamplingParams(max_tokens=1, lora_name=request.adapter))
     try:
-        recv = await destination.prep_recv(request, end=n, own=own or None)
-        head, tail = max(0, own - recv.matched), n - recv.kv_addr.begin
+        recv = await destination.prep_recv(request, end=end, own=own or None)
+        head, tail = max(0, own - recv.matched), end - recv.kv_addr.begin
 
         async def compute_head() -> float:
             if head <= 0:
@@ -87,17 +101,31 @@ async def split_migrate(pool, source, destination, request: StrategyRequest, sha
             if tail <= 0:
                 return None, 0.0
             started = time.perf_counter()
-            sent = await source.remote_send(request, recv.kv_addr.begin, n, recv.kv_addr)
+            sent = await source.remote_send(request, recv.kv_addr.begin, end, recv.kv_addr)
             return sent, time.perf_counter() - started
 
-        head_s, (sent, tail_s) = await asyncio.gather(compute_head(), copy_tail())
+        head_s, (sent, copy_s) = await asyncio.gather(compute_head(), copy_tail())
+    except BaseException:
+        await asyncio.shield(pool.release(head_request))
+        raise
+    rates.record(source.name, destination.name, head, head_s, tail, copy_s)
+    return SplitSend(own, head, head_s, sent, copy_s, recv.matched)
+
+
+async def split_migrate(pool, source, destination, request: StrategyRequest, share: float,
+                        rates: SplitRates, pin: bool = False) -> dict:
+    """Move `request.prompt` from `source` to `destination` of `pool` by `split_send`, then
+    commit it there. Returns what moved, what was computed where, and the times."""
+    try:
+        done = await split_send(pool, source, destination, request, len(request.prompt),
+                                share, rates)
         committed = await destination.commit(request, pin)
     except BaseException:
-        await asyncio.shield(asyncio.gather(pool.release(request), pool.release(head_request)))
+        await asyncio.shield(pool.release(request))
         raise
-    rates.record(source.name, destination.name, head, head_s, tail, tail_s)
-    return {"tokens": n, "already_cached": recv.matched, "own": own,
-            "computed_on_destination": head, "sent": sent.sent if sent else 0,
+    sent = done.sent
+    return {"tokens": len(request.prompt), "already_cached": done.matched, "own": done.own,
+            "computed_on_destination": done.head, "sent": sent.sent if sent else 0,
             "computed": sent.computed if sent else 0, "reused": sent.reused if sent else 0,
             "cached": committed.cached, "pinned": committed.pinned,
-            "head_s": round(head_s, 6), "copy_s": round(tail_s, 6)}
+            "head_s": round(done.head_s, 6), "copy_s": round(done.copy_s, 6)}

@@ -515,6 +515,39 @@ async def test_context_migration_moves_a_context_off_a_draining_engine(up, admin
         admin.post("/admin/engines/d/undrain")
 
 
+async def test_context_migration_by_split_computes_half_on_the_target(up, admin, tok,
+                                                                      smollm2_dir):
+    """context_migration with split 0.5: when the holder drains, the target computes the first
+    half of the prompt itself (a request of its own) while the holder sends the rest; the
+    target samples the first token: Hugging Face's tokens, and the holder sent only the tail."""
+    use(admin, builtin="context_migration", args={"min_tokens": 16, "split": 0.5})
+    context = tok.encode("A context split in two. " + TEXT * 3, add_special_tokens=False)
+    first = context + tok.encode(" First question?", add_special_tokens=False)
+    second = context + tok.encode(" Second question?", add_special_tokens=False)
+    want = [tok.decode(t) for t in hf_greedy(smollm2_dir, [first, second], N_NEW)]
+    p = up.engine_urls["p"]
+    c = client(up)
+    try:
+        admin.post("/admin/engines/d/drain")
+        assert (await complete(c, first, stream=False))[0] == want[0]  # served by p
+        admin.post("/admin/engines/d/undrain")
+        admin.post("/admin/engines/p/drain")
+        sent_before = engine_stats(p, check=False)["stats"]["kv_tokens_sent"]
+        text, _ = await complete(c, second, stream=False)
+        assert text == want[1]
+        last = len(second) - 1
+        own = last // 2 // 16 * 16
+        assert engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent_before == (
+            last - own)
+        settings = admin.get("/admin/strategy").json()["active"]["settings"]
+        assert settings["migrated"] == 1 and settings["split"] == 0.5
+        assert "p->d" in settings["split_rates"]["copy_tokens_per_s"]
+    finally:
+        await c.close()
+        admin.post("/admin/engines/p/undrain")
+        admin.post("/admin/engines/d/undrain")
+
+
 async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, admin):
     """bench.strategies on the running deployment: each strategy swapped in through the admin
     API, Poisson arrivals at rate x engines, every request answered, and the engines' counters
