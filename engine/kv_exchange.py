@@ -81,6 +81,7 @@ class KVExchange(Receiving, Sending):
         self.lease_s, self.max_lease_s = limits.lease_s, limits.max_lease_s
         self.wait_s, self.max_wait_s = limits.wait_s, limits.max_wait_s
         self._room_when_tried = _NEVER_TRIED  # _room() when the head last did not fit (Receiving)
+        self.host_loaded = 0  # set by adopt_for_generate (Receiving)
         self._answers: list[tuple[str, Answer]] = []  # given by the next poll(); both halves add
         # sampling sends whose transfer completed before their token was resolved (Sending)
         self._flushed: set[str] = set()

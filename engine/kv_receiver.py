@@ -173,16 +173,18 @@ class Receiving:
         it (a 400 otherwise, nothing held: KV of other weights is never adopted).
         """
         rid, ps = request_id, self.kv.page_size
+        self.host_loaded = 0  # of what it holds, tokens loaded from the host tier (its count)
         entry = self.requests.get(rid)
         res = None if entry is None else entry.reservation
         if res is None:  # no transfer: the prefix must be cached here
-            held, _ = self.kv.open_from_tiers(rid, prompt[: len(prompt) - 1], namespace)
+            held, loaded = self.kv.open_from_tiers(rid, prompt[: len(prompt) - 1], namespace)
             if held < begin:
                 self.kv.free(rid)
                 raise MicroservingError(
                     400, f"begin {begin} beyond the {held} tokens of this prompt cached on "
                     f"this engine, and no prep_recv was made for request_id {rid!r}", "begin",
                 )  # fmt: skip
+            self.host_loaded = loaded
             return held
         if res.namespace != namespace:
             raise MicroservingError(

@@ -136,7 +136,8 @@ class Sending:
             return None
         seq = Sequence(request_id, tokens, sampling or SamplingParams(max_tokens=1),
                        arrival, priority, num_computed_tokens=matched, num_cached_tokens=matched,
-                       send_only=True, send_samples=sampling is not None, lora_id=lora_id)
+                       send_only=True, send_samples=sampling is not None, lora_id=lora_id,
+                       num_host_cached_tokens=loaded)
         self.requests.send(request_id, job, seq, generator)
         return seq
 

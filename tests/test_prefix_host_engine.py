@@ -178,3 +178,21 @@ def test_pd_reuses_prefixes_held_on_the_host_tiers_of_both_engines(tiny_model_di
     finally:
         p.close()
         d.close()
+
+
+def test_a_start_from_a_cached_prefix_on_the_host_counts_it_by_tier(tiny_model_dir):
+    """start_generate(begin=...) on a prefix the host tier holds (no prep_recv: the engine's
+    own cache) loads it back and counts it as a host hit, as an admission does."""
+    core = make_core(tiny_model_dir)
+    a, b, tail = random_prompts([21, 44, 7], seed=12, vocab=TINY_VOCAB)
+    serve(core, "a", a)
+    serve(core, "b", b)  # a's pages to the host
+    assert core.kv.cache.match(a[:20]).host_len == 20
+    before = core.stats()
+    core.add_request("c", a[:20] + tail, GREEDY, begin=20)
+    while core.has_work():
+        core.step()
+    after = core.stats()
+    assert after.cached_prompt_tokens - before.cached_prompt_tokens == 20
+    assert after.cached_prompt_tokens_host - before.cached_prompt_tokens_host == 20
+    nothing_held(core)

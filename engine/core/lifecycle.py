@@ -90,6 +90,8 @@ class RequestLifecycle:
         seq = Sequence(request_id, list(prompt), params, arrival, num_computed_tokens=held or 0,
                        num_cached_tokens=held, queue_s=queue_s, start_by=start_by,
                        lora_id=lora_id, priority=priority)  # fmt: skip
+        if held is not None:  # the host tier's share of a cached start, for its counter
+            seq.num_host_cached_tokens = self.exchange.host_loaded
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(prompt)
         self.requests.generate(request_id, seq, generator)
