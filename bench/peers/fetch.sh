@@ -8,8 +8,8 @@
 #
 # PEERS_PART_MIB (default 56): the size of a part. A call carries the working tree (~5 MiB
 # tracked) plus its `carry` paths, 64 MiB in all.
-# PEERS_KEEP_FA2=1: keep vLLM's FlashAttention-2 library (182 MiB unpacked, 78 MiB packed),
-# which vLLM loads only where FlashAttention 3 does not run (not on H100/H200; see README.md).
+# PEERS_KEEP_ALL=1: keep the three libraries of vLLM's wheel that a dense model on Hopper
+# never loads (116 MiB packed; see below and README.md), e.g. for an MoE model or an A100.
 #
 # Why each package is here, and why the rest of vLLM's Requires-Dist is not: README.md.
 set -euo pipefail
@@ -41,13 +41,15 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" \
   "${PACKAGES[@]}"
 
-# vLLM's wheel less what Hopper does not load: FlashAttention 2 (vLLM picks FA3 on sm_90,
-# platforms/cuda.py and v1/attention/backends/fa_utils.py; the FA2 import is in a try) and
-# the Rust front end vllm-rs (used only with VLLM_USE_RUST_FRONTEND=1). `zip -d` removes
+# vLLM's wheel less what a dense model on Hopper never loads, each imported inside a `try`:
+# FlashAttention 2 (vLLM picks FA3 on sm_90: platforms/cuda.py, v1/attention/backends/
+# fa_utils.py), the MoE kernels (platforms/cuda.py import_kernels; only fused-MoE layers call
+# them) and the Rust front end vllm-rs (only with VLLM_USE_RUST_FRONTEND=1). `zip -d` removes
 # entries without repacking the rest; pip does not check RECORD against the files.
 WHL=$(ls "$WHEELS"/vllm-0.24.0-*.whl)
-if [ "${PEERS_KEEP_FA2:-0}" != 1 ] && unzip -l "$WHL" | grep -q '_vllm_fa2_C.abi3.so'; then
-  zip -q -d "$WHL" 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs'
+DROP=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs)
+if [ "${PEERS_KEEP_ALL:-0}" != 1 ] && unzip -l "$WHL" | grep -q '_vllm_fa2_C.abi3.so'; then
+  zip -q -d "$WHL" "${DROP[@]}"
 fi
 
 python3 bench/peers/parts.py split --out "$OUT" --part-mib "$PART_MIB" "$WHEELS"/*.whl

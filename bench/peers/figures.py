@@ -12,6 +12,8 @@ server sees the same requests and every figure includes its HTTP path.
   serve      bench.serve's --serve-requests x (--serve-input in / --serve-output out) at once:
              total tokens/s
   poisson@R  bench.serve at R requests/s (Poisson): TTFT and TPOT p50 / p99
+  vllmbench  vLLM's own client, `vllm bench serve` (random dataset, the serve sizes, all at
+             once): total tokens/s and TTFT p99 (needs vLLM importable: --vllm-site)
 
 Each function returns {row name: value}; `HIGHER_IS_BETTER` says which way a row points.
 """
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
+import sys
 import time
 
 import httpx
@@ -28,7 +33,7 @@ import httpx
 from bench.serve import CLIENT_KEEP_ALIVE_S, one, workload_options
 from bench.serve import run as serve_run
 
-FIGURES = ("first", "decode1", "prefill", "decode128", "serve", "poisson")
+FIGURES = ("first", "decode1", "prefill", "decode128", "serve", "poisson", "vllmbench")
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -124,10 +129,35 @@ async def poisson(base_url: str, model: str, args, vocab: int) -> dict:
     return out
 
 
+async def vllm_bench(base_url: str, model: str, args, vocab: int) -> dict:
+    result_file = args.run_dir / f"vllm-bench-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+           "--backend", "openai", "--base-url", base_url.removesuffix("/v1"),
+           "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(args.model_dir),
+           "--dataset-name", "random", "--random-input-len", str(args.serve_input),
+           "--random-output-len", str(args.serve_output), "--num-prompts",
+           str(args.serve_requests), "--request-rate", "inf", "--ignore-eos", "--disable-tqdm",
+           "--save-result", "--result-dir", str(result_file.parent),
+           "--result-filename", result_file.name]  # fmt: skip
+    env = dict(os.environ)
+    if args.vllm_site:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.vllm_site, env.get("PYTHONPATH")) if p)
+    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    output, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve exited with {proc.returncode}:\n"
+                           f"{output.decode(errors='replace')[-3000:]}")
+    result = json.loads(result_file.read_text())
+    name = f"vllm bench serve {args.serve_requests}x{args.serve_input}/{args.serve_output}"
+    return {f"{name} total tokens/s": result["total_token_throughput"],
+            f"{name} TTFT p99 ms": result["p99_ttft_ms"]}
+
+
 def _check(result: dict, name: str) -> None:
     if result["failed"]:
         raise RuntimeError(f"{name}: {result['failed']} requests failed: {result['errors']}")
 
 
 RUNNERS = {"first": first, "decode1": decode1, "prefill": prefill, "decode128": decode128,
-           "serve": serve, "poisson": poisson}
+           "serve": serve, "poisson": poisson, "vllmbench": vllm_bench}

@@ -59,14 +59,19 @@ class Server:
             return False
 
     def stop(self, timeout_s: float = 60) -> None:
-        """SIGINT (what Ctrl-C sends: `up` stops its engines, vLLM its engine core), then wait."""
+        """SIGINT (what Ctrl-C sends: `up` stops its engines, vLLM its engine core), wait, then
+        SIGKILL whatever of its process group is left: the next server needs the GPU's memory."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone: nothing was left
+            pass
+        self.proc.wait()
 
 
 def _free_port() -> int:
@@ -97,6 +102,9 @@ def start_vllm(model_dir: Path, workdir: Path, args: list[str], site: str | None
     # Greedy requests never reach the top-k/top-p sampler; without this vLLM imports FlashInfer
     # to decide whether it could use FlashInfer's sampler, and we do not carry FlashInfer.
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # the model is a local folder and the device machines reach no network: never wait on it
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
            "--port", str(port), *args]  # fmt: skip
