@@ -8,7 +8,8 @@ server sees the same requests and every figure includes its HTTP path.
   prefill    --prefill-seqs prompts of --prefill-len tokens at once, one output token each:
              prompt tokens / wall time
   decode128  --batch-seqs requests at context --batch-context at once: output tokens/s in the
-             window where all are decoding (from the last first token to the first finish)
+             window where all are decoding (from the last first token to the first finish;
+             chunks counted, each weighed by its request's tokens per chunk)
   serve      bench.serve's --serve-requests x (--serve-input in / --serve-output out) at once:
              total tokens/s
   poisson@R  bench.serve at R requests/s (Poisson): TTFT and TPOT p50 / p99
@@ -88,7 +89,10 @@ async def decode128(base_url: str, model: str, args, vocab: int) -> dict:
     # the window where every request is decoding: no prefill of another request inside it
     begin = max(r["times"][0] for r in results)
     end = min(r["times"][-1] for r in results)
-    tokens = sum(1 for r in results for t in r["times"] if begin < t <= end)
+    # a server may put several tokens in one chunk when its client falls behind (vLLM merges
+    # a request's pending outputs): weigh each chunk by its request's tokens per chunk
+    tokens = sum(sum(1 for t in r["times"] if begin < t <= end)
+                 * (r["output_tokens"] - 1) / max(len(r["times"]) - 1, 1) for r in results)
     if end <= begin or tokens == 0:
         raise RuntimeError(f"decode{args.batch_seqs}: no window where all requests decode "
                            f"(raise --batch-tokens, now {args.batch_tokens})")
