@@ -107,6 +107,7 @@ async def one(client: httpx.AsyncClient, model: str, prompt: list[int], n_out: i
         "ttft": times[0] - start if times else float("nan"),
         "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 and times else float("nan"),
         "itl": [b - a for a, b in zip(times, times[1:])],
+        "times": times,  # perf_counter at each chunk with text (bench.peers windows on them)
         "e2e": end - start,
         "prompt_tokens": len(prompt),
         "output_tokens": n,
