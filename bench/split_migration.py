@@ -28,7 +28,8 @@ import random
 import statistics
 import time
 
-from bench.transfer import ENGINE_KEY, fresh, prefill_on, start_engine, wait_healthy
+from bench.transfer import (ENGINE_KEY, fresh, prefill_on, start_engine, stop_engines,
+                            wait_healthy)
 from microserve.messages import CommitRequest, PrepRecvRequest, RemoteSendRequest
 from microserve.microserving_client import EngineClient
 from microserve.model_config import ModelConfig
@@ -122,10 +123,7 @@ async def main() -> None:
         for c in clients.values():
             await c.aclose()
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(30)
+        stop_engines(procs.values())
 
 
 if __name__ == "__main__":

@@ -86,6 +86,14 @@ def start_engine(model: str, port: int, *args: str, api_key: str | None = None
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
 
 
+def stop_engines(procs) -> None:
+    """SIGTERM every engine, then wait for each (30 s)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait(30)
+
+
 async def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient() as http:
@@ -398,10 +406,7 @@ async def main() -> None:
         for c in clients.values():
             await c.aclose()
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(30)
+        stop_engines(procs.values())
         shutil.rmtree(group, ignore_errors=True)
 
 

@@ -155,6 +155,21 @@ class _SplitCopies:
     """What the split peers add to shm's and cuda_ipc's: every rank's pool on both sides, and
     the plan of which heads go where."""
 
+    def __init__(self, descriptor: dict, local_ranks: list[torch.Tensor], layout: KVLayout,
+                 remote: KVLayout):
+        super().__init__(descriptor, local_ranks[0], layout, remote)
+        try:
+            self._open_ranks(descriptor, local_ranks, layout, remote)
+        except BaseException:
+            super().close()
+            raise
+
+    def close(self) -> None:
+        if self._remote is not None:
+            self._drain()  # no copy may still be landing in a pool about to be unmapped
+        self._close_ranks()
+        super().close()
+
     def _open_ranks(self, descriptor: dict, local_ranks: list[torch.Tensor],
                     layout: KVLayout, remote: KVLayout) -> None:
         self._locals = [copyable(kv) for kv in local_ranks]
@@ -189,25 +204,12 @@ def _heads(x: torch.Tensor, heads: range) -> torch.Tensor:
 class SplitShmPeer(_SplitCopies, ShmPeer):
     """shm between CPU engines split differently: torch indexing, head range by head range."""
 
-    def __init__(self, descriptor: dict, local_ranks: list[torch.Tensor], layout: KVLayout,
-                 remote: KVLayout):
-        super().__init__(descriptor, local_ranks[0], layout, remote)
-        try:
-            self._open_ranks(descriptor, local_ranks, layout, remote)
-        except BaseException:
-            super().close()
-            raise
-
     def _copy_layer(self, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         for run in self._plan:
             src = _heads(self._locals[run.src_rank][layer], run.src_heads)
             rows = src.index_select(1, src_slots.to(src.device)).cpu()
             _heads(self._remotes[run.dst_rank][layer], run.dst_heads).index_copy_(
                 1, dst_slots, rows)
-
-    def close(self) -> None:
-        self._close_ranks()
-        super().close()
 
 
 class SplitCudaIpcPeer(_SplitCopies, CudaIpcPeer):
@@ -218,15 +220,6 @@ class SplitCudaIpcPeer(_SplitCopies, CudaIpcPeer):
     # to the sender's all-reduces but made a 3,000-token remote_send slower, not faster
     # (1.15-1.17x / 1.12-1.15x a local prefill vs 1.12-1.13x, 4x H200, 2026-11-27).
 
-    def __init__(self, descriptor: dict, local_ranks: list[torch.Tensor], layout: KVLayout,
-                 remote: KVLayout):
-        super().__init__(descriptor, local_ranks[0], layout, remote)
-        try:
-            self._open_ranks(descriptor, local_ranks, layout, remote)
-        except BaseException:
-            super().close()
-            raise
-
     def _copy(self, first: int, end: int, src_slots: torch.Tensor,
               dst_slots: torch.Tensor) -> None:
         for run in self._plan:
@@ -234,8 +227,3 @@ class SplitCudaIpcPeer(_SplitCopies, CudaIpcPeer):
                       src_slots, dst_slots, self.num_programs, self.rows_at_once,
                       run.src_heads, run.dst_heads)
 
-    def close(self) -> None:
-        if self._remote is not None:
-            self._drain()
-        self._close_ranks()
-        super().close()
