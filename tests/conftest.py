@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One torch thread in the test process and in the engine daemons it starts (they inherit it;
+# `microserve up` still gives its engines --cpu-threads, which wins). On the two-core machine
+# the test process, its daemons and whatever else runs share the cores, and threads that spin
+# on every core wait for each other: Hugging Face's greedy reference ran 3-4x slower with two
+# threads than with one while the machine was busy. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY_VOCAB = 256
 
