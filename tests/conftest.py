@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-# One torch thread in the test process and in the engine daemons it starts (they inherit it;
-# `microserve up` still gives its engines --cpu-threads, which wins). On the two-core machine
-# the test process, its daemons and whatever else runs share the cores, and threads that spin
-# on every core wait for each other: Hugging Face's greedy reference ran 3-4x slower with two
-# threads than with one while the machine was busy. Set before anything imports torch.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 TINY_VOCAB = 256
+
+
+def pytest_configure(config):
+    """One torch thread in the test process (the engine daemons it starts keep their own). On
+    the two-core machine the test process, its daemons and whatever else runs share the cores,
+    and threads that spin on every core wait for each other: Hugging Face's greedy reference
+    and the in-process engine tests ran 3-10x slower with two threads than with one while the
+    machine was busy. The daemons are left alone: one thread each made their start-up and
+    long prefills slower there."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
 
 
 def _cuda() -> bool:
