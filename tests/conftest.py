@@ -7,6 +7,20 @@ import pytest
 TINY_VOCAB = 256
 
 
+def pytest_configure(config):
+    """One torch thread in the test process (the engine daemons it starts keep their own). On
+    the two-core machine the test process, its daemons and whatever else runs share the cores,
+    and threads that spin on every core wait for each other: Hugging Face's greedy reference
+    and the in-process engine tests ran 3-10x slower with two threads than with one while the
+    machine was busy. The daemons are left alone: one thread each made their start-up and
+    long prefills slower there."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
 def _cuda() -> bool:
     try:
         import torch

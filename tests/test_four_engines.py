@@ -44,7 +44,7 @@ def test_the_2p2d_layout_serves_every_strategy_and_moves_kv_where_each_sends(
     config = cpu_copy(ROOT / "deploy/gpu-2p2d.toml", tmp_path / "cpu-2p2d.toml", smollm2_dir)
     record = tmp_path / "run.json"
     bench_main([str(config), "--port", str(free_port()), "--input-len", "48:0",
-                "--output-len", "4:0", "--rates", "0.25", "--duration-s", "8",
+                "--output-len", "4:0", "--rates", "1", "--duration-s", "1",
                 "--min-requests", "4", "--run-timeout-s", "240",
                 "--strategy", "2p2d=pd", "--strategy", "1p2d=pd@prefill-0,decode-0,decode-1",
                 "--strategy", "dp", "--strategy", "dp3=data_parallel@prefill-0,decode-0,decode-1",

@@ -88,10 +88,11 @@ def make_core(model_dir, adapters_dir, **kw):
     return EngineCore(EngineConfig(model=model_dir, page_size=4, num_pages=256, **kw))
 
 
-def run(core, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
+def run(core, requests: dict[str, tuple[list[int], str | None]],
+        max_tokens: int = N_NEW) -> dict[str, list[int]]:
     """Add every request at once, step until done; request id -> tokens."""
     for rid, (prompt, name) in requests.items():
-        core.add_request(rid, prompt, greedy(name))
+        core.add_request(rid, prompt, greedy(name, max_tokens))
     tokens = {rid: [] for rid in requests}
     while core.has_work():
         for out in core.step():
