@@ -36,7 +36,7 @@ class PrepRecvRequest:
     # BlockLLM's split migration: positions [matched, own) this engine will hold by itself by
     # start_generate or commit (the caller has it compute prompt[:own] meanwhile, as a request
     # of its own), so the sender writes only [own, end). A multiple of the page size. None: 0.
-    own: Annotated[int, Field(ge=0)] | None = None
+    own: Position | None = None
 
 
 @dataclass(slots=True)
