@@ -63,15 +63,17 @@ KV_ADDR = {"begin": 4, "end": 10, "ranges": [[40, 4], [9, 2]],
                       "num_kv_heads": 1, "head_dim": 8},
            "transfer": {"kind": "test", "rank": 1}, "window": [0, 2], "digest": "ab" * 32,
            "mac": "cd" * 32}
-# What the core receives for KV_ADDR: the request as a dict, tuples included.
-KV_ADDR_ARGS = {**KV_ADDR, "ranges": [(40, 4), (9, 2)], "window": (0, 2)}
+# What the core receives for KV_ADDR: the request as a dict, tuples included, the layout's
+# defaults filled in (one rank).
+KV_ADDR_ARGS = {**KV_ADDR, "ranges": [(40, 4), (9, 2)], "window": (0, 2),
+                "layout": {**KV_ADDR["layout"], "tensor_parallel_size": 1, "total_kv_heads": 0}}
 
 # route: (body, core result, the core's args, the core call's timeout)
 CALLS = {
     "prep_recv": ({"request_id": "r1", "prompt": PROMPT, "end": 10},
                   {"matched": 4, "kv_addr": KV_ADDR},
                   {"request_id": "r1", "prompt": PROMPT, "end": 10, "lease_s": None,
-                   "wait_s": None, "lora_name": None}, None),
+                   "wait_s": None, "lora_name": None, "own": None}, None),
     "remote_send": ({"request_id": "r1", "prompt": PROMPT, "begin": 4, "end": 10,
                      "kv_addr": KV_ADDR},
                     {"sent": 6, "computed": 10, "reused": 0, "first_token": None},

@@ -88,13 +88,13 @@ def test_up_hands_every_nvshmem_engine_its_rank_and_the_groups_size(tmp_path):
     config.write_text('''
 [[engines]]
 name = "p"
-args = ["--device", "cuda", "--kv-transfer", "nvshmem"]
+args = ["--device", "cuda", "--kv-transfer", "nvshmem", "--gpu-memory-utilization", "0.3"]
 [[engines]]
 name = "d-ipc"
-args = ["--device", "cuda", "--kv-transfer", "cuda_ipc"]
+args = ["--device", "cuda", "--kv-transfer", "cuda_ipc", "--gpu-memory-utilization", "0.3"]
 [[engines]]
 name = "d"
-args = ["--device", "cuda:0", "--kv-transfer=nvshmem"]
+args = ["--device", "cuda:0", "--kv-transfer=nvshmem", "--gpu-memory-utilization", "0.3"]
 ''')
     launches = with_nvshmem_group(list(load_deployment(config).engines), "/tmp/rv")
     assert [launch.env.get(GROUP_ENV) for launch in launches] == ["0/2@/tmp/rv", None,

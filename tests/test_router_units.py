@@ -521,7 +521,7 @@ class CountingClient(FakeEngine):
         self.addressed = asyncio.Event()  # a remote_send without kv_addr waits for send_to
 
     async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None,
-                        lora_name=None):
+                        lora_name=None, own=None):
         n = range(len(prompt) + 1)[end]
         return PrepRecvResponse(matched=0, kv_addr=KVAddr(
             begin=0, end=n, ranges=[(0, n)], layout={}, transfer={}, window=(0, 1)))
@@ -918,7 +918,7 @@ class _Receiver(FakeEngine):
         self.log, self.matched, self.full = log, matched, full
 
     async def prep_recv(self, request_id, prompt, end, lease_s=None, wait_s=None,
-                        lora_name=None):
+                        lora_name=None, own=None):
         self.log.append(("d.prep_recv", end, wait_s))
         if self.full and wait_s == 0:
             raise MicroservingError(503, "no KV pages free to receive 20 tokens")
