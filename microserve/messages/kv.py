@@ -71,11 +71,6 @@ class KVLayout:
             f"the peer has {peer.to_dict()}"
         )
 
-    def same_split(self, peer: KVLayout) -> bool:
-        """Whether both pools hold the same heads rank by rank (a copy moves whole rows)."""
-        return (self.tensor_parallel_size, self.num_kv_heads) == (
-            peer.tensor_parallel_size, peer.num_kv_heads) and not self.mismatch(peer)
-
 
 # A receiver's transfer descriptor: what a sender needs to open its pool. Its fields are its
 # backend's ("kind" always; shm: pid, fd, inode, size, boot id; tcp: host, port; ...: see
