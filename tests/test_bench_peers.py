@@ -102,8 +102,8 @@ def test_table_orients_every_ratio_so_above_one_is_microserve_ahead():
     assert markdown.splitlines()[:3] == [
         "| figure | vllm | engine | engine / vllm |", "|---|---|---|---|",
         "| decode batch 1 @ 1024 ms/token | 6.4 [6–7] | 5 [5–5] | 1.280x |"]
-    assert markdown.splitlines()[3] == ("| prefill 8x4096 tokens/s | 4e+04 [3e+04–4.2e+04] | "
-                                        "3.2e+04 [3.2e+04–3.2e+04] | 0.800x |")
+    assert markdown.splitlines()[3] == ("| prefill 8x4096 tokens/s | 40,000 [30,000–42,000] | "
+                                        "32,000 [32,000–32,000] | 0.800x |")
 
 
 EXPECTED_ROWS = [

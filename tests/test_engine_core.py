@@ -136,7 +136,20 @@ def test_the_start_up_requests_leave_nothing_behind(tiny_model_dir, tiny_ref, nu
     preemption remains, and the engine answers as one that never ran them. 40 pages of 4
     tokens: the warm-up shortens its prompts to fit."""
     core = make_core(tiny_model_dir, num_pages=num_pages)
+    schedule, steps = core.scheduler.schedule, []
+
+    def recording():
+        out = schedule()
+        steps.append(sorted(s.num_new_tokens for s in out.scheduled))
+        return out
+
+    core.scheduler.schedule = recording
     assert core.warm_up() > 0
+    core.scheduler.schedule = schedule
+    # each prompt length also arrives while two requests decode (a mixed step; on a GPU its
+    # own Triton specializations, which a first Poisson arrival would otherwise compile)
+    arrivals = {step[-1] for step in steps if step[:2] == [1, 1] and step[-1] > 1}
+    assert arrivals == ({10, 40} if num_pages == 256 else {10}), steps  # the lengths that fit
     stats = core.kv.stats()
     assert (stats.used_pages, stats.cached_pages, stats.free_pages) == (0, 0, num_pages)
     assert core.counters == dict.fromkeys(core.counters, 0)

@@ -131,7 +131,7 @@ def table(samples: dict[str, list[dict]], sides: list[str]) -> tuple[str, dict]:
         for side in sides:
             values = [run[row] for run in samples[side] if row in run]
             medians[side] = statistics.median(values) if values else None
-            cells.append(f"{medians[side]:.4g} [{min(values):.4g}–{max(values):.4g}]"
+            cells.append(f"{_num(medians[side])} [{_num(min(values))}–{_num(max(values))}]"
                          if values else "—")
         for side in ours:
             if "vllm" not in sides:
@@ -143,6 +143,11 @@ def table(samples: dict[str, list[dict]], sides: list[str]) -> tuple[str, dict]:
         summary[row] = medians
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", summary
+
+
+def _num(x: float) -> str:
+    """Four significant figures; thousands grouped, never an exponent."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
 async def run(args) -> tuple[str, dict]:

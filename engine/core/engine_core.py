@@ -22,6 +22,7 @@ from engine.core.step import LaunchedStep, StepPipeline
 from engine.core.warmup import WARMUP_LENGTHS, warm_up
 from engine.grammar import GrammarMatchers
 from engine.host_swap import HostSwap
+from engine.kernels.compile_watch import COMPILES
 from engine.kv_exchange import ExchangeLimits, KVExchange
 from engine.loop_stats import LoopCounters
 from engine.model_runner import ModelRunner, resolve_dtype
@@ -123,6 +124,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         # only a message, a finished send or a lease's end can free): the loop then waits.
         self.stalled = False
         self._pending_rows: dict[str, int] = {}  # seq id -> its row in the last launch's sample
+        self._compiles_before: int | None = None  # COMPILES' count when warm-up ended
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0,
                          "cached_prompt_tokens_host": 0, "generation_tokens": 0,
                          "generate_queue_timeouts": 0}
@@ -153,6 +155,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         )
         if self.runner.cuda and config.warmup:
             log.info("warmed up in %.1f s", self.warm_up())
+            # compiles from here on mean warm-up missed a shape (one watch per process)
+            self._compiles_before = COMPILES.compiles if COMPILES.start() else None
         if config.scheduling_policy == "mlfq" or self.host_swap is not None:
             profile = measure_prefill(self)
             log.info("prefill profile: %.2f ms + %.4f ms per token",
@@ -230,6 +234,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             scheduling_promotions=self.scheduler.policy.promotions,
             mlfq_queue_requests=list(self.scheduler.policy.stats().values()),
             **self.counters,
+            triton_compiles_after_warmup=(0 if self._compiles_before is None
+                                          else COMPILES.compiles - self._compiles_before),
             **self.exchange.stats(),
             **asdict(self.loop),
             **(self.adapters.stats() if self.adapters is not None else {}),

@@ -10,7 +10,8 @@ from microserve.messages import SamplingParams
 # The start-up requests' prompt lengths, each alone in a step: one per extend tile height
 # the kernels pick by the longest chunk (16 / 64 / 128 query rows) and a long prompt; then
 # a batch over the step's token budget (an eager step, a chunk over its own prefix) with
-# sampled rows beside greedy ones. On an H100 each first request of such a shape waited
+# sampled rows beside greedy ones; then each length again, arriving while two requests decode.
+# On an H100 each first request of such a shape waited
 # ~1 s for Triton's compiles without it (docs/benchmarks.md).
 WARMUP_LENGTHS = (10, 40, 300, 1024)
 
@@ -32,12 +33,25 @@ def warm_up(core, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> float:
     batch = [(mid, greedy)] * max(1, min(8, core.config.max_num_seqs - 2,
                                          capacity // (2 * (mid + 3))))
     batch += [(fits[0], sampled)] * 2
+    def add(name: str, n: int, params: SamplingParams) -> None:
+        core.add_request(name, [rng.randrange(vocab) for _ in range(n)], params)
+
     for r, requests in enumerate([[(n, greedy)] for n in fits] + [batch]):
         for i, (n, params) in enumerate(requests):
-            core.add_request(f"warmup-{r}-{i}", [rng.randrange(vocab) for _ in range(n)],
-                             params)  # fmt: skip
+            add(f"warmup-{r}-{i}", n, params)
         while core.has_work():
             core.step()
+    # Mixed steps: prompts arriving while others decode (what a server meets under steady
+    # traffic), one per prompt length, each beside the decoding rows.
+    decoding = SamplingParams(max_tokens=4 + 3 * len(fits), temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        add(f"warmup-mixed-decode-{i}", fits[0], decoding)
+    for i, n in enumerate(fits):
+        for _ in range(2):  # the decoders' prefill done, or the last arrival's
+            core.step()
+        add(f"warmup-mixed-{i}", n, greedy)
+    while core.has_work():
+        core.step()
     forget(core)
     return time.monotonic() - start
 

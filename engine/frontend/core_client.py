@@ -377,6 +377,8 @@ _STAT_HELP = {
                                "remote_send calls no step started within their queue_s (503)"),
     "generate_queue_timeouts": ("counter",
                                 "start_generate calls no step started within their queue_s (503)"),
+    "triton_compiles_after_warmup": ("counter", "Triton kernels compiled after warm-up (each "
+                                                "stalled a step; the log names them)"),
     "kv_leases_expired": ("counter", "prep_recv reservations freed because their lease ran out"),
     "kv_tokens_sent": ("counter", "Tokens of KV written into peers by remote_send"),
     "kv_tokens_received": ("counter", "Tokens of KV received from peers and adopted"),

@@ -70,6 +70,9 @@ class EngineStats:
     kv_recv_wait_timeouts: int  # ... and waited their wait_s in vain (503)
     kv_send_queue_timeouts: int = 0  # remote_send calls not started within their queue_s (503)
     generate_queue_timeouts: int = 0  # start_generate calls not started within their queue_s
+    # Triton kernels compiled after warm-up (engine/kernels/compile_watch.py): each stalled a
+    # step; warm-up should have served that shape
+    triton_compiles_after_warmup: int = 0
     # The core's steps and where its time went (engine/loop_stats.py)
     steps: int = 0
     prompt_tokens_computed: int = 0  # through the forward pass (cached ones not)
