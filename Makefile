@@ -12,6 +12,8 @@ PORT ?= 8000
 # PUT /admin/strategy {"path": ...} loads strategy files from here (README.md)
 STRATEGIES_DIR ?= examples/strategies
 PYTEST_ARGS ?=
+# tests run in this many processes, a test file to each (0: one process); 2 fits a 2-core machine
+TEST_WORKERS ?= 2
 TORCH_VERSION := 2.13.0
 # PyTorch's CPU wheels (Linux); empty: torch from PyPI
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -66,7 +68,8 @@ serve: install
 	    $(if $(STRATEGIES_DIR),--strategies-dir $(STRATEGIES_DIR))
 
 test: install-test
-	$(VENV)/bin/python -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -rs --durations=30 -n $(TEST_WORKERS) --dist loadfile \
+	    $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
