@@ -41,3 +41,18 @@ def test_another_hook_is_kept():
         assert knobs.runtime.jit_cache_hook is theirs
     finally:
         knobs.runtime.jit_cache_hook = None
+
+
+def test_a_compile_is_named_with_what_made_its_variant():
+    from triton.runtime.jit import JitFunctionInfo
+
+    from engine.kernels.compile_watch import _describe
+
+    fn = JitFunctionInfo("engine.kernels.paged_attention", "_extend_kernel", None)
+    # the form Triton 3.6 passes (seen on the H100): arguments keyed by (index,)
+    compile = {"key": "[...]", "signature": {"q": "*bf16", "n": "i32", "BLOCK_M": "constexpr"},
+               "constants": {(2,): 64}, "configs": [{(0,): [["tt.divisibility", 16]],
+                                                     (1,): []}]}
+    assert _describe({"fn": fn, "compile": compile, "repr": "x"}) == (
+        "engine.kernels.paged_attention._extend_kernel (BLOCK_M=64; q: tt.divisibility=16)")
+    assert _describe({"fn": fn, "compile": {}, "repr": "k[...]"}) == "k[...]"  # another Triton

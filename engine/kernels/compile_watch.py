@@ -51,12 +51,33 @@ class CompileWatch:
             self._installed = False
 
     def _hook(self, *args, **kwargs) -> bool:
-        name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a Triton kernel")
+        name = _describe(kwargs)
         self.compiles += 1
         self.kernels = (self.kernels + [name])[-self.KEEP:]
         log.warning("Triton compiled %s after warm-up: warm-up missed this shape, and the step "
                     "that launched it waited for the compile", name)
         return False  # compile as usual
+
+
+def _describe(hook_kwargs: dict) -> str:
+    """The kernel's name with what made this variant: its constexprs and the arguments Triton
+    specialized (e.g. `n: tt.divisibility=16`, a multiple of 16), as Triton's hook passes
+    them; Triton's own `repr` where they are not in the form Triton 3.6 gives."""
+    try:
+        fn, compile = hook_kwargs["fn"], hook_kwargs["compile"]
+        names = list(compile["signature"])
+
+        def name(key) -> str:  # Triton keys arguments by (index,)
+            index = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+            return names[index] if isinstance(index, int) and index < len(names) else str(index)
+
+        constants = ", ".join(f"{name(k)}={v}" for k, v in compile["constants"].items())
+        attrs = (compile.get("configs") or [{}])[0]
+        special = ", ".join(f"{name(k)}: " + " ".join(f"{a[0]}={a[1]}" for a in v)
+                            for k, v in attrs.items() if v)
+        return f"{fn.module}.{fn.name} ({constants or 'no constexprs'}; {special or 'none'})"
+    except (KeyError, AttributeError, TypeError, IndexError):
+        return str(hook_kwargs.get("repr", "a Triton kernel"))
 
 
 COMPILES = CompileWatch()
