@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
 
 import httpx
 
+from bench.peers.servers import vllm_env
 from bench.serve import CLIENT_KEEP_ALIVE_S, one, workload_options
 from bench.serve import run as serve_run
 
@@ -143,9 +143,7 @@ async def vllm_bench(base_url: str, model: str, args, vocab: int) -> dict:
            str(args.serve_requests), "--request-rate", "inf", "--ignore-eos", "--disable-tqdm",
            "--save-result", "--result-dir", str(result_file.parent),
            "--result-filename", result_file.name]  # fmt: skip
-    env = dict(os.environ)
-    if args.vllm_site:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.vllm_site, env.get("PYTHONPATH")) if p)
+    env = vllm_env(args.vllm_site)
     proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
     output, _ = await proc.communicate()

@@ -26,6 +26,7 @@ the request id, is not in vLLM 0.24.0 (its connector factory registers no P2pNcc
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import httpx
 import uvicorn
@@ -89,9 +90,14 @@ def app(prefill: str, decode: str) -> Starlette:
         ok = all(c == 200 for c in codes)
         return JSONResponse({"prefill": codes[0], "decode": codes[1]}, 200 if ok else 503)
 
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.aclose()
+
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/models", models), Route("/health", health)],
-                     on_shutdown=[client.aclose])
+                     lifespan=lifespan)
 
 
 def main(argv: list[str] | None = None) -> None:

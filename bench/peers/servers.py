@@ -115,15 +115,21 @@ def spawn(cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess
                                 start_new_session=True)
 
 
+def vllm_env(site: str | None) -> dict:
+    """This process's environment with `site` (where vLLM is installed) first on PYTHONPATH."""
+    env = dict(os.environ)
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def start_vllm(model_dir: Path, workdir: Path, args: list[str], site: str | None,
                name: str = "vllm", env_more: dict | None = None) -> Server:
     """vLLM on random weights. `site`: a folder put in front of PYTHONPATH (bench/peers/
     install.sh installs vLLM into /tmp/peers-site on the device machines); `env_more`: more
     environment (a GPU of its own, a side-channel port)."""
     port = free_port()
-    env = {**os.environ, **(env_more or {})}
-    if site:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+    env = vllm_env(site) | (env_more or {})
     # Greedy requests never reach the top-k/top-p sampler; without this vLLM imports FlashInfer
     # to decide whether it could use FlashInfer's sampler, and we do not carry FlashInfer.
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -18,9 +18,9 @@ Rows per layout and rate: TTFT p50/p99, TPOT p50/p99, JCT p99, total tokens/s an
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,10 +35,12 @@ NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 
 
 def nixl_missing(site: str | None) -> bool:
-    """Whether vLLM's NixlConnector would find no `nixl` (it would fail at start)."""
-    if site and any(Path(site).glob("nixl*")):
-        return False
-    return importlib.util.find_spec("nixl") is None
+    """Whether vLLM's NixlConnector would find no NIXL: the import it makes (vllm/distributed/
+    nixl_utils.py: `nixl._api`; the `nixl` package loads `nixl_cu13` or `nixl_cu12` by the CUDA
+    it finds), in a process with vLLM's path."""
+    probe = subprocess.run([sys.executable, "-c", "import nixl._api"],
+                           env=servers.vllm_env(site), capture_output=True)
+    return probe.returncode != 0
 
 
 def start_vllm(layout: str, model_dir: Path, args, workdir: Path):
