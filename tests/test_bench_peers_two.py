@@ -179,3 +179,16 @@ def test_goodput_rows_point_up():
     assert higher_is_better("dp 2/s/GPU goodput req/s/GPU")
     assert higher_is_better("pd 2/s/GPU total tokens/s")
     assert not higher_is_better("pd 2/s/GPU JCT p99 ms")
+
+
+def test_a_layout_that_cannot_start_is_reported_and_the_run_goes_on(tmp_path):
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.peers", "--skip-vllm", "--model", "random:tiny", "--tiny",
+         "--gpus", "2", "--layouts", "pd", "--pd-kv-transfer", "carrier-pigeon", "--rounds", "1",
+         "--workdir", str(work)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "round 1 up pd: failed: up-pd did not start" in proc.stdout
+    assert "carrier-pigeon" in (work / "up-pd.log").read_text()
+    mark = f"BENCH_PEERS_RUN={work}".encode()
+    assert [pid for pid in os.listdir("/proc") if pid.isdigit() and mark in _environ(pid)] == []

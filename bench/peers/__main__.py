@@ -203,7 +203,11 @@ async def run_two(args, model_dir: Path, workdir: Path, vocab: int,
     order = two_gpus.plan(args)
     for r in range(args.rounds):
         for side, layout in (order if r % 2 == 0 else order[::-1]):
-            rows = await two_gpus.one_round(side, layout, model_dir, args, workdir, vocab)
+            try:
+                rows = await two_gpus.one_round(side, layout, model_dir, args, workdir, vocab)
+            except RuntimeError as e:  # one layout that cannot start leaves the others theirs
+                print(f"round {r + 1} {side} {layout}: failed: {e}", flush=True)
+                continue
             samples[side].append(rows)
             print(f"round {r + 1} {side} {layout}: {json.dumps(rows)}", flush=True)
             markdown, result = report(samples, args)
@@ -213,7 +217,7 @@ async def run_two(args, model_dir: Path, workdir: Path, vocab: int,
 def report(samples: dict[str, list[dict]], args) -> tuple[str, dict]:
     markdown, summary = table(samples, [s for s in args.sides if samples[s]])
     result = {"summary": summary, "samples": samples, "model": args.model, "dtype": args.dtype,
-              "rounds": args.rounds}
+              "rounds": args.rounds, "gpus": args.gpus}
     if args.out:
         args.out.write_text(markdown)
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
