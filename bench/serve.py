@@ -44,6 +44,8 @@ import time
 
 import httpx
 
+from bench.slo import SLO
+
 
 # Reuse an idle connection only this long: below servers' keep-alive timeouts (uvicorn's
 # default, which vLLM keeps: 5 s), so a request never goes out on a connection the server is
@@ -123,7 +125,8 @@ def pct(values: list[float]) -> dict:
             "p90_ms": at(0.9) * 1e3, "p99_ms": at(0.99) * 1e3}
 
 
-async def run(args) -> dict:
+async def run(args, slo: SLO | None = None, gpus: int = 1) -> dict:
+    """Send the workload; its figures, with the goodput per GPU of `gpus` under `slo` if given."""
     work = workload(args)
     rng = random.Random(f"{args.seed}/arrivals")
     limit = asyncio.Semaphore(args.concurrency or args.num_requests)
@@ -163,7 +166,8 @@ async def run(args) -> dict:
     ok = [r for r in results if "error" not in r]
     out_tokens = sum(r["output_tokens"] for r in ok)
     in_tokens = sum(r["prompt_tokens"] for r in ok)
-    return {
+    ttft, tpot = pct([r["ttft"] for r in ok]), pct([r["tpot"] for r in ok])
+    out = {
         "requests": len(results) + aborted, "aborted": aborted,
         "failed": len(results) - len(ok),
         "errors": [r["error"] for r in results if "error" in r][:3],
@@ -172,10 +176,14 @@ async def run(args) -> dict:
         "client_cpu_s": cpu,
         "output_tokens_per_s": out_tokens / wall,
         "total_tokens_per_s": (in_tokens + out_tokens) / wall,
-        "ttft": pct([r["ttft"] for r in ok]), "tpot": pct([r["tpot"] for r in ok]),
+        "ttft": ttft, "tpot": tpot,
         "itl": pct([x for r in ok for x in r["itl"]]), "e2e": pct([r["e2e"] for r in ok]),
         "jct": pct([r["e2e"] for r in ok]),
     }  # fmt: skip
+    if slo:
+        out["slo"] = slo.report(ok, out["failed"], wall, gpus, ttft.get("p99_ms"),
+                                tpot.get("p99_ms"))
+    return out
 
 
 def _default_loop() -> str:

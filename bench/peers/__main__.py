@@ -3,10 +3,13 @@ requests through the same client, one table of ratios.
 
     python -m bench.peers --model random:llama-3.1-8b --out peers.md      # on a GPU with vLLM
     python -m bench.peers --skip-vllm --model random:tiny --tiny          # CPU smoke run
+    python -m bench.peers --gpus 2 --layouts dp,pd --out peers-2gpu.md      # two GPUs
 
 Each round starts every server alone (vLLM, one `microserve engine`, `microserve up` with the
 router over one engine), takes every figure (bench/peers/figures.py) and stops it; the order
 of the servers is reversed every round so drift of a shared machine falls on both sides.
+--gpus 2 runs vLLM and `up` over two GPUs instead (bench/peers/two_gpus.py): data parallel and
+1P1D on 3,000/100 at three Poisson rates.
 The table gives each figure's median over the rounds with its min-max spread, and the ratio
 of microserve to vLLM oriented so that > 1 means microserve is better. vLLM is imported from
 --vllm-site when given (bench/peers/install.sh puts it in /tmp/peers-site).
@@ -23,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.peers import figures, servers
+from bench.peers import figures, servers, two_gpus
 from microserve.model_config import ModelConfig
 from microserve.model_files import resolve_model
 
@@ -33,7 +36,8 @@ SIDES = ("vllm", "engine", "up")
 TINY = dict(device="cpu", dtype="float32", max_model_len=512, first_len=16, decode_context=32, decode_tokens=8, prefill_seqs=2, prefill_len=32,
             batch_seqs=4, batch_context=16, batch_tokens=8, serve_requests=8, serve_input=16,
             serve_output=4, rates=[4.0, 8.0, 16.0], poisson_requests=6, poisson_input=16,
-            poisson_output=4)
+            poisson_output=4, devices="cpu,cpu", pd_kv_transfer="shm", pd_rates=[1.0, 2.0, 4.0],
+            pd_requests=4, pd_input=24, pd_output=4)
 
 
 def options() -> argparse.ArgumentParser:
@@ -48,7 +52,8 @@ def options() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default=",".join(figures.FIGURES),
                     help=f"figures to take, of {','.join(figures.FIGURES)}")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"servers, of {','.join(SIDES)}")
+    ap.add_argument("--sides", default=None,
+                    help=f"servers, of {','.join(SIDES)} (all; with --gpus 2, vllm,up)")
     ap.add_argument("--skip-vllm", action="store_true", help="microserve's servers only")
     ap.add_argument("--vllm-site", default=None, help="a folder put in front of vLLM's PYTHONPATH")
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more vLLM argument")
@@ -57,6 +62,20 @@ def options() -> argparse.ArgumentParser:
     ap.add_argument("--workdir", type=Path, default=None, help="logs (default: a temp folder)")
     ap.add_argument("--out", type=Path, default=None, help="the table (Markdown); JSON beside it")
     ap.add_argument("--tiny", action="store_true", help="every size set for a CPU smoke run")
+    two = ap.add_argument_group("two GPUs (--gpus 2: vLLM and `up` only)")
+    two.add_argument("--gpus", type=int, choices=(1, 2), default=1)
+    two.add_argument("--layouts", default=",".join(two_gpus.LAYOUTS),
+                     help=f"of {','.join(two_gpus.LAYOUTS)}: data parallel x2, 1P1D")
+    two.add_argument("--devices", default="cuda:0,cuda:1", help="our two engines' --device")
+    two.add_argument("--pd-kv-transfer", default="cuda_ipc", help="our D engine's --kv-transfer")
+    two.add_argument("--pd-rates", type=lambda s: [float(x) for x in s.split(",")],
+                     default=[2.0, 3.0, 4.0],
+                     help="Poisson rates, requests/s per GPU (twice that in all)")
+    two.add_argument("--pd-requests", type=int, default=60, help="requests per rate")
+    two.add_argument("--pd-input", type=int, default=3000)
+    two.add_argument("--pd-output", type=int, default=100)
+    two.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput's TTFT bound")
+    two.add_argument("--slo-tpot-ms", type=float, default=25.0, help="goodput's TPOT bound")
     sizes = ap.add_argument_group("sizes (the issue's figures by default)")
     sizes.add_argument("--first-len", type=int, default=1024)
     sizes.add_argument("--decode-context", type=int, default=1024)
@@ -85,9 +104,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args = ap.parse_args(argv)  # flags given on the command line still win
     # vLLM's own client needs vLLM: without it, the other figures only
     args.only = [f for f in args.only.split(",") if f and not (args.skip_vllm and f == "vllmbench")]
-    args.sides = [s for s in args.sides.split(",") if s and not (args.skip_vllm and s == "vllm")]
-    for name, given, known in (("--only", args.only, figures.FIGURES), ("--sides", args.sides,
-                                                                        SIDES)):
+    sides = args.sides or ",".join(two_gpus.SIDES if args.gpus == 2 else SIDES)
+    args.sides = [s for s in sides.split(",") if s and not (args.skip_vllm and s == "vllm")]
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    args.devices = [x for x in args.devices.split(",") if x]
+    checks = [("--only", args.only, figures.FIGURES), ("--sides", args.sides, SIDES)]
+    if args.gpus == 2:
+        checks = [("--sides", args.sides, two_gpus.SIDES), ("--layouts", args.layouts,
+                                                            two_gpus.LAYOUTS)]
+        if len(args.devices) != 2:
+            ap.error(f"--devices {','.join(args.devices)!r}: give two, e.g. cuda:0,cuda:1")
+        if len(args.pd_rates) != 3 or min(args.pd_rates) <= 0:
+            ap.error(f"--pd-rates {args.pd_rates}: give three rates above 0")
+    for name, given, known in checks:
         if not given or set(given) - set(known):
             ap.error(f"{name} {','.join(given)!r}: choose from {','.join(known)}")
     return args
@@ -157,6 +186,8 @@ async def run(args) -> tuple[str, dict]:
     workdir.mkdir(parents=True, exist_ok=True)
     args.model_dir, args.run_dir = model_dir, workdir  # for vllm bench serve's tokenizer and file
     samples = {side: [] for side in args.sides}
+    if args.gpus == 2:
+        return await run_two(args, model_dir, workdir, vocab, samples)
     for r in range(args.rounds):
         for side in (args.sides if r % 2 == 0 else args.sides[::-1]):
             rows = await one_round(side, model_dir, args, workdir, vocab)
@@ -166,10 +197,27 @@ async def run(args) -> tuple[str, dict]:
     return markdown, result                            # by a time limit keeps what it took
 
 
+async def run_two(args, model_dir: Path, workdir: Path, vocab: int,
+                  samples: dict) -> tuple[str, dict]:
+    markdown, result = report(samples, args)
+    order = two_gpus.plan(args)
+    for r in range(args.rounds):
+        for side, layout in (order if r % 2 == 0 else order[::-1]):
+            try:
+                rows = await two_gpus.one_round(side, layout, model_dir, args, workdir, vocab)
+            except RuntimeError as e:  # one layout that cannot start leaves the others theirs
+                print(f"round {r + 1} {side} {layout}: failed: {e}", flush=True)
+                continue
+            samples[side].append(rows)
+            print(f"round {r + 1} {side} {layout}: {json.dumps(rows)}", flush=True)
+            markdown, result = report(samples, args)
+    return markdown, result
+
+
 def report(samples: dict[str, list[dict]], args) -> tuple[str, dict]:
     markdown, summary = table(samples, [s for s in args.sides if samples[s]])
     result = {"summary": summary, "samples": samples, "model": args.model, "dtype": args.dtype,
-              "rounds": args.rounds}
+              "rounds": args.rounds, "gpus": args.gpus}
     if args.out:
         args.out.write_text(markdown)
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
 
 import httpx
 
+from bench.peers.servers import vllm_env
 from bench.serve import CLIENT_KEEP_ALIVE_S, one, workload_options
 from bench.serve import run as serve_run
 
@@ -43,7 +43,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def higher_is_better(row: str) -> bool:
-    return row.endswith("tokens/s")
+    return row.endswith("tokens/s") or "goodput" in row
 
 
 def _client(base_url: str, n: int) -> httpx.AsyncClient:
@@ -100,7 +100,7 @@ async def decode128(base_url: str, model: str, args, vocab: int) -> dict:
             tokens / (end - begin)}
 
 
-def _serve_args(base_url: str, model: str, argv: list[str]) -> argparse.Namespace:
+def serve_args(base_url: str, model: str, argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     workload_options(ap)
     ns = ap.parse_args(argv)
@@ -109,11 +109,11 @@ def _serve_args(base_url: str, model: str, argv: list[str]) -> argparse.Namespac
 
 
 async def serve(base_url: str, model: str, args, vocab: int) -> dict:
-    ns = _serve_args(base_url, model, [
+    ns = serve_args(base_url, model, [
         "--num-requests", str(args.serve_requests), "--input-len", str(args.serve_input),
         "--output-len", str(args.serve_output), "--vocab", str(vocab)])  # fmt: skip
     result = await serve_run(ns)
-    _check(result, "serve")
+    check(result, "serve")
     name = f"bench.serve {args.serve_requests}x{args.serve_input}/{args.serve_output}"
     return {f"{name} total tokens/s": result["total_tokens_per_s"]}
 
@@ -121,12 +121,12 @@ async def serve(base_url: str, model: str, args, vocab: int) -> dict:
 async def poisson(base_url: str, model: str, args, vocab: int) -> dict:
     out = {}
     for rate in args.rates:
-        ns = _serve_args(base_url, model, [
+        ns = serve_args(base_url, model, [
             "--num-requests", str(args.poisson_requests), "--request-rate", str(rate),
             "--input-len", str(args.poisson_input), "--output-len", str(args.poisson_output),
             "--vocab", str(vocab), "--seed", "1"])  # fmt: skip
         result = await serve_run(ns)
-        _check(result, f"poisson@{rate}")
+        check(result, f"poisson@{rate}")
         for metric in ("ttft", "tpot"):
             for q in ("p50", "p99"):
                 out[f"poisson {rate:g}/s {metric.upper()} {q} ms"] = result[metric][f"{q}_ms"]
@@ -143,9 +143,7 @@ async def vllm_bench(base_url: str, model: str, args, vocab: int) -> dict:
            str(args.serve_requests), "--request-rate", "inf", "--ignore-eos", "--disable-tqdm",
            "--save-result", "--result-dir", str(result_file.parent),
            "--result-filename", result_file.name]  # fmt: skip
-    env = dict(os.environ)
-    if args.vllm_site:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.vllm_site, env.get("PYTHONPATH")) if p)
+    env = vllm_env(args.vllm_site)
     proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
     output, _ = await proc.communicate()
@@ -158,7 +156,7 @@ async def vllm_bench(base_url: str, model: str, args, vocab: int) -> dict:
             f"{name} TTFT p99 ms": result["p99_ttft_ms"]}
 
 
-def _check(result: dict, name: str) -> None:
+def check(result: dict, name: str) -> None:
     if result["failed"]:
         raise RuntimeError(f"{name}: {result['failed']} requests failed: {result['errors']}")
 

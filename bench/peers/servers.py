@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,7 +75,29 @@ class Server:
         self.proc.wait()
 
 
-def _free_port() -> int:
+class Group:
+    """Servers that serve as one (vLLM's prefill and decode servers behind a proxy): ready when
+    all are, stopped together; `url` is the front's (the last one's)."""
+
+    def __init__(self, name: str, members: list[Server]):
+        self.name, self.members = name, members
+        self.url = members[-1].url
+        self.startup_s = 0.0
+
+    async def wait_ready(self) -> None:
+        try:
+            await asyncio.gather(*(m.wait_ready() for m in self.members))
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = max(m.startup_s for m in self.members)
+
+    def stop(self) -> None:
+        for m in reversed(self.members):
+            m.stop()
+
+
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -82,7 +105,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
+def spawn(cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
     # every process of a run, children included, carries its folder in the environment:
     # whoever checks that a run left nothing behind finds them by it
     env = {**(env or os.environ), "BENCH_PEERS_RUN": str(log_path.parent)}
@@ -92,13 +115,21 @@ def _spawn(cmd: list[str], log_path: Path, env: dict | None = None) -> subproces
                                 start_new_session=True)
 
 
-def start_vllm(model_dir: Path, workdir: Path, args: list[str], site: str | None) -> Server:
-    """vLLM on random weights. `site`: a folder put in front of PYTHONPATH (bench/peers/
-    install.sh installs vLLM into /tmp/peers-site on the device machines)."""
-    port = _free_port()
+def vllm_env(site: str | None) -> dict:
+    """This process's environment with `site` (where vLLM is installed) first on PYTHONPATH."""
     env = dict(os.environ)
     if site:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def start_vllm(model_dir: Path, workdir: Path, args: list[str], site: str | None,
+               name: str = "vllm", env_more: dict | None = None) -> Server:
+    """vLLM on random weights. `site`: a folder put in front of PYTHONPATH (bench/peers/
+    install.sh installs vLLM into /tmp/peers-site on the device machines); `env_more`: more
+    environment (a GPU of its own, a side-channel port)."""
+    port = free_port()
+    env = vllm_env(site) | (env_more or {})
     # Greedy requests never reach the top-k/top-p sampler; without this vLLM imports FlashInfer
     # to decide whether it could use FlashInfer's sampler, and we do not carry FlashInfer.
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -108,36 +139,68 @@ def start_vllm(model_dir: Path, workdir: Path, args: list[str], site: str | None
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
            "--port", str(port), *args]  # fmt: skip
-    log = workdir / "vllm.log"
+    log = workdir / f"{name}.log"
     base = f"http://127.0.0.1:{port}"
-    return Server("vllm", _spawn(cmd, log, env), base + "/v1", base + "/health", log)
+    return Server(name, spawn(cmd, log, env), base + "/v1", base + "/health", log)
 
 
 def start_engine(model: str, workdir: Path, args: list[str]) -> Server:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "launcher.cli", "engine", "--model", model, "--served-model-name",
            SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_API_KEY"}
     log = workdir / "engine.log"
     base = f"http://127.0.0.1:{port}"
-    return Server("engine", _spawn(cmd, log, env), base + "/v1", base + "/health", log)
+    return Server("engine", spawn(cmd, log, env), base + "/v1", base + "/health", log)
 
 
 def start_up(model: str, workdir: Path, args: list[str]) -> Server:
     """`microserve up` from a deployment file written here: the router (data parallel) and
     one engine with `args`."""
-    port, engine_port = _free_port(), _free_port()
-    config = workdir / "peers-up.toml"
-    quote = lambda s: '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'  # noqa: E731
-    config.write_text("\n".join([
-        f"model = {quote(model)}", f"served_model_name = {quote(SERVED_NAME)}", "",
-        "[router]", 'host = "127.0.0.1"', f"port = {port}", 'strategy = "data_parallel"', "",
-        "[[engines]]", 'name = "e0"', f"port = {engine_port}",
-        "args = [" + ", ".join(quote(a) for a in args) + "]", ""]))  # fmt: skip
+    return start_deployment(workdir / "peers-up.toml", "up", up_config(model, [Engine("e0", args)]))
+
+
+@dataclass
+class Engine:
+    """One [[engines]] entry of a deployment file."""
+
+    name: str
+    args: list[str]
+    role: str | None = None  # "prefill" / "decode" under a P/D strategy
+
+
+def _quote(s: str) -> str:  # a TOML basic string
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def up_config(model: str, engines: list[Engine], strategy: str = "data_parallel",
+              strategy_args: dict | None = None) -> str:
+    """A deployment file for `microserve up` (as deploy/*.toml), the router and every engine on
+    free ports of 127.0.0.1."""
+    router = ["[router]", 'host = "127.0.0.1"', f"port = {free_port()}",
+              f"strategy = {_quote(strategy)}"]
+    if strategy_args:
+        router.append("strategy_args = { " + ", ".join(
+            f"{k} = {_quote(v) if isinstance(v, str) else v}" for k, v in strategy_args.items())
+            + " }")
+    lines = [f"model = {_quote(model)}", f"served_model_name = {_quote(SERVED_NAME)}", "",
+             *router, ""]
+    for e in engines:
+        lines += ["[[engines]]", f"name = {_quote(e.name)}", f"port = {free_port()}",
+                  *([f"role = {_quote(e.role)}"] if e.role else []),
+                  "args = [" + ", ".join(_quote(a) for a in e.args) + "]", ""]
+    return "\n".join(lines)
+
+
+def start_deployment(config: Path, name: str, text: str) -> Server:
+    """`microserve up` on the deployment file `text`, written to `config`."""
+    config.write_text(text)
+    port = tomllib.loads(text)["router"]["port"]
+    workdir = config.parent
     env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_API_KEY"}
     env["XDG_DATA_HOME"] = str(workdir / "data")  # `up` keeps batch files there
-    log = workdir / "up.log"
+    log = workdir / f"{name}.log"
     cmd = [sys.executable, "-m", "launcher.cli", "up", str(config)]
     base = f"http://127.0.0.1:{port}"
-    return Server("up", _spawn(cmd, log, env), base + "/v1", base + "/v1/models", log,
+    return Server(name, spawn(cmd, log, env), base + "/v1", base + "/v1/models", log,
                   ready_line="microserve up:")
