@@ -10,6 +10,10 @@
 # tracked) plus its `carry` paths, 64 MiB in all.
 # PEERS_KEEP_ALL=1: keep the three libraries of vLLM's wheel that a dense model on Hopper
 # never loads (116 MiB packed; see below and README.md), e.g. for an MoE model or an A100.
+# PEERS_NIXL=1: add NIXL (nixl 1.5.1, the loader, and nixl-cu13 1.5.1 less nixl_ep_cu13, its
+# expert-parallel kernels, built for torch 2.12-2.14 only and imported by vLLM's fused-MoE
+# layers alone): vLLM's NixlConnector, its 1P1D on two GPUs (`bench.peers --gpus 2`). About
+# 32 MiB more: 4 parts.
 #
 # Why each package is here, and why the rest of vLLM's Requires-Dist is not: README.md.
 set -euo pipefail
@@ -35,6 +39,9 @@ PACKAGES=(
   model-hosting-container-standards==0.1.16 jmespath==1.1.0
   prometheus-fastapi-instrumentator==8.0.0
 )
+if [ "${PEERS_NIXL:-0}" = 1 ]; then
+  PACKAGES+=(nixl==1.5.1 nixl-cu13==1.5.1)
+fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64 \
@@ -48,8 +55,15 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 # entries without repacking the rest; pip does not check RECORD against the files.
 WHL=$(ls "$WHEELS"/vllm-0.24.0-*.whl)
 DROP=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs)
-if [ "${PEERS_KEEP_ALL:-0}" != 1 ] && unzip -l "$WHL" | grep -q '_vllm_fa2_C.abi3.so'; then
+if [ "${PEERS_KEEP_ALL:-0}" != 1 ] && unzip -l "$WHL" 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' >/dev/null 2>&1; then
   zip -q -d "$WHL" "${DROP[@]}"
+fi
+
+NIXL_WHL=$(ls "$WHEELS"/nixl_cu13-1.5.1-*.whl 2>/dev/null || true)
+if [ "${PEERS_NIXL:-0}" = 1 ] && [ -n "$NIXL_WHL" ] && unzip -l "$NIXL_WHL" 'nixl_ep_cu13/*' >/dev/null 2>&1; then
+  zip -q -d "$NIXL_WHL" 'nixl_ep_cu13/*'
+elif [ "${PEERS_NIXL:-0}" != 1 ]; then
+  rm -f "$WHEELS"/nixl-1.5.1-*.whl "$WHEELS"/nixl_cu13-1.5.1-*.whl  # from an earlier PEERS_NIXL=1
 fi
 
 python3 bench/peers/parts.py split --out "$OUT" --part-mib "$PART_MIB" "$WHEELS"/*.whl
