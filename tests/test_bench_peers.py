@@ -121,18 +121,22 @@ def test_microserve_half_end_to_end_on_random_tiny(tmp_path):
     work = tmp_path / "work"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.peers", "--skip-vllm", "--model", "random:tiny", "--tiny",
-         "--rounds", "1", "--workdir", str(work), "--out", str(tmp_path / "peers.md")],
-        capture_output=True, text=True, timeout=240)  # fmt: skip
+         "--rounds", "1", "--workdir", str(work), "--out", str(tmp_path / "peers.md"),
+         "--variant", "small=--max-num-batched-tokens 256"],
+        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (tmp_path / "peers.md").read_text().splitlines()
-    assert lines[0] == "| figure | engine | up |"
+    assert lines[0] == "| figure | engine | up | engine@small |"
+    # the variant is an engine of its own, with its arguments after the shared ones
+    assert "max_num_batched_tokens=256," in (work / "engine-small.log").read_text()
+    assert "max_num_batched_tokens=256," not in (work / "engine.log").read_text()
     rows = [line.split(" | ")[0].removeprefix("| ") for line in lines[2:]]
     assert rows == EXPECTED_ROWS
     for line in lines[2:]:
         cells = line.strip("| ").split(" | ")[1:]
         assert all(float(cell.split(" [")[0].replace(",", "")) > 0 for cell in cells), line
     result = json.loads((tmp_path / "peers.json").read_text())
-    assert [len(result["samples"][side]) for side in ("engine", "up")] == [1, 1]
+    assert [len(result["samples"][side]) for side in ("engine", "up", "engine@small")] == [1, 1, 1]
     mark = f"BENCH_PEERS_RUN={work}".encode()
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and mark in _environ(pid)]
     assert left == []
@@ -143,3 +147,18 @@ def _environ(pid: str) -> list[bytes]:
         return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return []
+
+
+def test_variants_are_sides_of_their_own_and_checked(capsys):
+    from bench.peers.__main__ import parse as parse_args
+
+    args = parse_args(["--variant", "big=--max-num-seqs 1024 --max-num-batched-tokens 8192"])
+    assert args.sides == ["vllm", "engine", "up", "engine@big"]
+    assert args.variants == {"engine@big": ["--max-num-seqs", "1024",
+                                            "--max-num-batched-tokens", "8192"]}
+    assert parse_args(["--variant", "big=-x 1", "--sides", "vllm,engine@big"]).sides == [
+        "vllm", "engine@big"]
+    for bad in ("big", "=--x 1", "big="):
+        with pytest.raises(SystemExit):
+            parse_args(["--variant", bad])
+        assert f"--variant {bad!r}: give NAME=ARGS" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import signal
 import statistics
 import sys
@@ -59,6 +60,9 @@ def options() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more vLLM argument")
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="one more `microserve engine` argument (both microserve sides)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="one more server: one `microserve engine` with these arguments as well,\n"
+                         "side `engine@NAME` (one GPU), e.g. 'big=--max-num-seqs 1024'")
     ap.add_argument("--workdir", type=Path, default=None, help="logs (default: a temp folder)")
     ap.add_argument("--out", type=Path, default=None, help="the table (Markdown); JSON beside it")
     ap.add_argument("--tiny", action="store_true", help="every size set for a CPU smoke run")
@@ -104,11 +108,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args = ap.parse_args(argv)  # flags given on the command line still win
     # vLLM's own client needs vLLM: without it, the other figures only
     args.only = [f for f in args.only.split(",") if f and not (args.skip_vllm and f == "vllmbench")]
+    args.variants = {}
+    for given in args.variant:
+        name, eq, extra = given.partition("=")
+        if not eq or not name.isidentifier() or not extra.strip():
+            ap.error(f"--variant {given!r}: give NAME=ARGS, e.g. 'big=--max-num-seqs 1024'")
+        args.variants[f"engine@{name}"] = shlex.split(extra)
+    variants = ",".join(args.variants)
     sides = args.sides or ",".join(two_gpus.SIDES if args.gpus == 2 else SIDES)
+    sides += "," + variants if variants and not args.sides and args.gpus == 1 else ""
     args.sides = [s for s in sides.split(",") if s and not (args.skip_vllm and s == "vllm")]
     args.layouts = [x for x in args.layouts.split(",") if x]
     args.devices = [x for x in args.devices.split(",") if x]
-    checks = [("--only", args.only, figures.FIGURES), ("--sides", args.sides, SIDES)]
+    checks = [("--only", args.only, figures.FIGURES),
+              ("--sides", args.sides, (*SIDES, *args.variants))]
     if args.gpus == 2:
         checks = [("--sides", args.sides, two_gpus.SIDES), ("--layouts", args.layouts,
                                                             two_gpus.LAYOUTS)]
@@ -131,6 +144,8 @@ def start(side: str, model_dir: Path, args, workdir: Path) -> servers.Server:
     ours = [*shared, "--device", args.device, *args.engine_arg]
     if args.device.startswith("cuda"):
         ours += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if side in args.variants:
+        return servers.start_engine(str(model_dir), workdir, [*ours, *args.variants[side]], side)
     launch = servers.start_engine if side == "engine" else servers.start_up
     return launch(str(model_dir), workdir, ours)
 

@@ -144,14 +144,14 @@ def start_vllm(model_dir: Path, workdir: Path, args: list[str], site: str | None
     return Server(name, spawn(cmd, log, env), base + "/v1", base + "/health", log)
 
 
-def start_engine(model: str, workdir: Path, args: list[str]) -> Server:
+def start_engine(model: str, workdir: Path, args: list[str], name: str = "engine") -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "launcher.cli", "engine", "--model", model, "--served-model-name",
            SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "MICROSERVE_API_KEY"}
-    log = workdir / "engine.log"
+    log = workdir / f"{name.replace('@', '-')}.log"
     base = f"http://127.0.0.1:{port}"
-    return Server("engine", spawn(cmd, log, env), base + "/v1", base + "/health", log)
+    return Server(name, spawn(cmd, log, env), base + "/v1", base + "/health", log)
 
 
 def start_up(model: str, workdir: Path, args: list[str]) -> Server:
