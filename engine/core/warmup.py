@@ -10,15 +10,15 @@ from microserve.messages import SamplingParams
 # The start-up requests' prompt lengths, each alone in a step: one per extend tile height
 # the kernels pick by the longest chunk (16 / 64 / 128 query rows) and a long prompt; then
 # a batch over the step's token budget (an eager step, a chunk over its own prefix) with
-# sampled rows beside greedy ones; then each length again, arriving while two requests decode.
-# On an H100 each first request of such a shape waited
-# ~1 s for Triton's compiles without it (docs/benchmarks.md).
+# sampled rows beside greedy ones; then each length again, arriving while two requests decode
+# (a mixed step). On an H100 each first request of such a shape waited ~1 s for Triton's
+# compiles without it (docs/benchmarks.md).
 WARMUP_LENGTHS = (10, 40, 300, 1024)
 
 
 def warm_up(core, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> float:
-    """Serve the start-up requests on `core` (an EngineCore; random prompts, 3 tokens each),
-    then forget them: their cached pages are dropped and the counters zeroed. Returns the
+    """Serve the start-up requests on `core` (an EngineCore; random prompts, 3 tokens each,
+    and two that decode while the mixed steps' prompts arrive), then forget them: their cached pages are dropped and the counters zeroed. Returns the
     seconds it took."""
     start = time.monotonic()
     vocab = core.runner.config.vocab_size
@@ -33,6 +33,7 @@ def warm_up(core, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> float:
     batch = [(mid, greedy)] * max(1, min(8, core.config.max_num_seqs - 2,
                                          capacity // (2 * (mid + 3))))
     batch += [(fits[0], sampled)] * 2
+
     def add(name: str, n: int, params: SamplingParams) -> None:
         core.add_request(name, [rng.randrange(vocab) for _ in range(n)], params)
 

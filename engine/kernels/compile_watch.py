@@ -4,8 +4,8 @@ A Triton kernel compiles on its first launch with a new specialization (its cons
 which integer arguments equal 1 or are multiples of 16); on an H100 that stalls the step that
 launches it by ~0.1–1 s. Warm-up (engine/core/warmup.py) serves requests of the shapes a server
 meets so the compiles happen before the first real request; a compile after it means warm-up
-missed a shape. `watch` counts each one and logs the kernel with its specialization, so an
-operator (and `bench.peers`' TTFT p99) sees which.
+missed a shape. `CompileWatch` counts each one and logs the kernel with its specialization,
+so an operator (and `bench.peers`' TTFT p99) sees which.
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ log = logging.getLogger("engine.kernels")
 
 class CompileWatch:
     """Counts Triton's in-process compile-cache misses from `start` on (Triton's
-    `jit_cache_hook`); `compiles` is the count, `kernels` the last few names. One per process
-    (`COMPILES`): an engine core reads the count when its warm-up ends."""
-
-    KEEP = 16
+    `jit_cache_hook`) and logs each; `compiles` is the count. One per process (`COMPILES`): an
+    engine core reads the count when its warm-up ends."""
 
     def __init__(self):
         self.compiles = 0
-        self.kernels: list[str] = []
         self._installed = False
 
     def start(self) -> bool:
@@ -51,11 +48,9 @@ class CompileWatch:
             self._installed = False
 
     def _hook(self, *args, **kwargs) -> bool:
-        name = _describe(kwargs)
         self.compiles += 1
-        self.kernels = (self.kernels + [name])[-self.KEEP:]
         log.warning("Triton compiled %s after warm-up: warm-up missed this shape, and the step "
-                    "that launched it waited for the compile", name)
+                    "that launched it waited for the compile", _describe(kwargs))
         return False  # compile as usual
 
 
