@@ -485,7 +485,24 @@ async def test_context_migration_moves_a_context_off_a_draining_engine(up, admin
     """context_migration: a request goes where its context is; when that engine drains, the
     next request on the context moves it (copied from the holder's cache) to the other."""
     use(admin, builtin="context_migration", args={"min_tokens": 16})
-    context = tok.encode("A context that moves. " + TEXT * 3, add_special_tokens=False)
+    first, second, usage, sent = await _second_question_after_p_drains(
+        up, admin, tok, smollm2_dir, "A context that moves. ")
+    # p sent all of second to d (its cached pages of the context, and the rest) with the first
+    # token it sampled.
+    assert sent == len(second)
+    # Cached: what p's prefix cache served (the pages second shares with first), not the KV d
+    # received.
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert usage.prompt_tokens_details.cached_tokens == common // 16 * 16
+    settings = admin.get("/admin/strategy").json()["active"]["settings"]
+    assert settings["migrated"] == 1
+
+
+async def _second_question_after_p_drains(up, admin, tok, smollm2_dir, lead: str):
+    """Two questions over one context (`lead` + TEXT): the first served by p (d drained), the
+    second after p is drained instead, each answer Hugging Face's greedy one. Returns (first,
+    second, second's usage, the tokens of KV p sent for it); both undrained after."""
+    context = tok.encode(lead + TEXT * 3, add_special_tokens=False)
     first = context + tok.encode(" First question?", add_special_tokens=False)
     second = context + tok.encode(" Second question?", add_special_tokens=False)
     want = [tok.decode(t) for t in hf_greedy(smollm2_dir, [first, second], N_NEW)]
@@ -499,16 +516,8 @@ async def test_context_migration_moves_a_context_off_a_draining_engine(up, admin
         sent_before = engine_stats(p, check=False)["stats"]["kv_tokens_sent"]
         text, usage = await complete(c, second, stream=False)
         assert text == want[1]
-        # p sent all of second to d (its cached pages of the context, and the rest) with the
-        # first token it sampled.
-        assert engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent_before == (
-            len(second))
-        # Cached: what p's prefix cache served (the pages second shares with first), not
-        # the KV d received.
-        common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
-        assert usage.prompt_tokens_details.cached_tokens == common // 16 * 16
-        settings = admin.get("/admin/strategy").json()["active"]["settings"]
-        assert settings["migrated"] == 1
+        sent = engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent_before
+        return first, second, usage, sent
     finally:
         await c.close()
         admin.post("/admin/engines/p/undrain")
@@ -521,31 +530,14 @@ async def test_context_migration_by_split_computes_half_on_the_target(up, admin,
     half of the prompt itself (a request of its own) while the holder sends the rest; the
     target samples the first token: Hugging Face's tokens, and the holder sent only the tail."""
     use(admin, builtin="context_migration", args={"min_tokens": 16, "split": 0.5})
-    context = tok.encode("A context split in two. " + TEXT * 3, add_special_tokens=False)
-    first = context + tok.encode(" First question?", add_special_tokens=False)
-    second = context + tok.encode(" Second question?", add_special_tokens=False)
-    want = [tok.decode(t) for t in hf_greedy(smollm2_dir, [first, second], N_NEW)]
-    p = up.engine_urls["p"]
-    c = client(up)
-    try:
-        admin.post("/admin/engines/d/drain")
-        assert (await complete(c, first, stream=False))[0] == want[0]  # served by p
-        admin.post("/admin/engines/d/undrain")
-        admin.post("/admin/engines/p/drain")
-        sent_before = engine_stats(p, check=False)["stats"]["kv_tokens_sent"]
-        text, _ = await complete(c, second, stream=False)
-        assert text == want[1]
-        last = len(second) - 1
-        own = last // 2 // 16 * 16
-        assert engine_stats(p, check=False)["stats"]["kv_tokens_sent"] - sent_before == (
-            last - own)
-        settings = admin.get("/admin/strategy").json()["active"]["settings"]
-        assert settings["migrated"] == 1 and settings["split"] == 0.5
-        assert "p->d" in settings["split_rates"]["copy_tokens_per_s"]
-    finally:
-        await c.close()
-        admin.post("/admin/engines/p/undrain")
-        admin.post("/admin/engines/d/undrain")
+    _, second, _, sent = await _second_question_after_p_drains(
+        up, admin, tok, smollm2_dir, "A context split in two. ")
+    last = len(second) - 1
+    own = last // 2 // 16 * 16
+    assert sent == last - own
+    settings = admin.get("/admin/strategy").json()["active"]["settings"]
+    assert settings["migrated"] == 1 and settings["split"] == 0.5
+    assert "p->d" in settings["split_rates"]["copy_tokens_per_s"]
 
 
 async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, admin):
