@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -192,3 +192,37 @@ def test_a_layout_that_cannot_start_is_reported_and_the_run_goes_on(tmp_path):
     assert "carrier-pigeon" in (work / "up-pd.log").read_text()
     mark = f"BENCH_PEERS_RUN={work}".encode()
     assert [pid for pid in os.listdir("/proc") if pid.isdigit() and mark in _environ(pid)] == []
+
+
+@pytest.mark.parametrize("which", ["poisson", "pd"])
+async def test_each_rate_sends_prompts_no_earlier_rate_sent(monkeypatch, which):
+    """A later rate that resent the earlier rate's prompts would time prefix-cache hits (the
+    first two-GPU run did: TTFT p50 80 ms at 2/s/GPU, 20 ms at 4): every rate draws its own."""
+    from bench.peers import figures, two_gpus
+    from bench.serve import workload
+
+    sent: list[list[list[int]]] = []
+
+    async def fake_run(ns, slo=None, gpus=1):
+        sent.append([prompt for prompt, _ in workload(ns)])
+        row = {"p50_ms": 1.0, "p99_ms": 1.0}
+        return {"ttft": row, "tpot": row, "jct": row, "total_tokens_per_s": 1.0,
+                "failed": 0, "errors": [], "completed": ns.num_requests,
+                "slo": {"goodput_per_gpu": 1.0}}
+
+    monkeypatch.setattr(figures, "serve_run", fake_run)
+    monkeypatch.setattr(two_gpus, "serve_run", fake_run)
+    monkeypatch.setattr(figures, "check", lambda result, what: None)
+    monkeypatch.setattr(two_gpus, "check", lambda result, what: None)
+    if which == "poisson":
+        args = SimpleNamespace(rates=[8.0, 16.0, 24.0], poisson_requests=5, poisson_input=32,
+                               poisson_output=4)
+        await figures.poisson("http://x/v1", "m", args, 1000)
+    else:
+        args = SimpleNamespace(pd_rates=[2.0, 3.0, 4.0], pd_requests=5, pd_input=32,
+                               pd_output=4, slo_ttft_s=2.0, slo_tpot_ms=25.0)
+        await two_gpus.rates("http://x/v1", "pd", args, 1000)
+    assert len(sent) == 3
+    seen = [{tuple(p) for p in rate} for rate in sent]
+    assert all(len(s) == 5 for s in seen)
+    assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])

@@ -120,11 +120,13 @@ async def serve(base_url: str, model: str, args, vocab: int) -> dict:
 
 async def poisson(base_url: str, model: str, args, vocab: int) -> dict:
     out = {}
-    for rate in args.rates:
+    # each rate sends prompts of its own (another seed): with the same prompts a later rate
+    # would time prefix-cache hits of the earlier one's, not prefills
+    for i, rate in enumerate(args.rates):
         ns = serve_args(base_url, model, [
             "--num-requests", str(args.poisson_requests), "--request-rate", str(rate),
             "--input-len", str(args.poisson_input), "--output-len", str(args.poisson_output),
-            "--vocab", str(vocab), "--seed", "1"])  # fmt: skip
+            "--vocab", str(vocab), "--seed", str(100 + i)])  # fmt: skip
         result = await serve_run(ns)
         check(result, f"poisson@{rate}")
         for metric in ("ttft", "tpot"):

@@ -95,11 +95,12 @@ async def rates(base_url: str, layout: str, args, vocab: int) -> dict:
     """bench.serve at each of --pd-rates (per GPU, so twice that in all): the rows."""
     out = {}
     slo = SLO(args.slo_ttft_s, args.slo_tpot_ms)
-    for per_gpu in args.pd_rates:
+    for i, per_gpu in enumerate(args.pd_rates):
+        # fresh prompts at each rate (as in figures.poisson): no prefix-cache hit on the last's
         ns = serve_args(base_url, servers.SERVED_NAME, [
             "--num-requests", str(args.pd_requests), "--request-rate", str(2 * per_gpu),
             "--input-len", str(args.pd_input), "--output-len", str(args.pd_output),
-            "--vocab", str(vocab), "--seed", "1"])  # fmt: skip
+            "--vocab", str(vocab), "--seed", str(200 + i)])  # fmt: skip
         result = await serve_run(ns, slo, gpus=2)
         check(result, f"{layout}@{per_gpu}")
         name = f"{layout} {per_gpu:g}/s/GPU"
