@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.policies import POLICIES  # plain data: no torch
+from engine.policies import POLICIES, PRIORITY_MAX, PRIORITY_MIN  # plain data: no torch
 from microserve.backend import QUEUE_TIMEOUT_S
+from microserve.bounds import BACKGROUND_PRIORITY, INT32_MAX
 from microserve.model_config import ModelConfig  # plain data: no torch
 from microserve.nvshmem_group import check_member
 
@@ -47,6 +48,13 @@ class EngineConfig:
     # and mlfq a sequence that has not run for scheduling_starvation_s is promoted to the top.
     scheduling_policy: str = "fcfs"
     scheduling_starvation_s: float = 10.0
+    # Background (filler) work, engine/scheduler.py's Background: a request whose priority is at
+    # or past background_priority (a batch job's lines: the router sends them at
+    # BACKGROUND_PRIORITY) gets at most background_max_seqs rows and background_max_tokens
+    # tokens of a step while other requests run or wait, under any policy.
+    background_priority: int = BACKGROUND_PRIORITY
+    background_max_seqs: int = 4
+    background_max_tokens: int = 32
     mlfq_levels: int = 8  # mlfq: its queues
     # mlfq: queue 0's quantum in predicted seconds of running (queue i's: 2**i times it);
     # None: 8 one-token steps of the start-up profile
@@ -218,6 +226,13 @@ class EngineConfig:
         if not 0 < self.scheduling_starvation_s <= MAX_LEASE_S:
             raise ValueError(f"scheduling_starvation_s must be in (0, {MAX_LEASE_S:.0f}] s, got "
                              f"{self.scheduling_starvation_s}")
+        if not 0 <= self.background_max_seqs <= INT32_MAX or not (
+                0 <= self.background_max_tokens <= INT32_MAX):
+            raise ValueError(f"background_max_seqs and background_max_tokens must be >= 0, got "
+                             f"{self.background_max_seqs} and {self.background_max_tokens}")
+        if not PRIORITY_MIN <= self.background_priority <= PRIORITY_MAX:
+            raise ValueError(f"background_priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                             f"got {self.background_priority}")
         if not 1 <= self.mlfq_levels <= 32:
             raise ValueError(f"mlfq_levels must be in [1, 32], got {self.mlfq_levels}")
         if self.mlfq_base_quantum_s is not None and not 0 < self.mlfq_base_quantum_s <= 3600:

@@ -110,6 +110,16 @@ def engine_options(p: argparse.ArgumentParser) -> None:
     _config_option(p, "--scheduling-starvation-s", type=float, metavar="SECONDS",
                    help="priority and mlfq: a request that has not run for this long is "
                         "promoted to the top")
+    _config_option(p, "--background-priority", type=int, metavar="PRIORITY",
+                   help="a request whose priority is at least this is background work, as a "
+                        "batch job's lines are (default: %(default)s, the priority they are "
+                        "sent at)")
+    _config_option(p, "--background-max-seqs", type=int, metavar="N",
+                   help="while other requests run or wait, background work gets at most this "
+                        "many sequences of a step (default: %(default)s)")
+    _config_option(p, "--background-max-tokens", type=int, metavar="N",
+                   help="... and at most this many tokens of a step (default: %(default)s); "
+                        "with no other work it runs as any request does")
     _config_option(p, "--mlfq-levels", type=int, help="mlfq: how many queues")
     _config_option(p, "--mlfq-base-quantum-s", type=float, metavar="SECONDS",
                    help="mlfq: the top queue's quantum in predicted seconds of running, "

@@ -30,6 +30,9 @@ TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1 and 0 disable it; at mos
 # A request's scheduling priority (vLLM's `priority`: lower runs first), for engines run with
 # --scheduling-policy priority; other policies ignore it
 Priority = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+# A priority at or past this marks a request as background work (a batch job's lines are sent
+# at it): engines give it what live requests leave of each step (--background-max-seqs/-tokens)
+BACKGROUND_PRIORITY = 1_000_000
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # Sampling penalties: OpenAI's range for presence/frequency, and SGLang's upper bound for the
 # repetition penalty (vLLM's and Hugging Face's take any positive value; past 2 the penalty

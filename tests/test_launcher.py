@@ -430,10 +430,13 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
     [engine] = load_deployment(config).engines
     assert (engine.config.device, engine.config.page_size) == ("cuda:1", 32)
     config.write_text('[[engines]]\nname = "e"\nargs = ["--scheduling-policy", "mlfq", '
-                      '"--scheduling-starvation-s", "2.5", "--mlfq-levels", "4"]\n')
+                      '"--scheduling-starvation-s", "2.5", "--mlfq-levels", "4", '
+                      '"--background-max-seqs", "0"]\n')
     [engine] = load_deployment(config).engines
     assert (engine.config.scheduling_policy, engine.config.scheduling_starvation_s,
             engine.config.mlfq_levels, engine.config.mlfq_base_quantum_s) == ("mlfq", 2.5, 4, None)
+    assert (engine.config.background_priority, engine.config.background_max_seqs,
+            engine.config.background_max_tokens) == (1_000_000, 0, 32)
     # an engine's own /v1 queue bound: the router's default unless given
     assert engine.config.queue_timeout_s == RouterSettings().queue_timeout_s == 60.0
     config.write_text('[[engines]]\nname = "e"\nargs = ["--queue-timeout-s", "2.5"]\n')
@@ -445,6 +448,12 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
                            "argument --scheduling-policy: invalid choice: 'sjf'"),
                           ('["--scheduling-starvation-s", "0"]',
                            r"scheduling_starvation_s must be in \(0, 86400\] s, got 0.0"),
+                          ('["--background-max-tokens", "-1"]',
+                           "background_max_seqs and background_max_tokens must be >= 0, got 4 "
+                           "and -1"),
+                          ('["--background-priority", "4294967296"]',
+                           r"background_priority must be in \[-2147483648, 2147483647\], got "
+                           "4294967296"),
                           ('["--queue-timeout-s", "nan"]',
                            r"queue_timeout_s must be in \(0, 3600\] s, got nan")]:
         config.write_text(f'[[engines]]\nname = "e"\nargs = {args}\n')

@@ -100,6 +100,44 @@ def test_metrics_show_preemptions_by_reason_and_the_mlfq_queues(runs):
                for i in range(8))
 
 
+def test_background_requests_leave_live_work_its_steps_and_keep_their_tokens(runs,
+                                                                             tiny_model_dir):
+    """The four batch requests at BACKGROUND_PRIORITY (batch lines), under fcfs with room for
+    one background row of a step: while the urgent request runs, each step emits at most one
+    background token; it finishes first, in SHORT steps after its prompt's; every request's
+    greedy tokens equal the plain fcfs run's."""
+    from microserve.bounds import BACKGROUND_PRIORITY
+
+    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=256,
+                                   max_num_seqs=8, background_max_seqs=1,
+                                   background_max_tokens=4))
+    prompts = random_prompts([30, 25, 20, 35, 12], seed=3, vocab=TINY_VOCAB)
+    for i, prompt in enumerate(prompts[:4]):
+        core.add_request(f"batch{i}", prompt, greedy(LONG), priority=BACKGROUND_PRIORITY)
+    tokens, finished, per_step = {}, [], []
+    while core.has_work():
+        if len(per_step) == 2:
+            core.add_request("urgent", prompts[4], greedy(SHORT), priority=0)
+        emitted = {}
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            emitted[out.request_id] = len(out.token_ids)
+            if out.finish_reason is not None:
+                finished.append(out.request_id)
+        per_step.append(emitted)
+    core.check_integrity()
+    assert core.kv.stats().used_pages == 0
+    (fcfs_tokens, _), _ = runs["fcfs"]
+    assert tokens == fcfs_tokens
+    assert finished[0] == "urgent"
+    live = [i for i, e in enumerate(per_step) if "urgent" in e]
+    assert len(live) == SHORT and live[-1] - live[0] == SHORT - 1  # a token every step
+    # from the step after its prompt's: background rows share its steps one at a time
+    assert all(sum(n for rid, n in per_step[i].items() if rid != "urgent") <= 1
+               for i in live[1:])
+    assert core.stats().preemptions == 0
+
+
 # ---- over HTTP: a `microserve engine` process run with --scheduling-policy priority ----------
 
 

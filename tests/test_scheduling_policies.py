@@ -6,7 +6,7 @@ tests/test_scheduler.py, and a sequence finishes when it has max_tokens outputs.
 import pytest
 
 from engine.policies import (FCFS, PrefillProfile, Priority, SkipJoinMLFQ, make_policy)
-from engine.scheduler import Scheduler
+from engine.scheduler import Background, Scheduler
 from engine.sequence import Sequence, SeqStatus
 from kvcache.manager import KVCacheManager
 from microserve.messages import SamplingParams
@@ -275,4 +275,84 @@ def test_every_policy_lets_received_kv_overtake_a_head_that_needs_its_pages(poli
     # then big takes all 4 pages; under mlfq small holds one, so big waits for it
     second = [("small", 1)] if policy == "mlfq" else [("big", 13)]
     assert run_step(s)[0] == second
+    kv.check_integrity()
+
+
+# ---- background (filler) work ---------------------------------------------------------------------
+
+BG = 100  # the tests' background priority
+
+
+def test_background_gets_only_its_room_of_a_step_while_live_work_exists():
+    """Three batch lines run freely alone; once a live request waits, a step gives them 2 rows
+    and 5 tokens at most (b2 waits, holding its KV), and the live prompt runs whole; when it
+    has finished, all three run again."""
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=8, background=Background(BG, max_seqs=2, max_tokens=5))
+    for i in range(3):
+        s.add(seq(f"b{i}", 6, i, priority=BG))
+    assert run_step(s)[0] == [("b0", 6), ("b1", 6), ("b2", 6)]
+    s.add(seq("L", 8, 3, priority=0, max_tokens=2))
+    assert run_step(s)[0] == [("b0", 1), ("b1", 1), ("L", 8)]
+    assert run_step(s)[0] == [("b0", 1), ("b1", 1), ("L", 1)]  # L finishes here
+    assert run_step(s)[0] == [("b0", 1), ("b1", 1), ("b2", 1)]
+    kv.check_integrity()
+
+
+def test_background_prompts_are_chunked_to_the_room_and_hold_up_no_live_admission():
+    """FCFS: a batch line between two live requests is admitted with 3 tokens of its prompt
+    (its room), does not block the live request behind it, and finishes its prompt at full
+    speed once the live requests are done."""
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=8, background=Background(BG, max_seqs=1, max_tokens=3))
+    s.add(seq("L0", 4, 0, max_tokens=3))
+    s.add(seq("b", 10, 1, priority=BG))
+    s.add(seq("L1", 4, 2, max_tokens=3))
+    assert run_step(s)[0] == [("L0", 4), ("b", 3), ("L1", 4)]
+    assert run_step(s)[0] == [("L0", 1), ("L1", 1), ("b", 3)]
+    assert run_step(s)[0] == [("L0", 1), ("L1", 1), ("b", 3)]  # both live ones finish
+    steps, out = run_step(s)
+    assert steps == [("b", 1)] and out.scheduled[0].sample
+    kv.check_integrity()
+
+
+def test_background_is_never_promoted_for_starvation():
+    """One seat and a stream of urgent requests, as in the starvation test above, but the
+    waiting sequence is background: it is not promoted (it would then take the seat from live
+    work), and runs once the stream stops."""
+    clock = Clock()
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=1, policy=Priority(starvation_s=3, clock=clock),
+                  background=Background(BG, max_seqs=1, max_tokens=4))
+    s.add(seq("bg", 4, 0, priority=BG, max_tokens=2))
+    s.add(seq("u0", 2, 1, max_tokens=1))
+    ran = []
+    for step in range(6):
+        steps, _ = run_step(s, clock)
+        ran.append([rid for rid, _ in steps])
+        if step < 4:
+            s.add(seq(f"u{step + 1}", 2, step + 2, max_tokens=1))
+    assert ran == [["u0"], ["u1"], ["u2"], ["u3"], ["u4"], ["bg"]]
+    assert s.policy.promotions == 0
+    kv.check_integrity()
+
+
+def test_background_limits_are_checked():
+    with pytest.raises(ValueError, match="must be >= 0, got -1 sequences and 5 tokens"):
+        Background(BG, max_seqs=-1, max_tokens=5)
+
+
+def test_under_fcfs_a_live_request_takes_the_seat_of_the_newest_background_one():
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=2, background=Background(BG, max_seqs=2, max_tokens=8))
+    s.add(seq("b0", 4, 0, priority=BG))
+    s.add(seq("b1", 4, 1, priority=BG))
+    assert run_step(s)[0] == [("b0", 4), ("b1", 4)]
+    s.add(seq("L", 6, 2, max_tokens=1))
+    steps, out = run_step(s)
+    assert steps == [("b0", 1), ("L", 6)] and ids(out.preempted) == ["b1"]
+    assert s.preemptions_by_reason == {"priority": 1}
+    assert ids(s.waiting) == ["b1"] and s.waiting[0].num_computed_tokens == 0  # recomputed
+    # L finished: b1 comes back; its prompt's whole page is cached, so it computes its token
+    assert run_step(s)[0] == [("b0", 1), ("b1", 1)]
     kv.check_integrity()

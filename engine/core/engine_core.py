@@ -30,7 +30,7 @@ from engine.models import fp8
 from engine.penalties import PenaltyPool
 from engine.policies import FCFS, PrefillProfile, SchedulingPolicy, make_policy
 from engine.requests import RequestSideTable, RequestTable
-from engine.scheduler import Scheduler
+from engine.scheduler import Background, Scheduler
 from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.sender import KVSender
@@ -96,7 +96,10 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             self.kv.attach_host(self.host_swap.tier, self.host_swap)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self._policy(None),  # mlfq's waits for its profile
-                                   adapters=self.adapters, swapper=self.host_swap)
+                                   adapters=self.adapters, swapper=self.host_swap,
+                                   background=Background(config.background_priority,
+                                                         config.background_max_seqs,
+                                                         config.background_max_tokens))
         self.requests = RequestTable()
         # The transfer thread wakes the step loop through this pipe when a send completes.
         self.wakeup_fd, self._wakeup_w = os.pipe()

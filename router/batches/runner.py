@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import httpx
 
+from microserve.bounds import BACKGROUND_PRIORITY
 from microserve.metrics import Registry
 from microserve.tokenizer import Tokenizer
 from router.batches.admission import Admission
@@ -40,10 +41,11 @@ RETRIES = 4  # a 5xx (an engine restarting, overloaded) is tried again this ofte
 RETRY_BACKOFF_S = 0.5  # before the first retry; doubling
 
 
-# Batch lines are filler: on engines run with `--scheduling-policy priority` a live request
-# (priority 0 unless it says otherwise; lower runs first) goes before them and may preempt them;
-# the policy's starvation bound still runs a waiting line in time. Other policies ignore it.
-BATCH_PRIORITY = 1_000_000
+# Batch lines are filler: at BACKGROUND_PRIORITY an engine gives them only what live requests
+# leave of each step (--background-max-seqs/-tokens, under any policy); on engines run with
+# `--scheduling-policy priority` a live request (priority 0 unless it says otherwise; lower runs
+# first) is also admitted before them and may preempt them.
+BATCH_PRIORITY = BACKGROUND_PRIORITY
 
 
 def at_batch_priority(request: dict) -> dict:
