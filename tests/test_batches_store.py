@@ -415,3 +415,27 @@ async def test_batch_lines_go_at_the_batch_priority_unless_they_chose_one(tmp_pa
     # the first line goes behind live requests (priority 0); the second asked to go first
     assert dict(zip([c[0] for c in calls], priorities)) == {1: BATCH_PRIORITY, 2: -5}
     store.close()
+
+
+async def test_the_runners_line_calls_run_off_the_event_loops_thread(tmp_path, monkeypatch):
+    """Inserting a batch's lines, reading the pending ones, each line's committed result and
+    the output files: none on the thread that serves live requests (a 10,000-line batch's
+    insert and read held that thread ~1 s, and every live request waited it out)."""
+    import threading
+
+    calls, threads = [], {}
+    store, runner = _runner_with(tmp_path, calls)
+    loop_thread = threading.current_thread()
+    for name in ("add_lines", "pending", "finish_line", "results_file"):
+        method = getattr(Store, name)
+
+        def spy(self, *args, _name=name, _method=method, **kwargs):
+            threads.setdefault(_name, set()).add(threading.current_thread() is loop_thread)
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(Store, name, spy)
+    await runner._run(_batch(store, [[1], [2], [3]]))
+    assert store.batch(None, "batch-t")["status"] == "completed" and len(calls) == 3
+    assert threads == dict.fromkeys(("add_lines", "pending", "finish_line", "results_file"),
+                                    {False})
+    store.close()

@@ -113,7 +113,7 @@ class BatchRunner:
             self._cancelled.add(batch_id)
         if not self.store.has_lines(batch_id):
             if batch_id in self._cancelled:
-                self._finalize(batch, "cancelled")
+                await self._finalize(batch, "cancelled")
                 return
             if not await self._validate(batch):
                 return
@@ -123,12 +123,12 @@ class BatchRunner:
         if batch_id in self._cancelled:
             if batch["status"] != "cancelling":
                 self._set(batch, "cancelling")
-            self._finalize(batch, "cancelled")
+            await self._finalize(batch, "cancelled")
         elif time.time() >= batch["expires_at"]:
-            self._finalize(batch, "expired")
+            await self._finalize(batch, "expired")
         else:
             self._set(batch, "finalizing")
-            self._finalize(batch, "completed")
+            await self._finalize(batch, "completed")
         self._cancelled.discard(batch_id)
 
     async def _validate(self, batch: dict) -> bool:
@@ -160,7 +160,7 @@ class BatchRunner:
             "dfs_shareable_tokens": ordering.shareable_tokens,
             "prefix_sharing_vs_dfs": round(sharing, 4)}
         batch["status"], batch["in_progress_at"] = "in_progress", int(time.time())
-        self.store.add_lines(batch, rows)
+        await asyncio.to_thread(self.store.add_lines, batch, rows)
         return True
 
     def _parse_and_order(self, data: bytes, endpoint: str
@@ -201,7 +201,7 @@ class BatchRunner:
         async with httpx.AsyncClient(transport=transport, base_url="http://router",
                                      headers=headers, timeout=None) as client:
             try:
-                for row in self.store.pending(batch["id"]):
+                for row in await asyncio.to_thread(self.store.pending, batch["id"]):
                     while not self.admission.may_start(len(running)):
                         await self.admission.changed(running)
                     if self._stop(batch):
@@ -239,8 +239,8 @@ class BatchRunner:
         except ValueError:
             body = {"error": {"message": answer.text, "type": "server_error"}}
         ok = answer.status_code == 200
-        self.store.finish_line(batch["id"], row.idx, ok,
-                               output_line(row.custom_id, answer.status_code, body))
+        await asyncio.to_thread(self.store.finish_line, batch["id"], row.idx, ok,
+                                output_line(row.custom_id, answer.status_code, body))
         self._lines.dec(batch=batch["id"], state="pending")
         self._lines.inc(batch=batch["id"], state="completed" if ok else "failed")
 
@@ -256,23 +256,21 @@ class BatchRunner:
         batch.update(status=status, **{f"{status}_at": int(time.time())}, **fields)
         self.store.update_batch(batch)
 
-    def _finalize(self, batch: dict, status: str) -> None:
+    async def _finalize(self, batch: dict, status: str) -> None:
         """Write the output and error files, then move to `status` (one update: a restart
         before it finalizes again)."""
         if status == "expired":
             expired = {"code": "batch_expired",
                        "message": "the batch expired before this line ran"}
-            self.store.fail_pending(batch["id"], lambda row: output_line(row.custom_id, None,
-                                                                         None, expired))
+            await asyncio.to_thread(self.store.fail_pending, batch["id"], lambda row: output_line(
+                row.custom_id, None, None, expired))
             self._show(batch["id"])
         owner = self.store.owner_of(batch["id"])
         for state, key, name in (("done", "output_file_id", "output"),
                                  ("failed", "error_file_id", "errors")):
-            results = self.store.results(batch["id"], state)
-            if results:
-                data = "".join(r + "\n" for r in results).encode()
-                added = self.store.add_file(owner, f"{batch['id']}_{name}.jsonl",
-                                            "batch_output", data)
-                batch[key] = added["id"]
+            file_id = await asyncio.to_thread(self.store.results_file, owner, batch["id"], state,
+                                              f"{batch['id']}_{name}.jsonl")
+            if file_id is not None:
+                batch[key] = file_id
         self._set(batch, status)
 
