@@ -439,3 +439,22 @@ async def test_the_runners_line_calls_run_off_the_event_loops_thread(tmp_path, m
     assert threads == dict.fromkeys(("add_lines", "pending", "finish_line", "results_file"),
                                     {False})
     store.close()
+
+
+def test_the_trees_sort_key_orders_as_the_token_ids_do():
+    """build_tree sorts prompts by a bytes key (a memcmp, not a GIL-holding walk over tuples):
+    it must order exactly as the id sequences, prefixes and ids past 16 bits included; ids
+    that do not fit 32 bits sort after every other prompt."""
+    import random
+
+    from router.batches.order import _sort_key
+
+    rng = random.Random(5)
+    heads = [[rng.randrange(2**32) for _ in range(rng.randrange(1, 40))] for _ in range(20)]
+    prompts = [rng.choice(heads)[:rng.randrange(0, 40)]
+               + [rng.choice((0, 255, 256, 65535, 65536, 2**31, 2**32 - 1, rng.randrange(2**32)))
+                  for _ in range(rng.randrange(0, 6))] for _ in range(2000)]
+    assert (sorted(range(2000), key=lambda i: (_sort_key(prompts[i]), i))
+            == sorted(range(2000), key=lambda i: (prompts[i], i)))
+    odd = [[5], [2**32], [-1, 3], [4, 4]]
+    assert sorted(range(4), key=lambda i: (_sort_key(odd[i]), i)) == [3, 0, 2, 1]
