@@ -84,6 +84,11 @@ def workload(args) -> list[tuple[list[int], int]]:
     in_spec, out_spec = WORKLOADS.get(args.workload, (args.input_len, args.output_len))
     lengths = [(draw_len(rng, in_spec, args.max_len), draw_len(rng, out_spec, args.max_len))
                for _ in range(args.num_requests)]
+    # --prompt-seed: the same lengths and arrivals with other token ids (runs compared on one
+    # deployment must not hit each other's prefix cache)
+    prompt_seed = getattr(args, "prompt_seed", None)
+    if prompt_seed is not None:
+        rng = random.Random(f"prompts/{prompt_seed}")
     return [([rng.randrange(args.vocab) for _ in range(n_in)], n_out) for n_in, n_out in lengths]
 
 
@@ -212,6 +217,10 @@ def workload_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--abort-after", default="0.5:5",
                     help="LO:HI seconds after which an abandoned request is cut off")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-seed", type=int, default=None,
+                    help="draw the token ids from this seed instead (lengths and arrivals stay "
+                         "--seed's): a run on the same schedule whose prompts no earlier run "
+                         "left in the prefix cache")
 
 
 def main() -> None:

@@ -226,3 +226,26 @@ async def test_each_rate_sends_prompts_no_earlier_rate_sent(monkeypatch, which):
     seen = [{tuple(p) for p in rate} for rate in sent]
     assert all(len(s) == 5 for s in seen)
     assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
+
+
+def test_a_prompt_seed_keeps_the_lengths_and_draws_other_token_ids():
+    """bench.serve's --prompt-seed (microserve ab's too): the same schedule with prompts no
+    other run sent; without it the workload is what --seed alone always gave."""
+    import argparse
+    import random
+
+    from bench.serve import workload, workload_options
+
+    ap = argparse.ArgumentParser()
+    workload_options(ap)
+    base = ap.parse_args(["--num-requests", "20", "--input-len", "8:40", "--output-len", "4:9",
+                          "--seed", "3"])
+    plain = workload(base)
+    rng = random.Random(3)  # what --seed alone has always drawn: lengths, then token ids
+    lengths = [(rng.randint(8, 40), rng.randint(4, 9)) for _ in range(20)]
+    assert plain == [([rng.randrange(32000) for _ in range(n)], m) for n, m in lengths]
+    one, two = (workload(argparse.Namespace(**{**vars(base), "prompt_seed": k})) for k in (1, 2))
+    for other in (one, two):
+        assert [(len(p), m) for p, m in other] == lengths
+    prompts = [{tuple(p) for p, _ in w} for w in (plain, one, two)]
+    assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])

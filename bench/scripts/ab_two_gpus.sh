@@ -23,10 +23,13 @@ until grep -q "microserve up:" "$out/up.log"; do
     sleep 2
 done
 a=data_parallel b=balanced_pd:ratio=0.3
+# Each run has the same lengths and arrivals (--seed 0) and prompts of its own (--prompt-seed):
+# a later run resending an earlier one's prompts would time prefix-cache hits.
+n=0
 for run in "a_alone:a=$a b=$b@0" "b_alone:a=$a@0 b=$b" "ab:a=$a b=$b"; do
-    name=${run%%:*} arms=${run#*:}
+    name=${run%%:*} arms=${run#*:} n=$((n + 1))
     set -- $arms
     python3 -m launcher.cli ab --base-url http://127.0.0.1:8000 --arm "$1" --arm "$2" \
         --duration-s "$duration" --rate "$rate" --input-len 3000 --output-len 100 \
-        --max-len 4096 --vocab 128000 --seed 0 --json "$out/$name.json" | tee "$out/$name.txt"
+        --max-len 4096 --vocab 128000 --seed 0 --prompt-seed $n --json "$out/$name.json" | tee "$out/$name.txt"
 done
