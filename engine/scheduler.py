@@ -21,13 +21,9 @@ and it is recomputed later from prompt + output so far, unless a host KV tier
 (`swapper`, engine/host_swap.py) takes its KV: then it waits on the host and, admitted again,
 gets fresh pages that its KV is copied back into, and resumes where it was.
 
-Background work (`background`, a `Background` limit): sequences whose `priority` is at or past
-its threshold (a batch job's lines) are filler. While any other sequence is running or waiting,
-a step gives background sequences at most `max_seqs` rows and `max_tokens` tokens, so live
-requests keep their time per token; with no other work they run as any sequence does. A live
-sequence that finds no seat or no pages takes those of background ones (newest first), under
-any policy. Background sequences are never promoted for starvation (they would then outrank
-the live requests they fill in for).
+Background work (engine/background.py): while live work exists, sequences at or past the
+background priority (a batch job's lines) get only a small room in each step, give their seats
+and pages to live sequences, and are never promoted for starvation.
 
 The policy (engine/policies.py) orders each group: FCFS keeps the queues' order; a ranked
 policy (priority, mlfq) sorts decodes by rank, interleaves prefill chunks and admissions by
@@ -48,6 +44,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.background import Background, StepRoom
 from engine.policies import FCFS, SchedulingPolicy
 from engine.sequence import Sequence, SeqStatus
 from kvcache.host_tier import HostState
@@ -97,43 +94,6 @@ class KVSwapper(Protocol):
 
     def release(self, seq_id: str) -> int:
         """Free its host pages, in any state (waits out a copy in flight)."""
-
-
-@dataclass(frozen=True)
-class Background:
-    """Which sequences are filler, and what a step leaves them while other work exists."""
-
-    priority: int  # a sequence's priority at or past this: background
-    max_seqs: int  # rows (decodes, prefill chunks, admissions) a step gives background work
-    max_tokens: int  # tokens of those rows
-
-    def __post_init__(self):
-        if self.max_seqs < 0 or self.max_tokens < 0:
-            raise ValueError(f"background limits must be >= 0, got {self.max_seqs} sequences "
-                             f"and {self.max_tokens} tokens a step")
-
-    def of(self, seq: Sequence) -> bool:
-        return seq.priority >= self.priority
-
-
-@dataclass
-class _Filler:
-    """One step's room for background sequences (unbounded when no other work exists)."""
-
-    background: Background | None
-    seqs: float = float("inf")
-    tokens: float = float("inf")
-
-    def cap(self, seq: Sequence, n: int) -> int:
-        """The tokens of `n` a background sequence may run this step (n for any other)."""
-        if self.background is None or not self.background.of(seq):
-            return n
-        return 0 if self.seqs < 1 else int(min(n, self.tokens))
-
-    def take(self, seq: Sequence, n: int) -> None:
-        if self.background is not None and self.background.of(seq):
-            self.seqs -= 1
-            self.tokens -= n
 
 
 @dataclass
@@ -186,7 +146,7 @@ class Scheduler:
         self.policy = policy or FCFS()
         self.adapters = adapters  # None: no LoRA (every sequence runs the base)
         self.swapper = swapper  # None: no host KV tier (every preemption recomputes)
-        self.background = background  # None: no sequence is filler
+        self.background = background  # None: no sequence is background
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0  # counter for /metrics
@@ -243,9 +203,9 @@ class Scheduler:
             for seq_id in self.swapper.poll():  # copied out: their GPU pages are free now
                 self.kv.free(seq_id)
         active = self.policy.run_order([s for s in self.running if s.finish_reason is None])
-        filler = self._filler(active)
+        room = StepRoom.of(self.background, itertools.chain(active, self.waiting))
         self.policy.refresh(s for s in itertools.chain(self.waiting, self.running)
-                            if filler.background is None or not filler.background.of(s))
+                            if room.background is None or not room.background.of(s))
         decoding = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decoding:
@@ -253,7 +213,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            budget = self._run(seq, budget, out, filler)
+            budget = self._run(seq, budget, out, room)
         # Prefill chunks, then admissions (FCFS); a ranked policy interleaves them by rank,
         # so a waiting sequence it ranks higher gets the budget before a running one's chunk.
         # No new work in a step that had to preempt for pages.
@@ -267,9 +227,9 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SeqStatus.RUNNING:
-                budget = self._run(seq, budget, out, filler)
+                budget = self._run(seq, budget, out, room)
             elif not out.short_of_pages and seq not in out.preempted:
-                budget = self._admit(seq, budget, out, admission, filler)
+                budget = self._admit(seq, budget, out, admission, room)
         self.policy.ran([(e.seq, e.num_new_tokens) for e in out.scheduled])
         if self.swapper is not None and self.waiting and not out.short_of_pages:
             self._prefetch()
@@ -294,22 +254,14 @@ class Scheduler:
         self.kv.allocate(rid, first.num_computed_tokens)
         self.swapper.swap_in(rid, list(self.kv.page_table(rid)))
 
-    def _filler(self, active: list[Sequence]) -> _Filler:
-        """This step's room for background work: limited while any other sequence runs or
-        waits."""
-        bg = self.background
-        if bg is None or all(bg.of(s) for s in itertools.chain(active, self.waiting)):
-            return _Filler(bg)
-        return _Filler(bg, bg.max_seqs, bg.max_tokens)
-
-    def _run(self, seq: Sequence, budget: int, out: SchedulerOutput, filler: _Filler) -> int:
+    def _run(self, seq: Sequence, budget: int, out: SchedulerOutput, room: StepRoom) -> int:
         """Schedule a running sequence's next chunk (or decode token). Returns the budget left."""
-        n = filler.cap(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+        n = room.cap(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         if n == 0:
             return budget  # background work past the step's room: it waits, holding its KV
         if self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
             out.scheduled.append(self._entry(seq, n))
-            filler.take(seq, n)
+            room.take(seq, n)
             budget -= n
         return budget
 
@@ -392,10 +344,10 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput,
-               admission: _Admission, filler: _Filler) -> int:
+               admission: _Admission, room: StepRoom) -> int:
         """Admit a waiting sequence if it fits (a ranked policy may preempt running sequences
         it outranks to make it fit). Returns the budget left."""
-        budget_for_it = filler.cap(seq, budget)
+        budget_for_it = room.cap(seq, budget)
         if budget_for_it == 0:
             return budget  # background work past the step's room: its turn is kept
         on_host = None if self.swapper is None else self.swapper.state(seq.request_id)
@@ -447,15 +399,15 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
         out.scheduled.append(self._entry(seq, n))
-        filler.take(seq, n)
+        room.take(seq, n)
         if admission.twins is not None and self._computes_prompt(seq):
             admission.twins.setdefault(seq.prompt_key, []).append(seq)
         return budget - n
 
     def _preemptable(self, seq: Sequence) -> list[Sequence]:
         """Running sequences waiting `seq` may preempt, worst first: those a ranked policy says
-        it outranks, and under any policy background ones if it is not background (filler gives
-        way to live work). Not a send in progress (its transfer reads its pages as they are
+        it outranks, and under any policy background ones if it is not background (background
+        work gives way to live work). Not a send in progress (its transfer reads its pages as they are
         written) nor one whose last step is not resolved yet."""
         bg = self.background
         yields = bg is not None and not bg.of(seq)

@@ -5,8 +5,9 @@ tests/test_scheduler.py, and a sequence finishes when it has max_tokens outputs.
 
 import pytest
 
+from engine.background import Background
 from engine.policies import (FCFS, PrefillProfile, Priority, SkipJoinMLFQ, make_policy)
-from engine.scheduler import Background, Scheduler
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from kvcache.manager import KVCacheManager
 from microserve.messages import SamplingParams

@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 import torch
 
+from engine.background import Background
 from engine.config import EngineConfig
 from engine.core.adapters import EngineAdapters
 from engine.core.handlers import MessageHandlers
@@ -30,7 +31,7 @@ from engine.models import fp8
 from engine.penalties import PenaltyPool
 from engine.policies import FCFS, PrefillProfile, SchedulingPolicy, make_policy
 from engine.requests import RequestSideTable, RequestTable
-from engine.scheduler import Background, Scheduler
+from engine.scheduler import Scheduler
 from kvcache.manager import KVCacheManager
 from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.sender import KVSender
