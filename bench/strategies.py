@@ -37,6 +37,8 @@ content is fresh for each run, so no run hits a prefix another one cached):
                     sigma 1.0, output sigma 0.8, both clipped to [4, 2048]) with those means:
                     a stand-in with a long tail like the real set, not the real set.
     --input-len MEAN:STD --output-len MEAN:STD   normal lengths of your choosing
+    --phases W@RATE:S,...  one run per strategy whose mix shifts: phases of a workload (or
+                    IN:STD/OUT:STD) at a per-GPU rate for S seconds each (bench/workloads.py)
 
 A run ends when every request has answered or after --run-timeout-s; requests still open then
 are cancelled (the client disconnects, so the engines abort them) and counted as timed out.
@@ -51,7 +53,6 @@ import asyncio
 import contextlib
 import datetime
 import json
-import math
 import os
 import platform
 import random
@@ -66,6 +67,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.workloads import (WORKLOADS, Phase, compare_phases, overall_goodput, parse_lengths,
+                             parse_phases, phase_report, phased_schedule, schedule)
 from bench.serve import CLIENT_KEEP_ALIVE_S, one, pct
 from bench.slo import SLO, parse_stages, stage_quantiles
 
@@ -78,16 +81,6 @@ PRESETS: dict[str, tuple[str, dict]] = {
 _BALANCE = re.compile(r"1p1d-balance-(0(\.\d+)?|1(\.0+)?)$")
 _SPEC = re.compile(r"(?:(?P<label>[\w.-]+)=)?(?P<builtin>[\w.-]+)(?P<args>\{.*\})?"
                    r"(?:@(?P<engines>[\w.,-]+))?$")
-
-# (distribution, mean, spread) per workload and side; "normal": spread is the std deviation,
-# "lognormal": spread is sigma of the log, and the mean is the distribution's mean.
-WORKLOADS = {
-    "synthetic": (("normal", 3000, 5), ("normal", 100, 5)),
-    "synthetic-5000": (("normal", 5000, 5), ("normal", 100, 5)),
-    "chat": (("lognormal", 200, 1.0), ("lognormal", 260, 0.8)),
-}
-CHAT_CLIP = (4, 2048)
-
 
 @dataclass
 class StrategyRun:
@@ -119,30 +112,6 @@ def parse_strategy(text: str) -> StrategyRun:
         raise ValueError(f"strategy {text!r} is not a preset ({', '.join(PRESETS)}, "
                          "1p1d-balance-R); name a builtin as LABEL=BUILTIN")
     return StrategyRun(label, name, {}, engines)
-
-
-def parse_lengths(text: str) -> tuple[str, float, float]:
-    mean, _, std = text.partition(":")
-    return "normal", float(mean), float(std or 0)
-
-
-def draw_length(rng: random.Random, dist: tuple[str, float, float]) -> int:
-    kind, mean, spread = dist
-    if kind == "normal":
-        return max(1, round(rng.gauss(mean, spread)))
-    mu = math.log(mean) - spread * spread / 2  # a log-normal's mean is exp(mu + sigma^2 / 2)
-    return min(max(round(rng.lognormvariate(mu, spread)), CHAT_CLIP[0]), CHAT_CLIP[1])
-
-
-def schedule(n: int, rate: float, dists, seed: int) -> list[tuple[float, int, int]]:
-    """n requests: (arrival time in s from the run's start, input length, output length).
-    The same for every strategy at one rate."""
-    rng = random.Random(f"{seed}/{float(rate)!r}")
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append((t, draw_length(rng, dists[0]), draw_length(rng, dists[1])))
-        t += rng.expovariate(rate)
-    return out
 
 
 class Deployment:
@@ -243,9 +212,11 @@ class Bench:
         return parse_stages((await self.client.get(self.root + "/metrics")).text)
 
     async def run(self, model: str, work: list[tuple[float, int, int]], rng: random.Random,
-                  gpus: int, concurrency: int | None = None) -> dict:
+                  gpus: int, concurrency: int | None = None,
+                  phases: tuple[list[Phase], list[int]] | None = None) -> dict:
         """Send `work` at its arrival times (or, with `concurrency`, keeping that many in
-        flight); the latency figures of the requests and their goodput."""
+        flight); the latency figures of the requests and their goodput. `phases`: the run's
+        phases and each request's phase (bench/workloads.py): their figures too."""
         vocab = self.args.vocab
         prompts = [[rng.randrange(vocab) for _ in range(n_in)] for _, n_in, _ in work]
         limit = asyncio.Semaphore(concurrency or len(work))
@@ -268,14 +239,20 @@ class Bench:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         wall = time.perf_counter() - start
-        results = [t.result() for t in done]
+        answers = [t.result() if t in done else None for t in tasks]
+        results = [a for a in answers if a is not None]
         ok = [r for r in results if "error" not in r]
         out_tokens = sum(r["output_tokens"] for r in ok)
         in_tokens = sum(r["prompt_tokens"] for r in ok)
         ttft, tpot = pct([r["ttft"] for r in ok]), pct([r["tpot"] for r in ok])
         failed = len(work) - len(ok)
-        slo = SLO(self.args.slo_ttft_s, self.args.slo_tpot_ms).report(
-            ok, failed, wall, gpus, ttft.get("p99_ms"), tpot.get("p99_ms"))
+        objective = SLO(self.args.slo_ttft_s, self.args.slo_tpot_ms)
+        slo = objective.report(ok, failed, wall, gpus, ttft.get("p99_ms"), tpot.get("p99_ms"))
+        by_phase = {}
+        if phases is not None:
+            rows = phase_report(*phases, answers, objective, gpus)
+            by_phase = {"phases": rows,
+                        "phased_goodput_per_gpu": overall_goodput(rows, gpus)}
         return {
             "requests": len(work), "completed": len(ok), "failed": len(results) - len(ok),
             "timed_out": len(pending), "errors": [r["error"] for r in results if "error" in r][:3],
@@ -283,7 +260,7 @@ class Bench:
             "wall_s": wall, "request_throughput": len(ok) / wall,
             "input_tokens_per_s": in_tokens / wall, "output_tokens_per_s": out_tokens / wall,
             "ttft": ttft, "tpot": tpot, "jct": pct([r["e2e"] for r in ok]), "slo": slo,
-            "stages": stage_quantiles(stages_before, await self.stages()),
+            "stages": stage_quantiles(stages_before, await self.stages()), **by_phase,
         }  # fmt: skip
 
 
@@ -315,7 +292,8 @@ def saturated(result: dict, max_p99_jct_s: float | None) -> bool:
 
 async def main_async(args) -> dict:
     runs = [parse_strategy(s) for s in args.strategy]
-    rates = [parse_rate(r) for r in args.rates.split(",")]
+    phases = parse_phases(args.phases) if args.phases else None
+    rates = ["phased"] if phases else [parse_rate(r) for r in args.rates.split(",")]
     dists = WORKLOADS[args.workload]
     if args.input_len:
         dists = (parse_lengths(args.input_len), dists[1])
@@ -353,8 +331,13 @@ async def main_async(args) -> dict:
             used = run.engines or names
             gpus = args.gpus or len(used)
             for rate in rates:
-                closed = isinstance(rate, str)  # "cN": N in flight, one after another
-                if closed:
+                closed = isinstance(rate, str) and rate != "phased"  # "cN": N in flight
+                shifts = None
+                if phases:
+                    planned = phased_schedule(phases, gpus, args.seed)
+                    work = [(t, n_in, n_out) for t, n_in, n_out, _ in planned]
+                    shifts = (phases, [k for *_, k in planned])
+                elif closed:
                     n = args.min_requests
                     work = [(0.0, i, o) for _, i, o in schedule(n, 1.0, dists, args.seed)]
                 else:
@@ -363,13 +346,14 @@ async def main_async(args) -> dict:
                 await bench.settle()
                 before = await bench.engine_counters()
                 result = await bench.run(model, work, random.Random(f"{args.seed}/{k}/{rate}"),
-                                         gpus, int(rate[1:]) if closed else None)
+                                         gpus, int(rate[1:]) if closed else None, shifts)
                 await bench.settle()
                 active = (await bench.call("GET", "/admin/strategy"))["active"]
                 entry = {"strategy": run.label, "builtin": run.builtin, "args": run.args,
                          "engines": used, "gpus": gpus,
                          **({"concurrency": int(rate[1:]), "rate_per_gpu": 0, "rate": 0}
-                            if closed else {"rate_per_gpu": rate, "rate": rate * gpus}),
+                            if closed else {"rate_per_gpu": 0, "rate": 0} if phases
+                            else {"rate_per_gpu": rate, "rate": rate * gpus}),
                          **result,
                          "engine_counters": _delta(before, await bench.engine_counters()),
                          "strategy_version": described["version"],
@@ -378,10 +362,18 @@ async def main_async(args) -> dict:
                 print(_line(entry), flush=True)
                 if args.json:  # written after every run: a crash later keeps what ran
                     _write(args.json, record)
+                if phases:
+                    for row in result["phases"]:
+                        print(f"#   phase {row['workload']}@{row['rate_per_gpu']:g}:"
+                              f"{row['seconds']:g}  n={row['requests']} ok={row['completed']} "
+                              f"met={row['met']} goodput {row['goodput_per_gpu']:.2f}/GPU",
+                              flush=True)
                 if saturated(result, args.stop_when_saturated) and rate != rates[-1]:
                     print(f"# {run.label}: saturated at {rate:g} req/s per GPU; higher rates "
                           "skipped", flush=True)
                     break
+        for line in compare_phases(record["runs"]) if phases else []:
+            print(line, flush=True)
     finally:
         for name in names:  # a running deployment gets every engine back, even after an error
             with contextlib.suppress(Exception):
@@ -395,7 +387,7 @@ async def main_async(args) -> dict:
 def _line(e: dict) -> str:
     ms = lambda d, k: f"{d.get(k, float('nan')):.0f}"  # noqa: E731
     load = (f"c{e['concurrency']:<4}   " if "concurrency" in e else
-            f"{e['rate_per_gpu']:>5g}/GPU")
+            " phased  " if "phases" in e else f"{e['rate_per_gpu']:>5g}/GPU")
     return (f"{e['strategy']:>24} {load}  n={e['requests']:<4} "
             f"ok={e['completed']:<4} ttft {ms(e['ttft'], 'mean_ms')}/{ms(e['ttft'], 'p99_ms')} "
             f"tpot {ms(e['tpot'], 'mean_ms')}/{ms(e['tpot'], 'p99_ms')} "
@@ -429,9 +421,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--admin-token", default=os.environ.get("MICROSERVE_ADMIN_TOKEN"))
     ap.add_argument("--served-model", default=None, help="default: the first of /v1/models")
     ap.add_argument("--strategy", action="append", required=True, help="see above; repeat")
-    ap.add_argument("--rates", required=True, help="per-GPU request rates, e.g. 0.5,1,1.5; "
+    ap.add_argument("--rates", default=None, help="per-GPU request rates, e.g. 0.5,1,1.5; "
                     "cN: a closed loop of --min-requests requests, N in flight (c1: one at a "
                     "time, the TTFT of an idle deployment)")
+    ap.add_argument("--phases", default=None, metavar="W@RATE:S,...",
+                    help="instead of --rates, one run per strategy whose traffic shifts: "
+                         "WORKLOAD@RATE:SECONDS phases one after the other (bench/workloads.py), "
+                         "e.g. chat@8:60,synthetic@3:60,chat@8:60")
     ap.add_argument("--slo-ttft-s", type=float, default=2.0,
                     help="goodput: a request meets the SLO with a TTFT up to this ...")
     ap.add_argument("--slo-tpot-ms", type=float, default=25.0,
@@ -462,10 +458,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.deployment is not None:
         with open(args.deployment, "rb") as f:
             tomllib.load(f)  # fails here, not after minutes of start-up
+    if (args.rates is None) == (args.phases is None):
+        parser().error("give --rates or --phases (one of them)")
     try:
         for s in args.strategy:
             parse_strategy(s)
-        for r in args.rates.split(","):
+        if args.phases:
+            parse_phases(args.phases)
+        for r in (args.rates or "1").split(","):
             parse_rate(r)
     except ValueError as e:
         parser().error(str(e))

@@ -8,7 +8,8 @@ import statistics
 
 import pytest
 
-from bench.strategies import WORKLOADS, StrategyRun, draw_length, parse_strategy, schedule
+from bench.strategies import StrategyRun, parse_strategy
+from bench.workloads import WORKLOADS, draw_length, schedule
 
 
 @pytest.mark.parametrize("text, want", [
@@ -93,3 +94,51 @@ def test_rates_are_per_gpu_rates_or_closed_loops():
                      ("nan", "must be > 0")):
         with pytest.raises(ValueError, match=why):
             parse_rate(bad)
+
+
+# ---- runs whose traffic shifts (--phases) --------------------------------------------------------
+
+
+def test_phases_parse_and_their_schedule_keeps_each_phase_in_its_seconds():
+    from bench.workloads import Phase, parse_phases, phased_schedule
+
+    phases = parse_phases("chat@8:3,40:3/5:1@2:1.5")
+    assert phases == [Phase("chat", 8.0, 3.0), Phase("40:3/5:1", 2.0, 1.5)]
+    assert phases[1].dists == (("normal", 40.0, 3.0), ("normal", 5.0, 1.0))
+    planned = phased_schedule(phases, 2, seed=3)
+    assert planned == phased_schedule(phases, 2, seed=3)  # every strategy gets this one
+    first = [p for p in planned if p[3] == 0]
+    second = [p for p in planned if p[3] == 1]
+    assert planned == first + second and len(first) + len(second) == len(planned)
+    assert all(0 < t < 3.0 for t, *_ in first) and all(3.0 <= t < 4.5 for t, *_ in second)
+    assert [t for t, *_ in planned] == sorted(t for t, *_ in planned)
+    assert all(4 <= n_in <= 2048 for _, n_in, _, _ in first)  # chat's clipped lengths
+    assert 30 < sum(n_in for _, n_in, _, _ in second) / len(second) < 50
+    for bad, message in [("chat@0:5", "rate and seconds must be > 0"),
+                         ("x@1:1", "must be one of chat, synthetic, synthetic-5000 or IN:STD"),
+                         ("chat:1", "expected WORKLOAD@RATE:SECONDS")]:
+        with pytest.raises(ValueError, match=message):
+            parse_phases(bad)
+
+
+def test_phase_report_counts_what_met_the_slo_in_each_phase_and_compares_strategies():
+    from bench.slo import SLO
+    from bench.workloads import Phase, compare_phases, overall_goodput, phase_report
+
+    phases = [Phase("chat", 1.0, 2.0), Phase("synthetic", 1.0, 4.0)]
+    good = {"ttft": 0.5, "tpot": 0.010}
+    slow = {"ttft": 3.0, "tpot": 0.010}  # TTFT over 2 s
+    choppy = {"ttft": 0.5, "tpot": 0.030}  # TPOT over 25 ms
+    answers = [good, good, slow, None, choppy, good, {"error": "503"}]
+    phase_of = [0, 0, 0, 1, 1, 1, 1]
+    rows = phase_report(phases, phase_of, answers, SLO(), gpus=2)
+    assert [(r["requests"], r["completed"], r["met"]) for r in rows] == [(3, 3, 2), (4, 2, 1)]
+    assert [r["goodput_per_gpu"] for r in rows] == [2 / 2.0 / 2, 1 / 4.0 / 2]
+    assert overall_goodput(rows, 2) == 3 / 6.0 / 2
+    runs = [{"strategy": "auto", "phases": rows, "phased_goodput_per_gpu": 0.25},
+            {"strategy": "dp", "phases": [{**rows[0], "goodput_per_gpu": 1.0},
+                                          {**rows[1], "goodput_per_gpu": 0.1}],
+             "phased_goodput_per_gpu": 0.2}]
+    assert compare_phases(runs)[1:] == [
+        "#                     auto: 0.25 (1.25x) | 0.50 (0.50x) | 0.12 (1.25x)",
+        "#                       dp: 0.20 (0.80x) | 1.00 (2.00x) | 0.10 (0.80x)"]

@@ -544,7 +544,8 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
     """bench.strategies on the running deployment: each strategy swapped in through the admin
     API, Poisson arrivals at rate x engines, every request answered, and the engines' counters
     show exactly where the prompt tokens were computed and how many KV tokens moved."""
-    from bench.strategies import main_async, parse_lengths, parser, schedule
+    from bench.strategies import main_async, parser
+    from bench.workloads import parse_lengths, schedule
 
     argv = ["--base-url", up.url, "--admin-token", ADMIN, "--rates", "4",
             "--duration-s", "1", "--min-requests", "6", "--input-len", "40:3",
@@ -574,6 +575,31 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
             assert c["d"]["generation_tokens"] == sum(n_out), label
     assert {e["state"] for e in admin.get("/admin/engines").json()["engines"]} == {"up"}
     assert admin.get("/admin/strategy").json()["active"]["class"] == "BalancedPD"
+
+
+async def test_a_phased_run_reports_each_phase_for_each_strategy(up, admin):
+    """bench.strategies --phases: every strategy gets the same schedule of two phases; each
+    phase's requests are the ones that arrived in it, all answered, and (with an SLO every
+    request meets) its goodput is its requests per second of the phase per GPU."""
+    from bench.strategies import main_async, parser
+    from bench.workloads import overall_goodput, parse_phases, phased_schedule
+
+    spec = "40:3/5:1@3:1,12:2/3:1@3:1"
+    argv = ["--base-url", up.url, "--admin-token", ADMIN, "--phases", spec, "--strategy", "dp",
+            "--strategy", "1p1d", "--run-timeout-s", "120", "--seed", "5",
+            "--slo-ttft-s", "600", "--slo-tpot-ms", "600000"]
+    record = await main_async(parser().parse_args(argv))
+    planned = phased_schedule(parse_phases(spec), 2, 5)
+    counts = [sum(1 for p in planned if p[3] == k) for k in (0, 1)]
+    assert [r["strategy"] for r in record["runs"]] == ["dp", "1p1d"]
+    for run in record["runs"]:
+        assert (run["requests"], run["completed"], run["failed"]) == (len(planned),) * 2 + (0,)
+        rows = run["phases"]
+        assert [(r["requests"], r["completed"], r["met"]) for r in rows] == [(n, n, n)
+                                                                             for n in counts]
+        assert [r["goodput_per_gpu"] for r in rows] == [n / 1.0 / 2 for n in counts]
+        assert run["phased_goodput_per_gpu"] == overall_goodput(rows, 2)
+        assert run["output_tokens"] == sum(p[2] for p in planned)
 
 
 @pytest.mark.parametrize("strategy", ["data_parallel", "pd"])
