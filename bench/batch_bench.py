@@ -78,7 +78,8 @@ def live(url: str, args, tag: str) -> dict:
     subprocess.run([sys.executable, "-m", "bench.serve", "--base-url", url, "--num-requests",
                     str(args.live_requests), "--request-rate", str(args.live_rate),
                     "--input-len", args.live_input_len, "--output-len", args.live_output_len,
-                    "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+                    "--vocab", str(args.vocab), "--json", str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 

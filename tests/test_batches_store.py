@@ -4,6 +4,7 @@ in-process (no engine)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import time
@@ -458,3 +459,38 @@ def test_the_trees_sort_key_orders_as_the_token_ids_do():
             == sorted(range(2000), key=lambda i: (prompts[i], i)))
     odd = [[5], [2**32], [-1, 3], [4, 4]]
     assert sorted(range(4), key=lambda i: (_sort_key(odd[i]), i)) == [3, 0, 2, 1]
+
+
+async def test_a_live_request_is_not_queued_behind_a_batchs_first_lines(tmp_path):
+    """The runner starts lines one loop turn at a time: a live request that arrives as a batch
+    starts its 40 lines (all allowed at once) reaches the app before most of them, not after
+    every one (the live TTFT spikes of 0.4 s beside a batch on an H100)."""
+    from microserve.metrics import Registry
+    from router.batches.admission import Admission
+    from router.batches.runner import BatchRunner
+
+    order: list[str] = []
+    first_line = asyncio.Event()
+    app = FastAPI()
+
+    async def completions(raw: dict):
+        order.append("live" if raw.get("live") else "line")
+        first_line.set()
+        await asyncio.sleep(0)
+        return {"id": "x", "choices": [{"text": ""}]}
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    store = Store(tmp_path)
+    runner = BatchRunner(store, lambda: app, None, Registry(), Admission(64, lambda: 1), None)
+    batch = _batch(store, [[i + 1] for i in range(40)])
+    await runner._validate(batch)
+
+    async def live():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as client:
+            await first_line.wait()  # arrives as the batch's first line reaches the app
+            await client.post("/v1/completions", json={"prompt": [1], "live": True})
+
+    await asyncio.gather(runner._dispatch(store.batch(None, "batch-t")), live())
+    assert order.count("line") == 40 and order.index("live") < 10
+    store.close()

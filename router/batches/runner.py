@@ -209,6 +209,9 @@ class BatchRunner:
                     task = asyncio.create_task(self._line(client, batch, row))
                     running.add(task)
                     task.add_done_callback(running.discard)
+                    # one line at a time into the loop: a batch's first hundreds of lines,
+                    # started at once, would queue every live request behind their router work
+                    await asyncio.sleep(0)
                 await self._drain(batch, running)
             finally:
                 for task in running:
