@@ -104,6 +104,14 @@ class _Admission:
     twins: dict[int, list[Sequence]] | None
     # a sequence that must compute its KV did not fit: none ranked after it may be admitted
     blocked: bool = False
+    blocked_background: bool = False  # the same for background ones: they bar only each other
+
+    def bars(self, background: bool) -> bool:
+        return self.blocked or (background and self.blocked_background)
+
+    def block(self, background: bool) -> None:
+        self.blocked_background |= background
+        self.blocked |= not background
 
 
 @dataclass(frozen=True)
@@ -355,12 +363,14 @@ class Scheduler:
             self.swapper.release(seq.request_id)
             on_host = None
         prepared = self.kv.has(seq.request_id)  # KV received or held since the call came
-        if admission.blocked and not prepared:
+        background = self._is_background(seq)
+        if admission.bars(background) and not prepared:
             return budget
         if not prepared and on_host is None and self._waits_for_twin(seq, admission.twins):
             return budget
         if len(self.running) >= self.max_num_seqs and self._outranked(seq) is None:
-            admission.blocked |= not prepared  # no sequence ranked after it gets a seat either
+            if not prepared:  # no sequence ranked after it gets a seat either
+                admission.block(background)
             return budget
         if seq.lora_id and not self.adapters.acquire(seq):
             return budget  # every slot's adapter is running: it waits, holding no one up
@@ -382,7 +392,7 @@ class Scheduler:
             self._release_adapter(seq)
             if not prepared:
                 self.kv.free(seq.request_id)
-                admission.blocked = True  # in policy order among those that compute their KV
+                admission.block(background)  # in policy order among those computing KV
             return budget
         budget += freed
         if len(self.running) >= self.max_num_seqs:  # the seat of one it outranks (see above)
@@ -404,18 +414,20 @@ class Scheduler:
             admission.twins.setdefault(seq.prompt_key, []).append(seq)
         return budget - n
 
+    def _is_background(self, seq: Sequence) -> bool:
+        return self.background is not None and self.background.of(seq)
+
     def _preemptable(self, seq: Sequence) -> list[Sequence]:
         """Running sequences waiting `seq` may preempt, worst first: those a ranked policy says
         it outranks, and under any policy background ones if it is not background (background
-        work gives way to live work). Not a send in progress (its transfer reads its pages as they are
-        written) nor one whose last step is not resolved yet."""
-        bg = self.background
-        yields = bg is not None and not bg.of(seq)
-        if not self.policy.preempts and not yields:
+        work gives way to live work). Not a send in progress (its transfer reads its pages as
+        they are written) nor one whose last step is not resolved yet."""
+        live = self.background is not None and not self.background.of(seq)
+        if not self.policy.preempts and not live:
             return []
         victims = [r for r in self.running if r.finish_reason is None and not r.send_only
                    and ((self.policy.preempts and self.policy.outranks(seq, r))
-                        or (yields and bg.of(r)))]
+                        or (live and self._is_background(r)))]
         return sorted(victims, key=self.policy.rank, reverse=True)
 
     def _outranked(self, seq: Sequence) -> Sequence | None:

@@ -357,3 +357,33 @@ def test_under_fcfs_a_live_request_takes_the_seat_of_the_newest_background_one()
     # L finished: b1 comes back; its prompt's whole page is cached, so it computes its token
     assert run_step(s)[0] == [("b0", 1), ("b1", 1)]
     kv.check_integrity()
+
+
+def test_a_background_sequence_that_finds_no_seat_holds_up_no_live_one():
+    """FCFS, two seats, both taken (b0 background, L0 live); a background b1 waits ahead of a
+    live L1. b1 gets no seat (it takes none from anyone), and that must not bar L1, which takes
+    b0's."""
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=2, background=Background(BG, max_seqs=2, max_tokens=8))
+    s.add(seq("b0", 4, 0, priority=BG))
+    s.add(seq("L0", 4, 1, max_tokens=5))
+    assert run_step(s)[0] == [("b0", 4), ("L0", 4)]
+    s.add(seq("b1", 4, 2, priority=BG))
+    s.add(seq("L1", 4, 3, max_tokens=5))
+    steps, out = run_step(s)  # b0's decode is taken back with its seat
+    assert steps == [("L0", 1), ("L1", 4)] and ids(out.preempted) == ["b0"]
+    assert ids(s.waiting) == ["b0", "b1"]
+    kv.check_integrity()
+
+
+def test_among_background_sequences_fcfs_still_bars_overtaking():
+    """A background sequence that does not fit bars the background ones after it (FCFS among
+    them, as among live ones), while a live one after it is admitted."""
+    kv = KVCacheManager(num_pages=6, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=8, background=Background(BG, max_seqs=4, max_tokens=64))
+    s.add(seq("big", 30, 0, priority=BG))  # 8 pages: never fits in 6
+    s.add(seq("small", 4, 1, priority=BG))
+    s.add(seq("L", 4, 2, max_tokens=1))
+    steps, _ = run_step(s)
+    assert steps == [("L", 4)] and ids(s.waiting) == ["big", "small"]
+    kv.check_integrity()
