@@ -16,12 +16,11 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
-from daemons import ENGINE_KEY, LIVE, Daemon, serve
+from daemons import ENGINE_KEY, LIVE, Daemon, serve, serve_together
 from deployments import assert_quiet
 
 from microserve.backend import MicroservingError
@@ -48,25 +47,33 @@ TEXT = (
 ENGINE_ARGS = ("--num-pages", "256", "--max-model-len", "4096", "--api-key", ENGINE_KEY)
 
 
-def start(smollm2_dir, tmp_path_factory, name: str, *args: str) -> Iterator[Daemon]:
+def daemon(smollm2_dir, tmp_path_factory, name: str, *args: str) -> Daemon:
     log = tmp_path_factory.mktemp(name) / "daemon.log"
-    yield from serve(Daemon(smollm2_dir, log, name, *ENGINE_ARGS, *args))
+    return Daemon(smollm2_dir, log, name, *ENGINE_ARGS, *args)
 
 
 @pytest.fixture(scope="module")
-def p(smollm2_dir, tmp_path_factory):
-    # A small step budget makes a long remote_send take many steps (see the kill test).
-    yield from start(smollm2_dir, tmp_path_factory, "p", "--max-num-batched-tokens", "128")
+def engines(smollm2_dir, tmp_path_factory):
+    # P: a small step budget makes a long remote_send take many steps (see the kill test).
+    yield from serve_together(
+        daemon(smollm2_dir, tmp_path_factory, "p", "--max-num-batched-tokens", "128"),
+        daemon(smollm2_dir, tmp_path_factory, "d-shm", "--kv-transfer", "shm"),
+        daemon(smollm2_dir, tmp_path_factory, "d-tcp", "--kv-transfer", "tcp"))
 
 
 @pytest.fixture(scope="module")
-def d_shm(smollm2_dir, tmp_path_factory):
-    yield from start(smollm2_dir, tmp_path_factory, "d-shm", "--kv-transfer", "shm")
+def p(engines):
+    return engines[0]
 
 
 @pytest.fixture(scope="module")
-def d_tcp(smollm2_dir, tmp_path_factory):
-    yield from start(smollm2_dir, tmp_path_factory, "d-tcp", "--kv-transfer", "tcp")
+def d_shm(engines):
+    return engines[1]
+
+
+@pytest.fixture(scope="module")
+def d_tcp(engines):
+    return engines[2]
 
 
 @pytest.fixture(params=["shm", "tcp"])
