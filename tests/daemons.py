@@ -48,6 +48,7 @@ class Daemon:
         self.key = keys[-1] if keys else None  # the last one given is the one argparse keeps
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else None
         self.http = httpx.Client(base_url=self.url, timeout=30, headers=headers)
+        self.terminated = False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -93,11 +94,18 @@ class Daemon:
         assert r.status_code == 200, r.text
         return r.text
 
-    def stop(self) -> int:
-        """SIGTERM (what a supervisor sends), then wait; returns the exit code."""
+    def terminate(self) -> None:
+        """SIGTERM (what a supervisor sends), once, without waiting. (A second one while the
+        daemon stops its engine core, after uvicorn gave the signal back, ends it at once:
+        exit -15.)"""
         self.http.close()
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and not self.terminated:
             self.proc.send_signal(signal.SIGTERM)
+            self.terminated = True
+
+    def stop(self) -> int:
+        """SIGTERM, then wait; returns the exit code."""
+        self.terminate()
         try:
             return self.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -125,15 +133,32 @@ LIVE: list[Daemon] = []  # daemons the idle check runs on after every test
 def serve(daemon: Daemon) -> Iterator[Daemon]:
     """Fixture body: wait until `daemon` is ready, share it, then stop it and check it stopped
     cleanly and took its engine core with it."""
+    together = serve_together(daemon)
     try:
-        daemon.wait_ready()
-        core = daemon.core_pid()
-        LIVE.append(daemon)
-        yield daemon
+        yield next(together)[0]
     finally:
-        if daemon in LIVE:
-            LIVE.remove(daemon)
-        code = daemon.stop()
-    # SIGTERM: graceful shutdown, the core is stopped by serve()'s cleanup, exit code 0.
-    assert code == 0, f"{daemon.name!r} exited with {code}:\n{daemon.log()}"
-    assert gone_within(core, 10), "the engine core outlived its daemon"
+        next(together, None)
+
+
+def serve_together(*daemons: Daemon) -> Iterator[tuple[Daemon, ...]]:
+    """`serve` for daemons a module uses from its first test on, made just before: their
+    start-ups (~8 s each of imports and loading on the 2-core machine) overlap, and so do
+    their shutdowns (~2 s each)."""
+    cores = {}
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+            cores[daemon.name] = daemon.core_pid()
+            LIVE.append(daemon)
+        yield daemons
+    finally:
+        for daemon in daemons:
+            if daemon in LIVE:
+                LIVE.remove(daemon)
+            daemon.terminate()
+        codes = [daemon.stop() for daemon in daemons]
+    for daemon, code in zip(daemons, codes):
+        # SIGTERM: graceful shutdown, the core is stopped by serve()'s cleanup, exit code 0.
+        assert code == 0, f"{daemon.name!r} exited with {code}:\n{daemon.log()}"
+        assert gone_within(cores[daemon.name], 10), f"{daemon.name!r}: the engine core " \
+            "outlived its daemon"

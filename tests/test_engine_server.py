@@ -3,7 +3,8 @@ core), real HTTP, the real SmolLM2-135M-Instruct, spoken to through the official
 (raw httpx where the status line, the error JSON or the connection itself is the point).
 
 Daemons: one shared by most tests (`engine`), a small one for KV pressure (`small_engine`: 24
-pages of 16 = 384 tokens of KV), and a throwaway one whose engine core is killed. After every
+pages of 16 = 384 tokens of KV), one with short steps (`short_steps_engine`), these three
+started together, and a throwaway one whose engine core is killed. After every
 test each live daemon must go idle, with its KV cache intact and no page held.
 """
 
@@ -21,7 +22,7 @@ import httpx
 import openai
 import pytest
 from conftest import DAEMON_LOGS, _hf_model, hf_generate, hf_greedy
-from daemons import IDLE_KEYS, LIVE, Daemon, gone_within, serve
+from daemons import IDLE_KEYS, LIVE, Daemon, gone_within, serve_together
 
 from microserve.tokenizer import Tokenizer
 
@@ -36,16 +37,29 @@ FIB = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir, tmp_path_factory) -> Iterator[Daemon]:
-    log = tmp_path_factory.mktemp("engine") / "daemon.log"
-    yield from serve(Daemon(smollm2_dir, log, MODEL, "--num-pages", "256",
-                             "--max-model-len", str(MAX_MODEL_LEN)))
+def daemons(smollm2_dir, tmp_path_factory) -> Iterator[tuple[Daemon, ...]]:
+    """The shared daemon, the small one and the one with short steps, started together."""
+    def log(name: str):
+        return tmp_path_factory.mktemp(name) / "daemon.log"
+
+    yield from serve_together(
+        Daemon(smollm2_dir, log("engine"), MODEL, "--num-pages", "256",
+               "--max-model-len", str(MAX_MODEL_LEN)),
+        Daemon(smollm2_dir, log("small-engine"), "small", "--num-pages", "24",
+               "--page-size", "16"),
+        # Steps of 64 tokens: a 250-token prompt takes 4 of them to score.
+        Daemon(smollm2_dir, log("short-steps"), "steps", "--num-pages", "256",
+               "--max-num-batched-tokens", "64"))
 
 
 @pytest.fixture(scope="module")
-def small_engine(smollm2_dir, tmp_path_factory) -> Iterator[Daemon]:
-    log = tmp_path_factory.mktemp("small-engine") / "daemon.log"
-    yield from serve(Daemon(smollm2_dir, log, "small", "--num-pages", "24", "--page-size", "16"))
+def engine(daemons) -> Daemon:
+    return daemons[0]
+
+
+@pytest.fixture(scope="module")
+def small_engine(daemons) -> Daemon:
+    return daemons[1]
 
 
 @pytest.fixture(autouse=True)
@@ -165,12 +179,12 @@ def test_chat_answers_capital_of_france_with_consistent_usage(client, tok):
 
 def test_batched_completions_equal_hf_greedy(client, engine, tok, smollm2_dir):
     fox_ids, fib_ids = tok.encode(FOX), tok.encode(FIB)
-    fox_ref, fib_ref = (tok.decode(ids) for ids in hf_greedy(smollm2_dir, [fox_ids, fib_ids], 32))
+    fox_ref, fib_ref = (tok.decode(ids) for ids in hf_greedy(smollm2_dir, [fox_ids, fib_ids], 16))
     prompts = {"fox as text": (FOX, fox_ref), "fox as ids": (fox_ids, fox_ref),
                "fib as ids": (fib_ids, fib_ref)}  # fmt: skip
     running_seen = []
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = {name: pool.submit(complete, client, prompt, 32, extra_body={"ignore_eos": True})
+        futures = {name: pool.submit(complete, client, prompt, 16, extra_body={"ignore_eos": True})
                    for name, (prompt, _) in prompts.items()}  # fmt: skip
         while not all(f.done() for f in futures.values()):
             running_seen.append(engine.stats(check=False)["stats"]["running"])
@@ -178,7 +192,7 @@ def test_batched_completions_equal_hf_greedy(client, engine, tok, smollm2_dir):
     for name, (prompt, expected) in prompts.items():
         r = futures[name].result()
         assert r.choices[0].text == expected, name
-        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 32), name
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 16), name
         assert r.usage.prompt_tokens == len(fox_ids if name.startswith("fox") else fib_ids), name
     assert max(running_seen) == 3, f"the three requests never ran together: {running_seen}"
 
@@ -335,11 +349,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does(client, engine, tok, sm
 
 
 @pytest.fixture(scope="module")
-def short_steps_engine(smollm2_dir, tmp_path_factory) -> Iterator[Daemon]:
-    """Steps of 64 tokens: a 250-token prompt takes 4 of them to score."""
-    log = tmp_path_factory.mktemp("short-steps") / "daemon.log"
-    yield from serve(Daemon(smollm2_dir, log, "steps", "--num-pages", "256",
-                            "--max-num-batched-tokens", "64"))
+def short_steps_engine(daemons) -> Daemon:
+    return daemons[2]
 
 
 def test_echo_scoring_n_choices_scores_once_and_lets_a_short_request_by(short_steps_engine,

@@ -23,7 +23,7 @@ import threading
 import httpx
 import msgpack
 import pytest
-from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, serve
+from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, serve_together
 from deployments import RouterProcess, assert_quiet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -199,15 +199,23 @@ def check_answer(r: httpx.Response, body, allowed: tuple[int, ...] = ()) -> None
 
 
 @pytest.fixture(scope="module")
-def p(tiny_served_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("fuzz-p") / "daemon.log"
-    yield from serve(Daemon(tiny_served_dir, log, "p", *ENGINE_ARGS))
+def engines(tiny_served_dir, tmp_path_factory):
+    def log(name: str):
+        return tmp_path_factory.mktemp(name) / "daemon.log"
+
+    yield from serve_together(
+        Daemon(tiny_served_dir, log("fuzz-p"), "p", *ENGINE_ARGS),
+        Daemon(tiny_served_dir, log("fuzz-d"), "d", *ENGINE_ARGS, "--kv-transfer", "shm"))
 
 
 @pytest.fixture(scope="module")
-def d(tiny_served_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("fuzz-d") / "daemon.log"
-    yield from serve(Daemon(tiny_served_dir, log, "d", *ENGINE_ARGS, "--kv-transfer", "shm"))
+def p(engines):
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def d(engines):
+    return engines[1]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from conftest import DAEMON_LOGS
-from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, serve
+from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, serve_together
 from deployments import RouterProcess, assert_quiet
 from lora_adapters import peft_greedy, write_adapter
 
@@ -44,16 +44,23 @@ def _engine(model_dir, tmp_path_factory, name, *args):
 
 
 @pytest.fixture(scope="module")
-def e1(tiny_served_dir, adapters, tmp_path_factory):
+def engines(tiny_served_dir, adapters, tmp_path_factory):
     root = adapters[0]
-    yield from serve(_engine(tiny_served_dir, tmp_path_factory, "e1", "--lora-modules",
-                             f"a1={root / 'a1'}", "--lora-dir", str(root)))
+    yield from serve_together(
+        _engine(tiny_served_dir, tmp_path_factory, "e1", "--lora-modules", f"a1={root / 'a1'}",
+                "--lora-dir", str(root)),
+        _engine(tiny_served_dir, tmp_path_factory, "e2", "--enable-lora", "--lora-dir",
+                str(root)))
 
 
 @pytest.fixture(scope="module")
-def e2(tiny_served_dir, adapters, tmp_path_factory):
-    yield from serve(_engine(tiny_served_dir, tmp_path_factory, "e2", "--enable-lora",
-                             "--lora-dir", str(adapters[0])))
+def e1(engines):
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def e2(engines):
+    return engines[1]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
-from daemons import ENGINE_KEY, Daemon, serve
+from daemons import ENGINE_KEY, Daemon, serve_together
 from deployments import RouterProcess, assert_quiet, engine_stats
 from netns import Dnsmasq, Hosts, missing
 from test_pd_pressure import MAX_TOKENS, complete, prompts, router_metric
@@ -82,15 +82,12 @@ def cluster(tiny_served_dir, tmp_path_factory) -> Iterator[Cluster]:
         dns = Dnsmasq(hosts, "router", "127.0.0.1", "test", work)
         hosts.write_resolv_conf("router", "127.0.0.1")
         dns.answer({"p.test": [hosts.address("p")], "d.test": [hosts.address("d")]})
-        engines = []
-        for name in ("p", "d"):
-            address = hosts.address(name)
-            engines.append(serve(Daemon(
-                tiny_served_dir, work / f"{name}.log", name, *ENGINE_ARGS,
-                "--kv-transfer", "tcp", "--kv-transfer-host", address,
-                "--kv-transfer-port", "9000", host="0.0.0.0", url_host=address,
-                prefix=("ip", "netns", "exec", hosts.netns(name)))))
-        p, d = (next(e) for e in engines)
+        engines = serve_together(*(Daemon(
+            tiny_served_dir, work / f"{name}.log", name, *ENGINE_ARGS,
+            "--kv-transfer", "tcp", "--kv-transfer-host", hosts.address(name),
+            "--kv-transfer-port", "9000", host="0.0.0.0", url_host=hosts.address(name),
+            prefix=("ip", "netns", "exec", hosts.netns(name))) for name in ("p", "d")))
+        p, d = next(engines)
         router = RouterProcess(
             tiny_served_dir, {}, work / "router.log", "--strategy", "pd",
             "--engines-from-dns", "p.test,prefill", "--engines-from-dns", "d.test:8000,decode",
@@ -105,8 +102,7 @@ def cluster(tiny_served_dir, tmp_path_factory) -> Iterator[Cluster]:
             cluster.admin.close()
         finally:
             router.stop()
-            for e in engines:
-                next(e, None)
+            next(engines, None)
     assert hosts.leftovers() == []
 
 

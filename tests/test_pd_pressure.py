@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
-from daemons import serve
+from daemons import serve_together
 from deployments import RouterProcess, assert_quiet, engine_stats
 from pd_faults import (MAX_TOKENS, SLOW_P, SMALL_D, check_killing_decode, check_killing_prefill,
                        complete, engine, prompts, router_metric, start_router)
@@ -26,13 +26,19 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def p(tiny_served_dir, tmp_path_factory):
-    yield from serve(engine(tiny_served_dir, tmp_path_factory, "p", SLOW_P))
+def engines(tiny_served_dir, tmp_path_factory):
+    yield from serve_together(engine(tiny_served_dir, tmp_path_factory, "p", SLOW_P),
+                              engine(tiny_served_dir, tmp_path_factory, "d", SMALL_D))
 
 
 @pytest.fixture(scope="module")
-def d(tiny_served_dir, tmp_path_factory):
-    yield from serve(engine(tiny_served_dir, tmp_path_factory, "d", SMALL_D))
+def p(engines):
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def d(engines):
+    return engines[1]
 
 
 @pytest.fixture(scope="module")

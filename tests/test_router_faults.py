@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 from conftest import DAEMON_LOGS, hf_greedy
-from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, gone_within, serve
+from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, gone_within, serve, serve_together
 from deployments import (RouterProcess, Up, assert_quiet, children, engine_stats,
                          write_config)
 
@@ -41,13 +41,19 @@ def engine(model_dir, tmp_path_factory, name, args=ENGINE_ARGS):
 
 
 @pytest.fixture(scope="module")
-def e1(tiny_served_dir, tmp_path_factory):
-    yield from serve(engine(tiny_served_dir, tmp_path_factory, "e1"))
+def engines(tiny_served_dir, tmp_path_factory):
+    yield from serve_together(engine(tiny_served_dir, tmp_path_factory, "e1"),
+                              engine(tiny_served_dir, tmp_path_factory, "e2"))
 
 
 @pytest.fixture(scope="module")
-def e2(tiny_served_dir, tmp_path_factory):
-    yield from serve(engine(tiny_served_dir, tmp_path_factory, "e2"))
+def e1(engines):
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def e2(engines):
+    return engines[1]
 
 
 @pytest.fixture(scope="module")
