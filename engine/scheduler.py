@@ -213,7 +213,7 @@ class Scheduler:
         active = self.policy.run_order([s for s in self.running if s.finish_reason is None])
         room = StepRoom.of(self.background, itertools.chain(active, self.waiting))
         self.policy.refresh(s for s in itertools.chain(self.waiting, self.running)
-                            if room.background is None or not room.background.of(s))
+                            if not self._is_background(s))
         decoding = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decoding:

@@ -12,11 +12,11 @@ and run again, and every `done` or `failed` row keeps its result and is never ru
 
 The schema is versioned (`PRAGMA user_version`): a data directory written by a newer schema is
 refused rather than misread. Two connections: the API's, used from the event loop's thread
-only (short reads and writes), and the runner's for a batch's lines (the methods under "lines: the runner's
-calls"), which the runner calls in a worker thread, one call at a time: inserting a 50,000-line batch, reading
-its pending lines, the disk flush of each line's committed result and writing the output
-files would otherwise stall the event loop that serves live requests (a 10,000-line batch's
-insert and read took ~1 s on this project's CPU machine). No torch.
+only (short reads and writes), and the runner's for a batch's lines (the methods under "lines:
+the runner's calls"), which the runner calls in a worker thread, one call at a time: inserting
+a 50,000-line batch, reading its pending lines, the disk flush of each line's committed result
+and writing the output files would otherwise stall the event loop that serves live requests
+(a 10,000-line batch's insert and read took ~1 s on this project's CPU machine). No torch.
 """
 
 from __future__ import annotations
@@ -122,11 +122,9 @@ class Store:
             f.flush()
             os.fsync(f.fileno())
         tmp.rename(path)
-        lines = sum(1 for line in data.splitlines() if line.strip())
-        db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
-                   (file_id, owner, filename, purpose, len(data), lines, int(time.time())))
-        row = db.execute("SELECT id, filename, purpose, bytes, lines, created_at FROM files "
-                         "WHERE id = ?", (file_id,)).fetchone()
+        row = (file_id, filename, purpose, len(data),
+               sum(1 for line in data.splitlines() if line.strip()), int(time.time()))
+        db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", (row[0], owner, *row[1:]))
         return _file_object(row)
 
     def file(self, owner: str, file_id: str) -> dict | None:
