@@ -73,12 +73,15 @@ def run_file(url: str, data: bytes) -> dict:
             "prefix_sharing_vs_dfs": batch["ordering"]["prefix_sharing_vs_dfs"]}
 
 
-def live(url: str, args, tag: str) -> dict:
+def live(url: str, args, tag: str, prompt_seed: int) -> dict:
+    """bench.serve's load at --live-rate; each run gets its own `prompt_seed` (the same lengths
+    and arrivals, other token ids), so the second run meets none of the first's prompts cached."""
     out = Path(tempfile.mkdtemp()) / f"live-{tag}.json"
     subprocess.run([sys.executable, "-m", "bench.serve", "--base-url", url, "--num-requests",
                     str(args.live_requests), "--request-rate", str(args.live_rate),
                     "--input-len", args.live_input_len, "--output-len", args.live_output_len,
-                    "--vocab", str(args.vocab), "--json", str(out)],
+                    "--vocab", str(args.vocab), "--prompt-seed", str(prompt_seed),
+                    "--json", str(out)],
                    check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -121,10 +124,10 @@ def main() -> None:
         up = Deployment(args.config, args.model, args.port, "blend",
                         Path(args.logs) / "batch-bench-live.log", args.lines_per_engine)
         try:
-            alone = live(up.url, args, "alone")
+            alone = live(up.url, args, "alone", 1)
             with httpx.Client(base_url=up.url, timeout=60) as http:
                 batch = submit(http, "bench.jsonl", data)
-                with_batch = live(up.url, args, "with-batch")
+                with_batch = live(up.url, args, "with-batch", 2)
                 http.post(f"/batches/{batch['id']}/cancel")
         finally:
             up.stop()

@@ -43,6 +43,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.frames import Frame, Heartbeat, Outputs, Ready, StartFailed, ToCore
 from engine.loop_stats import LoopClock, StatsLog
+from microserve.heap import freeze_startup_heap
 from microserve.transfer_auth import KEY_ENV
 from microserve.wire import FrameDecoder, encode
 
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         sock.sendall(encode(StartFailed(f"{type(e).__name__}: {e}")))
         return 1
     sock.sendall(encode(Ready(core.info)))
+    freeze_startup_heap()  # the model, torch and warm-up: out of every later full collection
     try:
         CoreLoop(core, sock, heartbeat_s=HEARTBEAT_S).run()
     finally:

@@ -33,6 +33,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from microserve.errors import OpenAIError
+from microserve.heap import freeze_startup_heap
 from microserve.http_limits import LINGER_S, MAX_HEAD_BYTES, MAX_LINGERING, HttpLimits
 
 log = logging.getLogger(__name__)
@@ -232,6 +233,11 @@ class QuietServer(uvicorn.Server):
                                   access_log=False,
                                   http=BoundedHttpProtocol.bounded_by(limits),
                                   timeout_keep_alive=limits.keep_alive_s))
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # the app's lifespan has run: what is alive now lives as long as it
+            freeze_startup_heap()
 
     @contextlib.contextmanager
     def capture_signals(self):

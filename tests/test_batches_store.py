@@ -93,7 +93,7 @@ def test_each_bad_line_says_why():
         "invalid_url", "invalid_method", "invalid_body"]
     assert parsed[5].error["message"] == ("line 6: 'url' '/v1/chat/completions' is not the "
                                           "batch's endpoint '/v1/completions'")
-    assert parsed[3].body == {"prompt": "x"}
+    assert (parsed[3].body, parsed[3].raw_body) == ({"prompt": "x"}, b'{"prompt": "x"}')
 
 
 # -- store -----------------------------------------------------------------------------------
@@ -104,8 +104,8 @@ def test_store_lines_move_once_and_survive_a_reopen(tmp_path):
     batch = {"id": "batch-1", "status": "validating"}
     store.add_batch("k", batch)
     store.add_lines({**batch, "status": "in_progress"}, [
-        (0, 1, "a", "pending", {"prompt": "x"}, None), (1, 0, "b", "pending", {"prompt": "y"},
-                                                          None),
+        (0, 1, "a", "pending", '{"prompt": "x"}', None), (1, 0, "b", "pending",
+                                                            '{"prompt": "y"}', None),
         (2, -1, None, "failed", None, {"error": "bad"})])
     assert [r.custom_id for r in store.pending("batch-1")] == ["b", "a"]  # dispatch order
     store.finish_line("batch-1", 1, True, {"out": "y"})

@@ -19,6 +19,7 @@ import time
 from fastapi import FastAPI
 
 from bench.batch_workload import workload
+from microserve.heap import freeze_startup_heap
 from microserve.metrics import Registry
 from router.batches.admission import Admission
 from router.batches.runner import BatchRunner
@@ -26,6 +27,7 @@ from router.batches.store import Store
 
 
 async def main(args) -> None:
+    freeze_startup_heap()  # as a router does once started (microserve/http_server.py)
     store = Store(tempfile.mkdtemp(prefix="loop-lag-"))
     runner = BatchRunner(store, FastAPI, None, Registry(), Admission(2, lambda: 1), None)
     data = "".join(json.dumps(x) + "\n"

@@ -12,9 +12,11 @@ No torch.
 
 from __future__ import annotations
 
-import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import msgspec
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 DEFAULT_OUTPUT_TOKENS = 256  # the ordering's guess for a line without max_tokens
@@ -26,14 +28,25 @@ class ParsedLine:
     custom_id: str | None
     body: dict | None  # None: the line is bad
     error: dict | None = None  # {"code", "message"} of a bad line
+    raw_body: bytes | None = None  # the body's JSON as the file wrote it
+
+
+# A line's keys stay undecoded JSON (msgspec.Raw): the body is kept as its bytes, with no
+# re-encoding (json.dumps of a 3,000-token prompt takes ~0.4 ms) and no list of ints left for
+# the garbage collector to walk; msgspec decodes such a line in half the time json takes.
+_LINE = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def iter_lines(data: bytes, endpoint: str) -> Iterator[ParsedLine]:
+    """Every non-empty line of an input file, each either a request body or why not, one at a
+    time: a caller that keeps only `raw_body` holds no decoded body past its line."""
+    seen: set[str] = set()
+    for idx, raw in enumerate(line for line in data.splitlines() if line.strip()):
+        yield _parse(idx, raw, endpoint, seen)
 
 
 def parse_lines(data: bytes, endpoint: str) -> list[ParsedLine]:
-    """Every non-empty line of an input file, each either a request body or why not."""
-    parsed, seen = [], set()
-    for idx, raw in enumerate(line for line in data.splitlines() if line.strip()):
-        parsed.append(_parse(idx, raw, endpoint, seen))
-    return parsed
+    return list(iter_lines(data, endpoint))
 
 
 def _parse(idx: int, raw: bytes, endpoint: str, seen: set[str]) -> ParsedLine:
@@ -42,30 +55,39 @@ def _parse(idx: int, raw: bytes, endpoint: str, seen: set[str]) -> ParsedLine:
                                                  "message": f"line {idx + 1}: {message}"})
 
     try:
-        line = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        line = _LINE.decode(raw)
+    except msgspec.ValidationError:  # JSON, but not an object
+        return bad("invalid_json", "a line must be a JSON object, got "
+                   f"{type(msgspec.json.decode(raw)).__name__}")
+    except msgspec.DecodeError as e:
         return bad("invalid_json", f"not JSON ({e})")
-    if not isinstance(line, dict):
-        return bad("invalid_json", f"a line must be a JSON object, got {type(line).__name__}")
-    custom_id = line.get("custom_id")
+    try:
+        keys = {k: msgspec.json.decode(line[k]) for k in ("custom_id", "method", "url")
+                if k in line}
+    except msgspec.DecodeError as e:  # e.g. a lone surrogate escape
+        return bad("invalid_json", f"not JSON ({e})")
+    custom_id = keys.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return bad("missing_custom_id", "'custom_id' must be a non-empty string")
     if custom_id in seen:
         return bad("duplicate_custom_id", f"custom_id {custom_id!r} was used by an earlier "
                    "line", custom_id)
     seen.add(custom_id)
-    if line.get("method") != "POST":
-        return bad("invalid_method", f"'method' must be \"POST\", got {line.get('method')!r}",
+    if keys.get("method") != "POST":
+        return bad("invalid_method", f"'method' must be \"POST\", got {keys.get('method')!r}",
                    custom_id)
-    if line.get("url") != endpoint:
-        return bad("invalid_url", f"'url' {line.get('url')!r} is not the batch's endpoint "
+    if keys.get("url") != endpoint:
+        return bad("invalid_url", f"'url' {keys.get('url')!r} is not the batch's endpoint "
                    f"{endpoint!r}", custom_id)
-    body = line.get("body")
+    try:
+        body = msgspec.json.decode(line["body"]) if "body" in line else None
+    except msgspec.DecodeError as e:
+        return bad("invalid_json", f"not JSON ({e})", custom_id)
     if not isinstance(body, dict):
         return bad("invalid_body", "'body' must be a JSON object", custom_id)
     if body.get("stream"):
         return bad("invalid_body", "'body.stream' must be false in a batch", custom_id)
-    return ParsedLine(idx, custom_id, body)
+    return ParsedLine(idx, custom_id, body, raw_body=bytes(line["body"]))
 
 
 def expected_output_tokens(body: dict) -> int:

@@ -52,13 +52,14 @@ def new_id(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class LineRow:
-    """One line of a batch as the runner sees it: `request` is its parsed body (None for a
-    line that failed before it could run), `position` its place in the dispatch order."""
+    """One line of a batch as the runner sees it: `request` is its body's JSON text (None for a
+    line that failed before it could run; decoded when the line starts), `position` its place
+    in the dispatch order."""
 
     idx: int
     position: int
     custom_id: str | None
-    request: dict | None
+    request: str | None
 
 
 class Store:
@@ -191,9 +192,8 @@ class Store:
         """All lines of a batch and its move to in_progress, in one transaction: a restart finds
         either no lines (and validates again) or all of them.
 
-        rows: (idx, position, custom_id, state, request or None, result or None)."""
-        values = [(batch["id"], idx, pos, cid, state,
-                   None if req is None else json.dumps(req),
+        rows: (idx, position, custom_id, state, request (JSON text) or None, result or None)."""
+        values = [(batch["id"], idx, pos, cid, state, req,
                    None if res is None else json.dumps(res))
                   for idx, pos, cid, state, req, res in rows]
         with self._lines_lock, self._lines_db as db:
@@ -214,7 +214,7 @@ class Store:
                 "WHERE batch_id = ? AND state = 'pending' ORDER BY position", (batch_id,))
             # in slices: one fetchall of a large batch holds the GIL (and the event loop) ~0.1 s
             while rows := cursor.fetchmany(256):
-                out += [LineRow(i, p, c, json.loads(r)) for i, p, c, r in rows]
+                out += [LineRow(*row) for row in rows]
         return out
 
     def finish_line(self, batch_id: str, idx: int, ok: bool, result: dict) -> None:
