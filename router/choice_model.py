@@ -8,29 +8,32 @@ the engines' step time over the counters every engine reports, polled twice a se
     step seconds = a·steps + c·sampled tokens + b·prompt tokens        (Fit, weighted least
                                                                         squares, as the
                                                                         balance model's)
-    an engine e that prefills t tokens of it costs others   D_e(t) = b·t·m_e + λ_e·(b·t)²
+    an engine e that prefills t tokens of it (w = b·t seconds of work) costs others
+        D_e(t) = w·m_e  +  w·λ_e·(b·queue_e + w) / (1 − ρ_e)
     whole on e:           TTFT = b·(queue_e + n − held_e) + a          delay = D_e(n − held_e)
     P/D on (P, D):        TTFT = b·(queue_P + n − held_P) + a + h      delay = D_P(n − held_P)
     balanced r on (P, D): TTFT = b·(queue_P + (n − held_P)·(1 − r)) + b·n·r + a + h
                           delay = D_P((n − held_P)·(1 − r)) + D_D(n·r)
 
-`D_e(t)` is what the t tokens cost other requests: the m_e sequences decoding on e each wait
-them out (chunked prefill shares their steps), and the requests that arrive at e while they
-are computed (λ_e per second: the request rate the strategy sees, spread evenly over the
-engines) wait on average half of it each — λ_e·(b·t)² in all, as in an M/D/1 queue. The
-second term is what makes balanced P/D worth its transfer: D computes the tail as fast as P
-would, so it shortens no request's own TTFT, but it shortens P's queue for the next ones.
-`h` is the handover (its p50 on two H200s: 3.6–14 ms; `handover_s`, 5 ms). The cost of a
-choice is its TTFT plus the delay it adds. The SLO filters first: a choice whose generating
-engine's predicted TPOT, a + c·(m + 1) once the request joins its batch, is over `slo_tpot_s`
-is dropped while another keeps within it; then among those whose TTFT meets `slo_ttft_s` the
+`D_e(t)` is what the t tokens cost other requests. The m_e sequences decoding on e each wait
+them out (chunked prefill shares their steps). And every prompt that reaches e before its
+queue empties waits w longer: the queue ahead, b·queue_e, and w itself drain at 1 − ρ_e of
+e's time (ρ_e: the share of e's time its prompt tokens took over the last polls, b times the
+prompt tokens it computed per second of its loop's time), and prompts arrive at λ_e per second
+(the larger of ρ_e / (b·n), the rate that keeps e as busy with prompts like this one, and the
+request rate the strategy sees spread evenly over the engines). As a prefill engine's share
+nears 1 its work grows dear without bound: that is what makes balanced P/D, which moves part
+of a prompt to D, or the whole prompt to a D with room, worth their cost to D's decodes,
+before P's queue breaks the TTFT target. `h` is the handover (its p50 on two H200s: 2.6 ms;
+`handover_s`, 5 ms). The cost of a choice is its TTFT plus the delay it adds. The SLO filters
+first: a choice whose generating engine's predicted TPOT, (a + c·(m + 1)) / (1 − ρ) once the
+request joins its batch (its prompts take ρ of its steps' time), is over `slo_tpot_s` is
+dropped while another keeps within it; then among those whose TTFT meets `slo_ttft_s` the
 cheapest wins, else the one with the least TTFT. Ties go to the earlier choice in the order
 whole, P/D, balanced: fewer calls, no transfer.
 
-What this leaves out, and why it is a first version: the transfer's bandwidth (the same for
-every P/D choice of one prompt), the prefill a decoding engine takes on slowing its TPOT
-while it lasts, and a measurement on GPUs (not run yet: issue 44's targets are open). No
-torch.
+What this leaves out: the transfer's bandwidth (the same for every P/D choice of one prompt),
+and decode steps' own cost in a prefill's time on an engine that also decodes. No torch.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from router.balance_model import Fit
 KINDS = ("whole", "pd", "balanced")
 _PRIOR = (5e-3, 5e-3 * 0.1 / 64, 25e-6)  # a, c, b: Llama-3.1-8B on an H100 (balance_model)
 _SCALE = (50.0, 1e3, 1e3)  # a poll's typical steps, sampled and prompt tokens
+BUSY_SMOOTHING = 0.3  # the weight of the latest poll in an engine's prompt share ρ
+MAX_BUSY = 0.95  # ρ is held below 1: past it the queue term has no bound
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class ChoiceModel:
         self.fit = Fit(scale=_SCALE)
         self.ratios, self.handover_s = ratios, handover_s
         self._last: dict[str, object] = {}
+        self.busy: dict[str, float] = {}  # ρ: each engine's share of time on prompt tokens
 
     def observe(self, engine: str, stats) -> None:
         """`stats` (EngineStats) of `engine`: the difference from its last is one poll."""
@@ -94,8 +100,12 @@ class ChoiceModel:
         busy = stats.step_seconds - last.step_seconds
         if steps <= 0 or busy <= 0:  # idle, or restarted (the counters went back)
             return
-        self.fit.add((steps, stats.tokens_sampled - last.tokens_sampled,
-                      stats.prompt_tokens_computed - last.prompt_tokens_computed), busy)
+        prompt = stats.prompt_tokens_computed - last.prompt_tokens_computed
+        self.fit.add((steps, stats.tokens_sampled - last.tokens_sampled, prompt), busy)
+        wall = busy + sum(getattr(stats, k, 0.0) - getattr(last, k, 0.0)
+                          for k in ("idle_seconds", "message_seconds", "send_seconds"))
+        share = min(self.costs()[2] * prompt / wall, MAX_BUSY)
+        self.busy[engine] = share + (1 - BUSY_SMOOTHING) * (self.busy.get(engine, share) - share)
 
     def costs(self) -> tuple[float, float, float]:
         """(a, c, b): seconds per step, per sampled token, per prompt token."""
@@ -106,10 +116,12 @@ class ChoiceModel:
         """Every choice for a prompt of n tokens over `engines`, priced, with requests
         arriving at `rate` per second in all."""
         a, _, b = self.costs()
-        lam = rate / max(len(engines), 1)
+        spread = rate / max(len(engines), 1)
 
         def delay(e: EngineLoad, tokens: float) -> float:
-            return b * tokens * e.decoding + lam * (b * tokens) ** 2
+            work, rho = b * tokens, self.busy.get(e.name, 0.0)
+            arrivals = max(spread, rho / (b * max(n, 1)))
+            return work * e.decoding + work * arrivals * (b * e.queue + work) / (1 - rho)
 
         whole = [e for e in engines if e.decode] or engines  # prefill engines are kept for P
         out = [Choice("whole", e.name, ttft_s=b * (e.queue + n - e.held) + a,
@@ -128,9 +140,10 @@ class ChoiceModel:
         return out
 
     def tpot_s(self, engine: EngineLoad) -> float:
-        """`engine`'s step time once one more sequence decodes on it."""
+        """`engine`'s time per decoded token once one more sequence decodes on it: its step,
+        stretched by the share of its time its prompts take."""
         a, c, _ = self.costs()
-        return a + c * (engine.decoding + 1)
+        return (a + c * (engine.decoding + 1)) / (1 - self.busy.get(engine.name, 0.0))
 
     def pick(self, n: int, engines: list[EngineLoad], slo_ttft_s: float, rate: float = 0.0,
              kinds: tuple[str, ...] = KINDS, slo_tpot_s: float = float("inf")) -> Choice:

@@ -22,6 +22,7 @@ class Stats:  # the EngineStats counters the model reads
     step_seconds: float = 0.0
     prompt_tokens_computed: int = 0
     tokens_sampled: int = 0
+    idle_seconds: float = 0.0
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,7 @@ def model() -> ChoiceModel:
                                     prompt_tokens_computed=s.prompt_tokens_computed + prompt,
                                     step_seconds=s.step_seconds + steps * (A + C * batch)
                                     + prompt * B)
+    m.busy.clear()  # the random polls' prompt shares: each test below sets its own
     return m
 
 
@@ -112,6 +114,57 @@ def test_at_a_high_rate_a_share_on_idle_d_shortens_ps_queue_for_the_next_request
     assert model.pick(N, busy, slo_ttft_s=2.0, rate=10.0).kind == "pd"
     # and with no traffic to speak of, whole on D: no handover, nobody to delay
     assert model.pick(N, engines, slo_ttft_s=2.0, rate=0.0).kind == "whole"
+
+
+def test_each_engines_share_of_time_on_prompts_is_measured_from_its_polls(model):
+    """A poll of 0.5 s of the engine's loop: 50 steps of 10 sequences, 4,000 prompt tokens
+    (0.104 s at the fit's b), idle the rest; then a poll with no prompt: the share falls by
+    the smoothing weight."""
+    first = Stats(steps=1000, step_seconds=10.0, prompt_tokens_computed=10**6)
+    busy = 50 * (A + C * 10) + 4000 * B
+    second = replace(first, steps=1050, tokens_sampled=500, prompt_tokens_computed=10**6 + 4000,
+                     step_seconds=10.0 + busy, idle_seconds=0.5 - busy)
+    model.observe("probe", first)
+    model.observe("probe", second)
+    share = model.costs()[2] * 4000 / 0.5
+    assert model.busy["probe"] == pytest.approx(share) and 0.2 < share < 0.22
+    third = replace(second, steps=1100, tokens_sampled=1000,
+                    step_seconds=second.step_seconds + 50 * (A + C * 10),
+                    idle_seconds=second.idle_seconds + 0.5 - 50 * (A + C * 10))
+    model.observe("probe", third)
+    assert model.busy["probe"] == pytest.approx(0.7 * share)
+    # its decodes' time per token is stretched by that share
+    engine = any_engine("probe", decoding=60)
+    a, c, _ = model.costs()
+    assert model.tpot_s(engine) == pytest.approx((a + c * 61) / (1 - 0.7 * share))
+    del model.busy["probe"]
+
+
+def test_as_p_nears_saturation_its_work_grows_dear_and_d_takes_the_prompt(model):
+    """1P1D at 18 requests/s, D decoding 18 sequences with 20% of its time on prompts. While P
+    is idle the prompt goes to P (P/D): its work holds no one. Once P spends 95% of its time on
+    prompts with 12,000 tokens queued, each second of work added to it holds every prompt that
+    reaches it (12/s at that share) until its queue drains at 5% of its time: now the whole
+    prompt on D is cheapest, though its 18 decodes wait it out."""
+    a, b = fitted(model)
+    w = b * N
+    engines = [any_engine("p", decode=False), any_engine("d", decoding=18, prefill=False)]
+    model.busy.update(p=0.0, d=0.2)
+    try:
+        choice = model.pick(N, engines, slo_ttft_s=2.0, rate=18.0, slo_tpot_s=0.025)
+        assert (choice.kind, choice.prefill, choice.generate) == ("pd", "p", "d")
+        assert choice.delay_s == pytest.approx(w * 9.0 * w)  # arrivals: 18/s over 2 engines
+        model.busy["p"] = 0.95
+        engines[0] = any_engine("p", queue=12_000, decode=False)
+        options = {(c.kind, c.ratio): c for c in model.choices(N, engines, 18.0)}
+        to_p = 0.95 / w  # > 9/s: the rate that keeps P 95% busy with such prompts
+        assert options["pd", 0.0].delay_s == pytest.approx(w * to_p * (b * 12_000 + w) / 0.05)
+        choice = model.pick(N, engines, slo_ttft_s=2.0, rate=18.0, slo_tpot_s=0.025)
+        assert (choice.kind, choice.generate) == ("whole", "d")
+        assert choice.delay_s == pytest.approx(w * 18 + w * 9.0 * w / 0.8)
+        assert choice.cost_s < min(c.cost_s for c in options.values() if c.kind != "whole")
+    finally:
+        del model.busy["p"], model.busy["d"]
 
 
 def test_when_nothing_meets_the_slo_the_fastest_first_token_wins(model):
