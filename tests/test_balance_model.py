@@ -51,12 +51,24 @@ def fed(rate: float, polls: int = 40) -> BalanceModel:
     return model
 
 
-def test_no_pick_before_the_model_has_data():
-    model = BalanceModel(now=lambda: 0.0)
+def test_no_pick_before_three_requests_then_one_from_the_priors():
+    """At 18 requests/s of 3,000/100 before any poll, the priors (25 µs per prompt token on
+    P) say P alone cannot keep up (1.35 of its time): the pick leaves D over a quarter."""
+    clock = [0.0]
+    model = BalanceModel(now=lambda: clock[0])
     assert model.best(0.0, 0.5) is None
     model.observe("p", Stats())
     model.observe("d", Stats())
+    for _ in range(2):
+        model.arrived(3000, 100)
+        clock[0] += 1 / 18
     assert model.best(0.0, 0.5) is None
+    model.arrived(3000, 100)
+    best = model.best(0.0, 0.5)
+    assert model.p.n == model.d.n == 0 and model.fitted()["p_token_s"] == pytest.approx(25e-6)
+    assert 1.35 * (1 - best.ratio) == pytest.approx(best.p_utilisation) and best.p_utilisation < 1
+    grid = [model.predict(r / 100, *model.rate()) for r in range(51)]
+    assert best.jct_s == min(p.jct_s for p in grid)
 
 
 def test_the_fits_recover_the_engines_costs():
