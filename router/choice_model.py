@@ -26,11 +26,17 @@ nears 1 its work grows dear without bound: that is what makes balanced P/D, whic
 of a prompt to D, or the whole prompt to a D with room, worth their cost to D's decodes,
 before P's queue breaks the TTFT target. `h` is the handover (its p50 on two H200s: 2.6 ms;
 `handover_s`, 5 ms). The cost of a choice is its TTFT plus the delay it adds. The SLO filters
-first: a choice whose generating engine's predicted TPOT, (a + c·(m + 1)) / (1 − ρ) once the
-request joins its batch (its prompts take ρ of its steps' time), is over `slo_tpot_s` is
-dropped while another keeps within it; then among those whose TTFT meets `slo_ttft_s` the
-cheapest wins, else the one with the least TTFT. Ties go to the earlier choice in the order
-whole, P/D, balanced: fewer calls, no transfer.
+first, and drops a choice while another keeps within it when
+- its generating engine's predicted TPOT, (a + c·(m + 1)) / (1 − ρ) once the request joins
+  its batch (its prompts take ρ of its steps' time), is over `slo_tpot_s`, or
+- it computes prompt tokens on its generating engine (whole, balanced) while that engine's
+  last polled step took `STEP_SHARE` of `slo_tpot_s` or more. The fit has no term for the
+  context its decodes attend to: on two H200s, with ~100 sequences of 3,000-token prompts
+  decoding beside prefill chunks, D's steps took 44 ms where the fit said 17, and `auto`
+  kept sending it whole prompts (TPOT mean 41 ms). The measured step is the check.
+Then among those whose TTFT meets `slo_ttft_s` the cheapest wins, else the one with the least
+TTFT. Ties go to the earlier choice in the order whole, P/D, balanced: fewer calls, no
+transfer.
 
 What this leaves out: the transfer's bandwidth (the same for every P/D choice of one prompt),
 and decode steps' own cost in a prefill's time on an engine that also decodes. No torch.
@@ -47,6 +53,7 @@ _PRIOR = (5e-3, 5e-3 * 0.1 / 64, 25e-6)  # a, c, b: Llama-3.1-8B on an H100 (bal
 _SCALE = (50.0, 1e3, 1e3)  # a poll's typical steps, sampled and prompt tokens
 BUSY_SMOOTHING = 0.3  # the weight of the latest poll in an engine's prompt share ρ
 MAX_BUSY = 0.95  # ρ is held below 1: past it the queue term has no bound
+STEP_SHARE = 0.8  # of the TPOT target: an engine whose steps take this long gets no prompt
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class ChoiceModel:
         self.ratios, self.handover_s = ratios, handover_s
         self._last: dict[str, object] = {}
         self.busy: dict[str, float] = {}  # ρ: each engine's share of time on prompt tokens
+        self.step_s: dict[str, float] = {}  # each engine's mean step over its last poll
 
     def observe(self, engine: str, stats) -> None:
         """`stats` (EngineStats) of `engine`: the difference from its last is one poll."""
@@ -101,6 +109,7 @@ class ChoiceModel:
         if steps <= 0 or busy <= 0:  # idle, or restarted (the counters went back)
             return
         prompt = stats.prompt_tokens_computed - last.prompt_tokens_computed
+        self.step_s[engine] = busy / steps
         self.fit.add((steps, stats.tokens_sampled - last.tokens_sampled, prompt), busy)
         wall = busy + sum(getattr(stats, k, 0.0) - getattr(last, k, 0.0)
                           for k in ("idle_seconds", "message_seconds", "send_seconds"))
@@ -145,6 +154,13 @@ class ChoiceModel:
         a, c, _ = self.costs()
         return (a + c * (engine.decoding + 1)) / (1 - self.busy.get(engine.name, 0.0))
 
+    def _keeps_tpot(self, choice: Choice, engine: EngineLoad, slo_tpot_s: float) -> bool:
+        if self.tpot_s(engine) > slo_tpot_s:
+            return False
+        prefills_there = choice.kind != "pd"  # whole and balanced compute prompt tokens on it
+        return not (prefills_there and
+                    self.step_s.get(engine.name, 0.0) >= STEP_SHARE * slo_tpot_s)
+
     def pick(self, n: int, engines: list[EngineLoad], slo_ttft_s: float, rate: float = 0.0,
              kinds: tuple[str, ...] = KINDS, slo_tpot_s: float = float("inf")) -> Choice:
         """The cheapest choice of `kinds` that keeps its engine within `slo_tpot_s` and meets
@@ -154,8 +170,8 @@ class ChoiceModel:
         options = self.choices(n, engines, rate)
         options = [c for c in options if c.kind in kinds] or options
         by_name = {e.name: e for e in engines}
-        options = [c for c in options
-                   if self.tpot_s(by_name[c.generate]) <= slo_tpot_s] or options
+        options = [c for c in options if self._keeps_tpot(c, by_name[c.generate], slo_tpot_s)
+                   ] or options
         meeting = [c for c in options if c.ttft_s <= slo_ttft_s]
         # to the nanosecond: choices equal but for rounding go to the earlier one
         if meeting:

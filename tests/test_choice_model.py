@@ -38,7 +38,8 @@ def model() -> ChoiceModel:
                                     prompt_tokens_computed=s.prompt_tokens_computed + prompt,
                                     step_seconds=s.step_seconds + steps * (A + C * batch)
                                     + prompt * B)
-    m.busy.clear()  # the random polls' prompt shares: each test below sets its own
+    m.busy.clear()  # the random polls' prompt shares and steps: each test sets its own
+    m.step_s.clear()
     return m
 
 
@@ -133,11 +134,12 @@ def test_each_engines_share_of_time_on_prompts_is_measured_from_its_polls(model)
                     idle_seconds=second.idle_seconds + 0.5 - 50 * (A + C * 10))
     model.observe("probe", third)
     assert model.busy["probe"] == pytest.approx(0.7 * share)
+    assert model.step_s["probe"] == pytest.approx(A + C * 10)  # the last poll's mean step
     # its decodes' time per token is stretched by that share
     engine = any_engine("probe", decoding=60)
     a, c, _ = model.costs()
     assert model.tpot_s(engine) == pytest.approx((a + c * 61) / (1 - 0.7 * share))
-    del model.busy["probe"]
+    del model.busy["probe"], model.step_s["probe"]
 
 
 def test_as_p_nears_saturation_its_work_grows_dear_and_d_takes_the_prompt(model):
@@ -165,6 +167,24 @@ def test_as_p_nears_saturation_its_work_grows_dear_and_d_takes_the_prompt(model)
         assert choice.cost_s < min(c.cost_s for c in options.values() if c.kind != "whole")
     finally:
         del model.busy["p"], model.busy["d"]
+
+
+def test_an_engine_whose_steps_near_the_tpot_target_gets_no_prompt_to_compute(model):
+    """D's last poll: steps of 21 ms (prefill chunks beside long-context decodes; the fit
+    would predict far less). P is saturated, so whole on D is cheapest, but a prompt computed
+    there would stretch its steps further: with a 25-ms target (21 ms >= 0.8 of it) only P/D
+    is left. Below 20 ms, or with no target, whole on D again."""
+    model.busy.update(p=0.95, d=0.2)
+    engines = [any_engine("p", queue=12_000, decode=False),
+               any_engine("d", decoding=18, prefill=False)]
+    try:
+        for step, target, kind in ((0.021, 0.025, "pd"), (0.019, 0.025, "whole"),
+                                   (0.021, float("inf"), "whole")):
+            model.step_s["d"] = step
+            assert model.pick(N, engines, slo_ttft_s=2.0, rate=18.0,
+                              slo_tpot_s=target).kind == kind, (step, target)
+    finally:
+        del model.busy["p"], model.busy["d"], model.step_s["d"]
 
 
 def test_when_nothing_meets_the_slo_the_fastest_first_token_wins(model):
