@@ -53,6 +53,13 @@ HALF_LIFE = 20.0  # polls (10 s at the router's 0.5 s): how fast old observation
 RATE_WINDOW_S = 10.0  # arrivals counted over this window for λ
 GRID = 0.01  # the ratios tried
 OVERLOAD_TPOT = 3.0  # overloaded: D's TPOT kept within this many times its idle step
+# P's polls that count: those where its loop idled at most this share of the time. Steps run
+# ahead of the GPU (async scheduling), so a step's GPU work finishes while the loop idles after
+# it, and its step time then reads the prompt cheaper than it is: on two H200s P's 10-s log
+# windows gave 18.7-21.2 µs per prompt token where it idled 16-55% of the time and 23.0-24.4
+# where it idled 5% or less; the fit, at 21.3, led the adaptive share to 0.26 where P was
+# 0.95 busy.
+P_MAX_IDLE = 0.1
 _PRIOR_B = 25e-6  # s per prompt token (Llama-3.1-8B on an H100: ~40k tokens/s)
 _PRIOR_A = 5e-3  # s per decode step at batch 1 (the same)
 
@@ -141,7 +148,9 @@ class BalanceModel:
         if steps <= 0 or busy <= 0:  # idle (or restarted: counters went back)
             return
         if side == "p":
-            self.p.add((prompt,), busy)
+            idle = getattr(stats, "idle_seconds", 0.0) - getattr(last, "idle_seconds", 0.0)
+            if idle <= P_MAX_IDLE * (busy + idle):
+                self.p.add((prompt,), busy)
         else:
             self.d.add((steps, sampled, prompt), busy)
 

@@ -19,6 +19,7 @@ class Stats:  # the EngineStats counters the model reads
     step_seconds: float = 0.0
     prompt_tokens_computed: int = 0
     tokens_sampled: int = 0
+    idle_seconds: float = 0.0
 
 
 B, A, C = 26e-6, 6e-3, 50e-6
@@ -77,6 +78,22 @@ def test_the_fits_recover_the_engines_costs():
     assert f["d_step_s"] == pytest.approx(A, rel=0.05)
     assert f["d_per_seq_s"] == pytest.approx(C, rel=0.05)
     assert f["d_token_s"] == pytest.approx(B, rel=0.05)
+
+
+def test_ps_cost_comes_from_the_polls_where_its_loop_did_not_idle():
+    """Polls where P idled half the time show its steps at 80% of the true cost per token
+    (their GPU work finished while the loop idled); the fit takes only the saturated ones."""
+    model, p = BalanceModel(now=lambda: 0.0), Stats()
+    for i in range(40):
+        model.observe("p", p)
+        prompt = 10_000 + 500 * (i % 7)
+        saturated = i % 2 == 0
+        busy = prompt * B * (1.0 if saturated else 0.8)
+        p = replace(p, steps=p.steps + 5, prompt_tokens_computed=p.prompt_tokens_computed + prompt,
+                    step_seconds=p.step_seconds + busy,
+                    idle_seconds=p.idle_seconds + (0.005 if saturated else busy))
+    assert model.fitted()["p_token_s"] == pytest.approx(B, rel=1e-3)
+    assert model.p.n == 20
 
 
 def test_light_load_keeps_prefill_on_p_and_heavy_load_moves_it_to_d():
