@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.balance_model import Fit
+from router.balance_model import P_MAX_IDLE, Fit
 
 KINDS = ("whole", "pd", "balanced")
 _PRIOR = (5e-3, 5e-3 * 0.1 / 64, 25e-6)  # a, c, b: Llama-3.1-8B on an H100 (balance_model)
@@ -110,9 +110,11 @@ class ChoiceModel:
             return
         prompt = stats.prompt_tokens_computed - last.prompt_tokens_computed
         self.step_s[engine] = busy / steps
-        self.fit.add((steps, stats.tokens_sampled - last.tokens_sampled, prompt), busy)
-        wall = busy + sum(getattr(stats, k, 0.0) - getattr(last, k, 0.0)
-                          for k in ("idle_seconds", "message_seconds", "send_seconds"))
+        idle = getattr(stats, "idle_seconds", 0.0) - getattr(last, "idle_seconds", 0.0)
+        wall = busy + idle + sum(getattr(stats, k, 0.0) - getattr(last, k, 0.0)
+                                 for k in ("message_seconds", "send_seconds"))
+        if idle <= P_MAX_IDLE * wall:  # as the balance model's P fit: idle polls read cheap
+            self.fit.add((steps, stats.tokens_sampled - last.tokens_sampled, prompt), busy)
         share = min(self.costs()[2] * prompt / wall, MAX_BUSY)
         self.busy[engine] = share + (1 - BUSY_SMOOTHING) * (self.busy.get(engine, share) - share)
 

@@ -125,8 +125,10 @@ def test_each_engines_share_of_time_on_prompts_is_measured_from_its_polls(model)
     busy = 50 * (A + C * 10) + 4000 * B
     second = replace(first, steps=1050, tokens_sampled=500, prompt_tokens_computed=10**6 + 4000,
                      step_seconds=10.0 + busy, idle_seconds=0.5 - busy)
+    fitted_polls = model.fit.n
     model.observe("probe", first)
     model.observe("probe", second)
+    assert model.fit.n == fitted_polls  # idle 14% of the poll: its steps may read cheap
     share = model.costs()[2] * 4000 / 0.5
     assert model.busy["probe"] == pytest.approx(share) and 0.2 < share < 0.22
     third = replace(second, steps=1100, tokens_sampled=1000,
