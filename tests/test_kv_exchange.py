@@ -234,6 +234,41 @@ def test_a_handed_over_first_token_can_end_the_request(pair, prompts, ref):
     assert d.kv.cache.match(prompt).matched_len == n // PAGE * PAGE  # cached for next time
 
 
+def test_a_first_token_the_caller_delivered_is_not_emitted_again(pair, prompts, ref):
+    """first_token_delivered (the router gave P's token to its client already): D's outputs
+    begin with the second token, exactly one engine's greedy ones after the first; the first
+    still counts (the usage, max_tokens). A request it ends answers one final output of no
+    tokens; without a first_token the flag is refused."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]
+    n = len(prompt)
+    r = d.exchange.prep_recv("dl", prompt, n, None)
+    out = send(p, "dl", prompt, 0, n, r.kv_addr, sampling=greedy(N_NEW))
+    assert out.first_token == ref[2][0]
+    assert d.add_request("dl", prompt, greedy(N_NEW), n, out.first_token,
+                         first_token_delivered=True) is None
+    outs = []
+    while d.has_work():
+        outs += d.step()
+    assert [t for o in outs for t in o.token_ids] == ref[2][1:]  # not the first again
+    assert [o.finish_reason for o in outs] == [None] * (N_NEW - 2) + [FinishReason.LENGTH]
+    assert d.requests.get("dl") is None
+    for rid, params, reason in [("dl1", greedy(1), FinishReason.LENGTH),
+                                ("dls", greedy(N_NEW, stop_token_ids=(ref[2][0],)),
+                                 FinishReason.STOP)]:
+        r = d.exchange.prep_recv(rid, prompt, n, None)
+        send(p, rid, prompt, r.matched, n, r.kv_addr, sampling=params)
+        last = d.add_request(rid, prompt, params, n, ref[2][0], first_token_delivered=True)
+        assert (last.token_ids, last.finish_reason, last.num_cached_tokens) == ([], reason, n)
+        assert not d.has_work()
+    with pytest.raises(MicroservingError, match="first_token_delivered needs the first_token"
+                       ) as e:
+        d.add_request("dl0", prompt, greedy(), 0, first_token_delivered=True)
+    assert (e.value.status, e.value.param) == (400, "first_token_delivered")
+    assert_clean(p, d)
+
+
 def test_handing_over_the_first_token_refuses_what_it_cannot_do(pair, prompts):
     p, d = pair
     reset(p, d)

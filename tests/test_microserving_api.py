@@ -135,7 +135,8 @@ class FakeCore(GenerateBackend):
         return result
 
     async def start_generate(self, request_id, prompt, begin, params, first_token=None,
-                             queue_s=None, received_at=0.0, priority=0):
+                             queue_s=None, received_at=0.0, priority=0,
+                             first_token_delivered=False):
         self.generate_calls.append((request_id, prompt, begin, params))
         self.queue_times.append((queue_s, received_at))
         self.priorities.append(priority)

@@ -97,7 +97,7 @@ class MessageHandlers:
         try:
             first = self.add_request(msg.request_id, msg.prompt, msg.params, msg.begin,
                                      msg.first_token, msg.queue_s, msg.received_at,
-                                     msg.priority)
+                                     msg.priority, msg.first_token_delivered)
         except (RequestRejected, MicroservingError) as e:
             self._outbox.append(Rejected(msg.request_id, str(e), e.param,
                                          getattr(e, "status", 400), getattr(e, "code", None)))

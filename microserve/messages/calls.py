@@ -114,6 +114,11 @@ class StartGenerateRequest:
     # The first output token, sampled by the engine that sent the whole prompt's KV (its
     # remote_send with `sampling`); begin must be the prompt's length. Emitted as is, first.
     first_token: TokenId | None = None
+    # The caller has already given first_token to its client (the router does, one round trip
+    # sooner): the stream leaves it out and begins with the next token. It still counts, in
+    # the usage and against max_tokens; a request it ends answers one chunk of no tokens with
+    # finish_reason and usage. Needs first_token.
+    first_token_delivered: bool = False
     # How long the request may wait in this engine's queue (from its frontend taking the
     # call) before a step starts on it: past it a 503 with code queue_timeout, nothing held.
     # None: as long as it takes.
