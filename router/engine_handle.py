@@ -227,11 +227,12 @@ class EngineHandle:
                 await asyncio.gather(sending, return_exceptions=True)
 
     async def _drop(self, request: Request, sending: asyncio.Future) -> None:
-        """Abort the early send in flight as `sending`, and be sure it is gone before the
-        request's next call here reuses its id: an abort that overtook the send on the way
-        (its answer: aborted False) is made again until one finds it."""
-        while not sending.done() and not await self.abort(request):
-            await asyncio.sleep(0.001)
+        """Abort the early send in flight as `sending`, once, and wait for its answer, so it
+        is gone before the request's next call here reuses its id. The abort says it is for
+        an early send: if it overtook the send on the way, the engine refuses the send when
+        it comes (AbortRequest.early_send)."""
+        if not sending.done():
+            await self.abort(request, early_send=True)
         with contextlib.suppress(MicroservingError):  # the send's answer to it: a 409
             await sending
 
@@ -305,9 +306,11 @@ class EngineHandle:
                                        request.adapter)
         return answer
 
-    async def abort(self, request: Request) -> bool:
-        """Drop whatever this engine holds for `request`. False if it held nothing."""
-        return (await self._call(AbortRequest(request.request_id))).aborted
+    async def abort(self, request: Request, early_send: bool = False) -> bool:
+        """Drop whatever this engine holds for `request`. False if it held nothing.
+        `early_send`: the abort is for a remote_send without kv_addr that may not have come
+        yet, which the engine then refuses when it does (AbortRequest.early_send)."""
+        return (await self._call(AbortRequest(request.request_id, early_send))).aborted
 
     async def pin(self, prompt: list[int]) -> PinResponse:
         return await self._call(PinRequest(prompt))

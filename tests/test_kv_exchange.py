@@ -1148,6 +1148,44 @@ def test_a_send_to_that_overtook_its_remote_send_is_kept_for_it(pair, prompts, r
     assert_clean(p, d)
 
 
+def test_an_abort_that_overtook_its_early_send_refuses_that_send_alone(pair, prompts, ref):
+    """The router drops an early send (no kv_addr) with one abort, which may reach P first:
+    said to be for an early send, it is kept, and the send is refused when it comes (409,
+    nothing held). The router's next calls under the same id go through: the one-after-the-
+    other remote_send (with kv_addr) and D's generation. A plain abort keeps nothing; a kept
+    one is cleared by a remote_send with kv_addr, or goes after the lease."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]
+    n = len(prompt)
+    assert p.abort_request("ov") is None and p.exchange.next_deadline() is None  # plain
+    assert p.abort_request("ov", early_send=True) is None
+    assert p.exchange.next_deadline() <= time.monotonic() + p.exchange.lease_s
+    with pytest.raises(MicroservingError, match="request 'ov' was aborted") as e:
+        p.remote_send("ov", prompt, 0, n, None, greedy(N_NEW))
+    assert e.value.status == 409
+    assert "ov" not in p.requests and p.exchange.next_deadline() is None and not p.poll()
+    assert_clean(p)
+    r = d.exchange.prep_recv("ov", prompt, n, None)
+    out = send(p, "ov", prompt, r.matched, n, r.kv_addr, sampling=greedy(N_NEW))
+    assert out.first_token == ref[2][0]
+    tokens, _ = generate_from(d, "ov", prompt, out.first_token, greedy(N_NEW))
+    assert tokens == ref[2]
+    # kept after its early send came and went (the abort came after the send's answer): the
+    # router's next remote_send, with kv_addr, goes through and clears it
+    p.abort_request("stale", early_send=True)
+    r = d.exchange.prep_recv("stale", prompt, n, None)
+    assert send(p, "stale", prompt, r.matched, n, r.kv_addr).sent == n - r.matched
+    assert p.exchange.next_deadline() is None
+    d.abort_request("stale")
+    # kept, but no send comes: it goes after the lease
+    p.abort_request("never", early_send=True)
+    assert p.exchange.next_deadline() is not None
+    p.exchange.expire_leases(time.monotonic() + p.exchange.lease_s + 1)
+    assert p.exchange.next_deadline() is None
+    assert_clean(p, d)
+
+
 def test_an_asynchronous_sender_answers_right_after_the_step_that_finished_its_send(
         tiny_model_dir, prompts, ref):
     """With async scheduling, once the step that computed a send's last chunk (and sampled its

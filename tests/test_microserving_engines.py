@@ -100,9 +100,9 @@ def ids(tok: Tokenizer, text: str) -> list[int]:
 
 
 async def collect(engine: EngineClient, rid: str, prompt: list[int], begin: int = 0,
-                  params: SamplingParams = GREEDY):
+                  params: SamplingParams = GREEDY, first_token: int | None = None):
     tokens, usage = [], None
-    async for chunk in engine.start_generate(rid, prompt, begin, params):
+    async for chunk in engine.start_generate(rid, prompt, begin, params, first_token):
         tokens += chunk.token_ids
         usage = chunk.usage or usage
     return tokens, usage
@@ -260,9 +260,30 @@ async def test_p_starts_before_d_answers_and_send_to_names_where(p, d, tok, smol
         assert 0 < addressed.copied <= n
         sent = await sending
         assert (sent.sent, sent.computed, sent.first_token) == (n, n, want[0])
-        tokens = []
-        async for chunk in D.start_generate(rid, prompt, n, GREEDY, first_token=want[0]):
-            tokens += chunk.token_ids
+        tokens, _ = await collect(D, rid, prompt, n, first_token=want[0])
+        assert tokens == want
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
+async def test_one_abort_ahead_of_its_early_send_refuses_it(p, d_shm, tok, smollm2_dir):
+    """The router's early send dropped with one abort that reached P before the send (made
+    here in that order): the send is refused (409) holding nothing, and the calls that follow
+    under the same id, one after the other, give Hugging Face's tokens."""
+    prompt = ids(tok, "Aborted before it came. " + TEXT)
+    want, = hf_greedy(smollm2_dir, [prompt], N_NEW)
+    n, rid = len(prompt), "abort-ahead"
+    P, D = client(p), client(d_shm)
+    try:
+        assert (await P.call(AbortRequest(rid, early_send=True))).aborted
+        with pytest.raises(MicroservingError, match=f"request '{rid}' was aborted") as e:
+            await P.call(RemoteSendRequest(rid, prompt, 0, n, None, GREEDY))
+        assert e.value.status == 409
+        r = await D.call(PrepRecvRequest(rid, prompt, end=n))
+        sent = await P.call(RemoteSendRequest(rid, prompt, r.matched, n, r.kv_addr, GREEDY))
+        assert sent.first_token == want[0]
+        tokens, _ = await collect(D, rid, prompt, n, first_token=want[0])
         assert tokens == want
     finally:
         await P.aclose()

@@ -546,7 +546,7 @@ class CountingClient(FakeEngine):
         yield GenerateChunk(token_ids=[2], finish_reason="length", usage=Usage(
             prompt_tokens=len(prompt), completion_tokens=2, cached_tokens=len(prompt) - 1))
 
-    async def abort(self, request_id):
+    async def abort(self, request_id, early_send=False):
         self.aborts += 1
         return AbortResponse(aborted=True)
 
@@ -880,16 +880,20 @@ async def test_emit_first_false_leaves_the_first_token_to_the_engine():
 
 class _Sender(FakeEngine):
     """P: a remote_send without kv_addr runs until send_to (or an abort, answered 409);
-    an abort that comes before the send is in the engine finds nothing (the race `_drop`
-    handles), as on a real engine."""
+    an abort that comes before the send is in the engine finds nothing, and if it says it is
+    for an early send, that send is refused when it comes (the race `_drop` relies on), as on
+    a real engine."""
 
     def __init__(self, log: list):
-        self.log, self.job, self.early = log, None, None
+        self.log, self.job, self.early, self.refused = log, None, None, False
 
     async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None,
                           queue_s=None, priority=0, lora_name=None):
         await asyncio.sleep(0.005)  # on its way: an abort may overtake it
         self.log.append(("p.remote_send", begin, end, kv_addr is None))
+        if kv_addr is None and self.refused:
+            self.refused = False
+            raise MicroservingError(409, f"request {request_id!r} was aborted")
         self.job = asyncio.get_running_loop().create_future()
         if kv_addr is None:  # a send_to that overtook it was kept for it
             begin = self.early if self.early is not None else await self.job
@@ -903,12 +907,14 @@ class _Sender(FakeEngine):
         else:
             self.job.set_result(begin)
 
-    async def abort(self, request_id):
+    async def abort(self, request_id, early_send=False):
         found = self.job is not None and not self.job.done()
-        self.log.append(("p.abort", found))
+        self.log.append(("p.abort", found, early_send))
         if found:
             self.job.set_exception(MicroservingError(409, f"request {request_id!r} was aborted"))
-        return AbortResponse(aborted=found)
+        else:
+            self.refused = early_send
+        return AbortResponse(aborted=found or early_send)
 
 
 class _Receiver(FakeEngine):
@@ -954,19 +960,20 @@ async def test_a_receiver_without_room_now_makes_the_send_wait_for_it_in_line():
     (begin, first), _ = await _send_prompt(_Receiver(log, full=True), log)
     assert (begin, first) == (20, 7)
     assert log[0] == ("d.prep_recv", 20, 0)
-    # the abort overtook the send on the way (made again every millisecond), then found it;
-    # the calls go one after the other then
-    assert log[1] == ("p.abort", False)
-    assert [e for e in log[1:] if e != ("p.abort", False)] == [
-        ("p.remote_send", 0, 20, True), ("p.abort", True), ("d.prep_recv", 20, 60.0),
-        ("p.remote_send", 8, 20, False)]
+    # one abort, which overtook the send on the way: the send is refused when it comes, and
+    # the calls go one after the other then, under the same id
+    assert log == [("d.prep_recv", 20, 0), ("p.abort", False, True),
+                   ("p.remote_send", 0, 20, True), ("d.prep_recv", 20, 60.0),
+                   ("p.remote_send", 8, 20, False)]
 
 
 async def test_a_receiver_holding_the_whole_prompt_computes_the_last_token_itself():
     log = []
     (begin, first), _ = await _send_prompt(_Receiver(log, matched=20), log)
     assert (begin, first) == (19, None)
-    assert ("p.send_to", 20) not in log and log[-1] == ("p.abort", True)
+    # the early send dropped with one abort (it overtook the send, which is then refused)
+    assert log == [("d.prep_recv", 20, 0), ("p.abort", False, True),
+                   ("p.remote_send", 0, 20, True)]
 
 
 async def test_send_prompt_not_early_goes_one_call_after_the_other():

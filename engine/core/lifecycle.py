@@ -219,12 +219,18 @@ class RequestLifecycle:
         loads = self.adapters.poll() if self.adapters is not None else []
         return self.exchange.poll() + loads
 
-    def abort_request(self, request_id: str) -> TokenOutput | None:
+    def abort_request(self, request_id: str, early_send: bool = False) -> TokenOutput | None:
         """Drop a request wherever it is and release its pages. Returns the final output of a
-        generation; None for a transfer (no token stream) or an unknown id."""
+        generation; None for a transfer (no token stream) or an unknown id.
+
+        `early_send` (AbortRequest's): the abort is for a remote_send without kv_addr that may
+        not have come yet. An unknown id is then kept for that send, which is refused when it
+        comes (`Sending.refuse_ahead`): one abort settles it, whichever arrives first."""
         entry = self.requests.get(request_id)
         if entry is None:
             self.exchange.forget_address(request_id)  # a send_to ahead of its remote_send
+            if early_send:
+                self.exchange.refuse_ahead(request_id)
             return None
         if entry.state is not RequestState.GENERATING:
             if (seq := self.exchange.abort(request_id)) is not None:

@@ -144,11 +144,18 @@ class CommitResponse:
 @dataclass(slots=True)
 class AbortRequest:
     request_id: RequestId
+    # The abort is for a remote_send without kv_addr that may still be on its way here (it can
+    # overtake it: they travel on two connections). If the engine has nothing under
+    # request_id, it keeps the id for that send alone and refuses it (409) when it comes, so
+    # the answer is final: no second abort is needed. Kept for --kv-lease-s at most, or until
+    # the next remote_send of the id (only one without kv_addr is refused).
+    early_send: bool = False
 
 
 @dataclass(slots=True)
 class AbortResponse:
-    aborted: bool  # False: the engine held nothing under this request_id
+    # False: the engine held nothing under this request_id (with early_send: nor will it)
+    aborted: bool
 
 
 @CHECKED
