@@ -31,6 +31,7 @@ class Generate(Frame, tag="generate"):
     queue_s: float | None = None  # StartGenerateRequest's
     priority: int = 0  # StartGenerateRequest's
     received_at: float = 0.0  # time.perf_counter() when the frontend took it; 0: unknown
+    first_token_delivered: bool = False  # StartGenerateRequest's
 
 
 class Invoke(Frame, tag="call"):

@@ -88,6 +88,9 @@ class KVExchange(Receiving, Sending):
         # send_to calls that overtook their remote_send on the way: (begin, kv_addr, deadline)
         # (Sending)
         self._addresses: dict[str, tuple[int, KVAddr, float]] = {}
+        # aborts that overtook their early remote_send on the way: request_id -> deadline
+        # (Sending)
+        self._refused: dict[str, float] = {}
         self.counters = {"kv_leases_expired": 0, "kv_tokens_sent": 0, "kv_tokens_received": 0,
                          "kv_recv_waited": 0, "kv_recv_wait_timeouts": 0,
                          "kv_send_queue_timeouts": 0}
@@ -114,6 +117,7 @@ class KVExchange(Receiving, Sending):
         lease = min([*(e.reservation.deadline for e in reserved.values()),
                      *(e.job.address_by for e in parked.values()),
                      *(deadline for _, _, deadline in self._addresses.values()),
+                     *self._refused.values(),
                      *self._start_deadlines()], default=None)
         waiting = self.requests.in_state(RequestState.RECV_WAITING)
         if not waiting:

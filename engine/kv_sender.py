@@ -21,6 +21,15 @@ steps already launched) and the later chunks are sent layer by layer as above. A
 before its send_to is PARKED, holding its pages; one whose send_to does not come within the
 engine's lease (`--kv-lease-s`, counted from the remote_send) is dropped with a 408.
 
+Its abort can overtake it too: the router drops an early send whose receiver has no room
+after all, and the abort and the send travel on two connections. An abort that says it is for
+an early send (`AbortRequest.early_send`) and finds nothing here is kept (`refuse_ahead`, for
+the lease at most): the early remote_send of that id is refused with a 409 when it comes,
+holding nothing, and the record goes with it. Only that send is refused: the router's next
+calls under the same id (a remote_send with kv_addr, a generation) go through; such a
+remote_send clears a record left by an abort that came after its early send had already been
+answered (it could not have come before: the router waits for that answer).
+
 A remote_send may bound its wait in this engine's queue (`queue_s`, the router's queue
 timeout): one that no step has started on within `queue_s` of the frontend taking the call
 (behind other prefills, or behind a long step) fails with a 503, code queue_timeout, its
@@ -35,7 +44,7 @@ writes nowhere but the signed slots and seals the window with that digest (`KVSe
 
 `Sending` is a half of `engine.kv_exchange.KVExchange`, which sets the attributes it uses
 (`kv`, `requests`, `vocab_size`, `sender`, `layout`, `lease_s`, `counters`, `_answers`) and
-the `_flushed` and `_addresses` it alone writes.
+the `_flushed`, `_addresses` and `_refused` it alone writes.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ from microserve.transfer_auth import TransferAuthError, kv_digest, verify, verif
 
 log = logging.getLogger(__name__)
 
-MAX_EARLY_ADDRESSES = 4096  # send_to calls kept for a remote_send still on its way
+MAX_EARLY_ADDRESSES = 4096  # send_to calls (and aborts) kept for a remote_send on its way
 # A send's states once its sequence is done: its pages held by the request, not a sequence.
 COMPUTED = (RequestState.FLUSHING, RequestState.PARKED)
 
@@ -86,6 +95,11 @@ class Sending:
         time.perf_counter() when the call came; default now), else a 503 (queue_timeout);
         raised here, holding nothing, if that time has passed already. `lora_id`: the LoRA
         adapter (0: the base) the KV is computed with, and reused from the cache under."""
+        # An abort kept for an early send is that send's. Any other remote_send of the id
+        # comes after it (the router waits for the early send's answer first): the early send
+        # came before the abort, and the record is stale.
+        if self._refused.pop(request_id, None) is not None and kv_addr is None:
+            raise MicroservingError(409, f"request {request_id!r} was aborted")
         check_prompt(prompt, self.vocab_size)
         n = len(prompt)
         begin, end = resolve_index(begin, n, "begin"), resolve_index(end, n, "end")
@@ -363,11 +377,22 @@ class Sending:
         """Drop a send_to kept for a remote_send that has not come (an abort). True if any."""
         return self._addresses.pop(request_id, None) is not None
 
+    def refuse_ahead(self, request_id: str) -> None:
+        """An abort for an early remote_send (no kv_addr) that has not come, under an id
+        unknown here: keep it, so that the send is refused when it comes (until the lease
+        runs out; a 503 if too many are kept)."""
+        if len(self._refused) >= MAX_EARLY_ADDRESSES:
+            raise MicroservingError(503, f"{len(self._refused)} aborts are waiting for their "
+                                    "remote_send already")  # fmt: skip
+        self._refused[request_id] = time.monotonic() + self.lease_s
+
     def _expire_parked(self, now: float) -> int:
         """Drop parked sends whose send_to did not come in time (their router is gone, say),
-        and kept send_to calls whose remote_send did not come."""
+        and kept send_to calls and aborts whose remote_send did not come."""
         for rid in [r for r, (_, _, deadline) in self._addresses.items() if deadline <= now]:
             del self._addresses[rid]
+        for rid in [r for r, deadline in self._refused.items() if deadline <= now]:
+            del self._refused[rid]
         late = [rid for rid, e in self.requests.in_state(RequestState.PARKED).items()
                 if e.job.address_by <= now]
         for rid in late:

@@ -191,9 +191,12 @@ class EngineClient:
                              sampling: SamplingParams | None = None,
                              first_token: int | None = None,
                              queue_s: float | None = None,
-                             priority: int = 0) -> AsyncIterator[GenerateChunk]:
+                             priority: int = 0, first_token_delivered: bool = False
+                             ) -> AsyncIterator[GenerateChunk]:
         """Generate from `prompt`, whose KV of `prompt[:begin]` is on the engine already
         (`first_token`: the first output, sampled by the sender of the whole prompt's KV;
+        `first_token_delivered`: the caller gave that token to its client already, so the
+        stream begins after it (StartGenerateRequest);
         `queue_s`: how long it may wait for a step to start on it, else a 503 queue_timeout;
         `priority`: its rank under the engine's priority scheduling policy, lower first).
 
@@ -204,8 +207,9 @@ class EngineClient:
         makes the engine abort the request.
         """
         body = StartGenerateRequest(request_id, prompt, begin, sampling or SamplingParams(),
-                                    first_token=first_token, queue_s=queue_s,
-                                    priority=priority)
+                                    first_token=first_token,
+                                    first_token_delivered=first_token_delivered,
+                                    queue_s=queue_s, priority=priority)
         response = await self._open(b"POST", "start_generate", self._encode(body), None)
         decoder = _ChunkDecoder() if _is_msgpack(response) else _LineDecoder()
         finished = False

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from microserve.backend import BackendUnavailable, MicroservingError
@@ -228,11 +227,12 @@ class EngineHandle:
                 await asyncio.gather(sending, return_exceptions=True)
 
     async def _drop(self, request: Request, sending: asyncio.Future) -> None:
-        """Abort the early send in flight as `sending`, and be sure it is gone before the
-        request's next call here reuses its id: an abort that overtook the send on the way
-        (its answer: aborted False) is made again until one finds it."""
-        while not sending.done() and not await self.abort(request):
-            await asyncio.sleep(0.001)
+        """Abort the early send in flight as `sending`, once, and wait for its answer, so it
+        is gone before the request's next call here reuses its id. The abort says it is for
+        an early send: if it overtook the send on the way, the engine refuses the send when
+        it comes (AbortRequest.early_send)."""
+        if not sending.done():
+            await self.abort(request, early_send=True)
         with contextlib.suppress(MicroservingError):  # the send's answer to it: a 409
             await sending
 
@@ -245,9 +245,10 @@ class EngineHandle:
 
         With `emit_first` (the default) a handed-over first token that does not end the
         request is yielded before this engine is called, so the client has it one round trip
-        sooner; the engine's own copy of it is left out of its first chunk. The price: if this
-        engine fails before its first chunk, the request has produced output and the router
-        does not try it again (it ends with the error, as a failure after any token does).
+        sooner; the engine is told so (`first_token_delivered`) and its stream goes on from the
+        next token, so the token travels to the client once. The price: if this engine fails
+        before its first chunk, the request has produced output and the router does not try
+        it again (it ends with the error, as a failure after any token does).
 
         A generation this engine has not started computing within the pool's queue_timeout_s
         fails with a 503 (code queue_timeout), as a send does."""
@@ -265,7 +266,8 @@ class EngineHandle:
         self.pending_prefill_tokens += prefill
         chunks = self.client.start_generate(request.request_id, request.prompt, begin,
                                             request.sampling, first_token,
-                                            self._pool.queue_timeout_s, priority=request.priority)
+                                            self._pool.queue_timeout_s, priority=request.priority,
+                                            first_token_delivered=early)
         request.timeline.generate_started = now()
         watch = StreamWatch(self, self._pool.down_event(self.name))
         try:
@@ -275,11 +277,6 @@ class EngineHandle:
                     request.timeline.first_chunk = now()
                 self.pending_prefill_tokens -= prefill
                 prefill = 0
-                if early:
-                    early = False
-                    chunk = _without_first(chunk, first_token, self.name)
-                    if chunk is None:
-                        continue
                 if chunk.finish_reason is not None:
                     self._pool.prefix_index.insert(request.prompt, self.name, request.adapter)
                     request.settled.add(self.name)
@@ -309,9 +306,11 @@ class EngineHandle:
                                        request.adapter)
         return answer
 
-    async def abort(self, request: Request) -> bool:
-        """Drop whatever this engine holds for `request`. False if it held nothing."""
-        return (await self._call(AbortRequest(request.request_id))).aborted
+    async def abort(self, request: Request, early_send: bool = False) -> bool:
+        """Drop whatever this engine holds for `request`. False if it held nothing.
+        `early_send`: the abort is for a remote_send without kv_addr that may not have come
+        yet, which the engine then refuses when it does (AbortRequest.early_send)."""
+        return (await self._call(AbortRequest(request.request_id, early_send))).aborted
 
     async def pin(self, prompt: list[int]) -> PinResponse:
         return await self._call(PinRequest(prompt))
@@ -371,18 +370,6 @@ def _room_now(receiver: EngineHandle, tokens: int) -> bool:
         return True  # not polled yet: prep_recv with wait_s 0 answers the question
     room = (load.kv_pages_free + load.kv_pages_cached) * info.page_size
     return load.kv_recv_waiting == 0 and room >= tokens
-
-
-def _without_first(chunk: GenerateChunk, token: int, engine: str) -> GenerateChunk | None:
-    """An engine's first chunk less the handed-over first token, already yielded; None if
-    nothing is left of it."""
-    if not chunk.token_ids or chunk.token_ids[0] != token:
-        raise MicroservingError(500, f"engine {engine} began its stream with {chunk.token_ids[:1]}"
-                                f", not the handed-over first token {token}")
-    if len(chunk.token_ids) == 1 and chunk.finish_reason is None and chunk.usage is None:
-        return None
-    logprobs = chunk.logprobs[1:] if chunk.logprobs else chunk.logprobs
-    return replace(chunk, token_ids=chunk.token_ids[1:], logprobs=logprobs, cached_tokens=None)
 
 
 def _span(n: int, begin: int, end: int) -> int:

@@ -13,7 +13,8 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, Tick
 from engine.frames import CallFailed, Generate, Invoke, Outputs, Rejected, Reply, Shutdown, invoke
 from microserve.backend import RequestRejected
-from microserve.messages import CALLS, AbortRequest, AbortResponse, EngineStats, StatsRequest
+from microserve.messages import (CALLS, AbortRequest, AbortResponse, EngineStats,
+                                 RemoteSendRequest, StatsRequest)
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120, 64]
 
@@ -41,6 +42,13 @@ def test_calls_and_frames_are_answered_by_table(core):
     assert isinstance(out, Outputs) and out.items[0].finish_reason == "abort"
     assert isinstance(answer, Reply) and answer.id == 3
     assert CALLS["abort"].decode_answer(answer.result) == AbortResponse(True)
+    # an unknown id: nothing held; said to be for an early send, that send will be refused
+    for call_id, early_send, aborted in [(4, False, False), (5, True, True)]:
+        [answer] = core.handle(invoke(call_id, AbortRequest("b", early_send)))
+        assert CALLS["abort"].decode_answer(answer.result) == AbortResponse(aborted)
+    [refused] = core.handle(invoke(6, RemoteSendRequest("b", PROMPT)))
+    assert isinstance(refused, CallFailed) and (refused.id, refused.status) == (6, 409)
+    assert refused.error == "request 'b' was aborted"
     assert not core.shut_down and core.handle(Shutdown()) == [] and core.shut_down
     core.check_integrity()
 

@@ -234,6 +234,41 @@ def test_a_handed_over_first_token_can_end_the_request(pair, prompts, ref):
     assert d.kv.cache.match(prompt).matched_len == n // PAGE * PAGE  # cached for next time
 
 
+def test_a_first_token_the_caller_delivered_is_not_emitted_again(pair, prompts, ref):
+    """first_token_delivered (the router gave P's token to its client already): D's outputs
+    begin with the second token, exactly one engine's greedy ones after the first; the first
+    still counts (the usage, max_tokens). A request it ends answers one final output of no
+    tokens; without a first_token the flag is refused."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]
+    n = len(prompt)
+    r = d.exchange.prep_recv("dl", prompt, n, None)
+    out = send(p, "dl", prompt, 0, n, r.kv_addr, sampling=greedy(N_NEW))
+    assert out.first_token == ref[2][0]
+    assert d.add_request("dl", prompt, greedy(N_NEW), n, out.first_token,
+                         first_token_delivered=True) is None
+    outs = []
+    while d.has_work():
+        outs += d.step()
+    assert [t for o in outs for t in o.token_ids] == ref[2][1:]  # not the first again
+    assert [o.finish_reason for o in outs] == [None] * (N_NEW - 2) + [FinishReason.LENGTH]
+    assert d.requests.get("dl") is None
+    for rid, params, reason in [("dl1", greedy(1), FinishReason.LENGTH),
+                                ("dls", greedy(N_NEW, stop_token_ids=(ref[2][0],)),
+                                 FinishReason.STOP)]:
+        r = d.exchange.prep_recv(rid, prompt, n, None)
+        send(p, rid, prompt, r.matched, n, r.kv_addr, sampling=params)
+        last = d.add_request(rid, prompt, params, n, ref[2][0], first_token_delivered=True)
+        assert (last.token_ids, last.finish_reason, last.num_cached_tokens) == ([], reason, n)
+        assert not d.has_work()
+    with pytest.raises(MicroservingError, match="first_token_delivered needs the first_token"
+                       ) as e:
+        d.add_request("dl0", prompt, greedy(), 0, first_token_delivered=True)
+    assert (e.value.status, e.value.param) == (400, "first_token_delivered")
+    assert_clean(p, d)
+
+
 def test_handing_over_the_first_token_refuses_what_it_cannot_do(pair, prompts):
     p, d = pair
     reset(p, d)
@@ -1110,6 +1145,44 @@ def test_a_send_to_that_overtook_its_remote_send_is_kept_for_it(pair, prompts, r
     assert p.exchange.next_deadline() <= time.monotonic() + p.exchange.lease_s
     p.exchange.expire_leases(time.monotonic() + p.exchange.lease_s + 1)
     assert not p.exchange.forget_address("late") and p.exchange.next_deadline() is None
+    assert_clean(p, d)
+
+
+def test_an_abort_that_overtook_its_early_send_refuses_that_send_alone(pair, prompts, ref):
+    """The router drops an early send (no kv_addr) with one abort, which may reach P first:
+    said to be for an early send, it is kept, and the send is refused when it comes (409,
+    nothing held). The router's next calls under the same id go through: the one-after-the-
+    other remote_send (with kv_addr) and D's generation. A plain abort keeps nothing; a kept
+    one is cleared by a remote_send with kv_addr, or goes after the lease."""
+    p, d = pair
+    reset(p, d)
+    prompt = prompts[2]
+    n = len(prompt)
+    assert p.abort_request("ov") is None and p.exchange.next_deadline() is None  # plain
+    assert p.abort_request("ov", early_send=True) is None
+    assert p.exchange.next_deadline() <= time.monotonic() + p.exchange.lease_s
+    with pytest.raises(MicroservingError, match="request 'ov' was aborted") as e:
+        p.remote_send("ov", prompt, 0, n, None, greedy(N_NEW))
+    assert e.value.status == 409
+    assert "ov" not in p.requests and p.exchange.next_deadline() is None and not p.poll()
+    assert_clean(p)
+    r = d.exchange.prep_recv("ov", prompt, n, None)
+    out = send(p, "ov", prompt, r.matched, n, r.kv_addr, sampling=greedy(N_NEW))
+    assert out.first_token == ref[2][0]
+    tokens, _ = generate_from(d, "ov", prompt, out.first_token, greedy(N_NEW))
+    assert tokens == ref[2]
+    # kept after its early send came and went (the abort came after the send's answer): the
+    # router's next remote_send, with kv_addr, goes through and clears it
+    p.abort_request("stale", early_send=True)
+    r = d.exchange.prep_recv("stale", prompt, n, None)
+    assert send(p, "stale", prompt, r.matched, n, r.kv_addr).sent == n - r.matched
+    assert p.exchange.next_deadline() is None
+    d.abort_request("stale")
+    # kept, but no send comes: it goes after the lease
+    p.abort_request("never", early_send=True)
+    assert p.exchange.next_deadline() is not None
+    p.exchange.expire_leases(time.monotonic() + p.exchange.lease_s + 1)
+    assert p.exchange.next_deadline() is None
     assert_clean(p, d)
 
 

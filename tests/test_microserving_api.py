@@ -82,7 +82,8 @@ CALLS = {
                      "priority": 0, "lora_name": None}, None),
     "commit": ({"request_id": "r1", "pin": True}, {"cached": 8, "pinned": True},
                {"request_id": "r1", "pin": True}, 30.0),
-    "abort": ({"request_id": "r1"}, {"aborted": True}, {"request_id": "r1"}, 30.0),
+    "abort": ({"request_id": "r1", "early_send": True}, {"aborted": True},
+              {"request_id": "r1", "early_send": True}, 30.0),
     "pin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
     "unpin": ({"prompt": PROMPT}, {"tokens": 8}, {"prompt": PROMPT}, 30.0),
 }
@@ -135,7 +136,8 @@ class FakeCore(GenerateBackend):
         return result
 
     async def start_generate(self, request_id, prompt, begin, params, first_token=None,
-                             queue_s=None, received_at=0.0, priority=0):
+                             queue_s=None, received_at=0.0, priority=0,
+                             first_token_delivered=False):
         self.generate_calls.append((request_id, prompt, begin, params))
         self.queue_times.append((queue_s, received_at))
         self.priorities.append(priority)
@@ -583,7 +585,7 @@ async def test_engine_client_calls(use_msgpack):
             sent=6, computed=10, reused=0)
         assert dataclasses.asdict(await engine.call(CommitRequest("r1", pin=True))) == {"cached": 8,
                                                                              "pinned": True}
-        assert (await engine.call(AbortRequest("r1"))).aborted is True
+        assert (await engine.call(AbortRequest("r1", early_send=True))).aborted is True
         assert (await engine.call(PinRequest(PROMPT))).tokens == (await engine.call(UnpinRequest(PROMPT))).tokens == 8
         assert await engine.stats(check=True) == StatsResponse(
             EngineStats(**STATS), EngineInfo(**INFO), "ok")

@@ -100,9 +100,9 @@ def ids(tok: Tokenizer, text: str) -> list[int]:
 
 
 async def collect(engine: EngineClient, rid: str, prompt: list[int], begin: int = 0,
-                  params: SamplingParams = GREEDY):
+                  params: SamplingParams = GREEDY, first_token: int | None = None):
     tokens, usage = [], None
-    async for chunk in engine.start_generate(rid, prompt, begin, params):
+    async for chunk in engine.start_generate(rid, prompt, begin, params, first_token):
         tokens += chunk.token_ids
         usage = chunk.usage or usage
     return tokens, usage
@@ -211,6 +211,38 @@ async def test_p_hands_its_sampled_first_token_to_d(p, d, tok, smollm2_dir):
         await D.aclose()
 
 
+async def test_a_first_token_the_caller_delivered_travels_once(p, d, tok, smollm2_dir):
+    """first_token_delivered (the router gave P's token to its client already): D's stream
+    begins with the second token, and its usage still counts the first. A first token that
+    ends the request (max_tokens 1) comes back as one chunk of no tokens with the finish."""
+    prompt = ids(tok, f"Delivered once, by {d.name}. " + TEXT)
+    want, = hf_greedy(smollm2_dir, [prompt], N_NEW)
+    n = len(prompt)
+    P, D = client(p), client(d)
+    try:
+        for rid, params in [(f"{d.name}-once", GREEDY),
+                            (f"{d.name}-once-1", dataclasses.replace(GREEDY, max_tokens=1))]:
+            r = await D.call(PrepRecvRequest(rid, prompt, end=n))
+            sent = await P.call(RemoteSendRequest(rid, prompt, r.matched, n, r.kv_addr, params))
+            assert sent.first_token == want[0]
+            chunks = [c async for c in D.start_generate(rid, prompt, n, params,
+                                                        first_token=want[0],
+                                                        first_token_delivered=True)]
+            usage = chunks[-1].usage
+            assert [t for c in chunks for t in c.token_ids] == want[1:params.max_tokens]
+            assert chunks[0].cached_tokens is None  # the delivered token's chunk said it
+            assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (
+                n, n, params.max_tokens)
+            assert chunks[-1].finish_reason == "length"
+        with pytest.raises(MicroservingError, match="first_token_delivered needs") as e:
+            await anext(D.start_generate(f"{d.name}-once-0", prompt, 0, GREEDY,
+                                         first_token_delivered=True))
+        assert (e.value.status, e.value.param) == (400, "first_token_delivered")
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
 async def test_p_starts_before_d_answers_and_send_to_names_where(p, d, tok, smollm2_dir):
     """The router's flow: P's remote_send without kv_addr goes out beside D's prep_recv; P
     computes (128 tokens a step) into its own pages; send_to, made when D answers, copies what
@@ -228,9 +260,30 @@ async def test_p_starts_before_d_answers_and_send_to_names_where(p, d, tok, smol
         assert 0 < addressed.copied <= n
         sent = await sending
         assert (sent.sent, sent.computed, sent.first_token) == (n, n, want[0])
-        tokens = []
-        async for chunk in D.start_generate(rid, prompt, n, GREEDY, first_token=want[0]):
-            tokens += chunk.token_ids
+        tokens, _ = await collect(D, rid, prompt, n, first_token=want[0])
+        assert tokens == want
+    finally:
+        await P.aclose()
+        await D.aclose()
+
+
+async def test_one_abort_ahead_of_its_early_send_refuses_it(p, d_shm, tok, smollm2_dir):
+    """The router's early send dropped with one abort that reached P before the send (made
+    here in that order): the send is refused (409) holding nothing, and the calls that follow
+    under the same id, one after the other, give Hugging Face's tokens."""
+    prompt = ids(tok, "Aborted before it came. " + TEXT)
+    want, = hf_greedy(smollm2_dir, [prompt], N_NEW)
+    n, rid = len(prompt), "abort-ahead"
+    P, D = client(p), client(d_shm)
+    try:
+        assert (await P.call(AbortRequest(rid, early_send=True))).aborted
+        with pytest.raises(MicroservingError, match=f"request '{rid}' was aborted") as e:
+            await P.call(RemoteSendRequest(rid, prompt, 0, n, None, GREEDY))
+        assert e.value.status == 409
+        r = await D.call(PrepRecvRequest(rid, prompt, end=n))
+        sent = await P.call(RemoteSendRequest(rid, prompt, r.matched, n, r.kv_addr, GREEDY))
+        assert sent.first_token == want[0]
+        tokens, _ = await collect(D, rid, prompt, n, first_token=want[0])
         assert tokens == want
     finally:
         await P.aclose()

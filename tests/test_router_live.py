@@ -11,6 +11,7 @@ cache intact; at the end Ctrl-C stops the whole deployment.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import stat
@@ -161,6 +162,50 @@ async def test_each_strategy_gives_the_greedy_tokens_of_one_engine(up, admin, to
         assert sent - sent_before == expected_sent[strategy]
     else:  # adaptive, the model without data yet (a fresh instance): the start ratio 0.2
         assert sent - sent_before == n - math.ceil(0.2 * n)
+
+
+def streamed_chunks(up, prompt: list[int], max_tokens: int) -> tuple[list[dict], dict]:
+    """A streamed completion's chunks as the client gets them, less what differs by request
+    (id, created), and the usage's cached_tokens apart (a prefix cache hit differs too)."""
+    body = {"model": "test-model", "prompt": prompt, "stream": True, "temperature": 0,
+            "max_tokens": max_tokens, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    chunks, cached = [], None
+    with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            del chunk["id"], chunk["created"]
+            if chunk.get("usage"):
+                cached = chunk["usage"].pop("prompt_tokens_details", None)
+            chunks.append(chunk)
+    return chunks, cached
+
+
+@pytest.mark.parametrize("max_tokens", [N_NEW, 1])
+async def test_pd_streams_the_chunks_one_engine_streams(up, admin, tok, max_tokens):
+    """P/D hands P's first token to the client before D is called, and D's stream goes on
+    after it: chunk for chunk (tokens, finish, usage) what a data-parallel request streams,
+    the first token once. max_tokens 1: the handed-over token is the whole answer; it went
+    out before D said so, so the finish follows in a chunk of its own, with no text."""
+    prompt = tok.encode(f"[pd = dp, {max_tokens}] " + TEXT, add_special_tokens=False)
+    use(admin, builtin="pd")
+    pd, pd_cached = streamed_chunks(up, prompt, max_tokens)
+    use(admin, builtin="data_parallel")
+    dp, _ = streamed_chunks(up, prompt, max_tokens)
+    if max_tokens == 1:
+        first, finish, usage = pd
+        assert finish["choices"] == [{**dp[0]["choices"][0], "text": ""}]
+        assert [first["choices"][0]["text"], first["choices"][0]["finish_reason"]] == [
+            dp[0]["choices"][0]["text"], None]
+        pd = [{**first, "choices": [{**first["choices"][0], "finish_reason": "length"}]},
+              usage]
+    assert pd == dp
+    assert len([c for c in dp if c["choices"]]) == max_tokens  # one chunk per token
+    assert dp[-1]["usage"]["completion_tokens"] == max_tokens
+    assert pd_cached in (None, {"cached_tokens": 0})  # a new prompt: sent, not cached
 
 
 @pytest.mark.parametrize("strategy", ["pd", "balanced_fixed", "context_migration"])

@@ -539,14 +539,14 @@ class CountingClient(FakeEngine):
         self.addressed.set()
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None, priority=0):
+                             queue_s=None, priority=0, first_token_delivered=False):
         yield GenerateChunk(token_ids=[1], cached_tokens=len(prompt) - 1)
         if self.fail:
             raise MicroservingError(500, "internal error in the engine step: ValueError")
         yield GenerateChunk(token_ids=[2], finish_reason="length", usage=Usage(
             prompt_tokens=len(prompt), completion_tokens=2, cached_tokens=len(prompt) - 1))
 
-    async def abort(self, request_id):
+    async def abort(self, request_id, early_send=False):
         self.aborts += 1
         return AbortResponse(aborted=True)
 
@@ -616,7 +616,7 @@ class PlacesGenerations(CountingClient):
         self.started, self.go = started, asyncio.Event()
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None, priority=0):
+                             queue_s=None, priority=0, first_token_delivered=False):
         self.started.append(request_id)
         await self.go.wait()
         yield GenerateChunk(token_ids=[2], finish_reason="length")
@@ -663,7 +663,7 @@ class QueuedInVain(CountingClient):
         self.queue_s = []
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None, priority=0):
+                             queue_s=None, priority=0, first_token_delivered=False):
         self.queue_s.append(queue_s)
         raise MicroservingError(503, f"waited {queue_s:g} s for this engine to start computing "
                                 f"request {request_id!r} (its queue_s): it is busy; retry "
@@ -699,7 +699,7 @@ class Prioritized(CountingClient):
         self.priorities = []
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None, priority=0):
+                             queue_s=None, priority=0, first_token_delivered=False):
         self.priorities.append(priority)
         yield GenerateChunk(token_ids=[1], finish_reason="length")
 
@@ -727,7 +727,7 @@ class _SlowStream:
         self.go = asyncio.Event()
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None, priority=0):
+                             queue_s=None, priority=0, first_token_delivered=False):
         yield GenerateChunk(token_ids=[1])
         await self.go.wait()
         yield GenerateChunk(token_ids=[2])
@@ -789,14 +789,16 @@ def test_dns_names_parse_with_port_and_role():
 
 
 class _HandOver:
-    """start_generate of an engine that got the first token with the KV: emits it, decodes."""
+    """start_generate of an engine that got the first token with the KV: emits it (unless told
+    it was delivered: then `chunks` are what follows it), decodes."""
 
     def __init__(self, chunks: list[GenerateChunk]):
-        self.chunks, self.called = chunks, asyncio.Event()
+        self.chunks, self.called, self.delivered = chunks, asyncio.Event(), None
 
     async def start_generate(self, request_id, prompt, begin, sampling, first_token=None,
-                             queue_s=None, priority=0):
+                             queue_s=None, priority=0, first_token_delivered=False):
         self.called.set()
+        self.delivered = first_token_delivered
         for chunk in self.chunks:
             yield chunk
 
@@ -829,24 +831,25 @@ def test_the_first_token_travels_only_without_state_kept_by_the_generating_engin
 
 async def test_a_handed_over_first_token_is_yielded_before_the_engine_is_called():
     usage = Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=3)
-    d, client, request = _handing_over([
-        GenerateChunk([9], cached_tokens=3), GenerateChunk([10]),
-        GenerateChunk([11], finish_reason="length", usage=usage)])
+    d, client, request = _handing_over([  # the engine's stream after the delivered 9
+        GenerateChunk([10]), GenerateChunk([11], finish_reason="length", usage=usage)])
     chunks = d.start_generate(request, begin=3, first_token=9)
     assert await anext(chunks) == GenerateChunk([9], cached_tokens=3)
     assert not client.called.is_set()
     assert [c async for c in chunks] == [GenerateChunk([10]), GenerateChunk(
-        [11], finish_reason="length", usage=usage)]  # the engine's own 9 left out
+        [11], finish_reason="length", usage=usage)]
+    assert client.delivered is True  # the engine was told: 9 went to the client once
     assert d.open_generations == 0
 
 
-async def test_the_engines_first_chunk_keeps_what_follows_the_handed_over_token():
+async def test_a_delivered_first_token_that_reaches_max_tokens_ends_with_the_engines_finish():
     usage = Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=3)
-    d, _, request = _handing_over([GenerateChunk([9], finish_reason="length", usage=usage,
-                                                 cached_tokens=3)], max_tokens=1)
+    d, client, request = _handing_over([GenerateChunk([], finish_reason="length", usage=usage)],
+                                       max_tokens=1)
     assert [c async for c in d.start_generate(request, begin=3, first_token=9)] == [
         GenerateChunk([9], cached_tokens=3),
         GenerateChunk([], finish_reason="length", usage=usage)]
+    assert client.delivered is True
 
 
 @pytest.mark.parametrize("first, sampling", [(0, {}), (4, {"stop_token_ids": (4,)})])
@@ -854,19 +857,13 @@ async def test_a_handed_over_stop_token_comes_from_the_engine_with_its_finish(fi
     last = GenerateChunk([first], finish_reason="stop", cached_tokens=3)  # eos of engine_info: 0
     d, client, request = _handing_over([last], **sampling)
     assert [c async for c in d.start_generate(request, begin=3, first_token=first)] == [last]
-    d, _, request = _handing_over([last], **sampling, ignore_eos=True)
+    assert client.delivered is False  # the engine emits it, with its finish
+    d, client, request = _handing_over([GenerateChunk([], finish_reason="stop")], **sampling,
+                                       ignore_eos=True)
     if not sampling:  # eos with ignore_eos does not stop: it goes first, as any token
         assert [c async for c in d.start_generate(request, begin=3, first_token=first)] == [
             GenerateChunk([first], cached_tokens=3), GenerateChunk([], finish_reason="stop")]
-
-
-async def test_an_engine_that_does_not_begin_with_the_handed_over_token_fails_the_stream():
-    d, _, request = _handing_over([GenerateChunk([8]), GenerateChunk([9])])
-    chunks = d.start_generate(request, begin=3, first_token=9)
-    assert (await anext(chunks)).token_ids == [9]
-    with pytest.raises(MicroservingError, match=r"engine d began its stream with \[8\], not the "
-                                                r"handed-over first token 9"):
-        await anext(chunks)
+        assert client.delivered is True
 
 
 async def test_emit_first_false_leaves_the_first_token_to_the_engine():
@@ -875,6 +872,7 @@ async def test_emit_first_false_leaves_the_first_token_to_the_engine():
     chunks = [c async for c in d.start_generate(request, begin=3, first_token=9,
                                                 emit_first=False)]
     assert client.called.is_set() and [c.token_ids for c in chunks] == [[9], [10]]
+    assert client.delivered is False
 
 
 # ---- send_prompt: P starts computing beside D's prep_recv ------------------------------------
@@ -882,16 +880,20 @@ async def test_emit_first_false_leaves_the_first_token_to_the_engine():
 
 class _Sender(FakeEngine):
     """P: a remote_send without kv_addr runs until send_to (or an abort, answered 409);
-    an abort that comes before the send is in the engine finds nothing (the race `_drop`
-    handles), as on a real engine."""
+    an abort that comes before the send is in the engine finds nothing, and if it says it is
+    for an early send, that send is refused when it comes (the race `_drop` relies on), as on
+    a real engine."""
 
     def __init__(self, log: list):
-        self.log, self.job, self.early = log, None, None
+        self.log, self.job, self.early, self.refused = log, None, None, False
 
     async def remote_send(self, request_id, prompt, begin, end, kv_addr, sampling=None,
                           queue_s=None, priority=0, lora_name=None):
         await asyncio.sleep(0.005)  # on its way: an abort may overtake it
         self.log.append(("p.remote_send", begin, end, kv_addr is None))
+        if kv_addr is None and self.refused:
+            self.refused = False
+            raise MicroservingError(409, f"request {request_id!r} was aborted")
         self.job = asyncio.get_running_loop().create_future()
         if kv_addr is None:  # a send_to that overtook it was kept for it
             begin = self.early if self.early is not None else await self.job
@@ -905,12 +907,14 @@ class _Sender(FakeEngine):
         else:
             self.job.set_result(begin)
 
-    async def abort(self, request_id):
+    async def abort(self, request_id, early_send=False):
         found = self.job is not None and not self.job.done()
-        self.log.append(("p.abort", found))
+        self.log.append(("p.abort", found, early_send))
         if found:
             self.job.set_exception(MicroservingError(409, f"request {request_id!r} was aborted"))
-        return AbortResponse(aborted=found)
+        else:
+            self.refused = early_send
+        return AbortResponse(aborted=found or early_send)
 
 
 class _Receiver(FakeEngine):
@@ -956,19 +960,20 @@ async def test_a_receiver_without_room_now_makes_the_send_wait_for_it_in_line():
     (begin, first), _ = await _send_prompt(_Receiver(log, full=True), log)
     assert (begin, first) == (20, 7)
     assert log[0] == ("d.prep_recv", 20, 0)
-    # the abort overtook the send on the way (made again every millisecond), then found it;
-    # the calls go one after the other then
-    assert log[1] == ("p.abort", False)
-    assert [e for e in log[1:] if e != ("p.abort", False)] == [
-        ("p.remote_send", 0, 20, True), ("p.abort", True), ("d.prep_recv", 20, 60.0),
-        ("p.remote_send", 8, 20, False)]
+    # one abort, which overtook the send on the way: the send is refused when it comes, and
+    # the calls go one after the other then, under the same id
+    assert log == [("d.prep_recv", 20, 0), ("p.abort", False, True),
+                   ("p.remote_send", 0, 20, True), ("d.prep_recv", 20, 60.0),
+                   ("p.remote_send", 8, 20, False)]
 
 
 async def test_a_receiver_holding_the_whole_prompt_computes_the_last_token_itself():
     log = []
     (begin, first), _ = await _send_prompt(_Receiver(log, matched=20), log)
     assert (begin, first) == (19, None)
-    assert ("p.send_to", 20) not in log and log[-1] == ("p.abort", True)
+    # the early send dropped with one abort (it overtook the send, which is then refused)
+    assert log == [("d.prep_recv", 20, 0), ("p.abort", False, True),
+                   ("p.remote_send", 0, 20, True)]
 
 
 async def test_send_prompt_not_early_goes_one_call_after_the_other():

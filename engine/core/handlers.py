@@ -97,7 +97,7 @@ class MessageHandlers:
         try:
             first = self.add_request(msg.request_id, msg.prompt, msg.params, msg.begin,
                                      msg.first_token, msg.queue_s, msg.received_at,
-                                     msg.priority)
+                                     msg.priority, msg.first_token_delivered)
         except (RequestRejected, MicroservingError) as e:
             self._outbox.append(Rejected(msg.request_id, str(e), e.param,
                                          getattr(e, "status", 400), getattr(e, "code", None)))
@@ -189,12 +189,13 @@ class MessageHandlers:
         return self.exchange.commit(r.request_id, r.pin)
 
     def on_abort(self, r: AbortRequest, received_at) -> AbortResponse:
-        """Drop the request wherever it is; a generation gets its finishing output."""
+        """Drop the request wherever it is; a generation gets its finishing output. An early
+        send's abort that came first is kept for the send (`RequestLifecycle.abort_request`)."""
         aborted = r.request_id in self.requests
-        out = self.abort_request(r.request_id)
+        out = self.abort_request(r.request_id, r.early_send)
         if out is not None:
             self._outbox.append(Outputs([out]))
-        return AbortResponse(aborted)
+        return AbortResponse(aborted or r.early_send)
 
     def on_load_lora_adapter(self, r, received_at):
         return self._lora("load").load_call(r.lora_name, r.lora_path)

@@ -32,7 +32,8 @@ class RequestLifecycle:
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     begin: int = 0, first_token: int | None = None,
                     queue_s: float | None = None,
-                    received_at: float | None = None, priority: int = 0) -> TokenOutput | None:
+                    received_at: float | None = None, priority: int = 0,
+                    first_token_delivered: bool = False) -> TokenOutput | None:
         """Queue a request. Raises RequestRejected (naming the field and numbers) on bad input.
 
         `begin` > 0 (microserving start_generate): the KV of prompt[:begin] is already on this
@@ -42,6 +43,9 @@ class RequestLifecycle:
 
         `first_token`: the first output, sampled by the engine that sent the KV of the whole
         prompt (begin = len(prompt)). Returns its output, to emit now: no step computes it.
+        With `first_token_delivered` the caller has emitted it already: it joins the output
+        all the same (usage, max_tokens, stops), but is not emitted again; the output returned
+        is then only a final one, of no tokens, if that token ends the request (else None).
 
         `queue_s`: a step must start on it within this long of `received_at` (the frontend's
         time.perf_counter() when the call came; default now), else it fails with a 503, code
@@ -58,6 +62,9 @@ class RequestLifecycle:
             raise RequestRejected("this engine serves no LoRA adapters (start it with "
                                   "--lora-modules or --enable-lora)", "model")
         begin = resolve_index(begin, len(prompt), "begin")
+        if first_token_delivered and first_token is None:
+            raise MicroservingError(400, "first_token_delivered needs the first_token it says "
+                                    "was delivered", "first_token_delivered")
         if first_token is not None:
             self._check_first_token(prompt, params, begin, first_token)
         elif begin >= len(prompt):
@@ -100,7 +107,9 @@ class RequestLifecycle:
             return None
         seq.output_token_ids.append(first_token)
         final = self._finishes(seq, first_token)
-        out = self._output(seq, [first_token], None, final)
+        if first_token_delivered and not final:
+            return None  # the caller emitted it: the next step's token follows it
+        out = self._output(seq, [] if first_token_delivered else [first_token], None, final)
         if final:
             self._remove(seq)
         return out
@@ -210,12 +219,18 @@ class RequestLifecycle:
         loads = self.adapters.poll() if self.adapters is not None else []
         return self.exchange.poll() + loads
 
-    def abort_request(self, request_id: str) -> TokenOutput | None:
+    def abort_request(self, request_id: str, early_send: bool = False) -> TokenOutput | None:
         """Drop a request wherever it is and release its pages. Returns the final output of a
-        generation; None for a transfer (no token stream) or an unknown id."""
+        generation; None for a transfer (no token stream) or an unknown id.
+
+        `early_send` (AbortRequest's): the abort is for a remote_send without kv_addr that may
+        not have come yet. An unknown id is then kept for that send, which is refused when it
+        comes (`Sending.refuse_ahead`): one abort settles it, whichever arrives first."""
         entry = self.requests.get(request_id)
         if entry is None:
             self.exchange.forget_address(request_id)  # a send_to ahead of its remote_send
+            if early_send:
+                self.exchange.refuse_ahead(request_id)
             return None
         if entry.state is not RequestState.GENERATING:
             if (seq := self.exchange.abort(request_id)) is not None:

@@ -237,10 +237,12 @@ class CoreClient(GenerateBackend):
     async def start_generate(
         self, request_id: str, prompt: list[int], begin: int, params: SamplingParams,
         first_token: int | None = None, queue_s: float | None = None, received_at: float = 0.0,
-        priority: int = 0,
+        priority: int = 0, first_token_delivered: bool = False,
     ) -> AsyncIterator[GenerateChunk]:
         """generate() whose KV for prompt[:begin] is already on the engine (microserving),
-        `first_token` its first output if the sender sampled it; `queue_s` bounds its wait for
+        `first_token` its first output if the sender sampled it (`first_token_delivered`: the
+        caller gave it to its client already, so the chunks begin after it and the usage
+        counts it, as StartGenerateRequest says); `queue_s` bounds its wait for
         a step (from `received_at`, time.perf_counter(): a 503 queue_timeout); `priority` ranks
         it under the priority scheduling policy. Raises
         MicroservingError / RequestRejected before the first output on bad input.
@@ -253,11 +255,13 @@ class CoreClient(GenerateBackend):
                                     "request_id")  # fmt: skip
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        num_generated = 0
+        # A first token the caller delivered was its stream's first chunk (the one that says
+        # how many prompt tokens were cached): the core's outputs follow on from it.
+        num_generated = 1 if first_token_delivered else 0
         settled = False
         try:
             self._send(Generate(request_id, prompt, params, begin, first_token, queue_s,
-                                priority, received_at))
+                                priority, received_at, first_token_delivered))
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):

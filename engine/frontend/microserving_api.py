@@ -176,7 +176,8 @@ class _MicroservingAPI:
         # Closed before its finishing chunk, the core client's stream aborts the request.
         chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
                                             body.sampling, body.first_token, body.queue_s,
-                                            received_at, body.priority)
+                                            received_at, body.priority,
+                                            first_token_delivered=body.first_token_delivered)
         # Streaming, the first chunk comes before the status line: a call the engine refuses
         # still gets its status rather than an error item inside a 200.
         work = anext(chunks) if body.stream else _merged(chunks, body.sampling.logprobs is not None)

@@ -114,6 +114,11 @@ class StartGenerateRequest:
     # The first output token, sampled by the engine that sent the whole prompt's KV (its
     # remote_send with `sampling`); begin must be the prompt's length. Emitted as is, first.
     first_token: TokenId | None = None
+    # The caller has already given first_token to its client (the router does, one round trip
+    # sooner): the stream leaves it out and begins with the next token. It still counts, in
+    # the usage and against max_tokens; a request it ends answers one chunk of no tokens with
+    # finish_reason and usage. Needs first_token.
+    first_token_delivered: bool = False
     # How long the request may wait in this engine's queue (from its frontend taking the
     # call) before a step starts on it: past it a 503 with code queue_timeout, nothing held.
     # None: as long as it takes.
@@ -139,11 +144,18 @@ class CommitResponse:
 @dataclass(slots=True)
 class AbortRequest:
     request_id: RequestId
+    # The abort is for a remote_send without kv_addr that may still be on its way here (it can
+    # overtake it: they travel on two connections). If the engine has nothing under
+    # request_id, it keeps the id for that send alone and refuses it (409) when it comes, so
+    # the answer is final: no second abort is needed. Kept for --kv-lease-s at most, or until
+    # the next remote_send of the id (only one without kv_addr is refused).
+    early_send: bool = False
 
 
 @dataclass(slots=True)
 class AbortResponse:
-    aborted: bool  # False: the engine held nothing under this request_id
+    # False: the engine held nothing under this request_id (with early_send: nor will it)
+    aborted: bool
 
 
 @CHECKED
