@@ -31,7 +31,7 @@ import torch
 
 from kvcache.transfer import KVLayout, Window, open_peer
 from kvcache.transfer.page_copy import copy_rows
-from microserve.transfer_auth import transfer_key
+from kvcache.transfer.auth import transfer_key
 
 LAYOUT = KVLayout("llama-3.1-8b", "bfloat16", 16, 32, 8, 128)
 
@@ -245,7 +245,7 @@ def beside_forward(args) -> dict:
 RECEIVER = """
 import sys, torch
 from kvcache.transfer import KVLayout, make_backend
-from microserve.transfer_auth import transfer_key
+from kvcache.transfer.auth import transfer_key
 import json
 layout = KVLayout(**json.loads(sys.argv[1]))
 backend = make_backend("cuda_ipc", layout, int(sys.argv[2]), "cuda", key=transfer_key("bench"))

@@ -10,7 +10,7 @@ from engine.policies import POLICIES, PRIORITY_MAX, PRIORITY_MIN  # plain data: 
 from microserve.backend import QUEUE_TIMEOUT_S
 from microserve.bounds import BACKGROUND_PRIORITY, INT32_MAX
 from microserve.model_config import ModelConfig  # plain data: no torch
-from microserve.nvshmem_group import check_member
+from kvcache.transfer.nvshmem_group import check_member
 
 MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will consume
 
@@ -114,7 +114,7 @@ class EngineConfig:
     # of the receiver's group only).
     kv_transfer: str = "auto"
     # nvshmem: this engine's place in its deployment's group, RANK/SIZE@DIR (set by `microserve
-    # up` through MICROSERVE_NVSHMEM_GROUP; microserve/nvshmem_group.py)
+    # up` through MICROSERVE_NVSHMEM_GROUP; kvcache/transfer/nvshmem_group.py)
     nvshmem_group: str | None = None
     kv_transfer_host: str = "127.0.0.1"  # tcp: where the transfer listener binds
     kv_transfer_port: int = 0  # tcp: 0 picks a free port

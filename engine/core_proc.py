@@ -44,7 +44,7 @@ from engine.core import EngineCore
 from engine.frames import Frame, Heartbeat, Outputs, Ready, StartFailed, ToCore
 from engine.loop_stats import LoopClock, StatsLog
 from microserve.heap import freeze_startup_heap
-from microserve.transfer_auth import KEY_ENV
+from kvcache.transfer.auth import KEY_ENV
 from microserve.wire import FrameDecoder, encode
 
 log = logging.getLogger("microserve.core")

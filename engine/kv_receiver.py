@@ -21,7 +21,7 @@ D holds nothing while the call waits, and holds pages no longer than P holds the
 `lease_s` if P dies, or less: the router aborts the request when it sees P go).
 
 The receiver decides where KV goes and what it must be: the kv_addr it answers names the
-window's slots and the digest of prompt[:end] (transfer_auth.kv_digest, from `matched` on), and
+window's slots and the digest of prompt[:end] (auth.kv_digest, from `matched` on), and
 is signed whole with the deployment's key, so a sender refuses any other slots or tokens before
 a byte moves. The sender seals the window with the digest of the tokens it computed or copied;
 start_generate and commit adopt received KV only under the digest the window was reserved for,
@@ -43,7 +43,7 @@ from engine.validation import check_prompt, resolve_index
 from kvcache.transfer.base import slot_tensor
 from microserve.backend import MicroservingError
 from microserve.messages import CommitResponse, KVAddr, PrepRecvResponse
-from microserve.transfer_auth import grant_mac, kv_digest
+from kvcache.transfer.auth import grant_mac, kv_digest
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ from kvcache.transfer.base import slot_tensor
 from microserve.backend import MicroservingError
 from microserve.messages import (KVAddr, RemoteSendResponse, SamplingParams,
                                  SendToResponse)
-from microserve.transfer_auth import TransferAuthError, kv_digest, verify, verify_grant
+from kvcache.transfer.auth import TransferAuthError, kv_digest, verify, verify_grant
 
 log = logging.getLogger(__name__)
 

@@ -292,7 +292,7 @@ def _run_up(args) -> None:
 
     deployment = load_deployment(args.config, model=args.model, **router_overrides(args))
     # The engines always take a key: their microserving API moves KV and runs prefills, and
-    # KV transfer between them is authenticated by it (microserve/transfer_auth.py).
+    # KV transfer between them is authenticated by it (kvcache/transfer/auth.py).
     code = _run_loop(up(deployment, log_level=args.log_level, api_key=args.api_key,
                           admin_token=args.admin_token,
                           engine_api_key=args.engine_api_key or new_token()))

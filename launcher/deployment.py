@@ -23,7 +23,7 @@ args are parsed as `microserve engine` parses them, into the EngineConfig it wil
 (`EngineLaunch.config`): a bad one fails here, naming the engine and the option.
 
 Engines whose args say `--kv-transfer nvshmem` form the deployment's NVSHMEM group, fixed at
-start-up (microserve/nvshmem_group.py): each gets its rank (in the file's order), the group's
+start-up (kvcache/transfer/nvshmem_group.py): each gets its rank (in the file's order), the group's
 size and a rendezvous directory of this run through MICROSERVE_NVSHMEM_GROUP. A member that
 exits is not restarted (a PE cannot join a running group): the deployment stops instead.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from microserve.http_limits import HttpLimits
-from microserve.nvshmem_group import GROUP_ENV, group_specs
+from kvcache.transfer.nvshmem_group import GROUP_ENV, group_specs
 from router.engines import ROLES
 from router.settings import SETTINGS, RouterSettings
 

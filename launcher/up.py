@@ -49,7 +49,7 @@ from launcher.deployment import (
 )
 from launcher.transfer_paths import transfer_lines
 from microserve.http_server import PortInUse, check_port_free, listen_socket
-from microserve.nvshmem_group import GROUP_ENV
+from kvcache.transfer.nvshmem_group import GROUP_ENV
 from router.engines import EngineSpec
 from router.server import Router, RouterConfig
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvcache.transfer import KVLayout, Window, open_peer
-from microserve.transfer_auth import transfer_key
+from kvcache.transfer.auth import transfer_key
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcache.transfer import KVLayout
-from microserve.transfer_auth import transfer_key
+from kvcache.transfer.auth import transfer_key
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -34,7 +34,7 @@ MEMBER = """
 import json, sys, time, torch
 from kvcache.transfer import KVLayout, Window, open_peer
 from kvcache.transfer.nvshmem import NvshmemBackend
-from microserve.nvshmem_group import GroupSpec
+from kvcache.transfer.nvshmem_group import GroupSpec
 
 layout, pages = KVLayout.from_dict(json.loads(sys.argv[1])), int(sys.argv[2])
 key, group, timeout_s = bytes.fromhex(sys.argv[3]), GroupSpec.parse(sys.argv[4]), float(sys.argv[5])

@@ -26,7 +26,7 @@ from engine.requests import RequestState
 from kvcache.integrity import IntegrityError
 from microserve.backend import MicroservingError, RequestRejected
 from microserve.messages import CommitResponse, FinishReason, RemoteSendResponse
-from microserve.transfer_auth import kv_digest, sign, transfer_key
+from kvcache.transfer.auth import kv_digest, sign, transfer_key
 
 N_NEW = 12
 KEY = transfer_key("test-engine-key")

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from kvcache.transfer import KVLayout, TransferError, make_backend, open_peer
 from kvcache.transfer import nvshmem as nvshmem_backend
 from kvcache.transfer.nvshmem import Member, check_same_group
-from microserve.nvshmem_group import (
+from kvcache.transfer.nvshmem_group import (
     CANNOT_JOIN,
     GROUP_ENV,
     HEAP_MARGIN_BYTES,
@@ -30,7 +30,7 @@ from microserve.nvshmem_group import (
     nvshmem_env,
     parse_size,
 )
-from microserve.transfer_auth import grant_mac, sign, transfer_key
+from kvcache.transfer.auth import grant_mac, sign, transfer_key
 from launcher.deployment import load_deployment, with_nvshmem_group
 
 KEY = transfer_key("test-engine-key")

@@ -37,7 +37,7 @@ from kvcache.transfer.sender import KVSender
 from kvcache.transfer.shm import ShmBackend, ShmPeer
 from kvcache.transfer import tcp_wire
 from kvcache.transfer.tcp import TcpBackend, TcpPeer
-from microserve.transfer_auth import kv_digest, sign, transfer_key
+from kvcache.transfer.auth import kv_digest, sign, transfer_key
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = KVLayout("test-model", "bfloat16", page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
@@ -734,7 +734,7 @@ def test_exit_mid_transfer_is_clean():
     assert done.returncode == 0, done.stderr
 
 
-# ---- who may transfer (microserve/transfer_auth.py) -------------------------------------------
+# ---- who may transfer (kvcache/transfer/auth.py) -------------------------------------------
 
 
 def _counting_listener() -> tuple[socket.socket, list]:

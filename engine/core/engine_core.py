@@ -45,7 +45,7 @@ log = logging.getLogger("engine.core")
 class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
     """Args:
         config: what to run.
-        transfer_key: the deployment's KV transfer key (microserve/transfer_auth.py). Without
+        transfer_key: the deployment's KV transfer key (kvcache/transfer/auth.py). Without
             it this engine neither receives KV (`--kv-transfer auto` means none) nor sends it.
     """
 

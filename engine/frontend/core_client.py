@@ -62,7 +62,7 @@ from microserve.messages import (
     Usage,
     call_of,
 )
-from microserve.transfer_auth import KEY_ENV, transfer_key
+from kvcache.transfer.auth import KEY_ENV, transfer_key
 from microserve.wire import FrameDecoder, encode
 
 log = logging.getLogger("microserve.engine")

@@ -30,7 +30,7 @@ Writes stay inside their window: the sender's KVSender refuses a destination out
 the receiver signed for the window (engine/kv_sender.py checks the signature), and a receiver
 that applies writes itself (tcp) also refuses any slot outside those it opened the window with.
 A sender seals the window at the end with the digest of the tokens its KV was computed for
-(microserve/transfer_auth.kv_digest); `close_window` hands the seal back, and the receiver
+(kvcache/transfer/auth.kv_digest); `close_window` hands the seal back, and the receiver
 adopts the KV only if it is the digest it reserved the window for.
 
 Backends: `shm` (kvcache/transfer/shm.py: same host, the sender maps the receiver's pool and
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from microserve.messages import KVLayout  # the plain description, shared with the router
-from microserve.transfer_auth import new_window_tag
+from kvcache.transfer.auth import new_window_tag
 
 # How often a sender renews the windows of the jobs it holds. A receiver's lease should be a
 # few of these at least (the default is seconds).
@@ -100,7 +100,7 @@ class TransferError(Exception):
 @dataclass(frozen=True)
 class Window:
     """A receiver-side write window: `index` names its entry in the receiver's window table,
-    `tag` is the window's secret: random (transfer_auth.new_window_tag), so it also tells this window
+    `tag` is the window's secret: random (auth.new_window_tag), so it also tells this window
     from earlier ones at the same index, and only whoever got the prep_recv answer can write."""
 
     index: int
@@ -210,7 +210,7 @@ class Peer(ABC):
 
     @abstractmethod
     def seal(self, window: Window, digest: bytes) -> None:
-        """Leave `digest` (transfer_auth.kv_digest of the tokens the KV was computed for) in
+        """Leave `digest` (auth.kv_digest of the tokens the KV was computed for) in
         `window`, behind every write into it so far: the receiver's `close_window` returns it.
         Called once, after the job's last write and before its flush; the flush returns only
         once the receiver has it. Raises TransferError as `write` does."""

@@ -11,7 +11,7 @@ NVSHMEM symmetric heap, and a sender of the group writes a receiver's pool throu
 
 The group is fixed when it starts: `microserve up` hands every engine whose args say
 `--kv-transfer nvshmem` its rank, the group's size and a rendezvous directory
-(microserve/nvshmem_group.py, which also says how the members meet), and they initialize and
+(kvcache/transfer/nvshmem_group.py, which also says how the members meet), and they initialize and
 allocate identical pools together, at start-up. An engine that is started alone, added later
 or restarted cannot join: it fails with an error that says so, and should use `cuda_ipc` or
 `tcp`. Only members write members' pools: a sender in no group, or in another group, is
@@ -55,7 +55,7 @@ import torch
 from kvcache.transfer.base import KVLayout, TransferError
 from kvcache.transfer.cuda_ipc import CudaIpcPeer
 from kvcache.transfer.shm import DEFAULT_NUM_WINDOWS, ShmBackend
-from microserve.nvshmem_group import (
+from kvcache.transfer.nvshmem_group import (
     FORM_TIMEOUT_S,
     GroupError,
     GroupSpec,

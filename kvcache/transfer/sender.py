@@ -54,7 +54,7 @@ import torch
 import numpy as np
 
 from kvcache.transfer import open_peer
-from microserve.transfer_auth import TransferAuthError, verify
+from kvcache.transfer.auth import TransferAuthError, verify
 from kvcache.transfer.base import (RENEW_INTERVAL_S, KVLayout, Peer, TransferError, Window,
                                    slots_outside, window_slots)
 
@@ -126,7 +126,7 @@ class KVSender:
               digest: bytes | None = None) -> None:
         """Begin a job that writes into `window` of the receiver `descriptor` names, at no
         destination but `slots` (int64: the slots the receiver reserved for the window), and
-        seals the window with `digest` (transfer_auth.kv_digest) before its flush. Opens the
+        seals the window with `digest` (auth.kv_digest) before its flush. Opens the
         peer (or reuses the open one) on this thread; raises TransferError if the descriptor is
         not signed with the deployment's key or opening fails, and ValueError if `job_id` is
         already running."""

@@ -62,7 +62,7 @@ from contextlib import contextmanager
 
 import torch
 
-from microserve.transfer_auth import DIGEST_BYTES, sign
+from kvcache.transfer.auth import DIGEST_BYTES, sign
 from kvcache.transfer.base import (
     KVLayout,
     Peer,

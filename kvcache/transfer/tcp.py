@@ -1,7 +1,7 @@
 """TCP transfer between any two hosts: the receiver's connection threads write what arrives.
 
 A sender holds one connection per receiver. After a handshake in which each side proves it
-holds the deployment's transfer key (microserve/transfer_auth.py) and the KV layouts are
+holds the deployment's transfer key (kvcache/transfer/auth.py) and the KV layouts are
 compared, it streams frames (WRITE, SEAL, FLUSH, RENEW: the wire format is tcp_wire.py); the
 receiver applies them in order, one thread per authenticated connection.
 
@@ -36,8 +36,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from microserve import transfer_auth as auth
-from microserve.transfer_auth import sign
+from kvcache.transfer import auth
+from kvcache.transfer.auth import sign
 from kvcache.transfer.base import (
     KVLayout,
     Peer,

@@ -45,7 +45,7 @@ import msgpack
 
 from kvcache.transfer.base import KVLayout
 from kvcache.transfer.tcp_wire import LENGTH, MAX_HELLO, unpack_message
-from microserve import transfer_auth as auth
+from kvcache.transfer import auth
 
 log = logging.getLogger(__name__)
 

@@ -75,7 +75,7 @@ class KVLayout:
 # A receiver's transfer descriptor: what a sender needs to open its pool. Its fields are its
 # backend's ("kind" always; shm: pid, fd, inode, size, boot id; tcp: host, port; ...: see
 # kvcache/transfer/), plain scalars, and the receiver signs them all ("mac",
-# microserve/transfer_auth.py): the sender verifies the signature before it reads any field.
+# kvcache/transfer/auth.py): the sender verifies the signature before it reads any field.
 TransferDescriptor = dict[str, str | bool | Annotated[int, Field(ge=INT64_MIN, le=2**64 - 1)]
                           | None]
 
@@ -91,7 +91,7 @@ class KVAddr:
         ranges:     [(s0, n0),              (s1, n1),        (s2, n2)]   n0 + n1 + n2 = end - begin
 
     The receiver signs it whole (`mac`, over `grant()`): a sender writes only where, and only
-    the KV of the tokens (`digest`, microserve/transfer_auth.kv_digest), that the receiver
+    the KV of the tokens (`digest`, kvcache/transfer/auth.kv_digest), that the receiver
     reserved. A kv_addr is passed on as it came, never edited.
     """
 
