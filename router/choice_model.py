@@ -131,7 +131,8 @@ class ChoiceModel:
 
         def delay(e: EngineLoad, tokens: float) -> float:
             work, rho = b * tokens, self.busy.get(e.name, 0.0)
-            arrivals = max(spread, rho / (b * max(n, 1)))
+            # a fit may put b at 0 (short prompts alone cannot part it from a step's own cost)
+            arrivals = max(spread, rho / (b * max(n, 1))) if b > 0 else spread
             return work * e.decoding + work * arrivals * (b * e.queue + work) / (1 - rho)
 
         whole = [e for e in engines if e.decode] or engines  # prefill engines are kept for P

@@ -189,6 +189,17 @@ def test_an_engine_whose_steps_near_the_tpot_target_gets_no_prompt_to_compute(mo
         del model.busy["p"], model.busy["d"], model.step_s["d"]
 
 
+def test_a_fit_with_no_cost_per_prompt_token_still_prices_every_choice(monkeypatch):
+    """Chat-like polls (a few short prompts beside many decodes) can fit b at 0: the price of
+    P's work is then 0, not a division by it (a 500 under chat-like load before)."""
+    model = ChoiceModel()
+    monkeypatch.setattr(model, "costs", lambda: (A, C, 0.0))
+    model.busy.update(p=0.5)
+    engines = [any_engine("p", queue=1000, decode=False), any_engine("d", decoding=8)]
+    choice = model.pick(200, engines, slo_ttft_s=2.0, rate=20.0)
+    assert (choice.kind, choice.delay_s) == ("whole", 0.0)
+
+
 def test_when_nothing_meets_the_slo_the_fastest_first_token_wins(model):
     engines = [any_engine("p", queue=200_000, decode=False),
                any_engine("d", queue=150_000, decoding=10, prefill=False)]
