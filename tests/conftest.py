@@ -12,8 +12,8 @@ def pytest_configure(config):
     the two-core machine the test process, its daemons and whatever else runs share the cores,
     and threads that spin on every core wait for each other: Hugging Face's greedy reference
     and the in-process engine tests ran 3-10x slower with two threads than with one while the
-    machine was busy. The daemons are left alone: one thread each made their start-up and
-    long prefills slower there."""
+    machine was busy. The engine daemons get one thread too (tests/daemons.py, cpu_threads),
+    for the same reason."""
     try:
         import torch
     except ImportError:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemons import ENGINE_AUTH, ENGINE_KEY, free_port, gone_within
+from daemons import ENGINE_AUTH, ENGINE_KEY, cpu_threads, free_port, gone_within
 
 QUIET_KEYS = ("running", "waiting", "kv_pages_used", "kv_reservations", "kv_send_jobs")
 
@@ -34,7 +34,8 @@ def write_config(path: Path, model_dir: str, strategy: str,
                  engines: list[tuple[str, str, list[str]]], router: dict | None = None
                  ) -> tuple[Path, int, dict[str, str]]:
     """A deployment file (`router`: more keys of its [router] table); returns it, the
-    router's port and each engine's URL."""
+    router's port and each engine's URL. A CPU engine gets one thread unless its args say
+    (tests/daemons.py, cpu_threads; `up` alone would give a lone engine every core)."""
     port = free_port()
     lines = [f"model = {toml_value(model_dir)}", 'served_model_name = "test-model"', "",
              "[router]", f"port = {port}", f"strategy = {toml_value(strategy)}",
@@ -44,7 +45,8 @@ def write_config(path: Path, model_dir: str, strategy: str,
         engine_port = free_port()
         urls[name] = f"http://127.0.0.1:{engine_port}"
         lines += ["[[engines]]", f"name = {toml_value(name)}", f"role = {toml_value(role)}",
-                  f"port = {engine_port}", f"args = {toml_value(args)}", ""]
+                  f"port = {engine_port}", f"args = {toml_value([*cpu_threads(args), *args])}",
+                  ""]
     path.write_text("\n".join(lines))
     return path, port, urls
 

@@ -72,29 +72,42 @@ async def wait_until(condition, timeout_s: float = 60, unless=lambda: False) -> 
 
 
 @contextlib.contextmanager
-def victim_and_survivor(model_dir, tmp_path_factory, victim_role: str, start_pair=None
+def victim_and_survivor(model_dir, tmp_path_factory, victim_role: str, start_pair=None,
+                        survivor: Daemon | None = None
                         ) -> Iterator[tuple[Daemon, Daemon, RouterProcess]]:
     """A fresh P and D (one of them, of `victim_role`, to be killed) behind a router running
-    `pd`: (victim, survivor, router). Stops what is left at the end. `start_pair(names,
+    `pd`: (victim, survivor, router). Stops what it started at the end. `start_pair(names,
     (p_args, d_args))` starts the two daemons (the GPU suite's: on the GPU, D receiving by
-    CUDA IPC or NVSHMEM); by default two CPU engines."""
-    if start_pair is None:
-        def start_pair(names, args):
-            return tuple(engine(model_dir, tmp_path_factory, n, a) for n, a in zip(names, args))
+    CUDA IPC or NVSHMEM); by default two CPU engines. `survivor`: a running, idle engine of
+    the other role and its arguments (the CPU suite's module engine: one start fewer, ~8 s of
+    CPU on the 2-core machine); only the victim is started then, and the survivor is left
+    running."""
     survivor_role = "decode" if victim_role == "prefill" else "prefill"
     names = {victim_role: f"{victim_role}-victim", survivor_role: f"{survivor_role}-survivor"}
-    p, d = start_pair((names["prefill"], names["decode"]), (SLOW_P, SMALL_D))
-    victim, survivor = (p, d) if victim_role == "prefill" else (d, p)
-    survivor_gen = serve(survivor)
-    next(survivor_gen)
+    args = {"prefill": SLOW_P, "decode": SMALL_D}
+    survivor_gen = None
+    if survivor is not None:
+        assert start_pair is None, "a given survivor runs where it runs"
+        victim = engine(model_dir, tmp_path_factory, names[victim_role], args[victim_role])
+    else:
+        if start_pair is None:
+            def start_pair(names, args):
+                return tuple(engine(model_dir, tmp_path_factory, n, a)
+                             for n, a in zip(names, args))
+        p, d = start_pair((names["prefill"], names["decode"]), (SLOW_P, SMALL_D))
+        victim, survivor = (p, d) if victim_role == "prefill" else (d, p)
+        survivor_gen = serve(survivor)
+        next(survivor_gen)
     victim.wait_ready()
+    p, d = (victim, survivor) if victim_role == "prefill" else (survivor, victim)
     router = start_router(model_dir, tmp_path_factory, p, d)
     try:
         yield victim, survivor, router
     finally:
         router.stop()
         victim.stop()
-        next(survivor_gen, None)
+        if survivor_gen is not None:
+            next(survivor_gen, None)
 
 
 OPEN_AT_KILL = 4  # requests still unanswered when the victim dies, at least
@@ -123,11 +136,12 @@ def stat(daemon: Daemon, key: str) -> int:
     return engine_stats(daemon.url, check=False)["stats"][key]
 
 
-def check_killing_prefill(tiny_served_dir, tmp_path_factory, start_pair=None) -> None:
+def check_killing_prefill(tiny_served_dir, tmp_path_factory, start_pair=None,
+                          survivor: Daemon | None = None) -> None:
     batch = prompts(8, seed=4)
     want = hf_greedy(tiny_served_dir, batch, MAX_TOKENS)
-    with victim_and_survivor(tiny_served_dir, tmp_path_factory, "prefill",
-                             start_pair) as (p, d, router):
+    with victim_and_survivor(tiny_served_dir, tmp_path_factory, "prefill", start_pair,
+                             survivor) as (p, d, router):
         # Retries go whole to D, so it makes no new reservations.
         freed_s, first = kill_mid_send(router, p, p, batch,
                                        lambda: stat(d, "kv_reservations") == 0)
@@ -144,11 +158,12 @@ def check_killing_prefill(tiny_served_dir, tmp_path_factory, start_pair=None) ->
         assert_quiet("decode-survivor", d.url)
 
 
-def check_killing_decode(tiny_served_dir, tmp_path_factory, start_pair=None) -> None:
+def check_killing_decode(tiny_served_dir, tmp_path_factory, start_pair=None,
+                         survivor: Daemon | None = None) -> None:
     batch = prompts(12, seed=5)  # D holds two at a time: P sends for a while
     want = hf_greedy(tiny_served_dir, batch, MAX_TOKENS)
-    with victim_and_survivor(tiny_served_dir, tmp_path_factory, "decode",
-                             start_pair) as (d, p, router):
+    with victim_and_survivor(tiny_served_dir, tmp_path_factory, "decode", start_pair,
+                             survivor) as (d, p, router):
         stopped_s, outcomes = kill_mid_send(router, p, d, batch,
                                             lambda: stat(p, "kv_send_jobs") == 0)
         # P dropped its sends to the dead engine (its renewals found it gone, or the router's

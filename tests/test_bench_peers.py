@@ -122,7 +122,8 @@ def test_microserve_half_end_to_end_on_random_tiny(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.peers", "--skip-vllm", "--model", "random:tiny", "--tiny",
          "--rounds", "1", "--workdir", str(work), "--out", str(tmp_path / "peers.md"),
-         "--variant", "small=--max-num-batched-tokens 256"],
+         "--variant", "small=--max-num-batched-tokens 256",
+         "--engine-arg=--cpu-threads=1"],  # as the suite's daemons (tests/daemons.py)
         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (tmp_path / "peers.md").read_text().splitlines()

@@ -99,14 +99,17 @@ def test_clients_that_go_away_while_waiting_leave_nothing(router, p, d, tiny_ser
     assert engine_stats(d.url)["stats"]["kv_recv_waiting"] == 0
 
 
+# The module's idle engine of the other role survives each kill (a fresh victim, a router of
+# its own): one engine start fewer per test. It must be idle and whole afterwards, which the
+# checks assert, so the tests after these see it as they would a fresh one.
 def test_killing_the_prefill_engine_leaves_the_decode_engine_serving(tiny_served_dir,
-                                                                       tmp_path_factory):
-    check_killing_prefill(tiny_served_dir, tmp_path_factory)
+                                                                       tmp_path_factory, d):
+    check_killing_prefill(tiny_served_dir, tmp_path_factory, survivor=d)
 
 
 def test_killing_the_decode_engine_stops_the_prefill_engine_at_once(tiny_served_dir,
-                                                                     tmp_path_factory):
-    check_killing_decode(tiny_served_dir, tmp_path_factory)
+                                                                     tmp_path_factory, p):
+    check_killing_decode(tiny_served_dir, tmp_path_factory, survivor=p)
 
 
 def test_a_request_that_waits_its_queue_time_gets_a_503_with_retry_after(

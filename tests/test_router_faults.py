@@ -25,7 +25,7 @@ from daemons import ENGINE_AUTH, ENGINE_KEY, Daemon, gone_within, serve, serve_t
 from deployments import (RouterProcess, Up, assert_quiet, children, engine_stats,
                          write_config)
 
-from launcher.up import MAX_RESTARTS
+from launcher.up import BACKOFF_ENV, MAX_RESTARTS
 
 pytestmark = pytest.mark.slow
 
@@ -263,8 +263,11 @@ def test_up_restarts_a_dead_engine_and_serves_meanwhile(tiny_served_dir, tmp_pat
     config, port, urls = write_config(tmp_path / "deploy.toml", tiny_served_dir,
                                       "data_parallel", [("a", "any", list(ENGINE_ARGS)),
                                                         ("b", "any", list(ENGINE_ARGS))])
-    up = Up(config, port, urls, tmp_path / "up.log", env={**os.environ,
-                                                          "MICROSERVE_ADMIN_TOKEN": ADMIN})
+    # The first restart after the usual 1 s (what lets the blocker below take a's port before a
+    # comes back), the next ones after 0.1 s rather than 2, 4 and 8: the same restarts in the
+    # same order, 13.7 s sooner.
+    up = Up(config, port, urls, tmp_path / "up.log", env={
+        **os.environ, "MICROSERVE_ADMIN_TOKEN": ADMIN, BACKOFF_ENV: "1,0.1"})
     blocker = None
     try:
         up.wait_ready()
