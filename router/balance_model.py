@@ -60,6 +60,14 @@ OVERLOAD_TPOT = 3.0  # overloaded: D's TPOT kept within this many times its idle
 # where it idled 5% or less; the fit, at 21.3, led the adaptive share to 0.26 where P was
 # 0.95 busy.
 P_MAX_IDLE = 0.1
+
+
+def shows_cost(stats, last) -> bool:
+    """Whether a poll (EngineStats `last` → `stats`) shows what an engine's steps cost: its
+    loop idled at most P_MAX_IDLE of its step and idle time (see above)."""
+    busy = stats.step_seconds - last.step_seconds
+    idle = stats.idle_seconds - last.idle_seconds
+    return idle <= P_MAX_IDLE * (busy + idle)
 _PRIOR_B = 25e-6  # s per prompt token (Llama-3.1-8B on an H100: ~40k tokens/s)
 _PRIOR_A = 5e-3  # s per decode step at batch 1 (the same)
 
@@ -148,8 +156,7 @@ class BalanceModel:
         if steps <= 0 or busy <= 0:  # idle (or restarted: counters went back)
             return
         if side == "p":
-            idle = getattr(stats, "idle_seconds", 0.0) - getattr(last, "idle_seconds", 0.0)
-            if idle <= P_MAX_IDLE * (busy + idle):
+            if shows_cost(stats, last):
                 self.p.add((prompt,), busy)
         else:
             self.d.add((steps, sampled, prompt), busy)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.balance_model import P_MAX_IDLE, Fit
+from router.balance_model import Fit, shows_cost
 
 KINDS = ("whole", "pd", "balanced")
 _PRIOR = (5e-3, 5e-3 * 0.1 / 64, 25e-6)  # a, c, b: Llama-3.1-8B on an H100 (balance_model)
@@ -110,11 +110,10 @@ class ChoiceModel:
             return
         prompt = stats.prompt_tokens_computed - last.prompt_tokens_computed
         self.step_s[engine] = busy / steps
-        idle = getattr(stats, "idle_seconds", 0.0) - getattr(last, "idle_seconds", 0.0)
-        wall = busy + idle + sum(getattr(stats, k, 0.0) - getattr(last, k, 0.0)
-                                 for k in ("message_seconds", "send_seconds"))
-        if idle <= P_MAX_IDLE * wall:  # as the balance model's P fit: idle polls read cheap
+        if shows_cost(stats, last):  # as the balance model's P fit: idle polls read cheap
             self.fit.add((steps, stats.tokens_sampled - last.tokens_sampled, prompt), busy)
+        wall = sum(getattr(stats, k) - getattr(last, k) for k in (
+            "step_seconds", "idle_seconds", "message_seconds", "send_seconds"))
         share = min(self.costs()[2] * prompt / wall, MAX_BUSY)
         self.busy[engine] = share + (1 - BUSY_SMOOTHING) * (self.busy.get(engine, share) - share)
 

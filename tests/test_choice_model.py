@@ -23,6 +23,8 @@ class Stats:  # the EngineStats counters the model reads
     prompt_tokens_computed: int = 0
     tokens_sampled: int = 0
     idle_seconds: float = 0.0
+    message_seconds: float = 0.0
+    send_seconds: float = 0.0
 
 
 @pytest.fixture(scope="module")
