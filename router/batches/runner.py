@@ -229,11 +229,11 @@ class BatchRunner:
         return batch["id"] in self._cancelled or time.time() >= batch["expires_at"]
 
     async def _line(self, client: httpx.AsyncClient, batch: dict, row: LineRow) -> None:
+        request = at_batch_priority(json.loads(row.request))
         self._in_flight.inc()
         try:
             for attempt in range(RETRIES + 1):
-                answer = await client.post(batch["endpoint"], json=at_batch_priority(
-                    json.loads(row.request)))
+                answer = await client.post(batch["endpoint"], json=request)
                 if answer.status_code < 500 or attempt == RETRIES:
                     break
                 await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
