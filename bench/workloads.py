@@ -5,11 +5,12 @@ rate, and runs whose traffic shifts (`--phases`, issue 44's `auto` target):
 
 Each phase is WORKLOAD@RATE:SECONDS: Poisson arrivals at RATE requests/s per GPU of that
 workload's lengths (a name of WORKLOADS, or IN:STD/OUT:STD normal lengths such as 500:50/100:10)
-for SECONDS, one phase after the other with no pause. Every strategy gets the same schedule (the lengths and arrival times), with
-token ids of its own. A request belongs to the phase it arrived in; each phase's goodput is
-the requests of that phase that met the SLO per second of the phase and per GPU, and the whole
-run's is the sum over the phases' seconds. `compare_phases` puts strategies side by side: each one's
-goodput over the run and in each phase as a ratio to the best of the others.
+for SECONDS, one phase after the other with no pause. Every strategy gets the same schedule
+(the lengths and arrival times), with token ids of its own. A request belongs to the phase it
+arrived in; each phase's goodput is the requests of that phase that met the SLO per second of
+the phase and per GPU, and the whole run's is the sum over the phases' seconds.
+`compare_phases` puts strategies side by side: each one's goodput over the run and in each
+phase as a ratio to the best of the others.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.frames import Frame, Heartbeat, Outputs, Ready, StartFailed, ToCore
 from engine.loop_stats import LoopClock, StatsLog
-from microserve.heap import freeze_startup_heap
 from kvcache.transfer.auth import KEY_ENV
+from microserve.heap import freeze_startup_heap
 from microserve.wire import FrameDecoder, encode
 
 log = logging.getLogger("microserve.core")

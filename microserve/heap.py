@@ -4,9 +4,10 @@ CPython's oldest-generation collection walks every tracked object in the process
 holds ~60,000 after start-up (fastapi, transformers, the tokenizer), and importing torch alone
 leaves ~165,000. One such pass over them took 70 and 137 ms on this project's 2-core CPU, and it
 runs on whichever thread allocates, holding the GIL: a router's event loop or an engine core's
-step loop stops for all of it. `freeze_startup_heap()`, called once a process has started, moves what start-up left
-alive to the permanent generation, which no later pass walks (what is freed later is still
-freed by reference counting). vLLM's API server does the same after its start.
+step loop stops for all of it. `freeze_startup_heap()`, called once a process has started,
+moves what start-up left alive to the permanent generation, which no later pass walks (what
+is freed later is still freed by reference counting). vLLM's API server does the same after
+its start.
 """
 
 from __future__ import annotations
