@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--logs", default=tempfile.gettempdir())
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
     data = "".join(json.dumps(x) + "\n" for x in
                    workload(args.lines, 8, args.vocab, args.seed, args.scale)).encode()
     result: dict = {"lines": args.lines, "orders": {}}

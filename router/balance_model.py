@@ -15,14 +15,19 @@ report (their cumulative step counters, polled twice a second) and picks r:
         D is always stepping; per second λ·n·r·b_D of its time goes to prompt tails, so
         TPOT = (a + c_m·m) / (1 - u),  u = λ·n·r·b_D,  and m = λ·o·TPOT (Little's law):
                                   TPOT = a / (1 - u - c_m·λ·o)
-    JCT(r) = W_P + S_P + b_D·n·r + (o - 1)·TPOT   (the transfer's own ms left out: no r in it)
+        at quantile q: k = λ·(o - 1)·TPOT prompt tails land on D while a sequence decodes,
+        a Poisson count, about k + z_q·√k of them at q:
+                                  TPOT_q = a / (1 - u·(1 + z_q/√k) - c_m·λ·o)
+    JCT(r) = W_P + S_P + b_D·n·r + (o - 1)·TPOT_q (the transfer's own ms left out: no r in it)
 
 Why the wait's tail and not its mean: the mean's optimum sits where P is ~0.9 busy, a step
 from where its queue runs away; the rate the model sees moves a few percent from poll to poll,
 and each pick a little low builds a queue that the mean does not price. On two H200s at 9
 req/s per GPU the mean's picks ended at 0.3, the best fixed ratio, yet P's queue p50 was 965
 ms against 71 at a fixed 0.3, and the P99 JCT +31%. At q the wait grows as ln(ρ/(1-q)) / (1-ρ),
-which keeps the pick off that edge.
+which keeps the pick off that edge. D's TPOT is priced at the same quantile: at its mean the
+model picked 0.333 on two H200s at 18 req/s (2026-11-27), TPOT p90 25.8 ms against 15.2 at
+a fixed 0.3, P99 JCT +21%; on the terms fitted in that run the quantile's pick is 0.30.
 
 b_P, b_D are seconds per prompt token (P's step time over its prompt tokens, its steps' own
 cost included; D's from its steps after the decode part), a and c_m D's decode step time against its batch, all fitted by
@@ -45,6 +50,7 @@ every run, while the best fixed ratio was 0.1-0.3 and moved with the rate.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -125,6 +131,7 @@ class BalanceModel:
 
     def __init__(self, now=time.monotonic, quantile: float = 0.9):
         self.now, self.quantile = now, quantile  # the JCT minimised is the one at `quantile`
+        self._z = statistics.NormalDist().inv_cdf(quantile)
         # P: step seconds = b_P·prompt tokens (its steps' own cost spread over the tokens of
         # the chunks it actually runs). D: step seconds = a·steps + c_m·sampled tokens (a
         # decode step samples one per sequence) + b_D·prompt tokens.
@@ -186,14 +193,25 @@ class BalanceModel:
         lam_p, lam_d = lam / max(prefills, 1), lam / max(decodes, 1)
         service = b_p * n * (1 - ratio)
         rho = lam_p * service
-        free = 1 - lam_d * n * ratio * b_d - c_m * lam_d * o
+        tails = lam_d * n * ratio * b_d  # D's share of time on prompt tails, on average
+        decoding = c_m * lam_d * o
+        free = 1 - tails - decoding
         tpot = a / free if free > 0 else math.inf
         if rho >= 1 or not math.isfinite(tpot):
             return Prediction(ratio, math.inf, rho, tpot)
         wait = service * math.log(rho / (1 - self.quantile)) / (2 * (1 - rho)) \
             if rho > 1 - self.quantile else 0.0
-        jct = wait + service + b_d * n * ratio + max(o - 1, 0) * tpot
-        return Prediction(ratio, jct, rho, tpot)
+        # the TPOT at the quantile: the prompt tails that land on D while a sequence decodes
+        # (k on average over its (o - 1)·TPOT) are a Poisson count, at the quantile about
+        # k + z·√k of them
+        k = lam_d * max(o - 1, 0) * tpot
+        surge = 1 + self._z / math.sqrt(k) if k > 0 else 1.0
+        free_q = 1 - tails * surge - decoding
+        if free_q <= 0:
+            return Prediction(ratio, math.inf, rho, math.inf)
+        tpot_q = a / free_q
+        jct = wait + service + b_d * n * ratio + max(o - 1, 0) * tpot_q
+        return Prediction(ratio, jct, rho, tpot_q)
 
     def best(self, lo: float, hi: float, prefills: int = 1, decodes: int = 1
              ) -> Prediction | None:
