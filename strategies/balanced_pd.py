@@ -10,6 +10,10 @@ rates as the service runs (router/balance_model.py): P's prefill cost per token,
 step against its batch and the prefill it takes on, the request rate and lengths; the share
 with the least predicted job completion time within [min_ratio, max_ratio] is used until the
 next poll of the engines' stats (twice a second). Until the model has data, `ratio`.
+`pick_step` < 1 moves the share only that far from the last one toward each new pick (an
+exponential average over polls), so that a poll whose rate reads high or low sends fewer
+requests at a share far from the steady one. The last picks, with the rate and P's
+utilisation they were made at, are in `describe()` (GET /admin/strategy) as `picks`.
 
 `adaptive: "queues"` is the older rule, kept for comparison: cut each prompt so that both
 engines end their queued prefill work together, a sequence D decodes counted as
@@ -23,6 +27,8 @@ serves the request.
 """
 
 import math
+import time
+from collections import deque
 
 from router.balance_model import BalanceModel
 from router.strategy import Strategy
@@ -30,13 +36,14 @@ from router.strategy import Strategy
 
 class BalancedPD(Strategy):
     def __init__(self, ratio: float = 0.2, adaptive: bool | str = False, min_ratio: float = 0.0,
-                 max_ratio: float = 0.5, decode_cost: float = 32.0):
+                 max_ratio: float = 0.5, decode_cost: float = 32.0, pick_step: float = 1.0):
         """
         Args:
             ratio: share of the prompt prefilled on D (fixed mode, and the start value).
             adaptive: False (a fixed share), True (the model's share) or "queues".
             min_ratio, max_ratio: bounds of the adaptive share.
             decode_cost: prefill tokens one decoding sequence on D counts as.
+            pick_step: how far each poll moves the adaptive share toward the model's pick.
         """
         if not 0.0 <= min_ratio <= max_ratio <= 1.0:
             raise ValueError(f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio {min_ratio}, "
@@ -45,6 +52,8 @@ class BalancedPD(Strategy):
             raise ValueError(f"ratio {ratio} must be within [0, 1]")
         if decode_cost < 0:
             raise ValueError(f"decode_cost {decode_cost} must be >= 0")
+        if not 0.0 < pick_step <= 1.0:
+            raise ValueError(f"pick_step {pick_step} must be within (0, 1]")
         if adaptive not in (False, True, "queues"):
             raise ValueError(f"adaptive must be false, true or \"queues\", got {adaptive!r}")
         self.ratio, self.adaptive = ratio, adaptive
@@ -53,6 +62,10 @@ class BalancedPD(Strategy):
         self._pick: float | None = None
         self.min_ratio, self.max_ratio, self.decode_cost = min_ratio, max_ratio, decode_cost
         self.last_ratio = ratio  # the share the last request got (GET /admin/strategy shows it)
+        self.pick_step = pick_step
+        # (seconds since the first, share used, the model's pick, λ, P's utilisation) per poll
+        self.picks: deque[tuple[float, ...]] = deque(maxlen=120)
+        self._t0: float | None = None
 
     def split(self, n: int, prefill, decode, engines=None) -> int:
         """Where the prompt is cut: P computes [0, s), D computes [s, n). 0 <= s <= n - 1.
@@ -65,7 +78,8 @@ class BalancedPD(Strategy):
         elif self.adaptive:
             ratio = self._modelled(prefill, decode, ratio, engines)
         self.last_ratio = ratio
-        return n - max(1, math.ceil(ratio * n))  # D computes at least the last token
+        # D computes at least the last token; rounded first: 0.3 * 1000 is 300.00000000000006
+        return n - max(1, math.ceil(round(ratio * n, 6)))
 
     def _modelled(self, prefill, decode, fallback: float, engines) -> float:
         """The model's share, re-picked when the engines' stats changed (a poll)."""
@@ -76,7 +90,13 @@ class BalancedPD(Strategy):
             counts = (1, 1) if engines is None else (
                 len(engines.routable("prefill")), len(engines.routable("decode")))
             best = self.model.best(self.min_ratio, self.max_ratio, *counts)
-            self._pick = None if best is None else best.ratio
+            if best is not None:
+                last = best.ratio if self._pick is None else self._pick
+                self._pick = last + self.pick_step * (best.ratio - last)
+                now = time.monotonic()
+                self._t0 = now if self._t0 is None else self._t0
+                self.picks.append((round(now - self._t0, 2), round(self._pick, 3), best.ratio,
+                                   round(self.model.rate()[0], 2), round(best.p_utilisation, 3)))
         return fallback if self._pick is None else self._pick
 
     async def generate(self, request, engines):
@@ -94,5 +114,6 @@ class BalancedPD(Strategy):
     def describe(self) -> dict:
         return {"ratio": self.ratio, "adaptive": self.adaptive, "min_ratio": self.min_ratio,
                 "max_ratio": self.max_ratio, "decode_cost": self.decode_cost,
-                "last_ratio": self.last_ratio,
-                **({"model": self.model.fitted()} if self.adaptive is True else {})}
+                "last_ratio": self.last_ratio, "pick_step": self.pick_step,
+                **({"model": self.model.fitted(), "picks": [list(p) for p in self.picks]}
+                   if self.adaptive is True else {})}

@@ -372,6 +372,31 @@ def test_balanced_split_fixed_and_adaptive():
         BalancedPD(adaptive="x")
     modelled = BalancedPD(ratio=0.3, adaptive=True)  # no stats yet: the fixed ratio
     assert modelled.split(1000, p, d) == 700
+    with pytest.raises(ValueError, match=r"pick_step 0 must be within \(0, 1\]"):
+        BalancedPD(adaptive=True, pick_step=0)
+
+
+def test_the_adaptive_share_moves_pick_step_of_the_way_to_each_poll_s_pick():
+    """Each poll (new engine stats) re-picks; with pick_step 0.5 the share used moves half way
+    from the last one to the model's pick, and each is kept in describe()'s `picks`."""
+    from router.balance_model import Prediction
+    from strategies.balanced_pd import BalancedPD
+
+    pool = make_pool(("p", "prefill"), ("d", "decode"))
+    p, d = pool["p"], pool["d"]
+    s = BalancedPD(ratio=0.3, adaptive=True, pick_step=0.5)
+    picks = iter([0.2, 0.4, 0.4])
+    s.model.observe = lambda *a, **k: None
+    s.model.best = lambda *a: Prediction(next(picks), 1.0, 0.8, 0.01)
+    s.model.rate = lambda: (18.0, 3000.0, 100.0)
+    shares = []
+    for poll in range(3):
+        p.load = d.load = object()  # new stats: a poll
+        shares.append(1000 - s.split(1000, p, d))
+        assert 1000 - s.split(1000, p, d) == shares[-1]  # no new poll: the same share
+    assert shares == [200, 300, 350]  # 0.2 at once, then half way to 0.4 twice
+    assert [q[1:] for q in s.describe()["picks"]] == [
+        [0.2, 0.2, 18.0, 0.8], [0.3, 0.4, 18.0, 0.8], [0.35, 0.4, 18.0, 0.8]]
 
 
 def test_the_router_imports_no_torch():
