@@ -30,13 +30,14 @@ import math
 import time
 from collections import deque
 
-from router.balance_model import BalanceModel
+from router.balance_model import RATE_WINDOW_S, BalanceModel
 from router.strategy import Strategy
 
 
 class BalancedPD(Strategy):
     def __init__(self, ratio: float = 0.2, adaptive: bool | str = False, min_ratio: float = 0.0,
-                 max_ratio: float = 0.5, decode_cost: float = 32.0, pick_step: float = 1.0):
+                 max_ratio: float = 0.5, decode_cost: float = 32.0, pick_step: float = 1.0,
+                 rate_window_s: float = RATE_WINDOW_S):
         """
         Args:
             ratio: share of the prompt prefilled on D (fixed mode, and the start value).
@@ -44,6 +45,8 @@ class BalancedPD(Strategy):
             min_ratio, max_ratio: bounds of the adaptive share.
             decode_cost: prefill tokens one decoding sequence on D counts as.
             pick_step: how far each poll moves the adaptive share toward the model's pick.
+            rate_window_s: the adaptive model's request rate counts the arrivals of this
+                many last seconds.
         """
         if not 0.0 <= min_ratio <= max_ratio <= 1.0:
             raise ValueError(f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio {min_ratio}, "
@@ -52,12 +55,14 @@ class BalancedPD(Strategy):
             raise ValueError(f"ratio {ratio} must be within [0, 1]")
         if decode_cost < 0:
             raise ValueError(f"decode_cost {decode_cost} must be >= 0")
+        if not 0.0 < rate_window_s <= 3600.0:
+            raise ValueError(f"rate_window_s {rate_window_s} must be within (0, 3600]")
         if not 0.0 < pick_step <= 1.0:
             raise ValueError(f"pick_step {pick_step} must be within (0, 1]")
         if adaptive not in (False, True, "queues"):
             raise ValueError(f"adaptive must be false, true or \"queues\", got {adaptive!r}")
         self.ratio, self.adaptive = ratio, adaptive
-        self.model = BalanceModel()
+        self.model = BalanceModel(rate_window_s=rate_window_s)
         self._loads: tuple = ()  # the engine stats the model's pick was made from
         self._pick: float | None = None
         self.min_ratio, self.max_ratio, self.decode_cost = min_ratio, max_ratio, decode_cost
@@ -115,5 +120,6 @@ class BalancedPD(Strategy):
         return {"ratio": self.ratio, "adaptive": self.adaptive, "min_ratio": self.min_ratio,
                 "max_ratio": self.max_ratio, "decode_cost": self.decode_cost,
                 "last_ratio": self.last_ratio, "pick_step": self.pick_step,
+                "rate_window_s": self.model.rate_window_s,
                 **({"model": self.model.fitted(), "picks": [list(p) for p in self.picks]}
                    if self.adaptive is True else {})}
