@@ -55,6 +55,10 @@ class EngineConfig:
     background_priority: int = BACKGROUND_PRIORITY
     background_max_seqs: int = 4
     background_max_tokens: int = 32
+    # >1: background prompt chunks wait until this many steps' worth of background_max_tokens
+    # is saved and run in one step (engine/background.py: a step with prompt tokens leaves the
+    # whole decode CUDA graph)
+    background_prompt_every: int = 1
     mlfq_levels: int = 8  # mlfq: its queues
     # mlfq: queue 0's quantum in predicted seconds of running (queue i's: 2**i times it);
     # None: 8 one-token steps of the start-up profile
@@ -230,6 +234,9 @@ class EngineConfig:
                 0 <= self.background_max_tokens <= INT32_MAX):
             raise ValueError(f"background_max_seqs and background_max_tokens must be >= 0, got "
                              f"{self.background_max_seqs} and {self.background_max_tokens}")
+        if not 1 <= self.background_prompt_every <= 1024:
+            raise ValueError(f"background_prompt_every must be in [1, 1024], got "
+                             f"{self.background_prompt_every}")
         if not PRIORITY_MIN <= self.background_priority <= PRIORITY_MAX:
             raise ValueError(f"background_priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
                              f"got {self.background_priority}")

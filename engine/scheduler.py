@@ -44,7 +44,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.background import Background, StepRoom
+from engine.background import Background, PromptCredit, StepRoom
 from engine.policies import FCFS, SchedulingPolicy
 from engine.sequence import Sequence, SeqStatus
 from kvcache.host_tier import HostState
@@ -155,6 +155,7 @@ class Scheduler:
         self.adapters = adapters  # None: no LoRA (every sequence runs the base)
         self.swapper = swapper  # None: no host KV tier (every preemption recomputes)
         self.background = background  # None: no sequence is background
+        self._prompt_credit = PromptCredit(background)  # gathered background prompts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0  # counter for /metrics
@@ -211,7 +212,8 @@ class Scheduler:
             for seq_id in self.swapper.poll():  # copied out: their GPU pages are free now
                 self.kv.free(seq_id)
         active = self.policy.run_order([s for s in self.running if s.finish_reason is None])
-        room = StepRoom.of(self.background, itertools.chain(active, self.waiting))
+        room = StepRoom.of(self.background, itertools.chain(active, self.waiting),
+                           self._prompt_credit.credit)
         self.policy.refresh(s for s in itertools.chain(self.waiting, self.running)
                             if not self._is_background(s))
         decoding = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
@@ -239,6 +241,7 @@ class Scheduler:
             elif not out.short_of_pages and seq not in out.preempted:
                 budget = self._admit(seq, budget, out, admission, room)
         self.policy.ran([(e.seq, e.num_new_tokens) for e in out.scheduled])
+        self._prompt_credit.settle(room)
         if self.swapper is not None and self.waiting and not out.short_of_pages:
             self._prefetch()
         return out

@@ -120,6 +120,10 @@ def engine_options(p: argparse.ArgumentParser) -> None:
     _config_option(p, "--background-max-tokens", type=int, metavar="N",
                    help="... and at most this many tokens of a step (default: %(default)s); "
                         "with no other work it runs as any request does")
+    _config_option(p, "--background-prompt-every", type=int, metavar="N",
+                   help="background prompt chunks wait until N steps' worth of "
+                        "--background-max-tokens is saved, then run in one step: fewer steps "
+                        "leave the decode CUDA graph (default: %(default)s, every step)")
     _config_option(p, "--mlfq-levels", type=int, help="mlfq: how many queues")
     _config_option(p, "--mlfq-base-quantum-s", type=float, metavar="SECONDS",
                    help="mlfq: the top queue's quantum in predicted seconds of running, "

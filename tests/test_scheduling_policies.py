@@ -338,9 +338,49 @@ def test_background_is_never_promoted_for_starvation():
     kv.check_integrity()
 
 
+def test_gathered_background_prompts_run_in_one_step_of_every_n():
+    """prompt_every 3, 2 tokens a step: while a live request decodes, a batch line's prompt
+    waits two steps and then runs 6 tokens in the third (the room of three steps); decode rows
+    ride every step."""
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=8,
+                  background=Background(BG, max_seqs=2, max_tokens=2, prompt_every=3))
+    s.add(seq("L", 4, 0, max_tokens=10))
+    s.add(seq("b0", 14, 1, priority=BG))
+    s.add(seq("b1", 3, 2, priority=BG, max_tokens=9))
+    assert run_step(s)[0] == [("L", 4)]  # nothing saved yet: no background prompt
+    assert run_step(s)[0] == [("L", 1)]
+    assert run_step(s)[0] == [("L", 1), ("b0", 6)]  # three steps' room: 6 tokens in one
+    assert run_step(s)[0] == [("L", 1)]
+    assert run_step(s)[0] == [("L", 1)]
+    assert run_step(s)[0] == [("L", 1), ("b0", 6)]
+    assert run_step(s)[0] == [("L", 1)]
+    assert run_step(s)[0] == [("L", 1)]
+    # b0 has 2 prompt tokens left, b1 3: the room's 6 takes both (b1 is admitted behind b0)
+    assert run_step(s)[0] == [("L", 1), ("b0", 2), ("b1", 3)]
+    assert run_step(s)[0] == [("L", 1), ("b0", 1), ("b1", 1)]  # decode rows every step; L ends
+    assert run_step(s)[0] == [("b0", 1), ("b1", 1)]
+    kv.check_integrity()
+
+
+def test_with_no_live_work_the_gathered_room_is_full_at_once():
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=8,
+                  background=Background(BG, max_seqs=2, max_tokens=2, prompt_every=4))
+    s.add(seq("b0", 4, 0, priority=BG, max_tokens=9))
+    assert run_step(s)[0] == [("b0", 4)]  # alone: whole
+    s.add(seq("L", 4, 1, max_tokens=3))
+    s.add(seq("b1", 12, 2, priority=BG))
+    assert run_step(s)[0] == [("b0", 1), ("L", 4), ("b1", 8)]  # the room saved while alone
+    assert run_step(s)[0] == [("b0", 1), ("L", 1)]
+    kv.check_integrity()
+
+
 def test_background_limits_are_checked():
     with pytest.raises(ValueError, match="must be >= 0, got -1 sequences and 5 tokens"):
         Background(BG, max_seqs=-1, max_tokens=5)
+    with pytest.raises(ValueError, match="prompt_every must be >= 1, got 0"):
+        Background(BG, max_seqs=1, max_tokens=5, prompt_every=0)
 
 
 def test_under_fcfs_a_live_request_takes_the_seat_of_the_newest_background_one():

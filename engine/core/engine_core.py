@@ -100,7 +100,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
                                    adapters=self.adapters, swapper=self.host_swap,
                                    background=Background(config.background_priority,
                                                          config.background_max_seqs,
-                                                         config.background_max_tokens))
+                                                         config.background_max_tokens,
+                                                         config.background_prompt_every))
         self.requests = RequestTable()
         # The transfer thread wakes the step loop through this pipe when a send completes.
         self.wakeup_fd, self._wakeup_w = os.pipe()
