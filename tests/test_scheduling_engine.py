@@ -100,17 +100,20 @@ def test_metrics_show_preemptions_by_reason_and_the_mlfq_queues(runs):
                for i in range(8))
 
 
-def test_background_requests_leave_live_work_its_steps_and_keep_their_tokens(runs,
-                                                                             tiny_model_dir):
+@pytest.mark.parametrize("prompt_every", [1, 4])
+def test_background_requests_leave_live_work_its_steps_and_keep_their_tokens(
+        runs, tiny_model_dir, prompt_every):
     """The four batch requests at BACKGROUND_PRIORITY (batch lines), under fcfs with room for
     one background row of a step: while the urgent request runs, each step emits at most one
     background token; it finishes first, in SHORT steps after its prompt's; every request's
-    greedy tokens equal the plain fcfs run's."""
+    greedy tokens equal the plain fcfs run's, also with their prompt chunks gathered into one
+    step of four."""
     from microserve.bounds import BACKGROUND_PRIORITY
 
     core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=256,
                                    max_num_seqs=8, background_max_seqs=1,
-                                   background_max_tokens=4))
+                                   background_max_tokens=4,
+                                   background_prompt_every=prompt_every))
     prompts = random_prompts([30, 25, 20, 35, 12], seed=3, vocab=TINY_VOCAB)
     for i, prompt in enumerate(prompts[:4]):
         core.add_request(f"batch{i}", prompt, greedy(LONG), priority=BACKGROUND_PRIORITY)
