@@ -75,8 +75,7 @@ class StepRoom:
             return cls(background, background.max_seqs, background.max_tokens)
         saved = min(credit + background.max_tokens, background.gathered)
         prompt = saved if saved >= background.gathered else 0
-        return cls(background, background.max_seqs, max(background.max_tokens,
-                                                        prompt + background.max_seqs), prompt,
+        return cls(background, background.max_seqs, background.max_tokens + prompt, prompt,
                    saved=saved)
 
     @property

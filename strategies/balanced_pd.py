@@ -12,7 +12,9 @@ with the least predicted job completion time within [min_ratio, max_ratio] is us
 next poll of the engines' stats (twice a second). Until the model has data, `ratio`.
 `pick_step` < 1 moves the share only that far from the last one toward each new pick (an
 exponential average over polls), so that a poll whose rate reads high or low sends fewer
-requests at a share far from the steady one. The last picks, with the rate and P's
+requests at a share far from the steady one (on two H100s, 2026-11-27, 0.2 did not help: the
+share followed a burst of the rate a few seconds later; counting the rate over a longer window,
+`rate_window_s`, did). The last picks, with the rate and P's
 utilisation they were made at, are in `describe()` (GET /admin/strategy) as `picks`.
 
 `adaptive: "queues"` is the older rule, kept for comparison: cut each prompt so that both

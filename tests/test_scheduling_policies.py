@@ -376,6 +376,18 @@ def test_with_no_live_work_the_gathered_room_is_full_at_once():
     kv.check_integrity()
 
 
+def test_no_background_tokens_means_none_gathered_either():
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, 64, max_num_seqs=8,
+                  background=Background(BG, max_seqs=2, max_tokens=0, prompt_every=4))
+    s.add(seq("b0", 4, 0, priority=BG, max_tokens=9))
+    assert run_step(s)[0] == [("b0", 4)]
+    s.add(seq("L", 4, 1, max_tokens=6))
+    assert [run_step(s)[0] for _ in range(6)] == [[("L", 4)]] + [[("L", 1)]] * 5
+    assert run_step(s)[0] == [("b0", 1)]  # L is done
+    kv.check_integrity()
+
+
 def test_background_limits_are_checked():
     with pytest.raises(ValueError, match="must be >= 0, got -1 sequences and 5 tokens"):
         Background(BG, max_seqs=-1, max_tokens=5)
