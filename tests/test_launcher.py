@@ -431,18 +431,21 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
     assert (engine.config.device, engine.config.page_size) == ("cuda:1", 32)
     config.write_text('[[engines]]\nname = "e"\nargs = ["--scheduling-policy", "mlfq", '
                       '"--scheduling-starvation-s", "2.5", "--mlfq-levels", "4", '
-                      '"--background-max-seqs", "0"]\n')
+                      '"--background-max-seqs", "0", "--background-prompt-every", "8"]\n')
     [engine] = load_deployment(config).engines
     assert (engine.config.scheduling_policy, engine.config.scheduling_starvation_s,
             engine.config.mlfq_levels, engine.config.mlfq_base_quantum_s) == ("mlfq", 2.5, 4, None)
     assert (engine.config.background_priority, engine.config.background_max_seqs,
-            engine.config.background_max_tokens) == (1_000_000, 0, 32)
+            engine.config.background_max_tokens, engine.config.background_prompt_every
+            ) == (1_000_000, 0, 32, 8)
     # an engine's own /v1 queue bound: the router's default unless given
     assert engine.config.queue_timeout_s == RouterSettings().queue_timeout_s == 60.0
     config.write_text('[[engines]]\nname = "e"\nargs = ["--queue-timeout-s", "2.5"]\n')
     assert load_deployment(config).engines[0].config.queue_timeout_s == 2.5
     for args, message in [('["--page-size", "x"]', "argument --page-size: invalid int value"),
                           ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
+                          ('["--background-prompt-every", "0"]',
+                           r"background_prompt_every must be in \[1, 1024\], got 0"),
                           ('["--no-such-option"]', "unrecognized arguments: --no-such-option"),
                           ('["--scheduling-policy", "sjf"]',
                            "argument --scheduling-policy: invalid choice: 'sjf'"),
