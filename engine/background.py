@@ -84,8 +84,8 @@ class StepRoom:
 
     def cap(self, seq: Sequence, n: int) -> int:
         """The tokens of `n` that `seq` may run this step (n if it is not background). A
-        background prompt chunk (more than one token) is held to the prompt room; one that
-        does not fit there waits whole rather than run a token at a time."""
+        background prompt chunk (more than one token) gets at most the prompt room, and none
+        when less than two tokens of it are left (not a prompt a token at a time)."""
         if self.background is None or not self.background.of(seq):
             return n
         if self.seqs < 1:
