@@ -1,0 +1,156 @@
+"""A discrete-event model of balanced P/D on one P and one D, for choosing the adaptive ratio's
+settings before spending GPU time on them. Not a benchmark: every figure it prints comes from
+the cost model below, whose terms are what router/balance_model.py fitted on the GPUs.
+
+    P: one FIFO queue; a request's head (prompt[:s]) costs b_P·s seconds.
+    D: steps back to back while it has work. A step runs every decoding sequence (one token
+       each) and up to `budget` tokens of prompt tails in arrival order, and takes
+       a + c_m·(decoding sequences) + b_D·(tail tokens) seconds. A tail finished in a step
+       gives its first token at the step's end; each later step gives one more.
+
+A request of n prompt tokens arrives (Poisson), waits for P, is handed to D when P is done
+(the transfer's time left out: no share changes it) and leaves after o tokens. The share left
+to D is fixed, or picked by router/balance_model.py's model from the arrivals it has seen,
+every `poll_s` (the router polls its engines twice a second), with the cost terms given rather
+than fitted: what the simulation isolates is how the picks follow the rate it reads.
+
+    python -m bench.pd_sim --rate 18 --policy fixed:0.3 --policy adaptive:10 \
+        --policy adaptive:30 --seeds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from router.balance_model import BalanceModel
+
+# The terms fitted on two H100s at 18 req/s of 3,000/100 (2026-11-27, call 6 of
+# docs/benchmarks.md's "The GPU suites after the restructuring ..." section)
+H100X2 = {"p_token_s": 23.94e-6, "d_step_s": 5.97e-3, "d_per_seq_s": 135e-6,
+          "d_token_s": 22.5e-6}
+
+
+@dataclass
+class Done:
+    arrival: float
+    first: float  # first token
+    end: float
+    share: float
+
+
+def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
+             terms: dict = H100X2, budget: int = 2048, poll_s: float = 0.5) -> list[Done]:
+    """One run: `requests` Poisson arrivals at `rate` of n prompt and o output tokens each,
+    under `policy` ("fixed:R" or "adaptive:WINDOW_S")."""
+    rng = random.Random(seed)
+    kind, _, arg = policy.partition(":")
+    clock = [0.0]
+    model = None
+    if kind == "adaptive":
+        model = BalanceModel(now=lambda: clock[0], rate_window_s=float(arg))
+        model.fitted = lambda: terms
+    share, next_poll = 0.2 if model else float(arg), 0.0
+    b_p, a, c_m, b_d = (terms["p_token_s"], terms["d_step_s"], terms["d_per_seq_s"],
+                        terms["d_token_s"])
+    t, arrivals = 0.0, []
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    # P: FIFO; each request's hand-over time to D
+    handed = []  # (time at D, arrival, tail tokens, share)
+    p_free = 0.0
+    for arrival in arrivals:
+        clock[0] = arrival
+        if model is not None:
+            model.arrived(n, o)
+            if arrival >= next_poll:
+                best = model.best(0.0, 0.5)
+                share = share if best is None else best.ratio
+                next_poll = arrival + poll_s
+        tail = max(1, round(share * n))
+        start = max(arrival, p_free)
+        p_free = start + b_p * (n - tail)
+        handed.append((p_free, arrival, tail, share))
+    handed.sort()
+    # D: steps back to back while there is work
+    out: list[Done] = []
+    tails: deque[list] = deque()  # [tokens left, arrival, share]
+    decoding: list[tuple[int, int, float, float, float]] = []  # (left, id, arrival, first, share)
+    now, i, k = 0.0, 0, 0
+    while i < len(handed) or tails or decoding:
+        if not tails and not decoding:
+            now = max(now, handed[i][0])
+        while i < len(handed) and handed[i][0] <= now:
+            _, arrival, tail, s = handed[i]
+            tails.append([tail, arrival, s])
+            i += 1
+        room = budget - len(decoding)
+        taken, finished_tails = 0, []
+        for entry in tails:
+            if room - taken <= 0:
+                break
+            step = min(entry[0], room - taken)
+            entry[0] -= step
+            taken += step
+            if entry[0] == 0:
+                finished_tails.append(entry)
+        now += a + c_m * len(decoding) + b_d * taken
+        still = []
+        for left, rid, arrival, first, s in decoding:
+            if left == 1:
+                out.append(Done(arrival, first, now, s))
+            else:
+                still.append((left - 1, rid, arrival, first, s))
+        decoding = still
+        for entry in finished_tails:
+            tails.remove(entry)
+            k += 1
+            if o == 1:
+                out.append(Done(entry[1], now, now, entry[2]))
+            else:
+                decoding.append((o - 1, k, entry[1], now, entry[2]))
+    return out
+
+
+def summary(done: list[Done], o: int) -> dict:
+    def q(xs, p):
+        return statistics.quantiles(xs, n=100, method="inclusive")[p - 1]
+
+    jct = [d.end - d.arrival for d in done]
+    ttft = [d.first - d.arrival for d in done]
+    tpot = [(d.end - d.first) / (o - 1) for d in done] if o > 1 else [0.0]
+    return {"jct_p99_s": q(jct, 99), "jct_mean_s": statistics.fmean(jct),
+            "ttft_p99_s": q(ttft, 99), "tpot_p90_ms": 1e3 * q(tpot, 90),
+            "tpot_p99_ms": 1e3 * q(tpot, 99), "share": statistics.fmean(d.share for d in done)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=float, nargs="+", default=[18.0], help="requests/s in all")
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--prompt", type=int, default=3000)
+    ap.add_argument("--output", type=int, default=100)
+    ap.add_argument("--policy", action="append", required=True,
+                    help="fixed:RATIO or adaptive:RATE_WINDOW_S; repeat")
+    ap.add_argument("--seeds", type=int, default=8, help="runs per policy, seeds 0..N-1")
+    args = ap.parse_args()
+    for rate in args.rate:
+        base = None
+        for policy in args.policy:
+            runs = [summary(simulate(rate, args.requests, args.prompt, args.output, policy,
+                                     seed), args.output) for seed in range(args.seeds)]
+            mean = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
+            base = base or mean
+            print(f"{rate:5.1f}/s {policy:>14}: P99 JCT {mean['jct_p99_s']:.2f} s "
+                  f"({mean['jct_p99_s'] / base['jct_p99_s']:.3f}x the first), TTFT p99 "
+                  f"{mean['ttft_p99_s']:.2f} s, TPOT p90/p99 {mean['tpot_p90_ms']:.1f}/"
+                  f"{mean['tpot_p99_ms']:.1f} ms, share {mean['share']:.3f} "
+                  f"(mean of {args.seeds} seeds)")
+
+
+if __name__ == "__main__":
+    main()

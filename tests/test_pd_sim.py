@@ -1,0 +1,38 @@
+"""bench/pd_sim.py: the discrete-event model of balanced P/D gives the times its cost model says,
+and its adaptive policy picks through router/balance_model.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.pd_sim import H100X2, simulate, summary
+
+
+def test_one_request_takes_ps_head_ds_tail_step_then_its_decode_steps():
+    [done] = simulate(rate=1.0, requests=1, n=3000, o=100, policy="fixed:0.3", seed=0)
+    b_p, a, c_m, b_d = (H100X2[k] for k in ("p_token_s", "d_step_s", "d_per_seq_s",
+                                            "d_token_s"))
+    handed = done.arrival + b_p * 2100  # P's head: 70% of the prompt
+    assert done.first == pytest.approx(handed + a + b_d * 900)  # D's tail in one step
+    assert done.end == pytest.approx(done.first + 99 * (a + c_m))  # 99 steps, batch of one
+    assert done.share == 0.3
+
+
+def test_tails_share_ds_steps_within_its_budget_and_decodes_slow_with_the_batch():
+    """Two requests at once, half of each prompt on D: P hands the second over while D runs
+    the first's tail; D's next step decodes the first (a batch of one) and runs the second's
+    whole tail; the step after decodes both."""
+    runs = simulate(rate=1e6, requests=2, n=3000, o=3, policy="fixed:0.5", seed=0)
+    first, second = sorted(runs, key=lambda d: d.first)
+    a, c_m, b_d = (H100X2[k] for k in ("d_step_s", "d_per_seq_s", "d_token_s"))
+    assert second.first - first.first == pytest.approx(a + c_m + b_d * 1500)
+    assert first.end == pytest.approx(second.first + a + 2 * c_m)  # its third token
+    assert second.end == pytest.approx(first.end + a + c_m)  # alone again
+
+
+def test_adaptive_runs_are_seeded_and_summarised():
+    one = simulate(18.0, 200, 3000, 100, "adaptive:30", seed=1)
+    assert one == simulate(18.0, 200, 3000, 100, "adaptive:30", seed=1)
+    s = summary(one, 100)
+    assert len(one) == 200 and 0.0 < s["share"] < 0.5
+    assert s["jct_p99_s"] > s["ttft_p99_s"] > 0 and s["tpot_p99_ms"] >= s["tpot_p90_ms"]
