@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 TINY_VOCAB = 256
@@ -13,12 +15,20 @@ def pytest_configure(config):
     and threads that spin on every core wait for each other: Hugging Face's greedy reference
     and the in-process engine tests ran 3-10x slower with two threads than with one while the
     machine was busy. The engine daemons get one thread too (tests/daemons.py, cpu_threads),
-    for the same reason."""
+    for the same reason.
+
+    Without CUDA, Triton runs under its interpreter for the whole session: TRITON_INTERPRET=1
+    is read when `import triton` decorates its own helpers, so it must be set before any test
+    module imports triton (tests/triton_kernels.py). The whole suite's collection used to set
+    it early by chance (a module importing triton_kernels came first); a run of a few files,
+    such as test_lora.py then test_lora_triton_cpu.py, imported triton compiled and failed."""
     try:
         import torch
     except ImportError:
         return
     torch.set_num_threads(1)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _cuda() -> bool:

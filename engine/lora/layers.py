@@ -159,19 +159,29 @@ class LoraLinear(nn.Module):
             lo, hi = self.offsets[s], self.offsets[s + 1]
             out[rows, lo:hi] += shrunk[:, s * r : (s + 1) * r] @ self.b[slot, :, lo:hi]
 
-    def pack(self, halves: list[tuple[torch.Tensor, torch.Tensor] | None], pin: bool = False):
+    def pack(self, halves: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float = 1.0,
+             pin: bool = False):
         """One adapter's (A [r, in], B [out, r]) of each slice (None: not a target) laid out
-        as a slot holds them: (a [S*R, in], b [R, out]) on the host, in pinned memory if
-        `pin`; None if no slice is."""
+        as a slot holds them, B times `scale`: (a [S*R, in], b [R, out]) on the host, in
+        pinned memory if `pin`; None if no slice is a target. Only what the adapter does not
+        fill is zeroed (a slice it leaves out, the rows past its rank): zeroing whole buffers
+        was half the time of packing a rank-16 adapter that fills them."""
         if all(pair is None for pair in halves):
             return None
-        a = torch.zeros(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
-        b = torch.zeros(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
+        a = torch.empty(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
+        b = torch.empty(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
         for s, pair in enumerate(halves):
+            lo, hi, top = self.offsets[s], self.offsets[s + 1], s * self.rank
+            r = 0 if pair is None else pair[0].shape[0]
             if pair is not None:
-                r = pair[0].shape[0]
-                a[s * self.rank : s * self.rank + r] = pair[0]
-                b[:r, self.offsets[s] : self.offsets[s + 1]] = pair[1].t()
+                a[top : top + r] = pair[0]
+                # cast into the slot's dtype (exact from the file's bf16 or fp32), then scaled
+                # there: one rounding, the same values as scaling in float32 and casting
+                b[:r, lo:hi] = pair[1].t()
+                if scale != 1.0:
+                    b[:r, lo:hi].mul_(scale)
+            a[top + r : top + self.rank].zero_()
+            b[r:, lo:hi].zero_()
         return a, b
 
     @torch.no_grad()
@@ -246,7 +256,7 @@ class LoraModel:
                 pairs = [adapter.weights.get((i, module)) for module in _SLICES[name]]
                 pairs = [None if pair is None else tp.shard_lora(module, *pair, self.whole)
                          for module, pair in zip(_SLICES[name], pairs)]
-                layer[name] = proj.pack(pairs, pin)  # cast as they are copied in
+                layer[name] = proj.pack(pairs, adapter.scale, pin)
             packed.append(layer)
         return packed
 
