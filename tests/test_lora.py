@@ -425,3 +425,30 @@ def test_an_adapter_may_not_take_the_served_models_name(tiny_model_dir):
     config = EngineConfig(model=tiny_model_dir, lora_modules=(("tiny", "/anywhere"),))
     with pytest.raises(ValueError, match="the served model's own name"):
         CoreClient(config, "tiny")
+
+
+def test_a_slot_holds_the_adapter_scaled_and_zeros_wherever_it_has_nothing():
+    """LoraLinear.pack into buffers it does not zero first: a rank-2 adapter in rank-4 slots,
+    one of three slices left out, B times the scale rounded once into bfloat16 as float32 math
+    gives it, from a float32 B (scaled, then cast) and from a bfloat16 one (cast exactly, then
+    scaled in place)."""
+    import torch
+    from torch import nn
+
+    from engine.lora.layers import LoraBatch, LoraLinear
+
+    base = nn.Linear(8, 3 + 2 + 2, bias=False, dtype=torch.bfloat16)
+    proj = LoraLinear(base, LoraBatch(2, 4, torch.device("cpu")), [3, 2, 2], rank=4)
+    gen = torch.Generator().manual_seed(0)
+    a_q, b_q = torch.randn(2, 8, generator=gen), torch.randn(3, 2, generator=gen)
+    a_v, b_v = (t.to(torch.bfloat16) for t in (torch.randn(2, 8, generator=gen),
+                                               torch.randn(2, 2, generator=gen)))
+    for _ in range(3):  # reused memory holds whatever the last pack left there
+        a, b = proj.pack([(a_q, b_q), None, (a_v, b_v)], scale=0.75)
+    want_a = torch.zeros(12, 8, dtype=torch.bfloat16)
+    want_a[0:2], want_a[8:10] = a_q.to(torch.bfloat16), a_v
+    want_b = torch.zeros(4, 7, dtype=torch.bfloat16)
+    want_b[:2, 0:3] = (b_q.t() * 0.75).to(torch.bfloat16)
+    want_b[:2, 5:7] = (b_v.float().t() * 0.75).to(torch.bfloat16)
+    assert torch.equal(a, want_a) and torch.equal(b, want_b)
+    assert proj.pack([None, None, None]) is None
