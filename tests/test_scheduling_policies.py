@@ -363,12 +363,18 @@ def test_gathered_background_prompts_run_in_one_step_of_every_n():
     kv.check_integrity()
 
 
-def test_with_no_live_work_the_gathered_room_is_full_at_once():
+def _b0_ran_alone(max_tokens: int, prompt_every: int):
+    """A scheduler with gathered background prompts whose batch line b0 ran its prompt alone."""
     kv = KVCacheManager(num_pages=64, page_size=PS)
-    s = Scheduler(kv, 64, max_num_seqs=8,
-                  background=Background(BG, max_seqs=2, max_tokens=2, prompt_every=4))
+    s = Scheduler(kv, 64, max_num_seqs=8, background=Background(
+        BG, max_seqs=2, max_tokens=max_tokens, prompt_every=prompt_every))
     s.add(seq("b0", 4, 0, priority=BG, max_tokens=9))
     assert run_step(s)[0] == [("b0", 4)]  # alone: whole
+    return kv, s
+
+
+def test_with_no_live_work_the_gathered_room_is_full_at_once():
+    kv, s = _b0_ran_alone(max_tokens=2, prompt_every=4)
     s.add(seq("L", 4, 1, max_tokens=3))
     s.add(seq("b1", 12, 2, priority=BG))
     assert run_step(s)[0] == [("b0", 1), ("L", 4), ("b1", 8)]  # the room saved while alone
@@ -377,11 +383,7 @@ def test_with_no_live_work_the_gathered_room_is_full_at_once():
 
 
 def test_no_background_tokens_means_none_gathered_either():
-    kv = KVCacheManager(num_pages=64, page_size=PS)
-    s = Scheduler(kv, 64, max_num_seqs=8,
-                  background=Background(BG, max_seqs=2, max_tokens=0, prompt_every=4))
-    s.add(seq("b0", 4, 0, priority=BG, max_tokens=9))
-    assert run_step(s)[0] == [("b0", 4)]
+    kv, s = _b0_ran_alone(max_tokens=0, prompt_every=4)
     s.add(seq("L", 4, 1, max_tokens=6))
     assert [run_step(s)[0] for _ in range(6)] == [[("L", 4)]] + [[("L", 1)]] * 5
     assert run_step(s)[0] == [("b0", 1)]  # L is done
