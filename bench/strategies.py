@@ -53,12 +53,14 @@ import asyncio
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import random
 import re
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -326,7 +328,10 @@ async def main_async(args) -> dict:
             if unknown := set(e) - set(names):
                 raise ValueError(f"strategy engines {sorted(unknown)} not in {names}")
         await one(bench.client, model, [1] * 16, 4)  # warm-up
-        for k, run in enumerate(runs):
+        # each round runs every strategy in turn on the same arrivals (its own seed), so a
+        # round's strategies are compared on one schedule and rounds sample the noise
+        for k, (rnd, run) in enumerate((r, run) for r in range(args.rounds) for run in runs):
+            seed = args.seed + rnd
             described = await bench.use(run, names)
             used = run.engines or names
             gpus = args.gpus or len(used)
@@ -334,22 +339,23 @@ async def main_async(args) -> dict:
                 closed = isinstance(rate, str) and rate != "phased"  # "cN": N in flight
                 shifts = None
                 if phases:
-                    planned = phased_schedule(phases, gpus, args.seed)
+                    planned = phased_schedule(phases, gpus, seed)
                     work = [(t, n_in, n_out) for t, n_in, n_out, _ in planned]
                     shifts = (phases, [k for *_, k in planned])
                 elif closed:
                     n = args.min_requests
-                    work = [(0.0, i, o) for _, i, o in schedule(n, 1.0, dists, args.seed)]
+                    work = [(0.0, i, o) for _, i, o in schedule(n, 1.0, dists, seed)]
                 else:
                     n = max(args.min_requests, round(rate * gpus * args.duration_s))
-                    work = schedule(n, rate * gpus, dists, args.seed)
+                    work = schedule(n, rate * gpus, dists, seed)
                 await bench.settle()
                 before = await bench.engine_counters()
                 result = await bench.run(model, work, random.Random(f"{args.seed}/{k}/{rate}"),
                                          gpus, int(rate[1:]) if closed else None, shifts)
                 await bench.settle()
                 active = (await bench.call("GET", "/admin/strategy"))["active"]
-                entry = {"strategy": run.label, "builtin": run.builtin, "args": run.args,
+                entry = {"strategy": run.label, "round": rnd, "builtin": run.builtin,
+                         "args": run.args,
                          "engines": used, "gpus": gpus,
                          **({"concurrency": int(rate[1:]), "rate_per_gpu": 0, "rate": 0}
                             if closed else {"rate_per_gpu": 0, "rate": 0} if phases
@@ -374,6 +380,8 @@ async def main_async(args) -> dict:
                     break
         for line in compare_phases(record["runs"]) if phases else []:
             print(line, flush=True)
+        for line in compare_rounds(record["runs"]) if args.rounds > 1 else []:
+            print(line, flush=True)
     finally:
         for name in names:  # a running deployment gets every engine back, even after an error
             with contextlib.suppress(Exception):
@@ -382,6 +390,30 @@ async def main_async(args) -> dict:
         if deployment is not None:
             deployment.stop()
     return record
+
+
+def compare_rounds(runs: list[dict]) -> list[str]:
+    """Per rate, each strategy's P99 JCT in every round, and its ratio to the first strategy's
+    in the same round (same arrivals): the mean and range of those ratios."""
+    lines = []
+    rates = sorted({(e["rate_per_gpu"], e.get("concurrency")) for e in runs},
+                   key=lambda r: (r[1] is not None, r))
+    for rate, conc in rates:
+        at = [e for e in runs if (e["rate_per_gpu"], e.get("concurrency")) == (rate, conc)]
+        labels = list(dict.fromkeys(e["strategy"] for e in at))
+        p99 = {(e["strategy"], e["round"]): e["jct"].get("p99_ms", math.nan) for e in at}
+        rounds = sorted({e["round"] for e in at})
+        load = f"c{conc}" if conc is not None else f"{rate:g}/GPU"
+        lines.append(f"# rounds at {load}: P99 JCT ms per round; ratio to {labels[0]} in the "
+                     f"same round (mean [min, max])")
+        for label in labels:
+            mine = [p99.get((label, r), math.nan) for r in rounds]
+            ratios = [m / p99[labels[0], r] for m, r in zip(mine, rounds)
+                      if (labels[0], r) in p99 and p99[labels[0], r] > 0 and m == m]
+            spread = (f"{statistics.fmean(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+                      if ratios else "-")
+            lines.append(f"#   {label:>24}: {' '.join(f'{m:.0f}' for m in mine)}  {spread}")
+    return lines
 
 
 def _line(e: dict) -> str:
@@ -440,6 +472,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration-s", type=float, default=60.0,
                     help="requests per run = rate x GPUs x this (at least --min-requests)")
     ap.add_argument("--min-requests", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the strategies in turn this many times, round r on the "
+                         "arrivals of seed --seed + r, and print each one's P99 JCT against "
+                         "the first strategy's round by round")
     ap.add_argument("--run-timeout-s", type=float, default=600.0)
     ap.add_argument("--ready-timeout-s", type=float, default=900.0)
     ap.add_argument("--stop-when-saturated", type=float, default=None, metavar="P99_JCT_S")
@@ -460,6 +496,8 @@ def main(argv: list[str] | None = None) -> None:
             tomllib.load(f)  # fails here, not after minutes of start-up
     if (args.rates is None) == (args.phases is None):
         parser().error("give --rates or --phases (one of them)")
+    if args.rounds < 1:
+        parser().error(f"--rounds must be >= 1, got {args.rounds}")
     try:
         for s in args.strategy:
             parse_strategy(s)

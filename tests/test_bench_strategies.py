@@ -142,3 +142,29 @@ def test_phase_report_counts_what_met_the_slo_in_each_phase_and_compares_strateg
     assert compare_phases(runs)[1:] == [
         "#                     auto: 0.25 (1.25x) | 0.50 (0.50x) | 0.12 (1.25x)",
         "#                       dp: 0.20 (0.80x) | 1.00 (2.00x) | 0.10 (0.80x)"]
+
+
+def test_rounds_compare_each_strategy_with_the_first_on_the_same_arrivals():
+    from bench.strategies import compare_rounds
+
+    def run(label, rnd, p99, rate=9):
+        return {"strategy": label, "round": rnd, "rate_per_gpu": rate, "jct": {"p99_ms": p99}}
+
+    runs = [run("0.3", 0, 2000), run("adaptive", 0, 2200), run("0.3", 1, 4000),
+            run("adaptive", 1, 3600), run("0.3", 0, 900, rate=3), run("adaptive", 0, 900, 3)]
+    assert compare_rounds(runs) == [
+        "# rounds at 3/GPU: P99 JCT ms per round; ratio to 0.3 in the same round (mean [min, max])",
+        "#                        0.3: 900  1.000 [1.000, 1.000]",
+        "#                   adaptive: 900  1.000 [1.000, 1.000]",
+        "# rounds at 9/GPU: P99 JCT ms per round; ratio to 0.3 in the same round (mean [min, max])",
+        "#                        0.3: 2000 4000  1.000 [1.000, 1.000]",
+        "#                   adaptive: 2200 3600  1.000 [0.900, 1.100]",
+    ]
+
+
+def test_rounds_must_be_at_least_one():
+    from bench.strategies import main
+
+    with pytest.raises(SystemExit):
+        main(["--base-url", "http://x", "--admin-token", "t", "--strategy", "dp", "--rates", "1",
+              "--rounds", "0"])

@@ -633,6 +633,28 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
     assert admin.get("/admin/strategy").json()["active"]["class"] == "BalancedPD"
 
 
+async def test_rounds_run_the_strategies_in_turn_each_round_on_its_own_arrivals(up, admin,
+                                                                                capsys):
+    """--rounds 2: dp then 1p1d, twice; round r's runs share the arrivals of seed 7 + r (the
+    input tokens each run sent), and the comparison prints both rounds."""
+    from bench.strategies import main_async, parser
+    from bench.workloads import parse_lengths, schedule
+
+    argv = ["--base-url", up.url, "--admin-token", ADMIN, "--rates", "4", "--duration-s", "1",
+            "--min-requests", "4", "--input-len", "30:3", "--output-len", "3:1",
+            "--run-timeout-s", "120", "--seed", "7", "--rounds", "2",
+            "--strategy", "dp", "--strategy", "1p1d"]
+    record = await main_async(parser().parse_args(argv))
+    dists = (parse_lengths("30:3"), parse_lengths("3:1"))
+    got = [(r["strategy"], r["round"], r["input_tokens"], r["completed"])
+           for r in record["runs"]]
+    sent = [sum(w[1] for w in schedule(8, 8, dists, seed)) for seed in (7, 8)]
+    assert got == [("dp", 0, sent[0], 8), ("1p1d", 0, sent[0], 8),
+                   ("dp", 1, sent[1], 8), ("1p1d", 1, sent[1], 8)]
+    out = capsys.readouterr().out
+    assert "# rounds at 4/GPU: P99 JCT ms per round; ratio to dp in the same round" in out
+
+
 async def test_a_phased_run_reports_each_phase_for_each_strategy(up, admin):
     """bench.strategies --phases: every strategy gets the same schedule of two phases; each
     phase's requests are the ones that arrived in it, all answered, and (with an SLO every
