@@ -1,12 +1,15 @@
-"""All-reduce latency at the sizes a tensor-parallel step sums: NCCL through torch.distributed,
-launched one by one (eager) and replayed from a CUDA graph (how decode steps run), per size.
+"""All-reduce latency at the sizes a tensor-parallel step sums, side by side in one run: NCCL
+through torch.distributed and the engine's one-shot all-reduce over symmetric memory
+(engine/tp/allreduce.py), each launched one by one (eager) and replayed from a CUDA graph (how
+decode steps run), per size.
 
 A decode step of an 8B model at batch B all-reduces B x 4,096 bf16 values twice per layer:
 8 KiB at batch 1, 1 MiB at batch 128. The figure per size is the median time of one
 all-reduce over `--iters`, measured with CUDA events on rank 0 (the ranks are in step after
 the first barrier).
 
-    python -m bench.allreduce --ranks 2 --sizes-kib 8,32,128,512,1024 --json out.json
+    python -m bench.allreduce --ranks 2 --sizes-kib 8,32,128,512,1024 [--impls nccl,one-shot]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,31 +38,46 @@ def _time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, out: str | None
-          ) -> None:
+def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, out: str | None,
+          impls: list[str]) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=ranks, device_id=torch.device("cuda", rank))
     dist.all_reduce(torch.ones(1, device="cuda"))
+    one_shot = None
+    if "one-shot" in impls:
+        from engine.tp.allreduce import OneShotAllReduce
+
+        one_shot = OneShotAllReduce(None, torch.device("cuda", rank), torch.bfloat16,
+                                    max(sizes_kib) * 1024)
+    ops = {"nccl": dist.all_reduce, "one-shot": one_shot}
     rows = []
     per_graph = 20  # all-reduces captured in one graph: its replay time / 20 is one's
     for kib in sizes_kib:
         x = torch.randn(kib * 1024 // 2, dtype=torch.bfloat16, device="cuda")
-        for _ in range(10):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        dist.barrier()
-        eager = _time_ms(lambda: dist.all_reduce(x), iters)
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for _ in range(per_graph):
-                dist.all_reduce(x)
-        torch.cuda.synchronize()
-        dist.barrier()
-        graphed = _time_ms(graph.replay, max(1, iters // per_graph)) / per_graph
-        rows.append({"kib": kib, "eager_us": eager * 1e3, "graph_us": graphed * 1e3})
+        row = {"kib": kib}
+        for impl in impls:
+            op = ops[impl]
+            for _ in range(10):
+                op(x)
+            torch.cuda.synchronize()
+            dist.barrier()
+            eager = _time_ms(lambda: op(x), iters)
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                for _ in range(per_graph):
+                    op(x)
+            torch.cuda.synchronize()
+            dist.barrier()
+            graphed = _time_ms(graph.replay, max(1, iters // per_graph)) / per_graph
+            # the old keys are NCCL's (earlier JSON files)
+            prefix = "" if impl == "nccl" else "one_shot_"
+            row |= {f"{prefix}eager_us": eager * 1e3, f"{prefix}graph_us": graphed * 1e3}
+        if "graph_us" in row and "one_shot_graph_us" in row:
+            row["one_shot_over_nccl_graph"] = row["one_shot_graph_us"] / row["graph_us"]
+        rows.append(row)
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
     if rank == 0 and out:
@@ -77,13 +95,17 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--sizes-kib", default="8,16,32,64,128,256,512,1024")
     ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--impls", default="nccl,one-shot", help="nccl, one-shot, or both")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    impls = args.impls.split(",")
+    if not set(impls) <= {"nccl", "one-shot"}:
+        ap.error(f"--impls: nccl and one-shot only, got {args.impls}")
     from engine.tp.group import free_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (lent machines)
     sizes = [int(s) for s in args.sizes_kib.split(",")]
-    mp.spawn(_rank, args=(args.ranks, free_port(), sizes, args.iters, args.json),
+    mp.spawn(_rank, args=(args.ranks, free_port(), sizes, args.iters, args.json, impls),
              nprocs=args.ranks)
 
 

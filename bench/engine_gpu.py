@@ -371,6 +371,8 @@ def main() -> None:
                     help="the engine's --kv-cache-dtype (fp8: an e4m3 KV cache)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="the engine over this many GPUs (cuda:0 and the next ones)")
+    ap.add_argument("--all-reduce", choices=("auto", "nccl", "one-shot"), default="auto",
+                    help="the engine's --all-reduce (with --tensor-parallel-size > 1)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -383,7 +385,7 @@ def main() -> None:
            {"max_piecewise_tokens": args.max_piecewise_tokens}),
         decode_gemv=not args.no_gemv, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce,
         gpu_memory_utilization=args.gpu_memory_utilization,
         **({"blas_library": args.blas} if args.blas else {}),
         **({"eager_blas_library": args.eager_blas} if args.eager_blas else {}),
@@ -393,6 +395,7 @@ def main() -> None:
                "blas": config.blas_library, "eager_blas": config.eager_blas_library}  # fmt: skip
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
     results["tensor_parallel_size"] = args.tensor_parallel_size
+    results["all_reduce"] = args.all_reduce
     results["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     core = EngineCore(config)

@@ -136,6 +136,10 @@ class EngineConfig:
     # than tensor_parallel_timeout_s on a rank fails instead of hanging.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
+    # How the ranks sum a layer's partial products (engine/tp/allreduce.py): "nccl", or
+    # "one-shot" over symmetric memory for messages up to 1 MiB (NCCL above), or "auto":
+    # one-shot where it can be set up.
+    all_reduce: str = "auto"
     # A request sent to this engine's own /v1 that no step has started on within this long
     # fails with a 503 (code queue_timeout) and Retry-After, holding nothing; the router's
     # calls carry the router's own queue_timeout_s instead. The router's default.
@@ -249,6 +253,9 @@ class EngineConfig:
             raise ValueError(f"kv_host_memory_gb must be >= 0, got {self.kv_host_memory_gb}")
         if self.kv_host_copy_gbps is not None and self.kv_host_copy_gbps <= 0:
             raise ValueError(f"kv_host_copy_gbps must be > 0, got {self.kv_host_copy_gbps}")
+        if self.all_reduce not in ("auto", "nccl", "one-shot"):
+            raise ValueError(f"all_reduce must be auto, nccl or one-shot, got "
+                             f"{self.all_reduce!r}")
         if self.tensor_parallel_size != 1:
             self._check_tensor_parallel()
         if self.kv_cache_memory_gb <= 0:
@@ -260,6 +267,9 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if not 1 <= size <= 64:
             raise ValueError(f"tensor_parallel_size must be in [1, 64], got {size}")
+        if self.all_reduce == "one-shot" and not str(self.device).startswith("cuda"):
+            raise ValueError(f"all_reduce one-shot needs CUDA devices, got device "
+                             f"{self.device!r} (auto and nccl work on any)")
         if not 0 < self.tensor_parallel_timeout_s <= MAX_LEASE_S:
             raise ValueError(f"tensor_parallel_timeout_s must be in (0, {MAX_LEASE_S:.0f}], got "
                              f"{self.tensor_parallel_timeout_s}")

@@ -6,6 +6,7 @@ group in its life (engine/tp/group.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,12 +50,66 @@ def tokens(model: str, prompts: list[list[int]], **config) -> list[list[int]]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_fp32_tiny_tp2_equals_hf(tiny_model_dir, eager):
+@pytest.mark.parametrize("eager,all_reduce", [(False, "one-shot"), (False, "nccl"),
+                                               (True, "one-shot")],
+                         ids=["graphs-one-shot", "graphs-nccl", "eager-one-shot"])
+def test_fp32_tiny_tp2_equals_hf(tiny_model_dir, eager, all_reduce):
     prompts = random_prompts([1, 5, 17, 40, 64, 90, 33])
     ref = hf_greedy(tiny_model_dir, prompts, 32)
     assert tokens(tiny_model_dir, prompts, tensor_parallel_size=2, enforce_eager=eager,
-                  max_num_batched_tokens=40) == ref
+                  max_num_batched_tokens=40, all_reduce=all_reduce) == ref
+
+
+_SUMS = """
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from engine.tp.allreduce import OneShotAllReduce
+
+def rank(r, port):
+    torch.cuda.set_device(r)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=r,
+                            world_size=2, device_id=torch.device("cuda", r))
+    one = OneShotAllReduce(None, torch.device("cuda", r), torch.bfloat16)
+    bad = []
+    for n in (8, 4096, 128 * 4096, one.max_numel):
+        parts = [torch.randn(n, generator=torch.Generator().manual_seed(100 * n + i))
+                 .to(torch.bfloat16) for i in range(2)]
+        x = parts[r].cuda()
+        assert one.fits(x)
+        got = one(x)
+        # in a CUDA graph too, replayed over new values
+        g, static = torch.cuda.CUDAGraph(), x.clone()
+        one(static); torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            out = one(static)
+        static.copy_(x); g.replay()
+        nccl = x.clone(); dist.all_reduce(nccl)
+        want = (parts[0].float() + parts[1].float()).to(torch.bfloat16).cuda()
+        for name, t in (("eager", got), ("graph", out), ("nccl", nccl)):
+            if not torch.equal(t.view(torch.int16), want.view(torch.int16)):
+                bad.append((name, n))
+    print("BAD" if bad else "OK", r, bad, flush=True)
+
+if __name__ == "__main__":
+    mp.spawn(rank, args=(int(sys.argv[1]),), nprocs=2)
+"""
+
+
+def test_one_shot_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
+    """Two ranks' bf16 messages from 16 B to the limit (1 MiB): the one-shot sum, eager and
+    replayed from a CUDA graph, is bit-equal to NCCL's and to the float32 sum rounded once,
+    on both ranks."""
+    from engine.tp.group import free_port
+
+    script = tmp_path / "sums.py"  # a file: spawned ranks import its functions from it
+    script.write_text(_SUMS.format())
+    root = Path(__file__).parent.parent
+    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True,
+                         text=True, timeout=240, cwd=root,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith(("OK", "BAD"))) \
+        == ["OK 0 []", "OK 1 []"], out.stdout
 
 
 def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path):

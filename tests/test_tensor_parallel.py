@@ -324,3 +324,21 @@ def test_the_host_tier_swaps_every_ranks_share_and_tokens_equal_hf(tiny_model_di
             stats.kv_host_pages_total
     finally:
         core.close()
+
+
+def test_all_reduce_modes_are_checked_and_cpu_ranks_sum_with_gloo(tiny_model_dir):
+    """--all-reduce: an unknown mode and one-shot without CUDA are refused at start, with the
+    values; on the CPU `auto` sets nothing up (gloo sums every message)."""
+    from engine.tp import allreduce
+
+    with pytest.raises(ValueError, match="all_reduce must be auto, nccl or one-shot, got 'ring'"):
+        EngineConfig(model=tiny_model_dir, all_reduce="ring")
+    with pytest.raises(ValueError, match="all_reduce one-shot needs CUDA devices, got device "
+                                         "'cpu'"):
+        EngineConfig(model=tiny_model_dir, tensor_parallel_size=2, all_reduce="one-shot")
+    assert allreduce.set_up("auto", None, torch.device("cpu"), torch.float32) is None
+    assert allreduce.set_up("nccl", None, torch.device("cuda", 0), torch.bfloat16) is None
+    with pytest.raises(ValueError, match="all_reduce must be one of auto, nccl, one-shot"):
+        allreduce.set_up("ring", None, torch.device("cpu"), torch.float32)
+    assert allreduce._cannot(torch.float16) == "its kernel sums bfloat16 and float32, not " \
+                                               "torch.float16"

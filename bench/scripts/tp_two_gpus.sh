@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Tensor parallelism on two GPUs (issue 43), each part bounded by a timeout, logs under $OUT:
 #   tests     the gpu-marked TP tests (fp32 TP 2 tokens equal TP 1's and Hugging Face's)
-#   allreduce NCCL all-reduce latency, eager and in a CUDA graph, 8 KiB to 1 MiB
+#   allreduce NCCL and one-shot all-reduce latency side by side, eager and in a CUDA graph,
+#             8 KiB to 1 MiB
+#   8b-ar     random:llama-3.1-8b bf16 at TP 2, --all-reduce nccl then one-shot: batch-1
+#             decode and 128-sequence decode
 #   8b        random:llama-3.1-8b bf16 at TP 1 and TP 2: batch-1 decode, 8 x 4,096 prefill,
 #             128-sequence decode (bench.engine_gpu)
 #   70b       random:llama-3.1-70b at TP 2 (bf16 on cards of >= 100 GB, else fp8 weights):
@@ -18,7 +21,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off (the le
 parts=",${1:-tests,allreduce,8b},"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpus.csv"
 if [[ $parts == *,tests,* ]]; then
-  PYTHONUNBUFFERED=1 timeout 240 python -m pytest -q -p no:cacheprovider -rs tests/test_gpu_tp.py \
+  PYTHONUNBUFFERED=1 timeout 420 python -m pytest -q -p no:cacheprovider -rs tests/test_gpu_tp.py \
     > "$OUT/tests.log" 2>&1; echo "tests: $?"
 fi
 if [[ $parts == *,allreduce,* ]]; then
@@ -30,6 +33,13 @@ if [[ $parts == *,8b,* ]]; then
     timeout 300 python -m bench.engine_gpu --only decode1,prefill,decode128 \
       --tensor-parallel-size $tp --json "$OUT/8b-tp$tp.json" > "$OUT/8b-tp$tp.log" 2>&1
     echo "8b tp$tp: $?"
+  done
+fi
+if [[ $parts == *,8b-ar,* ]]; then
+  for ar in nccl one-shot; do
+    timeout 300 python -m bench.engine_gpu --only decode1,decode128 --tensor-parallel-size 2 \
+      --all-reduce $ar --json "$OUT/8b-tp2-$ar.json" > "$OUT/8b-tp2-$ar.log" 2>&1
+    echo "8b tp2 $ar: $?"
   done
 fi
 if [[ $parts == *,70b,* ]]; then

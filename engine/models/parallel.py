@@ -23,8 +23,8 @@ collective is a no-op.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,20 +38,39 @@ COLUMN_PARTS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate"
                 "up_proj": "up"}
 
 
+class SmallAllReduce:
+    """The all-reduce a rank uses for the messages it fits (engine/tp/allreduce.py's one-shot
+    over symmetric memory), installed once the group is joined: a holder, so the modules
+    built before the join (each keeps the TensorParallel it was built with) see it."""
+
+    def __init__(self):
+        self.fits: Callable[[torch.Tensor], bool] = lambda x: False
+        self.run: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def install(self, op) -> None:
+        """op: an OneShotAllReduce (fits, __call__), or None for NCCL alone."""
+        self.fits, self.run = (op.fits, op) if op is not None else (lambda x: False, None)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's rank among `size`; `group` is the torch.distributed process group the
-    collectives run in (None: the default one, which engine/tp/group.py joins)."""
+    collectives run in (None: the default one, which engine/tp/group.py joins); `small` the
+    all-reduce of small messages, when one is set up."""
 
     size: int = 1
     rank: int = 0
     group: Any = None
+    small: SmallAllReduce = field(default_factory=SmallAllReduce, compare=False, repr=False)
 
     # ---- collectives ------------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place (a row-parallel projection's partial products)."""
+        """Sum x over the ranks (a row-parallel projection's partial products): the sum is
+        returned, in x itself (NCCL) or in a new tensor (the one-shot all-reduce)."""
         if self.size > 1:
+            if self.small.fits(x):
+                return self.small.run(x)
             dist.all_reduce(x, group=self.group)
         return x
 

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model_runner import rank_device
+from engine.models.parallel import TensorParallel
+from engine.tp import allreduce
 
 
 def free_port() -> int:
@@ -21,12 +23,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join(config: EngineConfig, rank: int, init_method: str) -> None:
+def join(config: EngineConfig, rank: int, init_method: str, tp: TensorParallel,
+         dtype: torch.dtype) -> None:
     """Join the group of config.tensor_parallel_size ranks as `rank`: NCCL when the engine is
     on CUDA (each rank's GPU made current first), gloo on the CPU. Every collective of the
     group, this one included, fails after config.tensor_parallel_timeout_s instead of
     hanging on a rank that stopped. One all-reduce follows, so the communicator exists
-    before any CUDA graph is captured (a capture cannot create it)."""
+    before any CUDA graph is captured (a capture cannot create it); then the all-reduce of
+    small messages (config.all_reduce, engine/tp/allreduce.py) is set up into `tp`, whose
+    messages are `dtype`."""
     size = config.tensor_parallel_size
     device = rank_device(config.device, rank)
     cuda = device.type == "cuda"
@@ -40,6 +45,7 @@ def join(config: EngineConfig, rank: int, init_method: str) -> None:
         **({"device_id": device} if cuda else {}),
     )  # fmt: skip
     dist.all_reduce(torch.ones(1, device=device))
+    tp.small.install(allreduce.set_up(config.all_reduce, tp.group, device, dtype))
 
 
 def die_with_parent() -> None:
