@@ -68,13 +68,43 @@ def greedy(max_tokens: int, lora_name: str | None = None) -> SamplingParams:
                           lora_name=lora_name)
 
 
-def decode1(core: EngineCore, vocab: int, lora_name: str | None) -> float:
-    core.add_request("d1", prompts(1, 1024, vocab, 1)[0], greedy(257, lora_name))
+def decode1(core: EngineCore, vocab: int, lora_name: str | None, profile: bool = False
+            ) -> float:
+    core.add_request("d1", prompts(1, 1024, vocab, 1)[0], greedy(300, lora_name))
     while core.requests.get("d1").seq.num_computed_tokens < 1030:
         core.step()
     ms, _ = steady_step_ms(core, 200, lambda: "d1" in core.requests)
+    if profile:
+        print(f"kernels per step, {lora_name or 'base'}:", flush=True)
+        print(kernel_table(core, 20), flush=True)
     drain(core)
     return ms
+
+
+def kernel_table(core: EngineCore, steps: int) -> str:
+    """The GPU kernels of `steps` steps (CUDA graph replays included), per step: name, count,
+    total microseconds, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return "(no GPU: no kernels to list)"
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        _sync()
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            name = e.name[:70]
+            n, us = rows.get(name, (0, 0.0))
+            rows[name] = (n + 1, us + e.device_time)
+    lines = [f"{'kernel':70} {'n/step':>7} {'us/step':>9}"]
+    for name, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:20]:
+        lines.append(f"{name:70} {n / steps:7.1f} {us / steps:9.1f}")
+    total = sum(us for _, us in rows.values()) / steps
+    lines.append(f"{'all':70} {'':7} {total:9.1f}")
+    return "\n".join(lines)
 
 
 def throughput(core: EngineCore, vocab: int, names: list[str | None], seed: int = 7) -> dict:
@@ -150,6 +180,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--only", default="decode1,throughput,load")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this module")
+    ap.add_argument("--profile", action="store_true",
+                    help="decode1: print each engine's kernels per step (torch.profiler)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model_dir = str(resolve_model(args.model))
@@ -172,7 +204,8 @@ def main() -> None:
                "max_loras": lora.config.max_loras}
     print(json.dumps(results), flush=True)
     if "decode1" in wanted:
-        b, a = decode1(base, vocab, None), decode1(lora, vocab, names[0])
+        b = decode1(base, vocab, None, args.profile)
+        a = decode1(lora, vocab, names[0], args.profile)
         results["decode1"] = {"base_tpot_ms": b, "lora_tpot_ms": a, "ratio": a / b}
         print("decode1", json.dumps(results["decode1"]), flush=True)
     if "throughput" in wanted:

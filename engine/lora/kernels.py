@@ -15,8 +15,10 @@ where s(n) is the slice (q, k, v of a fused qkv) that output column n belongs to
 sized from the token count alone (tiles can be at most min(T, T/BLOCK_M + slots)), so a CUDA
 graph captures it; tiles past the step's are empty and return at once. Splitting K across
 programs keeps batch-1 decode's shrink (one tile) spread over the GPU; the expand sums the
-splits, so there are no atomics and no buffer to zero: two launches per projection. Both
-launch with PDL where the engine's kernels do (engine/kernels/pdl.py), waiting first.
+splits, so there are no atomics and no buffer to zero: two launches per projection. With the
+RMS norm fused in (batch-1 decode), the norm is a scalar per row and commutes with the shrink:
+each split multiplies x by the norm weight and adds up its own columns' squares, and the
+expand scales the summed h by 1/rms. Both launch with PDL where the engine's kernels do (engine/kernels/pdl.py), waiting first.
 """
 
 from __future__ import annotations
@@ -26,12 +28,22 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl as _pdl
-from engine.lora.tiles import TILE_ROWS
+from engine.lora.tiles import BGMV_MAX_TOKENS, TILE_ROWS
 
 BLOCK_M = TILE_ROWS  # tokens per tile: the host's tile table is cut to this
 _BLOCK_K = 64
 _BLOCK_N = 64
 _TARGET_PROGRAMS = 128  # shrink programs to aim for: about one wave on an H100
+# The most programs one tile's K is split over. Each split is one more load in every expand
+# program's (unrolled) sum; with 16-56 splits and a loop that waited on each load in turn,
+# and a pass over the whole row for the RMS norm before the shrink's own loop, batch-1
+# decode with an adapter took 8.09 ms against 4.88 (H200, 2026-11-27).
+_MAX_SPLITS = 8
+# Steps of at most BGMV_MAX_TOKENS tokens (decode) take the BGMV kernels: a program per token
+# and split (shrink) or column block (expand), vector multiply-adds; K split into _BGMV_SPLITS.
+_BGMV_SPLITS = 16
+_BGMV_BLOCK_K = 128
+_BGMV_BLOCK_N = 128
 
 
 @triton.jit
@@ -52,11 +64,14 @@ def _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M: tl.constexpr, PDL: tl.constex
 
 @triton.jit
 def _shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, rows_ptr, tiles_ptr, max_tiles,
-                   norm_ptr, eps, K, N, k_per_split, part_split_stride,
+                   norm_ptr, K, N, P, k_per_split, part_split_stride,
                    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """MODE 0: x as given; 1: x is the residual stream, RMS-normed here (batch-1 decode's
-    fused norm); 2: x is [gate | up], SiLU(gate) * up taken here (the down projection's)."""
+                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """MODE 0: x as given; 1: x is the residual stream, to be RMS-normed (batch-1 decode's
+    fused norm): the program multiplies x * norm weight and adds up its columns' squares
+    into part's column N, and the expand scales by 1/rms once every split's squares are in
+    (no pass over the whole row first); 2: x is [gate | up], SiLU(gate) * up taken here (the
+    down projection's). part's rows are P wide (N, or N + 1 for the squares)."""
     length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M, PDL)
     if length == 0:
         return
@@ -65,15 +80,8 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, rows_ptr, tiles_ptr, max_ti
     n_mask = n < N
     x_rows = x_ptr + rows[:, None] * x_stride
     a_base = a_ptr + slot.to(tl.int64) * N * K
-    if MODE == 1:
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K),
-                        other=0.0).to(tl.float32)
-            squares += tl.sum(v * v, axis=1)
-        inv_rms = 1.0 / tl.sqrt(squares / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for kk in range(0, k_per_split, BLOCK_K):
         k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
         mask = m_mask[:, None] & (k[None, :] < K)
@@ -84,21 +92,25 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, rows_ptr, tiles_ptr, max_ti
         else:
             v = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
             if MODE == 1:
+                f = v.to(tl.float32)
+                squares += tl.sum(f * f, axis=1)
                 w = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                v = (v.to(tl.float32) * inv_rms[:, None]).to(x_ptr.dtype.element_ty)
-                v = (v.to(tl.float32) * w[None, :]).to(a_ptr.dtype.element_ty)
+                v = (f * w[None, :]).to(a_ptr.dtype.element_ty)
         a = tl.load(a_base + n[None, :] * K + k[:, None],
                     mask=n_mask[None, :] & (k[:, None] < K), other=0.0)
-        acc += tl.dot(v, a)
-    out = part_ptr + split * part_split_stride + rows[:, None] * N + n[None, :]
-    tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.dot(v, a, input_precision=DOT_PRECISION)
+    out = part_ptr + split * part_split_stride + rows[:, None] * P
+    tl.store(out + n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+    if MODE == 1:
+        tl.store(out + N, squares[:, None], mask=m_mask[:, None])
 
 
 @triton.jit
 def _expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, rows_ptr, tiles_ptr, max_tiles,
-                   R, N_shrunk, N_out, splits, part_split_stride, bound1, bound2,
-                   SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                   R, N_shrunk, P, N_out, part_split_stride, bound1, bound2, K, eps,
+                   SLICES: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M, PDL)
     if length == 0:
         return
@@ -108,22 +120,114 @@ def _expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, rows_ptr, tiles_ptr, ma
     r_mask = r < R
     b = tl.load(b_ptr + slot.to(tl.int64) * R * N_out + r[:, None] * N_out + n[None, :],
                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    part_rows = part_ptr + rows[:, None] * P
+    if NORM:  # every split's squares of the row: its RMS
+        squares = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):  # unrolled: the loads go out together
+            squares += tl.load(part_rows + sp * part_split_stride + N_shrunk,
+                               mask=m_mask[:, None], other=0.0)
+        inv_rms = 1.0 / tl.sqrt(squares / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(SLICES):
         # the columns of slice s: [bound_s, bound_s+1); B's other columns are zeroed for it
         lo = 0 if s == 0 else (bound1 if s == 1 else bound2)
         hi = N_out if s == SLICES - 1 else (bound1 if s == 0 else bound2)
         h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for sp in range(splits):
-            h += tl.load(part_ptr + sp * part_split_stride + rows[:, None] * N_shrunk
-                         + s * R + r[None, :], mask=m_mask[:, None] & r_mask[None, :],
-                         other=0.0)
+        for sp in tl.static_range(SPLITS):
+            h += tl.load(part_rows + sp * part_split_stride + s * R + r[None, :],
+                         mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        if NORM:
+            h = h * inv_rms
         in_slice = (n >= lo) & (n < hi)
-        acc += tl.dot(h.to(b.dtype), tl.where(in_slice[None, :], b, 0.0).to(b.dtype))
+        acc += tl.dot(h.to(b.dtype), tl.where(in_slice[None, :], b, 0.0).to(b.dtype),
+                      input_precision=DOT_PRECISION)
     out = out_ptr + rows[:, None] * out_stride + n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bgmv_shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, slots_ptr, norm_ptr, K, N, P,
+                        k_per_split, part_split_stride, MODE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One token's shrink over one split of K (grid: tokens x splits), for steps of few
+    tokens (decode): plain multiply-adds on vectors, no tiles, no tensor-core dot padded to
+    32 rows. The modes are the segmented shrink's."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    split = tl.program_id(1)
+    n = tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    x_row = x_ptr + t.to(tl.int64) * x_stride
+    a_base = a_ptr + slot.to(tl.int64) * N * K
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        if MODE == 2:
+            gate = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_row + K + k, mask=k_mask, other=0.0).to(tl.float32)
+            v = gate * tl.sigmoid(gate) * up
+        else:
+            v = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+            if MODE == 1:
+                squares += v * v
+                v = v * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        a = tl.load(a_base + n[:, None] * K + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        acc += tl.sum(a.to(tl.float32) * v[None, :], axis=1)
+    out = part_ptr + split * part_split_stride + t * P
+    tl.store(out + n, acc, mask=n_mask)
+    if MODE == 1:
+        tl.store(out + N, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _bgmv_expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, slots_ptr, R, N_shrunk, P, N_out,
+                        part_split_stride, bound1, bound2, K, eps, SLICES: tl.constexpr,
+                        SPLITS: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """One token's expand into BLOCK_N output columns (grid: tokens x column blocks)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N_out
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < R
+    b = tl.load(b_ptr + slot.to(tl.int64) * R * N_out + r[:, None] * N_out + n[None, :],
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+    part_row = part_ptr + t * P
+    scale = 1.0
+    if NORM:
+        squares = 0.0
+        for sp in tl.static_range(SPLITS):
+            squares += tl.load(part_row + sp * part_split_stride + N_shrunk)
+        scale = 1.0 / tl.sqrt(squares / K + eps)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SLICES):
+        lo = 0 if s == 0 else (bound1 if s == 1 else bound2)
+        hi = N_out if s == SLICES - 1 else (bound1 if s == 0 else bound2)
+        h = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):
+            h += tl.load(part_row + sp * part_split_stride + s * R + r, mask=r_mask, other=0.0)
+        h = h * scale
+        in_slice = (n >= lo) & (n < hi)
+        acc += tl.sum(tl.where(in_slice[None, :], b, 0.0) * h[:, None], axis=0)
+    out = out_ptr + t.to(tl.int64) * out_stride + n
+    y = tl.load(out, mask=n_mask, other=0.0).to(tl.float32) + acc
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def max_tiles(tokens: int, slots: int) -> int:
@@ -133,8 +237,11 @@ def max_tiles(tokens: int, slots: int) -> int:
 
 def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        rows: torch.Tensor, tiles: torch.Tensor, bounds: list[int],
-                       mode: int = 0, norm: tuple[torch.Tensor, float] | None = None) -> None:
-    """out[row] += the delta of row's slot for every row in the tile table.
+                       mode: int = 0, norm: tuple[torch.Tensor, float] | None = None,
+                       slots: torch.Tensor | None = None) -> None:
+    """out[row] += the delta of row's slot for every row in the tile table; or, for a step
+    of at most BGMV_MAX_TOKENS tokens with `slots` (each token's slot, -1 for the base, on
+    the device), per token by the BGMV kernels.
 
     Args:
         x: [T, K] (mode 2: [T, 2K]); out: [T, N_out], its rows contiguous.
@@ -144,22 +251,54 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
         norm: (weight [K], eps) with mode 1.
     """
     t = x.shape[0]
+    if slots is not None and t <= BGMV_MAX_TOKENS:
+        _bgmv(x, out, a, b, slots, bounds, mode, norm)
+        return
     slots, n_shrunk, k = a.shape
     r, n_out = b.shape[1], b.shape[2]
     grid_tiles = max_tiles(t, slots)
-    splits = max(1, min(_TARGET_PROGRAMS // grid_tiles, -(-k // 256)))
+    # K split over programs so a one-tile step's shrink spreads over the GPU, at most
+    # _MAX_SPLITS: the expand adds the splits up in an unrolled loop
+    splits = max(1, min(_MAX_SPLITS, _TARGET_PROGRAMS // grid_tiles, -(-k // 256)))
     k_per_split = -(-(-(-k // splits)) // _BLOCK_K) * _BLOCK_K
     splits = -(-k // k_per_split)
-    part = torch.empty(splits, t, n_shrunk, dtype=torch.float32, device=x.device)
+    width = n_shrunk + (mode == 1)  # a part row: the shrunk values (and the squares)
+    part = torch.empty(splits, t, width, dtype=torch.float32, device=x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)
     pdl = _pdl.use_pdl(x)
+    # float32 slots (a float32 engine) multiply in full precision, not TF32
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _shrink_kernel[(grid_tiles, splits)](
-        x, x.stride(0), a, part, rows, tiles, tiles.shape[1], norm_weight, eps, k, n_shrunk,
+        x, x.stride(0), a, part, rows, tiles, tiles.shape[1], norm_weight, k, n_shrunk, width,
         k_per_split, part.stride(0), MODE=mode, BLOCK_M=BLOCK_M,
-        BLOCK_N=max(16, triton.next_power_of_2(n_shrunk)), BLOCK_K=_BLOCK_K, PDL=pdl,
+        BLOCK_N=max(16, triton.next_power_of_2(n_shrunk)), BLOCK_K=_BLOCK_K, DOT_PRECISION=precision, PDL=pdl,
         **_pdl.launch_options(pdl))
     b1, b2 = (list(bounds) + [n_out, n_out])[:2]
     _expand_kernel[(grid_tiles, triton.cdiv(n_out, _BLOCK_N))](
-        part, b, out, out.stride(0), rows, tiles, tiles.shape[1], r, n_shrunk, n_out, splits,
-        part.stride(0), b1, b2, SLICES=len(bounds) + 1, BLOCK_M=BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_R=max(16, triton.next_power_of_2(r)), PDL=pdl, **_pdl.launch_options(pdl))
+        part, b, out, out.stride(0), rows, tiles, tiles.shape[1], r, n_shrunk, width, n_out,
+        part.stride(0), b1, b2, k, eps, SLICES=len(bounds) + 1, SPLITS=splits,
+        NORM=mode == 1, BLOCK_M=BLOCK_M, BLOCK_N=_BLOCK_N,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), DOT_PRECISION=precision, PDL=pdl, **_pdl.launch_options(pdl))
+
+
+def _bgmv(x, out, a, b, slots, bounds, mode, norm) -> None:
+    t = x.shape[0]
+    _, n_shrunk, k = a.shape
+    r, n_out = b.shape[1], b.shape[2]
+    splits = max(1, min(_BGMV_SPLITS, -(-k // _BGMV_BLOCK_K)))
+    k_per_split = -(-(-(-k // splits)) // _BGMV_BLOCK_K) * _BGMV_BLOCK_K
+    splits = -(-k // k_per_split)
+    width = n_shrunk + (mode == 1)
+    part = torch.empty(splits, t, width, dtype=torch.float32, device=x.device)
+    norm_weight, eps = norm if norm is not None else (x, 0.0)
+    pdl = _pdl.use_pdl(x)
+    _bgmv_shrink_kernel[(t, splits)](
+        x, x.stride(0), a, part, slots, norm_weight, k, n_shrunk, width, k_per_split,
+        part.stride(0), MODE=mode, BLOCK_N=max(16, triton.next_power_of_2(n_shrunk)),
+        BLOCK_K=_BGMV_BLOCK_K, PDL=pdl, **_pdl.launch_options(pdl))
+    b1, b2 = (list(bounds) + [n_out, n_out])[:2]
+    _bgmv_expand_kernel[(t, triton.cdiv(n_out, _BGMV_BLOCK_N))](
+        part, b, out, out.stride(0), slots, r, n_shrunk, width, n_out, part.stride(0), b1, b2,
+        k, eps, SLICES=len(bounds) + 1, SPLITS=splits, NORM=mode == 1,
+        BLOCK_N=_BGMV_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r)), PDL=pdl,
+        **_pdl.launch_options(pdl))

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.lora.adapter import TARGET_MODULES, AdapterWeights, module_shapes
-from engine.lora.tiles import TILE_ROWS
+from engine.lora.tiles import BGMV_MAX_TOKENS, TILE_ROWS
 from engine.models.parallel import TensorParallel
 from microserve.model_config import ModelConfig
 
@@ -41,7 +41,9 @@ class LoraBatch:
 
     Written by `set_slots` before each forward (the runner's): `groups` (slot -> token
     indices) for the torch path, and the Triton kernels' tile table in static device buffers
-    (`rows` [max_tokens], `tiles` [3, max tiles]) sized for the largest step or graph bucket.
+    (`rows` [max_tokens], `tiles` [3, max tiles]) sized for the largest step or graph bucket,
+    with each token's slot (`slots` [BGMV_MAX_TOKENS], -1 past the step's tokens) for the BGMV
+    kernels of few-token steps. The tiles and the slots go over in one copy.
     """
 
     def __init__(self, max_loras: int, max_tokens: int, device: torch.device):
@@ -55,8 +57,14 @@ class LoraBatch:
         self.groups: list[tuple[int, torch.Tensor]] = []  # set by set_slots
         self.rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.max_tiles = -(-max_tokens // TILE_ROWS) + max_loras
-        self.tiles = torch.zeros(3, self.max_tiles, dtype=torch.int32, device=device)
-        self._tiles_empty = True  # what `tiles` holds on the device; set by set_slots
+        # [tiles (3 x max_tiles) | slots (BGMV_MAX_TOKENS)]: no tile, every token the base
+        table = torch.zeros(3 * self.max_tiles + BGMV_MAX_TOKENS, dtype=torch.int32)
+        table[3 * self.max_tiles:] = -1
+        table = table.to(device)
+        self.tiles = table[: 3 * self.max_tiles].view(3, self.max_tiles)
+        self.slots = table[3 * self.max_tiles:]
+        self._table = table
+        self._tiles_empty = True  # what `tiles` and `slots` hold on the device; set_slots
         # the last slot write's copies (CUDA), which the next forward waits for; set by
         # LoraModel.write_slot, cleared by set_slots
         self.copied: torch.cuda.Event | None = None
@@ -93,9 +101,11 @@ class LoraBatch:
                 tile_slots.append(slot)
             rows += tokens
         pad = self.max_tiles - len(starts)  # empty tiles: the grid's rest returns at once
-        table = [starts + [0] * pad, lengths + [0] * pad, tile_slots + [0] * pad]
+        few = list(slots) if len(slots) <= BGMV_MAX_TOKENS else []
+        table = (starts + [0] * pad + lengths + [0] * pad + tile_slots + [0] * pad
+                 + few + [-1] * (BGMV_MAX_TOKENS - len(few)))
         if self.active or not self._tiles_empty:  # a base-only step after another: no copy
-            self.tiles.copy_(_to_device(table, self.device))
+            self._table.copy_(_to_device(table, self.device))
             if rows:
                 self.rows[: len(rows)].copy_(_to_device(rows, self.device))
         self._tiles_empty = not self.active
@@ -147,7 +157,7 @@ class LoraLinear(nn.Module):
 
             mode = 1 if norm is not None else 2 if gated else 0
             lora_shrink_expand(x, out, self.a, self.b, batch.rows, batch.tiles,
-                               self.offsets[1:-1], mode, norm)
+                               self.offsets[1:-1], mode, norm, batch.slots)
             return
         for slot, rows in batch.groups:
             self._add_group(_input(x[rows], norm, gated), out, slot, rows)
