@@ -104,6 +104,11 @@ def test_batch1_gemv_layer_adds_the_adapters_delta(tiny_model_dir):
     for got, want in zip(gemv, batched):  # the MLP's output, and the residual stream
         assert (got - want).abs().max() < tolerance
     assert (batched[0] - base).abs().max() > 10 * tolerance, "the adapter changed nothing"
+    # a base token in a CUDA graph that holds the kernels (slot -1 in the table): nothing added
+    with lora.batch.capturing():
+        for one_row in (True, False):
+            got = forward(one_row, -1)[0]
+            assert (got - base).abs().max() < tolerance
 
 
 def _masked_delta(x, a, b, offsets, slots, rank):

@@ -112,27 +112,14 @@ def _input_tile(x_ptr, r_ptr, g_ptr, inv_rms, c, K, GATED: tl.constexpr, NORM: t
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, N, K, stride_wn,
-    r_ptr, res_out_ptr, g_ptr, eps, ws_ptr,
-    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SCALED: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-):  # fmt: skip
-    """out[n] = sum_k w[n, k] * x[k] for this program's BLOCK_N rows n (x: see _input_tile);
-    SCALED: times ws[n] (fp8 weights and their per-row scales).
-
-    NORM first walks the row once for its sum of squares (from L2: every program reads the
-    same row); with HAS_RES program 0 also writes the summed residual to res_out.
-    """
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
-    row_ok = rows < N
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+def _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps,
+              GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+              PDL: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """sum_k w[row, k] * x[k] for the program's rows (fp32), x as `_input_tile` forms it."""
     # the first tile is peeled: its weights do not depend on the kernel before, so under PDL
     # they are in flight before the wait for that kernel's output (x)
-    w = _weight_tile(w_ptrs, 0, row_ok, cols, K, EVEN_N and EVEN_K)
+    w = _weight_tile(w_ptrs, 0, row_ok, cols, K, EVEN)
     if PDL:
         tl.extra.cuda.gdc_wait()
         # once every program has started, the next kernel may launch: its programs fill the
@@ -152,10 +139,51 @@ def _gemv_kernel(
     acc = w.to(tl.float32) * _input_tile(x_ptr, r_ptr, g_ptr, inv_rms, cols, K, GATED, NORM,
                                          HAS_RES, EVEN_K)[None, :]  # fmt: skip
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        w = _weight_tile(w_ptrs, k0, row_ok, cols, K, EVEN_N and EVEN_K)
+        w = _weight_tile(w_ptrs, k0, row_ok, cols, K, EVEN)
         acc += w.to(tl.float32) * _input_tile(x_ptr, r_ptr, g_ptr, inv_rms, k0 + cols, K, GATED,
                                               NORM, HAS_RES, EVEN_K)[None, :]  # fmt: skip
-    y = tl.sum(acc, 1)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, N, K, stride_wn,
+    r_ptr, res_out_ptr, g_ptr, eps, ws_ptr,
+    a_ptr, part_ptr, slot_ptr, NA, base_programs,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SCALED: tl.constexpr,
+    LORA: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """out[n] = sum_k w[n, k] * x[k] for this program's BLOCK_N rows n (x: see _input_tile);
+    SCALED: times ws[n] (fp8 weights and their per-row scales).
+
+    NORM first walks the row once for its sum of squares (from L2: every program reads the
+    same row); with HAS_RES program 0 also writes the summed residual to res_out.
+
+    LORA: the programs past `base_programs` multiply the same input by the NA rows of the
+    token's LoRA slot (a [slots, NA, K], the slot at slot_ptr, -1: none) into part [NA] in
+    float32: the adapter's shrink, for the price of a few more rows of the projection.
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_K)
+    if LORA:
+        if pid >= base_programs:
+            slot = tl.load(slot_ptr)  # the host's copy, complete before the step's kernels
+            if slot < 0:
+                return
+            rows = (pid - base_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < NA
+            w_ptrs = (a_ptr + (slot.to(tl.int64) * NA + rows)[:, None] * K + cols[None, :])
+            y = _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps,
+                          GATED, NORM, HAS_RES, PDL, BLOCK_K, False, EVEN_K)
+            tl.store(part_ptr + rows, y, mask=row_ok)
+            return
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    y = _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps, GATED, NORM,
+                  HAS_RES, PDL, BLOCK_K, EVEN_N and EVEN_K, EVEN_K)
     if SCALED:
         y *= tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
     y = y.to(out_ptr.dtype.element_ty)
@@ -172,6 +200,7 @@ def gemv(
     gated: bool = False,
     config: GemvConfig | None = None,
     scale: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight)` for one row x (fp8 weights: `F.linear(x, weight * scale[:, None])`).
 
@@ -182,6 +211,8 @@ def gemv(
         gated: the input is silu(gate) * up (the MLP's down projection).
         config: launch parameters; default `gemv_config(N, K, fp8=scale is not None)`.
         scale: [N] float32, the fp8 weight's per-row scales (engine/models/fp8.py).
+        lora: (a [slots, NA, K] in x's dtype, part [NA] float32, slot [1] int32): part =
+            a[slot] @ x as well, the LoRA shrink (nothing when slot is -1).
     Returns:
         out.
     """
@@ -192,7 +223,7 @@ def gemv(
     _check(x, weight, scale)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, config, scale, gated=gated)
+    _launch(x, weight, out, config, scale, gated=gated, lora=lora)
     return out
 
 
@@ -204,6 +235,7 @@ def rms_norm_gemv(
     weight: torch.Tensor,
     config: GemvConfig | None = None,
     scale: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layer's `norm(x, residual)` then `F.linear(normed, weight)`, for one row, in
     one kernel (the RMSNorm kernel before a batch-1 projection costs more in launch and latency
@@ -213,6 +245,7 @@ def rms_norm_gemv(
         x: [1, K] contiguous; residual: [1, K] or None (the first layer: x is the residual).
         norm_weight: [K]; eps: the norm's epsilon.
         weight: [N, K], x's dtype (or float8_e4m3fn with `scale`, as for `gemv`).
+        lora: as for `gemv`: the shrink of the normed input.
     Returns:
         (out [1, N], the residual stream x + residual: a new tensor, or x when residual is
         None).
@@ -226,7 +259,8 @@ def rms_norm_gemv(
     _check(x, weight, scale)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = x if residual is None else torch.empty_like(x)
-    _launch(x, weight, out, config, scale, norm=(residual, res_out, norm_weight, eps))
+    _launch(x, weight, out, config, scale, norm=(residual, res_out, norm_weight, eps),
+            lora=lora)
     return out, res_out
 
 
@@ -242,17 +276,25 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) ->
                          f"{weight.dtype}, scale {scale.dtype} {tuple(scale.shape)}")
 
 
-def _launch(x, weight, out, config, scale, gated: bool = False, norm=None) -> None:
+def _launch(x, weight, out, config, scale, gated: bool = False, norm=None, lora=None) -> None:
     n, k = weight.shape
     config = config or gemv_config(n, k, fp8=scale is not None)
     residual, res_out, norm_weight, eps = norm or (None, x, x, 0.0)
     pdl = _pdl.use_pdl(x)
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+    base_programs = triton.cdiv(n, config.block_n)
+    a, part, slot = lora or (x, out, out)
+    na = a.shape[1] if lora is not None else 0
+    if lora is not None and (a.dim() != 3 or a.shape[2] != k or a.dtype != x.dtype
+                             or part.shape != (na,) or part.dtype != torch.float32):
+        raise ValueError(f"lora: a must be [slots, NA, {k}] in {x.dtype} and part [NA] "
+                         f"float32; got a {a.dtype} {tuple(a.shape)}, part {part.dtype} "
+                         f"{tuple(part.shape)}")
+    _gemv_kernel[(base_programs + triton.cdiv(na, config.block_n),)](
         x, weight, out, n, k, weight.stride(0),
         x if residual is None else residual, res_out, norm_weight, eps,
-        out if scale is None else scale,
+        out if scale is None else scale, a, part, slot, na, base_programs,
         GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
-        SCALED=scale is not None, PDL=pdl,
+        SCALED=scale is not None, LORA=lora is not None, PDL=pdl,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_options(pdl),

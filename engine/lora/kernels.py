@@ -194,10 +194,10 @@ def _bgmv_expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, slots_ptr, R, N_sh
                         part_split_stride, bound1, bound2, K, eps, SLICES: tl.constexpr,
                         SPLITS: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """One token's expand into BLOCK_N output columns (grid: tokens x column blocks)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    """One token's expand into BLOCK_N output columns (grid: tokens x column blocks). The
+    slot and the B tile are loaded before the PDL wait: neither is written by the kernel
+    before (the slots by the host's copy, B by a slot write the step waited for), so their
+    latency hides behind that kernel's last programs; part and out are read after it."""
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
@@ -208,6 +208,9 @@ def _bgmv_expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, slots_ptr, R, N_sh
     r_mask = r < R
     b = tl.load(b_ptr + slot.to(tl.int64) * R * N_out + r[:, None] * N_out + n[None, :],
                 mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     part_row = part_ptr + t * P
     scale = 1.0
     if NORM:
@@ -302,3 +305,16 @@ def _bgmv(x, out, a, b, slots, bounds, mode, norm) -> None:
         k, eps, SLICES=len(bounds) + 1, SPLITS=splits, NORM=mode == 1,
         BLOCK_N=_BGMV_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r)), PDL=pdl,
         **_pdl.launch_options(pdl))
+
+
+def lora_expand_one_row(part: torch.Tensor, out: torch.Tensor, b: torch.Tensor,
+                        slots: torch.Tensor, bounds: list[int]) -> None:
+    """out[0] += part @ b[slot] per slice, for batch-1 decode whose GEMV computed the shrink
+    (part [S*R] float32, engine/kernels/gemv.py's `lora`); nothing when slots[0] is -1."""
+    r, n_out = b.shape[1], b.shape[2]
+    pdl = _pdl.use_pdl(out)
+    b1, b2 = (list(bounds) + [n_out, n_out])[:2]
+    _bgmv_expand_kernel[(1, triton.cdiv(n_out, _BGMV_BLOCK_N))](
+        part, b, out, out.stride(0), slots, r, part.shape[0], part.shape[0], n_out, 0, b1, b2,
+        1, 0.0, SLICES=len(bounds) + 1, SPLITS=1, NORM=False, BLOCK_N=_BGMV_BLOCK_N,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), PDL=pdl, **_pdl.launch_options(pdl))

@@ -162,6 +162,21 @@ class LoraLinear(nn.Module):
         for slot, rows in batch.groups:
             self._add_group(_input(x[rows], norm, gated), out, slot, rows)
 
+    def one_row_shrink(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For batch-1 decode on the Triton path, when this step may use an adapter: (a,
+        part, slots) for the projection's GEMV to compute the shrink in as extra rows
+        (engine/kernels/gemv.py), then `one_row_expand`; None otherwise."""
+        batch = self.batch
+        if not batch.use_triton or not (batch.active or batch.launch_always):
+            return None
+        part = torch.empty(self.a.shape[1], dtype=torch.float32, device=self.a.device)
+        return self.a, part, batch.slots
+
+    def one_row_expand(self, shrink: tuple, out: torch.Tensor) -> None:
+        from engine.lora.kernels import lora_expand_one_row
+
+        lora_expand_one_row(shrink[1], out, self.b, shrink[2], self.offsets[1:-1])
+
     def _add_group(self, x: torch.Tensor, out: torch.Tensor, slot: int, rows: torch.Tensor):
         shrunk = x @ self.a[slot].t()  # [n, S*R]
         r = self.rank
