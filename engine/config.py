@@ -137,7 +137,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
     # How the ranks sum a layer's partial products (engine/tp/allreduce.py): "nccl", or
-    # "one-shot" over symmetric memory for messages up to 1 MiB (NCCL above), or "auto":
+    # "one-shot" over symmetric memory for messages up to 512 KiB (NCCL above), or "auto":
     # one-shot where it can be set up.
     all_reduce: str = "auto"
     # A request sent to this engine's own /v1 that no step has started on within this long

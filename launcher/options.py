@@ -78,7 +78,7 @@ def engine_options(p: argparse.ArgumentParser) -> None:
                         "two all-reduces per layer (docs/engine.md)")
     _config_option(p, "--all-reduce", choices=("auto", "nccl", "one-shot"),
                    help="how a tensor-parallel engine's ranks sum partial products: one-shot "
-                        "over symmetric memory for messages up to 1 MiB (decode), NCCL above; "
+                        "over symmetric memory for messages up to 512 KiB (decode), NCCL above; "
                         "nccl for all; auto: one-shot where it can be set up")
     _config_option(p, "--tensor-parallel-timeout-s", type=float, metavar="SECONDS",
                    help="a collective that waits longer on a rank fails the engine instead "

@@ -13,7 +13,8 @@ order, so the ranks hold bit-identical results, as they must. It needs no NVLink
 
 Which is used when (`--all-reduce`, EngineConfig.all_reduce):
 - `nccl`: NCCL through torch.distributed for every message;
-- `one-shot`: messages up to ONE_SHOT_MAX_BYTES one-shot, larger ones (prefill chunks) NCCL;
+- `one-shot`: messages up to ONE_SHOT_MAX_BYTES (512 KiB) one-shot, larger ones (large
+  decode batches, prefill chunks) NCCL;
   the engine fails to start if symmetric memory cannot be set up;
 - `auto` (default): `one-shot` where it can be set up (CUDA, torch built with symmetric
   memory), else `nccl` with a warning saying why.
@@ -31,9 +32,11 @@ import torch.distributed as dist
 
 log = logging.getLogger("microserve.tp")
 
-# the largest message summed one-shot: a decode step at batch 128 of an 8B model (128 x 4,096
-# bf16); past it, reading every peer's whole buffer costs more than NCCL's ring
-ONE_SHOT_MAX_BYTES = 1 << 20
+# The largest message summed one-shot: a decode step at batch 64 of an 8B model (64 x 4,096
+# bf16). On two H200s (2026-11-27) one-shot took 0.74x NCCL's time at 8-64 KiB and 0.88x at
+# 512 KiB inside a CUDA graph alone (bench.allreduce), but the engine's batch-128 decode step
+# (1 MiB messages) ran 1.4% slower with it than with NCCL (one run each): past 512 KiB, NCCL.
+ONE_SHOT_MAX_BYTES = 512 << 10
 _ALIGN = 16  # bytes: the kernel's vector width; messages of other sizes go to NCCL
 
 MODES = ("auto", "nccl", "one-shot")
