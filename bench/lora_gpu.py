@@ -146,9 +146,14 @@ def load_while_serving(core: EngineCore, vocab: int) -> dict:
     wall = time.perf_counter() - start
     answer = CALLS["load_lora_adapter"].decode_answer(frames[0].result)
     core.abort_request("bg")
+    # the loader thread's two parts again, alone (no step loop beside them): reading and
+    # checking the file, packing it for the slots (pinned host memory on CUDA)
+    path = Path(core.adapters.registry.lookup("extra").path)
+    _, _, read_s, pack_s = core.adapters._read("extra", path)
     stats = core.stats()
     return {"load_ms": answer.load_s * 1e3, "call_wall_ms": wall * 1e3,
             "resident": answer.resident, "steps_during_load": len(during),
+            "alone_read_ms": read_s * 1e3, "alone_pack_ms": pack_s * 1e3,
             "step_ms_median_before": before[len(before) // 2],
             "step_ms_max_during": max(during, default=0.0),
             "slot_write_ms_mean": 1e3 * stats.lora_slot_write_seconds

@@ -105,24 +105,28 @@ class EngineAdapters:
         if name in self.registry.adapters or name in self._loading:
             raise ValueError(f"an adapter named {name!r} is already loaded; unload it first")
 
-    def _read(self, name: str, path: Path) -> tuple[int, PackedAdapter, float]:
-        """(rank, the adapter packed for the slots, seconds): no device work, any thread."""
+    def _read(self, name: str, path: Path) -> tuple[int, PackedAdapter, float, float]:
+        """(rank, the adapter packed for the slots, seconds reading and checking it, seconds
+        packing it): no device work, any thread."""
         start = time.perf_counter()
         weights = read_adapter(name, path, self.runner.config, self.config.max_lora_rank)
+        read_s = time.perf_counter() - start
         packed = self.runner.lora.pack(weights)
-        return weights.rank, packed, time.perf_counter() - start
+        return weights.rank, packed, read_s, time.perf_counter() - start - read_s
 
     def _register(self, name: str, path: Path, rank: int, packed: PackedAdapter,
-                  read_s: float) -> LoadLoraResponse:
+                  read_s: float, pack_s: float) -> LoadLoraResponse:
         start = time.perf_counter()
         adapter = self.registry.register(name, str(path))
         self._packed[adapter.id] = packed
         resident = self._fill_free_slot(adapter)
-        elapsed = read_s + time.perf_counter() - start
+        register_s = time.perf_counter() - start
+        elapsed = read_s + pack_s + register_s
         self.counters["lora_loads"] += 1
         self.counters["lora_load_seconds"] += elapsed
-        log.info("LoRA adapter %r (rank %d) loaded from %s in %.1f ms (%.1f ms reading)", name,
-                 rank, path, elapsed * 1e3, read_s * 1e3)
+        log.info("LoRA adapter %r (rank %d) loaded from %s in %.1f ms (reading %.1f, packing "
+                 "%.1f, registering and a slot write %.1f)", name, rank, path, elapsed * 1e3,
+                 read_s * 1e3, pack_s * 1e3, register_s * 1e3)
         return LoadLoraResponse(name, rank, resident, elapsed)
 
     def unload(self, name: str) -> UnloadLoraResponse:
