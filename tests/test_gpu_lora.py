@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 
-from test_lora import adapters, greedy, lora_dir, prompts, reference  # noqa: E402,F401
+from test_lora import adapters, lora_dir, prompts, reference, run  # noqa: E402,F401
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
@@ -29,18 +29,6 @@ def _core(tiny_model_dir, lora_dir):  # noqa: F811
                                       ("a2", str(lora_dir / "a2")))))
 
 
-def _run(core, requests):
-    for rid, (prompt, name) in requests.items():
-        core.add_request(rid, prompt, greedy(name))
-    tokens = {rid: [] for rid in requests}
-    while core.has_work():
-        for out in core.step():
-            tokens[out.request_id] += out.token_ids
-    core.check_integrity()
-    assert core.kv.stats().used_pages == 0
-    return tokens
-
-
 def test_fp32_adapters_mixed_and_alone_equal_peft_with_graphs(tiny_model_dir, lora_dir,  # noqa: F811
                                                                prompts, reference):  # noqa: F811
     core = _core(tiny_model_dir, lora_dir)
@@ -48,11 +36,11 @@ def test_fp32_adapters_mixed_and_alone_equal_peft_with_graphs(tiny_model_dir, lo
         assert core.runner.graphs is not None and core.runner.lora.batch.use_triton
         mixed = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts)
                  for name in (None, "a1", "a2")}
-        got = _run(core, mixed)
+        got = run(core, mixed)
         assert got == {f"{name}-{i}": reference[name][i] for i in range(len(prompts))
                        for name in (None, "a1", "a2")}
         for name in ("a1", "a2"):  # alone: batch-1 decode steps, the fused GEMV kernels
-            assert _run(core, {"solo": (prompts[1], name)}) == {"solo": reference[name][1]}
+            assert run(core, {"solo": (prompts[1], name)}) == {"solo": reference[name][1]}
     finally:
         core.close()
 

@@ -63,6 +63,19 @@ def _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M: tl.constexpr, PDL: tl.constex
 
 
 @triton.jit
+def _b_tile(b_ptr, slot, R, N_out, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_N output columns and the slot's B rows over them, [BLOCK_R,
+    BLOCK_N]: (n, n_mask, r, r_mask, b)."""
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N_out
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < R
+    b = tl.load(b_ptr + slot.to(tl.int64) * R * N_out + r[:, None] * N_out + n[None, :],
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    return n, n_mask, r, r_mask, b
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, rows_ptr, tiles_ptr, max_tiles,
                    norm_ptr, K, N, P, k_per_split, part_split_stride,
                    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,12 +127,7 @@ def _expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, rows_ptr, tiles_ptr, ma
     length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M, PDL)
     if length == 0:
         return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N_out
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < R
-    b = tl.load(b_ptr + slot.to(tl.int64) * R * N_out + r[:, None] * N_out + n[None, :],
-                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    n, n_mask, r, r_mask, b = _b_tile(b_ptr, slot, R, N_out, BLOCK_N, BLOCK_R)
     part_rows = part_ptr + rows[:, None] * P
     if NORM:  # every split's squares of the row: its RMS
         squares = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
@@ -202,12 +210,8 @@ def _bgmv_expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, slots_ptr, R, N_sh
     slot = tl.load(slots_ptr + t)
     if slot < 0:
         return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N_out
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < R
-    b = tl.load(b_ptr + slot.to(tl.int64) * R * N_out + r[:, None] * N_out + n[None, :],
-                mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+    n, n_mask, r, r_mask, b = _b_tile(b_ptr, slot, R, N_out, BLOCK_N, BLOCK_R)
+    b = b.to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
