@@ -22,15 +22,15 @@ from engine.core import EngineCore  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def _core(tiny_model_dir, lora_dir):  # noqa: F811
+def _core(tiny_model_dir, lora_dir):  # noqa: F811 (test_lora's fixture names)
     return EngineCore(EngineConfig(
         model=tiny_model_dir, device="cuda", dtype="float32", page_size=16, num_pages=256,
         max_num_seqs=8, lora_modules=(("a1", str(lora_dir / "a1")),
                                       ("a2", str(lora_dir / "a2")))))
 
 
-def test_fp32_adapters_mixed_and_alone_equal_peft_with_graphs(tiny_model_dir, lora_dir,  # noqa: F811
-                                                               prompts, reference):  # noqa: F811
+def test_fp32_adapters_mixed_and_alone_equal_peft_with_graphs(
+        tiny_model_dir, lora_dir, prompts, reference):  # noqa: F811
     core = _core(tiny_model_dir, lora_dir)
     try:
         assert core.runner.graphs is not None and core.runner.lora.batch.use_triton

@@ -18,7 +18,8 @@ programs keeps batch-1 decode's shrink (one tile) spread over the GPU; the expan
 splits, so there are no atomics and no buffer to zero: two launches per projection. With the
 RMS norm fused in (batch-1 decode), the norm is a scalar per row and commutes with the shrink:
 each split multiplies x by the norm weight and adds up its own columns' squares, and the
-expand scales the summed h by 1/rms. Both launch with PDL where the engine's kernels do (engine/kernels/pdl.py), waiting first.
+expand scales the summed h by 1/rms. Both launch with PDL where the engine's kernels do
+(engine/kernels/pdl.py), waiting first.
 """
 
 from __future__ import annotations
@@ -266,9 +267,8 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     grid_tiles = max_tiles(t, slots)
     # K split over programs so a one-tile step's shrink spreads over the GPU, at most
     # _MAX_SPLITS: the expand adds the splits up in an unrolled loop
-    splits = max(1, min(_MAX_SPLITS, _TARGET_PROGRAMS // grid_tiles, -(-k // 256)))
-    k_per_split = -(-(-(-k // splits)) // _BLOCK_K) * _BLOCK_K
-    splits = -(-k // k_per_split)
+    splits, k_per_split = _k_splits(
+        k, min(_MAX_SPLITS, _TARGET_PROGRAMS // grid_tiles, -(-k // 256)), _BLOCK_K)
     width = n_shrunk + (mode == 1)  # a part row: the shrunk values (and the squares)
     part = torch.empty(splits, t, width, dtype=torch.float32, device=x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)
@@ -278,23 +278,28 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
     _shrink_kernel[(grid_tiles, splits)](
         x, x.stride(0), a, part, rows, tiles, tiles.shape[1], norm_weight, k, n_shrunk, width,
         k_per_split, part.stride(0), MODE=mode, BLOCK_M=BLOCK_M,
-        BLOCK_N=max(16, triton.next_power_of_2(n_shrunk)), BLOCK_K=_BLOCK_K, DOT_PRECISION=precision, PDL=pdl,
-        **_pdl.launch_options(pdl))
+        BLOCK_N=max(16, triton.next_power_of_2(n_shrunk)), BLOCK_K=_BLOCK_K,
+        DOT_PRECISION=precision, PDL=pdl, **_pdl.launch_options(pdl))
     b1, b2 = (list(bounds) + [n_out, n_out])[:2]
     _expand_kernel[(grid_tiles, triton.cdiv(n_out, _BLOCK_N))](
         part, b, out, out.stride(0), rows, tiles, tiles.shape[1], r, n_shrunk, width, n_out,
         part.stride(0), b1, b2, k, eps, SLICES=len(bounds) + 1, SPLITS=splits,
         NORM=mode == 1, BLOCK_M=BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_R=max(16, triton.next_power_of_2(r)), DOT_PRECISION=precision, PDL=pdl, **_pdl.launch_options(pdl))
+        BLOCK_R=max(16, triton.next_power_of_2(r)), DOT_PRECISION=precision, PDL=pdl,
+        **_pdl.launch_options(pdl))
+
+
+def _k_splits(k: int, want: int, block: int) -> tuple[int, int]:
+    """K cut into at most `want` (at least 1) splits of whole `block`s: (splits, K per split)."""
+    k_per_split = -(-(-(-k // max(1, want))) // block) * block
+    return -(-k // k_per_split), k_per_split
 
 
 def _bgmv(x, out, a, b, slots, bounds, mode, norm) -> None:
     t = x.shape[0]
     _, n_shrunk, k = a.shape
     r, n_out = b.shape[1], b.shape[2]
-    splits = max(1, min(_BGMV_SPLITS, -(-k // _BGMV_BLOCK_K)))
-    k_per_split = -(-(-(-k // splits)) // _BGMV_BLOCK_K) * _BGMV_BLOCK_K
-    splits = -(-k // k_per_split)
+    splits, k_per_split = _k_splits(k, min(_BGMV_SPLITS, -(-k // _BGMV_BLOCK_K)), _BGMV_BLOCK_K)
     width = n_shrunk + (mode == 1)
     part = torch.empty(splits, t, width, dtype=torch.float32, device=x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)

@@ -24,7 +24,7 @@ collective is a no-op.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,15 +41,14 @@ COLUMN_PARTS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate"
 class SmallAllReduce:
     """The all-reduce a rank uses for the messages it fits (engine/tp/allreduce.py's one-shot
     over symmetric memory), installed once the group is joined: a holder, so the modules
-    built before the join (each keeps the TensorParallel it was built with) see it."""
+    built before the join (each keeps the TensorParallel it was built with) see it. `op`: an
+    OneShotAllReduce (`fits`, called with the message), or None for NCCL alone."""
 
     def __init__(self):
-        self.fits: Callable[[torch.Tensor], bool] = lambda x: False
-        self.run: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.op = None
 
     def install(self, op) -> None:
-        """op: an OneShotAllReduce (fits, __call__), or None for NCCL alone."""
-        self.fits, self.run = (op.fits, op) if op is not None else (lambda x: False, None)
+        self.op = op
 
 
 @dataclass(frozen=True)
@@ -69,8 +68,9 @@ class TensorParallel:
         """Sum x over the ranks (a row-parallel projection's partial products): the sum is
         returned, in x itself (NCCL) or in a new tensor (the one-shot all-reduce)."""
         if self.size > 1:
-            if self.small.fits(x):
-                return self.small.run(x)
+            op = self.small.op
+            if op is not None and op.fits(x):
+                return op(x)
             dist.all_reduce(x, group=self.group)
         return x
 

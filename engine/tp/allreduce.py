@@ -51,10 +51,6 @@ class OneShotAllReduce:
                  dtype: torch.dtype, max_bytes: int = ONE_SHOT_MAX_BYTES):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        op = getattr(getattr(torch.ops, "symm_mem", None), "one_shot_all_reduce_copy", None)
-        if op is None:
-            raise RuntimeError(f"torch {torch.__version__} has no symm_mem."
-                               "one_shot_all_reduce_copy")
         self.group_name = (group or dist.group.WORLD).group_name
         if torch.__version__ < "2.11":  # later versions do it themselves (and warn)
             symm_mem.enable_symm_mem_for_group(self.group_name)
@@ -62,7 +58,7 @@ class OneShotAllReduce:
         self.max_numel = max_bytes // dtype.itemsize
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)  # kept alive with it
-        self._op = op
+        self._op = torch.ops.symm_mem.one_shot_all_reduce_copy  # set_up checked it exists
 
     def fits(self, x: torch.Tensor) -> bool:
         if not isinstance(x, torch.Tensor):  # an fp8 projection's output with its scales
