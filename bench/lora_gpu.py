@@ -149,7 +149,8 @@ def load_while_serving(core: EngineCore, vocab: int) -> dict:
     # the loader thread's two parts again, alone (no step loop beside them): reading and
     # checking the file, packing it for the slots (pinned host memory on CUDA)
     path = Path(core.adapters.registry.lookup("extra").path)
-    _, _, read_s, pack_s = core.adapters._read("extra", path)
+    _, _, slab, read_s, pack_s = core.adapters._read("extra", path)
+    core.adapters._slabs.give(slab, None)
     stats = core.stats()
     return {"load_ms": answer.load_s * 1e3, "call_wall_ms": wall * 1e3,
             "resident": answer.resident, "steps_during_load": len(during),

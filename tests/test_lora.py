@@ -266,8 +266,11 @@ def test_load_and_unload_at_runtime(tiny_model_dir, lora_dir, prompts, reference
                      lora_dir=str(lora_dir))
     with pytest.raises(RequestRejected, match="no LoRA adapter of that name"):
         core.add_request("early", prompts[0], greedy("a1"))
+    assert core.stats().lora_host_slabs == 1  # a spare slab, for the first load
     answer = load(core, LoadLoraRequest("a1", "a1"))
     assert (answer.lora_name, answer.rank, answer.resident) == ("a1", 8, True)
+    core.adapters._loader.submit(lambda: None).result()  # the loader thread is done
+    assert core.stats().lora_host_slabs == 2, "the next spare, allocated after the load"
     print(f"\nrank-8 adapter of the tiny model loaded in {answer.load_s * 1e3:.1f} ms (CPU: "
           f"read, check and pack in the loader thread, then the slot write)")
     with pytest.raises(MicroservingError, match="already loaded"):
@@ -291,6 +294,25 @@ def test_load_and_unload_at_runtime(tiny_model_dir, lora_dir, prompts, reference
     # loaded again under the same name: a new id, so none of its old KV is reused
     load(core, LoadLoraRequest("a1", str(lora_dir / "a1")))
     assert run(core, {"again": (prompts[1], "a1")})["again"] == reference["a1"][1]
+    core.adapters._loader.submit(lambda: None).result()
+    assert core.stats().lora_host_slabs == 2, "the unloaded adapter's slab is reused"
+
+
+def test_slab_layout_packs_tensors_into_aligned_pieces():
+    from engine.lora.host import Layout, Slabs
+
+    layout = Layout([100, 3 << 20, 2 << 20, 5 << 20, 64], piece_bytes=4 << 20)
+    assert layout.piece_bytes == 8 << 20  # a power of two that holds the largest
+    assert layout.places == [(0, 0), (0, 128), (0, 128 + (3 << 20)), (1, 0), (1, 5 << 20)]
+    assert layout.pieces == 2
+    slabs = Slabs(layout, pin=False, keep=1)
+    slabs.reserve(1)
+    first = slabs.take()
+    assert [len(p) for p in first] == [8 << 20] * 2 and slabs.allocated == 1
+    second = slabs.take()  # none free: a new one
+    slabs.give(first, None)
+    slabs.give(second, None)  # past `keep`: dropped
+    assert slabs.free == 1 and slabs.take() is first and slabs.allocated == 2
 
 
 def test_steps_go_on_while_an_adapter_loads(tiny_model_dir, lora_dir, prompts, reference,

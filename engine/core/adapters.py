@@ -3,9 +3,10 @@ request uses which (a side table of the core), and which adapter sits in which o
 runner's slots (the scheduler's `AdapterSlots`).
 
 Registering reads and checks the adapter from disk once and keeps its weights in host memory,
-laid out as a slot holds them (in the model's dtype, pinned on CUDA: rank 16 over every
-projection of Llama-3.1-8B is ~80 MB). A runtime load reads in a thread, so the step loop goes
-on meanwhile; the loop registers the adapter once it is read (`poll`). A slot is filled when
+laid out as a slot holds them (in the model's dtype, in a slab pinned ahead of time on CUDA:
+rank 16 over every projection of Llama-3.1-8B is 84 MB; engine/lora/host.py). A runtime load
+reads in a thread, so the step loop goes on meanwhile; the loop registers the adapter once it
+is read (`poll`), and the thread then pins the next spare slab. A slot is filled when
 a request of it is admitted and its adapter is not resident, evicting the least recently used
 idle adapter if every slot is taken (S-LoRA's host-to-GPU scheme). A copy into a slot cannot
 fail, so admission never has to undo one.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.lora.adapter import read_adapter, resolve_path
+from engine.lora.host import Slabs
 from engine.lora.layers import PackedAdapter
 from engine.lora.registry import Adapter, LoraRegistry
 from engine.model_runner import ModelRunner
@@ -49,6 +51,11 @@ class EngineAdapters:
         self.config, self.runner = config, runner
         self.registry = LoraRegistry(config.max_loras)
         self._packed: dict[int, PackedAdapter] = {}  # adapter id -> its host copy
+        # the host copies' memory: adapter id -> its slab, and the last slot write's copies
+        # from it (an event on CUDA), which must end before the slab is written again
+        self._slabs = Slabs(runner.lora.layout, pin=runner.device.type == "cuda")
+        self._slab_of: dict[int, list] = {}
+        self._copied: dict[int, object] = {}
         self._of: dict[str, Adapter] = {}  # request id -> the adapter it uses
         # runtime loads read and check from disk in this thread, off the step loop; the
         # loop registers each when done (`poll`). name -> (its read, its path)
@@ -59,6 +66,8 @@ class EngineAdapters:
                          "lora_slot_write_seconds": 0.0}
         for name, path in config.lora_modules:
             self.load(name, resolve_path(path, None))
+        if config.lora_dir is not None:  # runtime loads take this one
+            self._slabs.reserve(1)
 
     # ---- registering --------------------------------------------------------------------------
 
@@ -82,6 +91,7 @@ class EngineAdapters:
         future = self._loader.submit(self._read, name, resolved)
         future.add_done_callback(lambda _: self._notify())
         self._loading[name] = (future, resolved)
+        self._loader.submit(self._slabs.reserve, 1)  # the next load's, pinned off its path
 
     def poll(self) -> list[tuple[str, LoadLoraResponse | MicroservingError]]:
         """(load_key(name), answer) of each runtime load the loader thread has finished,
@@ -105,20 +115,29 @@ class EngineAdapters:
         if name in self.registry.adapters or name in self._loading:
             raise ValueError(f"an adapter named {name!r} is already loaded; unload it first")
 
-    def _read(self, name: str, path: Path) -> tuple[int, PackedAdapter, float, float]:
-        """(rank, the adapter packed for the slots, seconds reading and checking it, seconds
-        packing it): no device work, any thread."""
+    def _read(self, name: str, path: Path) -> tuple[int, PackedAdapter, list, float, float]:
+        """(rank, the adapter packed for the slots, the slab it is packed in, seconds reading
+        and checking it, seconds packing it): no device work, any thread."""
         start = time.perf_counter()
         weights = read_adapter(name, path, self.runner.config, self.config.max_lora_rank)
         read_s = time.perf_counter() - start
-        packed = self.runner.lora.pack(weights)
-        return weights.rank, packed, read_s, time.perf_counter() - start - read_s
+        slab = self._slabs.take()
+        try:
+            packed = self.runner.lora.pack(weights, slab=slab)
+        except BaseException:
+            self._slabs.give(slab, None)
+            raise
+        return weights.rank, packed, slab, read_s, time.perf_counter() - start - read_s
 
-    def _register(self, name: str, path: Path, rank: int, packed: PackedAdapter,
+    def _register(self, name: str, path: Path, rank: int, packed: PackedAdapter, slab: list,
                   read_s: float, pack_s: float) -> LoadLoraResponse:
         start = time.perf_counter()
-        adapter = self.registry.register(name, str(path))
-        self._packed[adapter.id] = packed
+        try:
+            adapter = self.registry.register(name, str(path))
+        except ValueError:
+            self._slabs.give(slab, None)
+            raise
+        self._packed[adapter.id], self._slab_of[adapter.id] = packed, slab
         resident = self._fill_free_slot(adapter)
         register_s = time.perf_counter() - start
         elapsed = read_s + pack_s + register_s
@@ -129,6 +148,11 @@ class EngineAdapters:
                  read_s * 1e3, pack_s * 1e3, register_s * 1e3)
         return LoadLoraResponse(name, rank, resident, elapsed)
 
+    def _forget(self, adapter: Adapter) -> None:
+        """An adapter is gone: its host copy's slab back for the next load."""
+        self._packed.pop(adapter.id)
+        self._slabs.give(self._slab_of.pop(adapter.id), self._copied.pop(adapter.id, None))
+
     def unload(self, name: str) -> UnloadLoraResponse:
         try:
             gone = self.registry.unregister(name)
@@ -137,7 +161,7 @@ class EngineAdapters:
                                     f"{', '.join(self.registry.registered()) or 'none'})",
                                     "lora_name") from None
         if gone is not None:
-            self._packed.pop(gone.id)
+            self._forget(gone)
         return UnloadLoraResponse(name, pending=gone is None)
 
     # ---- the side table: which request uses which adapter -------------------------------------
@@ -161,7 +185,7 @@ class EngineAdapters:
 
     def _drop_user(self, adapter: Adapter) -> None:
         if (gone := self.registry.remove_user(adapter)) is not None:
-            self._packed.pop(gone.id)  # unloaded while in use: its last request left
+            self._forget(gone)  # unloaded while in use: its last request left
 
     def request_ids(self):
         return self._of.keys()
@@ -217,16 +241,17 @@ class EngineAdapters:
 
     def _write(self, slot: int, adapter: Adapter) -> None:
         start = time.perf_counter()
-        self.runner.lora.write_slot(slot, self._packed[adapter.id])
+        self._copied[adapter.id] = self.runner.lora.write_slot(slot, self._packed[adapter.id])
         self.counters["lora_slot_writes"] += 1
         self.counters["lora_slot_write_seconds"] += time.perf_counter() - start
 
     def stats(self) -> dict:
         return {"lora_registered": self.registry.registered(),
                 "lora_resident": self.registry.resident(), "lora_loading": list(self._loading),
-                **self.counters}
+                "lora_host_slabs": self._slabs.allocated, **self.counters}
 
     def check_integrity(self) -> None:
         self.registry.check_integrity()
-        if self._packed.keys() != {a.id for a in self.registry.adapters.values()}:
+        ids = {a.id for a in self.registry.adapters.values()}
+        if self._packed.keys() != ids or self._slab_of.keys() != ids:
             raise IntegrityError("host weights kept for other adapters than the registered")

@@ -19,6 +19,7 @@ launches, but their tiles are empty and return at once).
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from contextlib import nullcontext as _no_stream
 
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.lora.adapter import TARGET_MODULES, AdapterWeights, module_shapes
+from engine.lora.host import Layout
 from engine.lora.tiles import BGMV_MAX_TOKENS, TILE_ROWS
 from engine.models.parallel import TensorParallel
 from microserve.model_config import ModelConfig
@@ -57,12 +59,16 @@ class LoraBatch:
         self.groups: list[tuple[int, torch.Tensor]] = []  # set by set_slots
         self.rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.max_tiles = -(-max_tokens // TILE_ROWS) + max_loras
-        # [tiles (3 x max_tiles) | slots (BGMV_MAX_TOKENS)]: no tile, every token the base
-        table = torch.zeros(3 * self.max_tiles + BGMV_MAX_TOKENS, dtype=torch.int32)
-        table[3 * self.max_tiles:] = -1
+        # [tiles (3 x max_tiles) | slots (BGMV_MAX_TOKENS) | epoch]: no tile, every token the
+        # base; the epoch changes with every copy (batch-1 GEMVs flag their shrink done with it)
+        end = 3 * self.max_tiles + BGMV_MAX_TOKENS
+        table = torch.zeros(end + 1, dtype=torch.int32)
+        table[3 * self.max_tiles : end] = -1
         table = table.to(device)
         self.tiles = table[: 3 * self.max_tiles].view(3, self.max_tiles)
-        self.slots = table[3 * self.max_tiles:]
+        self.slots = table[3 * self.max_tiles : end]
+        self.epoch = table[end:]
+        self._epoch = 0
         self._table = table
         self._tiles_empty = True  # what `tiles` and `slots` hold on the device; set_slots
         # the last slot write's copies (CUDA), which the next forward waits for; set by
@@ -102,8 +108,9 @@ class LoraBatch:
             rows += tokens
         pad = self.max_tiles - len(starts)  # empty tiles: the grid's rest returns at once
         few = list(slots) if len(slots) <= BGMV_MAX_TOKENS else []
+        self._epoch = self._epoch % 0x7FFFFFFF + 1  # never 0, the flags' first value
         table = (starts + [0] * pad + lengths + [0] * pad + tile_slots + [0] * pad
-                 + few + [-1] * (BGMV_MAX_TOKENS - len(few)))
+                 + few + [-1] * (BGMV_MAX_TOKENS - len(few)) + [self._epoch])
         if self.active or not self._tiles_empty:  # a base-only step after another: no copy
             self._table.copy_(_to_device(table, self.device))
             if rows:
@@ -131,6 +138,7 @@ class LoraLinear(nn.Module):
                              device=w.device)
         self.b = torch.zeros(loras, rank, sum(slices), dtype=w.dtype, device=w.device)
         self.offsets = [sum(slices[:i]) for i in range(len(slices) + 1)]
+        self._part = self._flags = None  # one_row_lora's scratch
 
     @property
     def weight(self) -> torch.Tensor:  # the base's: what fused kernels and loaders read
@@ -162,20 +170,20 @@ class LoraLinear(nn.Module):
         for slot, rows in batch.groups:
             self._add_group(_input(x[rows], norm, gated), out, slot, rows)
 
-    def one_row_shrink(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """For batch-1 decode on the Triton path, when this step may use an adapter: (a,
-        part, slots) for the projection's GEMV to compute the shrink in as extra rows
-        (engine/kernels/gemv.py), then `one_row_expand`; None otherwise."""
+    def one_row_lora(self):
+        """For batch-1 decode on the Triton path, when this step may use an adapter: the
+        `GemvLora` its GEMV adds the delta with (engine/kernels/gemv.py); None otherwise."""
         batch = self.batch
         if not batch.use_triton or not (batch.active or batch.launch_always):
             return None
-        part = torch.empty(self.a.shape[1], dtype=torch.float32, device=self.a.device)
-        return self.a, part, batch.slots
+        from engine.kernels.gemv import GemvLora
 
-    def one_row_expand(self, shrink: tuple, out: torch.Tensor) -> None:
-        from engine.lora.kernels import lora_expand_one_row
-
-        lora_expand_one_row(shrink[1], out, self.b, shrink[2], self.offsets[1:-1])
+        if self._part is None:  # this call site's scratch, kept: CUDA graphs hold it
+            self._part = torch.empty(self.a.shape[1], dtype=torch.float32, device=self.a.device)
+            self._flags = torch.zeros(self.a.shape[1], dtype=torch.int32, device=self.a.device)
+        bounds = (self.offsets[1:-1] + [self.offsets[-1]] * 2)[:2]
+        return GemvLora(self.a, self.b, batch.slots, batch.epoch, self._part, self._flags,
+                        tuple(bounds))
 
     def _add_group(self, x: torch.Tensor, out: torch.Tensor, slot: int, rows: torch.Tensor):
         shrunk = x @ self.a[slot].t()  # [n, S*R]
@@ -184,17 +192,21 @@ class LoraLinear(nn.Module):
             lo, hi = self.offsets[s], self.offsets[s + 1]
             out[rows, lo:hi] += shrunk[:, s * r : (s + 1) * r] @ self.b[slot, :, lo:hi]
 
+    def packed_shapes(self) -> list[torch.Size]:
+        """The shapes `pack` fills: a slot's a [S*R, in] and b [R, out]."""
+        return [self.a.shape[1:], self.b.shape[1:]]
+
     def pack(self, halves: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float = 1.0,
-             pin: bool = False):
+             into: tuple[torch.Tensor, torch.Tensor] | None = None):
         """One adapter's (A [r, in], B [out, r]) of each slice (None: not a target) laid out
         as a slot holds them, B times `scale`: (a [S*R, in], b [R, out]) on the host, in
-        pinned memory if `pin`; None if no slice is a target. Only what the adapter does not
-        fill is zeroed (a slice it leaves out, the rows past its rank): zeroing whole buffers
-        was half the time of packing a rank-16 adapter that fills them."""
+        `into` if given (`packed_shapes`, the slot's dtype); None if no slice is a target.
+        Only what the adapter does not fill is zeroed (a slice it leaves out, the rows past
+        its rank): zeroing whole buffers was half the time of packing a rank-16 adapter."""
         if all(pair is None for pair in halves):
             return None
-        a = torch.empty(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
-        b = torch.empty(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
+        a, b = into or (torch.empty(self.a.shape[1:], dtype=self.a.dtype),
+                        torch.empty(self.b.shape[1:], dtype=self.b.dtype))
         for s, pair in enumerate(halves):
             lo, hi, top = self.offsets[s], self.offsets[s + 1], s * self.rank
             r = 0 if pair is None else pair[0].shape[0]
@@ -273,33 +285,44 @@ class LoraModel:
                     setattr(parent, name, wrapped[name])
             self.layers.append(wrapped)
         self._copy_stream = torch.cuda.Stream(w.device) if w.is_cuda else None
+        # where `pack` puts each tensor in a slab of host memory (engine/lora/host.py)
+        self.layout = Layout([math.prod(shape) * proj.a.element_size()
+                              for wrapped in self.layers for proj in wrapped.values()
+                              for shape in proj.packed_shapes()])
 
     def use_triton_kernels(self, on: bool) -> None:
         """The segmented Triton kernels (on: the GPU, or the interpreter) or the torch loop."""
         self.batch.use_triton = on
 
-    def pack(self, adapter: AdapterWeights, rank: int | None = None) -> PackedAdapter:
+    def pack(self, adapter: AdapterWeights, rank: int | None = None,
+             slab: list[torch.Tensor] | None = None) -> PackedAdapter:
         """The adapter as the slots of tensor-parallel `rank` (default: this one) hold it, in
-        host memory (pinned on CUDA, so a slot write is an asynchronous copy). Runs in the
-        loader thread: no device work."""
-        pin = self.batch.device.type == "cuda"
+        host memory: in `slab` if given (laid out as `self.layout` says; pinned, a slot write
+        is an asynchronous copy), else in new tensors. Runs in the loader thread: no device
+        work."""
         tp = self.tp if rank is None else TensorParallel(self.tp.size, rank)
+        places = iter(self.layout.places if slab is not None else ())
         packed = []
         for i, wrapped in enumerate(self.layers):
             layer = {}
             for name, proj in wrapped.items():
+                into = None
+                if slab is not None:
+                    into = tuple(_view(slab, *next(places), shape, proj.a.dtype)
+                                 for shape in proj.packed_shapes())
                 pairs = [adapter.weights.get((i, module)) for module in _SLICES[name]]
                 pairs = [None if pair is None else tp.shard_lora(module, *pair, self.whole)
                          for module, pair in zip(_SLICES[name], pairs)]
-                layer[name] = proj.pack(pairs, adapter.scale, pin)
+                layer[name] = proj.pack(pairs, adapter.scale, into)
             packed.append(layer)
         return packed
 
-    def write_slot(self, slot: int, packed: PackedAdapter | None) -> None:
+    def write_slot(self, slot: int, packed: PackedAdapter | None) -> torch.cuda.Event | None:
         """Put a packed adapter into `slot` (None: empty it). On CUDA the copies run on a
         side stream, after the work already queued (a step in flight may still read the
         slot's old adapter), and the next forward waits for them on the device (`set_slots`):
-        the host never waits."""
+        the host never waits. Returns the copies' event (CUDA), after which the host memory
+        may be written again."""
         stream = self._copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.batch.device))
@@ -310,6 +333,13 @@ class LoraModel:
             if stream is not None:
                 self.batch.copied = torch.cuda.Event()
                 self.batch.copied.record(stream)
+        return self.batch.copied if stream is not None else None
+
+
+def _view(slab: list[torch.Tensor], piece: int, offset: int, shape: torch.Size,
+          dtype: torch.dtype) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    return slab[piece][offset : offset + nbytes].view(dtype).view(shape)
 
 
 assert set(TARGET_MODULES) == {m for ms in _SLICES.values() for m in ms}

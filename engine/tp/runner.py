@@ -191,14 +191,17 @@ class TensorParallelLora:
     def __getattr__(self, name: str):
         return getattr(self._local, name)
 
-    def pack(self, adapter) -> list:
-        return [self._local.pack(adapter, rank) for rank in range(self._runner.tp.size)]
+    def pack(self, adapter, slab=None) -> list:
+        """Rank 0's share in `slab` (its slot writes copy from it), the workers' in new
+        host tensors (they go pickled)."""
+        return [self._local.pack(adapter, rank, slab if rank == 0 else None)
+                for rank in range(self._runner.tp.size)]
 
-    def write_slot(self, slot: int, packed: list | None) -> None:
+    def write_slot(self, slot: int, packed: list | None):
         for rank in range(1, self._runner.tp.size):
             self._runner.send_to(rank, "lora_write_slot", slot,
                                  None if packed is None else packed[rank])
-        self._local.write_slot(slot, None if packed is None else packed[0])
+        return self._local.write_slot(slot, None if packed is None else packed[0])
 
 
 def _pickled(name: str, args: tuple, kwargs: dict) -> bytes:

@@ -91,6 +91,7 @@ class EngineStats:
     lora_load_seconds: float = 0.0  # ... the time that took, reading and checking them
     lora_slot_writes: int = 0  # adapters copied into a slot (on first use, after an eviction)
     lora_slot_write_seconds: float = 0.0
+    lora_host_slabs: int = 0  # host-memory slabs allocated for adapters' copies (pinned on CUDA)
     # Scheduling (engine/policies.py): preemptions by why ("pages": a running request needed a
     # page; "priority": a request the policy ranks higher took the place), requests promoted
     # for waiting past the starvation bound, and mlfq's requests per queue (top first)
