@@ -32,7 +32,6 @@ CUDA-graph safety: the wrapper reads only shapes and dtypes; the grid depends on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -113,12 +112,11 @@ def _input_tile(x_ptr, r_ptr, g_ptr, inv_rms, c, K, GATED: tl.constexpr, NORM: t
 
 
 @triton.jit
-def _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps, writer,
+def _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps,
               GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
               PDL: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
               EVEN_K: tl.constexpr):
-    """sum_k w[row, k] * x[k] for the program's rows (fp32), x as `_input_tile` forms it;
-    with NORM and HAS_RES the `writer` program stores the summed residual."""
+    """sum_k w[row, k] * x[k] for the program's rows (fp32), x as `_input_tile` forms it."""
     # the first tile is peeled: its weights do not depend on the kernel before, so under PDL
     # they are in flight before the wait for that kernel's output (x)
     w = _weight_tile(w_ptrs, 0, row_ok, cols, K, EVEN)
@@ -129,7 +127,7 @@ def _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps, wr
         tl.extra.cuda.gdc_launch_dependents()
     inv_rms = 0.0
     if NORM:
-        store_end = tl.where(writer, K, 0)
+        store_end = tl.where(tl.program_id(0) == 0, K, 0)  # program 0 writes the residual
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             s = _residual_sum(x_ptr, r_ptr, k0 + cols, K, HAS_RES, EVEN_K)
@@ -148,107 +146,51 @@ def _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps, wr
 
 
 @triton.jit
-def _lora_delta(y, rows, row_ok, slot, b_ptr, part_ptr, flags_ptr, epoch_ptr, R, N, b1, b2,
-                lora_programs, BLOCK_R: tl.constexpr, FLAGS: tl.constexpr):
-    """y + the adapter's delta on the program's rows: sum_r part[s(n)*R + r] * b[slot, r, n],
-    s(n) the slice (q, k, v) row n is in, once the shrink programs have flagged part done."""
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < R
-    b = tl.load(b_ptr + slot.to(tl.int64) * R * N + r[None, :] * N + rows[:, None],
-                mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-    epoch = tl.load(epoch_ptr)
-    f = tl.arange(0, FLAGS)
-    f_ok = f < lora_programs
-    # the shrink programs have the lowest program ids, so they started before this one and
-    # do not wait for it: the wait ends (ordinarily at once: they finish first)
-    seen = tl.atomic_add(flags_ptr + f, 0, mask=f_ok, sem="acquire")
-    pending = tl.sum(tl.where(f_ok & (seen != epoch), 1, 0), 0)
-    while pending > 0:
-        seen = tl.atomic_add(flags_ptr + f, 0, mask=f_ok, sem="acquire")
-        pending = tl.sum(tl.where(f_ok & (seen != epoch), 1, 0), 0)
-    tl.debug_barrier()
-    s = (rows >= b1).to(tl.int32) + (rows >= b2).to(tl.int32)
-    h = tl.load(part_ptr + s[:, None] * R + r[None, :], mask=row_ok[:, None] & r_ok[None, :],
-                other=0.0, volatile=True)
-    return y + tl.sum(h * b, 1)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, N, K, stride_wn,
     r_ptr, res_out_ptr, g_ptr, eps, ws_ptr,
-    a_ptr, b_ptr, part_ptr, slot_ptr, flags_ptr, epoch_ptr, NA, R, b1, b2, lora_programs,
+    a_ptr, part_ptr, slot_ptr, NA, base_programs,
     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SCALED: tl.constexpr,
     LORA: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, FLAGS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """out[n] = sum_k w[n, k] * x[k] for this program's BLOCK_N rows n (x: see _input_tile);
     SCALED: times ws[n] (fp8 weights and their per-row scales).
 
     NORM first walks the row once for its sum of squares (from L2: every program reads the
-    same row); with HAS_RES the first base program also writes the summed residual to res_out.
+    same row); with HAS_RES program 0 also writes the summed residual to res_out.
 
-    LORA: the token's adapter delta is added in the same kernel. The first `lora_programs`
-    programs multiply the same input by the NA rows of the token's slot (a [slots, NA, K],
-    the slot at slot_ptr, -1: none) into part [NA] in float32 (the shrink: a few more rows
-    of the projection) and flag it done with this step's epoch; the other programs compute
-    their rows, wait for the flags, and add part's expand through b [slots, R, N] before
-    they store (no second kernel, and no rounding of the base product before the delta).
+    LORA: the programs past `base_programs` multiply the same input by the NA rows of the
+    token's LoRA slot (a [slots, NA, K], the slot at slot_ptr, -1: none) into part [NA] in
+    float32: the adapter's shrink, for the price of a few more rows of the projection.
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
-    slot = -1
     if LORA:
-        slot = tl.load(slot_ptr)  # the host's copy, complete before the step's kernels
-        if pid < lora_programs:
-            if slot >= 0:
-                rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-                row_ok = rows < NA
-                w_ptrs = (a_ptr + (slot.to(tl.int64) * NA + rows)[:, None] * K
-                          + cols[None, :])  # fmt: skip
-                y = _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps,
-                              False, GATED, NORM, HAS_RES, PDL, BLOCK_K, False, EVEN_K)
-                tl.store(part_ptr + rows, y, mask=row_ok)
-                tl.debug_barrier()  # every thread's part before the flag (released)
-                tl.atomic_xchg(flags_ptr + pid, tl.load(epoch_ptr), sem="release")
+        if pid >= base_programs:
+            slot = tl.load(slot_ptr)  # the host's copy, complete before the step's kernels
+            if slot < 0:
+                return
+            rows = (pid - base_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < NA
+            w_ptrs = (a_ptr + (slot.to(tl.int64) * NA + rows)[:, None] * K + cols[None, :])
+            y = _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps,
+                          GATED, NORM, HAS_RES, PDL, BLOCK_K, False, EVEN_K)
+            tl.store(part_ptr + rows, y, mask=row_ok)
             return
-        pid -= lora_programs
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    y = _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps, pid == 0,
-                  GATED, NORM, HAS_RES, PDL, BLOCK_K, EVEN_N and EVEN_K, EVEN_K)
+    y = _dot_rows(x_ptr, w_ptrs, row_ok, cols, K, r_ptr, res_out_ptr, g_ptr, eps, GATED, NORM,
+                  HAS_RES, PDL, BLOCK_K, EVEN_N and EVEN_K, EVEN_K)
     if SCALED:
         y *= tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
-    if LORA:
-        if slot >= 0:
-            y = _lora_delta(y, rows, row_ok, slot, b_ptr, part_ptr, flags_ptr, epoch_ptr, R, N,
-                            b1, b2, lora_programs, BLOCK_R, FLAGS)
     y = y.to(out_ptr.dtype.element_ty)
     if EVEN_N:
         tl.store(out_ptr + rows, y)
     else:
         tl.store(out_ptr + rows, y, mask=row_ok)
-
-
-class GemvLora(NamedTuple):
-    """An adapter's delta added inside a batch-1 GEMV: out += (a[slot] @ x) @ b[slot] per
-    slice, nothing when slot is -1 (engine/lora/layers.py's `LoraLinear.one_row_lora`).
-
-    a [slots, NA, K] and b [slots, R, N] in x's dtype, NA = slices * R; slot [1] int32;
-    epoch [1] int32, a value the host changes before every forward that may use a slot;
-    part [NA] float32 and flags [NA] int32: scratch of this call site alone (flags start
-    other than any epoch); bounds: where slices 1 and 2 start in N (fewer slices: N).
-    """
-
-    a: torch.Tensor
-    b: torch.Tensor
-    slot: torch.Tensor
-    epoch: torch.Tensor
-    part: torch.Tensor
-    flags: torch.Tensor
-    bounds: tuple[int, int]
 
 
 def gemv(
@@ -258,7 +200,7 @@ def gemv(
     gated: bool = False,
     config: GemvConfig | None = None,
     scale: torch.Tensor | None = None,
-    lora: GemvLora | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight)` for one row x (fp8 weights: `F.linear(x, weight * scale[:, None])`).
 
@@ -269,7 +211,8 @@ def gemv(
         gated: the input is silu(gate) * up (the MLP's down projection).
         config: launch parameters; default `gemv_config(N, K, fp8=scale is not None)`.
         scale: [N] float32, the fp8 weight's per-row scales (engine/models/fp8.py).
-        lora: an adapter's delta to add (`GemvLora`).
+        lora: (a [slots, NA, K] in x's dtype, part [NA] float32, slot [1] int32): part =
+            a[slot] @ x as well, the LoRA shrink (nothing when slot is -1).
     Returns:
         out.
     """
@@ -292,7 +235,7 @@ def rms_norm_gemv(
     weight: torch.Tensor,
     config: GemvConfig | None = None,
     scale: torch.Tensor | None = None,
-    lora: GemvLora | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layer's `norm(x, residual)` then `F.linear(normed, weight)`, for one row, in
     one kernel (the RMSNorm kernel before a batch-1 projection costs more in launch and latency
@@ -302,7 +245,7 @@ def rms_norm_gemv(
         x: [1, K] contiguous; residual: [1, K] or None (the first layer: x is the residual).
         norm_weight: [K]; eps: the norm's epsilon.
         weight: [N, K], x's dtype (or float8_e4m3fn with `scale`, as for `gemv`).
-        lora: as for `gemv`: the adapter's delta for the normed input.
+        lora: as for `gemv`: the shrink of the normed input.
     Returns:
         (out [1, N], the residual stream x + residual: a new tensor, or x when residual is
         None).
@@ -339,33 +282,20 @@ def _launch(x, weight, out, config, scale, gated: bool = False, norm=None, lora=
     residual, res_out, norm_weight, eps = norm or (None, x, x, 0.0)
     pdl = _pdl.use_pdl(x)
     base_programs = triton.cdiv(n, config.block_n)
-    na = rank = lora_programs = 0
-    bounds = (n, n)
-    if lora is not None:
-        na, rank = lora.a.shape[1], lora.b.shape[1]
-        lora_programs = triton.cdiv(na, config.block_n)
-        bounds = lora.bounds
-        if (lora.a.dim() != 3 or lora.a.shape[2] != k or lora.a.dtype != x.dtype
-                or lora.b.shape[::2] != (lora.a.shape[0], n) or lora.b.dtype != x.dtype
-                or lora.part.shape != (na,) or lora.part.dtype != torch.float32
-                or lora.flags.shape[0] < lora_programs):  # fmt: skip
-            raise ValueError(
-                f"lora: a must be [slots, NA, {k}] and b [slots, R, {n}] in {x.dtype}, part "
-                f"[NA] float32, flags at least {lora_programs} long; got a {lora.a.dtype} "
-                f"{tuple(lora.a.shape)}, b {lora.b.dtype} {tuple(lora.b.shape)}, part "
-                f"{lora.part.dtype} {tuple(lora.part.shape)}, flags {tuple(lora.flags.shape)}")
-    lo = lora if lora is not None else GemvLora(x, x, out, out, out, out, bounds)
-    _gemv_kernel[(lora_programs + base_programs,)](
+    a, part, slot = lora or (x, out, out)
+    na = a.shape[1] if lora is not None else 0
+    if lora is not None and (a.dim() != 3 or a.shape[2] != k or a.dtype != x.dtype
+                             or part.shape != (na,) or part.dtype != torch.float32):
+        raise ValueError(f"lora: a must be [slots, NA, {k}] in {x.dtype} and part [NA] "
+                         f"float32; got a {a.dtype} {tuple(a.shape)}, part {part.dtype} "
+                         f"{tuple(part.shape)}")
+    _gemv_kernel[(base_programs + triton.cdiv(na, config.block_n),)](
         x, weight, out, n, k, weight.stride(0),
         x if residual is None else residual, res_out, norm_weight, eps,
-        out if scale is None else scale, lo.a, lo.b, lo.part, lo.slot, lo.flags, lo.epoch, na, rank,
-        *bounds,
-        lora_programs,
+        out if scale is None else scale, a, part, slot, na, base_programs,
         GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
         SCALED=scale is not None, LORA=lora is not None, PDL=pdl,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        FLAGS=max(16, triton.next_power_of_2(lora_programs)),
         EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_options(pdl),
     )  # fmt: skip

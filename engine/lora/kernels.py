@@ -314,3 +314,16 @@ def _bgmv(x, out, a, b, slots, bounds, mode, norm) -> None:
         k, eps, SLICES=len(bounds) + 1, SPLITS=splits, NORM=mode == 1,
         BLOCK_N=_BGMV_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r)), PDL=pdl,
         **_pdl.launch_options(pdl))
+
+
+def lora_expand_one_row(part: torch.Tensor, out: torch.Tensor, b: torch.Tensor,
+                        slots: torch.Tensor, bounds: list[int]) -> None:
+    """out[0] += part @ b[slot] per slice, for batch-1 decode whose GEMV computed the shrink
+    (part [S*R] float32, engine/kernels/gemv.py's `lora`); nothing when slots[0] is -1."""
+    r, n_out = b.shape[1], b.shape[2]
+    pdl = _pdl.use_pdl(out)
+    b1, b2 = (list(bounds) + [n_out, n_out])[:2]
+    _bgmv_expand_kernel[(1, triton.cdiv(n_out, _BGMV_BLOCK_N))](
+        part, b, out, out.stride(0), slots, r, part.shape[0], part.shape[0], n_out, 0, b1, b2,
+        1, 0.0, SLICES=len(bounds) + 1, SPLITS=1, NORM=False, BLOCK_N=_BGMV_BLOCK_N,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), PDL=pdl, **_pdl.launch_options(pdl))

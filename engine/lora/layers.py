@@ -59,16 +59,12 @@ class LoraBatch:
         self.groups: list[tuple[int, torch.Tensor]] = []  # set by set_slots
         self.rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.max_tiles = -(-max_tokens // TILE_ROWS) + max_loras
-        # [tiles (3 x max_tiles) | slots (BGMV_MAX_TOKENS) | epoch]: no tile, every token the
-        # base; the epoch changes with every copy (batch-1 GEMVs flag their shrink done with it)
-        end = 3 * self.max_tiles + BGMV_MAX_TOKENS
-        table = torch.zeros(end + 1, dtype=torch.int32)
-        table[3 * self.max_tiles : end] = -1
+        # [tiles (3 x max_tiles) | slots (BGMV_MAX_TOKENS)]: no tile, every token the base
+        table = torch.zeros(3 * self.max_tiles + BGMV_MAX_TOKENS, dtype=torch.int32)
+        table[3 * self.max_tiles:] = -1
         table = table.to(device)
         self.tiles = table[: 3 * self.max_tiles].view(3, self.max_tiles)
-        self.slots = table[3 * self.max_tiles : end]
-        self.epoch = table[end:]
-        self._epoch = 0
+        self.slots = table[3 * self.max_tiles:]
         self._table = table
         self._tiles_empty = True  # what `tiles` and `slots` hold on the device; set_slots
         # the last slot write's copies (CUDA), which the next forward waits for; set by
@@ -108,9 +104,8 @@ class LoraBatch:
             rows += tokens
         pad = self.max_tiles - len(starts)  # empty tiles: the grid's rest returns at once
         few = list(slots) if len(slots) <= BGMV_MAX_TOKENS else []
-        self._epoch = self._epoch % 0x7FFFFFFF + 1  # never 0, the flags' first value
         table = (starts + [0] * pad + lengths + [0] * pad + tile_slots + [0] * pad
-                 + few + [-1] * (BGMV_MAX_TOKENS - len(few)) + [self._epoch])
+                 + few + [-1] * (BGMV_MAX_TOKENS - len(few)))
         if self.active or not self._tiles_empty:  # a base-only step after another: no copy
             self._table.copy_(_to_device(table, self.device))
             if rows:
@@ -138,7 +133,6 @@ class LoraLinear(nn.Module):
                              device=w.device)
         self.b = torch.zeros(loras, rank, sum(slices), dtype=w.dtype, device=w.device)
         self.offsets = [sum(slices[:i]) for i in range(len(slices) + 1)]
-        self._part = self._flags = None  # one_row_lora's scratch
 
     @property
     def weight(self) -> torch.Tensor:  # the base's: what fused kernels and loaders read
@@ -170,20 +164,20 @@ class LoraLinear(nn.Module):
         for slot, rows in batch.groups:
             self._add_group(_input(x[rows], norm, gated), out, slot, rows)
 
-    def one_row_lora(self):
-        """For batch-1 decode on the Triton path, when this step may use an adapter: the
-        `GemvLora` its GEMV adds the delta with (engine/kernels/gemv.py); None otherwise."""
+    def one_row_shrink(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For batch-1 decode on the Triton path, when this step may use an adapter: (a,
+        part, slots) for the projection's GEMV to compute the shrink in as extra rows
+        (engine/kernels/gemv.py), then `one_row_expand`; None otherwise."""
         batch = self.batch
         if not batch.use_triton or not (batch.active or batch.launch_always):
             return None
-        from engine.kernels.gemv import GemvLora
+        part = torch.empty(self.a.shape[1], dtype=torch.float32, device=self.a.device)
+        return self.a, part, batch.slots
 
-        if self._part is None:  # this call site's scratch, kept: CUDA graphs hold it
-            self._part = torch.empty(self.a.shape[1], dtype=torch.float32, device=self.a.device)
-            self._flags = torch.zeros(self.a.shape[1], dtype=torch.int32, device=self.a.device)
-        bounds = (self.offsets[1:-1] + [self.offsets[-1]] * 2)[:2]
-        return GemvLora(self.a, self.b, batch.slots, batch.epoch, self._part, self._flags,
-                        tuple(bounds))
+    def one_row_expand(self, shrink: tuple, out: torch.Tensor) -> None:
+        from engine.lora.kernels import lora_expand_one_row
+
+        lora_expand_one_row(shrink[1], out, self.b, shrink[2], self.offsets[1:-1])
 
     def _add_group(self, x: torch.Tensor, out: torch.Tensor, slot: int, rows: torch.Tensor):
         shrunk = x @ self.a[slot].t()  # [n, S*R]

@@ -266,41 +266,44 @@ class LlamaDecoderLayer(nn.Module):
     def _forward_one_row(self, x, residual, positions, rotary, attn):
         """The same layer for one token (batch-1 decode) in four GEMV kernels: each norm runs
         inside the projection after it, SiLU·mul inside the down projection. With an adapter
-        each GEMV also computes the adapter's shrink (a few more rows: the same input) and
-        adds its expand to the rows it writes (engine/kernels/gemv.py)."""
+        each GEMV also computes the adapter's shrink (a few more rows: the same input), and
+        one small kernel adds the expand to its output."""
         from engine.kernels.gemv import gemv, rms_norm_gemv
 
         sa, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        lora = _lora(sa.qkv_proj)
+        lora = _lora_shrink(sa.qkv_proj)
         qkv, summed = rms_norm_gemv(x, residual, norm1.weight, norm1.eps, lora=lora,
                                     **_gemv_weight(sa.qkv_proj))  # fmt: skip
-        _lora_torch(sa.qkv_proj, lora, summed, qkv, norm=(norm1.weight, norm1.eps))
+        _lora_finish(sa.qkv_proj, lora, summed, qkv, norm=(norm1.weight, norm1.eps))
         x, residual = sa.attend(qkv, positions, rotary, attn), summed
-        lora = _lora(sa.o_proj)
+        lora = _lora_shrink(sa.o_proj)
         out = gemv(x, lora=lora, **_gemv_weight(sa.o_proj))
-        _lora_torch(sa.o_proj, lora, x, out)
+        _lora_finish(sa.o_proj, lora, x, out)
         x = sa.tp.all_reduce(out)
-        lora = _lora(mlp.gate_up_proj)
+        lora = _lora_shrink(mlp.gate_up_proj)
         gate_up, summed = rms_norm_gemv(x, residual, norm2.weight, norm2.eps, lora=lora,
                                         **_gemv_weight(mlp.gate_up_proj))  # fmt: skip
-        _lora_torch(mlp.gate_up_proj, lora, summed, gate_up, norm=(norm2.weight, norm2.eps))
-        lora = _lora(mlp.down_proj)
+        _lora_finish(mlp.gate_up_proj, lora, summed, gate_up, norm=(norm2.weight, norm2.eps))
+        lora = _lora_shrink(mlp.down_proj)
         out = gemv(gate_up, gated=True, lora=lora, **_gemv_weight(mlp.down_proj))
-        _lora_torch(mlp.down_proj, lora, gate_up, out, gated=True)
+        _lora_finish(mlp.down_proj, lora, gate_up, out, gated=True)
         return mlp.tp.all_reduce(out), summed
 
 
-def _lora(proj: nn.Module):
-    """The adapter delta a batch-1 GEMV adds for `proj` (LoraLinear's `one_row_lora`), or
-    None."""
-    return proj.one_row_lora() if isinstance(proj, LoraLinear) else None
+def _lora_shrink(proj: nn.Module):
+    """What a batch-1 GEMV needs to compute `proj`'s adapter shrink too (LoraLinear's
+    `one_row_shrink`), or None."""
+    return proj.one_row_shrink() if isinstance(proj, LoraLinear) else None
 
 
-def _lora_torch(proj: nn.Module, in_gemv, x: torch.Tensor, out: torch.Tensor, **form) -> None:
-    """out += the adapter's delta of a LoraLinear `proj` for one row on the torch path (its
-    GEMV did not add it), in the form `LoraLinear.add_delta` takes; nothing otherwise."""
-    if in_gemv is None and isinstance(proj, LoraLinear):
+def _lora_finish(proj: nn.Module, shrink, x: torch.Tensor, out: torch.Tensor, **form) -> None:
+    """out += the adapter's delta of a LoraLinear `proj` for one row: the expand of the shrink
+    its GEMV computed, or (the torch path) the whole delta from x, in the form
+    `LoraLinear.add_delta` takes; nothing for another projection."""
+    if shrink is not None:
+        proj.one_row_expand(shrink, out)
+    elif isinstance(proj, LoraLinear):
         proj.add_delta(x, out, **form)
 
 
