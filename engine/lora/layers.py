@@ -201,6 +201,16 @@ class LoraLinear(nn.Module):
             return None
         a, b = into or (torch.empty(self.a.shape[1:], dtype=self.a.dtype),
                         torch.empty(self.b.shape[1:], dtype=self.b.dtype))
+        if all(pair is not None and pair[0].shape[0] == self.rank and pair[0].dtype == a.dtype
+               and pair[1].dtype == b.dtype for pair in halves):  # fmt: skip
+            # every slice at the full rank, in the slot's dtype (the common case): three host
+            # ops, not three a slice (every op is one more wait for the GIL while the step
+            # loop runs beside the loader thread)
+            torch.cat([pair[0] for pair in halves], out=a)
+            torch.cat([pair[1].t() for pair in halves], dim=1, out=b)
+            if scale != 1.0:
+                b.mul_(scale)  # a 16-bit product is computed in float32, rounded once
+            return a, b
         for s, pair in enumerate(halves):
             lo, hi, top = self.offsets[s], self.offsets[s + 1], s * self.rank
             r = 0 if pair is None else pair[0].shape[0]
