@@ -147,8 +147,9 @@ def load_while_serving(core: EngineCore, vocab: int) -> dict:
     answer = CALLS["load_lora_adapter"].decode_answer(frames[0].result)
     core.abort_request("bg")
     # the loader thread's two parts again, alone (no step loop beside them): reading and
-    # checking the file, packing it for the slots (pinned host memory on CUDA)
+    # checking the file, packing it for the slots (into a spare slab: pinned on CUDA)
     path = Path(core.adapters.registry.lookup("extra").path)
+    core.adapters._loader.submit(lambda: None).result()  # the next spare slab is pinned
     _, _, slab, read_s, pack_s = core.adapters._read("extra", path)
     core.adapters._slabs.give(slab, None)
     stats = core.stats()

@@ -474,3 +474,42 @@ def test_a_slot_holds_the_adapter_scaled_and_zeros_wherever_it_has_nothing():
     want_b[:2, 5:7] = (b_v.float().t() * 0.75).to(torch.bfloat16)
     assert torch.equal(a, want_a) and torch.equal(b, want_b)
     assert proj.pack([None, None, None]) is None
+
+
+@pytest.mark.parametrize("drop", [None, (1, "k_proj")], ids=["full", "a-layer-missing-k"])
+def test_slab_chunks_hold_what_layer_by_layer_packing_gives(tiny_model_dir, drop):
+    """An adapter packed into a slab (chunks of layers stacked with a few ops, or layer by
+    layer where a projection is not at the slots' full rank everywhere) equals it packed
+    layer by layer into new tensors, tensor for tensor; a slab reused for another adapter
+    keeps nothing of the first."""
+    import torch
+
+    from engine.lora.adapter import AdapterWeights, module_shapes
+    from engine.lora.host import Slabs
+    from engine.lora.layers import LoraModel
+    from engine.models.loader import load_model
+
+    model, config = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    lora = LoraModel(model, config, max_loras=2, max_rank=4, max_tokens=4)
+    gen = torch.Generator().manual_seed(1)
+
+    def adapter(seed_scale: float) -> AdapterWeights:
+        weights = {(layer, m): ((torch.randn(4, d_in, generator=gen) * seed_scale).bfloat16(),
+                                (torch.randn(d_out, 4, generator=gen)).bfloat16())
+                   for layer in range(config.num_layers)
+                   for m, (d_in, d_out) in module_shapes(config).items()}
+        if drop is not None:
+            del weights[drop]
+        return AdapterWeights("a", "/a", 4, 0.5, weights)
+
+    slabs = Slabs(lora.layout, pin=False)
+    for scale in (1.0, 3.0):  # the second reuses the first's slab
+        weights = adapter(scale)
+        slab = slabs.take()
+        chunked, by_layer = lora.pack(weights, slab=slab), lora.pack(weights)
+        for got, want in zip(chunked, by_layer):
+            assert got.keys() == want.keys()
+            for name in got:
+                assert all(torch.equal(g, w) for g, w in zip(got[name], want[name])), name
+        slabs.give(slab, None)
+    assert slabs.allocated == 1

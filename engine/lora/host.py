@@ -24,7 +24,9 @@ class Layout:
     gives (piece, offset); pieces are `piece_bytes` long (a power of two, as torch's pinned
     allocator rounds to, and at least the largest tensor)."""
 
-    def __init__(self, sizes: list[int], piece_bytes: int = 4 << 20):
+    PIECE_BYTES = 4 << 20  # pinned a piece at a time: the driver is held ~2 ms for each
+
+    def __init__(self, sizes: list[int], piece_bytes: int = PIECE_BYTES):
         largest = max(sizes, default=0)
         self.piece_bytes = max(piece_bytes, 1 << (largest - 1).bit_length() if largest else 0)
         self.places: list[tuple[int, int]] = []

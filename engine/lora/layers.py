@@ -289,10 +289,21 @@ class LoraModel:
                     setattr(parent, name, wrapped[name])
             self.layers.append(wrapped)
         self._copy_stream = torch.cuda.Stream(w.device) if w.is_cuda else None
-        # where `pack` puts each tensor in a slab of host memory (engine/lora/host.py)
-        self.layout = Layout([math.prod(shape) * proj.a.element_size()
-                              for wrapped in self.layers for proj in wrapped.values()
-                              for shape in proj.packed_shapes()])
+        self.batch_dtype = w.dtype  # the slots'
+        # A slab of host memory (engine/lora/host.py) holds a packed adapter in chunks: for
+        # each projection, its a (then its b) of as many consecutive layers as fit a piece,
+        # stacked, so packing is a few host ops a chunk, not a few a layer and projection
+        self.chunks: list[tuple[str, int, range]] = []  # (projection, 0: a / 1: b, layers)
+        sizes = []
+        for name, proj in self.layers[0].items():
+            for half, shape in enumerate(proj.packed_shapes()):
+                nbytes = math.prod(shape) * proj.a.element_size()
+                per = max(1, Layout.PIECE_BYTES // nbytes)
+                for first in range(0, len(self.layers), per):
+                    layers = range(first, min(first + per, len(self.layers)))
+                    self.chunks.append((name, half, layers))
+                    sizes.append(nbytes * len(layers))
+        self.layout = Layout(sizes)
 
     def use_triton_kernels(self, on: bool) -> None:
         """The segmented Triton kernels (on: the GPU, or the interpreter) or the torch loop."""
@@ -301,24 +312,41 @@ class LoraModel:
     def pack(self, adapter: AdapterWeights, rank: int | None = None,
              slab: list[torch.Tensor] | None = None) -> PackedAdapter:
         """The adapter as the slots of tensor-parallel `rank` (default: this one) hold it, in
-        host memory: in `slab` if given (laid out as `self.layout` says; pinned, a slot write
-        is an asynchronous copy), else in new tensors. Runs in the loader thread: no device
-        work."""
+        host memory: in `slab` if given (laid out as `self.layout` and `self.chunks` say;
+        pinned, a slot write is an asynchronous copy), else in new tensors. Runs in the
+        loader thread: no device work."""
         tp = self.tp if rank is None else TensorParallel(self.tp.size, rank)
-        places = iter(self.layout.places if slab is not None else ())
-        packed = []
-        for i, wrapped in enumerate(self.layers):
-            layer = {}
-            for name, proj in wrapped.items():
-                into = None
-                if slab is not None:
-                    into = tuple(_view(slab, *next(places), shape, proj.a.dtype)
-                                 for shape in proj.packed_shapes())
-                pairs = [adapter.weights.get((i, module)) for module in _SLICES[name]]
-                pairs = [None if pair is None else tp.shard_lora(module, *pair, self.whole)
-                         for module, pair in zip(_SLICES[name], pairs)]
-                layer[name] = proj.pack(pairs, adapter.scale, into)
-            packed.append(layer)
+
+        def pairs(i: int, name: str) -> list:
+            found = [adapter.weights.get((i, module)) for module in _SLICES[name]]
+            return [None if pair is None else tp.shard_lora(module, *pair, self.whole)
+                    for module, pair in zip(_SLICES[name], found)]
+
+        if slab is None:
+            return [{name: proj.pack(pairs(i, name), adapter.scale)
+                     for name, proj in wrapped.items()}
+                    for i, wrapped in enumerate(self.layers)]
+        views: list[dict[str, list]] = [{name: [None, None] for name in w} for w in self.layers]
+        for (name, half, layers), (piece, offset) in zip(self.chunks, self.layout.places):
+            shape = (len(layers), *self.layers[0][name].packed_shapes()[half])
+            for j, view in enumerate(_view(slab, piece, offset, shape, self.batch_dtype)):
+                views[layers[j]][name][half] = view
+        packed: PackedAdapter = [{} for _ in self.layers]
+        for name, proj in self.layers[0].items():
+            found = [pairs(i, name) for i in range(len(self.layers))]
+            if not all(_full_rank(layer, proj) for layer in found):  # layer by layer
+                for i, wrapped in enumerate(self.layers):
+                    packed[i][name] = wrapped[name].pack(found[i], adapter.scale,
+                                                         tuple(views[i][name]))
+                continue
+            for (chunk_name, half, layers), (piece, offset) in zip(self.chunks,
+                                                                   self.layout.places):
+                if chunk_name == name:
+                    shape = (len(layers), *proj.packed_shapes()[half])
+                    _stack_chunk(_view(slab, piece, offset, shape, self.batch_dtype),
+                                 [found[i] for i in layers], proj, half, adapter.scale)
+            for i in range(len(self.layers)):
+                packed[i][name] = tuple(views[i][name])
         return packed
 
     def write_slot(self, slot: int, packed: PackedAdapter | None) -> torch.cuda.Event | None:
@@ -340,10 +368,35 @@ class LoraModel:
         return self.batch.copied if stream is not None else None
 
 
-def _view(slab: list[torch.Tensor], piece: int, offset: int, shape: torch.Size,
+def _view(slab: list[torch.Tensor], piece: int, offset: int, shape: tuple,
           dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     return slab[piece][offset : offset + nbytes].view(dtype).view(shape)
+
+
+def _full_rank(pairs: list, proj: LoraLinear) -> bool:
+    """Every slice targeted at the slots' full rank, in their dtype: `_stack_chunk`'s case
+    (the common one); anything else packs layer by layer (`LoraLinear.pack`)."""
+    return all(pair is not None and pair[0].shape[0] == proj.rank
+               and pair[0].dtype == proj.a.dtype and pair[1].dtype == proj.b.dtype
+               for pair in pairs)  # fmt: skip
+
+
+def _stack_chunk(chunk: torch.Tensor, layers: list[list], proj: LoraLinear, half: int,
+                 scale: float) -> None:
+    """Pack a chunk of consecutive layers' a (half 0: [layers, S*R, in]) or b (half 1:
+    [layers, R, out], B^T times scale) of full-rank slices: one host op a slice (and one
+    scale): every op is one more wait for the GIL while the step loop runs beside the
+    loader thread."""
+    r = proj.rank
+    for s in range(len(proj.offsets) - 1):
+        if half == 0:
+            torch.stack([pairs[s][0] for pairs in layers], out=chunk[:, s * r : (s + 1) * r])
+        else:
+            lo, hi = proj.offsets[s], proj.offsets[s + 1]
+            torch.stack([pairs[s][1].t() for pairs in layers], out=chunk[:, :, lo:hi])
+    if half == 1 and scale != 1.0:
+        chunk.mul_(scale)  # a 16-bit product is computed in float32, rounded once
 
 
 assert set(TARGET_MODULES) == {m for ms in _SLICES.values() for m in ms}
