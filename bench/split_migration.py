@@ -13,8 +13,9 @@ moves it into a receiver D's prefix cache (`commit`), with fresh token ids every
   recompute  D computes the context itself (a one-token request on it)
   split S    prep_recv(own=k) on D; D computes prompt[:k] as a request of its own while P
              copies [k, N), side by side; then commit (k = S x N, whole pages)
-  auto       the share that makes both sides take equally long, k/prefill = (N-k)/copy, at
-             the rates this run measured for the copy and the recompute
+  auto       the router's rule (router/split_migration.py's SplitRates): each side's time
+             fit as a fixed cost plus a cost per token to the runs before it, then a pure
+             move or the split where both sides end together, whichever it predicts fastest
 
 Times are wall-clock per move, from this client (the calls' HTTP round trips included).
 Prints a Markdown table per receiver kind for docs/benchmarks.md.
@@ -34,51 +35,72 @@ from microserve.messages import CommitRequest, PrepRecvRequest, RemoteSendReques
 from microserve.microserving_client import EngineClient
 from microserve.model_config import ModelConfig
 from microserve.model_files import resolve_model
+from router.split_migration import SplitRates
 
 PAGE = 16  # the engines' page size
 
-async def move(p: EngineClient, d: EngineClient, ctx: list[int], own: int, tag: str) -> float:
-    """Seconds to put `ctx` into D's cache, D computing [0, own) and P copying the rest."""
+async def move(p: EngineClient, d: EngineClient, ctx: list[int], own: int, tag: str,
+               rates: SplitRates | None = None) -> float:
+    """Seconds to put `ctx` into D's cache, D computing [0, own) and P copying the rest; the
+    two sides' own times go into `rates`, as the router's split records them."""
     n = len(ctx)
     started = time.perf_counter()
     if own >= n:  # all on D
         await prefill_on(d, f"recompute-{tag}", ctx)
-        return time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        if rates is not None:
+            rates.record("p", "d", n, elapsed, 0, 0.0)
+        return elapsed
     r = await d.call(PrepRecvRequest(f"move-{tag}", ctx, end=n, own=own or None))
-    jobs = [p.call(RemoteSendRequest(f"move-{tag}", ctx, r.kv_addr.begin, n, r.kv_addr))]
-    if own > r.matched:
-        jobs.append(prefill_on(d, f"head-{tag}", ctx[:own]))
-    await asyncio.gather(*jobs)
+
+    async def timed(job) -> float:
+        begun = time.perf_counter()
+        await job
+        return time.perf_counter() - begun
+
+    head = max(0, own - r.matched)
+    tail = n - r.kv_addr.begin
+    jobs = [timed(p.call(RemoteSendRequest(f"move-{tag}", ctx, r.kv_addr.begin, n,
+                                           r.kv_addr)))]
+    if head > 0:
+        jobs.append(timed(prefill_on(d, f"head-{tag}", ctx[:own])))
+    times = await asyncio.gather(*jobs)
     committed = await d.call(CommitRequest(f"move-{tag}"))
     elapsed = time.perf_counter() - started
     assert committed.cached == n // PAGE * PAGE, committed
+    if rates is not None:
+        rates.record("p", "d", head, times[1] if head > 0 else 0.0, tail, times[0])
     return elapsed
 
 
 async def one_kind(p: EngineClient, d: EngineClient, kind: str, n: int, shares: list[float],
                    vocab: int, repeat: int, rng) -> None:
+    rates = SplitRates()  # what `auto` goes by: the router's rule, fed by the runs before it
+
     async def timed(own: int) -> float:
         runs = []
-        for _ in range(repeat + 1):  # the first is a warm-up
+        for i in range(repeat + 1):  # the first is a warm-up
             ctx = fresh(rng, vocab, n)
             await prefill_on(p, f"warm-{rng.random()}", ctx)  # P caches it
-            runs.append(await move(p, d, ctx, own, f"{own}-{rng.random()}"))
+            runs.append(await move(p, d, ctx, own, f"{own}-{rng.random()}",
+                                   rates if i else None))
         return statistics.median(runs[1:])
 
     copy_s, recompute_s = await timed(0), await timed(n)
-    # k / prefill = (n - k) / copy  with prefill = n / recompute_s, copy = n / copy_s
-    auto = recompute_s and copy_s / (copy_s + recompute_s)
     rows = [("copy (P sends all)", 0, copy_s), ("recompute (D computes all)", n, recompute_s)]
-    for share in [*shares, auto]:
+    for share in shares:
         own = int(n * share) // PAGE * PAGE
-        name = f"auto ({share:.2f})" if share is auto else f"split {share:.2f}"
-        rows.append((name, own, await timed(own)))
+        rows.append((f"split {share:.2f}", own, await timed(own)))
+    auto = rates.share("p", "d", n)  # router/split_migration.py's rule
+    own = n if auto >= 1 else int(n * auto) // PAGE * PAGE
+    rows.append((f"auto ({auto:.2f})", own, await timed(own)))
     best = min(copy_s, recompute_s)
     print(f"\n{kind}, {n:,}-token context, median of {repeat}:\n")
     print("| mode | computed on D | time | vs the better of copy and recompute |")
     print("|---|---|---|---|")
     for name, own, s in rows:
         print(f"| {name} | {own:,} | {s * 1e3:.1f} ms | {s / best:.2f}x |", flush=True)
+    print(f"\nauto's lines (router/split_migration.py): {rates.describe()}", flush=True)
 
 
 async def main() -> None:

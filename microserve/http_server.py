@@ -100,6 +100,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._deadline: asyncio.TimerHandle | None = None  # the head's or the body's
         self._in_head = True  # the next byte received belongs to a request head
         self._head_bytes = 0  # of the current head, counted in chunks read whole inside it
+        self._heads_done = 0  # heads completed on this connection (a chunk may hold requests)
         self._lingering = False  # answered and closing: what arrives now is dropped
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -124,9 +125,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._lingering or self.transport.is_closing():
             return
-        whole_chunk_in_head = self._in_head
+        # a chunk read whole inside one head: in a head before and after, no head ended in
+        # it (else a whole request, head, body and all, read at once would count as head)
+        whole_chunk_in_head, heads_done = self._in_head, self._heads_done
         super().data_received(data)
-        if whole_chunk_in_head and self._in_head and not self.transport.is_closing():
+        if (whole_chunk_in_head and self._in_head and self._heads_done == heads_done
+                and not self.transport.is_closing()):  # fmt: skip
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._close_with(_error(431, f"The request's line and headers are longer "
@@ -143,6 +147,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         self._in_head, self._head_bytes = False, 0
+        self._heads_done += 1
         super().on_headers_complete()
         self._arm(self.limits.body_timeout_s)
 

@@ -285,7 +285,7 @@ class AdminAPI:
         request = StrategyRequest(f"migrate-{uuid.uuid4().hex}", prompt,
                                   SamplingParams(max_tokens=1, lora_name=body.lora_name))
         if body.split is not None:
-            share = (self.split_rates.share(source.name, destination.name)
+            share = (self.split_rates.share(source.name, destination.name, len(prompt))
                      if body.split == "auto" else body.split)
             return JSONResponse(await split_migrate(self.pool, source, destination, request,
                                                     share, self.split_rates, body.pin))

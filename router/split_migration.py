@@ -7,12 +7,18 @@ meet where each is done at about the same time.
     └ source.remote_send(k, n, kv_addr)               (copies the tail), at once, side by side
     destination.commit()                   grafts the head's cached pages before the tail
 
-The split `k` is a share of the context (whole pages): given, or `auto`: the share that makes
-both sides take equally long at the rates measured on earlier split migrations between the
-same engines (the destination's prefill tokens/s on the head, the pair's copy tokens/s on the
-tail; half-and-half until both are known):
+The split `k` is a share of the context (whole pages): given, or `auto`, from the times of
+earlier split migrations between the same engines. Each side's time is fit as a line, a fixed
+cost plus a cost per token (least squares over its latest samples: the destination computing
+heads, the pair copying tails), and `auto` takes the fastest of a pure copy, a pure recompute
+and the split where both sides are predicted done together,
 
-    k / prefill_rate = (n - k) / copy_rate   =>   k = n * prefill_rate / (prefill_rate + copy_rate)
+    head_fixed + k / prefill_rate = copy_fixed + (n - k) / copy_rate,
+
+taking the split only where it is predicted at least SPLIT_MARGIN faster than the faster pure
+move: a split costs two requests' overheads, and a small head costs more than its tokens say
+(2x H200, 8,192 tokens over cuda_ipc: a split that computed 656 tokens took 28 ms against a
+pure copy's 20; docs/benchmarks.md). Half-and-half until both sides have a sample.
 
 If the head is not in the destination's cache by the commit (evicted meanwhile), the engine
 caches nothing it cannot vouch for: `cached` then counts only what it held before.
@@ -22,43 +28,87 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from microserve.messages import SamplingParams
 from router.strategy import Request as StrategyRequest
 
-EWMA = 0.5  # weight of the newest measurement
+SAMPLES = 16  # each side's line is fit to its latest samples
+SPLIT_MARGIN = 0.15  # a split must be predicted this much faster than the faster pure move
+
+
+class _Line:
+    """seconds = fixed + tokens * per_token, fit to the latest (tokens, seconds) samples; with
+    one size only (or a fit with a negative part), no fixed cost: the mean rate."""
+
+    def __init__(self):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=SAMPLES)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.samples.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token)."""
+        n = len(self.samples)
+        tokens = sum(t for t, _ in self.samples)
+        seconds = sum(s for _, s in self.samples)
+        mean_t, mean_s = tokens / n, seconds / n
+        var = sum((t - mean_t) ** 2 for t, _ in self.samples)
+        if var > 0:
+            slope = sum((t - mean_t) * (s - mean_s) for t, s in self.samples) / var
+            fixed = mean_s - slope * mean_t
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+        return 0.0, seconds / tokens
+
+    def time(self, tokens: int) -> float:
+        fixed, per_token = self.fit()
+        return fixed + tokens * per_token if tokens > 0 else 0.0
 
 
 class SplitRates:
-    """The rates `auto` splits by, measured on each split migration."""
+    """What `auto` splits by: each destination's head times and each pair's copy times."""
 
     def __init__(self):
-        self.prefill: dict[str, float] = {}  # destination -> tokens/s computing the head
-        self.copy: dict[tuple[str, str], float] = {}  # (source, destination) -> tokens/s
+        self.prefill: dict[str, _Line] = {}  # destination -> heads it computed
+        self.copy: dict[tuple[str, str], _Line] = {}  # (source, destination) -> tails copied
 
-    def share(self, source: str, destination: str) -> float:
-        """The share of a context the destination should compute itself."""
-        prefill, copy = self.prefill.get(destination), self.copy.get((source, destination))
-        if prefill is None or copy is None:
+    def share(self, source: str, destination: str, tokens: int) -> float:
+        """The share of a `tokens`-long context the destination should compute itself."""
+        head, tail = self.prefill.get(destination), self.copy.get((source, destination))
+        if head is None or tail is None or tokens <= 0:
             return 0.5
-        return prefill / (prefill + copy)
+        (h0, h), (c0, c) = head.fit(), tail.fit()
+        copy_s, recompute_s = tail.time(tokens), head.time(tokens)
+        own = min(max((c0 - h0 + tokens * c) / (h + c), 0.0), float(tokens))
+        split_s = max(head.time(round(own)), tail.time(tokens - round(own)))
+        best_pure = min(copy_s, recompute_s)
+        if split_s < (1 - SPLIT_MARGIN) * best_pure:
+            return own / tokens
+        return 0.0 if copy_s <= recompute_s else 1.0
 
     def record(self, source: str, destination: str, head: int, head_s: float, tail: int,
                tail_s: float) -> None:
         if head and head_s > 0:
-            self.prefill[destination] = _ewma(self.prefill.get(destination), head / head_s)
+            self.prefill.setdefault(destination, _Line()).add(head, head_s)
         if tail and tail_s > 0:
-            key = (source, destination)
-            self.copy[key] = _ewma(self.copy.get(key), tail / tail_s)
+            self.copy.setdefault((source, destination), _Line()).add(tail, tail_s)
 
     def describe(self) -> dict:
-        return {"prefill_tokens_per_s": dict(self.prefill),
-                "copy_tokens_per_s": {f"{s}->{d}": r for (s, d), r in self.copy.items()}}
+        def rates(lines: dict) -> dict:
+            return {_name(key): 1 / line.fit()[1] for key, line in lines.items()}
+
+        def fixed(lines: dict) -> dict:
+            return {_name(key): line.fit()[0] for key, line in lines.items()}
+
+        return {"prefill_tokens_per_s": rates(self.prefill),
+                "copy_tokens_per_s": rates(self.copy),
+                "prefill_fixed_s": fixed(self.prefill), "copy_fixed_s": fixed(self.copy)}
 
 
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else EWMA * new + (1 - EWMA) * old
+def _name(key) -> str:
+    return key if isinstance(key, str) else f"{key[0]}->{key[1]}"
 
 
 @dataclass

@@ -64,7 +64,7 @@ class ContextMigration(Strategy):
             target, source = idle, holder
         begin, first = 0, None
         if source is not None and last > 0 and self.split is not None:
-            share = (self.rates.share(source.name, target.name) if self.split == "auto"
+            share = (self.rates.share(source.name, target.name, last) if self.split == "auto"
                      else self.split)
             await split_send(engines, source, target, request, last, share, self.rates)
             begin = last  # the target computes the last prompt token and samples

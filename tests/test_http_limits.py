@@ -165,6 +165,23 @@ async def test_a_head_longer_than_the_limit_gets_431():
         writer.close()
 
 
+async def test_a_whole_request_in_one_read_is_not_taken_for_a_long_head():
+    """A short head with a body past the head limit, arriving whole in one read (a 32k-token
+    prompt's body on loopback): answered, not refused as a head too long (the bytes of a
+    chunk in which a whole request began and ended are not head bytes)."""
+    body = b"x" * (2 * MAX_HEAD_BYTES)
+    async with serving(HttpLimits()) as (port, _):
+        reader, writer = await connect(port)
+        for _ in range(2):  # and again on the same connection
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % len(body) + body)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.split()[1] == b"200", head
+            assert await asyncio.wait_for(reader.readexactly(len(body)), 5) == body
+        writer.close()
+
+
 async def test_past_the_connection_cap_a_new_connection_gets_503_and_the_open_ones_go_on():
     async with serving(HttpLimits(max_connections=3)) as (port, server):
         url = f"http://127.0.0.1:{port}"
