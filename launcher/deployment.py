@@ -269,12 +269,13 @@ def with_nvshmem_group(launches: list[EngineLaunch], rendezvous: str) -> list[En
 
 
 def with_cpu_threads(launches: tuple[EngineLaunch, ...]) -> list[EngineLaunch]:
-    """CPU engines on one host split its cores (each gets cores // CPU engines, at least one)
-    unless their args say --cpu-threads: engines that each spin threads on every core slow
-    each other down about tenfold."""
-    on_cpu = [launch.config.device == "cpu" for launch in launches]
-    threads = max(1, (os.cpu_count() or 1) // max(1, sum(on_cpu)))
+    """The engines of one host split its cores for torch's intra-op threads (each gets cores
+    // engines, at least one) unless their args say --cpu-threads: engines that each spin
+    threads on every core slow each other down about tenfold. GPU engines too: their host
+    work (packing LoRA adapters, for one) ran ~1,300 small parallel ops an adapter, and two
+    engines of 32 threads each on a 32-core host took 10 s an adapter at start-up (2026-11-27,
+    two H200s)."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(launches)))
     return [replace(launch, args=(*launch.args, "--cpu-threads", str(threads)),
                     config=replace(launch.config, cpu_threads=threads))
-            if cpu and launch.config.cpu_threads is None else launch
-            for launch, cpu in zip(launches, on_cpu)]
+            if launch.config.cpu_threads is None else launch for launch in launches]

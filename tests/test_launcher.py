@@ -464,6 +464,24 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
             load_deployment(config)
 
 
+def test_the_engines_of_a_host_split_its_cores_unless_their_args_choose(tmp_path, monkeypatch):
+    """CPU and GPU engines alike get cores // engines torch threads (at least one); an engine
+    whose args set --cpu-threads keeps its own."""
+    from launcher.deployment import with_cpu_threads
+
+    config = tmp_path / "deploy.toml"
+    config.write_text('[[engines]]\nname = "a"\nargs = ["--device", "cuda:0"]\n'
+                      '[[engines]]\nname = "b"\nargs = ["--device", "cuda:1"]\n'
+                      '[[engines]]\nname = "c"\nargs = ["--cpu-threads", "3"]\n')
+    engines = load_deployment(config).engines
+    monkeypatch.setattr("os.cpu_count", lambda: 32)
+    threads = [e.config.cpu_threads for e in with_cpu_threads(engines)]
+    assert threads == [10, 10, 3]
+    assert with_cpu_threads(engines)[0].args[-2:] == ("--cpu-threads", "10")
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert [e.config.cpu_threads for e in with_cpu_threads(engines)] == [1, 1, 3]
+
+
 def test_engines_whose_shares_of_one_gpu_add_up_to_more_than_it_are_refused(tmp_path):
     """A TP 2 engine on cuda:0 takes cuda:0 and cuda:1: an engine on cuda:1 beside it at the
     default 0.9 would run out of memory at start, so the file is refused naming the GPU, the
