@@ -473,8 +473,9 @@ async def test_a_split_migration_computes_the_head_on_the_destination(up, admin,
                                                                       smollm2_dir):
     """BlockLLM's split: d computes the first half of the context itself while p copies the
     rest; d ends holding the whole context, and a request there computes only what follows
-    it, with Hugging Face's tokens. `auto` then goes by the times the first one measured:
-    on CPU the copy is far faster than computing, so a pure copy."""
+    it, with Hugging Face's tokens. `auto` then goes by the times the first one measured (a
+    split or a pure copy: one sample a side tells no fixed cost; tests/test_split_rates.py
+    checks the rule itself)."""
     p, d = up.engine_urls["p"], up.engine_urls["d"]
     question = tok.encode(" In one word, what is kept in pages?", add_special_tokens=False)
     for i, split in enumerate([0.5, "auto"]):
@@ -488,8 +489,9 @@ async def test_a_split_migration_computes_the_head_on_the_destination(up, admin,
         moved = r.json()
         whole, n = len(context) // 16 * 16, len(context)
         own = moved["own"]
-        assert own == (n // 2 // 16 * 16 if split == 0.5 else 0)
-        assert moved["computed_on_destination"] == own
+        if split == 0.5:
+            assert own == n // 2 // 16 * 16
+        assert 0 <= own < n and own % 16 == 0 and moved["computed_on_destination"] == own
         assert moved["sent"] == n - own and moved["cached"] == whole
         r = httpx.post(d + "/v1/completions", headers=ENGINE_AUTH, timeout=60, json={
             "prompt": context + question, "temperature": 0, "max_tokens": N_NEW,
