@@ -29,6 +29,26 @@ def test_the_hook_counts_names_and_lets_triton_compile(caplog):
     assert knobs.runtime.jit_cache_hook is None
 
 
+def test_compiles_while_an_engine_of_the_process_starts_are_not_counted(caplog):
+    """Two engines in one process (the benches): the second one's graph captures and warm-up
+    compile after the first installed the hook; those are its start-up's, not misses."""
+    watch = CompileWatch()
+    assert watch.start()
+    try:
+        hook = dict(key=(0,), repr="_expand_kernel", fn=None, compile={},
+                    is_manual_warmup=False, already_compiled=False)
+        with caplog.at_level(logging.WARNING, "engine.kernels"):
+            with watch.starting():
+                with watch.starting():  # nested: still starting
+                    assert watch._hook(**hook) is False
+                assert watch._hook(**hook) is False
+            assert watch.compiles == 0 and caplog.records == []
+            assert watch._hook(**hook) is False  # started: counted again
+        assert watch.compiles == 1 and len(caplog.records) == 1
+    finally:
+        watch.stop()
+
+
 def test_another_hook_is_kept():
     def theirs(**kwargs):
         return False

@@ -50,6 +50,12 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
     """
 
     def __init__(self, config: EngineConfig, transfer_key: bytes | None = None):
+        # while any engine of this process starts (benches run several in one), its compiles
+        # are its own start-up's, not shapes another engine's warm-up missed
+        with COMPILES.starting():
+            self._start(config, transfer_key)
+
+    def _start(self, config: EngineConfig, transfer_key: bytes | None) -> None:
         self.config = config
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
@@ -160,8 +166,6 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         )
         if self.runner.cuda and config.warmup:
             log.info("warmed up in %.1f s", self.warm_up())
-            # compiles from here on mean warm-up missed a shape (one watch per process)
-            self._compiles_before = COMPILES.compiles if COMPILES.start() else None
         if config.scheduling_policy == "mlfq" or self.host_swap is not None:
             profile = measure_prefill(self)
             log.info("prefill profile: %.2f ms + %.4f ms per token",
@@ -174,6 +178,9 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
                 log.info("host KV tier: %d pages, copies at %.1f GB/s",
                          self.host_swap.tier.pool.num_pages,
                          self.host_swap.measure_copy_rate() / 1e9)
+        if self.runner.cuda and config.warmup:
+            # compiles from here on mean warm-up missed a shape (one watch per process)
+            self._compiles_before = COMPILES.compiles if COMPILES.start() else None
         log.info("engine core ready: %s", self.info)
 
     WARMUP_LENGTHS = WARMUP_LENGTHS

@@ -11,6 +11,7 @@ so an operator (and `bench.peers`' TTFT p99) sees which.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 log = logging.getLogger("engine.kernels")
 
@@ -23,6 +24,18 @@ class CompileWatch:
     def __init__(self):
         self.compiles = 0
         self._installed = False
+        self._starting = 0  # engines of this process starting now (`starting`)
+
+    @contextmanager
+    def starting(self):
+        """Around an engine's start-up (graph capture, warm-up): compiles then are not
+        counted, even where another engine of the process already installed the hook (two
+        engines in one bench logged the second one's captures as ~40 misses of warm-up)."""
+        self._starting += 1
+        try:
+            yield
+        finally:
+            self._starting -= 1
 
     def start(self) -> bool:
         """Install the hook (once per process; another hook already there is kept). False
@@ -48,6 +61,8 @@ class CompileWatch:
             self._installed = False
 
     def _hook(self, *args, **kwargs) -> bool:
+        if self._starting:
+            return False  # an engine's start-up compiles: compile as usual, unwatched
         self.compiles += 1
         log.warning("Triton compiled %s after warm-up: warm-up missed this shape, and the step "
                     "that launched it waited for the compile", _describe(kwargs))
