@@ -476,12 +476,13 @@ def test_a_slot_holds_the_adapter_scaled_and_zeros_wherever_it_has_nothing():
     assert proj.pack([None, None, None]) is None
 
 
-@pytest.mark.parametrize("drop", [None, (1, "k_proj")], ids=["full", "a-layer-missing-k"])
-def test_slab_chunks_hold_what_layer_by_layer_packing_gives(tiny_model_dir, drop):
+@pytest.mark.parametrize("keep", ["all", "no-k-in-layer-1", "q-only"])
+def test_slab_chunks_hold_what_layer_by_layer_packing_gives(tiny_model_dir, keep):
     """An adapter packed into a slab (chunks of layers stacked with a few ops, or layer by
-    layer where a projection is not at the slots' full rank everywhere) equals it packed
-    layer by layer into new tensors, tensor for tensor; a slab reused for another adapter
-    keeps nothing of the first."""
+    layer where a projection is not at the slots' full rank everywhere, zeros where it has
+    no target) equals it packed layer by layer into new tensors, tensor for tensor; a slot
+    written from the slab a chunk at a time equals one written layer by layer; a slab
+    reused for another adapter keeps nothing of the first."""
     import torch
 
     from engine.lora.adapter import AdapterWeights, module_shapes
@@ -490,16 +491,17 @@ def test_slab_chunks_hold_what_layer_by_layer_packing_gives(tiny_model_dir, drop
     from engine.models.loader import load_model
 
     model, config = load_model(tiny_model_dir, dtype=torch.bfloat16)
-    lora = LoraModel(model, config, max_loras=2, max_rank=4, max_tokens=4)
+    lora = LoraModel(model, config, max_loras=3, max_rank=4, max_tokens=4)
     gen = torch.Generator().manual_seed(1)
 
     def adapter(seed_scale: float) -> AdapterWeights:
         weights = {(layer, m): ((torch.randn(4, d_in, generator=gen) * seed_scale).bfloat16(),
                                 (torch.randn(d_out, 4, generator=gen)).bfloat16())
                    for layer in range(config.num_layers)
-                   for m, (d_in, d_out) in module_shapes(config).items()}
-        if drop is not None:
-            del weights[drop]
+                   for m, (d_in, d_out) in module_shapes(config).items()
+                   if keep != "q-only" or m == "q_proj"}
+        if keep == "no-k-in-layer-1":
+            del weights[(1, "k_proj")]
         return AdapterWeights("a", "/a", 4, 0.5, weights)
 
     slabs = Slabs(lora.layout, pin=False)
@@ -508,8 +510,17 @@ def test_slab_chunks_hold_what_layer_by_layer_packing_gives(tiny_model_dir, drop
         slab = slabs.take()
         chunked, by_layer = lora.pack(weights, slab=slab), lora.pack(weights)
         for got, want in zip(chunked, by_layer):
-            assert got.keys() == want.keys()
             for name in got:
-                assert all(torch.equal(g, w) for g, w in zip(got[name], want[name])), name
+                if want[name] is None:  # nothing targeted (the slab's chunk holds zeros)
+                    assert got[name] is None, name
+                else:
+                    assert all(torch.equal(g, w) for g, w in zip(got[name], want[name])), name
+        lora.write_slot(0, chunked, slab)
+        lora.write_slot(1, by_layer)
+        for a, b in lora.slots.values():
+            assert torch.equal(a[:, 0], a[:, 1]) and torch.equal(b[:, 0], b[:, 1])
+            assert not a[:, 2].any() and not b[:, 2].any()  # the slot between untouched
         slabs.give(slab, None)
     assert slabs.allocated == 1
+    lora.write_slot(0, None)
+    assert all(not a[:, 0].any() and not b[:, 0].any() for a, b in lora.slots.values())

@@ -241,7 +241,8 @@ class EngineAdapters:
 
     def _write(self, slot: int, adapter: Adapter) -> None:
         start = time.perf_counter()
-        self._copied[adapter.id] = self.runner.lora.write_slot(slot, self._packed[adapter.id])
+        self._copied[adapter.id] = self.runner.lora.write_slot(
+            slot, self._packed[adapter.id], self._slab_of[adapter.id])
         self.counters["lora_slot_writes"] += 1
         self.counters["lora_slot_write_seconds"] += time.perf_counter() - start
 

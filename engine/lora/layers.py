@@ -119,19 +119,29 @@ def _to_device(values, device):
     return to_device(values, torch.int32, device)
 
 
+def slot_tensors(weight: torch.Tensor, loras: int, slices: list[int], rank: int,
+                 layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed slots for a projection of `weight`'s shape: a [loras, S*R, in] and b [loras, R,
+    out]; with `layers`, that many of each stacked in front ([layers, loras, ...])."""
+    lead = () if layers is None else (layers,)
+    a = torch.zeros(*lead, loras, len(slices) * rank, weight.shape[1], dtype=weight.dtype,
+                    device=weight.device)
+    b = torch.zeros(*lead, loras, rank, sum(slices), dtype=weight.dtype, device=weight.device)
+    return a, b
+
+
 class LoraLinear(nn.Module):
     """A projection plus the LoRA deltas of its tokens' slots (see the module's docstring)."""
 
-    def __init__(self, base: nn.Linear, batch: LoraBatch, slices: list[int], rank: int):
+    def __init__(self, base: nn.Linear, batch: LoraBatch, slices: list[int], rank: int,
+                 slots: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`slots`: the (a, b) below to use, zeros (LoraModel keeps every layer's in one
+        tensor a projection); default: new ones."""
         super().__init__()
         self.base = base
         self.batch = batch
         self.rank = rank
-        w = base.weight
-        loras = batch.max_loras
-        self.a = torch.zeros(loras, len(slices) * rank, w.shape[1], dtype=w.dtype,
-                             device=w.device)
-        self.b = torch.zeros(loras, rank, sum(slices), dtype=w.dtype, device=w.device)
+        self.a, self.b = slots or slot_tensors(base.weight, batch.max_loras, slices, rank)
         self.offsets = [sum(slices[:i]) for i in range(len(slices) + 1)]
 
     @property
@@ -276,8 +286,12 @@ class LoraModel:
         w = model.model.embed_tokens.weight
         self.batch = LoraBatch(max_loras, max_tokens, w.device)
         shapes = module_shapes(model.config)  # this rank's shapes
+        decoder = model.model.layers
+        # every layer's slots of a projection in one tensor, [layers, slots, ...] (each
+        # LoraLinear's a view of its layer): a slot write copies a chunk of layers at once
+        self.slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layers: list[dict[str, LoraLinear]] = []
-        for layer in model.model.layers:
+        for i, layer in enumerate(decoder):
             wrapped = {}
             for parent in (layer.self_attn, layer.mlp):
                 for name, modules in _SLICES.items():
@@ -285,7 +299,11 @@ class LoraModel:
                     if base is None:
                         continue
                     sizes = [shapes[m][1] for m in modules]
-                    wrapped[name] = LoraLinear(base, self.batch, sizes, max_rank)
+                    if name not in self.slots:
+                        self.slots[name] = slot_tensors(base.weight, max_loras, sizes,
+                                                        max_rank, len(decoder))
+                    a, b = self.slots[name]
+                    wrapped[name] = LoraLinear(base, self.batch, sizes, max_rank, (a[i], b[i]))
                     setattr(parent, name, wrapped[name])
             self.layers.append(wrapped)
         self._copy_stream = torch.cuda.Stream(w.device) if w.is_cuda else None
@@ -336,8 +354,11 @@ class LoraModel:
             found = [pairs(i, name) for i in range(len(self.layers))]
             if not all(_full_rank(layer, proj) for layer in found):  # layer by layer
                 for i, wrapped in enumerate(self.layers):
-                    packed[i][name] = wrapped[name].pack(found[i], adapter.scale,
-                                                         tuple(views[i][name]))
+                    into = tuple(views[i][name])
+                    packed[i][name] = wrapped[name].pack(found[i], adapter.scale, into)
+                    if packed[i][name] is None:  # no target here: the chunk holds zeros
+                        for view in into:
+                            view.zero_()
                 continue
             for (chunk_name, half, layers), (piece, offset) in zip(self.chunks,
                                                                    self.layout.places):
@@ -349,19 +370,33 @@ class LoraModel:
                 packed[i][name] = tuple(views[i][name])
         return packed
 
-    def write_slot(self, slot: int, packed: PackedAdapter | None) -> torch.cuda.Event | None:
-        """Put a packed adapter into `slot` (None: empty it). On CUDA the copies run on a
-        side stream, after the work already queued (a step in flight may still read the
-        slot's old adapter), and the next forward waits for them on the device (`set_slots`):
-        the host never waits. Returns the copies' event (CUDA), after which the host memory
-        may be written again."""
+    def write_slot(self, slot: int, packed: PackedAdapter | None,
+                   slab: list[torch.Tensor] | None = None) -> torch.cuda.Event | None:
+        """Put a packed adapter into `slot` (None: empty it); `slab`: the slab `pack` packed
+        it in, copied a chunk of layers at a time (23 copies for Llama-3.1-8B's shape, not
+        256). On CUDA the copies run on a side stream, after the work already queued (a step
+        in flight may still read the slot's old adapter), and the next forward waits for
+        them on the device (`set_slots`): the host never waits. Returns the copies' event
+        (CUDA), after which the host memory may be written again."""
         stream = self._copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.batch.device))
         with torch.cuda.stream(stream) if stream is not None else _no_stream():
-            for i, wrapped in enumerate(self.layers):
-                for name, proj in wrapped.items():
-                    proj.write_slot(slot, None if packed is None else packed[i][name])
+            if packed is None:
+                for a, b in self.slots.values():
+                    a[:, slot].zero_()
+                    b[:, slot].zero_()
+            elif slab is not None:
+                for (name, half, layers), (piece, offset) in zip(self.chunks,
+                                                                   self.layout.places):
+                    into = self.slots[name][half]
+                    chunk = _view(slab, piece, offset, (len(layers), *into.shape[2:]),
+                                  self.batch_dtype)
+                    into[layers.start : layers.stop, slot].copy_(chunk, non_blocking=True)
+            else:
+                for i, wrapped in enumerate(self.layers):
+                    for name, proj in wrapped.items():
+                        proj.write_slot(slot, packed[i][name])
             if stream is not None:
                 self.batch.copied = torch.cuda.Event()
                 self.batch.copied.record(stream)

@@ -197,11 +197,11 @@ class TensorParallelLora:
         return [self._local.pack(adapter, rank, slab if rank == 0 else None)
                 for rank in range(self._runner.tp.size)]
 
-    def write_slot(self, slot: int, packed: list | None):
+    def write_slot(self, slot: int, packed: list | None, slab=None):
         for rank in range(1, self._runner.tp.size):
             self._runner.send_to(rank, "lora_write_slot", slot,
                                  None if packed is None else packed[rank])
-        return self._local.write_slot(slot, None if packed is None else packed[0])
+        return self._local.write_slot(slot, None if packed is None else packed[0], slab)
 
 
 def _pickled(name: str, args: tuple, kwargs: dict) -> bytes:
