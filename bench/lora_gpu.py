@@ -19,6 +19,7 @@ written to a temporary directory. Figures, each printed as a JSON line:
               registering; target: <= 50 ms), the decode steps' median before and longest
               during the load (serving must not pause), slot_write_ms_mean (host time of
               a slot write: asynchronous copies)
+The first line also gives the start-up adapters' mean load and slot-write times.
 """
 
 from __future__ import annotations
@@ -206,9 +207,14 @@ def main() -> None:
                                    max_lora_rank=args.rank, lora_dir=str(tmp)))
     vocab = base.info.vocab_size
     device = args.device if args.device == "cpu" else torch.cuda.get_device_name()
+    started = lora.stats()  # the --lora-modules adapters, registered at start-up
     results = {"model": args.model, "device": device,
                "adapters": args.adapters, "rank": args.rank, "skew": args.skew,
-               "max_loras": lora.config.max_loras}
+               "max_loras": lora.config.max_loras,
+               "startup_load_ms_mean": 1e3 * started.lora_load_seconds
+               / max(1, started.lora_loads),
+               "startup_slot_write_ms_mean": 1e3 * started.lora_slot_write_seconds
+               / max(1, started.lora_slot_writes)}
     print(json.dumps(results), flush=True)
     if "decode1" in wanted:
         b = decode1(base, vocab, None, args.profile)
