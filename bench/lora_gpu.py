@@ -17,8 +17,9 @@ written to a temporary directory. Figures, each printed as a JSON line:
   load        loading one more rank-16 adapter from local disk through the call while a base
               request decodes: load_ms (read, check, pack in the loader thread, then
               registering; target: <= 50 ms), the decode steps' median before and longest
-              during the load (serving must not pause), slot_write_ms_mean (host time of
-              a slot write: asynchronous copies)
+              during the load (serving must not pause), and the longest while the loader
+              then pins the next spare slab; slot_write_ms_mean (host time of a slot write:
+              asynchronous copies)
 The first line also gives the start-up adapters' mean load and slot-write times.
 """
 
@@ -147,6 +148,10 @@ def load_while_serving(core: EngineCore, vocab: int) -> dict:
         frames = core.tick(time.monotonic()).frames
     wall = time.perf_counter() - start
     answer = CALLS["load_lora_adapter"].decode_answer(frames[0].result)
+    # the loader thread then pins the next spare slab: the steps meanwhile
+    pinning, started = [], time.perf_counter()
+    while core.adapters._slabs.free < 1 and time.perf_counter() - started < 30:
+        pinning.append(timed_step())
     core.abort_request("bg")
     # the loader thread's two parts again, alone (no step loop beside them): reading and
     # checking the file, packing it for the slots (into a spare slab: pinned on CUDA)
@@ -160,6 +165,8 @@ def load_while_serving(core: EngineCore, vocab: int) -> dict:
             "alone_read_ms": read_s * 1e3, "alone_pack_ms": pack_s * 1e3,
             "step_ms_median_before": before[len(before) // 2],
             "step_ms_max_during": max(during, default=0.0),
+            "steps_while_pinning_spare": len(pinning),
+            "step_ms_max_while_pinning_spare": max(pinning, default=0.0),
             "slot_write_ms_mean": 1e3 * stats.lora_slot_write_seconds
             / max(1, stats.lora_slot_writes)}
 
