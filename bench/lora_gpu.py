@@ -129,7 +129,8 @@ def load_while_serving(core: EngineCore, vocab: int) -> dict:
     call's answer, and the decode steps' times before and during the load (the step loop
     must not pause)."""
     # long enough to outlast the steps below and the load (~100 ms), within any KV pool here
-    core.add_request("bg", prompts(1, 256, vocab, 3)[0], greedy(8192))
+    core.add_request("bg", prompts(1, 256, vocab, 3)[0],
+                     greedy(min(8192, core.max_model_len - 256)))
     for _ in range(20):
         core.step()
 
