@@ -1,4 +1,5 @@
-"""The GPU path's Triton kernels compiled for an H100 (sm_90) on a machine without a GPU, with
+"""The GPU path's Triton kernels (GEMV, LoRA, attention, norm and rope, fp8 quantization,
+argmax, the KV page copy) compiled for an H100 (sm_90) on a machine without a GPU, with
 the ptxas the Triton wheel ships: the Triton interpreter (the CPU tests' way of running them)
 accepts code the compiler refuses, such as a variable first assigned in a runtime branch and
 read after it (a device call was lost to that on 2026-11-27). Compiling is enough: nothing
@@ -27,15 +28,16 @@ _TYPES = {"part_ptr": "*fp32", "ws_ptr": "*fp32", "norm_ptr": "*bf16", "slot_ptr
           "slots_ptr": "*i32", "rows_ptr": "*i32", "tiles_ptr": "*i32", "eps": "fp32"}
 
 
-def compile_for_h100(kernel, **constexprs) -> None:
+def compile_for_h100(kernel, types: dict | None = None, **constexprs) -> None:
     """Compile `kernel` (a triton.jit function) with `constexprs`; every other argument a
-    bf16 pointer (`*_ptr`), an i32, or as _TYPES says."""
+    bf16 pointer (`*_ptr`), an i32, or as `types` (then _TYPES) says."""
+    types = {**_TYPES, **(types or {})}
     signature = {}
     for param in kernel.params:
         if param.is_constexpr:
             signature[param.name] = "constexpr"
         else:
-            signature[param.name] = _TYPES.get(
+            signature[param.name] = types.get(
                 param.name, "*bf16" if param.name.endswith("_ptr") else "i32")
     names = [p.name for p in kernel.params]
     missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
@@ -46,8 +48,39 @@ def compile_for_h100(kernel, **constexprs) -> None:
 
 
 def compile_all() -> None:
+    from engine.kernels import argmax, fused, quant
+    from engine.kernels import paged_attention as pa
+    from engine.kernels.fp8_format import FP8_MAX, INV_FP8_MAX, MIN_AMAX
     from engine.kernels.gemv import _gemv_kernel
     from engine.lora import kernels as k
+    from kvcache.transfer import page_copy
+
+    fp8 = dict(FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_AMAX=MIN_AMAX)
+    scales = {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "row_scale_ptr": "*fp32",
+              "col_scale_ptr": "*fp32"}
+    for quantized in (False, True):
+        compile_for_h100(fused._rms_norm_kernel, scales, HAS_RESIDUAL=True, SCALED=False,
+                         BLOCK=4096, NUM_CHUNKS=1, QUANT=quantized, PDL=True, **fp8)
+    compile_for_h100(quant._quant_fp8_kernel, scales, GATED=True, BLOCK=2048, NUM_CHUNKS=7,
+                     EVEN=True, PDL=True, **fp8)
+    compile_for_h100(fused._silu_and_mul_kernel, BLOCK=1024, PDL=True)
+    indices = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
+               "table_ptr": "*i32", "kv_lens_ptr": "*i32", "cu_seqlens_ptr": "*i32",
+               "ws_ptr": "*fp32", "qk_scale": "fp32"}
+    compile_for_h100(fused._rope_store_kv_kernel, indices, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64,
+                     BLOCK_HEADS=32, BLOCK_KV_HEADS=8, BLOCK_HALF=64, CACHE_FP8=False, PDL=True)
+    attention = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION="tf32",
+                     FP16_DOTS=False)
+    compile_for_h100(pa._decode_split_kernel, indices, GROUP_PAD=16, DIRECT_OUT=False, PDL=True,
+                     **attention)
+    compile_for_h100(pa._decode_merge_kernel, indices, HEAD_DIM=128, SPLITS_PAD=16, PDL=True)
+    compile_for_h100(pa._extend_kernel, indices, BLOCK_M=64, **attention)
+    logits = {"x_ptr": "*fp32", "max_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"}
+    compile_for_h100(argmax._chunk_max_kernel, logits, CHUNK=4096)
+    compile_for_h100(argmax._row_argmax_kernel, logits, BLOCK=32)
+    compile_for_h100(page_copy._copy_rows_kernel,
+                     {"src_slots_ptr": "*i64", "dst_slots_ptr": "*i64"},
+                     NUM_PROGRAMS=132, ROWS=8, BLOCK=1024)
 
     for lora in (False, True):
         for form in ("plain", "gated", "norm"):
