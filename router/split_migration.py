@@ -62,9 +62,11 @@ class _Line:
                 return fixed, slope
         return 0.0, seconds / tokens
 
-    def time(self, tokens: int) -> float:
-        fixed, per_token = self.fit()
-        return fixed + tokens * per_token if tokens > 0 else 0.0
+
+def _predict(line: tuple[float, float], tokens: int) -> float:
+    """Seconds for `tokens` on a side fit as `line` (`_Line.fit`); no tokens: no request."""
+    fixed, per_token = line
+    return fixed + tokens * per_token if tokens > 0 else 0.0
 
 
 class SplitRates:
@@ -79,10 +81,11 @@ class SplitRates:
         head, tail = self.prefill.get(destination), self.copy.get((source, destination))
         if head is None or tail is None or tokens <= 0:
             return 0.5
-        (h0, h), (c0, c) = head.fit(), tail.fit()
-        copy_s, recompute_s = tail.time(tokens), head.time(tokens)
+        head, tail = head.fit(), tail.fit()
+        (h0, h), (c0, c) = head, tail
+        copy_s, recompute_s = _predict(tail, tokens), _predict(head, tokens)
         own = min(max((c0 - h0 + tokens * c) / (h + c), 0.0), float(tokens))
-        split_s = max(head.time(round(own)), tail.time(tokens - round(own)))
+        split_s = max(_predict(head, round(own)), _predict(tail, tokens - round(own)))
         best_pure = min(copy_s, recompute_s)
         if split_s < (1 - SPLIT_MARGIN) * best_pure:
             return own / tokens

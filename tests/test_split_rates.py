@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.split_migration import SPLIT_MARGIN, SplitRates, _Line
+from router.split_migration import SPLIT_MARGIN, SplitRates, _Line, _predict
 
 
 def test_a_line_with_a_fixed_cost_is_fit_and_one_size_means_a_rate():
@@ -17,7 +17,7 @@ def test_a_line_with_a_fixed_cost_is_fit_and_one_size_means_a_rate():
     line.samples.popleft()
     fixed, per_token = line.fit()
     assert fixed == pytest.approx(0.010) and per_token == pytest.approx(20e-6)
-    assert line.time(0) == 0.0 and line.time(3000) == pytest.approx(0.070)
+    assert _predict(line.fit(), 0) == 0.0 and _predict(line.fit(), 3000) == pytest.approx(0.070)
 
 
 def _rates(head: list[tuple[int, float]], tail: list[tuple[int, float]]) -> SplitRates:

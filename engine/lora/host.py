@@ -24,7 +24,7 @@ class Layout:
     gives (piece, offset); pieces are `piece_bytes` long (a power of two, as torch's pinned
     allocator rounds to, and at least the largest tensor)."""
 
-    PIECE_BYTES = 4 << 20  # pinned a piece at a time: the driver is held ~2 ms for each
+    PIECE_BYTES = 4 << 20  # pinned a piece at a time: the driver is held ~9 ms for each (H100)
 
     def __init__(self, sizes: list[int], piece_bytes: int = PIECE_BYTES):
         largest = max(sizes, default=0)

@@ -211,8 +211,7 @@ class LoraLinear(nn.Module):
             return None
         a, b = into or (torch.empty(self.a.shape[1:], dtype=self.a.dtype),
                         torch.empty(self.b.shape[1:], dtype=self.b.dtype))
-        if all(pair is not None and pair[0].shape[0] == self.rank and pair[0].dtype == a.dtype
-               and pair[1].dtype == b.dtype for pair in halves):  # fmt: skip
+        if _full_rank(halves, self):
             # every slice at the full rank, in the slot's dtype (the common case): three host
             # ops, not three a slice (every op is one more wait for the GIL while the step
             # loop runs beside the loader thread)
@@ -344,11 +343,11 @@ class LoraModel:
             return [{name: proj.pack(pairs(i, name), adapter.scale)
                      for name, proj in wrapped.items()}
                     for i, wrapped in enumerate(self.layers)]
+        chunks = self._chunk_views(slab)
         views: list[dict[str, list]] = [{name: [None, None] for name in w} for w in self.layers]
-        for (name, half, layers), (piece, offset) in zip(self.chunks, self.layout.places):
-            shape = (len(layers), *self.layers[0][name].packed_shapes()[half])
-            for j, view in enumerate(_view(slab, piece, offset, shape, self.batch_dtype)):
-                views[layers[j]][name][half] = view
+        for name, half, layers, chunk in chunks:
+            for i, view in zip(layers, chunk):
+                views[i][name][half] = view
         packed: PackedAdapter = [{} for _ in self.layers]
         for name, proj in self.layers[0].items():
             found = [pairs(i, name) for i in range(len(self.layers))]
@@ -360,12 +359,9 @@ class LoraModel:
                         for view in into:
                             view.zero_()
                 continue
-            for (chunk_name, half, layers), (piece, offset) in zip(self.chunks,
-                                                                   self.layout.places):
+            for chunk_name, half, layers, chunk in chunks:
                 if chunk_name == name:
-                    shape = (len(layers), *proj.packed_shapes()[half])
-                    _stack_chunk(_view(slab, piece, offset, shape, self.batch_dtype),
-                                 [found[i] for i in layers], proj, half, adapter.scale)
+                    _stack_chunk(chunk, [found[i] for i in layers], proj, half, adapter.scale)
             for i in range(len(self.layers)):
                 packed[i][name] = tuple(views[i][name])
         return packed
@@ -387,12 +383,9 @@ class LoraModel:
                     a[:, slot].zero_()
                     b[:, slot].zero_()
             elif slab is not None:
-                for (name, half, layers), (piece, offset) in zip(self.chunks,
-                                                                   self.layout.places):
-                    into = self.slots[name][half]
-                    chunk = _view(slab, piece, offset, (len(layers), *into.shape[2:]),
-                                  self.batch_dtype)
-                    into[layers.start : layers.stop, slot].copy_(chunk, non_blocking=True)
+                for name, half, layers, chunk in self._chunk_views(slab):
+                    into = self.slots[name][half][layers.start : layers.stop, slot]
+                    into.copy_(chunk, non_blocking=True)
             else:
                 for i, wrapped in enumerate(self.layers):
                     for name, proj in wrapped.items():
@@ -402,11 +395,17 @@ class LoraModel:
                 self.batch.copied.record(stream)
         return self.batch.copied if stream is not None else None
 
-
-def _view(slab: list[torch.Tensor], piece: int, offset: int, shape: tuple,
-          dtype: torch.dtype) -> torch.Tensor:
-    nbytes = math.prod(shape) * dtype.itemsize
-    return slab[piece][offset : offset + nbytes].view(dtype).view(shape)
+    def _chunk_views(self, slab: list[torch.Tensor]
+                     ) -> list[tuple[str, int, range, torch.Tensor]]:
+        """(projection, half, layers, [layers, *packed shape] view) of each of `slab`'s
+        chunks, as `self.chunks` and `self.layout` place them."""
+        views = []
+        for (name, half, layers), (piece, offset) in zip(self.chunks, self.layout.places):
+            shape = (len(layers), *self.layers[0][name].packed_shapes()[half])
+            nbytes = math.prod(shape) * self.batch_dtype.itemsize
+            memory = slab[piece][offset : offset + nbytes]
+            views.append((name, half, layers, memory.view(self.batch_dtype).view(shape)))
+        return views
 
 
 def _full_rank(pairs: list, proj: LoraLinear) -> bool:
