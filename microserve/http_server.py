@@ -99,8 +99,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._accepted = False  # False: turned away at the accept (past max_connections)
         self._deadline: asyncio.TimerHandle | None = None  # the head's or the body's
         self._in_head = True  # the next byte received belongs to a request head
-        self._head_bytes = 0  # of the current head, counted in chunks read whole inside it
-        self._heads_done = 0  # heads completed on this connection (a chunk may hold requests)
+        self._head_bytes = 0  # of the current head so far (a request's body is not counted)
+        self._head_tail = b""  # its last bytes: the blank line ending it may span two chunks
         self._lingering = False  # answered and closing: what arrives now is dropped
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -125,17 +125,26 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._lingering or self.transport.is_closing():
             return
-        # a chunk read whole inside one head: in a head before and after, no head ended in
-        # it (else a whole request, head, body and all, read at once would count as head)
-        whole_chunk_in_head, heads_done = self._in_head, self._heads_done
-        super().data_received(data)
-        if (whole_chunk_in_head and self._in_head and self._heads_done == heads_done
-                and not self.transport.is_closing()):  # fmt: skip
-            self._head_bytes += len(data)
+        if self._in_head:
+            self._head_bytes += self._head_part(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._close_with(_error(431, f"The request's line and headers are longer "
                                         f"than the {MAX_HEAD_BYTES} bytes this server reads",
                                         "headers_too_large"))
+                return
+        super().data_received(data)
+
+    def _head_part(self, data: bytes) -> int:
+        """How many of `data`'s bytes belong to the head being read: up to the blank line
+        that ends it (which may begin in the chunk before), else all of them. A request's
+        body, read in the same chunk as its head, is not head."""
+        tail = self._head_tail
+        across = (tail + data[:3]).find(b"\r\n\r\n")
+        if across >= 0:
+            return across + 4 - len(tail)
+        end = data.find(b"\r\n\r\n")
+        self._head_tail = (tail + data)[-3:] if len(data) < 3 else data[-3:]
+        return len(data) if end < 0 else end + 4
 
     # httptools' callbacks, around uvicorn's own
 
@@ -146,8 +155,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
-        self._in_head, self._head_bytes = False, 0
-        self._heads_done += 1
+        self._in_head, self._head_bytes, self._head_tail = False, 0, b""
         super().on_headers_complete()
         self._arm(self.limits.body_timeout_s)
 

@@ -182,6 +182,33 @@ async def test_a_whole_request_in_one_read_is_not_taken_for_a_long_head():
         writer.close()
 
 
+async def test_a_long_head_read_whole_with_its_body_gets_431_and_a_split_blank_line_is_head():
+    """The head limit counts the head's bytes wherever the reads cut: a head past the limit
+    arriving in one read with its body is refused; a head whose blank line is cut between
+    two reads, the second carrying a body past the limit, is answered."""
+    body = b"x" * (2 * MAX_HEAD_BYTES)
+    async with serving(HttpLimits()) as (port, _):
+        reader, writer = await connect(port)
+        big = b"X-Big: " + b"b" * (MAX_HEAD_BYTES + 10) + b"\r\n"
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\n" + big
+                     + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        data, _ = await closed_after(reader, time.monotonic())
+        assert error_of(data)[0] == 431
+        writer.close()
+        reader, writer = await connect(port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r" % len(body))
+        await writer.drain()
+        await asyncio.sleep(0.1)  # its own read
+        writer.write(b"\n" + body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.split()[1] == b"200", head
+        assert await asyncio.wait_for(reader.readexactly(len(body)), 5) == body
+        writer.close()
+
+
 async def test_past_the_connection_cap_a_new_connection_gets_503_and_the_open_ones_go_on():
     async with serving(HttpLimits(max_connections=3)) as (port, server):
         url = f"http://127.0.0.1:{port}"
