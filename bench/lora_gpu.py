@@ -125,7 +125,8 @@ def throughput(core: EngineCore, vocab: int, names: list[str | None], seed: int 
 
 def load_while_serving(core: EngineCore, vocab: int) -> dict:
     """Load adapter "extra" through the call while a base request decodes: the load's time
-    (read + check + pack in the loader thread, then registering), the wall time until the
+    (checking its config and file header, then reading its data into a pinned slab, in the
+    loader thread; then registering), the wall time until the
     call's answer, and the decode steps' times before and during the load (the step loop
     must not pause)."""
     # long enough to outlast the steps below and the load (~100 ms), within any KV pool here
@@ -154,16 +155,16 @@ def load_while_serving(core: EngineCore, vocab: int) -> dict:
     while core.adapters._slabs.free < 1 and time.perf_counter() - started < 30:
         pinning.append(timed_step())
     core.abort_request("bg")
-    # the loader thread's two parts again, alone (no step loop beside them): reading and
-    # checking the file, packing it for the slots (into a spare slab: pinned on CUDA)
+    # the loader thread's two parts again, alone (no step loop beside them): checking the
+    # adapter, reading its data into a spare slab (pinned on CUDA) as the slots hold it
     path = Path(core.adapters.registry.lookup("extra").path)
     core.adapters._loader.submit(lambda: None).result()  # the next spare slab is pinned
-    _, _, slab, read_s, pack_s = core.adapters._read("extra", path)
+    _, _, slab, check_s, read_s = core.adapters._read("extra", path)
     core.adapters._slabs.give(slab, None)
     stats = core.stats()
     return {"load_ms": answer.load_s * 1e3, "call_wall_ms": wall * 1e3,
             "resident": answer.resident, "steps_during_load": len(during),
-            "alone_read_ms": read_s * 1e3, "alone_pack_ms": pack_s * 1e3,
+            "alone_check_ms": check_s * 1e3, "alone_read_into_slab_ms": read_s * 1e3,
             "step_ms_median_before": before[len(before) // 2],
             "step_ms_max_during": max(during, default=0.0),
             "steps_while_pinning_spare": len(pinning),

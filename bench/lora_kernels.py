@@ -36,7 +36,7 @@ def _buffers(tokens: int, device):
     for name, (k, slices, mode) in PROJECTIONS.items():
         n = sum(slices)
         a = torch.randn(SLOTS, len(slices) * RANK, k, generator=gen, device=device) / k ** 0.5
-        b = torch.randn(SLOTS, RANK, n, generator=gen, device=device) * 0.01
+        b = torch.randn(SLOTS, n, RANK, generator=gen, device=device) * 0.01
         width = 2 * k if mode == 2 else k
         x = torch.randn(tokens, width, generator=gen, device=device)
         bounds = [sum(slices[: i + 1]) for i in range(len(slices) - 1)]

@@ -25,4 +25,4 @@ def test_the_bench_runs_every_phase_on_cpu(tmp_path):
     assert result["throughput"]["lora"]["output_tokens_per_s"] > 0
     load = result["load"]
     assert load["load_ms"] > 0 and load["steps_during_load"] >= 1
-    assert {"step_ms_max_while_pinning_spare", "alone_pack_ms", "slot_write_ms_mean"} <= set(load)
+    assert {"step_ms_max_while_pinning_spare", "alone_read_into_slab_ms", "slot_write_ms_mean"} <= set(load)

@@ -88,7 +88,7 @@ def test_bf16_kernel_deltas_at_8b_shapes_equal_a_float32_reference(proj, form, t
         h = inputs[t] @ proj_.a[slot].float().t()
         for s in range(len(slices)):
             lo, hi = offsets[s], offsets[s + 1]
-            want[t, lo:hi] = h[s * rank:(s + 1) * rank] @ proj_.b[slot, :, lo:hi].float()
+            want[t, lo:hi] = h[s * rank:(s + 1) * rank] @ proj_.b[slot, lo:hi].float().t()
     scale = want.abs().max()
     assert scale > 1
     base_rows = [t for t, slot in enumerate(slots) if slot < 0]

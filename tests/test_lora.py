@@ -469,9 +469,9 @@ def test_a_slot_holds_the_adapter_scaled_and_zeros_wherever_it_has_nothing():
         a, b = proj.pack([(a_q, b_q), None, (a_v, b_v)], scale=0.75)
     want_a = torch.zeros(12, 8, dtype=torch.bfloat16)
     want_a[0:2], want_a[8:10] = a_q.to(torch.bfloat16), a_v
-    want_b = torch.zeros(4, 7, dtype=torch.bfloat16)
-    want_b[:2, 0:3] = (b_q.t() * 0.75).to(torch.bfloat16)
-    want_b[:2, 5:7] = (b_v.float().t() * 0.75).to(torch.bfloat16)
+    want_b = torch.zeros(7, 4, dtype=torch.bfloat16)
+    want_b[0:3, :2] = (b_q * 0.75).to(torch.bfloat16)
+    want_b[5:7, :2] = (b_v.float() * 0.75).to(torch.bfloat16)
     assert torch.equal(a, want_a) and torch.equal(b, want_b)
     assert proj.pack([None, None, None]) is None
 
@@ -524,3 +524,107 @@ def test_slab_chunks_hold_what_layer_by_layer_packing_gives(tiny_model_dir, keep
     assert slabs.allocated == 1
     lora.write_slot(0, None)
     assert all(not a[:, 0].any() and not b[:, 0].any() for a, b in lora.slots.values())
+
+
+# ---- reading an adapter straight into its slab -----------------------------------------------
+
+
+@pytest.mark.parametrize("file_dtype, model_dtype", [
+    ("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float32", "float32"),
+    ("float16", "bfloat16")])
+def test_adapter_read_into_its_slab_equals_packing_its_tensors(tiny_model_dir, tmp_path,
+                                                               file_dtype, model_dtype):
+    """An adapter at the slots' full rank is read from its file straight into the slab (no
+    tensor made in between: `tensors()` is never called), cast and scaled there; what lands
+    in the slab equals, byte for byte, the adapter's tensors packed layer by layer."""
+    import torch
+
+    from engine.lora.adapter import AdapterWeights
+    from engine.lora.host import Slabs
+    from engine.lora.layers import LoraModel
+    from engine.models.loader import load_model
+
+    write_adapter(tiny_model_dir, tmp_path / "a", rank=4, seed=5, alpha=12)
+    file = tmp_path / "a" / "adapter_model.safetensors"
+    dtype = getattr(torch, file_dtype)
+    save_file({k: t.to(dtype) for k, t in load_file(file).items()}, file)
+    model, config = load_model(tiny_model_dir, dtype=getattr(torch, model_dtype))
+    lora = LoraModel(model, config, max_loras=2, max_rank=4, max_tokens=4)
+    direct = read_adapter("a", tmp_path / "a", config, max_rank=4)
+    assert direct.scale == 3.0
+    slab = Slabs(lora.layout, pin=False).take()
+    for piece in slab:
+        piece.fill_(0xAB)  # whatever was there before
+    got = lora.pack(direct, slab=slab)
+    assert direct.weights is None, "the tensors were read into host tensors first"
+    tensors = read_adapter("a", tmp_path / "a", config, max_rank=4).tensors()
+    assert all(t.dtype == dtype for pair in tensors.values() for t in pair)
+    want = lora.pack(AdapterWeights("a", "/a", 4, 3.0, tensors))
+    for got_layer, want_layer in zip(got, want, strict=True):
+        for name, pair in want_layer.items():
+            assert all(torch.equal(g, w) for g, w in zip(got_layer[name], pair)), name
+
+
+def test_adapter_read_into_its_slab_gives_peft_tokens(tiny_model_dir, lora_dir, prompts,
+                                                      reference, monkeypatch):
+    """a1 (rank 8, float32 file, every projection) with slots of rank 8: read straight into
+    its slab at start-up and at runtime, and the tokens are PEFT's."""
+    from engine.lora.adapter import AdapterWeights
+
+    def refuse(self):
+        raise AssertionError("read into host tensors, not straight into the slab")
+
+    monkeypatch.setattr(AdapterWeights, "tensors", refuse)
+    core = make_core(tiny_model_dir, lora_dir, max_lora_rank=8, lora_dir=str(lora_dir),
+                     lora_modules=(("a1", str(lora_dir / "a1")),))
+    load(core, LoadLoraRequest("again", "a1"))
+    tokens = run(core, {f"{name}-{i}": (p, name) for i, p in enumerate(prompts)
+                        for name in ("a1", "again")})
+    assert tokens == {f"{name}-{i}": reference["a1"][i] for i, p in enumerate(prompts)
+                      for name in ("a1", "again")}
+
+
+def _rewrite_header(path, edit):
+    """Rewrite the safetensors header of `path`'s adapter through `edit(header dict)`."""
+    file = path / "adapter_model.safetensors"
+    raw = file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    file.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+
+def _truncate(path, nbytes):
+    file = path / "adapter_model.safetensors"
+    file.write_bytes(file.read_bytes()[:-nbytes])
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda p: _truncate(p, 100), r"has bytes \[\d+, \d+\) of a data section of \d+"),
+    (lambda p: _rewrite_header(p, lambda h: h[Q_A].update(dtype="I32")),
+     "has dtype I32, not a floating-point one"),
+    (lambda p: _rewrite_header(p, lambda h: h[Q_A].update(shape=[8, 65])),
+     r"has bytes \[\d+, \d+\) of a data section"),
+    (lambda p: _rewrite_header(p, lambda h: h[Q_A].pop("data_offsets")), "broken header entry"),
+    (lambda p: (p / "adapter_model.safetensors").write_bytes(b"\xff" * 64),
+     "is not a safetensors file"),
+    (lambda p: (p / "adapter_model.safetensors").write_bytes(
+        (5).to_bytes(8, "little") + b"{nope"), "has a broken header"),
+])
+def test_broken_safetensors_file_is_refused_naming_the_problem(tiny_model_dir, lora_dir,
+                                                               tmp_path, break_it, message):
+    bad = _copy(lora_dir, tmp_path)
+    break_it(bad)
+    with pytest.raises(ValueError, match=message):
+        read_adapter("bad", bad, ModelConfig.from_dir(tiny_model_dir), max_rank=16)
+
+
+def test_adapter_file_cut_short_after_its_check_is_refused(tiny_model_dir, lora_dir, tmp_path):
+    """A file that loses its tail between the header's check and the read of its data: a
+    ValueError naming the adapter (no crash, no half-read slot)."""
+    bad = _copy(lora_dir, tmp_path)
+    weights = read_adapter("bad", bad, ModelConfig.from_dir(tiny_model_dir), max_rank=16)
+    _truncate(bad, 4096)
+    with pytest.raises(ValueError, match="'bad': adapter_model.safetensors ended early"):
+        weights.tensors()

@@ -120,8 +120,8 @@ def _masked_delta(x, a, b, offsets, slots, rank):
     out = torch.zeros(x.shape[0], offsets[-1], dtype=x.dtype)
     for s in range(len(offsets) - 1):
         lo, hi = offsets[s], offsets[s + 1]
-        out[:, lo:hi] = torch.einsum("tlr,lrn->tn", mid[:, :, s * rank : (s + 1) * rank],
-                                     b[:, :, lo:hi])
+        out[:, lo:hi] = torch.einsum("tlr,lnr->tn", mid[:, :, s * rank : (s + 1) * rank],
+                                     b[:, lo:hi])
     return out
 
 

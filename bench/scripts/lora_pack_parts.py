@@ -1,7 +1,9 @@
 """Where loading a LoRA adapter's host copy goes, in a fresh process without an engine (issue
-41's load target): reading and checking the file, then packing it for the slots, layer by layer
-into new host tensors, or in chunks of layers into a slab pinned ahead of time (on CUDA; the
-engine's way, engine/lora/host.py), with torch's default intra-op threads and with one.
+41's load target): checking the adapter (its config and its file's header), then reading its
+data and packing it for the slots, layer by layer into new host tensors (read into tensors
+first), or straight from the file into a slab pinned ahead of time (on CUDA; the engine's way,
+engine/lora/host.py and engine/lora/layers.py), with torch's default intra-op threads and with
+one.
 
     python bench/scripts/lora_pack_parts.py [--model random:llama-3.1-8b] [--rank 16]
 
@@ -64,8 +66,9 @@ def main() -> None:
                 reads.append((mid - start) * 1e3)
                 packs.append((time.perf_counter() - mid) * 1e3)
             print(json.dumps({"threads": threads, "pack_into": how,
-                              "read_ms": statistics.median(reads),
-                              "pack_ms": statistics.median(packs), "pack_ms_first": packs[0],
+                              "check_ms": statistics.median(reads),
+                              "read_and_pack_ms": statistics.median(packs),
+                              "read_and_pack_ms_first": packs[0],
                               "slab_reserve_ms": reserve_ms,
                               "slab_mb": lora.layout.pieces * lora.layout.piece_bytes / 2**20}),
                   flush=True)

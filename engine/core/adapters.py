@@ -116,8 +116,9 @@ class EngineAdapters:
             raise ValueError(f"an adapter named {name!r} is already loaded; unload it first")
 
     def _read(self, name: str, path: Path) -> tuple[int, PackedAdapter, list, float, float]:
-        """(rank, the adapter packed for the slots, the slab it is packed in, seconds reading
-        and checking it, seconds packing it): no device work, any thread."""
+        """(rank, the adapter packed for the slots, the slab it is packed in, seconds checking
+        it (its config and its file's header), seconds reading its data into the slab): no
+        device work, any thread."""
         start = time.perf_counter()
         weights = read_adapter(name, path, self.runner.config, self.config.max_lora_rank)
         read_s = time.perf_counter() - start
@@ -143,8 +144,9 @@ class EngineAdapters:
         elapsed = read_s + pack_s + register_s
         self.counters["lora_loads"] += 1
         self.counters["lora_load_seconds"] += elapsed
-        log.info("LoRA adapter %r (rank %d) loaded from %s in %.1f ms (reading %.1f, packing "
-                 "%.1f, registering and a slot write %.1f)", name, rank, path, elapsed * 1e3,
+        log.info("LoRA adapter %r (rank %d) loaded from %s in %.1f ms (checking %.1f, reading "
+                 "into host memory %.1f, registering and a slot write %.1f)", name, rank, path,
+                 elapsed * 1e3,
                  read_s * 1e3, pack_s * 1e3, register_s * 1e3)
         return LoadLoraResponse(name, rank, resident, elapsed)
 

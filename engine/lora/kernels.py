@@ -9,7 +9,7 @@ The tile table (`LoraBatch`, written by the host before each forward) lists each
     tiles  (0,3,0)   (3,32,2) (35,5,2) (0,0,-) ...   at most BLOCK_M rows each; length 0: none
 
     shrink  part[split, row, s*R + r] = sum over split's K of x[row] . A[slot, s*R + r]
-    expand  out[row, n] += sum_r (sum_split part[split, row, s(n)*R + r]) * B[slot, r, n]
+    expand  out[row, n] += sum_r (sum_split part[split, row, s(n)*R + r]) * B[slot, n, r]
 
 where s(n) is the slice (q, k, v of a fused qkv) that output column n belongs to. The grid is
 sized from the token count alone (tiles can be at most min(T, T/BLOCK_M + slots)), so a CUDA
@@ -65,13 +65,14 @@ def _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M: tl.constexpr, PDL: tl.constex
 
 @triton.jit
 def _b_tile(b_ptr, slot, R, N_out, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """This program's BLOCK_N output columns and the slot's B rows over them, [BLOCK_R,
-    BLOCK_N]: (n, n_mask, r, r_mask, b)."""
+    """This program's BLOCK_N output columns and the slot's B (stored [N_out, R]: one
+    contiguous block of BLOCK_N * R values) over them as [BLOCK_R, BLOCK_N]: (n, n_mask, r,
+    r_mask, b)."""
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N_out
     r = tl.arange(0, BLOCK_R)
     r_mask = r < R
-    b = tl.load(b_ptr + slot.to(tl.int64) * R * N_out + r[:, None] * N_out + n[None, :],
+    b = tl.load(b_ptr + slot.to(tl.int64) * R * N_out + n[None, :] * R + r[:, None],
                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     return n, n_mask, r, r_mask, b
 
@@ -253,7 +254,7 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
 
     Args:
         x: [T, K] (mode 2: [T, 2K]); out: [T, N_out], its rows contiguous.
-        a: [slots, S*R, K], the slices' A stacked; b: [slots, R, N_out], scale folded in.
+        a: [slots, S*R, K], the slices' A stacked; b: [slots, N_out, R], scale folded in.
         rows, tiles: the tile table (see the module's docstring), tiles [3, max_tiles].
         bounds: where slices 1 and 2 of out's columns start (S - 1 of them).
         norm: (weight [K], eps) with mode 1.
@@ -263,7 +264,7 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
         _bgmv(x, out, a, b, slots, bounds, mode, norm)
         return
     slots, n_shrunk, k = a.shape
-    r, n_out = b.shape[1], b.shape[2]
+    n_out, r = b.shape[1], b.shape[2]
     grid_tiles = max_tiles(t, slots)
     # K split over programs so a one-tile step's shrink spreads over the GPU, at most
     # _MAX_SPLITS: the expand adds the splits up in an unrolled loop
@@ -298,7 +299,7 @@ def _k_splits(k: int, want: int, block: int) -> tuple[int, int]:
 def _bgmv(x, out, a, b, slots, bounds, mode, norm) -> None:
     t = x.shape[0]
     _, n_shrunk, k = a.shape
-    r, n_out = b.shape[1], b.shape[2]
+    n_out, r = b.shape[1], b.shape[2]
     splits, k_per_split = _k_splits(k, min(_BGMV_SPLITS, -(-k // _BGMV_BLOCK_K)), _BGMV_BLOCK_K)
     width = n_shrunk + (mode == 1)
     part = torch.empty(splits, t, width, dtype=torch.float32, device=x.device)
@@ -318,9 +319,10 @@ def _bgmv(x, out, a, b, slots, bounds, mode, norm) -> None:
 
 def lora_expand_one_row(part: torch.Tensor, out: torch.Tensor, b: torch.Tensor,
                         slots: torch.Tensor, bounds: list[int]) -> None:
-    """out[0] += part @ b[slot] per slice, for batch-1 decode whose GEMV computed the shrink
-    (part [S*R] float32, engine/kernels/gemv.py's `lora`); nothing when slots[0] is -1."""
-    r, n_out = b.shape[1], b.shape[2]
+    """out[0] += part @ b[slot]^T per slice, for batch-1 decode whose GEMV computed the
+    shrink (part [S*R] float32, engine/kernels/gemv.py's `lora`); nothing when slots[0] is
+    -1."""
+    n_out, r = b.shape[1], b.shape[2]
     pdl = _pdl.use_pdl(out)
     b1, b2 = (list(bounds) + [n_out, n_out])[:2]
     _bgmv_expand_kernel[(1, triton.cdiv(n_out, _BGMV_BLOCK_N))](

@@ -6,11 +6,12 @@ Each fused projection of the model (qkv_proj, o_proj, gate_up_proj, down_proj) i
 target a slice. With L slots of max rank R and S slices (q, k, v of qkv_proj):
 
     a  [L, S*R, in]      the slices' A stacked: one shrink covers the fused projection
-    b  [L, R, out]       B^T (scale folded in), slice s in its own columns of the fused output
+    b  [L, out, R]       B as PEFT holds it (scale folded in), slice s in its own rows of the
+                         fused output: packing an adapter is plain copies, no transpose
 
 The step's tokens are grouped by slot on the host (`LoraBatch.set_slots`, plain ints from the
 scheduler) and each group is computed alone: shrink h = x[group] @ a[slot]^T [n, S*R], then
-expand y[group, slice s] += h[:, s] @ b[slot, :, slice s]. On the GPU (and under the Triton
+expand y[group, slice s] += h[:, s] @ b[slot, slice s]^T. On the GPU (and under the Triton
 interpreter) two Triton kernels do it from a tile table in static buffers, so CUDA graphs
 capture it (engine/lora/kernels.py); elsewhere a torch loop over the present groups does.
 A step without adapter tokens runs no LoRA code at all (outside CUDA graphs, which keep the
@@ -121,12 +122,12 @@ def _to_device(values, device):
 
 def slot_tensors(weight: torch.Tensor, loras: int, slices: list[int], rank: int,
                  layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed slots for a projection of `weight`'s shape: a [loras, S*R, in] and b [loras, R,
-    out]; with `layers`, that many of each stacked in front ([layers, loras, ...])."""
+    """Zeroed slots for a projection of `weight`'s shape: a [loras, S*R, in] and b [loras,
+    out, R]; with `layers`, that many of each stacked in front ([layers, loras, ...])."""
     lead = () if layers is None else (layers,)
     a = torch.zeros(*lead, loras, len(slices) * rank, weight.shape[1], dtype=weight.dtype,
                     device=weight.device)
-    b = torch.zeros(*lead, loras, rank, sum(slices), dtype=weight.dtype, device=weight.device)
+    b = torch.zeros(*lead, loras, sum(slices), rank, dtype=weight.dtype, device=weight.device)
     return a, b
 
 
@@ -194,16 +195,16 @@ class LoraLinear(nn.Module):
         r = self.rank
         for s in range(len(self.offsets) - 1):
             lo, hi = self.offsets[s], self.offsets[s + 1]
-            out[rows, lo:hi] += shrunk[:, s * r : (s + 1) * r] @ self.b[slot, :, lo:hi]
+            out[rows, lo:hi] += shrunk[:, s * r : (s + 1) * r] @ self.b[slot, lo:hi].t()
 
     def packed_shapes(self) -> list[torch.Size]:
-        """The shapes `pack` fills: a slot's a [S*R, in] and b [R, out]."""
+        """The shapes `pack` fills: a slot's a [S*R, in] and b [out, R]."""
         return [self.a.shape[1:], self.b.shape[1:]]
 
     def pack(self, halves: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float = 1.0,
              into: tuple[torch.Tensor, torch.Tensor] | None = None):
         """One adapter's (A [r, in], B [out, r]) of each slice (None: not a target) laid out
-        as a slot holds them, B times `scale`: (a [S*R, in], b [R, out]) on the host, in
+        as a slot holds them, B times `scale`: (a [S*R, in], b [out, R]) on the host, in
         `into` if given (`packed_shapes`, the slot's dtype); None if no slice is a target.
         Only what the adapter does not fill is zeroed (a slice it leaves out, the rows past
         its rank): zeroing whole buffers was half the time of packing a rank-16 adapter."""
@@ -216,7 +217,7 @@ class LoraLinear(nn.Module):
             # ops, not three a slice (every op is one more wait for the GIL while the step
             # loop runs beside the loader thread)
             torch.cat([pair[0] for pair in halves], out=a)
-            torch.cat([pair[1].t() for pair in halves], dim=1, out=b)
+            torch.cat([pair[1] for pair in halves], out=b)
             if scale != 1.0:
                 b.mul_(scale)  # a 16-bit product is computed in float32, rounded once
             return a, b
@@ -225,9 +226,9 @@ class LoraLinear(nn.Module):
             r = 0 if pair is None else pair[0].shape[0]
             if pair is not None:
                 a[top : top + r] = pair[0]
-                _scaled_into(b[:r, lo:hi], pair[1].t(), scale)
+                _scaled_into(b[lo:hi, :r], pair[1], scale)
             a[top + r : top + self.rank].zero_()
-            b[r:, lo:hi].zero_()
+            b[lo:hi, r:].zero_()
         return a, b
 
     @torch.no_grad()
@@ -333,38 +334,83 @@ class LoraModel:
         pinned, a slot write is an asynchronous copy), else in new tensors. Runs in the
         loader thread: no device work."""
         tp = self.tp if rank is None else TensorParallel(self.tp.size, rank)
+        chunks = None if slab is None else self._chunk_views(slab)
+        if chunks is not None and tp.size == 1 and self._read_into_slab(adapter, chunks):
+            return self._slab_packed(chunks)
+        weights = adapter.tensors()
 
         def pairs(i: int, name: str) -> list:
-            found = [adapter.weights.get((i, module)) for module in _SLICES[name]]
+            found = [weights.get((i, module)) for module in _SLICES[name]]
             return [None if pair is None else tp.shard_lora(module, *pair, self.whole)
                     for module, pair in zip(_SLICES[name], found)]
 
-        if slab is None:
+        if chunks is None:
             return [{name: proj.pack(pairs(i, name), adapter.scale)
                      for name, proj in wrapped.items()}
                     for i, wrapped in enumerate(self.layers)]
-        chunks = self._chunk_views(slab)
-        views: list[dict[str, list]] = [{name: [None, None] for name in w} for w in self.layers]
-        for name, half, layers, chunk in chunks:
-            for i, view in zip(layers, chunk):
-                views[i][name][half] = view
-        packed: PackedAdapter = [{} for _ in self.layers]
+        packed = self._slab_packed(chunks)
         for name, proj in self.layers[0].items():
             found = [pairs(i, name) for i in range(len(self.layers))]
             if not all(_full_rank(layer, proj) for layer in found):  # layer by layer
                 for i, wrapped in enumerate(self.layers):
-                    into = tuple(views[i][name])
-                    packed[i][name] = wrapped[name].pack(found[i], adapter.scale, into)
-                    if packed[i][name] is None:  # no target here: the chunk holds zeros
-                        for view in into:
+                    into = packed[i][name]
+                    if wrapped[name].pack(found[i], adapter.scale, into) is None:
+                        for view in into:  # no target here: the chunk holds zeros
                             view.zero_()
+                        packed[i][name] = None
                 continue
             for chunk_name, half, layers, chunk in chunks:
                 if chunk_name == name:
                     _stack_chunk(chunk, [found[i] for i in layers], proj, half, adapter.scale)
-            for i in range(len(self.layers)):
-                packed[i][name] = tuple(views[i][name])
         return packed
+
+    def _slab_packed(self, chunks: list) -> PackedAdapter:
+        """`pack`'s answer for a slab: each layer's (a, b) of each projection, views of the
+        chunks (`_chunk_views`)."""
+        views: list[dict[str, list]] = [{name: [None, None] for name in w} for w in self.layers]
+        for name, half, layers, chunk in chunks:
+            for i, view in zip(layers, chunk):
+                views[i][name][half] = view
+        return [{name: tuple(pair) for name, pair in layer.items()} for layer in views]
+
+    def _read_into_slab(self, adapter: AdapterWeights, chunks: list) -> bool:
+        """Read an adapter that targets every projection of every layer at the slots' full
+        rank, all its tensors of one dtype, from its file straight into the slab's chunks:
+        a slot's a and b are the file's A and B laid side by side (engine/lora/adapter.py,
+        `read_into`), then B's chunks are scaled in place, a few host ops in all. A file of
+        another dtype than the slots' is read into a chunk-shaped buffer first and cast once.
+        False, with nothing read, for any other adapter (`pack` takes it apart instead)."""
+        places = adapter.places
+        if places is None:
+            return False
+        dtypes = {place.dtype for pair in places.values() for place in pair}
+        if len(dtypes) != 1 or any(
+                (i, module) not in places or places[(i, module)][0].shape[0] != proj.rank
+                for i, wrapped in enumerate(self.layers) for name, proj in wrapped.items()
+                for module in _SLICES[name]):
+            return False
+        (dtype,) = dtypes
+        targets, after = [], []
+        for name, half, layers, chunk in chunks:
+            proj = self.layers[0][name]
+            into = chunk if dtype == chunk.dtype else torch.empty(chunk.shape, dtype=dtype)
+            for j, i in enumerate(layers):
+                for s, module in enumerate(_SLICES[name]):
+                    lo, hi = ((s * proj.rank, (s + 1) * proj.rank) if half == 0
+                              else (proj.offsets[s], proj.offsets[s + 1]))
+                    targets.append((places[(i, module)][half], into[j, lo:hi]))
+            scale = adapter.scale if half == 1 else 1.0
+            if into is not chunk or scale != 1.0:
+                after.append((chunk, into, scale))
+        adapter.read_into(targets)
+        for chunk, into, scale in after:
+            if into is chunk:
+                chunk.mul_(scale)  # a 16-bit product is computed in float32, rounded once
+            elif scale == 1.0:
+                chunk.copy_(into)
+            else:  # in float32, rounded once into the slots' dtype, as LoraLinear.pack does
+                torch.mul(into.to(torch.float32), scale, out=chunk)
+        return True
 
     def write_slot(self, slot: int, packed: PackedAdapter | None,
                    slab: list[torch.Tensor] | None = None) -> torch.cuda.Event | None:
@@ -419,7 +465,7 @@ def _full_rank(pairs: list, proj: LoraLinear) -> bool:
 def _stack_chunk(chunk: torch.Tensor, layers: list[list], proj: LoraLinear, half: int,
                  scale: float) -> None:
     """Pack a chunk of consecutive layers' a (half 0: [layers, S*R, in]) or b (half 1:
-    [layers, R, out], B^T times scale) of full-rank slices: one host op a slice (and one
+    [layers, out, R], B times scale) of full-rank slices: one host op a slice (and one
     scale): every op is one more wait for the GIL while the step loop runs beside the
     loader thread."""
     r = proj.rank
@@ -428,7 +474,7 @@ def _stack_chunk(chunk: torch.Tensor, layers: list[list], proj: LoraLinear, half
             torch.stack([pairs[s][0] for pairs in layers], out=chunk[:, s * r : (s + 1) * r])
         else:
             lo, hi = proj.offsets[s], proj.offsets[s + 1]
-            torch.stack([pairs[s][1].t() for pairs in layers], out=chunk[:, :, lo:hi])
+            torch.stack([pairs[s][1] for pairs in layers], out=chunk[:, lo:hi])
     if half == 1 and scale != 1.0:
         chunk.mul_(scale)  # a 16-bit product is computed in float32, rounded once
 
