@@ -39,6 +39,7 @@ from bench.engine_gpu import drain, prompts, steady_step_ms
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.frames import invoke
+from engine.lora import kernels as lora_kernels
 from engine.lora.adapter import module_shapes
 from microserve.heap import freeze_startup_heap
 from microserve.messages import CALLS, LoadLoraRequest, SamplingParams
@@ -200,8 +201,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this module")
     ap.add_argument("--profile", action="store_true",
                     help="decode1: print each engine's kernels per step (torch.profiler)")
+    ap.add_argument("--expand-col-blocks", type=int, default=None,
+                    help="the most output column blocks one segmented expand program covers "
+                    "(engine.lora.kernels.MAX_COL_BLOCKS; 1: one each, as before 2026-11-28)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.expand_col_blocks is not None:
+        lora_kernels.MAX_COL_BLOCKS = args.expand_col_blocks
     model_dir = str(resolve_model(args.model))
     config = ModelConfig.from_dir(model_dir)
     wanted = args.only.split(",")
@@ -224,6 +230,7 @@ def main() -> None:
     results = {"model": args.model, "device": device,
                "adapters": args.adapters, "rank": args.rank, "skew": args.skew,
                "max_loras": lora.config.max_loras,
+               "expand_max_col_blocks": lora_kernels.MAX_COL_BLOCKS,
                "startup_load_ms_mean": 1e3 * started.lora_load_seconds
                / max(1, started.lora_loads),
                "startup_slot_write_ms_mean": 1e3 * started.lora_slot_write_seconds

@@ -93,8 +93,9 @@ def compile_all() -> None:
                      BLOCK_R=16, PDL=True)
     compile_for_h100(k._shrink_kernel, MODE=1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64,
                      DOT_PRECISION="tf32", PDL=True)
-    compile_for_h100(k._expand_kernel, SLICES=3, SPLITS=8, NORM=True, BLOCK_M=32, BLOCK_N=64,
-                     BLOCK_R=16, DOT_PRECISION="tf32", PDL=True)
+    for slices, norm in ((3, True), (2, False), (1, False)):
+        compile_for_h100(k._expand_kernel, SLICES=slices, SPLITS=8, NORM=norm, BLOCK_M=32,
+                         BLOCK_N=64, BLOCK_R=16, COL_BLOCKS=4, DOT_PRECISION="tf32", PDL=True)
 
 
 def test_gpu_kernels_compile_for_h100(tmp_path):

@@ -125,14 +125,22 @@ def _masked_delta(x, a, b, offsets, slots, rank):
     return out
 
 
-@pytest.mark.parametrize("tokens", [40, 7], ids=["segmented", "bgmv"])
+@pytest.mark.parametrize("tokens", [40, 7, "40-col-blocks"],
+                         ids=["segmented", "bgmv", "segmented-col-blocks"])
 @pytest.mark.parametrize("form", ["plain", "norm", "gated"])
-def test_segmented_kernels_equal_torch_path_and_masked_form(form, tokens):
+def test_segmented_kernels_equal_torch_path_and_masked_form(form, tokens, monkeypatch):
     """Random fp32 inputs, 40 tokens over 3 of 4 slots and the base, interleaved (slot 2's
     group spans two tiles), a fused projection of three uneven slices: the Triton kernels,
     the torch loop over groups and the dense masked form give the same deltas. 7 tokens: the
-    same through the per-token (BGMV) kernels of few-token steps."""
+    same through the per-token (BGMV) kernels of few-token steps. col-blocks: each expand
+    program covers every column block (the last one partial, and blocks past the output)."""
+    from engine.lora import kernels
     from engine.lora.layers import LoraBatch, LoraLinear, _input
+
+    if tokens == "40-col-blocks":
+        tokens = 40
+        monkeypatch.setattr(kernels, "_EXPAND_PROGRAMS", 1)
+        assert kernels._col_blocks(kernels.max_tiles(tokens, 4), 2) == 8
 
     gen = torch.Generator().manual_seed(0)
     k, slices, rank = 320, [48, 16, 32], 8  # K over two splits, not a multiple of 64

@@ -40,6 +40,11 @@ _TARGET_PROGRAMS = 128  # shrink programs to aim for: about one wave on an H100
 # and a pass over the whole row for the RMS norm before the shrink's own loop, batch-1
 # decode with an adapter took 8.09 ms against 4.88 (H200, 2026-11-27).
 _MAX_SPLITS = 8
+# An expand program covers up to MAX_COL_BLOCKS blocks of output columns, so it sums the
+# splits' partials once for all of them, while the grid keeps at least _EXPAND_PROGRAMS
+# programs (a few waves on an H100). bench.lora_gpu --expand-col-blocks 1 sets it for an A/B.
+MAX_COL_BLOCKS = 8
+_EXPAND_PROGRAMS = 512
 # Steps of at most BGMV_MAX_TOKENS tokens (decode) take the BGMV kernels: a program per token
 # and split (shrink) or column block (expand), vector multiply-adds; K split into _BGMV_SPLITS.
 _BGMV_SPLITS = 16
@@ -121,40 +126,72 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, part_ptr, rows_ptr, tiles_ptr, max_ti
 
 
 @triton.jit
+def _h_slice(part_rows, part_split_stride, s, R, r, r_mask, m_mask, scale,
+             SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Slice s's shrunk values of the tile's rows, every split summed (times scale):
+    [BLOCK_M, BLOCK_R] fp32."""
+    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for sp in tl.static_range(SPLITS):  # unrolled: the loads go out together
+        h += tl.load(part_rows + sp * part_split_stride + s * R + r[None, :],
+                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    return h * scale
+
+
+@triton.jit
 def _expand_kernel(part_ptr, b_ptr, out_ptr, out_stride, rows_ptr, tiles_ptr, max_tiles,
                    R, N_shrunk, P, N_out, part_split_stride, bound1, bound2, K, eps,
                    SLICES: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   COL_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """The tile's rows over COL_BLOCKS consecutive blocks of BLOCK_N output columns: the
+    summed h of each slice is loaded once for all of them (every program re-reading the
+    splits' partials was ~170 MB of L2 reads a layer in a 256-token decode step)."""
     length, slot, rows, m_mask = _tile(rows_ptr, tiles_ptr, max_tiles, BLOCK_M, PDL)
     if length == 0:
         return
-    n, n_mask, r, r_mask, b = _b_tile(b_ptr, slot, R, N_out, BLOCK_N, BLOCK_R)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < R
     part_rows = part_ptr + rows[:, None] * P
+    inv_rms = tl.full([BLOCK_M, 1], 1.0, dtype=tl.float32)
     if NORM:  # every split's squares of the row: its RMS
         squares = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
         for sp in tl.static_range(SPLITS):  # unrolled: the loads go out together
             squares += tl.load(part_rows + sp * part_split_stride + N_shrunk,
                                mask=m_mask[:, None], other=0.0)
         inv_rms = 1.0 / tl.sqrt(squares / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(SLICES):
+    h0 = _h_slice(part_rows, part_split_stride, 0, R, r, r_mask, m_mask, inv_rms, SPLITS,
+                  BLOCK_M, BLOCK_R)
+    h1 = h0
+    h2 = h0
+    if SLICES > 1:
+        h1 = _h_slice(part_rows, part_split_stride, 1, R, r, r_mask, m_mask, inv_rms, SPLITS,
+                      BLOCK_M, BLOCK_R)
+    if SLICES > 2:
+        h2 = _h_slice(part_rows, part_split_stride, 2, R, r, r_mask, m_mask, inv_rms, SPLITS,
+                      BLOCK_M, BLOCK_R)
+    b_slot = b_ptr + slot.to(tl.int64) * R * N_out
+    for cb in range(COL_BLOCKS):
+        n = (tl.program_id(1) * COL_BLOCKS + cb) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < N_out
+        b = tl.load(b_slot + n[None, :] * R + r[:, None], mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0)
         # the columns of slice s: [bound_s, bound_s+1); B's other columns are zeroed for it
-        lo = 0 if s == 0 else (bound1 if s == 1 else bound2)
-        hi = N_out if s == SLICES - 1 else (bound1 if s == 0 else bound2)
-        h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for sp in tl.static_range(SPLITS):
-            h += tl.load(part_rows + sp * part_split_stride + s * R + r[None, :],
-                         mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        if NORM:
-            h = h * inv_rms
-        in_slice = (n >= lo) & (n < hi)
-        acc += tl.dot(h.to(b.dtype), tl.where(in_slice[None, :], b, 0.0).to(b.dtype),
-                      input_precision=DOT_PRECISION)
-    out = out_ptr + rows[:, None] * out_stride + n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if SLICES == 1:
+            acc = tl.dot(h0.to(b.dtype), b, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(h0.to(b.dtype), tl.where((n < bound1)[None, :], b, 0.0).to(b.dtype),
+                         input_precision=DOT_PRECISION)
+            hi1 = N_out if SLICES == 2 else bound2
+            acc += tl.dot(h1.to(b.dtype),
+                          tl.where(((n >= bound1) & (n < hi1))[None, :], b, 0.0).to(b.dtype),
+                          input_precision=DOT_PRECISION)
+            if SLICES > 2:
+                acc += tl.dot(h2.to(b.dtype), tl.where((n >= bound2)[None, :], b, 0.0).to(b.dtype),
+                              input_precision=DOT_PRECISION)
+        out = out_ptr + rows[:, None] * out_stride + n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        y = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -282,12 +319,22 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: t
         BLOCK_N=max(16, triton.next_power_of_2(n_shrunk)), BLOCK_K=_BLOCK_K,
         DOT_PRECISION=precision, PDL=pdl, **_pdl.launch_options(pdl))
     b1, b2 = (list(bounds) + [n_out, n_out])[:2]
-    _expand_kernel[(grid_tiles, triton.cdiv(n_out, _BLOCK_N))](
+    blocks = triton.cdiv(n_out, _BLOCK_N)
+    col_blocks = _col_blocks(grid_tiles, blocks)
+    _expand_kernel[(grid_tiles, triton.cdiv(blocks, col_blocks))](
         part, b, out, out.stride(0), rows, tiles, tiles.shape[1], r, n_shrunk, width, n_out,
         part.stride(0), b1, b2, k, eps, SLICES=len(bounds) + 1, SPLITS=splits,
         NORM=mode == 1, BLOCK_M=BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_R=max(16, triton.next_power_of_2(r)), DOT_PRECISION=precision, PDL=pdl,
-        **_pdl.launch_options(pdl))
+        BLOCK_R=max(16, triton.next_power_of_2(r)), COL_BLOCKS=col_blocks,
+        DOT_PRECISION=precision, PDL=pdl, **_pdl.launch_options(pdl))
+
+
+def _col_blocks(grid_tiles: int, blocks: int) -> int:
+    """Column blocks an expand program covers: as many as leave at least _EXPAND_PROGRAMS
+    programs (a power of two, at most MAX_COL_BLOCKS), from the grid's size alone (CUDA
+    graphs)."""
+    want = max(1, min(MAX_COL_BLOCKS, grid_tiles * blocks // _EXPAND_PROGRAMS))
+    return 1 << (want.bit_length() - 1)
 
 
 def _k_splits(k: int, want: int, block: int) -> tuple[int, int]:
