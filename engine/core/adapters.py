@@ -67,7 +67,7 @@ class EngineAdapters:
         for name, path in config.lora_modules:
             self.load(name, resolve_path(path, None))
         if config.lora_dir is not None:  # runtime loads take this one
-            self._slabs.reserve(1)
+            self._slabs.reserve(1, pause_s=0.0)  # before serving: nothing to pause for
 
     # ---- registering --------------------------------------------------------------------------
 

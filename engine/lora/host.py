@@ -7,12 +7,15 @@ adapter of Llama-3.1-8B's shape (84 MB) took 55 ms, a single 84-MB buffer 45 ms,
 the driver pins, the step loop's launches wait (the single buffer held a decode step for
 82 ms; docs/benchmarks.md, 2026-11-27 night). So slabs are pinned before they are needed:
 one spare at start-up, the next by the loader thread once a load has taken the spare (piece by
-piece, so no launch waits long), and an unloaded adapter's slab is kept for the next load.
+piece, pausing between pieces: pinned back to back, the 23 pieces of a spare held one decode
+step for 62 ms on an H100, 2026-11-28), and an unloaded adapter's slab is kept for the next
+load.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -44,7 +47,11 @@ class Slabs:
 
     `take` returns a free slab (allocating one if none is free); `give` returns one whose
     last asynchronous copy is `done` (an event, or None); `reserve` allocates until `spare`
-    slabs are free. Any thread may call them."""
+    slabs are free, pausing `pause_s` after each pinned piece (a background thread's: the
+    driver, and the GIL, go back to the step loop between pieces). Any thread may call
+    them."""
+
+    PAUSE_S = 0.004  # after each piece `reserve` pins: about a decode step's launches
 
     def __init__(self, layout: Layout, pin: bool, keep: int = 2):
         self.layout, self.pin, self.keep = layout, pin, keep
@@ -70,18 +77,22 @@ class Slabs:
             if len(self._free) < self.keep:
                 self._free.append((slab, done))
 
-    def reserve(self, spare: int = 1) -> None:
+    def reserve(self, spare: int = 1, pause_s: float = PAUSE_S) -> None:
         while True:
             with self._lock:
                 if len(self._free) >= spare:
                     return
-            slab = self._allocate()
+            slab = self._allocate(pause_s)
             with self._lock:
                 self._free.append((slab, None))
 
-    def _allocate(self) -> list[torch.Tensor]:
-        slab = [torch.empty(self.layout.piece_bytes, dtype=torch.uint8, pin_memory=self.pin)
-                for _ in range(self.layout.pieces)]
+    def _allocate(self, pause_s: float = 0.0) -> list[torch.Tensor]:
+        slab = []
+        for _ in range(self.layout.pieces):
+            slab.append(torch.empty(self.layout.piece_bytes, dtype=torch.uint8,
+                                    pin_memory=self.pin))
+            if pause_s and self.pin:
+                time.sleep(pause_s)
         with self._lock:
             self.allocated += 1
         return slab
