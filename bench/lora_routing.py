@@ -7,12 +7,14 @@ deployment (issue 41's target: >= 1.3x throughput over two engines with 32 adapt
 Writes --adapters random PEFT adapters (bench.lora_gpu's), then a deployment file with one
 engine per device, each registering every adapter (--lora-modules) with --max-loras slots, and
 starts it (`microserve up`). For each strategy (--strategies: data_parallel round robin, then
-lora_affinity) it swaps the strategy in, sends --requests requests (--input-len random token
-ids, --output-len tokens, ignore_eos; at most --concurrency in flight), each naming an adapter
-drawn uniformly (--skew 0) or Zipf(--skew), and prints one JSON line: output tokens/s, wall
-time, and each engine's adapter slot writes during the run (copies into a slot: what affinity
-saves) and prompt tokens (how the requests spread). The last line is affinity's throughput over
-round robin's. `--devices cpu,cpu` with a small model is a smoke run of this module.
+lora_affinity; the list --repeat times over, alternating, to cancel drift) it swaps the
+strategy in, sends --requests requests (--input-len random token ids, fresh each run so no
+run reuses another's KV; --output-len tokens, ignore_eos; at most --concurrency in flight),
+each naming an adapter drawn uniformly (--skew 0) or Zipf(--skew) — the same draws, in the same
+order, in every run — and prints one JSON line: output tokens/s, wall time, and each engine's
+adapter slot writes during the run (copies into a slot: what affinity saves) and prompt tokens
+(how the requests spread). The last line is affinity's mean throughput over round robin's,
+with each run's. `--devices cpu,cpu` with a small model is a smoke run of this module.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +52,7 @@ def deployment_file(path: Path, model: str, port: int, devices: list[str], adapt
 async def run(client: httpx.AsyncClient, args, names: list[str], vocab: int, seed: int) -> dict:
     """Every request, at most --concurrency in flight; fresh prompts per `seed`."""
     rng = random.Random(seed)
-    adapters = popularity(args.requests, names, args.skew, seed)
+    adapters = popularity(args.requests, names, args.skew, args.seed)
     gate = asyncio.Semaphore(args.concurrency)
 
     async def one(adapter: str) -> int:
@@ -109,7 +112,8 @@ async def main_async(args) -> dict:
                 headers={"Authorization": f"Bearer {up.admin_token}"}) as admin:
             await wait_for_engines(admin, len(args.devices.split(",")), args.start_timeout_s)
             print(json.dumps(results), flush=True)
-            for seed, strategy in enumerate(args.strategies.split(","), start=1):
+            runs = args.strategies.split(",") * args.repeat
+            for seed, strategy in enumerate(runs, start=1):
                 r = await admin.put("/admin/strategy", json={"builtin": strategy})
                 r.raise_for_status()
                 before = await engine_counts(admin)
@@ -117,14 +121,19 @@ async def main_async(args) -> dict:
                 after = await engine_counts(admin)
                 figures["engines"] = {n: {k: after[n][k] - before[n][k] for k in after[n]}
                                       for n in after}
-                results[strategy] = figures
+                results.setdefault(strategy, []).append(figures)
                 print(strategy, json.dumps(figures), flush=True)
     finally:
         up.stop()
     if "lora_affinity" in results and "data_parallel" in results:
-        results["affinity_over_round_robin"] = (results["lora_affinity"]["output_tokens_per_s"]
-                                                / results["data_parallel"]["output_tokens_per_s"])
-        print("affinity_over_round_robin", results["affinity_over_round_robin"], flush=True)
+        rates = {s: [f["output_tokens_per_s"] for f in results[s]]
+                 for s in ("lora_affinity", "data_parallel")}
+        results["affinity_over_round_robin"] = (statistics.mean(rates["lora_affinity"])
+                                                / statistics.mean(rates["data_parallel"]))
+        results["affinity_over_round_robin_each_run"] = [
+            a / d for a, d in zip(rates["lora_affinity"], rates["data_parallel"])]
+        print("affinity_over_round_robin", results["affinity_over_round_robin"],
+              results["affinity_over_round_robin_each_run"], flush=True)
     return results
 
 
@@ -141,6 +150,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--strategies", default="data_parallel,lora_affinity")
+    ap.add_argument("--repeat", type=int, default=1, help="run the strategies' list this many "
+                    "times over, alternating")
+    ap.add_argument("--seed", type=int, default=0, help="the adapters' draws (every run's)")
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="more args for every engine (repeat: --engine-arg=--num-pages ...)")
     ap.add_argument("--port", type=int, default=8000)
