@@ -5,6 +5,9 @@ scored by where its LoRA adapter is, how much of its prompt the engine holds, an
                   stats, or a generation of it from this router is open there): nothing to copy
              0.8  registered, and a slot is free: one copy into it, nothing evicted
              0.6  registered, every slot taken: a copy, and another adapter evicted for it
+             0.3  registered, but every slot is held by an adapter with generations open
+                  here: it waits until one of them has none (the engine never evicts an
+                  adapter whose requests run), so its requests queue behind other adapters'
              (a request for the base model scores 1.0 everywhere)
     prefix   the share of the prompt the router's prefix index says the engine holds for this
              adapter (KV belongs to its adapter: a base prefix does not count for an adapter)
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
     from router.engines import EnginePool
     from router.strategy import Request
 
-RESIDENT, FREE_SLOT, EVICTS = 1.0, 0.8, 0.6
+RESIDENT, FREE_SLOT, EVICTS, WAITS = 1.0, 0.8, 0.6, 0.3
 
 
 @dataclass(frozen=True)
@@ -62,15 +65,19 @@ class Score:
 def adapter_score(engine: EngineHandle, adapter: str | None) -> float:
     """Where `adapter` is on `engine`, by its last polled stats and the router's open calls
     (the table above). The calls come first: stats are up to half a second old, and a busy
-    engine's slots change faster than that."""
+    engine's slots change faster than that. Slot pressure (WAITS) is what sends each rarely
+    used adapter of a skewed mix to one engine rather than to all: an engine busy with as
+    many adapters as it has slots takes a new one only after one of them drains."""
     if adapter is None or adapter in engine.open_adapters:
         return RESIDENT
     stats = engine.load
-    if stats is None:  # not polled yet: started with it, resident if a slot was free then
-        return FREE_SLOT
-    if adapter in stats.lora_resident:
+    if stats is not None and adapter in stats.lora_resident:
         return RESIDENT
     slots = engine.info.max_loras if engine.info is not None else 0
+    if slots and len(engine.open_adapters) >= slots:
+        return WAITS
+    if stats is None:  # not polled yet: started with it, resident if a slot was free then
+        return FREE_SLOT
     return FREE_SLOT if len(stats.lora_resident) < slots else EVICTS
 
 

@@ -1,6 +1,7 @@
 """LoRA affinity: each request whole on the engine that scores best for it (router/affinity.py).
 
-    score = adapter_weight * (1.0 resident, 0.8 a slot free, 0.6 evicts another adapter)
+    score = adapter_weight * (1.0 resident, 0.8 a slot free, 0.6 evicts another adapter,
+                              0.3 waits: every slot's adapter has requests open there)
           + prefix_weight  * (share of the prompt the engine holds, for this adapter)
           + load_weight    * (1 - its load / the highest load among the candidates)
 

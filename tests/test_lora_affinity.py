@@ -87,6 +87,12 @@ def test_scores_by_adapter_state_prefix_and_load(pool):
     pool["e3"].open_adapters["a1"] = 1
     assert totals(request("a1"), a1, prefix=0, load=0) == [("e1", 1.0), ("e3", 1.0),
                                                           ("e2", 0.8)]
+    # e2's two slots both held by adapters with generations open here: a1 would wait for
+    # one of them to drain, which ranks it below evicting an idle adapter on e3
+    pool["e2"].open_adapters.update({"a2": 3, "a3": 1})
+    assert totals(request("a1"), a1, prefix=0, load=0) == [("e1", 1.0), ("e3", 1.0),
+                                                          ("e2", 0.3)]
+    assert totals(request("a2"), pool.with_adapter("a2"), prefix=0, load=0)[0] == ("e2", 1.0)
     with pytest.raises(ValueError, match="load_weight -1 must be within"):
         Weights(load=-1)
 
