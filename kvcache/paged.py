@@ -116,8 +116,8 @@ class PagedKVCache:
         assert self._batch is None, "begin_forward while a step is open"
         self._batch = ForwardBatch([], self.page_size)
 
-    def attention(self, layer: int, q, k, v, positions, cos_sin):
-        out = self.backend.forward(self.kv[layer], q, k, v, positions, cos_sin)
+    def attention(self, layer: int, q, k, v, positions, cos_sin, qkv_delta=None):
+        out = self.backend.forward(self.kv[layer], q, k, v, positions, cos_sin, qkv_delta)
         self._layer_written(layer)
         return out
 

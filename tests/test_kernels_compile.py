@@ -93,6 +93,12 @@ def compile_all() -> None:
                      BLOCK_R=16, PDL=True)
     compile_for_h100(k._shrink_kernel, MODE=1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64,
                      DOT_PRECISION="tf32", PDL=True)
+    for cache in ("*bf16", "*fp8e4nv"):
+        compile_for_h100(k._qkv_delta_rope_store_kernel,
+                         {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32",
+                          "slot_mapping_ptr": "*i64", "k_cache_ptr": cache, "v_cache_ptr": cache},
+                         NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_HALF=64, BLOCK_R=16,
+                         CACHE_FP8=cache == "*fp8e4nv", PDL=True)
     for slices, norm in ((3, True), (2, False), (1, False)):
         compile_for_h100(k._expand_kernel, SLICES=slices, SPLITS=8, NORM=norm, BLOCK_M=32,
                          BLOCK_N=64, BLOCK_R=16, COL_BLOCKS=4, DOT_PRECISION="tf32", PDL=True)

@@ -64,7 +64,9 @@ class _QueryAsOutput:
     """Attention stand-in for one layer: returns q (what attention computes is not the point
     here, only that both paths feed it the same q, k, v)."""
 
-    def attention(self, layer_idx, q, k, v, positions, cos_sin):
+    def attention(self, layer_idx, q, k, v, positions, cos_sin, qkv_delta=None):
+        if qkv_delta is not None:  # an Attention that does not fuse the adapter's delta
+            qkv_delta.add()
         return q
 
 
@@ -169,3 +171,50 @@ def test_segmented_kernels_equal_torch_path_and_masked_form(form, tokens, monkey
     base_rows = [i for i, s in enumerate(slots) if s < 0]
     assert base_rows and not results[True][base_rows].any()
     assert results[True][[i for i, s in enumerate(slots) if s >= 0]].abs().min() > 0
+
+
+@pytest.mark.parametrize("slot", [1, -1], ids=["adapter", "base"])
+def test_qkv_delta_fused_into_rope_equals_expand_then_rope(slot):
+    """Batch-1 decode's qkv expand inside the RoPE-and-store kernel gives what the separate
+    expand kernel, then `rope_and_store_kv`, give: the qkv row (q and k rotated, v with the
+    delta) and the k, v written to the cache slot, float32; nothing added for a base token."""
+    from engine.kernels.fused import rope_and_store_kv
+    from engine.lora.kernels import lora_expand_one_row, qkv_delta_rope_and_store_kv
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, rank, pages, page_size = 4, 2, 16, 8, 3, 4
+    n_out = (heads + 2 * kv_heads) * head_dim
+    bounds = [heads * head_dim, (heads + kv_heads) * head_dim]
+    qkv = torch.randn(1, n_out, generator=gen)
+    part = torch.randn(3 * rank, generator=gen)
+    b = torch.randn(2, n_out, rank, generator=gen)
+    slots = torch.tensor([slot] + [-1] * 7, dtype=torch.int32)
+    positions = torch.tensor([5])
+    angles = torch.randn(16, head_dim // 2, generator=gen)
+    cos_sin = torch.stack([angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)], dim=1)
+    slot_mapping = torch.tensor([6])
+    results = []
+    for fused in (True, False):
+        row = qkv.clone()
+        caches = [torch.zeros(pages, page_size, kv_heads, head_dim) for _ in range(2)]
+        q, k, v = row.split([bounds[0], bounds[1] - bounds[0], n_out - bounds[1]], dim=-1)
+        views = (q.view(1, heads, head_dim), k.view(1, kv_heads, head_dim),
+                 v.view(1, kv_heads, head_dim))
+        if fused:
+            qkv_delta_rope_and_store_kv(part, b, slots, *views, positions, cos_sin, *caches,
+                                        slot_mapping)
+        else:
+            lora_expand_one_row(part, row, b, slots, bounds)
+            rope_and_store_kv(*views, positions, cos_sin, *caches, slot_mapping)
+        results.append((row, *caches))
+    for got, want in zip(*results):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    plain = qkv.clone()
+    q, k, v = plain.split([bounds[0], bounds[1] - bounds[0], n_out - bounds[1]], dim=-1)
+    rope_and_store_kv(q.view(1, heads, head_dim), k.view(1, kv_heads, head_dim),
+                      v.view(1, kv_heads, head_dim), positions, cos_sin,
+                      torch.zeros(pages, page_size, kv_heads, head_dim),
+                      torch.zeros(pages, page_size, kv_heads, head_dim), slot_mapping)
+    assert torch.equal(results[0][0], plain) == (slot < 0)
+    stored = results[0][1].view(-1, kv_heads, head_dim)[6]
+    assert torch.equal(stored, results[0][0][0, bounds[0]:bounds[1]].view(kv_heads, head_dim))

@@ -79,7 +79,9 @@ class TorchAttentionBackend(AttentionBackend):
             mask[:, None, None, :].to(dev),
         )
 
-    def forward(self, kv_layer, q, k, v, positions, cos_sin):
+    def forward(self, kv_layer, q, k, v, positions, cos_sin, qkv_delta=None):
+        if qkv_delta is not None:  # an adapter's delta still to be added (the model's Attention)
+            qkv_delta.add()
         q, k = apply_rope(q, k, positions, cos_sin)
         heads_dim = kv_layer.shape[-2:]
         k_cache, v_cache = kv_layer[0], kv_layer[1]  # [pages, page_size, kv_heads, head_dim]

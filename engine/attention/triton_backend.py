@@ -128,16 +128,27 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---- per layer -------------------------------------------------------------------------
 
-    def forward(self, kv_layer, q, k, v, positions, cos_sin):
-        self.store(kv_layer, q, k, v, positions, cos_sin, self.num_tokens)
+    def forward(self, kv_layer, q, k, v, positions, cos_sin, qkv_delta=None):
+        self.store(kv_layer, q, k, v, positions, cos_sin, self.num_tokens, qkv_delta)
         return self.attend(kv_layer, q, torch.empty_like(q))
 
-    def store(self, kv_layer, q, k, v, positions, cos_sin, num_tokens: int) -> None:
+    def store(self, kv_layer, q, k, v, positions, cos_sin, num_tokens: int,
+              qkv_delta=None) -> None:
         """RoPE on q and k (in place) and k, v into the cache for the first `num_tokens` rows
         (past the step's tokens, slot -1: nothing stored). Reads only device buffers, so a
-        CUDA graph may hold it (engine/cuda_graphs.py, PiecewiseGraphs)."""
-        rope_and_store_kv(q, k, v, positions, cos_sin, kv_layer[0], kv_layer[1],
-                          self.slot_mapping[:num_tokens])  # fmt: skip
+        CUDA graph may hold it (engine/cuda_graphs.py, PiecewiseGraphs). `qkv_delta` (one
+        token with a LoRA adapter, the model's Attention): its expand goes in the same
+        kernel."""
+        slots = self.slot_mapping[:num_tokens]
+        if qkv_delta is not None and q.shape[0] == 1:
+            from engine.lora.kernels import qkv_delta_rope_and_store_kv
+
+            qkv_delta_rope_and_store_kv(qkv_delta.part, qkv_delta.b, qkv_delta.slots, q, k, v,
+                                        positions, cos_sin, kv_layer[0], kv_layer[1], slots)
+            return
+        if qkv_delta is not None:
+            qkv_delta.add()
+        rope_and_store_kv(q, k, v, positions, cos_sin, kv_layer[0], kv_layer[1], slots)
 
     def attend(self, kv_layer, q, out):
         """Attention of the step's q rows over the cache (their own K/V stored), into out."""

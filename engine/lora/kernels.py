@@ -376,3 +376,116 @@ def lora_expand_one_row(part: torch.Tensor, out: torch.Tensor, b: torch.Tensor,
         part, b, out, out.stride(0), slots, r, part.shape[0], part.shape[0], n_out, 0, b1, b2,
         1, 0.0, SLICES=len(bounds) + 1, SPLITS=1, NORM=False, BLOCK_N=_BGMV_BLOCK_N,
         BLOCK_R=max(16, triton.next_power_of_2(r)), PDL=pdl, **_pdl.launch_options(pdl))
+
+
+@triton.jit
+def _qkv_delta_rope_store_kernel(
+        qkv_ptr, k_offset, v_offset, head_stride, part_ptr, b_ptr, slots_ptr, R, N_out,
+        positions_ptr, cos_sin_ptr, cos_sin_pos_stride, cos_sin_kind_stride,
+        k_cache_ptr, k_cache_slot_stride, k_cache_head_stride,
+        v_cache_ptr, v_cache_slot_stride, v_cache_head_stride, slot_mapping_ptr,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, CACHE_FP8: tl.constexpr,
+        PDL: tl.constexpr):
+    """One token (batch-1 decode), one program per head of q, k and v: the head's columns of
+    the qkv projection plus the adapter's expand (part [3R]: the GEMV's shrink of q, k, v;
+    b [slots, N_out, R]; nothing when the token's slot is -1), rounded to the projection's
+    dtype as the expand kernel stored them; then RoPE on q and k heads, and k, v into the
+    cache (engine/kernels/fused.py's `_rope_store_kv_kernel`, the same numbers). Replaces the
+    expand kernel and the rope kernel of the layer: one kernel boundary fewer a layer."""
+    head = tl.program_id(0)
+    is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
+    is_v = head >= NUM_HEADS + NUM_KV_HEADS
+    s = is_k.to(tl.int32) + 2 * is_v.to(tl.int32)  # the slice: 0 q, 1 k, 2 v
+    kv_head = head - NUM_HEADS - NUM_KV_HEADS * is_v.to(tl.int32)
+    # where the head's values sit: q heads from the row's start, k and v from their views'
+    at = tl.where(is_v, v_offset + kv_head * head_stride,
+                  tl.where(is_k, k_offset + kv_head * head_stride, head * head_stride))
+    col = head * 2 * HALF  # the head's first column of the fused output: q, then k, then v
+    dims = tl.arange(0, BLOCK_HALF)
+    dim_ok = dims < HALF
+    r = tl.arange(0, BLOCK_R)
+    # the slot, B and the position come from host copies or slot writes the step waited for:
+    # loaded before the PDL wait (see _bgmv_expand_kernel)
+    slot = tl.load(slots_ptr)
+    lora = (r < R) & (r * 0 + slot >= 0)  # a vector: the interpreter takes no scalar in a mask
+    b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * N_out * R + r[:, None]
+    b_mask = lora[:, None] & dim_ok[None, :]
+    b1 = tl.load(b_rows + (col + dims)[None, :] * R, mask=b_mask, other=0.0).to(tl.float32)
+    b2 = tl.load(b_rows + (col + HALF + dims)[None, :] * R, mask=b_mask, other=0.0).to(tl.float32)
+    pos = tl.load(positions_ptr).to(tl.int64)
+    cos_ptr = cos_sin_ptr + pos * cos_sin_pos_stride + dims
+    sin_ptr = cos_ptr + cos_sin_kind_stride
+    cos1 = tl.load(cos_ptr, mask=dim_ok, other=0.0)
+    cos2 = tl.load(cos_ptr + HALF, mask=dim_ok, other=0.0)
+    sin1 = tl.load(sin_ptr, mask=dim_ok, other=0.0)
+    sin2 = tl.load(sin_ptr + HALF, mask=dim_ok, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    h = tl.load(part_ptr + s * R + r, mask=lora, other=0.0)
+    dtype = qkv_ptr.dtype.element_ty
+    x_ptr = qkv_ptr + at + dims
+    x1 = tl.load(x_ptr, mask=dim_ok, other=0.0).to(tl.float32) + tl.sum(b1 * h[:, None], axis=0)
+    x2 = (tl.load(x_ptr + HALF, mask=dim_ok, other=0.0).to(tl.float32)
+          + tl.sum(b2 * h[:, None], axis=0))
+    x1 = x1.to(dtype).to(tl.float32)  # as the expand kernel stored it
+    x2 = x2.to(dtype).to(tl.float32)
+    o1 = tl.where(is_v, x1, x1 * cos1 - x2 * sin1).to(dtype)  # v is not rotated
+    o2 = tl.where(is_v, x2, x2 * cos2 + x1 * sin2).to(dtype)
+    tl.store(x_ptr, o1, mask=dim_ok)
+    tl.store(x_ptr + HALF, o2, mask=dim_ok)
+    cache_slot = tl.load(slot_mapping_ptr).to(tl.int64)
+    stored = (dims * 0 + cache_slot) >= 0  # vectors: the interpreter takes no scalar in a mask
+    k_ok = dim_ok & stored & ((dims * 0 + is_k.to(tl.int32)) > 0)
+    v_ok = dim_ok & stored & ((dims * 0 + is_v.to(tl.int32)) > 0)
+    k_at = k_cache_ptr + cache_slot * k_cache_slot_stride + kv_head * k_cache_head_stride + dims
+    v_at = v_cache_ptr + cache_slot * v_cache_slot_stride + kv_head * v_cache_head_stride + dims
+    tl.store(k_at, _cache_value(o1, k_cache_ptr.dtype.element_ty, CACHE_FP8), mask=k_ok)
+    tl.store(k_at + HALF, _cache_value(o2, k_cache_ptr.dtype.element_ty, CACHE_FP8), mask=k_ok)
+    tl.store(v_at, _cache_value(o1, v_cache_ptr.dtype.element_ty, CACHE_FP8), mask=v_ok)
+    tl.store(v_at + HALF, _cache_value(o2, v_cache_ptr.dtype.element_ty, CACHE_FP8), mask=v_ok)
+
+
+@triton.jit
+def _cache_value(x, cache_dtype: tl.constexpr, FP8: tl.constexpr):
+    """x in the KV cache's dtype, as engine/kernels/fused.py's `_to_cache` gives it."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_dtype)
+
+
+def qkv_delta_rope_and_store_kv(part: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                positions: torch.Tensor, cos_sin: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                slot_mapping: torch.Tensor) -> None:
+    """One token's q, k, v (views of one qkv row, [1, heads, head_dim]) plus the adapter's
+    expand of the GEMV's shrink `part` [3R] by `b` [slots, N_out, R] (slots[0]: the token's
+    slot, -1 none), rotated and stored as `rope_and_store_kv` does (engine/kernels/fused.py,
+    whose arguments these are), in one kernel. The qkv columns are q's heads, then k's, then
+    v's, each head_dim wide, as the fused projection lays them out."""
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    n_out, r = b.shape[1], b.shape[2]
+    item = q.element_size()
+    if (q.shape[0] != 1 or n_out != (num_heads + 2 * num_kv_heads) * head_dim
+            or q.stride(1) != head_dim or k.stride(1) != head_dim or v.stride(1) != head_dim
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+            or q.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected "
+                         "one token's heads, contiguous views of one qkv row of "
+                         f"{n_out} columns")
+    k_slots = k_cache.view(-1, num_kv_heads, head_dim)
+    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    half = head_dim // 2
+    pdl = _pdl.use_pdl(q)
+    _qkv_delta_rope_store_kernel[(num_heads + 2 * num_kv_heads,)](
+        q, (k.data_ptr() - q.data_ptr()) // item, (v.data_ptr() - q.data_ptr()) // item,
+        head_dim, part, b, slots, r, n_out, positions, cos_sin, cos_sin.stride(0),
+        cos_sin.stride(1), k_slots, k_slots.stride(0), k_slots.stride(1),
+        v_slots, v_slots.stride(0), v_slots.stride(1), slot_mapping,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_R=max(16, triton.next_power_of_2(r)),
+        CACHE_FP8=k_cache.dtype == torch.float8_e4m3fn, PDL=pdl, num_warps=2,
+        **_pdl.launch_options(pdl))

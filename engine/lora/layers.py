@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from contextlib import nullcontext as _no_stream
 
 import torch
@@ -114,6 +115,27 @@ class LoraBatch:
         self._tiles_empty = not self.active
 
 
+@dataclass(frozen=True)
+class QkvDelta:
+    """A qkv projection's adapter delta for batch-1 decode, not yet added to its output `out`
+    (the qkv row): the GEMV computed the shrink (`part` [S*R], float32), and the attention's
+    RoPE kernel adds the expand by `b` as it rotates and stores q, k, v (one kernel boundary
+    fewer a layer; engine/lora/kernels.py `qkv_delta_rope_and_store_kv`). An attention that
+    does not fuse it calls `add` first. `slots`: the token's slot on the device (-1: none)."""
+
+    part: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+    bounds: list[int]
+    out: torch.Tensor
+
+    def add(self) -> None:
+        """out += the expand (the separate kernel)."""
+        from engine.lora.kernels import lora_expand_one_row
+
+        lora_expand_one_row(self.part, self.out, self.b, self.slots, self.bounds)
+
+
 def _to_device(values, device):
     from engine.device import to_device
 
@@ -186,9 +208,11 @@ class LoraLinear(nn.Module):
         return self.a, part, batch.slots
 
     def one_row_expand(self, shrink: tuple, out: torch.Tensor) -> None:
-        from engine.lora.kernels import lora_expand_one_row
+        self.one_row_delta(shrink, out).add()
 
-        lora_expand_one_row(shrink[1], out, self.b, shrink[2], self.offsets[1:-1])
+    def one_row_delta(self, shrink: tuple, out: torch.Tensor) -> QkvDelta:
+        """The expand of `one_row_shrink`'s shrink into `out`, to be added (or fused)."""
+        return QkvDelta(shrink[1], self.b, shrink[2], self.offsets[1:-1], out)
 
     def _add_group(self, x: torch.Tensor, out: torch.Tensor, slot: int, rows: torch.Tensor):
         shrunk = x @ self.a[slot].t()  # [n, S*R]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.lora.layers import LoraLinear
+from engine.lora.layers import LoraLinear, QkvDelta
 from engine.models.fp8 import Fp8Activation, Fp8Linear, Fp8Output
 from engine.models.parallel import TensorParallel
 from microserve.model_config import ModelConfig
@@ -34,6 +34,7 @@ class Attention(Protocol):
         v: torch.Tensor,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
+        qkv_delta: QkvDelta | None = None,
     ) -> torch.Tensor:
         """Rotate q and k by `positions` (RoPE, `apply_rope`), store this layer's k/v for the
         packed tokens, and attend. RoPE lives here so a GPU backend can fuse it with the
@@ -41,6 +42,8 @@ class Attention(Protocol):
 
         q: [T, num_heads, head_dim], k and v: [T, num_kv_heads, head_dim], not yet rotated;
         positions [T]; cos_sin the fp32 table of `RotaryEmbedding`. Returns [T, heads, head_dim].
+        qkv_delta (batch-1 decode with a LoRA adapter): the adapter's delta, not yet in q, k,
+        v; the backend adds it (`qkv_delta.add()`) before using them, or fuses it.
         """
 
 
@@ -201,14 +204,20 @@ class LlamaAttention(nn.Module):
                                                           attn)))
 
     def attend(
-        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
+        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention,
+        qkv_delta: QkvDelta | None = None,
     ) -> torch.Tensor:
-        """Attention output [T, heads * head_dim] (before o_proj) of the projected qkv [T, .]."""
+        """Attention output [T, heads * head_dim] (before o_proj) of the projected qkv [T, .]
+        (qkv_delta: an adapter's delta still to be added to it, see Attention)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = attn.attention(self.layer_idx, q, k, v, positions, rotary.cos_sin)
+        if qkv_delta is None:  # an Attention of before the keyword need not take it
+            out = attn.attention(self.layer_idx, q, k, v, positions, rotary.cos_sin)
+        else:
+            out = attn.attention(self.layer_idx, q, k, v, positions, rotary.cos_sin,
+                                 qkv_delta=qkv_delta)
         return out.reshape(-1, self.q_size)
 
 
@@ -275,8 +284,12 @@ class LlamaDecoderLayer(nn.Module):
         lora = _lora_shrink(sa.qkv_proj)
         qkv, summed = rms_norm_gemv(x, residual, norm1.weight, norm1.eps, lora=lora,
                                     **_gemv_weight(sa.qkv_proj))  # fmt: skip
-        _lora_finish(sa.qkv_proj, lora, summed, qkv, norm=(norm1.weight, norm1.eps))
-        x, residual = sa.attend(qkv, positions, rotary, attn), summed
+        delta = None
+        if lora is not None:  # the expand goes into the attention's RoPE kernel
+            delta = sa.qkv_proj.one_row_delta(lora, qkv)
+        else:
+            _lora_finish(sa.qkv_proj, lora, summed, qkv, norm=(norm1.weight, norm1.eps))
+        x, residual = sa.attend(qkv, positions, rotary, attn, delta), summed
         lora = _lora_shrink(sa.o_proj)
         out = gemv(x, lora=lora, **_gemv_weight(sa.o_proj))
         _lora_finish(sa.o_proj, lora, x, out)
