@@ -370,16 +370,9 @@ def _rope_store_kv_kernel(
     pos = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
 
-    # cos_sin[pos] is [2, 2 * HALF]: row 0 cos, row 1 sin (both halves equal as llama.py builds
-    # them, but each half is read from its own place so any table is applied exactly)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
-    dim_mask = dims < HALF
-    cos_ptr = cos_sin_ptr + pos * cos_sin_pos_stride + dims
-    sin_ptr = cos_ptr + cos_sin_kind_stride
-    cos1 = tl.load(cos_ptr, mask=dim_mask, other=0.0)
-    cos2 = tl.load(cos_ptr + HALF, mask=dim_mask, other=0.0)
-    sin1 = tl.load(sin_ptr, mask=dim_mask, other=0.0)
-    sin2 = tl.load(sin_ptr + HALF, mask=dim_mask, other=0.0)
+    cos1, cos2, sin1, sin2 = rope_angles(cos_sin_ptr, pos, cos_sin_pos_stride,
+                                         cos_sin_kind_stride, dims, HALF)
 
     q_base = q_ptr + token * q_token_stride
     q1, q2, offsets, mask = _rotate_heads(
@@ -404,20 +397,34 @@ def _rope_store_kv_kernel(
         heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]
         k_slot = k_cache_ptr + slot * k_cache_slot_stride + heads * k_cache_head_stride + dims
         k_cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_slot, _to_cache(k1.to(k_dtype), k_cache_dtype, CACHE_FP8), mask=mask)
-        tl.store(k_slot + HALF, _to_cache(k2.to(k_dtype), k_cache_dtype, CACHE_FP8), mask=mask)
+        tl.store(k_slot, to_cache(k1.to(k_dtype), k_cache_dtype, CACHE_FP8), mask=mask)
+        tl.store(k_slot + HALF, to_cache(k2.to(k_dtype), k_cache_dtype, CACHE_FP8), mask=mask)
 
         v_row = v_ptr + token * v_token_stride + heads * v_head_stride + dims
         v_slot = v_cache_ptr + slot * v_cache_slot_stride + heads * v_cache_head_stride + dims
         v_cache_dtype = v_cache_ptr.dtype.element_ty
         v1 = tl.load(v_row, mask=mask, other=0.0)
         v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
-        tl.store(v_slot, _to_cache(v1, v_cache_dtype, CACHE_FP8), mask=mask)
-        tl.store(v_slot + HALF, _to_cache(v2, v_cache_dtype, CACHE_FP8), mask=mask)
+        tl.store(v_slot, to_cache(v1, v_cache_dtype, CACHE_FP8), mask=mask)
+        tl.store(v_slot + HALF, to_cache(v2, v_cache_dtype, CACHE_FP8), mask=mask)
 
 
 @triton.jit
-def _to_cache(x, cache_dtype: tl.constexpr, FP8: tl.constexpr):
+def rope_angles(cos_sin_ptr, pos, pos_stride, kind_stride, dims, HALF: tl.constexpr):
+    """(cos1, cos2, sin1, sin2) of position `pos` at `dims` (< HALF) of each half: cos_sin[pos]
+    is [2, 2 * HALF], row 0 cos, row 1 sin (both halves equal as llama.py builds them, but each
+    half is read from its own place so any table is applied exactly)."""
+    dim_mask = dims < HALF
+    cos_ptr = cos_sin_ptr + pos * pos_stride + dims
+    sin_ptr = cos_ptr + kind_stride
+    return (tl.load(cos_ptr, mask=dim_mask, other=0.0),
+            tl.load(cos_ptr + HALF, mask=dim_mask, other=0.0),
+            tl.load(sin_ptr, mask=dim_mask, other=0.0),
+            tl.load(sin_ptr + HALF, mask=dim_mask, other=0.0))
+
+
+@triton.jit
+def to_cache(x, cache_dtype: tl.constexpr, FP8: tl.constexpr):
     """x in the KV cache's dtype; an fp8 cache (scale 1) saturates at +-448 first, as torch's
     reference does (engine/attention/torch_backend.py `store`), then rounds to nearest even."""
     if FP8:

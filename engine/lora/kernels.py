@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import pdl as _pdl
+from engine.kernels.fused import rope_angles, to_cache
 from engine.lora.tiles import BGMV_MAX_TOKENS, TILE_ROWS
 
 BLOCK_M = TILE_ROWS  # tokens per tile: the host's tile table is cut to this
@@ -414,12 +415,8 @@ def _qkv_delta_rope_store_kernel(
     b1 = tl.load(b_rows + (col + dims)[None, :] * R, mask=b_mask, other=0.0).to(tl.float32)
     b2 = tl.load(b_rows + (col + HALF + dims)[None, :] * R, mask=b_mask, other=0.0).to(tl.float32)
     pos = tl.load(positions_ptr).to(tl.int64)
-    cos_ptr = cos_sin_ptr + pos * cos_sin_pos_stride + dims
-    sin_ptr = cos_ptr + cos_sin_kind_stride
-    cos1 = tl.load(cos_ptr, mask=dim_ok, other=0.0)
-    cos2 = tl.load(cos_ptr + HALF, mask=dim_ok, other=0.0)
-    sin1 = tl.load(sin_ptr, mask=dim_ok, other=0.0)
-    sin2 = tl.load(sin_ptr + HALF, mask=dim_ok, other=0.0)
+    cos1, cos2, sin1, sin2 = rope_angles(cos_sin_ptr, pos, cos_sin_pos_stride,
+                                         cos_sin_kind_stride, dims, HALF)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -441,18 +438,10 @@ def _qkv_delta_rope_store_kernel(
     v_ok = dim_ok & stored & ((dims * 0 + is_v.to(tl.int32)) > 0)
     k_at = k_cache_ptr + cache_slot * k_cache_slot_stride + kv_head * k_cache_head_stride + dims
     v_at = v_cache_ptr + cache_slot * v_cache_slot_stride + kv_head * v_cache_head_stride + dims
-    tl.store(k_at, _cache_value(o1, k_cache_ptr.dtype.element_ty, CACHE_FP8), mask=k_ok)
-    tl.store(k_at + HALF, _cache_value(o2, k_cache_ptr.dtype.element_ty, CACHE_FP8), mask=k_ok)
-    tl.store(v_at, _cache_value(o1, v_cache_ptr.dtype.element_ty, CACHE_FP8), mask=v_ok)
-    tl.store(v_at + HALF, _cache_value(o2, v_cache_ptr.dtype.element_ty, CACHE_FP8), mask=v_ok)
-
-
-@triton.jit
-def _cache_value(x, cache_dtype: tl.constexpr, FP8: tl.constexpr):
-    """x in the KV cache's dtype, as engine/kernels/fused.py's `_to_cache` gives it."""
-    if FP8:
-        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
-    return x.to(cache_dtype)
+    tl.store(k_at, to_cache(o1, k_cache_ptr.dtype.element_ty, CACHE_FP8), mask=k_ok)
+    tl.store(k_at + HALF, to_cache(o2, k_cache_ptr.dtype.element_ty, CACHE_FP8), mask=k_ok)
+    tl.store(v_at, to_cache(o1, v_cache_ptr.dtype.element_ty, CACHE_FP8), mask=v_ok)
+    tl.store(v_at + HALF, to_cache(o2, v_cache_ptr.dtype.element_ty, CACHE_FP8), mask=v_ok)
 
 
 def qkv_delta_rope_and_store_kv(part: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
