@@ -620,11 +620,20 @@ def test_broken_safetensors_file_is_refused_naming_the_problem(tiny_model_dir, l
         read_adapter("bad", bad, ModelConfig.from_dir(tiny_model_dir), max_rank=16)
 
 
-def test_adapter_file_cut_short_after_its_check_is_refused(tiny_model_dir, lora_dir, tmp_path):
-    """A file that loses its tail between the header's check and the read of its data: a
-    ValueError naming the adapter (no crash, no half-read slot)."""
+@pytest.mark.parametrize("change", ["cut short", "replaced"])
+def test_adapter_file_changed_after_its_check_is_refused(tiny_model_dir, lora_dir, tmp_path,
+                                                         change):
+    """A file that loses its tail, or is replaced by another adapter's, between the header's
+    check and the read of its data: a ValueError naming the adapter (no crash, no slot filled
+    from the old header's offsets)."""
     bad = _copy(lora_dir, tmp_path)
     weights = read_adapter("bad", bad, ModelConfig.from_dir(tiny_model_dir), max_rank=16)
-    _truncate(bad, 4096)
-    with pytest.raises(ValueError, match="'bad': adapter_model.safetensors ended early"):
+    if change == "cut short":
+        _truncate(bad, 4096)
+    else:
+        shutil.copy(lora_dir / "a2" / "adapter_model.safetensors",
+                    bad / "adapter_model.safetensors.new")
+        os.replace(bad / "adapter_model.safetensors.new", bad / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="'bad': adapter_model.safetensors changed since it "
+                                         "was checked"):
         weights.tensors()

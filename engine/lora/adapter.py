@@ -11,9 +11,10 @@ cast is the one conversion.
 
 Checking an adapter reads only the file's header (every tensor's name, dtype, shape and byte
 range): the data is read once, where it goes. An adapter at the slots' full rank is read by
-the kernel straight from the file into the pinned slab its slots are copied from (one
-`preadv` for the whole file, `TensorPlace` and `read_into`; engine/lora/layers.py), with no
-tensor in between; anything else is read into host tensors first (`AdapterWeights.tensors`).
+the kernel straight from the file into the pinned slab its slots are copied from (a few
+`preadv` calls over up to four threads, `TensorPlace` and `read_into`; engine/lora/layers.py),
+with no tensor in between; anything else is read into host tensors first
+(`AdapterWeights.tensors`). A file changed between its check and the read is refused.
 safetensors' own reader has no way to read into memory the caller owns, so the header is
 parsed here (the format is an 8-byte length, a JSON table, then the data). Every failure is
 a ValueError whose message names the adapter, the tensor or field, and the numbers.
@@ -83,9 +84,9 @@ class AdapterWeights:
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = None
     places: dict[tuple[int, str], tuple[TensorPlace, TensorPlace]] | None = None
-
-    def keys(self):
-        return (self.places if self.weights is None else self.weights).keys()
+    # the file as it was checked (inode, size, mtime): a file replaced or rewritten before its
+    # data is read is refused rather than read at the old header's offsets
+    file_id: tuple[int, int, int] | None = None
 
     def tensors(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         """The (A, B) tensors, read from the file on first use (one read of its data)."""
@@ -122,6 +123,9 @@ class AdapterWeights:
             end, taken = place.offset + place.nbytes, taken + place.nbytes
         fd = os.open(Path(self.path) / "adapter_model.safetensors", os.O_RDONLY)
         try:
+            if self.file_id is not None and _file_id(os.fstat(fd)) != self.file_id:
+                raise ValueError(f"adapter {self.name!r}: adapter_model.safetensors changed "
+                                 "since it was checked; load it again")
             if len(runs) == 1:
                 _read_run(fd, runs[0][1], runs[0][0], self.name)
                 return
@@ -131,6 +135,10 @@ class AdapterWeights:
                     done.result()
         finally:
             os.close(fd)
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:
@@ -198,7 +206,7 @@ def read_adapter(name: str, path: Path, config: ModelConfig, max_rank: int) -> A
             raise ValueError(f"adapter {name!r}: unknown target module(s) {', '.join(unknown)} "
                              f"(supported: {', '.join(TARGET_MODULES)})")
     scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
-    places = _read_places(name, path, config, rank)
+    places, file_id = _read_places(name, path, config, rank)
     if isinstance(targets, list):  # every targeted layer must be there, whole
         layers = cfg.get("layers_to_transform")
         layers = range(config.num_layers) if layers is None else (
@@ -208,7 +216,7 @@ def read_adapter(name: str, path: Path, config: ModelConfig, max_rank: int) -> A
                 if (layer, module) not in places:
                     raise ValueError(f"adapter {name!r}: target module {module} of layer "
                                      f"{layer} has no lora_A/lora_B tensors")
-    return AdapterWeights(name, str(path), rank, scale, places=places)
+    return AdapterWeights(name, str(path), rank, scale, places=places, file_id=file_id)
 
 
 def _read_config(name: str, path: Path) -> dict:
@@ -226,11 +234,12 @@ def _read_config(name: str, path: Path) -> dict:
     return cfg
 
 
-def _read_header(name: str, file: Path) -> dict[str, TensorPlace]:
+def _read_header(name: str, file: Path) -> tuple[dict[str, TensorPlace], tuple[int, int, int]]:
     """The tensors of a safetensors file by name, each place checked to lie inside the file
-    and to hold exactly its shape's bytes."""
-    size = file.stat().st_size
+    and to hold exactly its shape's bytes; and the file's identity (`_file_id`)."""
     with open(file, "rb") as f:
+        stat = os.fstat(f.fileno())
+        size = stat.st_size
         head = f.read(8)
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 2 <= length <= min(_HEADER_MAX, size - 8):
@@ -263,18 +272,20 @@ def _read_header(name: str, file: Path) -> dict[str, TensorPlace]:
                              f"{nbytes} bytes) has bytes [{begin}, {end}) of a data section "
                              f"of {size - data}")
         places[key] = TensorPlace(dtype, shape, data + begin, nbytes)
-    return places
+    return places, _file_id(stat)
 
 
-def _read_places(name: str, path: Path, config: ModelConfig,
-                 rank: int) -> dict[tuple[int, str], tuple[TensorPlace, TensorPlace]]:
+def _read_places(name: str, path: Path, config: ModelConfig, rank: int
+                 ) -> tuple[dict[tuple[int, str], tuple[TensorPlace, TensorPlace]],
+                            tuple[int, int, int]]:
     file = path / "adapter_model.safetensors"
     if not file.is_file():
         raise ValueError(f"adapter {name!r}: no adapter_model.safetensors in {path} (.bin "
                          "adapters are not read)")
     shapes = module_shapes(config)
     halves: dict[tuple[int, str], dict[str, TensorPlace]] = {}
-    for key, place in _read_header(name, file).items():
+    header, file_id = _read_header(name, file)
+    for key, place in header.items():
         m = _KEY.match(key)
         if m is None:
             raise ValueError(f"adapter {name!r}: unexpected tensor {key!r}")
@@ -299,4 +310,4 @@ def _read_places(name: str, path: Path, config: ModelConfig,
         places[(layer, module)] = (pair["A"], pair["B"])
     if not places:
         raise ValueError(f"adapter {name!r}: {file} holds no LoRA tensors")
-    return places
+    return places, file_id
