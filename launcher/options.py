@@ -164,6 +164,9 @@ def lora_options(p) -> None:
     _config_option(p, "--max-loras", type=int, help="adapters resident on the device at once "
                                                     "(a step mixes any of them)")
     _config_option(p, "--max-lora-rank", type=int, help="the highest adapter rank accepted")
+    _config_option(p, "--max-cpu-loras", type=int,
+                   help="adapters whose host copy is kept (least recently used dropped past "
+                        "it, read back from disk when next needed; default: every one)")
     _config_option(p, "--lora-dir", help="the directory /v1/load_lora_adapter reads adapters "
                                          "from (default: none; runtime loading refused)")
     _config_option(p, "--max-piecewise-tokens", type=int,

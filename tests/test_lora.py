@@ -637,3 +637,72 @@ def test_adapter_file_changed_after_its_check_is_refused(tiny_model_dir, lora_di
     with pytest.raises(ValueError, match="'bad': adapter_model.safetensors changed since it "
                                          "was checked"):
         weights.tensors()
+
+
+# ---- host copies capped (max_cpu_loras): read back from disk when next needed --------------
+
+
+def run_ticking(core, requests: dict[str, tuple[list[int], str | None]]):
+    """Add the requests, then run the core's loop as its process does (a tick, a step; waiting
+    on the wakeup pipe while stalled) until none is left. Returns (tokens by request id,
+    Rejected frames by request id); requests are added one at a time, each after the last
+    one finished, so each waits for its own adapter."""
+    from engine.frames import Rejected
+
+    tokens, rejected = {}, {}
+    for rid, (prompt, name) in requests.items():
+        core.add_request(rid, prompt, greedy(name, N_NEW))
+        tokens[rid] = []
+        deadline = time.monotonic() + 60
+        while core.has_work() and time.monotonic() < deadline:
+            for frame in core.tick(time.monotonic()).frames:
+                if isinstance(frame, Rejected):
+                    rejected[frame.request_id] = frame
+            if not core.has_work():
+                break
+            for out in core.step():
+                tokens[out.request_id] += out.token_ids
+            if core.stalled:
+                select.select([core.wakeup_fd], [], [], 5)
+                os.read(core.wakeup_fd, 4096)
+        assert not core.has_work(), "the core never finished"
+    core.check_integrity()
+    assert core.kv.stats().used_pages == 0
+    return tokens, rejected
+
+
+def test_host_copies_past_max_cpu_loras_are_read_back_when_needed(tiny_model_dir, lora_dir,
+                                                                   prompts, reference):
+    """One slot, one host copy for two adapters: each request of the adapter whose copy was
+    dropped reads it back from disk, waits for it, and gets PEFT's tokens; at most one host
+    copy is ever kept."""
+    core = make_core(tiny_model_dir, lora_dir, max_loras=1, max_cpu_loras=1)
+    assert core.stats().lora_host_copies == 1  # a2's: a1 sits in the slot, its copy dropped
+    order = ["a1", "a2", "a1", "a2"]
+    tokens, rejected = run_ticking(core, {f"r{i}": (prompts[1], n) for i, n in enumerate(order)})
+    assert not rejected
+    assert tokens == {f"r{i}": reference[n][1] for i, n in enumerate(order)}
+    stats = core.stats()
+    assert stats.lora_reads_back == 2  # a1 for r2, a2 for r3 (r1 found a2's copy kept)
+    assert stats.lora_host_copies == 1 and stats.lora_slot_writes == 4
+
+
+def test_an_adapter_that_cannot_be_read_back_fails_its_requests(tiny_model_dir, lora_dir,
+                                                                prompts, reference, tmp_path):
+    """a1's host copy was dropped and its file is gone: its request fails with a 500 naming
+    it (nothing held), and the engine goes on serving a2; a1 stays registered."""
+    root = tmp_path / "adapters"
+    shutil.copytree(lora_dir, root)
+    core = make_core(tiny_model_dir, root, max_loras=1, max_cpu_loras=1)
+    (root / "a1" / "adapter_model.safetensors").unlink()
+    tokens, rejected = run_ticking(core, {"r0": (prompts[0], "a2"), "r1": (prompts[0], "a1"),
+                                          "r2": (prompts[0], "a2")})
+    assert set(rejected) == {"r1"} and rejected["r1"].status == 500
+    assert "LoRA adapter 'a1' could not be read back from disk" in rejected["r1"].message
+    assert tokens["r0"] == tokens["r2"] == reference["a2"][0]
+    assert core.stats().lora_registered == ["a1", "a2"]
+
+
+def test_max_cpu_loras_below_max_loras_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(2\) must be at least max_loras \(4\)"):
+        EngineConfig(model=tiny_model_dir, enable_lora=True, max_loras=4, max_cpu_loras=2)

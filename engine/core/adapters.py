@@ -10,12 +10,19 @@ is read (`poll`), and the thread then pins the next spare slab. A slot is filled
 a request of it is admitted and its adapter is not resident, evicting the least recently used
 idle adapter if every slot is taken (S-LoRA's host-to-GPU scheme). A copy into a slot cannot
 fail, so admission never has to undo one.
+
+With `max_cpu_loras`, at most that many host copies are kept: past it the least recently used
+one is dropped (its slab goes back for the next read), and an adapter whose copy is gone is
+read back from disk by the loader thread when a request of it needs a slot; the request waits
+meanwhile (holding no one up). A read back that fails (the files gone or changed) fails the
+adapter's waiting requests with a 500 naming it; the adapter stays registered.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -61,9 +68,15 @@ class EngineAdapters:
         # loop registers each when done (`poll`). name -> (its read, its path)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self._loading: dict[str, tuple[Future, Path]] = {}
+        # host copies, least recently used first (max_cpu_loras), the reads back from disk of
+        # dropped ones (adapter id -> its read), and the adapters whose read back failed since
+        # `take_failed` (id, why)
+        self._host: OrderedDict[int, None] = OrderedDict()
+        self._reading_back: dict[int, Future] = {}
+        self._failed: list[tuple[int, str]] = []
         self._notify = notify
         self.counters = {"lora_loads": 0, "lora_load_seconds": 0.0, "lora_slot_writes": 0,
-                         "lora_slot_write_seconds": 0.0}
+                         "lora_slot_write_seconds": 0.0, "lora_reads_back": 0}
         for name, path in config.lora_modules:
             self.load(name, resolve_path(path, None))
         if config.lora_dir is not None:  # runtime loads take this one
@@ -95,7 +108,9 @@ class EngineAdapters:
 
     def poll(self) -> list[tuple[str, LoadLoraResponse | MicroservingError]]:
         """(load_key(name), answer) of each runtime load the loader thread has finished,
-        registered now (a refusal: the 400 naming the problem)."""
+        registered now (a refusal: the 400 naming the problem); and the host copies read back
+        since, kept (or, for a read that failed, the adapter noted for `take_failed`)."""
+        self._settle_reads_back()
         answers = []
         for name, (future, path) in list(self._loading.items()):
             if not future.done():
@@ -138,7 +153,7 @@ class EngineAdapters:
         except ValueError:
             self._slabs.give(slab, None)
             raise
-        self._packed[adapter.id], self._slab_of[adapter.id] = packed, slab
+        self._keep_host_copy(adapter.id, packed, slab)
         resident = self._fill_free_slot(adapter)
         register_s = time.perf_counter() - start
         elapsed = read_s + pack_s + register_s
@@ -151,9 +166,60 @@ class EngineAdapters:
         return LoadLoraResponse(name, rank, resident, elapsed)
 
     def _forget(self, adapter: Adapter) -> None:
-        """An adapter is gone: its host copy's slab back for the next load."""
-        self._packed.pop(adapter.id)
-        self._slabs.give(self._slab_of.pop(adapter.id), self._copied.pop(adapter.id, None))
+        """An adapter is gone: its host copy's slab back for the next load (a read back still
+        running gives its slab back when it ends: `_settle_reads_back`)."""
+        self._drop_host_copy(adapter.id)
+
+    # ---- host copies (max_cpu_loras) ----------------------------------------------------------
+
+    def _keep_host_copy(self, adapter_id: int, packed: PackedAdapter, slab: list) -> None:
+        """Keep an adapter's host copy as the most recently used, dropping the least recently
+        used ones past max_cpu_loras."""
+        self._packed[adapter_id], self._slab_of[adapter_id] = packed, slab
+        self._host[adapter_id] = None
+        cap = self.config.max_cpu_loras
+        while cap is not None and len(self._host) > cap:
+            self._drop_host_copy(next(iter(self._host)))
+
+    def _drop_host_copy(self, adapter_id: int) -> None:
+        """The slab goes back once its last slot write has copied it (Slabs.take waits)."""
+        if self._host.pop(adapter_id, False) is not False:
+            self._packed.pop(adapter_id)
+            self._slabs.give(self._slab_of.pop(adapter_id), self._copied.pop(adapter_id, None))
+
+    def _read_back(self, adapter: Adapter) -> None:
+        """Read a dropped host copy back from disk, in the loader thread (once at a time)."""
+        if adapter.id in self._reading_back:
+            return
+        future = self._loader.submit(self._read, adapter.name, Path(adapter.path))
+        future.add_done_callback(lambda _: self._notify())
+        self._reading_back[adapter.id] = future
+        self.counters["lora_reads_back"] += 1
+
+    def _settle_reads_back(self) -> None:
+        for adapter_id, future in list(self._reading_back.items()):
+            if not future.done():
+                continue
+            del self._reading_back[adapter_id]
+            adapter = self.registry.get(adapter_id)
+            try:
+                _, packed, slab, _, _ = future.result()
+            except ValueError as e:
+                if adapter is not None:
+                    log.warning("LoRA adapter %r could not be read back from %s: %s",
+                                adapter.name, adapter.path, e)
+                    self._failed.append((adapter_id, str(e)))
+                continue
+            if adapter is None or adapter_id in self._host:  # unloaded meanwhile
+                self._slabs.give(slab, None)
+            else:
+                self._keep_host_copy(adapter_id, packed, slab)
+
+    def take_failed(self) -> list[tuple[int, str]]:
+        """The adapters (id, why) whose read back failed since the last call: the core fails
+        their waiting requests."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def unload(self, name: str) -> UnloadLoraResponse:
         try:
@@ -214,11 +280,16 @@ class EngineAdapters:
     def acquire(self, seq: Sequence) -> bool:
         adapter = self.registry.by_id(seq.lora_id)
         if adapter.slot is None:
+            if adapter.id not in self._host:  # dropped (max_cpu_loras): read it back first
+                self._read_back(adapter)
+                return False
             claimed = self.registry.claim_slot(adapter)
             if claimed is None:
                 return False
             self._write(claimed[0], adapter)
         self.registry.start_running(adapter)
+        if adapter.id in self._host:
+            self._host.move_to_end(adapter.id)
         return True
 
     def release(self, seq: Sequence) -> None:
@@ -251,10 +322,16 @@ class EngineAdapters:
     def stats(self) -> dict:
         return {"lora_registered": self.registry.registered(),
                 "lora_resident": self.registry.resident(), "lora_loading": list(self._loading),
-                "lora_host_slabs": self._slabs.allocated, **self.counters}
+                "lora_host_slabs": self._slabs.allocated, "lora_host_copies": len(self._host),
+                **self.counters}
 
     def check_integrity(self) -> None:
         self.registry.check_integrity()
         ids = {a.id for a in self.registry.adapters.values()}
-        if self._packed.keys() != ids or self._slab_of.keys() != ids:
+        kept = set(self._host)
+        if self._packed.keys() != kept or self._slab_of.keys() != kept or not kept <= ids:
             raise IntegrityError("host weights kept for other adapters than the registered")
+        cap = self.config.max_cpu_loras
+        if (cap is None and kept != ids) or (cap is not None and len(kept) > cap):
+            raise IntegrityError(f"{len(kept)} host copies kept for {len(ids)} adapters "
+                                 f"(max_cpu_loras {cap})")

@@ -72,6 +72,9 @@ class MessageHandlers:
         self.exchange.admit_waiting(now)
         if self._answer_deferred():
             progressed = True
+        for request_id, e in self.take_rejected():  # e.g. an adapter that failed to read back
+            self._outbox.append(Rejected(request_id, str(e), e.param, e.status, e.code))
+            progressed = True
         return Tick(self._take_outbox(), progressed)
 
     def fail_step(self, error: Exception) -> list[Frame]:

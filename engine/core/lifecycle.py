@@ -216,8 +216,28 @@ class RequestLifecycle:
         the loader thread). Sends whose transfer failed leave the scheduler first."""
         for seq in self.exchange.drop_failed_sends():
             self.scheduler.remove(seq)
-        loads = self.adapters.poll() if self.adapters is not None else []
+        loads = []
+        if self.adapters is not None:
+            loads = self.adapters.poll()
+            for adapter_id, why in self.adapters.take_failed():
+                self._fail_adapter_requests(adapter_id, why)
         return self.exchange.poll() + loads
+
+    def _fail_adapter_requests(self, adapter_id: int, why: str) -> None:
+        """An adapter's host copy could not be read back from disk: its waiting requests fail
+        (a generation's 500 from `take_rejected`, a send's through its call); running ones
+        hold its slot and go on."""
+        name = self.adapters.registry.by_id(adapter_id).name
+        error = MicroservingError(500, f"LoRA adapter {name!r} could not be read back from "
+                                       f"disk: {why}", "model")
+        for seq in [s for s in self.scheduler.waiting if s.lora_id == adapter_id]:
+            entry = self.requests.get(seq.request_id)
+            if entry is not None and entry.state is RequestState.GENERATING:
+                seq.finish_reason = FinishReason.ABORT
+                self._remove(seq)
+                self._rejected.append((seq.request_id, error))
+            elif entry is not None and entry.state is RequestState.SENDING:
+                self.scheduler.remove(self.exchange.fail_send(seq.request_id, error))
 
     def abort_request(self, request_id: str, early_send: bool = False) -> TokenOutput | None:
         """Drop a request wherever it is and release its pages. Returns the final output of a

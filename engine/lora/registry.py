@@ -63,6 +63,10 @@ class LoraRegistry:
     def by_id(self, adapter_id: int) -> Adapter:
         return self._by_id[adapter_id]
 
+    def get(self, adapter_id: int) -> Adapter | None:
+        """The adapter of `adapter_id` if it is still registered (leaving ones included)."""
+        return self._by_id.get(adapter_id)
+
     def unregister(self, name: str) -> Adapter | None:
         """Take `name` away from new requests. Returns the adapter if it is gone now (its
         slot, if any, is free: the caller empties it), None if its requests still run (it

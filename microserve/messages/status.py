@@ -88,10 +88,12 @@ class EngineStats:
     lora_resident: list[str] = field(default_factory=list)
     lora_loading: list[str] = field(default_factory=list)
     lora_loads: int = 0  # adapters read from disk (start-up and /v1/load_lora_adapter)
-    lora_load_seconds: float = 0.0  # ... the time that took, reading and checking them
+    lora_load_seconds: float = 0.0  # ... the time that took, checking and reading them
     lora_slot_writes: int = 0  # adapters copied into a slot (on first use, after an eviction)
     lora_slot_write_seconds: float = 0.0
     lora_host_slabs: int = 0  # host-memory slabs allocated for adapters' copies (pinned on CUDA)
+    lora_host_copies: int = 0  # adapters whose host copy is kept (at most --max-cpu-loras)
+    lora_reads_back: int = 0  # host copies dropped past --max-cpu-loras, read back from disk
     # Scheduling (engine/policies.py): preemptions by why ("pages": a running request needed a
     # page; "priority": a request the policy ranks higher took the place), requests promoted
     # for waiting past the starvation bound, and mlfq's requests per queue (top first)
