@@ -706,3 +706,36 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_requests(tiny_model_dir, 
 def test_max_cpu_loras_below_max_loras_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"max_cpu_loras \(2\) must be at least max_loras \(4\)"):
         EngineConfig(model=tiny_model_dir, enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_an_adapter_unloaded_while_it_is_read_back_leaves_nothing(tiny_model_dir, lora_dir,
+                                                                  prompts, monkeypatch):
+    """a1's copy was dropped; its request starts a read back, which the test holds; the
+    request is aborted and a1 unloaded (gone at once: no request of it left). When the read
+    ends, the slab it read into goes back to the free ones: nothing kept for an adapter that
+    is gone."""
+    import engine.core.adapters as adapters_module
+
+    core = make_core(tiny_model_dir, lora_dir, max_loras=1, max_cpu_loras=1)
+    run(core, {"a2": (prompts[0], "a2")})  # a1 leaves the slot; its copy was dropped before
+    held = threading.Event()
+    real_read = adapters_module.read_adapter
+
+    def held_read(*args):
+        assert held.wait(30)
+        return real_read(*args)
+
+    monkeypatch.setattr(adapters_module, "read_adapter", held_read)
+    core.add_request("r", prompts[0], greedy("a1", N_NEW))
+    assert core.step() == [] and core.stats().lora_reads_back == 1
+    core.abort_request("r")
+    assert core.on_unload_lora_adapter(UnloadLoraRequest("a1"), None).pending is False
+    slabs = core.adapters._slabs
+    free, allocated = slabs.free, slabs.allocated
+    held.set()  # the read takes a free slab, reads a1 into it, and ends
+    assert select.select([core.wakeup_fd], [], [], 30)[0]
+    core.tick(time.monotonic())
+    assert (slabs.free, slabs.allocated) == (free, allocated)  # its slab came back
+    assert core.stats().lora_registered == ["a2"] and core.stats().lora_host_copies == 1
+    core.check_integrity()
+    core.close()

@@ -118,7 +118,7 @@ class EngineAdapters:
             del self._loading[name]
             try:
                 answer = self._register(name, path, *future.result())
-            except ValueError as e:
+            except (ValueError, OSError) as e:  # OSError: the disk, mid-read
                 answer = MicroservingError(400, str(e), "lora_path")
             answers.append((load_key(name), answer))
         return answers
@@ -204,13 +204,13 @@ class EngineAdapters:
             adapter = self.registry.get(adapter_id)
             try:
                 _, packed, slab, _, _ = future.result()
-            except ValueError as e:
+            except (ValueError, OSError) as e:
                 if adapter is not None:
                     log.warning("LoRA adapter %r could not be read back from %s: %s",
                                 adapter.name, adapter.path, e)
                     self._failed.append((adapter_id, str(e)))
                 continue
-            if adapter is None or adapter_id in self._host:  # unloaded meanwhile
+            if adapter is None or adapter_id in self._host:  # unloaded meanwhile (or kept)
                 self._slabs.give(slab, None)
             else:
                 self._keep_host_copy(adapter_id, packed, slab)
