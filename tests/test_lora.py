@@ -739,3 +739,33 @@ def test_an_adapter_unloaded_while_it_is_read_back_leaves_nothing(tiny_model_dir
     assert core.stats().lora_registered == ["a2"] and core.stats().lora_host_copies == 1
     core.check_integrity()
     core.close()
+
+
+@pytest.mark.parametrize("threads, iov_max", [(1, 1024), (3, 2)])
+def test_read_into_fills_each_place_from_the_file(lora_dir, tiny_model_dir, monkeypatch,
+                                                  threads, iov_max):
+    """`read_into` over any subset of a file's tensors, in any order, split into runs at
+    gaps, at the iovec limit and across threads, fills each buffer with exactly its tensor."""
+    import random as random_module
+
+    import torch
+
+    from engine.lora import adapter as adapter_module
+
+    monkeypatch.setattr(adapter_module, "_READ_THREADS", threads)
+    monkeypatch.setattr(adapter_module, "_IOV_MAX", iov_max)
+    weights = read_adapter("a1", lora_dir / "a1", ModelConfig.from_dir(tiny_model_dir), 16)
+    want = load_file(lora_dir / "a1" / "adapter_model.safetensors")
+    places = [(key, half, place) for key, pair in weights.places.items()
+              for half, place in enumerate(pair)]
+    random_module.Random(threads).shuffle(places)
+    chosen = places[::2]  # every other one: gaps between the runs
+    buffers = [torch.full(p.shape, -1.0, dtype=p.dtype) for _, _, p in chosen]
+    weights.read_into([(p, adapter_module.host_bytes(b)) for (_, _, p), b in
+                       zip(chosen, buffers)])
+    parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+               "o_proj": "self_attn"}
+    for ((layer, module), half, _), got in zip(chosen, buffers):
+        key = (f"base_model.model.model.layers.{layer}.{parents.get(module, 'mlp')}."
+               f"{module}.lora_{'AB'[half]}.weight")
+        assert torch.equal(got, want[key]), key
