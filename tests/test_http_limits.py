@@ -73,6 +73,13 @@ async def closed_after(reader: asyncio.StreamReader, start: float) -> tuple[byte
     return data, time.monotonic() - start
 
 
+async def echoed(reader: asyncio.StreamReader, body: bytes) -> None:
+    """The next answer on the connection is a 200 echoing `body`."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.split()[1] == b"200", head
+    assert await asyncio.wait_for(reader.readexactly(len(body)), 5) == body
+
+
 def error_of(response: bytes) -> tuple[int, dict]:
     head, _, body = response.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)["error"]
@@ -176,9 +183,7 @@ async def test_a_whole_request_in_one_read_is_not_taken_for_a_long_head():
             writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
                          % len(body) + body)
             await writer.drain()
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            assert head.split()[1] == b"200", head
-            assert await asyncio.wait_for(reader.readexactly(len(body)), 5) == body
+            await echoed(reader, body)
         writer.close()
 
 
@@ -203,9 +208,7 @@ async def test_a_long_head_read_whole_with_its_body_gets_431_and_a_split_blank_l
         await asyncio.sleep(0.1)  # its own read
         writer.write(b"\n" + body)
         await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert head.split()[1] == b"200", head
-        assert await asyncio.wait_for(reader.readexactly(len(body)), 5) == body
+        await echoed(reader, body)
         writer.close()
 
 

@@ -102,6 +102,20 @@ def run(core, requests: dict[str, tuple[list[int], str | None]],
     return tokens
 
 
+def hold_reads(monkeypatch) -> threading.Event:
+    """Hold the loader thread's reads of adapters from disk until the event returned is set."""
+    import engine.core.adapters as adapters_module
+
+    held, real_read = threading.Event(), adapters_module.read_adapter
+
+    def held_read(*args):
+        assert held.wait(30)
+        return real_read(*args)
+
+    monkeypatch.setattr(adapters_module, "read_adapter", held_read)
+    return held
+
+
 def spy_slots(core) -> list[set[int]]:
     """The set of LoRA slots each forward mixed."""
     seen, forward = [], core.runner.forward
@@ -320,16 +334,7 @@ def test_steps_go_on_while_an_adapter_loads(tiny_model_dir, lora_dir, prompts, r
     """The read from disk runs in the loader thread: a base request's steps run to the end
     while it is held, the call is answered only once it is done, and the adapter then
     serves PEFT's tokens."""
-    import engine.core.adapters as adapters_module
-
-    held = threading.Event()
-    real_read = adapters_module.read_adapter
-
-    def held_read(*args):
-        assert held.wait(30)
-        return real_read(*args)
-
-    monkeypatch.setattr(adapters_module, "read_adapter", held_read)
+    held = hold_reads(monkeypatch)
     core = make_core(tiny_model_dir, lora_dir, lora_modules=(), enable_lora=True,
                      lora_dir=str(lora_dir))
     assert core.handle(invoke(7, LoadLoraRequest("a1", "a1"))) == []  # deferred
@@ -604,6 +609,8 @@ def _truncate(path, nbytes):
     (lambda p: _truncate(p, 100), r"has bytes \[\d+, \d+\) of a data section of \d+"),
     (lambda p: _rewrite_header(p, lambda h: h[Q_A].update(dtype="I32")),
      "has dtype I32, not a floating-point one"),
+    (lambda p: _rewrite_header(p, lambda h: h[Q_A].update(dtype=["F32"])),
+     r"has dtype \['F32'\], not a floating-point one"),
     (lambda p: _rewrite_header(p, lambda h: h[Q_A].update(shape=[8, 65])),
      r"has bytes \[\d+, \d+\) of a data section"),
     (lambda p: _rewrite_header(p, lambda h: h[Q_A].pop("data_offsets")), "broken header entry"),
@@ -714,18 +721,9 @@ def test_an_adapter_unloaded_while_it_is_read_back_leaves_nothing(tiny_model_dir
     request is aborted and a1 unloaded (gone at once: no request of it left). When the read
     ends, the slab it read into goes back to the free ones: nothing kept for an adapter that
     is gone."""
-    import engine.core.adapters as adapters_module
-
     core = make_core(tiny_model_dir, lora_dir, max_loras=1, max_cpu_loras=1)
     run(core, {"a2": (prompts[0], "a2")})  # a1 leaves the slot; its copy was dropped before
-    held = threading.Event()
-    real_read = adapters_module.read_adapter
-
-    def held_read(*args):
-        assert held.wait(30)
-        return real_read(*args)
-
-    monkeypatch.setattr(adapters_module, "read_adapter", held_read)
+    held = hold_reads(monkeypatch)
     core.add_request("r", prompts[0], greedy("a1", N_NEW))
     assert core.step() == [] and core.stats().lora_reads_back == 1
     core.abort_request("r")

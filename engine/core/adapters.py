@@ -161,8 +161,7 @@ class EngineAdapters:
         self.counters["lora_load_seconds"] += elapsed
         log.info("LoRA adapter %r (rank %d) loaded from %s in %.1f ms (checking %.1f, reading "
                  "into host memory %.1f, registering and a slot write %.1f)", name, rank, path,
-                 elapsed * 1e3,
-                 read_s * 1e3, pack_s * 1e3, register_s * 1e3)
+                 elapsed * 1e3, read_s * 1e3, pack_s * 1e3, register_s * 1e3)
         return LoadLoraResponse(name, rank, resident, elapsed)
 
     def _forget(self, adapter: Adapter) -> None:
@@ -210,7 +209,7 @@ class EngineAdapters:
                                 adapter.name, adapter.path, e)
                     self._failed.append((adapter_id, str(e)))
                 continue
-            if adapter is None or adapter_id in self._host:  # unloaded meanwhile (or kept)
+            if adapter is None:  # unloaded meanwhile
                 self._slabs.give(slab, None)
             else:
                 self._keep_host_copy(adapter_id, packed, slab)

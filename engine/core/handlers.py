@@ -61,18 +61,17 @@ class MessageHandlers:
     def tick(self, now: float) -> Tick:
         """What is due between steps by `now` (time.monotonic()): expired leases free pages,
         generations past their queue time are refused, freed pages admit waiting prep_recv
-        calls, and every deferred call now settled is answered (a finished send frees pages
-        too)."""
+        calls, every deferred call now settled is answered (a finished send frees pages
+        too), and the generations failed meanwhile (past their queue time, or their LoRA
+        adapter's read back from disk failed) are refused."""
         progressed = False
         deadline = self.next_deadline()
         if deadline is not None and deadline <= now and self.expire(now):
             progressed = True
-            for request_id, e in self.take_rejected():
-                self._outbox.append(Rejected(request_id, str(e), e.param, e.status, e.code))
         self.exchange.admit_waiting(now)
         if self._answer_deferred():
             progressed = True
-        for request_id, e in self.take_rejected():  # e.g. an adapter that failed to read back
+        for request_id, e in self.take_rejected():
             self._outbox.append(Rejected(request_id, str(e), e.param, e.status, e.code))
             progressed = True
         return Tick(self._take_outbox(), progressed)

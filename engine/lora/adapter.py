@@ -268,8 +268,8 @@ def _read_header(name: str, file: Path) -> tuple[dict[str, TensorPlace], tuple[i
             begin, end = int(begin), int(end)
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"adapter {name!r}: {file}: tensor {key!r} has a broken header "
-                             f"entry {entry!r}") from None
-        dtype = _DTYPES.get(dtype_name)
+                             f"entry {repr(entry)[:200]}") from None
+        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise ValueError(f"adapter {name!r}: {key!r} has dtype {dtype_name}, not a "
                              f"floating-point one ({', '.join(_DTYPES)})")

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from contextlib import nullcontext as _no_stream
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -116,12 +116,13 @@ class LoraBatch:
 
 
 @dataclass(frozen=True)
-class QkvDelta:
-    """A qkv projection's adapter delta for batch-1 decode, not yet added to its output `out`
-    (the qkv row): the GEMV computed the shrink (`part` [S*R], float32), and the attention's
-    RoPE kernel adds the expand by `b` as it rotates and stores q, k, v (one kernel boundary
-    fewer a layer; engine/lora/kernels.py `qkv_delta_rope_and_store_kv`). An attention that
-    does not fuse it calls `add` first. `slots`: the token's slot on the device (-1: none)."""
+class OneRowDelta:
+    """A projection's adapter delta for batch-1 decode, not yet added to its output `out`: its
+    GEMV computed the shrink (`part` [S*R], float32), and `add` runs the expand by `b` (one
+    small kernel). qkv's is handed to the attention instead, whose RoPE kernel adds it as it
+    rotates and stores q, k, v (one kernel boundary fewer a layer; engine/lora/kernels.py
+    `qkv_delta_rope_and_store_kv`); an attention that does not fuse it calls `add` first.
+    `slots`: the token's slot on the device (-1: none)."""
 
     part: torch.Tensor
     b: torch.Tensor
@@ -210,9 +211,9 @@ class LoraLinear(nn.Module):
     def one_row_expand(self, shrink: tuple, out: torch.Tensor) -> None:
         self.one_row_delta(shrink, out).add()
 
-    def one_row_delta(self, shrink: tuple, out: torch.Tensor) -> QkvDelta:
+    def one_row_delta(self, shrink: tuple, out: torch.Tensor) -> OneRowDelta:
         """The expand of `one_row_shrink`'s shrink into `out`, to be added (or fused)."""
-        return QkvDelta(shrink[1], self.b, shrink[2], self.offsets[1:-1], out)
+        return OneRowDelta(shrink[1], self.b, shrink[2], self.offsets[1:-1], out)
 
     def _add_group(self, x: torch.Tensor, out: torch.Tensor, slot: int, rows: torch.Tensor):
         shrunk = x @ self.a[slot].t()  # [n, S*R]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.lora.layers import LoraLinear, QkvDelta
+from engine.lora.layers import LoraLinear, OneRowDelta
 from engine.models.fp8 import Fp8Activation, Fp8Linear, Fp8Output
 from engine.models.parallel import TensorParallel
 from microserve.model_config import ModelConfig
@@ -34,7 +34,7 @@ class Attention(Protocol):
         v: torch.Tensor,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
-        qkv_delta: QkvDelta | None = None,
+        qkv_delta: OneRowDelta | None = None,
     ) -> torch.Tensor:
         """Rotate q and k by `positions` (RoPE, `apply_rope`), store this layer's k/v for the
         packed tokens, and attend. RoPE lives here so a GPU backend can fuse it with the
@@ -205,7 +205,7 @@ class LlamaAttention(nn.Module):
 
     def attend(
         self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention,
-        qkv_delta: QkvDelta | None = None,
+        qkv_delta: OneRowDelta | None = None,
     ) -> torch.Tensor:
         """Attention output [T, heads * head_dim] (before o_proj) of the projected qkv [T, .]
         (qkv_delta: an adapter's delta still to be added to it, see Attention)."""
@@ -275,8 +275,9 @@ class LlamaDecoderLayer(nn.Module):
     def _forward_one_row(self, x, residual, positions, rotary, attn):
         """The same layer for one token (batch-1 decode) in four GEMV kernels: each norm runs
         inside the projection after it, SiLU·mul inside the down projection. With an adapter
-        each GEMV also computes the adapter's shrink (a few more rows: the same input), and
-        one small kernel adds the expand to its output."""
+        each GEMV also computes the adapter's shrink (a few more rows: the same input); the
+        expand of qkv's runs inside the attention's RoPE kernel, the others' in one small
+        kernel after their GEMV."""
         from engine.kernels.gemv import gemv, rms_norm_gemv
 
         sa, mlp = self.self_attn, self.mlp
