@@ -1,15 +1,16 @@
 """All-reduce latency at the sizes a tensor-parallel step sums, side by side in one run: NCCL
-through torch.distributed and the engine's one-shot all-reduce over symmetric memory
-(engine/tp/allreduce.py), each launched one by one (eager) and replayed from a CUDA graph (how
-decode steps run), per size.
+through torch.distributed, the engine's one-shot all-reduce over symmetric memory
+(engine/tp/allreduce.py: its Triton kernel, `one-shot`) and torch's (`torch-one-shot`,
+symm_mem.one_shot_all_reduce_copy), each launched one by one (eager) and replayed from a CUDA
+graph (how decode steps run), per size.
 
 A decode step of an 8B model at batch B all-reduces B x 4,096 bf16 values twice per layer:
 8 KiB at batch 1, 1 MiB at batch 128. The figure per size is the median time of one
 all-reduce over `--iters`, measured with CUDA events on rank 0 (the ranks are in step after
 the first barrier).
 
-    python -m bench.allreduce --ranks 2 --sizes-kib 8,32,128,512,1024 [--impls nccl,one-shot]
-        [--json out.json]
+    python -m bench.allreduce --ranks 2 --sizes-kib 8,32,128,512,1024
+        [--impls nccl,one-shot,torch-one-shot] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,19 +39,40 @@ def _time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+class _TwoShot:
+    """torch's two-shot all-reduce over symmetric memory (each rank sums 1/ranks of the
+    message from every rank's buffer, then writes it to all), for large messages: the message
+    copied into a symmetric buffer, summed there in place."""
+
+    def __init__(self, max_bytes: int):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name
+        self.buffer = symm_mem.empty(max_bytes // 2, dtype=torch.bfloat16, device="cuda")
+        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self.buffer[: x.numel()]
+        buf.copy_(x)
+        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+        return buf
+
+
 def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, out: str | None,
           impls: list[str]) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=ranks, device_id=torch.device("cuda", rank))
     dist.all_reduce(torch.ones(1, device="cuda"))
-    one_shot = None
-    if "one-shot" in impls:
-        from engine.tp.allreduce import OneShotAllReduce
+    from engine.tp.allreduce import OneShotAllReduce
 
-        one_shot = OneShotAllReduce(None, torch.device("cuda", rank), torch.bfloat16,
-                                    max(sizes_kib) * 1024)
-    ops = {"nccl": dist.all_reduce, "one-shot": one_shot}
+    ops = {"nccl": dist.all_reduce}
+    if "torch-two-shot" in impls:
+        ops["torch-two-shot"] = _TwoShot(max(sizes_kib) * 1024)
+    for impl, kernel in (("one-shot", "triton"), ("torch-one-shot", "torch")):
+        if impl in impls:
+            ops[impl] = OneShotAllReduce(None, torch.device("cuda", rank), torch.bfloat16,
+                                         max(sizes_kib) * 1024, kernel=kernel)
     rows = []
     per_graph = 20  # all-reduces captured in one graph: its replay time / 20 is one's
     for kib in sizes_kib:
@@ -73,10 +95,14 @@ def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, ou
             dist.barrier()
             graphed = _time_ms(graph.replay, max(1, iters // per_graph)) / per_graph
             # the old keys are NCCL's (earlier JSON files)
-            prefix = "" if impl == "nccl" else "one_shot_"
+            prefix = {"nccl": "", "one-shot": "one_shot_", "torch-one-shot": "torch_one_shot_",
+                      "torch-two-shot": "torch_two_shot_"}[impl]
             row |= {f"{prefix}eager_us": eager * 1e3, f"{prefix}graph_us": graphed * 1e3}
         if "graph_us" in row and "one_shot_graph_us" in row:
             row["one_shot_over_nccl_graph"] = row["one_shot_graph_us"] / row["graph_us"]
+        if "torch_one_shot_graph_us" in row and "one_shot_graph_us" in row:
+            row["one_shot_over_torch_graph"] = (row["one_shot_graph_us"]
+                                                / row["torch_one_shot_graph_us"])
         rows.append(row)
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
@@ -95,12 +121,15 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--sizes-kib", default="8,16,32,64,128,256,512,1024")
     ap.add_argument("--iters", type=int, default=400)
-    ap.add_argument("--impls", default="nccl,one-shot", help="nccl, one-shot, or both")
+    ap.add_argument("--impls", default="nccl,one-shot,torch-one-shot",
+                    help="any of nccl, one-shot (the engine's), torch-one-shot, "
+                         "torch-two-shot")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     impls = args.impls.split(",")
-    if not set(impls) <= {"nccl", "one-shot"}:
-        ap.error(f"--impls: nccl and one-shot only, got {args.impls}")
+    known = {"nccl", "one-shot", "torch-one-shot", "torch-two-shot"}
+    if not set(impls) <= known:
+        ap.error(f"--impls: {', '.join(sorted(known))} only, got {args.impls}")
     from engine.tp.group import free_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (lent machines)

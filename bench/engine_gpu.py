@@ -110,6 +110,52 @@ def prefill(core: EngineCore, vocab: int, rounds: int = 3) -> dict:
     return {**best, "rounds": runs}
 
 
+def prefill_profile(core: EngineCore, vocab: int) -> dict:
+    """One round of 8 x 4,096-token prompts under the profiler (after a warm round): the
+    GPU's busy time in NCCL kernels and in the others, and how much of NCCL's ran while
+    another kernel did (the overlapped halves of a tensor-parallel step), with the kernels
+    that take the time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for r in range(2):
+        for i, p in enumerate(prompts(8, 4096, vocab, 7 + 100 * r)):
+            core.add_request(f"pp{r}-{i}", p, params(1))
+        torch.cuda.synchronize()
+        if r == 0:
+            drain(core)
+            continue
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            drain(core)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+    kernels = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower())
+               for e in prof.events() if e.device_type == DeviceType.CUDA]
+    nccl = _union([(a, b) for a, b, is_nccl in kernels if is_nccl])
+    other = _union([(a, b) for a, b, is_nccl in kernels if not is_nccl])
+    both = sum(max(0, min(b, d) - max(a, c)) for a, b in nccl for c, d in other)
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=14)
+    print("8 x 4,096 prefill, by kernel:\n" + table, flush=True)
+    return {"wall_ms": wall * 1e3, "nccl_busy_ms": _length(nccl) / 1e3,
+            "other_busy_ms": _length(other) / 1e3, "nccl_beside_other_ms": both / 1e3,
+            "busy_ms": _length(_union(nccl + other)) / 1e3}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
 def decode128(core: EngineCore, vocab: int, sampling: SamplingParams | None = None) -> dict:
     for i, p in enumerate(prompts(128, 1024, vocab, 3)):
         core.add_request(f"b{i}", p, sampling or params(129))
@@ -332,6 +378,7 @@ def hf_baseline(model_dir: str, vocab: int) -> dict:
 
 
 FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
+           "prefill-profile": prefill_profile,
            "overhead": host_overhead, "offline": offline,
            "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1),
            "decode128penalized": lambda core, vocab: decode128(core, vocab, SamplingParams(
@@ -373,6 +420,8 @@ def main() -> None:
                     help="the engine over this many GPUs (cuda:0 and the next ones)")
     ap.add_argument("--all-reduce", choices=("auto", "nccl", "one-shot"), default="auto",
                     help="the engine's --all-reduce (with --tensor-parallel-size > 1)")
+    ap.add_argument("--tp-overlap-tokens", type=int, default=None,
+                    help="the engine's --tp-overlap-tokens (0: every all-reduce after its GEMM)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -387,6 +436,8 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl,
         tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        **({} if args.tp_overlap_tokens is None else
+           {"tp_overlap_tokens": args.tp_overlap_tokens}),
         **({"blas_library": args.blas} if args.blas else {}),
         **({"eager_blas_library": args.eager_blas} if args.eager_blas else {}),
     )  # fmt: skip
@@ -396,6 +447,7 @@ def main() -> None:
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
     results["tensor_parallel_size"] = args.tensor_parallel_size
     results["all_reduce"] = args.all_reduce
+    results["tp_overlap_tokens"] = config.tp_overlap_tokens
     results["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
     core = EngineCore(config)

@@ -140,6 +140,11 @@ class EngineConfig:
     # "one-shot" over symmetric memory for messages up to 512 KiB (NCCL above), or "auto":
     # one-shot where it can be set up.
     all_reduce: str = "auto"
+    # A tensor-parallel step of at least this many tokens (a large prompt step: they run
+    # eagerly, above max_piecewise_tokens) is computed in two row halves, each half's
+    # all-reduces overlapping the other half's GEMMs (LlamaModel._forward_overlapped); 0: off.
+    # Engines with LoRA adapters never overlap (their slots are per row of the whole step).
+    tp_overlap_tokens: int = 4096
     # A request sent to this engine's own /v1 that no step has started on within this long
     # fails with a 503 (code queue_timeout) and Retry-After, holding nothing; the router's
     # calls carry the router's own queue_timeout_s instead. The router's default.
@@ -180,6 +185,8 @@ class EngineConfig:
         if not 0 <= self.log_stats_interval_s < float("inf"):  # NaN fails too
             raise ValueError(f"log_stats_interval_s must be a number of seconds >= 0 (0: never), "
                              f"got {self.log_stats_interval_s}")
+        if self.tp_overlap_tokens < 0:
+            raise ValueError(f"tp_overlap_tokens must be >= 0, got {self.tp_overlap_tokens}")
         if self.max_piecewise_tokens < 0:
             raise ValueError(f"max_piecewise_tokens must be >= 0, got {self.max_piecewise_tokens}")
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -113,6 +113,8 @@ class ModelRunner:
             self.model.use_triton_kernels(True, gemv=self.cuda and config.decode_gemv)
         if self.lora is not None:
             self.lora.use_triton_kernels(self.triton)
+        elif tp.size > 1:  # (an adapter's slots are per row of the whole step)
+            self.model.model.overlap_tokens = config.tp_overlap_tokens
         self.sampler = Sampler(self.config.vocab_size, self.device, seed=config.seed,
                                triton_argmax=self.cuda and self.triton)
         self.kv: PagedKVCache | None = None  # set by allocate_kv

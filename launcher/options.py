@@ -80,6 +80,9 @@ def engine_options(p: argparse.ArgumentParser) -> None:
                    help="how a tensor-parallel engine's ranks sum partial products: one-shot "
                         "over symmetric memory for messages up to 512 KiB (decode), NCCL above; "
                         "nccl for all; auto: one-shot where it can be set up")
+    _config_option(p, "--tp-overlap-tokens", type=int, metavar="TOKENS",
+                   help="tensor-parallel steps of at least this many tokens run in two row "
+                        "halves, each half's all-reduces beside the other's GEMMs (0: off)")
     _config_option(p, "--tensor-parallel-timeout-s", type=float, metavar="SECONDS",
                    help="a collective that waits longer on a rank fails the engine instead "
                         "of hanging it")

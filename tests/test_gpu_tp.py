@@ -68,26 +68,34 @@ def rank(r, port):
     torch.cuda.set_device(r)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=r,
                             world_size=2, device_id=torch.device("cuda", r))
-    one = OneShotAllReduce(None, torch.device("cuda", r), torch.bfloat16)
     bad = []
-    for n in (8, 4096, 32 * 4096, one.max_numel):
-        parts = [torch.randn(n, generator=torch.Generator().manual_seed(100 * n + i))
-                 .to(torch.bfloat16) for i in range(2)]
-        x = parts[r].cuda()
-        assert one.fits(x)
-        got = one(x)
-        # in a CUDA graph too, replayed over new values
-        g, static = torch.cuda.CUDAGraph(), x.clone()
-        one(static); torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            out = one(static)
-        static.copy_(x); g.replay()
-        nccl = x.clone(); dist.all_reduce(nccl)
-        want = (parts[0].float() + parts[1].float()).to(torch.bfloat16).cuda()
-        for name, t in (("eager", got), ("graph", out), ("nccl", nccl)):
-            if not torch.equal(t.view(torch.int16), want.view(torch.int16)):
-                bad.append((name, n))
-    print("BAD" if bad else "OK", r, bad, flush=True)
+    for kernel in ("triton", "torch"):
+        one = OneShotAllReduce(None, torch.device("cuda", r), torch.bfloat16, kernel=kernel)
+        for n in (8, 4096, 32 * 4096, one.max_numel):
+            def parts(seed):
+                return [torch.randn(n, generator=torch.Generator().manual_seed(seed + i))
+                        .to(torch.bfloat16) for i in range(2)]
+            def want(p):
+                return (p[0].float() + p[1].float()).to(torch.bfloat16).cuda()
+            p = parts(100 * n)
+            x = p[r].cuda()
+            assert one.fits(x)
+            got = one(x)
+            nccl = x.clone(); dist.all_reduce(nccl)
+            # in a CUDA graph too, replayed over new values, twenty times back to back
+            g, static = torch.cuda.CUDAGraph(), x.clone()
+            one(static); torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                out = one(static)
+            checks = [("eager", got, want(p)), ("nccl", nccl, want(p))]
+            for i in range(20):
+                q = parts(100 * n + 10 * i + 3)
+                static.copy_(q[r].cuda()); g.replay()
+                checks.append((f"graph {{i}}", out.clone(), want(q)))
+            for name, t, w in checks:
+                if not torch.equal(t.view(torch.int16), w.view(torch.int16)):
+                    bad.append((kernel, name, n))
+    print("BAD" if bad else "OK", r, bad[:8], flush=True)
 
 if __name__ == "__main__":
     mp.spawn(rank, args=(int(sys.argv[1]),), nprocs=2)
@@ -95,9 +103,10 @@ if __name__ == "__main__":
 
 
 def test_one_shot_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
-    """Two ranks' bf16 messages from 16 B to the limit (512 KiB): the one-shot sum, eager and
-    replayed from a CUDA graph, is bit-equal to NCCL's and to the float32 sum rounded once,
-    on both ranks."""
+    """Two ranks' bf16 messages from 16 B to the limit (512 KiB): the one-shot sum (the
+    engine's Triton kernel and torch's), eager and replayed from a CUDA graph twenty times
+    over new values, is bit-equal to NCCL's and to the float32 sum rounded once, on both
+    ranks."""
     from engine.tp.group import free_port
 
     script = tmp_path / "sums.py"  # a file: spawned ranks import its functions from it
@@ -112,14 +121,19 @@ def test_one_shot_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
         == ["OK 0 []", "OK 1 []"], out.stdout
 
 
-def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path):
-    """random:llama-3.2-1b (32 heads, 8 KV heads, tied embeddings) in fp32."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps-whole", "steps-overlapped"])
+def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path, overlap):
+    """random:llama-3.2-1b (32 heads, 8 KV heads, tied embeddings) in fp32; overlapped: the
+    prompt steps (512 tokens, eager) run in two row halves with their NCCL all-reduces
+    overlapping the other half's GEMMs."""
     from microserve.random_models import materialize
 
     model = str(materialize("random:llama-3.2-1b", tmp_path))
     prompts = random_prompts([7, 300, 1000], vocab=128256)
     one = tokens(model, prompts, max_num_batched_tokens=512)
-    assert tokens(model, prompts, tensor_parallel_size=2, max_num_batched_tokens=512) == one
+    split = {"tp_overlap_tokens": 256, "max_piecewise_tokens": 0} if overlap else {}
+    assert tokens(model, prompts, tensor_parallel_size=2, max_num_batched_tokens=512,
+                  **split) == one
 
 
 async def _pd(p_url: str, d_url: str, prompts: list[list[int]]) -> list[list[int]]:

@@ -48,7 +48,7 @@ def compile_for_h100(kernel, types: dict | None = None, **constexprs) -> None:
 
 
 def compile_all() -> None:
-    from engine.kernels import argmax, fused, quant
+    from engine.kernels import argmax, fused, one_shot, quant
     from engine.kernels import paged_attention as pa
     from engine.kernels.fp8_format import FP8_MAX, INV_FP8_MAX, MIN_AMAX
     from engine.kernels.gemv import _gemv_kernel
@@ -78,6 +78,9 @@ def compile_all() -> None:
     logits = {"x_ptr": "*fp32", "max_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"}
     compile_for_h100(argmax._chunk_max_kernel, logits, CHUNK=4096)
     compile_for_h100(argmax._row_argmax_kernel, logits, BLOCK=32)
+    sums = {"buf_deltas_ptr": "*i64", "flag_ptr": "*i64", "flag_deltas_ptr": "*i64",
+            "counters_ptr": "*i64", "timeout_ns": "i64"}
+    compile_for_h100(one_shot._one_shot_kernel, sums, WORLD=2, BLOCK=one_shot.BLOCK, PDL=True)
     compile_for_h100(page_copy._copy_rows_kernel,
                      {"src_slots_ptr": "*i64", "dst_slots_ptr": "*i64"},
                      NUM_PROGRAMS=132, ROWS=8, BLOCK=1024)

@@ -67,6 +67,30 @@ def test_tiny_equals_hf(tiny_model_dir, tiny_ref, size, overlap):
         core.close()
 
 
+def test_large_steps_overlap_their_all_reduces_and_equal_hf(tiny_model_dir, tiny_ref):
+    """Steps of at least tp_overlap_tokens tokens run in two row halves whose all-reduces are
+    started before the other half's work and waited for after it (gloo: on its own thread):
+    the tokens are still Hugging Face's, with steps of odd sizes cut unevenly."""
+    prompts, ref = tiny_ref
+    core = tp_core(tiny_model_dir, 2, max_num_batched_tokens=61, tp_overlap_tokens=9)
+    model = core.runner.model.model
+    sizes = []
+    plain = model._forward_overlapped
+
+    def overlapped(input_ids, positions, attn):
+        sizes.append(input_ids.shape[0])
+        return plain(input_ids, positions, attn)
+
+    model._forward_overlapped = overlapped
+    try:
+        assert model.overlap_tokens == 9
+        got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+        assert [got[f"r{i}"][0] for i in range(len(prompts))] == ref
+        assert sizes and min(sizes) >= 9 and any(n % 2 for n in sizes)
+    finally:
+        core.close()
+
+
 def test_smollm2_tp3_equals_hf(smollm2_dir):
     """SmolLM2-135M (9 heads, 3 KV heads, tied embeddings: the LM head is each rank's rows of
     the replicated embedding) split over 3 ranks: 2 is refused, its heads do not divide."""
@@ -340,5 +364,5 @@ def test_all_reduce_modes_are_checked_and_cpu_ranks_sum_with_gloo(tiny_model_dir
     assert allreduce.set_up("nccl", None, torch.device("cuda", 0), torch.bfloat16) is None
     with pytest.raises(ValueError, match="all_reduce must be one of auto, nccl, one-shot"):
         allreduce.set_up("ring", None, torch.device("cpu"), torch.float32)
-    assert allreduce._cannot(torch.float16) == "its kernel sums bfloat16 and float32, not " \
-                                               "torch.float16"
+    assert allreduce._cannot(torch.int8) == "its kernel sums bfloat16, float16 and float32, " \
+                                            "not torch.int8"

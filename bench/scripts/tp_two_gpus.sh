@@ -5,6 +5,8 @@
 #             8 KiB to 1 MiB
 #   8b-ar     random:llama-3.1-8b bf16 at TP 2, --all-reduce nccl then one-shot: batch-1
 #             decode and 128-sequence decode
+#   8b-serial random:llama-3.1-8b bf16 at TP 2, 8 x 4,096 prefill with --tp-overlap-tokens 0
+#             (every all-reduce after its GEMM, the A/B of the overlapped halves)
 #   8b        random:llama-3.1-8b bf16 at TP 1 and TP 2: batch-1 decode, 8 x 4,096 prefill,
 #             128-sequence decode (bench.engine_gpu)
 #   70b       random:llama-3.1-70b at TP 2 (bf16 on cards of >= 100 GB, else fp8 weights):
@@ -22,7 +24,7 @@ parts=",${1:-tests,allreduce,8b},"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpus.csv"
 if [[ $parts == *,tests,* ]]; then
   PYTHONUNBUFFERED=1 timeout 420 python -m pytest -q -p no:cacheprovider -rs tests/test_gpu_tp.py \
-    > "$OUT/tests.log" 2>&1; echo "tests: $?"
+    ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1; echo "tests: $?"
 fi
 if [[ $parts == *,allreduce,* ]]; then
   timeout 120 python -m bench.allreduce --json "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
@@ -41,6 +43,11 @@ if [[ $parts == *,8b-ar,* ]]; then
       --all-reduce $ar --json "$OUT/8b-tp2-$ar.json" > "$OUT/8b-tp2-$ar.log" 2>&1
     echo "8b tp2 $ar: $?"
   done
+fi
+if [[ $parts == *,8b-serial,* ]]; then
+  timeout 300 python -m bench.engine_gpu --only prefill --tensor-parallel-size 2 \
+    --tp-overlap-tokens 0 --json "$OUT/8b-tp2-serial.json" > "$OUT/8b-tp2-serial.log" 2>&1
+  echo "8b tp2 serial: $?"
 fi
 if [[ $parts == *,70b,* ]]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)

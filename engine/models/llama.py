@@ -231,15 +231,19 @@ class LlamaMLP(nn.Module):
         self.use_triton = False  # set by LlamaForCausalLM.use_triton_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the MLP's output, before the sum over the ranks."""
         gate_up = self.gate_up_proj(x)
         if isinstance(self.down_proj, Fp8Linear):  # SiLU·mul inside its input's quantization
-            return self.tp.all_reduce(self.down_proj(gate_up, gated=True))
+            return self.down_proj(gate_up, gated=True)
         if self.use_triton:
             from engine.kernels.fused import silu_and_mul
 
-            return self.tp.all_reduce(self.down_proj(silu_and_mul(gate_up)))
+            return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -305,6 +309,15 @@ class LlamaDecoderLayer(nn.Module):
         return mlp.tp.all_reduce(out), summed
 
 
+def _add_norm(norm: RMSNorm, x, residual: torch.Tensor):
+    """norm(x, residual), the residual stream updated in `residual` itself (a view of rows of
+    the whole stream): the Triton kernels do it in place, the torch path returns a new one."""
+    normed, summed = norm(x, residual)
+    if summed is not residual:
+        residual.copy_(summed)
+    return normed
+
+
 def _lora_shrink(proj: nn.Module):
     """What a batch-1 GEMV needs to compute `proj`'s adapter shrink too (LoraLinear's
     `one_row_shrink`), or None."""
@@ -344,15 +357,58 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        # steps of at least this many tokens take _forward_overlapped (0: none); set by the
+        # model runner for a tensor-parallel engine (EngineConfig.tp_overlap_tokens)
+        self.overlap_tokens = 0
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
+        if self.overlap_tokens and input_ids.shape[0] >= self.overlap_tokens:
+            return self._forward_overlapped(input_ids, positions, attn)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary_emb, attn)
         x, _ = self.norm(x, residual)
         return x
+
+    def _forward_overlapped(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
+    ) -> torch.Tensor:
+        """The same forward for a large step of a tensor-parallel model, its rows cut in two
+        halves so that each all-reduce runs (NCCL, on its own stream) while the GPU computes
+        the other half: everything but attention is row by row, so
+        - o(half 2) runs beside the sum of o(half 1);
+        - the MLP of half 1 beside the sum of o(half 2);
+        - the MLP of half 2 beside the sum of down(half 1);
+        - the next layer's norm and qkv of half 1 beside the sum of down(half 2).
+        Attention runs on all the rows at once, as it must. Summed one after the other, a
+        prefill step of 8,192 tokens of an 8B model at TP 2 spends about a tenth of its time
+        in all-reduces the GPU does nothing else during (docs/benchmarks.md)."""
+        t = input_ids.shape[0]
+        halves = (slice(0, t // 2), slice(t // 2, t))
+        residual = self.embed_tokens(input_ids)
+        pending = None  # the previous layer's down partials per half, being summed
+        for layer in self.layers:
+            sa, mlp = layer.self_attn, layer.mlp
+            qkv = torch.empty(t, sa.qkv_proj.weight.shape[0], dtype=residual.dtype,
+                              device=residual.device)  # fmt: skip
+            for i, rows in enumerate(halves):
+                if pending is None:
+                    x = layer.input_layernorm(residual[rows])
+                else:
+                    x = _add_norm(layer.input_layernorm, pending[i].wait(), residual[rows])
+                _project_into(sa.qkv_proj, x, qkv[rows])
+            out = sa.attend(qkv, positions, self.rotary_emb, attn)
+            summing = [sa.tp.all_reduce_async(sa.o_proj(out[rows])) for rows in halves]
+            pending = []
+            for i, rows in enumerate(halves):
+                x = _add_norm(layer.post_attention_layernorm, summing[i].wait(), residual[rows])
+                pending.append(mlp.tp.all_reduce_async(mlp.partial(x)))
+        hidden = torch.empty_like(residual)
+        for i, rows in enumerate(halves):
+            hidden[rows] = _add_norm(self.norm, pending[i].wait(), residual[rows])
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):

@@ -51,6 +51,19 @@ class SmallAllReduce:
         self.op = op
 
 
+class Summing:
+    """An all-reduce under way (TensorParallel.all_reduce_async)."""
+
+    def __init__(self, x: torch.Tensor, work):
+        self.x, self.work = x, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()  # NCCL: the current stream waits; the host goes on
+            self.work = None
+        return self.x
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's rank among `size`; `group` is the torch.distributed process group the
@@ -73,6 +86,14 @@ class TensorParallel:
                 return op(x)
             dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_async(self, x: torch.Tensor) -> Summing:
+        """Start summing x over the ranks (NCCL on its own stream; a message the small
+        all-reduce fits is summed at once); `.wait()` on the result makes the current stream
+        wait for the sum and returns it."""
+        if self.size > 1 and (self.small.op is None or not self.small.op.fits(x)):
+            return Summing(x, dist.all_reduce(x, group=self.group, async_op=True))
+        return Summing(self.all_reduce(x), None)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """The whole logits [N, vocab_size] from each rank's [N, <= per_rank] slice."""

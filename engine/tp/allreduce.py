@@ -1,15 +1,21 @@
-"""The all-reduce of small messages: torch's one-shot all-reduce over symmetric memory.
+"""The all-reduce of small messages: a one-shot all-reduce over symmetric memory.
 
 A tensor-parallel decode step sums two partial products per layer, each batch x hidden values:
 8 KiB at batch 1 of an 8B model, 1 MiB at batch 128. At these sizes the sum is latency, not
-bandwidth, and NCCL's ring/tree protocol pays for steps it does not need. The one-shot
-all-reduce (vLLM's and SGLang's custom all-reduce; here torch's own,
-`torch.ops.symm_mem.one_shot_all_reduce_copy`) does it in one kernel: every rank copies its
-partial sum into a buffer the others can read over NVLink (CUDA IPC mappings set up once, at
-the join), meets the others at a barrier of flags in that memory, then reads every rank's
-buffer and adds them up in rank order itself. Every rank computes the same sum in the same
-order, so the ranks hold bit-identical results, as they must. It needs no NVLink multicast
-(which the lent machines keep off; `multimem_*` would), and CUDA graphs capture it.
+bandwidth, and NCCL's ring/tree protocol pays for steps it does not need. A one-shot all-reduce
+(vLLM's and SGLang's custom all-reduce) does it in one kernel: every rank copies its partial
+sum into a buffer the others can read over NVLink (symmetric memory: CUDA IPC mappings set up
+once, at the join), meets the others at a barrier of flags in that memory, then reads every
+rank's buffer and adds them up in rank order itself. Every rank computes the same sum in the
+same order, so the ranks hold bit-identical results, as they must. It needs no NVLink
+multicast (which the lent machines keep off; `multimem_*` would), and CUDA graphs capture it.
+
+Two kernels do it (`OneShotAllReduce(kernel=...)`):
+- `triton` (the engine's): engine/kernels/one_shot.py. One barrier per call (buffers
+  alternate halves), and programmatic dependent launch on both sides, so in a decode step the
+  GEMV after it launches while it waits for the other ranks and fetches its first weights;
+- `torch`: torch's own `symm_mem.one_shot_all_reduce_copy` (two barriers, no PDL), kept for
+  `bench.allreduce`'s side by side.
 
 Which is used when (`--all-reduce`, EngineConfig.all_reduce):
 - `nccl`: NCCL through torch.distributed for every message;
@@ -19,8 +25,8 @@ Which is used when (`--all-reduce`, EngineConfig.all_reduce):
 - `auto` (default): `one-shot` where it can be set up (CUDA, torch built with symmetric
   memory), else `nccl` with a warning saying why.
 
-The limit and the choice come from `bench.allreduce`, which times both side by side inside CUDA
-graphs (docs/benchmarks.md, "Tensor parallelism": the figures and the machine).
+The limit and the choice come from `bench.allreduce`, which times them side by side inside
+CUDA graphs (docs/benchmarks.md, "Tensor parallelism": the figures and the machine).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import logging
 
 import torch
 import torch.distributed as dist
+
+from engine.kernels import pdl
 
 log = logging.getLogger("microserve.tp")
 
@@ -43,22 +51,55 @@ MODES = ("auto", "nccl", "one-shot")
 
 
 class OneShotAllReduce:
-    """A symmetric buffer of `max_bytes` on this rank's GPU, rendezvoused with the group's
-    other ranks (a collective: every rank constructs it at the same point), and the sum of a
-    message that fits, returned as a new tensor."""
+    """A symmetric buffer for messages of up to `max_bytes` on this rank's GPU, rendezvoused
+    with the group's other ranks (a collective: every rank constructs it at the same point),
+    and the sum of a message that fits, returned as a new tensor. `kernel`: `triton` (the
+    engine's, engine/kernels/one_shot.py) or `torch` (symm_mem.one_shot_all_reduce_copy).
+    The Triton kernel traps after `timeout_s` waiting for another rank (the engine then ends,
+    as a timed-out NCCL collective ends it)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
-                 dtype: torch.dtype, max_bytes: int = ONE_SHOT_MAX_BYTES):
+                 dtype: torch.dtype, max_bytes: int = ONE_SHOT_MAX_BYTES,
+                 kernel: str = "triton", timeout_s: float = 300.0):
         from torch.distributed import _symmetric_memory as symm_mem
 
+        if kernel not in ("triton", "torch"):
+            raise ValueError(f"kernel must be triton or torch, got {kernel!r}")
         self.group_name = (group or dist.group.WORLD).group_name
         if torch.__version__ < "2.11":  # later versions do it themselves (and warn)
             symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.kernel = kernel
         self.dtype = dtype
         self.max_numel = max_bytes // dtype.itemsize
-        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)  # kept alive with it
-        self._op = torch.ops.symm_mem.one_shot_all_reduce_copy  # set_up checked it exists
+        if kernel == "torch":
+            self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+            self.handle = symm_mem.rendezvous(self.buffer, self.group_name)  # kept alive
+            self._op = torch.ops.symm_mem.one_shot_all_reduce_copy  # set_up checked it exists
+            return
+        from engine.kernels import one_shot
+
+        self.programs = one_shot.programs(self.max_numel)
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        data_bytes = 2 * self.max_numel * dtype.itemsize  # two halves: calls alternate
+        flag_bytes = self.programs * self.world * 8
+        raw = symm_mem.empty(data_bytes + flag_bytes, dtype=torch.uint8, device=device)
+        raw.zero_()  # the flags start at 0 on every rank before any rank can write them
+        torch.cuda.synchronize(device)
+        self.handle = symm_mem.rendezvous(raw, self.group_name)  # a collective
+        self.raw = raw
+        self.data = raw[:data_bytes].view(dtype)
+        self.flags = raw[data_bytes:].view(torch.int64)
+        base = self.handle.buffer_ptrs[self.rank]
+        deltas = [ptr - base for ptr in self.handle.buffer_ptrs]
+        if any(d % 16 for d in deltas):
+            raise RuntimeError(f"symmetric buffers are not 16-byte aligned: {deltas}")
+        self.data_deltas = torch.tensor([d // dtype.itemsize for d in deltas], device=device)
+        self.flag_deltas = torch.tensor([d // 8 for d in deltas], device=device)
+        self.counters = torch.zeros(self.programs, dtype=torch.int64, device=device)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self._pdl = pdl.use_pdl(self.data)
+        dist.barrier(group)  # no rank writes a flag before every rank's are zero
 
     def fits(self, x: torch.Tensor) -> bool:
         if not isinstance(x, torch.Tensor):  # an fp8 projection's output with its scales
@@ -69,15 +110,27 @@ class OneShotAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel()
-        return self._op(self.buffer[:n], x.view(-1), "sum", self.group_name).view_as(x)
+        if self.kernel == "torch":
+            return self._op(self.buffer[:n], x.view(-1), "sum", self.group_name).view_as(x)
+        from engine.kernels import one_shot
+
+        out = torch.empty_like(x)
+        one_shot._one_shot_kernel[(one_shot.programs(n),)](
+            x, out, self.data, self.data_deltas, self.flags, self.flag_deltas, self.counters,
+            n, self.max_numel, self.rank, self.timeout_ns, WORLD=self.world,
+            BLOCK=one_shot.BLOCK, PDL=self._pdl, num_warps=one_shot.NUM_WARPS,
+            **pdl.launch_options(self._pdl),
+        )  # fmt: skip
+        return out
 
 
 def set_up(mode: str, group: dist.ProcessGroup | None, device: torch.device,
-           dtype: torch.dtype) -> OneShotAllReduce | None:
+           dtype: torch.dtype, timeout_s: float = 300.0) -> OneShotAllReduce | None:
     """The one-shot all-reduce for `mode` on this rank, or None for NCCL alone. Every rank of
     the group calls it at the same point (the rendezvous is a collective), with the same mode:
     a failure on one rank under `auto` would leave the others waiting, so a rank that cannot
-    set it up raises under `one-shot`, and under `auto` every rank agrees first."""
+    set it up raises under `one-shot`, and under `auto` every rank agrees first. `timeout_s`:
+    how long a rank waits for the others inside the kernel before it traps."""
     if mode not in MODES:
         raise ValueError(f"all_reduce must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "nccl" or device.type != "cuda":
@@ -94,7 +147,7 @@ def set_up(mode: str, group: dist.ProcessGroup | None, device: torch.device,
     elif why:
         raise RuntimeError(f"--all-reduce one-shot: {why}")
     try:
-        one_shot = OneShotAllReduce(group, device, dtype)
+        one_shot = OneShotAllReduce(group, device, dtype, timeout_s=timeout_s)
     except Exception as e:  # a rank failing here after the agreement: the engine must end
         raise RuntimeError(f"all-reduce: setting up symmetric memory failed: {e}") from e
     log.info("all-reduce: one-shot over symmetric memory up to %d KiB, NCCL above",
@@ -104,14 +157,14 @@ def set_up(mode: str, group: dist.ProcessGroup | None, device: torch.device,
 
 def _cannot(dtype: torch.dtype) -> str | None:
     """Why this process cannot sum messages of `dtype` one-shot, or None."""
-    if dtype not in (torch.bfloat16, torch.float32):  # the kernel's types
-        return f"its kernel sums bfloat16 and float32, not {dtype}"
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):  # the kernel's types
+        return f"its kernel sums bfloat16, float16 and float32, not {dtype}"
     try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
+        from torch.distributed import _symmetric_memory as symm_mem
     except ImportError as e:
         return f"torch.distributed._symmetric_memory: {e}"
-    if getattr(getattr(torch.ops, "symm_mem", None), "one_shot_all_reduce_copy", None) is None:
-        return f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy"
+    if not hasattr(symm_mem, "rendezvous"):
+        return f"torch {torch.__version__} has no symm_mem.rendezvous"
     if not torch.cuda.is_available():
         return "no CUDA"
     return None

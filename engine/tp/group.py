@@ -45,7 +45,8 @@ def join(config: EngineConfig, rank: int, init_method: str, tp: TensorParallel,
         **({"device_id": device} if cuda else {}),
     )  # fmt: skip
     dist.all_reduce(torch.ones(1, device=device))
-    tp.small.install(allreduce.set_up(config.all_reduce, tp.group, device, dtype))
+    tp.small.install(allreduce.set_up(config.all_reduce, tp.group, device, dtype,
+                                      config.tensor_parallel_timeout_s))
 
 
 def die_with_parent() -> None:
