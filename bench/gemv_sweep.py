@@ -255,6 +255,13 @@ def summary(rows: list[dict]) -> dict:
             "best": best_paths}  # fmt: skip
 
 
+def rank_shapes(tp: int) -> list[tuple[str, int, int, int]]:
+    """PROJECTIONS as one rank of a tensor-parallel engine of `tp` ranks holds them."""
+    return [(name, n if name in ("o", "down") else n // tp,
+             k // tp if name in ("o", "down") else k, per_step)
+            for name, n, k, per_step in PROJECTIONS]  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--only", default=",".join(p[0] for p in PROJECTIONS))
@@ -262,10 +269,13 @@ def main() -> None:
                     help="rows of x (batch); above 1 only the cuBLAS paths run")
     ap.add_argument("--engine", action="store_true",
                     help="time the engine's kernel over ENGINE_TILES instead")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="one rank's shapes at this size: qkv, gate_up and the LM head have "
+                         "1/size of the rows, o and down 1/size of the columns")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows: list[dict] = []
-    for name, n, k, _ in PROJECTIONS:
+    for name, n, k, _ in rank_shapes(args.tensor_parallel_size):
         if name in args.only.split(","):
             if args.engine:
                 sweep_engine_kernel(name, n, k, rows)

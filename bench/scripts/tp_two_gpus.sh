@@ -78,7 +78,11 @@ if [[ $parts == *,serve,* ]]; then
     curl -sf http://127.0.0.1:8000/v1/models > /dev/null && break; sleep 1
   done
   timeout 240 python -m bench.serve --num-requests 200 --input-len 1024 --output-len 128 \
-    --vocab 128000 --json "$OUT/serve-$model.json" > "$OUT/serve.log" 2>&1
+    --vocab 128000 --json "$OUT/serve-${model//:/-}.json" > "$OUT/serve.log" 2>&1
   echo "serve $model: $?"
-  kill -INT -- -$up; sleep 5; kill -KILL -- -$up 2>/dev/null
+  # `up` stops its engines on SIGINT; a 70B engine takes a while to let its GPUs go, and one
+  # killed before it did held 129 GiB into the next run (2026-11-28): wait up to 90 s
+  kill -INT -- -$up
+  for _ in $(seq 90); do kill -0 $up 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -$up 2>/dev/null
 fi

@@ -56,8 +56,17 @@ def gemv_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     us, o 13.5 -> 13.0, gate_up 86.4 -> 79.6 (2.95 TB/s), down 44.9 -> 43.7, LM head 356.8 ->
     338.9 (3.10 TB/s); each within 0.4 us of the fastest tile of 54 (the LM head's is this
     one), and 1 or 2 pipeline stages made no difference. fp8 weights: twice the rows a
-    program, so each load moves as many bytes."""
+    program, so each load moves as many bytes.
+
+    Smaller matrices (a tensor-parallel rank's share: under 16 Mi weights of up to 4,096
+    columns, under 32 Mi of longer rows) take 8 rows x 1,024 columns a program, 4 warps: in the
+    2026-11-28 H200 sweep (`bench.gemv_sweep --engine --tensor-parallel-size 2`) Llama-3.1-8B's
+    TP 2 shares went qkv 10.1 -> 9.3 us, o 6.3 -> 5.5, down 20.3 -> 16.6 with it (each within
+    0.6 us of the fastest of the grid)."""
     rows = 2 if fp8 else 1
+    if n * k < (16 << 20 if k <= 4096 else 32 << 20):
+        return GemvConfig(block_n=8 * rows, block_k=min(1024, triton.next_power_of_2(k)),
+                          num_warps=4)
     if k <= 4096:
         block_k = triton.next_power_of_2(k)
         return GemvConfig(block_n=(1 if n >= 65536 else 2) * rows, block_k=block_k,
