@@ -216,11 +216,32 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sock.sendall(encode(Ready(core.info)))
     freeze_startup_heap()  # the model, torch and warm-up: out of every later full collection
+    tensor_parallel = core.config.tensor_parallel_size > 1
+    code = 0
     try:
         CoreLoop(core, sock, heartbeat_s=HEARTBEAT_S).run()
+    except BaseException:
+        if not tensor_parallel:
+            raise
+        traceback.print_exc()
+        code = 1
     finally:
-        core.close()
-    return 0
+        try:
+            core.close()
+        except BaseException:
+            if not tensor_parallel:
+                raise
+            traceback.print_exc()
+            code = 1
+        if tensor_parallel:
+            # closed in order (workers stopped, KV pools released): the interpreter's own end
+            # would destroy the NCCL group, which can wait on its other ranks until a timeout
+            # (engine/tp/group.py, `leave`) while the GPUs stay held; end here, as workers do
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
