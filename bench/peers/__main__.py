@@ -34,11 +34,12 @@ from microserve.model_files import resolve_model
 SIDES = ("vllm", "engine", "up")
 
 # --tiny: a CPU smoke run on random:tiny that finishes in seconds (not a measurement).
-# batch_tokens 32: with 8, on a busy 2-core CI host the first of the 4 requests finished
-# before the last began decoding, leaving decode4 no window where all four decode.
+# batch_tokens 160 (the default): with 8, and again with 32 (2026-11-28), on a busy 2-core CI
+# host the first of the 4 requests finished before the last began decoding, leaving decode4 no
+# window where all four decode; random:tiny's steps take milliseconds, so 160 costs ~1 s.
 TINY = dict(device="cpu", dtype="float32", max_model_len=512, first_len=16, decode_context=32,
             decode_tokens=8, prefill_seqs=2, prefill_len=32,
-            batch_seqs=4, batch_context=16, batch_tokens=32, serve_requests=8, serve_input=16,
+            batch_seqs=4, batch_context=16, batch_tokens=160, serve_requests=8, serve_input=16,
             serve_output=4, rates=[4.0, 8.0, 16.0], poisson_requests=6, poisson_input=16,
             poisson_output=4, devices="cpu,cpu", pd_kv_transfer="shm", pd_rates=[1.0, 2.0, 4.0],
             pd_requests=4, pd_input=24, pd_output=4)
