@@ -26,10 +26,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _time_ms(fn, iters: int) -> float:
-    """Median ms of `fn` over `iters` calls, each between two CUDA events."""
+def time_ms(fn, iters: int, meet: bool = False) -> float:
+    """Median ms of `fn` over `iters` calls, each between two CUDA events; `meet`: the ranks
+    meet (a barrier, the GPU idle) before each call."""
     times = []
     for _ in range(iters):
+        if meet:
+            dist.barrier()
+            torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -84,7 +88,7 @@ def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, ou
                 op(x)
             torch.cuda.synchronize()
             dist.barrier()
-            eager = _time_ms(lambda: op(x), iters)
+            eager = time_ms(lambda: op(x), iters)
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -93,7 +97,7 @@ def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, ou
                     op(x)
             torch.cuda.synchronize()
             dist.barrier()
-            graphed = _time_ms(graph.replay, max(1, iters // per_graph)) / per_graph
+            graphed = time_ms(graph.replay, max(1, iters // per_graph)) / per_graph
             # the old keys are NCCL's (earlier JSON files)
             prefix = {"nccl": "", "one-shot": "one_shot_", "torch-one-shot": "torch_one_shot_",
                       "torch-two-shot": "torch_two_shot_"}[impl]

@@ -20,26 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _median_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from bench.allreduce import time_ms
 
 
 def _rank(rank: int, port: int, mib: int, iters: int, out: str | None) -> None:
@@ -83,7 +70,7 @@ def _rank(rank: int, port: int, mib: int, iters: int, out: str | None) -> None:
     for name, fn in (("gemm", gemm), ("nccl", nccl), ("copy_engine", copy),
                      ("gemm_beside_nccl", beside(nccl)),
                      ("gemm_beside_copy_engine", beside(copy))):
-        row[f"{name}_ms"] = _median_ms(fn, iters)
+        row[f"{name}_ms"] = time_ms(fn, iters, meet=True)
     row["copy_engine_gb_per_s"] = mib * (1 << 20) / row["copy_engine_ms"] / 1e6
     row["nccl_algbw_gb_per_s"] = mib * (1 << 20) / row["nccl_ms"] / 1e6
     if rank == 0:
