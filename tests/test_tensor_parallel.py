@@ -67,12 +67,15 @@ def test_tiny_equals_hf(tiny_model_dir, tiny_ref, size, overlap):
         core.close()
 
 
-def test_large_steps_overlap_their_all_reduces_and_equal_hf(tiny_model_dir, tiny_ref):
+@pytest.mark.parametrize("threshold", [9, 1])
+def test_large_steps_overlap_their_all_reduces_and_equal_hf(tiny_model_dir, tiny_ref, threshold):
     """Steps of at least tp_overlap_tokens tokens run in two row halves whose all-reduces are
     started before the other half's work and waited for after it (gloo: on its own thread):
-    the tokens are still Hugging Face's, with steps of odd sizes cut unevenly."""
+    the tokens are still Hugging Face's, with steps of odd sizes cut unevenly. At 1, every step
+    of two tokens or more does (decode steps of a few sequences: halves of a row or two), and
+    one-token steps do not."""
     prompts, ref = tiny_ref
-    core = tp_core(tiny_model_dir, 2, max_num_batched_tokens=61, tp_overlap_tokens=9)
+    core = tp_core(tiny_model_dir, 2, max_num_batched_tokens=61, tp_overlap_tokens=threshold)
     model = core.runner.model.model
     sizes = []
     plain = model._forward_overlapped
@@ -83,10 +86,12 @@ def test_large_steps_overlap_their_all_reduces_and_equal_hf(tiny_model_dir, tiny
 
     model._forward_overlapped = overlapped
     try:
-        assert model.overlap_tokens == 9
+        assert model.overlap_tokens == threshold
         got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
         assert [got[f"r{i}"][0] for i in range(len(prompts))] == ref
-        assert sizes and min(sizes) >= 9 and any(n % 2 for n in sizes)
+        assert sizes and min(sizes) >= max(threshold, 2) and any(n % 2 for n in sizes)
+        if threshold == 1:
+            assert 2 in sizes
     finally:
         core.close()
 

@@ -357,14 +357,16 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
-        # steps of at least this many tokens take _forward_overlapped (0: none); set by the
-        # model runner for a tensor-parallel engine (EngineConfig.tp_overlap_tokens)
+        # steps of at least this many tokens (and two) take _forward_overlapped (0: none), unless
+        # a CUDA graph is being captured; set by the model runner for a tensor-parallel engine
+        # (EngineConfig.tp_overlap_tokens)
         self.overlap_tokens = 0
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
     ) -> torch.Tensor:
-        if self.overlap_tokens and input_ids.shape[0] >= self.overlap_tokens:
+        if (self.overlap_tokens and input_ids.shape[0] >= max(self.overlap_tokens, 2)
+                and not (input_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
             return self._forward_overlapped(input_ids, positions, attn)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
