@@ -121,6 +121,55 @@ def test_one_shot_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
         == ["OK 0 []", "OK 1 []"], out.stdout
 
 
+_ALONE = """
+import sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+from engine.tp.allreduce import OneShotAllReduce
+
+def rank(r, port):
+    torch.cuda.set_device(r)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=r,
+                            world_size=2, device_id=torch.device("cuda", r))
+    one = OneShotAllReduce(None, torch.device("cuda", r), torch.bfloat16, timeout_s=2.0)
+    x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    dist.barrier()
+    if r == 1:  # never arrives; stays alive past rank 0's timeout
+        time.sleep(20)
+        return
+    start = time.monotonic()
+    try:
+        one(x)
+        torch.cuda.synchronize()
+        print("NO ERROR", flush=True)
+    except RuntimeError as e:
+        print(f"TRAPPED after {{time.monotonic() - start:.1f}} s: {{str(e)[:80]}}", flush=True)
+    sys.stdout.flush()
+    import os; os._exit(0)
+
+if __name__ == "__main__":
+    mp.spawn(rank, args=(int(sys.argv[1]),), nprocs=2, join=False)
+    time.sleep(25)
+"""
+
+
+def test_one_shot_traps_when_another_rank_never_arrives(tmp_path):
+    """A rank whose partner never calls the all-reduce ends with a CUDA error after the
+    kernel's timeout (2 s here), not a kernel that spins forever."""
+    from engine.tp.group import free_port
+
+    script = tmp_path / "alone.py"
+    script.write_text(_ALONE.format())
+    root = Path(__file__).parent.parent
+    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True,
+                         text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+    line = next((x for x in out.stdout.splitlines() if x.startswith(("TRAPPED", "NO ERROR"))),
+                out.stdout[-2000:] + out.stderr[-2000:])
+    assert line.startswith("TRAPPED"), line
+    assert 1.5 <= float(line.split()[2]) <= 15, line
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["steps-whole", "steps-overlapped"])
 def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path, overlap):
     """random:llama-3.2-1b (32 heads, 8 KV heads, tied embeddings) in fp32; overlapped: the
