@@ -384,9 +384,10 @@ class LlamaModel(nn.Module):
         - the MLP of half 1 beside the sum of o(half 2);
         - the MLP of half 2 beside the sum of down(half 1);
         - the next layer's norm and qkv of half 1 beside the sum of down(half 2).
-        Attention runs on all the rows at once, as it must. Summed one after the other, a
-        prefill step of 8,192 tokens of an 8B model at TP 2 spends about a tenth of its time
-        in all-reduces the GPU does nothing else during (docs/benchmarks.md)."""
+        Attention runs on all the rows at once, as it must. Summed one after the other, the
+        all-reduces of an 8,192-token step of an 8B model at TP 2 take 16% of its GPU time;
+        overlapped, NCCL's kernels slow the GEMMs beside them by about as much as they stop
+        costing, so this gains 0.2-0.7% there (docs/benchmarks.md)."""
         t = input_ids.shape[0]
         halves = (slice(0, t // 2), slice(t // 2, t))
         residual = self.embed_tokens(input_ids)
