@@ -60,6 +60,20 @@ def test_fp32_tiny_tp2_equals_hf(tiny_model_dir, eager, all_reduce):
                   max_num_batched_tokens=40, all_reduce=all_reduce) == ref
 
 
+def run_ranks(script: Path, source: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run `source` (a template whose braces are doubled) as the file `script` with a free
+    port as its argument, from the repository root: spawned ranks import its functions from
+    the file."""
+    from engine.tp.group import free_port
+
+    script.write_text(source.format())
+    root = Path(__file__).parent.parent
+    return subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True,
+                          text=True, timeout=timeout, cwd=root,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+
+
 _SUMS = """
 import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 from engine.tp.allreduce import OneShotAllReduce
@@ -107,15 +121,7 @@ def test_one_shot_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
     engine's Triton kernel and torch's), eager and replayed from a CUDA graph twenty times
     over new values, is bit-equal to NCCL's and to the float32 sum rounded once, on both
     ranks."""
-    from engine.tp.group import free_port
-
-    script = tmp_path / "sums.py"  # a file: spawned ranks import its functions from it
-    script.write_text(_SUMS.format())
-    root = Path(__file__).parent.parent
-    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True,
-                         text=True, timeout=240, cwd=root,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                             filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+    out = run_ranks(tmp_path / "sums.py", _SUMS, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(line for line in out.stdout.splitlines() if line.startswith(("OK", "BAD"))) \
         == ["OK 0 []", "OK 1 []"], out.stdout
@@ -155,15 +161,7 @@ if __name__ == "__main__":
 def test_one_shot_traps_when_another_rank_never_arrives(tmp_path):
     """A rank whose partner never calls the all-reduce ends with a CUDA error after the
     kernel's timeout (2 s here), not a kernel that spins forever."""
-    from engine.tp.group import free_port
-
-    script = tmp_path / "alone.py"
-    script.write_text(_ALONE.format())
-    root = Path(__file__).parent.parent
-    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True,
-                         text=True, timeout=120, cwd=root,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                             filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+    out = run_ranks(tmp_path / "alone.py", _ALONE, timeout=120)
     line = next((x for x in out.stdout.splitlines() if x.startswith(("TRAPPED", "NO ERROR"))),
                 out.stdout[-2000:] + out.stderr[-2000:])
     assert line.startswith("TRAPPED"), line
