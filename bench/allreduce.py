@@ -26,6 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+IMPLS = ("nccl", "one-shot", "torch-one-shot", "torch-two-shot")
+
+
 def time_ms(fn, iters: int, meet: bool = False) -> float:
     """Median ms of `fn` over `iters` calls, each between two CUDA events; `meet`: the ranks
     meet (a barrier, the GPU idle) before each call."""
@@ -99,8 +102,7 @@ def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, ou
             dist.barrier()
             graphed = time_ms(graph.replay, max(1, iters // per_graph)) / per_graph
             # the old keys are NCCL's (earlier JSON files)
-            prefix = {"nccl": "", "one-shot": "one_shot_", "torch-one-shot": "torch_one_shot_",
-                      "torch-two-shot": "torch_two_shot_"}[impl]
+            prefix = "" if impl == "nccl" else impl.replace("-", "_") + "_"
             row |= {f"{prefix}eager_us": eager * 1e3, f"{prefix}graph_us": graphed * 1e3}
         if "graph_us" in row and "one_shot_graph_us" in row:
             row["one_shot_over_nccl_graph"] = row["one_shot_graph_us"] / row["graph_us"]
@@ -131,9 +133,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     impls = args.impls.split(",")
-    known = {"nccl", "one-shot", "torch-one-shot", "torch-two-shot"}
-    if not set(impls) <= known:
-        ap.error(f"--impls: {', '.join(sorted(known))} only, got {args.impls}")
+    if not set(impls) <= set(IMPLS):
+        ap.error(f"--impls: {', '.join(IMPLS)} only, got {args.impls}")
     from engine.tp.group import free_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (lent machines)
