@@ -1,8 +1,10 @@
 """All-reduce latency at the sizes a tensor-parallel step sums, side by side in one run: NCCL
 through torch.distributed, the engine's one-shot all-reduce over symmetric memory
 (engine/tp/allreduce.py: its Triton kernel, `one-shot`) and torch's (`torch-one-shot`,
-symm_mem.one_shot_all_reduce_copy), each launched one by one (eager) and replayed from a CUDA
-graph (how decode steps run), per size.
+symm_mem.one_shot_all_reduce_copy), torch's two-shot, and the engine's copy-engine exchange of
+two ranks' large messages (engine/tp/exchange.py, `copy-engine`: eager only, as the engine uses
+it), each launched one by one (eager) and replayed from a CUDA graph (how decode steps run),
+per size.
 
 A decode step of an 8B model at batch B all-reduces B x 4,096 bf16 values twice per layer:
 8 KiB at batch 1, 1 MiB at batch 128. The figure per size is the median time of one
@@ -11,6 +13,7 @@ the first barrier).
 
     python -m bench.allreduce --ranks 2 --sizes-kib 8,32,128,512,1024
         [--impls nccl,one-shot,torch-one-shot] [--json out.json]
+    python -m bench.allreduce --sizes-kib 2048,8192,32768,65536 --impls nccl,copy-engine
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-IMPLS = ("nccl", "one-shot", "torch-one-shot", "torch-two-shot")
+IMPLS = ("nccl", "one-shot", "torch-one-shot", "torch-two-shot", "copy-engine")
+EAGER_ONLY = ("copy-engine",)  # its call counts cannot be replayed from a graph
 
 
 def time_ms(fn, iters: int, meet: bool = False) -> float:
@@ -74,6 +78,12 @@ def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, ou
     from engine.tp.allreduce import OneShotAllReduce
 
     ops = {"nccl": dist.all_reduce}
+    if "copy-engine" in impls:
+        from engine.tp.exchange import PeerExchange
+
+        exchange = PeerExchange(None, torch.device("cuda", rank), torch.bfloat16,
+                                max(sizes_kib) * 1024)
+        ops["copy-engine"] = lambda x: exchange.start(x).wait()
     if "torch-two-shot" in impls:
         ops["torch-two-shot"] = _TwoShot(max(sizes_kib) * 1024)
     for impl, kernel in (("one-shot", "triton"), ("torch-one-shot", "torch")):
@@ -92,6 +102,10 @@ def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, ou
             torch.cuda.synchronize()
             dist.barrier()
             eager = time_ms(lambda: op(x), iters)
+            prefix = "" if impl == "nccl" else impl.replace("-", "_") + "_"
+            row[f"{prefix}eager_us"] = eager * 1e3
+            if impl in EAGER_ONLY:
+                continue
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -101,9 +115,7 @@ def _rank(rank: int, ranks: int, port: int, sizes_kib: list[int], iters: int, ou
             torch.cuda.synchronize()
             dist.barrier()
             graphed = time_ms(graph.replay, max(1, iters // per_graph)) / per_graph
-            # the old keys are NCCL's (earlier JSON files)
-            prefix = "" if impl == "nccl" else impl.replace("-", "_") + "_"
-            row |= {f"{prefix}eager_us": eager * 1e3, f"{prefix}graph_us": graphed * 1e3}
+            row[f"{prefix}graph_us"] = graphed * 1e3  # unprefixed: NCCL's (earlier JSON files)
         if "graph_us" in row and "one_shot_graph_us" in row:
             row["one_shot_over_nccl_graph"] = row["one_shot_graph_us"] / row["graph_us"]
         if "torch_one_shot_graph_us" in row and "one_shot_graph_us" in row:
@@ -129,7 +141,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=400)
     ap.add_argument("--impls", default="nccl,one-shot,torch-one-shot",
                     help="any of nccl, one-shot (the engine's), torch-one-shot, "
-                         "torch-two-shot")
+                         "torch-two-shot, copy-engine (two ranks)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     impls = args.impls.split(",")

@@ -117,6 +117,34 @@ def test_fused_add_rms_norm_matches_llama(dtype, hidden):
         assert_matches(x, norm(residual), RMS_ULPS)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 16384 + 40])
+def test_fused_add_rms_norm_adds_the_other_ranks_partial_as_an_all_reduce_would(dtype, hidden):
+    """With `peer` (engine/tp/exchange.py: the other rank's partial sum), the kernel gives
+    exactly what it gives for the sum x + peer computed first (rounded to the dtype, as the
+    all-reduce's add rounds), on both ranks: x and peer swapped give the same bits."""
+    torch.manual_seed(0)
+    norm = norm_module(hidden, dtype)
+    ours = torch.randn(3, hidden, device=DEVICE, dtype=dtype)
+    theirs = torch.randn(3, hidden, device=DEVICE, dtype=dtype)
+    residual = torch.randn(3, hidden, device=DEVICE, dtype=dtype) * 4
+    summed, summed_residual = ours + theirs, residual.clone()
+    fused.fused_add_rms_norm(summed, summed_residual, norm.weight, norm.eps)
+    results = []
+    for x, peer in ((ours.clone(), theirs), (theirs.clone(), ours)):  # rank 0, rank 1
+        res = residual.clone()
+        fused.fused_add_rms_norm(x, res, norm.weight, norm.eps, peer=peer)
+        results.append((x, res))
+    (x0, res0), (x1, res1) = results
+    assert torch.equal(x0, x1) and torch.equal(res0, res1)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter truncates the add's
+        assert_matches(res0, summed_residual, 2, atol=0.07)  # where torch rounds to nearest
+    else:
+        assert torch.equal(res0, summed_residual) and torch.equal(x0, summed)
+    with pytest.raises(ValueError, match="peer"):
+        fused.fused_add_rms_norm(ours, residual, norm.weight, norm.eps, peer=theirs[:2])
+
+
 def test_rms_norm_rejects_bad_input():
     x = torch.randn(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="weight"):

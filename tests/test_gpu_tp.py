@@ -127,6 +127,56 @@ def test_one_shot_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
         == ["OK 0 []", "OK 1 []"], out.stdout
 
 
+_EXCHANGE = """
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from engine.tp.exchange import PeerExchange, SLOTS
+
+def rank(r, port):
+    torch.cuda.set_device(r)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=r,
+                            world_size=2, device_id=torch.device("cuda", r))
+    ex = PeerExchange(None, torch.device("cuda", r), torch.bfloat16, 16 << 20)
+    bad = []
+    def parts(seed, n):
+        return [torch.randn(n, generator=torch.Generator().manual_seed(seed + i))
+                .to(torch.bfloat16) for i in range(2)]
+    for n in (1 << 19, 3 * (1 << 20) + 8, 8 << 20):  # 1 MiB, 6 MiB + 16 B, 16 MiB
+        for rnd in range(3):
+            # SLOTS + 2 calls under way before the first wait: the later copies wait (on the
+            # copy stream) for the other rank to consume the slot they reuse
+            ps = [parts(1000 * n + 10 * rnd + k, n) for k in range(SLOTS + 2)]
+            xs = [p[r].cuda() for p in ps]
+            nccl = [x.clone() for x in xs]
+            for t in nccl:
+                dist.all_reduce(t)
+            going = [ex.start(x) for x in xs]
+            mine, theirs = going[0].parts()
+            got = [theirs.clone()] + [g.wait() for g in going]
+            checks = [("theirs", got[0], ps[0][1 - r].cuda())]
+            for k, p in enumerate(ps):
+                want = (p[0].float() + p[1].float()).to(torch.bfloat16).cuda()
+                checks += [(f"sum {{k}}", got[k + 1], want), (f"nccl {{k}}", nccl[k], want)]
+            for name, t, w in checks:
+                if not torch.equal(t.view(torch.int16), w.view(torch.int16)):
+                    bad.append((name, n, rnd))
+    print("BAD" if bad else "OK", r, ex.calls, bad[:8], flush=True)
+
+if __name__ == "__main__":
+    mp.spawn(rank, args=(int(sys.argv[1]),), nprocs=2)
+"""
+
+
+def test_copy_engine_exchange_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
+    """Two ranks' bf16 messages of 1 to 16 MiB summed by the copy-engine exchange
+    (engine/tp/exchange.py), four calls under way at once over its two slots, nine rounds:
+    every sum is bit-equal to NCCL's and to the float32 sum rounded once, on both ranks, and
+    `parts()` gives the other rank's partial as it sent it."""
+    out = run_ranks(tmp_path / "exchange.py", _EXCHANGE, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith(("OK", "BAD"))) \
+        == ["OK 0 36 []", "OK 1 36 []"], out.stdout
+
+
 _ALONE = """
 import sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 from engine.tp.allreduce import OneShotAllReduce
@@ -168,19 +218,24 @@ def test_one_shot_traps_when_another_rank_never_arrives(tmp_path):
     assert 1.5 <= float(line.split()[2]) <= 15, line
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["steps-whole", "steps-overlapped"])
-def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path, overlap):
-    """random:llama-3.2-1b (32 heads, 8 KV heads, tied embeddings) in fp32; overlapped: the
-    prompt steps (512 tokens, eager) run in two row halves with their NCCL all-reduces
-    overlapping the other half's GEMMs."""
+@pytest.mark.parametrize("steps", [
+    {},
+    {"max_piecewise_tokens": 0},
+    {"max_piecewise_tokens": 0, "tp_overlap_tokens": 256},
+    {"max_piecewise_tokens": 0, "tp_overlap_tokens": 256, "all_reduce": "one-shot"},
+], ids=["graphs", "eager-exchange", "overlapped-exchange", "overlapped-nccl"])
+def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path, steps):
+    """random:llama-3.2-1b (32 heads, 8 KV heads, tied embeddings) in fp32, its prompt steps
+    (512 tokens) replayed from piecewise graphs, or eager with the copy-engine exchange
+    summing each 4-MiB message (an add kernel after it), or in two overlapped row halves
+    (2 MiB: the exchange's sum added inside the norm kernel; or NCCL on its own stream)."""
     from microserve.random_models import materialize
 
     model = str(materialize("random:llama-3.2-1b", tmp_path))
     prompts = random_prompts([7, 300, 1000], vocab=128256)
     one = tokens(model, prompts, max_num_batched_tokens=512)
-    split = {"tp_overlap_tokens": 256, "max_piecewise_tokens": 0} if overlap else {}
     assert tokens(model, prompts, tensor_parallel_size=2, max_num_batched_tokens=512,
-                  **split) == one
+                  **steps) == one
 
 
 async def _pd(p_url: str, d_url: str, prompts: list[list[int]]) -> list[list[int]]:

@@ -3,6 +3,9 @@
 #   tests     the gpu-marked TP tests (fp32 TP 2 tokens equal TP 1's and Hugging Face's)
 #   allreduce NCCL and one-shot all-reduce latency side by side, eager and in a CUDA graph,
 #             8 KiB to 1 MiB
+#   allreduce-large  NCCL and the copy-engine exchange, eager, 1 to 64 MiB (prompt steps)
+#   8b-prefill  8 x 4,096 prefill, alternating TP 1, TP 2 (--all-reduce auto: the copy-engine
+#             exchange), TP 2 --all-reduce one-shot (NCCL for prompt steps), twice each
 #   8b-ar     random:llama-3.1-8b bf16 at TP 2, --all-reduce nccl then one-shot: batch-1
 #             decode and 128-sequence decode
 #   8b-serial random:llama-3.1-8b bf16 at TP 2, 8 x 4,096 prefill with --tp-overlap-tokens 0
@@ -29,6 +32,22 @@ fi
 if [[ $parts == *,allreduce,* ]]; then
   timeout 120 python -m bench.allreduce --json "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
   echo "allreduce: $?"
+fi
+if [[ $parts == *,allreduce-large,* ]]; then
+  timeout 120 python -m bench.allreduce --sizes-kib 1024,4096,16384,32768,65536 --iters 60 \
+    --impls nccl,copy-engine --json "$OUT/allreduce-large.json" > "$OUT/allreduce-large.log" 2>&1
+  echo "allreduce-large: $?"; grep '^{' "$OUT/allreduce-large.log"
+fi
+if [[ $parts == *,8b-prefill,* ]]; then
+  for run in 1 2; do
+    for cfg in "1 auto" "2 auto" "2 one-shot"; do
+      set -- $cfg
+      timeout 240 python -m bench.engine_gpu --only prefill --tensor-parallel-size $1 \
+        --all-reduce $2 --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+      echo "prefill run $run tp$1 $2: $? $(grep -o '"tokens_per_s": [0-9.]*' "$OUT/prefill.json" | tr '\n' ' ')"
+      cat "$OUT/prefill.log" >> "$OUT/prefill-all.log"
+    done
+  done
 fi
 if [[ $parts == *,8b,* ]]; then
   for tp in 1 2; do

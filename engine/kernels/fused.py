@@ -68,7 +68,10 @@ def _rms_norm_kernel(
     scale_ptr,
     row_scale_ptr,
     col_scale_ptr,
+    peer_ptr,
+    peer_row_stride,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_PEER: tl.constexpr,
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
@@ -83,7 +86,9 @@ def _rms_norm_kernel(
     its scale (engine/kernels/quant.py's arithmetic) instead of to out. SCALED (one chunk, with
     a residual): x is an fp8 GEMM's fp32 output without its scales (engine/models/fp8.py
     `Fp8Output`); x * row_scale[row] * col_scale[col], rounded to the residual's dtype, is the
-    projection's output."""
+    projection's output. HAS_PEER (with a residual, not SCALED): x is this rank's partial sum
+    of a tensor-parallel projection and peer's row the other rank's (engine/tp/exchange.py);
+    their sum, rounded to the dtype as an all-reduce's, is the projection's output."""
     if PDL:  # wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -91,6 +96,7 @@ def _rms_norm_kernel(
     x_row = x_ptr + row * x_row_stride
     res_row = residual_ptr + row * residual_row_stride
     out_row = out_ptr + row * out_row_stride
+    peer_row = peer_ptr + row * peer_row_stride
     # llama.py casts the normalized row back to the input dtype, the residual's (x's unless
     # SCALED; x is the residual itself without one)
     dtype = residual_ptr.dtype.element_ty
@@ -102,6 +108,9 @@ def _rms_norm_kernel(
         if SCALED:  # the rowwise GEMM's epilogue: both scales, then the model's dtype
             col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
             h = (h * tl.load(row_scale_ptr + row) * col_scale).to(dtype).to(tl.float32)
+        if HAS_PEER:
+            h = (h + tl.load(peer_row + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            h = h.to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
             h_rounded = (h + r).to(dtype)  # the add rounds to the model dtype, as in eager torch
@@ -127,6 +136,9 @@ def _rms_norm_kernel(
             c = chunk * BLOCK + cols
             mask = c < hidden
             h = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_PEER:
+                h = (h + tl.load(peer_row + c, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+                h = h.to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(res_row + c, mask=mask, other=0.0).to(tl.float32)
                 h_rounded = (h + r).to(dtype)
@@ -148,7 +160,7 @@ def _rms_norm_kernel(
             tl.store(out_row + c, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, quant=None, scales=None) -> None:
+def _launch_rms_norm(x, residual, weight, eps, out, quant=None, scales=None, peer=None) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(
             f"x must be [T, hidden] and weight [hidden]; got x {tuple(x.shape)}, "
@@ -157,6 +169,11 @@ def _launch_rms_norm(x, residual, weight, eps, out, quant=None, scales=None) -> 
     if out.shape != x.shape:
         raise ValueError(f"out shape {tuple(out.shape)} != x shape {tuple(x.shape)}")
     _check_last_dim_contiguous(x=x, out=out, weight=weight, residual=residual)
+    if peer is not None:
+        if peer.shape != x.shape or peer.dtype != x.dtype or residual is x or scales is not None:
+            raise ValueError(f"peer {tuple(peer.shape)} {peer.dtype} must match x "
+                             f"{tuple(x.shape)} {x.dtype}, with a residual and no scales")
+        _check_last_dim_contiguous(peer=peer)
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
@@ -176,7 +193,9 @@ def _launch_rms_norm(x, residual, weight, eps, out, quant=None, scales=None) -> 
         weight, hidden, eps,
         x8, x8.stride(0), scale,
         row_scale, col_scale,
+        x if peer is None else peer, (x if peer is None else peer).stride(0),
         HAS_RESIDUAL=residual is not x,
+        HAS_PEER=peer is not None,
         SCALED=scales is not None,
         BLOCK=block,
         NUM_CHUNKS=triton.cdiv(hidden, block),
@@ -207,9 +226,12 @@ def rms_norm(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    peer: torch.Tensor | None = None,
 ) -> None:
-    """In place, vLLM's semantics: `residual += x; x = rms_norm(residual) * weight`.
+    """In place, vLLM's semantics: `residual += x; x = rms_norm(residual) * weight`. With
+    `peer` (a tensor-parallel rank's partial in x, the other rank's in peer): x + peer,
+    rounded to the dtype, is added instead of x.
 
     Args:
         x: [T, hidden]; on return holds the normalized sum.
@@ -223,7 +245,7 @@ def fused_add_rms_norm(
         )
     if residual.data_ptr() == x.data_ptr():
         raise ValueError("x and residual must be different tensors")
-    _launch_rms_norm(x, residual, weight, eps, x)
+    _launch_rms_norm(x, residual, weight, eps, x, peer=peer)
 
 
 def rms_norm_fp8(

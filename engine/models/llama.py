@@ -318,6 +318,23 @@ def _add_norm(norm: RMSNorm, x, residual: torch.Tensor):
     return normed
 
 
+def _add_norm_sum(norm: RMSNorm, summing, residual: torch.Tensor):
+    """_add_norm of a sum under way (TensorParallel.all_reduce_async). Where the other rank's
+    partial arrived by copy engine (engine/tp/exchange.py), the Triton norm kernel adds it
+    itself instead of an add kernel before it."""
+    x, theirs = summing.parts()
+    if theirs is not None and norm.use_triton and not norm.quant_fp8:
+        from engine.kernels.fused import fused_add_rms_norm
+
+        fused_add_rms_norm(x, residual, norm.weight, norm.eps, peer=theirs)
+    else:
+        if theirs is not None:
+            x.add_(theirs)
+        x = _add_norm(norm, x, residual)
+    summing.release()
+    return x
+
+
 def _lora_shrink(proj: nn.Module):
     """What a batch-1 GEMV needs to compute `proj`'s adapter shrink too (LoraLinear's
     `one_row_shrink`), or None."""
@@ -400,17 +417,17 @@ class LlamaModel(nn.Module):
                 if pending is None:
                     x = layer.input_layernorm(residual[rows])
                 else:
-                    x = _add_norm(layer.input_layernorm, pending[i].wait(), residual[rows])
+                    x = _add_norm_sum(layer.input_layernorm, pending[i], residual[rows])
                 _project_into(sa.qkv_proj, x, qkv[rows])
             out = sa.attend(qkv, positions, self.rotary_emb, attn)
             summing = [sa.tp.all_reduce_async(sa.o_proj(out[rows])) for rows in halves]
             pending = []
             for i, rows in enumerate(halves):
-                x = _add_norm(layer.post_attention_layernorm, summing[i].wait(), residual[rows])
+                x = _add_norm_sum(layer.post_attention_layernorm, summing[i], residual[rows])
                 pending.append(mlp.tp.all_reduce_async(mlp.partial(x)))
         hidden = torch.empty_like(residual)
         for i, rows in enumerate(halves):
-            hidden[rows] = _add_norm(self.norm, pending[i].wait(), residual[rows])
+            hidden[rows] = _add_norm_sum(self.norm, pending[i], residual[rows])
         return hidden
 
 

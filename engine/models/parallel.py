@@ -38,21 +38,24 @@ COLUMN_PARTS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate"
                 "up_proj": "up"}
 
 
-class SmallAllReduce:
-    """The all-reduce a rank uses for the messages it fits (engine/tp/allreduce.py's one-shot
-    over symmetric memory), installed once the group is joined: a holder, so the modules
-    built before the join (each keeps the TensorParallel it was built with) see it. `op`: an
-    OneShotAllReduce (`fits`, called with the message), or None for NCCL alone."""
+class CustomAllReduce:
+    """The all-reduces a rank uses instead of NCCL for the messages they fit, installed once the
+    group is joined: a holder, so the modules built before the join (each keeps the
+    TensorParallel it was built with) see them. `small`: engine/tp/allreduce.py's one-shot
+    over symmetric memory (decode steps' messages); `large`: engine/tp/exchange.py's
+    copy-engine exchange (two ranks, eager prompt steps' messages); each `fits(x)` or None."""
 
     def __init__(self):
-        self.op = None
+        self.small = None
+        self.large = None
 
-    def install(self, op) -> None:
-        self.op = op
+    def install(self, small, large=None) -> None:
+        self.small, self.large = small, large
 
 
 class Summing:
-    """An all-reduce under way (TensorParallel.all_reduce_async)."""
+    """An all-reduce under way (TensorParallel.all_reduce_async); engine/tp/exchange.py's
+    `Exchanging` has the same calls."""
 
     def __init__(self, x: torch.Tensor, work):
         self.x, self.work = x, work
@@ -62,6 +65,13 @@ class Summing:
             self.work.wait()  # NCCL: the current stream waits; the host goes on
             self.work = None
         return self.x
+
+    def parts(self) -> tuple[torch.Tensor, None]:
+        """(the sum, None): no other rank's partial is left to add."""
+        return self.wait(), None
+
+    def release(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -73,26 +83,34 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: Any = None
-    small: SmallAllReduce = field(default_factory=SmallAllReduce, compare=False, repr=False)
+    custom: CustomAllReduce = field(default_factory=CustomAllReduce, compare=False, repr=False)
 
     # ---- collectives ------------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks (a row-parallel projection's partial products): the sum is
-        returned, in x itself (NCCL) or in a new tensor (the one-shot all-reduce)."""
+        returned, in x itself (NCCL, the exchange) or in a new tensor (the one-shot)."""
         if self.size > 1:
-            op = self.small.op
-            if op is not None and op.fits(x):
-                return op(x)
+            small, large = self.custom.small, self.custom.large
+            if small is not None and small.fits(x):
+                return small(x)
+            if large is not None and large.fits(x):
+                return large.start(x).wait()
             dist.all_reduce(x, group=self.group)
         return x
 
-    def all_reduce_async(self, x: torch.Tensor) -> Summing:
-        """Start summing x over the ranks (NCCL on its own stream; a message the small
-        all-reduce fits is summed at once); `.wait()` on the result makes the current stream
-        wait for the sum and returns it."""
-        if self.size > 1 and (self.small.op is None or not self.small.op.fits(x)):
-            return Summing(x, dist.all_reduce(x, group=self.group, async_op=True))
+    def all_reduce_async(self, x: torch.Tensor):
+        """Start summing x over the ranks: NCCL on its own stream, or the exchange on the copy
+        engines (a message the one-shot fits is summed at once). `.wait()` on the result makes
+        the current stream wait for the sum and returns it; `.parts()` returns (x, the other
+        rank's partial) for a kernel to add, or (the sum, None), and `.release()` follows the
+        kernel that read them."""
+        if self.size > 1:
+            small, large = self.custom.small, self.custom.large
+            if large is not None and large.fits(x):
+                return large.start(x)
+            if small is None or not small.fits(x):
+                return Summing(x, dist.all_reduce(x, group=self.group, async_op=True))
         return Summing(self.all_reduce(x), None)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

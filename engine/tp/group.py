@@ -13,7 +13,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.model_runner import rank_device
 from engine.models.parallel import TensorParallel
-from engine.tp import allreduce
+from engine.tp import allreduce, exchange
 
 
 def free_port() -> int:
@@ -24,14 +24,15 @@ def free_port() -> int:
 
 
 def join(config: EngineConfig, rank: int, init_method: str, tp: TensorParallel,
-         dtype: torch.dtype) -> None:
+         dtype: torch.dtype, hidden_size: int) -> None:
     """Join the group of config.tensor_parallel_size ranks as `rank`: NCCL when the engine is
     on CUDA (each rank's GPU made current first), gloo on the CPU. Every collective of the
     group, this one included, fails after config.tensor_parallel_timeout_s instead of
     hanging on a rank that stopped. One all-reduce follows, so the communicator exists
-    before any CUDA graph is captured (a capture cannot create it); then the all-reduce of
-    small messages (config.all_reduce, engine/tp/allreduce.py) is set up into `tp`, whose
-    messages are `dtype`."""
+    before any CUDA graph is captured (a capture cannot create it); then the all-reduces of
+    config.all_reduce are set up into `tp`: the one-shot for small messages
+    (engine/tp/allreduce.py) and, where steps run eagerly, the copy-engine exchange for large
+    ones (engine/tp/exchange.py). Messages are `dtype`, `hidden_size` values a token."""
     size = config.tensor_parallel_size
     device = rank_device(config.device, rank)
     cuda = device.type == "cuda"
@@ -45,8 +46,12 @@ def join(config: EngineConfig, rank: int, init_method: str, tp: TensorParallel,
         **({"device_id": device} if cuda else {}),
     )  # fmt: skip
     dist.all_reduce(torch.ones(1, device=device))
-    tp.small.install(allreduce.set_up(config.all_reduce, tp.group, device, dtype,
-                                      config.tensor_parallel_timeout_s))
+    small = allreduce.set_up(config.all_reduce, tp.group, device, dtype,
+                             config.tensor_parallel_timeout_s)
+    eager = config.enforce_eager or config.max_num_batched_tokens > config.max_piecewise_tokens
+    large_bytes = config.max_num_batched_tokens * hidden_size * dtype.itemsize if eager else 0
+    tp.custom.install(small, exchange.set_up(config.all_reduce, tp.group, device, dtype,
+                                             large_bytes))
 
 
 def die_with_parent() -> None:

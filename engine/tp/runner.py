@@ -70,7 +70,7 @@ class TensorParallelRunner:
             self.local = ModelRunner(config, dtype, self.tp)
             for rank in range(1, size):
                 self._wait_ready(rank)
-            join(config, 0, init_method, self.tp, dtype)
+            join(config, 0, init_method, self.tp, dtype, self.local.config.hidden_size)
         except BaseException:
             self.close()
             raise

@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(1)
     conn.send(("ready", None))
-    join(engine_config, rank, init_method, runner.tp, runner.dtype)
+    join(engine_config, rank, init_method, runner.tp, runner.dtype,
+         runner.config.hidden_size)
     calls = WorkerCalls(runner, conn)
     with torch.inference_mode():
         while True:
