@@ -142,16 +142,29 @@ def rank(r, port):
                 .to(torch.bfloat16) for i in range(2)]
     for n in (1 << 19, 3 * (1 << 20) + 8, 8 << 20):  # 1 MiB, 6 MiB + 16 B, 16 MiB
         for rnd in range(3):
-            # SLOTS + 2 calls under way before the first wait: the later copies wait (on the
-            # copy stream) for the other rank to consume the slot they reuse
+            # calls under way as the engine's overlapped halves make them: SLOTS started,
+            # then each wait followed by the next start (which reuses the slot just read)
             ps = [parts(1000 * n + 10 * rnd + k, n) for k in range(SLOTS + 2)]
             xs = [p[r].cuda() for p in ps]
             nccl = [x.clone() for x in xs]
             for t in nccl:
                 dist.all_reduce(t)
-            going = [ex.start(x) for x in xs]
+            going = [ex.start(x) for x in xs[:SLOTS]]
             mine, theirs = going[0].parts()
-            got = [theirs.clone()] + [g.wait() for g in going]
+            got = [theirs.clone()]
+            for k in range(SLOTS + 2):
+                got.append(going[k].wait())
+                if k + SLOTS < len(xs):
+                    going.append(ex.start(xs[k + SLOTS]))
+            if rnd == 0:  # one more than SLOTS under way is refused, on the host
+                going = [ex.start(x.clone()) for x in xs[:SLOTS]]
+                try:
+                    ex.start(xs[0])
+                    bad.append(("not refused", n))
+                except RuntimeError:
+                    pass
+                for g in going:
+                    g.wait()
             checks = [("theirs", got[0], ps[0][1 - r].cuda())]
             for k, p in enumerate(ps):
                 want = (p[0].float() + p[1].float()).to(torch.bfloat16).cuda()
@@ -168,13 +181,13 @@ if __name__ == "__main__":
 
 def test_copy_engine_exchange_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
     """Two ranks' bf16 messages of 1 to 16 MiB summed by the copy-engine exchange
-    (engine/tp/exchange.py), four calls under way at once over its two slots, nine rounds:
+    (engine/tp/exchange.py), two calls under way at once over its two slots, nine rounds:
     every sum is bit-equal to NCCL's and to the float32 sum rounded once, on both ranks, and
     `parts()` gives the other rank's partial as it sent it."""
     out = run_ranks(tmp_path / "exchange.py", _EXCHANGE, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(line for line in out.stdout.splitlines() if line.startswith(("OK", "BAD"))) \
-        == ["OK 0 36 []", "OK 1 36 []"], out.stdout
+        == ["OK 0 42 []", "OK 1 42 []"], out.stdout
 
 
 _ALONE = """

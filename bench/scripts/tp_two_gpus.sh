@@ -6,6 +6,7 @@
 #   allreduce-large  NCCL and the copy-engine exchange, eager, 1 to 64 MiB (prompt steps)
 #   8b-prefill  8 x 4,096 prefill, alternating TP 1, TP 2 (--all-reduce auto: the copy-engine
 #             exchange), TP 2 --all-reduce one-shot (NCCL for prompt steps), twice each
+#             (PREFILL_CONFIGS="TP ALL_REDUCE OVERLAP_TOKENS,...": other configurations)
 #   8b-ar     random:llama-3.1-8b bf16 at TP 2, --all-reduce nccl then one-shot: batch-1
 #             decode and 128-sequence decode
 #   8b-serial random:llama-3.1-8b bf16 at TP 2, 8 x 4,096 prefill with --tp-overlap-tokens 0
@@ -39,12 +40,15 @@ if [[ $parts == *,allreduce-large,* ]]; then
   echo "allreduce-large: $?"; grep '^{' "$OUT/allreduce-large.log"
 fi
 if [[ $parts == *,8b-prefill,* ]]; then
+  # each of PREFILL_CONFIGS: tensor-parallel size, --all-reduce, --tp-overlap-tokens
+  IFS=, read -ra configs <<< "${PREFILL_CONFIGS:-1 auto 4096,2 auto 4096,2 one-shot 4096}"
   for run in 1 2; do
-    for cfg in "1 auto" "2 auto" "2 one-shot"; do
+    for cfg in "${configs[@]}"; do
       set -- $cfg
       timeout 240 python -m bench.engine_gpu --only prefill --tensor-parallel-size $1 \
-        --all-reduce $2 --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
-      echo "prefill run $run tp$1 $2: $? $(grep -o '"tokens_per_s": [0-9.]*' "$OUT/prefill.json" | tr '\n' ' ')"
+        --all-reduce $2 --tp-overlap-tokens $3 --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+      echo "prefill run $run tp$1 $2 overlap $3: $? $(python -c "import json
+print(round(json.load(open('$OUT/prefill.json'))['prefill']['tokens_per_s']))" 2>&1)"
       cat "$OUT/prefill.log" >> "$OUT/prefill-all.log"
     done
   done

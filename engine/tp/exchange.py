@@ -17,12 +17,20 @@ NVSHMEM's signal-on-stream): no SM spins and no host waits. Each rank has a symm
 arrays, `ready` and `consumed`, each written only by the other rank. Call c (both ranks count
 the same calls: they run the same plan) uses slot s = c % SLOTS:
 
-    copy stream:  wait for the partial (an event) and for consumed[s] >= c - SLOTS + 1 (the
-                  other rank has read what call c - SLOTS left there); copy the partial into
-                  the other rank's slot s; write c + 1 into the other rank's ready[s]
-    main stream:  wait for this rank's own copy (the kernel after may overwrite the partial)
-                  and for ready[s] >= c + 1; the add (or the norm) reads slot s; write c + 1
-                  into the other rank's consumed[s]
+    main stream:  wait for consumed[s] >= c - SLOTS + 1 (the other rank has read what call
+                  c - SLOTS left in its slot s)
+    copy stream:  after the main stream's work so far (the partial), copy the partial into the
+                  other rank's slot s; write c + 1 into the other rank's ready[s]
+    main stream, at wait(): wait for this rank's own copy (the kernel after may overwrite the
+                  partial) and for ready[s] >= c + 1; the add (or the norm) reads slot s;
+                  write c + 1 into the other rank's consumed[s]
+
+At most SLOTS calls may be under way (started, not yet released) on a rank, and they are
+released in the order they started (start raises otherwise): a rank starting call c + SLOTS
+before releasing call c would wait for the other rank to release its call c, which waits
+behind the same start there. The copy stream itself never waits on a flag: a stream wait
+queued behind an event another stream waits on stalled both ranks on two H200s (the CUDA
+scheduler does not see these dependencies, as the driver's documentation warns).
 
 A stream wait has no timeout: a rank that stopped leaves the other's GPU waiting, and the
 step's NCCL gather of the logits, queued behind it, fails after --tensor-parallel-timeout-s
@@ -110,6 +118,7 @@ class PeerExchange:
         self._their_consumed = self._their_ready + SLOTS * 8
         self.stream = torch.cuda.Stream(device)
         self.calls = 0
+        self.under_way: list[int] = []  # calls started and not yet released, in order
         dist.barrier(group)  # neither rank writes a flag before both are zero
 
     def fits(self, x) -> bool:
@@ -123,12 +132,16 @@ class PeerExchange:
     def start(self, x: torch.Tensor) -> Exchanging:
         """Send x (this rank's partial) to the other rank; `.wait()` or `.parts()` on the
         result, on the stream that computed x, takes the other rank's."""
+        if len(self.under_way) >= SLOTS:
+            raise RuntimeError(f"the copy-engine exchange takes {SLOTS} calls under way at "
+                               f"most; calls {self.under_way} are not released")
         c, s = self.calls, self.calls % SLOTS
         self.calls += 1
+        self.under_way.append(c)
         main, side = torch.cuda.current_stream(), self.stream
-        side.wait_stream(main)
         if c >= SLOTS:  # the other rank has read what call c - SLOTS left in its slot s
-            self.driver.wait(side, self._consumed + 8 * s, c - SLOTS + 1)
+            self.driver.wait(main, self._consumed + 8 * s, c - SLOTS + 1)
+        side.wait_stream(main)
         with torch.cuda.stream(side):
             self.send[s, : x.numel()].copy_(x.view(-1), non_blocking=True)
         self.driver.write(side, self._their_ready + 8 * s, c + 1)
@@ -163,6 +176,10 @@ class Exchanging:
         done what it queued so far."""
         if not self._released:
             ex = self.exchange
+            if ex.under_way[0] != self.call:
+                raise RuntimeError(f"copy-engine exchange call {self.call} released before "
+                                   f"call {ex.under_way[0]}")
+            ex.under_way.pop(0)
             ex.driver.write(torch.cuda.current_stream(),
                             ex._their_consumed + 8 * (self.call % SLOTS), self.call + 1)
             self._released = True
