@@ -136,9 +136,10 @@ class EngineConfig:
     # than tensor_parallel_timeout_s on a rank fails instead of hanging.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
-    # How the ranks sum a layer's partial products (engine/tp/allreduce.py): "nccl", or
-    # "one-shot" over symmetric memory for messages up to 512 KiB (NCCL above), or "auto":
-    # one-shot where it can be set up.
+    # How the ranks sum a layer's partial products: "nccl"; "one-shot" over symmetric memory
+    # for messages up to 512 KiB (engine/tp/allreduce.py), NCCL above; or "auto": one-shot
+    # where it can be set up and, with two ranks, the copy-engine exchange for eager steps'
+    # messages of 1 MiB and more (engine/tp/exchange.py), NCCL for the rest.
     all_reduce: str = "auto"
     # A tensor-parallel step of at least this many tokens (a large prompt step: they run
     # eagerly, above max_piecewise_tokens) is computed in two row halves, each half's

@@ -402,9 +402,11 @@ class LlamaModel(nn.Module):
         - the MLP of half 2 beside the sum of down(half 1);
         - the next layer's norm and qkv of half 1 beside the sum of down(half 2).
         Attention runs on all the rows at once, as it must. Summed one after the other, the
-        all-reduces of an 8,192-token step of an 8B model at TP 2 take 16% of its GPU time;
-        overlapped, NCCL's kernels slow the GEMMs beside them by about as much as they stop
-        costing, so this gains 0.2-0.7% there (docs/benchmarks.md)."""
+        all-reduces of an 8,192-token step of an 8B model at TP 2 take 16% of its GPU time.
+        Overlapped, NCCL's kernels slow the GEMMs beside them by about as much as they stop
+        costing (0.2-0.7% gained); the copy-engine exchange (engine/tp/exchange.py) needs no
+        SM, and with it the halves run 5-6% faster than the same sums after each GEMM
+        (docs/benchmarks.md). Its other rank's partial is added inside the norm kernel."""
         t = input_ids.shape[0]
         halves = (slice(0, t // 2), slice(t // 2, t))
         residual = self.embed_tokens(input_ids)

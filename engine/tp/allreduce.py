@@ -23,7 +23,8 @@ Which is used when (`--all-reduce`, EngineConfig.all_reduce):
   decode batches, prefill chunks) NCCL;
   the engine fails to start if symmetric memory cannot be set up;
 - `auto` (default): `one-shot` where it can be set up (CUDA, torch built with symmetric
-  memory), else `nccl` with a warning saying why.
+  memory), else `nccl` with a warning saying why; and with exactly two ranks, the large
+  messages of eager prompt steps by copy engine (engine/tp/exchange.py).
 
 The limit and the choice come from `bench.allreduce`, which times them side by side inside
 CUDA graphs (docs/benchmarks.md, "Tensor parallelism": the figures and the machine).
