@@ -280,7 +280,7 @@ async def _pd(p_url: str, d_url: str, prompts: list[list[int]]) -> list[list[int
 
 
 @pytest.mark.parametrize("p_size", [2, 1], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_cuda_ipc_pd_between_tp2_and_tp1(tiny_model_dir, tmp_path, p_size):
+def test_cuda_ipc_pd_between_tp2_and_tp1(tiny_served_dir, tmp_path, p_size):
     """P/D over cuda_ipc between engine daemons at TP 2 (cuda:0-1) and TP 1 (cuda:2), both
     ways, in fp32: D's tokens equal Hugging Face's. (That the KV arrives byte-equal, head by
     head, is tests/test_tp_transfer.py's on CPUs, and the head-range copy kernel's on GPUs is
@@ -296,16 +296,16 @@ def test_cuda_ipc_pd_between_tp2_and_tp1(tiny_model_dir, tmp_path, p_size):
         pytest.skip("needs three GPUs")
     common = ("--dtype", "float32", "--num-pages", "256", "--api-key", ENGINE_KEY,
               "--kv-transfer", "cuda_ipc")
-    tp = Daemon(tiny_model_dir, tmp_path / "tp.log", "tp", *common, "--device", "cuda:0",
+    tp = Daemon(tiny_served_dir, tmp_path / "tp.log", "tp", *common, "--device", "cuda:0",
                 "--tensor-parallel-size", "2")
-    one = Daemon(tiny_model_dir, tmp_path / "one.log", "one", *common, "--device", "cuda:2")
+    one = Daemon(tiny_served_dir, tmp_path / "one.log", "one", *common, "--device", "cuda:2")
     try:
         tp.wait_ready()
         one.wait_ready()
         prompts = random_prompts([45, 23, 70], seed=11)
         p, d = (tp, one) if p_size == 2 else (one, tp)
         got = asyncio.run(_pd(p.url, d.url, prompts))
-        assert got == hf_greedy(tiny_model_dir, prompts, N_NEW)
+        assert got == hf_greedy(tiny_served_dir, prompts, N_NEW)
     finally:
         tp.stop()
         one.stop()
