@@ -288,9 +288,8 @@ class EngineConfig:
         if not 0 < self.tensor_parallel_timeout_s <= MAX_LEASE_S:
             raise ValueError(f"tensor_parallel_timeout_s must be in (0, {MAX_LEASE_S:.0f}], got "
                              f"{self.tensor_parallel_timeout_s}")
-        unsupported = {f"--kv-transfer {self.kv_transfer} (tcp and nvshmem cannot reach every "
-                       "rank's pool; shm and cuda_ipc can)": self.kv_transfer in ("tcp",
-                                                                                 "nvshmem")}
+        unsupported = {"--kv-transfer nvshmem (it cannot reach every rank's pool; shm, "
+                       "cuda_ipc and tcp can)": self.kv_transfer == "nvshmem"}
         for what, asked in unsupported.items():
             if asked:
                 raise ValueError(f"{what} and tensor_parallel_size {size} do not work together "

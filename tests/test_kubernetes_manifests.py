@@ -58,6 +58,39 @@ def render(directory: Path) -> list[dict]:
     return docs
 
 
+def render_overlay(directory: Path) -> list[dict]:
+    """What `kubectl apply -k directory` applies for an overlay of one base directory whose
+    patches are JSON 6902 `add` and `replace` operations on targets chosen by kind and one
+    label (deploy/kubernetes-tp2); any other key or operation fails the test."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - {"apiVersion", "kind", "resources", "patches"}
+    assert not unknown, f"kustomization keys this test does not render: {unknown}"
+    [base] = kustomization["resources"]
+    docs = render((directory / base).resolve())
+    for patch in kustomization["patches"]:
+        target = patch["target"]
+        assert set(target) <= {"kind", "labelSelector"}, target
+        label, _, value = target.get("labelSelector", "=").partition("=")
+        for doc in docs:
+            if doc["kind"] != target["kind"] or (
+                    label and doc["metadata"].get("labels", {}).get(label) != value):
+                continue
+            for op in yaml.safe_load(patch["patch"]):
+                *parents, last = [p.replace("~1", "/").replace("~0", "~")
+                                  for p in op["path"].split("/")[1:]]
+                node = doc
+                for key in parents:
+                    node = node[int(key)] if isinstance(node, list) else node[key]
+                if op["op"] == "add" and last == "-":
+                    node.append(op["value"])
+                elif op["op"] == "replace":
+                    assert last in node, op["path"]
+                    node[last] = op["value"]
+                else:
+                    raise AssertionError(f"operation this test does not apply: {op}")
+    return docs
+
+
 def _containers(doc: dict) -> list[dict]:
     spec = doc.get("spec", {}).get("template", {}).get("spec", {})
     return spec.get("containers", []) + spec.get("initContainers", [])
@@ -189,3 +222,34 @@ def test_the_router_follows_each_role_and_hot_swaps_the_configmap_strategy(docs)
             await host.close()
 
     assert asyncio.run(load()).name == "Serving"
+
+
+OVERLAY_TP2 = Path(__file__).parent.parent / "deploy" / "kubernetes-tp2"
+
+
+def test_the_tensor_parallel_overlay_gives_each_engine_two_gpus_and_two_ranks(docs):
+    """deploy/kubernetes-tp2: the base's resources, each engine's command with
+    --tensor-parallel-size=2 and its container asking for two GPUs; nothing else differs, the
+    result passes the schemas, and kubectl (where installed) renders the same."""
+    tp2 = render_overlay(OVERLAY_TP2)
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(map(key, tp2)) == sorted(map(key, docs))
+    base = {key(d): d for d in docs}
+    for doc in tp2:
+        for version in VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+        if doc["kind"] != "Deployment" or doc["metadata"]["name"] == "microserve-router":
+            assert doc == base[key(doc)]
+            continue
+        [engine] = doc["spec"]["template"]["spec"]["containers"]
+        args = parser().parse_args(_command(engine)[1:])
+        assert (args.command, args.tensor_parallel_size, args.kv_transfer) == ("engine", 2, "tcp")
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 2
+        [was] = base[key(doc)]["spec"]["template"]["spec"]["containers"]
+        assert engine["args"] == was["args"] + ["--tensor-parallel-size=2"]
+        assert {**engine, "args": was["args"], "resources": was["resources"]} == was
+    if shutil.which("kubectl") is not None:
+        out = subprocess.run(["kubectl", "kustomize", str(OVERLAY_TP2)], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+        theirs = [d for d in yaml.safe_load_all(out) if d is not None]
+        assert sorted(theirs, key=key) == sorted(tp2, key=key)

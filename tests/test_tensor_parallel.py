@@ -226,7 +226,6 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_model_dir, size, pr
 
 
 @pytest.mark.parametrize("kw,what", [
-    ({"kv_transfer": "tcp"}, "--kv-transfer tcp"),
     ({"kv_transfer": "nvshmem", "nvshmem_group": "0/2@/tmp", "device": "cuda"},
      "--kv-transfer nvshmem"),
     ({"tensor_parallel_size": 0}, None),
@@ -237,7 +236,10 @@ def test_what_tensor_parallel_engines_cannot_do_yet_is_refused(tiny_model_dir, k
                                           "together yet" if what else
                                           "tensor_parallel_size must be in \\[1, 64\\], got 0")):
         EngineConfig(model=tiny_model_dir, **kw)
-    # auto: as for one rank, shm on CPUs with a key, none without
+    # tcp works (tests/test_tp_transfer.py); auto: as for one rank, shm on CPUs with a key,
+    # none without
+    assert EngineConfig(model=tiny_model_dir, tensor_parallel_size=2,
+                        kv_transfer="tcp").resolved_kv_transfer() == "tcp"
     config = EngineConfig(model=tiny_model_dir, tensor_parallel_size=2)
     assert config.resolved_kv_transfer() == "shm"
     assert config.resolved_kv_transfer(has_key=False) == "none"

@@ -1,4 +1,4 @@
-"""KV transfer between engines of different tensor-parallel sizes, on the CPU (gloo, shm).
+"""KV transfer between engines of different tensor-parallel sizes, on the CPU (gloo; shm and tcp).
 
 P at TP 2 sends to D at TP 1 (each head gathered from the rank that holds it), and P at TP 1
 sends to D at TP 2 (split into each rank's heads): D's greedy tokens equal Hugging Face's, and
@@ -97,22 +97,28 @@ def pd_between(p: EngineCore, d: EngineCore, prompts: list[list[int]], ref: list
 
 
 @pytest.fixture(scope="module")
-def one(tiny_model_dir):
-    core = make_core(tiny_model_dir, "shm")
-    yield core
-    core.close()
+def ones(tiny_model_dir):
+    """An engine of one rank per transfer kind, made when first asked for."""
+    cores: dict[str, EngineCore] = {}
+    yield lambda kind: cores.get(kind) or cores.setdefault(kind, make_core(tiny_model_dir, kind))
+    for core in cores.values():
+        core.close()
 
 
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
 @pytest.mark.parametrize("p_size,d_size", [(2, 1), (1, 2)], ids=["gather", "split"])
-def test_pd_between_tensor_parallel_sizes(tiny_model_dir, one, p_size, d_size):
-    """Two engines in this process, the tensor-parallel one with its worker rank beside."""
-    tp = make_core(tiny_model_dir, "shm", tensor_parallel_size=2, cpu_threads=1)
+def test_pd_between_tensor_parallel_sizes(tiny_model_dir, ones, p_size, d_size, kind):
+    """Two engines in this process, the tensor-parallel one with its worker rank beside. shm:
+    the sender writes every rank's pool of the receiver; tcp: each frame carries every head,
+    gathered from the sender's ranks and split into the receiver's by its connection thread."""
+    one = ones(kind)
+    tp = make_core(tiny_model_dir, kind, tensor_parallel_size=2, cpu_threads=1)
     reset(one)
     try:
-        assert tp.info.kv_transfer == "shm"
+        assert tp.info.kv_transfer == kind
         prompts = random_prompts([45, 23], seed=11)
         pd_between(*((tp, one) if p_size == 2 else (one, tp)), prompts,
-                   hf_greedy(tiny_model_dir, prompts, N_NEW), f"{p_size}to{d_size}")
+                   hf_greedy(tiny_model_dir, prompts, N_NEW), f"{kind}-{p_size}to{d_size}")
     finally:
         tp.close()
 

@@ -90,7 +90,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv,
                                     export=kind != "none" or config.kv_host_memory_gb > 0)
             if kind != "none":
-                self.transfer.add_ranks(rank_fields(layout, self.runner.rank_exports))
+                self.transfer.add_ranks(rank_fields(layout, self.runner.rank_exports),
+                                        self.runner.rank_pools)
         else:
             self.runner.allocate_kv(num_pages, self.max_model_len, pool=self.transfer.kv)
         self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_cache)

@@ -76,6 +76,10 @@ def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout,
     except TransferAuthError as e:
         raise TransferError(str(e)) from None
     kind = descriptor.get("kind")
+    if kind == "tcp":  # the frames carry every head: each side gathers or splits its own ranks
+        from kvcache.transfer.tcp import TcpPeer
+
+        return TcpPeer(descriptor, local_kv, layout, key, local_ranks=local_ranks)
     if descriptor.get("tp_size", 1) > 1 or len(local_ranks or ()) > 1:
         from kvcache.transfer.tp_peer import open_split_peer
 
@@ -84,10 +88,6 @@ def open_peer(descriptor: dict, local_kv: torch.Tensor, layout: KVLayout,
         from kvcache.transfer.shm import ShmPeer
 
         return ShmPeer(descriptor, local_kv, layout)
-    if kind == "tcp":
-        from kvcache.transfer.tcp import TcpPeer
-
-        return TcpPeer(descriptor, local_kv, layout, key)
     if kind == "cuda_ipc":
         from kvcache.transfer.cuda_ipc import CudaIpcPeer
 

@@ -170,11 +170,13 @@ class TransferBackend(ABC):
         only when a lease is due."""
         return None
 
-    def add_ranks(self, fields: dict) -> None:
-        """Add a tensor-parallel engine's other ranks' pools to the descriptor
-        (kvcache/transfer/tp_peer.py): only shm and cuda_ipc can carry them."""
+    def add_ranks(self, fields: dict, pools: list[torch.Tensor]) -> None:
+        """Give the backend a tensor-parallel engine's other ranks (kvcache/transfer/tp_peer.py):
+        `fields` for the descriptor, where senders write every rank's pool themselves (shm,
+        cuda_ipc), and every rank's pool mapped in this process, rank 0's first, where the
+        receiver writes them (tcp). nvshmem cannot carry them."""
         raise TransferError(f"--kv-transfer {self.kind} cannot reach a tensor-parallel "
-                            "engine's other ranks; use shm or cuda_ipc")
+                            "engine's other ranks; use shm, cuda_ipc or tcp")
 
     def close(self) -> None:
         """Stop listeners and release the pool's export. The tensor stays valid."""

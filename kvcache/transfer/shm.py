@@ -227,9 +227,10 @@ class ShmBackend(TransferBackend):
     def descriptor(self) -> dict:
         return dict(self._descriptor)
 
-    def add_ranks(self, fields: dict) -> None:
+    def add_ranks(self, fields: dict, pools: list[torch.Tensor]) -> None:
         """Add a tensor-parallel engine's other ranks' pools (kvcache/transfer/tp_peer.py) to
-        the descriptor, signed with the rest. Called once, before any peer saw it."""
+        the descriptor, signed with the rest (senders map and write them; `pools` is not
+        needed here). Called once, before any peer saw it."""
         body = {k: v for k, v in self._descriptor.items() if k != "mac"}
         self._descriptor = sign({**body, **fields}, self._key)
 

@@ -18,6 +18,10 @@ The listener (tcp_listener.py) runs every handshake on one thread: a connection 
 proved it holds the key gets no thread and no more than a 4 KiB hello read, must complete it
 within 10 s of its accept, and waits among at most 128 (16 per address; past that the oldest
 is closed to make room); a failed proof is answered with an error and a hang-up.
+
+A frame's rows carry every KV head of the model in order, whatever either side's tensor-
+parallel split: a tensor-parallel sender gathers them from its ranks' pools, a tensor-parallel
+receiver splits them into its ranks' (kvcache/transfer/heads.py, `whole_layout`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from kvcache.transfer.base import (
     window_slots,
 )
 from kvcache.transfer.tcp_listener import HANDSHAKE_TIMEOUT_S, HandshakeListener
+from kvcache.transfer.heads import HeadRun, head_plan, heads_view, whole_layout
 from kvcache.transfer.tcp_wire import (
     FLUSH,
     HEADER,
@@ -101,9 +106,14 @@ class TcpBackend(TransferBackend):
         self.kv = torch.zeros(layout.pool_shape(num_pages), dtype=dtype, device=device)
         self.num_windows = num_windows
         self._num_slots = num_pages * layout.page_size
-        self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
+        heads = layout.model_kv_heads  # a frame's rows hold every head (a layer: [K/V, slot, ...])
+        self._rows = (2, -1, heads, layout.head_dim)
         self._rows_dtype = copyable(self.kv).dtype  # what a frame's rows are copied as
-        self._row_bytes = layout.num_kv_heads * layout.head_dim * self.kv.element_size()
+        self._row_bytes = heads * layout.head_dim * self.kv.element_size()
+        # a tensor-parallel engine's ranks' pools (add_ranks), rank 0's (self.kv) first, and
+        # which of a frame's heads go to which: None for an engine of one rank
+        self._ranks: list[torch.Tensor] | None = None
+        self._plan: list[HeadRun] = []
         # Received rows are copied on a stream of their own, so waiting for a copy does not
         # wait for the engine's queued work.
         self._stream = torch.cuda.Stream(self.kv.device) if self.kv.is_cuda else None
@@ -136,6 +146,13 @@ class TcpBackend(TransferBackend):
 
     def descriptor(self) -> dict:
         return dict(self._descriptor)
+
+    def add_ranks(self, fields: dict, pools: list[torch.Tensor]) -> None:
+        """A tensor-parallel engine's ranks' pools (rank 0's first, mapped in this process):
+        the connection threads split each frame's heads into them. Senders need nothing of
+        it (a frame holds every head), so the descriptor stays as it is."""
+        self._ranks = [copyable(kv) for kv in pools]
+        self._plan = head_plan(whole_layout(self.layout), self.layout)
 
     def open_window(self, slots: torch.Tensor | None = None) -> Window | None:
         allowed = None if slots is None else window_slots(slots)
@@ -276,14 +293,22 @@ class TcpBackend(TransferBackend):
                 return (f"slots {outside[:4].tolist()} are outside the {len(allowed)} slots "
                         f"reserved for window {index}; the write was dropped")
             self._renewed[index] = time.monotonic()
-            layer_kv = copyable(self.kv[layer]).view(self._rows)
             if self._stream is None:
-                layer_kv.index_copy_(1, slots, rows)
+                self._copy_in(layer, slots, rows)
             else:
                 with torch.cuda.stream(self._stream):
-                    layer_kv.index_copy_(1, slots.to(self.kv.device), rows.to(self.kv.device))
+                    self._copy_in(layer, slots.to(self.kv.device), rows.to(self.kv.device))
                 self._stream.synchronize()  # done, not just queued, when the lock is released
         return None
+
+    def _copy_in(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """A frame's rows (every head) into the pool, or split into the ranks' pools."""
+        if self._ranks is None:
+            copyable(self.kv[layer]).view(self._rows).index_copy_(1, slots, rows)
+            return
+        for run in self._plan:
+            heads_view(self._ranks[run.dst_rank][layer], run.dst_heads).index_copy_(
+                1, slots, rows[:, :, run.src_heads.start:run.src_heads.stop])
 
 
 # A daemon thread still inside torch ops while the interpreter finalizes aborts the process
@@ -303,6 +328,8 @@ class TcpPeer(Peer):
 
     `local_kv` may live on a GPU: rows are gathered there on the calling thread's current
     stream, so the engine must have written them on that stream (the default one) or synced.
+    A tensor-parallel sender's frames gather each head from the first of `local_ranks` (its
+    ranks' pools, rank 0's first) that holds it.
 
     Every socket operation times out after `timeout_s`. The first I/O error breaks the peer for
     good (a frame may be half sent): every later call raises the same TransferError.
@@ -315,11 +342,16 @@ class TcpPeer(Peer):
         layout: KVLayout,
         key: bytes,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        local_ranks: list[torch.Tensor] | None = None,
     ):
         self._address = f"{descriptor['host']}:{descriptor['port']}"
         self._local = copyable(local_kv)
-        self._rows = (2, -1, layout.num_kv_heads, layout.head_dim)  # a layer as [K/V, slot, ...]
-        self._row_bytes = layout.num_kv_heads * layout.head_dim * local_kv.element_size()
+        heads = layout.model_kv_heads  # a frame's rows hold every head (a layer: [K/V, slot, ...])
+        self._rows = (2, -1, heads, layout.head_dim)
+        self._row_bytes = heads * layout.head_dim * local_kv.element_size()
+        split = local_ranks is not None and len(local_ranks) > 1
+        self._ranks = [copyable(kv) for kv in local_ranks] if split else None
+        self._plan = head_plan(layout, whole_layout(layout)) if split else []
         self._buf = Buffer()
         self._broken: str | None = None
         self._sending = threading.Lock()  # one frame at a time: the transfer or renewal thread
@@ -374,10 +406,15 @@ class TcpPeer(Peer):
         HEADER.pack_into(self._buf.view, 0, WRITE, window.index, window.tag, layer, n)
         frame[HEADER.size : slots_end].view(torch.int64).copy_(dst_slots)
         rows = frame[slots_end:frame_end].view(self._local.dtype).view(self._rows)
-        local = self._local[layer].view(self._rows)
-        if local.is_cpu:
-            torch.index_select(local, 1, src_slots, out=rows)
+        if self._ranks is not None:
+            for run in self._plan:
+                src = heads_view(self._ranks[run.src_rank][layer], run.src_heads)
+                rows[:, :, run.dst_heads.start:run.dst_heads.stop] = src.index_select(
+                    1, src_slots.to(src.device)).cpu()
+        elif self._local.is_cpu:
+            torch.index_select(self._local[layer].view(self._rows), 1, src_slots, out=rows)
         else:
+            local = self._local[layer].view(self._rows)
             rows.copy_(local.index_select(1, src_slots.to(local.device)))
         with self._sending, self._io():
             self._sock.sendall(self._buf.view[:frame_end])

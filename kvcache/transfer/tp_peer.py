@@ -19,8 +19,13 @@ send_after_step`): the step's last all-reduce on rank 0's stream is past every r
 writes, where rank 0's own layer being written says nothing of the other ranks'.
 
 On GPUs the copies run on the sender's rank 0 GPU, which reads its other ranks' pools and
-writes the receiver's across NVLink: a TP 2 sender's rank 1 share crosses two links. Only
-`shm` and `cuda_ipc` carry it (one host): tcp and nvshmem are refused for such engines.
+writes the receiver's across NVLink: a TP 2 sender's rank 1 share crosses two links.
+
+`tcp` (any two hosts) works otherwise: its frames always carry every KV head of the model in
+order (heads.py `whole_layout`), whatever either side's split. A tensor-parallel sender gathers each
+frame's rows from its ranks' pools, and a tensor-parallel receiver's connection thread splits
+them into its ranks' pools (`TransferBackend.add_ranks` hands it them, mapped in rank 0's
+process), so neither side needs the other's split. nvshmem is refused for such engines.
 """
 
 from __future__ import annotations
@@ -29,48 +34,17 @@ import json
 import math
 import mmap
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from kvcache.transfer.base import KVLayout, TransferError, copyable
+from kvcache.transfer.heads import HeadRun, head_plan, heads_view  # noqa: F401 (HeadRun: tests)
 from kvcache.transfer.cuda_ipc import CudaIpcPeer, ipc_export
 from kvcache.transfer.page_copy import copy_rows
 from kvcache.transfer.shm import MEMFD_NAME, ShmPeer
 
 SPLIT_KINDS = ("shm", "cuda_ipc")
-
-
-@dataclass(frozen=True)
-class HeadRun:
-    """Heads `src_heads` of the sender's rank `src_rank`'s pool go to heads `dst_heads` of
-    the receiver's rank `dst_rank`'s (positions in each pool, as many on each side)."""
-
-    src_rank: int
-    src_heads: range
-    dst_rank: int
-    dst_heads: range
-
-
-def head_plan(src: KVLayout, dst: KVLayout) -> list[HeadRun]:
-    """Every head of every receiver rank, from the first sender rank that holds it, with runs
-    of consecutive heads between the same two ranks merged."""
-    owner: dict[int, tuple[int, int]] = {}  # model head -> (sender rank, position there)
-    for rank in range(src.tensor_parallel_size):
-        for i, head in enumerate(src.rank_heads(rank)):
-            owner.setdefault(head, (rank, i))
-    runs: list[HeadRun] = []
-    for rank in range(dst.tensor_parallel_size):
-        for j, head in enumerate(dst.rank_heads(rank)):
-            s, i = owner[head]
-            last = runs[-1] if runs else None
-            if (last is not None and (last.src_rank, last.dst_rank) == (s, rank)
-                    and last.src_heads.stop == i and last.dst_heads.stop == j):
-                runs[-1] = HeadRun(s, range(last.src_heads.start, i + 1), rank,
-                                   range(last.dst_heads.start, j + 1))
-            else:
-                runs.append(HeadRun(s, range(i, i + 1), rank, range(j, j + 1)))
-    return runs
 
 
 # ---- one rank's pool, exported by its process and mapped by rank 0's (and by senders) -------
@@ -143,8 +117,8 @@ def open_split_peer(descriptor: dict, local_ranks: list[torch.Tensor], layout: K
     that cannot carry it."""
     kind = descriptor["kind"]
     if kind not in SPLIT_KINDS:
-        raise TransferError(f"KV transfer between tensor-parallel engines goes by shm or "
-                            f"cuda_ipc (one host), not {kind}")
+        raise TransferError(f"KV transfer between tensor-parallel engines goes by shm, "
+                            f"cuda_ipc (one host) or tcp, not {kind}")
     remote = remote_layout(descriptor, layout)
     if kind == "shm":
         return SplitShmPeer(descriptor, local_ranks, layout, remote)
@@ -196,19 +170,14 @@ class _SplitCopies:
         self._mapped = []
 
 
-def _heads(x: torch.Tensor, heads: range) -> torch.Tensor:
-    """One layer [2, pages, page_size, heads, dim] as [2, slots, len(heads), dim] (a view)."""
-    return x.flatten(1, 2)[:, :, heads.start:heads.stop]
-
-
 class SplitShmPeer(_SplitCopies, ShmPeer):
     """shm between CPU engines split differently: torch indexing, head range by head range."""
 
     def _copy_layer(self, layer: int, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         for run in self._plan:
-            src = _heads(self._locals[run.src_rank][layer], run.src_heads)
+            src = heads_view(self._locals[run.src_rank][layer], run.src_heads)
             rows = src.index_select(1, src_slots.to(src.device)).cpu()
-            _heads(self._remotes[run.dst_rank][layer], run.dst_heads).index_copy_(
+            heads_view(self._remotes[run.dst_rank][layer], run.dst_heads).index_copy_(
                 1, dst_slots, rows)
 
 
