@@ -279,10 +279,11 @@ async def _pd(p_url: str, d_url: str, prompts: list[list[int]]) -> list[list[int
     return out
 
 
+@pytest.mark.parametrize("kind", ["cuda_ipc", "tcp"])
 @pytest.mark.parametrize("p_size", [2, 1], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_cuda_ipc_pd_between_tp2_and_tp1(tiny_served_dir, tmp_path, p_size):
-    """P/D over cuda_ipc between engine daemons at TP 2 (cuda:0-1) and TP 1 (cuda:2), both
-    ways, in fp32: D's tokens equal Hugging Face's. (That the KV arrives byte-equal, head by
+def test_pd_between_tp2_and_tp1(tiny_served_dir, tmp_path, p_size, kind):
+    """P/D over cuda_ipc or tcp between engine daemons at TP 2 (cuda:0-1) and TP 1 (cuda:2),
+    both ways, in fp32: D's tokens equal Hugging Face's. (That the KV arrives byte-equal, head by
     head, is tests/test_tp_transfer.py's on CPUs, and the head-range copy kernel's on GPUs is
     tests/test_page_copy.py's.)"""
     import asyncio
@@ -295,7 +296,7 @@ def test_cuda_ipc_pd_between_tp2_and_tp1(tiny_served_dir, tmp_path, p_size):
     if torch.cuda.device_count() < 3:
         pytest.skip("needs three GPUs")
     common = ("--dtype", "float32", "--num-pages", "256", "--api-key", ENGINE_KEY,
-              "--kv-transfer", "cuda_ipc")
+              "--kv-transfer", kind)
     tp = Daemon(tiny_served_dir, tmp_path / "tp.log", "tp", *common, "--device", "cuda:0",
                 "--tensor-parallel-size", "2")
     one = Daemon(tiny_served_dir, tmp_path / "one.log", "one", *common, "--device", "cuda:2")
