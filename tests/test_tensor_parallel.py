@@ -373,3 +373,42 @@ def test_all_reduce_modes_are_checked_and_cpu_ranks_sum_with_gloo(tiny_model_dir
         allreduce.set_up("ring", None, torch.device("cpu"), torch.float32)
     assert allreduce._cannot(torch.int8) == "its kernel sums bfloat16, float16 and float32, " \
                                             "not torch.int8"
+
+
+# ---- the ranks agree on a custom all-reduce, or all keep NCCL ----------------------------------
+
+
+def _agree_rank(rank: int, port: int, results) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    from engine.tp.allreduce import ranks_agree
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("microserve.tp").addHandler(handler)
+    both = ranks_agree(None, None, torch.device("cpu"), "large messages", "the exchange")
+    one = ranks_agree("no driver" if rank == 1 else None, None, torch.device("cpu"),
+                      "large messages", "the exchange")
+    results[rank] = (both, one, warnings)
+    dist.destroy_process_group()
+
+
+def test_ranks_take_a_custom_all_reduce_together_or_none_does():
+    """engine/tp/allreduce.py `ranks_agree` (the one-shot's and the copy-engine exchange's
+    set-up): every rank can, so both take it; one cannot, so neither does, and each says why."""
+    import torch.multiprocessing as mp
+
+    from engine.tp.group import free_port
+
+    results = mp.Manager().dict()
+    mp.spawn(_agree_rank, args=(free_port(), results), nprocs=2)
+    assert results[0][:2] == results[1][:2] == (True, False)
+    assert results[1][2] == ["all-reduce: NCCL for large messages (the exchange is not available "
+                             "on this rank: no driver)"]
+    assert results[0][2] == ["all-reduce: NCCL for large messages (the exchange is not available "
+                             "on another rank: see its log)"]

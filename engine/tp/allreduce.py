@@ -138,12 +138,7 @@ def set_up(mode: str, group: dist.ProcessGroup | None, device: torch.device,
         return None
     why = _cannot(dtype)
     if mode == "auto":  # all ranks go one-shot, or none does
-        able = torch.tensor([0 if why else 1], device=device)
-        dist.all_reduce(able, op=dist.ReduceOp.MIN, group=group)
-        if not able.item():
-            log.warning("all-reduce: NCCL for every message (one-shot over symmetric memory "
-                        "is not available on %s: %s)", "this rank" if why else "another rank",
-                        why or "see its log")
+        if not ranks_agree(why, group, device, "every message", "one-shot over symmetric memory"):
             return None
     elif why:
         raise RuntimeError(f"--all-reduce one-shot: {why}")
@@ -154,6 +149,20 @@ def set_up(mode: str, group: dist.ProcessGroup | None, device: torch.device,
     log.info("all-reduce: one-shot over symmetric memory up to %d KiB, NCCL above",
              ONE_SHOT_MAX_BYTES // 1024)
     return one_shot
+
+
+def ranks_agree(why: str | None, group: dist.ProcessGroup | None, device: torch.device,
+                messages: str, what: str) -> bool:
+    """Whether every rank of the group can use `what` (`why` is None on each): a collective,
+    so that all ranks take it or none does. Where one cannot, each rank warns that NCCL sums
+    `messages` instead, saying why (or that another rank cannot)."""
+    able = torch.tensor([0 if why else 1], device=device)
+    dist.all_reduce(able, op=dist.ReduceOp.MIN, group=group)
+    if able.item():
+        return True
+    log.warning("all-reduce: NCCL for %s (%s is not available on %s: %s)", messages, what,
+                "this rank" if why else "another rank", why or "see its log")
+    return False
 
 
 def _cannot(dtype: torch.dtype) -> str | None:

@@ -49,6 +49,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from engine.tp.allreduce import ranks_agree
+
 log = logging.getLogger("microserve.tp")
 
 SLOTS = 2  # call c + 2 reuses call c's slot once the other rank has consumed it
@@ -210,12 +212,7 @@ def set_up(mode: str, group: dist.ProcessGroup | None, device: torch.device,
             why = f"torch {torch.__version__} has no symm_mem.rendezvous"
     except (OSError, AttributeError, ImportError) as e:
         why = str(e)
-    able = torch.tensor([0 if why else 1], device=device)
-    dist.all_reduce(able, op=dist.ReduceOp.MIN, group=group)
-    if not able.item():
-        log.warning("all-reduce: NCCL for large messages (the copy-engine exchange is not "
-                    "available on %s: %s)", "this rank" if why else "the other rank",
-                    why or "see its log")
+    if not ranks_agree(why, group, device, "large messages", "the copy-engine exchange"):
         return None
     try:
         exchange = PeerExchange(group, device, dtype, max_bytes)
