@@ -58,9 +58,10 @@ def compile_all() -> None:
     fp8 = dict(FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_AMAX=MIN_AMAX)
     scales = {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "row_scale_ptr": "*fp32",
               "col_scale_ptr": "*fp32"}
-    for quantized in (False, True):
+    for quantized, peer in ((False, False), (True, False), (False, True)):
         compile_for_h100(fused._rms_norm_kernel, scales, HAS_RESIDUAL=True, SCALED=False,
-                         BLOCK=4096, NUM_CHUNKS=1, QUANT=quantized, PDL=True, **fp8)
+                         BLOCK=4096, NUM_CHUNKS=1, QUANT=quantized, HAS_PEER=peer, PDL=True,
+                         **fp8)
     compile_for_h100(quant._quant_fp8_kernel, scales, GATED=True, BLOCK=2048, NUM_CHUNKS=7,
                      EVEN=True, PDL=True, **fp8)
     compile_for_h100(fused._silu_and_mul_kernel, BLOCK=1024, PDL=True)
