@@ -45,7 +45,10 @@ def transfer_lines(engines) -> list[str]:
                 continue
             path = _path(s.info.device, r.info.device, r.info.kv_transfer)
             sizes = (s.info.tensor_parallel_size, r.info.tensor_parallel_size)
-            if sizes != (1, 1) and r.info.kv_transfer != "none":
+            if sizes != (1, 1) and r.info.kv_transfer == "tcp":
+                path += (f"; every head in each frame, gathered from {sizes[0]} rank(s) and "
+                         f"split into {sizes[1]} by each side's rank 0")
+            elif sizes != (1, 1) and r.info.kv_transfer != "none":
                 path += (f"; heads from {sizes[0]} rank(s) to {sizes[1]}, rank 0's process "
                          f"copying for all of them")
             lines.append(f"KV transfer: {s.name} ({_where(s.info)}) -> {r.name} "

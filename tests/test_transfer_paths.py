@@ -44,3 +44,9 @@ def test_pairs_of_tensor_parallel_engines_say_their_sizes():
         "KV transfer: prefill-tp2 (cuda:0, TP 2) -> decode-0 (cuda:2): cuda_ipc, across GPUs "
         "(the sender's copy kernel stores into the receiver's pool, mapped into its GPU through "
         "CUDA IPC); heads from 2 rank(s) to 1, rank 0's process copying for all of them"]
+    across_hosts = [engine("p", "prefill", "cuda:0", "tcp"),
+                    engine("d-tp2", "decode", "cuda:0", "tcp", tp=2)]
+    assert transfer_lines(across_hosts) == [
+        "KV transfer: p (cuda:0) -> d-tp2 (cuda:0, TP 2): tcp (bytes through the receiver's "
+        "listener; any two hosts); every head in each frame, gathered from 1 rank(s) and split "
+        "into 2 by each side's rank 0"]
