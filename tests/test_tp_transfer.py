@@ -197,3 +197,57 @@ def test_strategies_move_kv_from_a_tp2_prefill_engine_to_a_tp1_decode_engine(
     for engine, url in tp_up.engine_urls.items():
         assert_quiet(engine, url)
     admin.close()
+
+
+# ---- tcp frames between splits, KV heads replicated over more ranks than heads ---------------
+
+
+def _pools(lay: KVLayout, pages: int, seed: int | None) -> list[torch.Tensor]:
+    """One pool per rank of `lay`: zeros, or (seed) each head's values set from the model's
+    head number, so that a replicated head holds the same values on each rank holding it."""
+    if seed is None:
+        return [torch.zeros(lay.pool_shape(pages)) for _ in range(lay.tensor_parallel_size)]
+    whole = torch.randn(lay.num_layers, 2, pages, lay.page_size, lay.model_kv_heads,
+                        lay.head_dim, generator=torch.Generator().manual_seed(seed))
+    return [whole[..., lay.rank_heads(r).start:lay.rank_heads(r).stop, :].clone()
+            for r in range(lay.tensor_parallel_size)]
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(4, 1), (1, 4), (4, 2), (2, 4)])
+def test_tcp_frames_carry_every_head_between_any_two_splits(src_tp, dst_tp):
+    """Two KV heads: at TP 4 each is on two ranks. A tcp sender gathers each head from the
+    first rank holding it, the receiver writes it into every rank holding it; the slots
+    written on each receiving rank equal the sender's model heads exactly, the rest stay 0."""
+    from kvcache.transfer.backends import open_peer
+    from kvcache.transfer.tcp import TcpBackend
+    from test_kv_exchange import KEY
+
+    src_lay, dst_lay = layout(src_tp, heads=2), layout(dst_tp, heads=2)
+    pages = 8
+    src = _pools(src_lay, pages, seed=3)
+    backend = TcpBackend(dst_lay, pages, key=KEY)
+    dst = [backend.kv] + _pools(dst_lay, pages, None)[1:]
+    if dst_tp > 1:
+        backend.add_ranks({}, dst)
+    peer = open_peer(backend.descriptor(), src[0], src_lay, KEY,
+                     local_ranks=src if src_tp > 1 else None)
+    try:
+        src_slots, dst_slots = torch.tensor([1, 2, 9, 30]), torch.tensor([4, 5, 6, 20])
+        window = backend.open_window(dst_slots)
+        for layer in range(src_lay.num_layers):
+            peer.write(window, layer, src_slots, dst_slots)
+        peer.flush(window)
+        assert backend.close_window(window) is None  # no seal was sent
+    finally:
+        peer.close()
+        backend.close()
+    sent = torch.cat([p.flatten(2, 3)[:, :, src_slots] for p in src], dim=3)  # every rank's
+    sent_heads = [h for r in range(src_tp) for h in src_lay.rank_heads(r)]
+    for rank, pool in enumerate(dst):
+        got = pool.flatten(2, 3)
+        for i, head in enumerate(dst_lay.rank_heads(rank)):
+            want = sent[:, :, :, sent_heads.index(head)]
+            assert torch.equal(got[:, :, dst_slots, i], want), (rank, head)
+        rest = torch.ones(got.shape[2], dtype=torch.bool)
+        rest[dst_slots] = False
+        assert not got[:, :, rest].any(), rank
