@@ -169,6 +169,12 @@ def _cannot(dtype: torch.dtype) -> str | None:
     """Why this process cannot sum messages of `dtype` one-shot, or None."""
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):  # the kernel's types
         return f"its kernel sums bfloat16, float16 and float32, not {dtype}"
+    return no_symmetric_memory()
+
+
+def no_symmetric_memory() -> str | None:
+    """Why this process cannot map other ranks' buffers through torch's symmetric memory, or
+    None."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
     except ImportError as e:

@@ -49,7 +49,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from engine.tp.allreduce import ranks_agree
+from engine.tp.allreduce import no_symmetric_memory, ranks_agree
 
 log = logging.getLogger("microserve.tp")
 
@@ -207,15 +207,11 @@ def set_up(mode: str, group: dist.ProcessGroup | None, device: torch.device,
     if (mode != "auto" or device.type != "cuda" or dist.get_world_size(group) != 2
             or max_bytes < EXCHANGE_MIN_BYTES):
         return None
-    why = None
+    why = no_symmetric_memory()
     try:
         _Driver()
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        if not hasattr(symm_mem, "rendezvous"):
-            why = f"torch {torch.__version__} has no symm_mem.rendezvous"
-    except (OSError, AttributeError, ImportError) as e:
-        why = str(e)
+    except (OSError, AttributeError) as e:  # no libcuda, or one without these calls
+        why = why or f"the CUDA driver's stream memory operations: {e}"
     if not ranks_agree(why, group, device, "large messages", "the copy-engine exchange"):
         return None
     try:
