@@ -60,6 +60,24 @@ def test_fp32_tiny_tp2_equals_hf(tiny_model_dir, eager, all_reduce):
                   max_num_batched_tokens=40, all_reduce=all_reduce) == ref
 
 
+# What each two-rank script starts with (a template, as the scripts are): `join` makes rank r's
+# GPU current and joins the NCCL group of two.
+_RANKS = """
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def join(r, port):
+    torch.cuda.set_device(r)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=r,
+                            world_size=2, device_id=torch.device("cuda", r))
+"""
+
+
+def rank_reports(out: subprocess.CompletedProcess) -> list[str]:
+    """The OK / BAD lines the ranks of a `run_ranks` script printed, in order."""
+    assert out.returncode == 0, out.stderr[-3000:]
+    return sorted(line for line in out.stdout.splitlines() if line.startswith(("OK", "BAD")))
+
+
 def run_ranks(script: Path, source: str, timeout: float) -> subprocess.CompletedProcess:
     """Run `source` (a template whose braces are doubled) as the file `script` with a free
     port as its argument, from the repository root: spawned ranks import its functions from
@@ -74,14 +92,11 @@ def run_ranks(script: Path, source: str, timeout: float) -> subprocess.Completed
                               filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
 
 
-_SUMS = """
-import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+_SUMS = _RANKS + """
 from engine.tp.allreduce import OneShotAllReduce
 
 def rank(r, port):
-    torch.cuda.set_device(r)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=r,
-                            world_size=2, device_id=torch.device("cuda", r))
+    join(r, port)
     bad = []
     for kernel in ("triton", "torch"):
         one = OneShotAllReduce(None, torch.device("cuda", r), torch.bfloat16, kernel=kernel)
@@ -122,19 +137,14 @@ def test_one_shot_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tmp_path):
     over new values, is bit-equal to NCCL's and to the float32 sum rounded once, on both
     ranks."""
     out = run_ranks(tmp_path / "sums.py", _SUMS, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(line for line in out.stdout.splitlines() if line.startswith(("OK", "BAD"))) \
-        == ["OK 0 []", "OK 1 []"], out.stdout
+    assert rank_reports(out) == ["OK 0 []", "OK 1 []"], out.stdout
 
 
-_EXCHANGE = """
-import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+_EXCHANGE = _RANKS + """
 from engine.tp.exchange import PeerExchange, SLOTS
 
 def rank(r, port):
-    torch.cuda.set_device(r)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=r,
-                            world_size=2, device_id=torch.device("cuda", r))
+    join(r, port)
     ex = PeerExchange(None, torch.device("cuda", r), torch.bfloat16, 16 << 20)
     bad = []
     def parts(seed, n):
@@ -185,19 +195,15 @@ def test_copy_engine_exchange_sums_are_bit_equal_to_nccls_and_the_rounded_sum(tm
     every sum is bit-equal to NCCL's and to the float32 sum rounded once, on both ranks, and
     `parts()` gives the other rank's partial as it sent it."""
     out = run_ranks(tmp_path / "exchange.py", _EXCHANGE, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(line for line in out.stdout.splitlines() if line.startswith(("OK", "BAD"))) \
-        == ["OK 0 42 []", "OK 1 42 []"], out.stdout
+    assert rank_reports(out) == ["OK 0 42 []", "OK 1 42 []"], out.stdout
 
 
-_ALONE = """
-import sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+_ALONE = _RANKS + """
+import time
 from engine.tp.allreduce import OneShotAllReduce
 
 def rank(r, port):
-    torch.cuda.set_device(r)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=r,
-                            world_size=2, device_id=torch.device("cuda", r))
+    join(r, port)
     one = OneShotAllReduce(None, torch.device("cuda", r), torch.bfloat16, timeout_s=2.0)
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     torch.cuda.synchronize()
