@@ -12,7 +12,12 @@ One step packs, under a token budget:
      A sequence whose prompt another running sequence is computing now (the `n` choices of
      one request) waits for it without holding anyone up: once that prompt's whole pages are
      in the prefix cache (and its scores, when both score it) it reuses them, so a prompt is
-     prefilled once and the choices fork from it (`_waits_for_twin`).
+     prefilled once and the choices fork from it (`_waits_for_twin`). The same holds for a
+     shared head: a sequence whose prompt begins with whole pages a running sequence is still
+     computing (a few-shot template, an earlier turn of its conversation) waits until they
+     are cached and computes only the rest (`_waits_for_prefix`; SGLang's in-batch prefix
+     caching, BlendServe's intra-batch sharing). A live sequence never waits on background
+     work, which may advance a few tokens a step.
 
 Admission happens only when pages exist, so the engine never runs out of KV mid-step. When a
 running sequence needs a page and none is left, the policy's victim (the newest running
@@ -102,6 +107,8 @@ class _Admission:
 
     # prompt key -> running sequences computing that prompt (Scheduler._prompts_computing)
     twins: dict[int, list[Sequence]] | None
+    # a prompt's first page -> the same sequences, for heads shared by prompts that differ
+    heads: dict[tuple[int, ...], list[Sequence]] | None = None
     # a sequence that must compute its KV did not fit: none ranked after it may be admitted
     blocked: bool = False
     blocked_background: bool = False  # the same for background ones: they bar only each other
@@ -232,7 +239,7 @@ class Scheduler:
             work = sorted(prefilling + waiting, key=self.policy.rank)
         else:
             work = prefilling + waiting
-        admission = _Admission(self._prompts_computing())
+        admission = _Admission(*self._prompts_computing())
         for seq in work:
             if budget == 0:
                 break
@@ -375,6 +382,8 @@ class Scheduler:
             if not prepared:  # no sequence ranked after it gets a seat either
                 admission.block(background)
             return budget
+        if not prepared and on_host is None and self._waits_for_prefix(seq, admission.heads):
+            return budget
         if seq.lora_id and not self.adapters.acquire(seq):
             return budget  # every slot's adapter is running: it waits, holding no one up
         loaded = 0  # tokens of its cached prefix loaded from the host tier
@@ -415,6 +424,8 @@ class Scheduler:
         room.take(seq, n)
         if admission.twins is not None and self._computes_prompt(seq):
             admission.twins.setdefault(seq.prompt_key, []).append(seq)
+            if seq.num_prompt_tokens > self.kv.page_size:
+                admission.heads.setdefault(self._head(seq), []).append(seq)
         return budget - n
 
     def _is_background(self, seq: Sequence) -> bool:
@@ -470,16 +481,49 @@ class Scheduler:
     # then computes only the tail past the last whole page. Scores (prompt_logprobs) are
     # handed over by the core the moment the twin's are complete (EngineCore._share_scores).
 
-    def _prompts_computing(self) -> dict[int, list[Sequence]] | None:
-        """Prompt key -> running sequences still computing that prompt; None without a prefix
-        cache (nothing would be shared: no sequence waits)."""
+    def _prompts_computing(self) -> tuple[dict[int, list[Sequence]] | None,
+                                          dict[tuple[int, ...], list[Sequence]] | None]:
+        """Running sequences still computing their prompts, by prompt key and by first page;
+        (None, None) without a prefix cache (nothing would be shared: no sequence waits)."""
         if not self.kv.enable_prefix_cache or not self.waiting:
-            return None
+            return None, None
         twins: dict[int, list[Sequence]] = {}
+        heads: dict[tuple[int, ...], list[Sequence]] = {}
         for seq in self.running:
             if seq.finish_reason is None and self._computes_prompt(seq):
                 twins.setdefault(seq.prompt_key, []).append(seq)
-        return twins
+                if seq.num_prompt_tokens > self.kv.page_size:
+                    heads.setdefault(self._head(seq), []).append(seq)
+        return twins, heads
+
+    def _head(self, seq: Sequence) -> tuple[int, ...]:
+        return tuple(seq.prompt_token_ids[: self.kv.page_size])
+
+    def _waits_for_prefix(self, seq: Sequence,
+                          heads: dict[tuple[int, ...], list[Sequence]] | None) -> bool:
+        """Whether a running sequence is computing whole pages at the head of `seq`'s prompt
+        that the prefix cache does not hold yet: `seq` would compute them again beside it.
+        Not for a sequence scoring its prompt (it reuses no KV), nor for a live sequence
+        behind background work."""
+        ps = self.kv.page_size
+        if not heads or seq.prompt_logprobs is not None or seq.num_prompt_tokens <= ps:
+            return False
+        candidates = heads.get(self._head(seq))
+        if not candidates:
+            return False
+        prompt, background = seq.prompt_token_ids, self._is_background(seq)
+        reusable = (seq.num_prompt_tokens - 1) // ps  # pages: all but the last token's
+        for t in candidates:
+            if t.lora_id != seq.lora_id or (not background and self._is_background(t)):
+                continue
+            cached = self.kv.num_cached_pages(t.request_id)
+            if cached >= min(reusable, (t.num_prompt_tokens - 1) // ps):
+                continue  # nothing more of its prompt that `seq` could reuse
+            # does `seq` share the page after t's cached ones? (t caches in order)
+            end = (cached + 1) * ps
+            if len(t.prompt_token_ids) >= end and t.prompt_token_ids[:end] == prompt[:end]:
+                return True
+        return False
 
     def _computes_prompt(self, seq: Sequence) -> bool:
         """Whether a sequence holding pages has not yet cached the whole pages of its prompt

@@ -172,3 +172,81 @@ def test_without_a_prefix_cache_no_choice_waits_for_another():
         s.add(seq(f"c{i}", 10, i))
     assert run_step(s)[0] == [("c0", 10, True), ("c1", 10, True)]
     kv.check_integrity()
+
+
+# ---- shared heads: a prefix another running sequence is computing is computed once ----------
+
+
+def test_a_shared_head_is_computed_once_and_the_tails_go_on_from_it():
+    """Two few-shot lines over one 12-token template (3 pages), then a question each. q1
+    would fit in q0's step; it waits while q0 computes the template (not holding up the
+    unrelated request behind it), then reuses q0's three pages and computes its 4 tokens."""
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    template = list(range(1000, 1012))
+    s.add(Sequence("q0", template + [1, 2, 3, 4], SamplingParams(5), 0))
+    s.add(Sequence("q1", template + [5, 6, 7, 8], SamplingParams(5), 1))
+    s.add(seq("other", 3, 2, start=500))
+    assert run_step(s)[0] == [("q0", 16, True), ("other", 3, True)]
+    assert [x.request_id for x in s.waiting] == ["q1"] and not kv.has("q1")
+    assert run_step(s)[0] == [("q0", 1, True), ("other", 1, True), ("q1", 4, True)]
+    q1 = s.running[2]
+    assert q1.num_cached_tokens == 12
+    assert kv.page_table("q1")[:3] == kv.page_table("q0")[:3]
+    assert kv.page_table("q1")[3] != kv.page_table("q0")[3]
+    kv.check_integrity()
+
+
+def test_a_later_turn_waits_for_the_turn_before_it():
+    """Turn 2's prompt is turn 1's and 6 more tokens: admitted in the same step it would
+    compute turn 1's 10 tokens again; it waits, then computes 8 (from turn 1's 2 whole pages)."""
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    turn1 = list(range(300, 310))
+    s.add(Sequence("t1", turn1, SamplingParams(3), 0))
+    s.add(Sequence("t2", turn1 + list(range(900, 906)), SamplingParams(3), 1))
+    assert run_step(s)[0] == [("t1", 10, True)]
+    assert run_step(s)[0] == [("t1", 1, True), ("t2", 8, True)]
+    assert s.running[1].num_cached_tokens == 8
+    kv.check_integrity()
+
+
+def test_no_wait_for_less_than_a_page_another_adapter_or_background_work():
+    """A shared head shorter than a page saves nothing; KV of another adapter is not shared;
+    a live request never waits for a batch line (it may move a few tokens a step)."""
+    class Slots:  # every adapter always has a slot
+        def acquire(self, seq):
+            return True
+
+        def release(self, seq):
+            pass
+
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, adapters=Slots())
+    s.add(Sequence("a", [1, 2, 3, 10, 11, 12, 13, 14], SamplingParams(2), 0))
+    s.add(Sequence("b", [1, 2, 3, 20, 21, 22, 23, 24], SamplingParams(2), 1))  # 3 shared
+    head = list(range(40, 52))
+    s.add(Sequence("base", head + [1], SamplingParams(2), 2))
+    s.add(Sequence("lora", head + [2], SamplingParams(2), 3, lora_id=1))
+    assert [r for r, _, _ in run_step(s)[0]] == ["a", "b", "base", "lora"]
+    kv.check_integrity()
+
+    from engine.background import Background
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8,
+                  background=Background(100, max_seqs=4, max_tokens=64))
+    s.add(Sequence("batch", head + [7, 7, 7, 7], SamplingParams(2), 0, priority=100))
+    s.add(Sequence("live", head + [8, 8], SamplingParams(2), 1))
+    assert run_step(s)[0] == [("batch", 16, True), ("live", 14, True)]
+    kv.check_integrity()
+
+    # and a batch line does wait for a live request computing its head
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8,
+                  background=Background(100, max_seqs=4, max_tokens=64))
+    s.add(Sequence("live2", list(range(60, 80)), SamplingParams(2), 0))
+    s.add(Sequence("batch2", list(range(60, 72)) + [5], SamplingParams(2), 1, priority=100))
+    assert run_step(s)[0] == [("live2", 20, True)]
+    assert run_step(s)[0] == [("live2", 1, True), ("batch2", 1, True)]
+    assert s.running[1].num_cached_tokens == 12
+    kv.check_integrity()
