@@ -5,10 +5,13 @@ live traffic measured with and without a batch beside it.
         --lines 10000 [--live-rate 4 --live-requests 200] [--json out.json]
 
 For each --orders entry it starts `microserve up CONFIG --batch-order ORDER` on a fresh data
-directory, runs the file from bench/batch_workload.py (--lines, --seed) through the Batch API,
-and stops the deployment. Then, with --live-rate, one more deployment: bench.serve's live load
+directory, runs the file from bench/batch_workload.py (--lines, --templates, --scale, --seed) through the
+Batch API, and stops the deployment (--engine-arg: more args for every engine, such as
+`--engine-arg=--num-pages --engine-arg=8192` to hold the KV pool to what a batch's shared
+prefixes outgrow). Then, with --live-rate, one more deployment: bench.serve's live load
 alone, then the same load while a batch (blend order) runs. Prints one JSON object:
-`orders.ORDER.{wall_s, output_tokens_per_s, prefix_sharing_vs_dfs}`, `blend_vs_file`,
+`orders.ORDER.{wall_s, output_tokens_per_s, prompt_tokens, cached_prompt_tokens,
+prefix_sharing_vs_dfs}`, `blend_vs_file`,
 `blend_vs_dfs` (throughput ratios), and with live load `live.{alone, with_batch}` (bench.serve's
 figures), `ttft_p99_ratio`, `tpot_p99_ratio`.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -37,10 +41,12 @@ class Deployment:
     """`microserve up` in a child process on its own data directory."""
 
     def __init__(self, config: str, model: str, port: int, order: str, log: Path,
-                 lines_per_engine: int):
+                 lines_per_engine: int, engine_args: list[str] = ()):
         self.url = f"http://127.0.0.1:{port}/v1"
         self.data = tempfile.mkdtemp(prefix="microserve-batch-bench-")
         self.log = log
+        if engine_args:
+            config = with_engine_args(config, engine_args, Path(self.data) / "deploy.toml")
         cmd = [sys.executable, "-m", "launcher.cli", "up", config, "--model", model, "--port",
                str(port), "--batch-order", order, "--data-dir", self.data,
                "--batch-lines-per-engine", str(lines_per_engine)]
@@ -60,6 +66,20 @@ class Deployment:
         shutil.rmtree(self.data, ignore_errors=True)
 
 
+def with_engine_args(config: str, extra: list[str], out: Path) -> str:
+    """A copy of the deployment file `config` whose every engine gets `extra` before its own
+    args (each `args = [` line of an [[engines]] table)."""
+    text = Path(config).read_text()
+    engines = len(re.findall(r"^\[\[engines\]\]", text, flags=re.M))
+    head = "args = [" + "".join(json.dumps(a) + ", " for a in extra)
+    text, n = re.subn(r"^args = \[", lambda _: head, text, flags=re.M)
+    if n != engines or not engines:
+        raise SystemExit(f"{config}: {engines} [[engines]] tables but {n} `args = [` lines; "
+                         "--engine-arg needs one per engine")
+    out.write_text(text)
+    return str(out)
+
+
 def run_file(url: str, data: bytes) -> dict:
     with httpx.Client(base_url=url, timeout=httpx.Timeout(60, write=600)) as http:
         batch = submit(http, "bench.jsonl", data)
@@ -67,9 +87,13 @@ def run_file(url: str, data: bytes) -> dict:
         batch = follow(http, batch)
         wall = time.monotonic() - started
         out = http.get(f"/files/{batch['output_file_id']}/content").text.splitlines()
-    tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in out)
+    usage = [json.loads(x)["response"]["body"]["usage"] for x in out]
+    tokens = sum(u["completion_tokens"] for u in usage)
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage)
     return {"status": batch["status"], "lines": batch["request_counts"], "wall_s": wall,
             "output_tokens_per_s": tokens / wall,
+            "prompt_tokens": sum(u["prompt_tokens"] for u in usage),
+            "cached_prompt_tokens": cached,
             "prefix_sharing_vs_dfs": batch["ordering"]["prefix_sharing_vs_dfs"]}
 
 
@@ -95,6 +119,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=32_000)
     ap.add_argument("--scale", type=int, default=1, help="bench/batch_workload.py's --scale")
+    ap.add_argument("--templates", type=int, default=8,
+                    help="bench/batch_workload.py's --templates (few-shot templates)")
+    ap.add_argument("--engine-arg", action="append", default=[],
+                    help="more args for every engine (repeat: --engine-arg=--num-pages "
+                         "--engine-arg=8192 holds the KV pool small)")
     ap.add_argument("--orders", default="blend,dfs,file")
     ap.add_argument("--lines-per-engine", type=int, default=256,
                     help="the router's --batch-lines-per-engine (a GPU wants hundreds)")
@@ -107,11 +136,13 @@ def main() -> None:
     args = ap.parse_args()
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     data = "".join(json.dumps(x) + "\n" for x in
-                   workload(args.lines, 8, args.vocab, args.seed, args.scale)).encode()
-    result: dict = {"lines": args.lines, "orders": {}}
+                   workload(args.lines, args.templates, args.vocab, args.seed, args.scale)).encode()
+    result: dict = {"lines": args.lines, "templates": args.templates, "scale": args.scale,
+                    "engine_args": args.engine_arg, "orders": {}}
     for order in [o for o in args.orders.split(",") if o]:  # "": the live run alone
         up = Deployment(args.config, args.model, args.port, order,
-                        Path(args.logs) / f"batch-bench-{order}.log", args.lines_per_engine)
+                        Path(args.logs) / f"batch-bench-{order}.log", args.lines_per_engine,
+                        args.engine_arg)
         try:
             result["orders"][order] = run_file(up.url, data)
         finally:
@@ -123,7 +154,8 @@ def main() -> None:
             result[f"blend_vs_{other}"] = speed["blend"] / speed[other]
     if args.live_rate > 0:
         up = Deployment(args.config, args.model, args.port, "blend",
-                        Path(args.logs) / "batch-bench-live.log", args.lines_per_engine)
+                        Path(args.logs) / "batch-bench-live.log", args.lines_per_engine,
+                        args.engine_arg)
         try:
             alone = live(up.url, args, "alone", 1)
             with httpx.Client(base_url=up.url, timeout=60) as http:

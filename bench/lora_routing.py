@@ -13,8 +13,15 @@ run reuses another's KV; --output-len tokens, ignore_eos; at most --concurrency 
 each naming an adapter drawn uniformly (--skew 0) or Zipf(--skew) — the same draws, in the same
 order, in every run — and prints one JSON line: output tokens/s, wall time, and each engine's
 adapter slot writes during the run (copies into a slot: what affinity saves) and prompt tokens
-(how the requests spread). The last line is affinity's mean throughput over round robin's,
-with each run's. `--devices cpu,cpu` with a small model is a smoke run of this module.
+(how the requests spread), and the prompt tokens served from the engines' prefix caches. The
+last line is affinity's mean throughput over round robin's, with each run's. `--devices
+cpu,cpu` with a small model is a smoke run of this module.
+
+`--turns T` makes the traffic conversations: --requests // T of them, each under one adapter
+(the same draws), at most --concurrency at a time, each turn sent when the last one is
+answered, its prompt the last turn's prompt, --output-len ids standing for the answer, and
+--input-len new ids. Round robin then sends a conversation's turns to either engine, where
+its earlier turns' KV may not be; affinity's prefix score sends them where it is.
 """
 
 from __future__ import annotations
@@ -50,24 +57,49 @@ def deployment_file(path: Path, model: str, port: int, devices: list[str], adapt
 
 
 async def run(client: httpx.AsyncClient, args, names: list[str], vocab: int, seed: int) -> dict:
-    """Every request, at most --concurrency in flight; fresh prompts per `seed`."""
+    """Every request, at most --concurrency in flight (with --turns, conversations); fresh
+    prompts per `seed`."""
     rng = random.Random(seed)
-    adapters = popularity(args.requests, names, args.skew, args.seed)
     gate = asyncio.Semaphore(args.concurrency)
+    cached = [0]
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    async def post(adapter: str, prompt: list[int]) -> int:
+        r = await client.post("/v1/completions", json={
+            "model": adapter, "prompt": prompt, "max_tokens": args.output_len,
+            "temperature": 0, "ignore_eos": True})
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        cached[0] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return usage["completion_tokens"]
 
     async def one(adapter: str) -> int:
-        prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
+        prompt = ids(args.input_len)
         async with gate:
-            r = await client.post("/v1/completions", json={
-                "model": adapter, "prompt": prompt, "max_tokens": args.output_len,
-                "temperature": 0, "ignore_eos": True})
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
+            return await post(adapter, prompt)
+
+    async def conversation(adapter: str) -> int:
+        """--turns requests in a row, each prompt the one before, an answer (--output-len
+        ids standing for the reply as the client sends it back) and a new message."""
+        tokens, prompt = 0, []
+        async with gate:
+            for turn in range(args.turns):
+                prompt = prompt + (ids(args.output_len) if turn else []) + ids(args.input_len)
+                tokens += await post(adapter, prompt)
+        return tokens
 
     start = time.perf_counter()
-    tokens = await asyncio.gather(*(one(a) for a in adapters))
+    if args.turns == 1:
+        adapters = popularity(args.requests, names, args.skew, args.seed)
+        tokens = await asyncio.gather(*(one(a) for a in adapters))
+    else:
+        adapters = popularity(args.requests // args.turns, names, args.skew, args.seed)
+        tokens = await asyncio.gather(*(conversation(a) for a in adapters))
     wall = time.perf_counter() - start
-    return {"output_tokens_per_s": sum(tokens) / wall, "wall_s": wall, "requests": len(tokens)}
+    return {"output_tokens_per_s": sum(tokens) / wall, "wall_s": wall,
+            "requests": len(adapters) * args.turns, "cached_prompt_tokens": cached[0]}
 
 
 async def engine_counts(admin: httpx.AsyncClient) -> dict[str, dict]:
@@ -103,7 +135,8 @@ async def main_async(args) -> dict:
     up.start()
     results = {"model": args.model, "devices": args.devices, "adapters": args.adapters,
                "rank": args.rank, "max_loras": args.max_loras, "skew": args.skew,
-               "requests": args.requests, "concurrency": args.concurrency}
+               "requests": args.requests, "concurrency": args.concurrency,
+               "turns": args.turns}
     base = f"http://127.0.0.1:{args.port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=3600, headers={
@@ -149,6 +182,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--turns", type=int, default=1,
+                    help="requests per conversation: each turn's prompt extends the last "
+                         "(--requests // --turns conversations, one adapter each; "
+                         "--concurrency conversations at a time)")
     ap.add_argument("--strategies", default="data_parallel,lora_affinity")
     ap.add_argument("--repeat", type=int, default=1, help="run the strategies' list this many "
                     "times over, alternating")
@@ -160,6 +197,8 @@ def main() -> None:
     ap.add_argument("--log", default=None, help="microserve up's output (default: dropped)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.turns < 1 or args.requests < args.turns:
+        ap.error(f"--turns {args.turns} must be within [1, --requests {args.requests}]")
     results = asyncio.run(main_async(args))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
