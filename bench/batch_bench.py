@@ -5,10 +5,10 @@ live traffic measured with and without a batch beside it.
         --lines 10000 [--live-rate 4 --live-requests 200] [--json out.json]
 
 For each --orders entry it starts `microserve up CONFIG --batch-order ORDER` on a fresh data
-directory, runs the file from bench/batch_workload.py (--lines, --templates, --scale, --seed) through the
-Batch API, and stops the deployment (--engine-arg: more args for every engine, such as
-`--engine-arg=--num-pages --engine-arg=8192` to hold the KV pool to what a batch's shared
-prefixes outgrow). Then, with --live-rate, one more deployment: bench.serve's live load
+directory, runs the file from bench/batch_workload.py (--lines, --templates, --scale, --seed)
+through the Batch API, and stops the deployment (--engine-arg: more args for every engine,
+such as `--engine-arg=--num-pages --engine-arg=8192` to hold the KV pool to what a batch's
+shared prefixes outgrow). Then, with --live-rate, one more deployment: bench.serve's live load
 alone, then the same load while a batch (blend order) runs. Prints one JSON object:
 `orders.ORDER.{wall_s, output_tokens_per_s, prompt_tokens, cached_prompt_tokens,
 prefix_sharing_vs_dfs}`, `blend_vs_file`,
