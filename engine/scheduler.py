@@ -519,9 +519,13 @@ class Scheduler:
             cached = self.kv.num_cached_pages(t.request_id)
             if cached >= min(reusable, (t.num_prompt_tokens - 1) // ps):
                 continue  # nothing more of its prompt that `seq` could reuse
-            # does `seq` share the page after t's cached ones? (t caches in order)
-            end = (cached + 1) * ps
-            if len(t.prompt_token_ids) >= end and t.prompt_token_ids[:end] == prompt[:end]:
+            # Does `seq` share the page t computes next (t caches in order)? Its first page
+            # and that one are compared, not all between: a page-sized compare per candidate
+            # however long the head, for every waiting sequence a step looks at. A false
+            # match (prompts equal at both pages, not between) only delays `seq` until t has
+            # cached that page; admission then reuses what the cache really holds.
+            start = cached * ps
+            if t.prompt_token_ids[start : start + ps] == prompt[start : start + ps]:
                 return True
         return False
 
