@@ -494,3 +494,37 @@ async def test_a_live_request_is_not_queued_behind_a_batchs_first_lines(tmp_path
     await asyncio.gather(runner._dispatch(store.batch(None, "batch-t")), live())
     assert order.count("line") == 40 and order.index("live") < 10
     store.close()
+
+
+async def test_a_line_that_ends_starts_the_next_at_once(tmp_path, monkeypatch):
+    """With one line at a time, each line's end must wake the dispatcher: were it to wait for
+    admission's poll instead (made an hour here), the 6 lines would never finish."""
+    import asyncio
+
+    from router.batches import admission
+
+    monkeypatch.setattr(admission, "POLL_S", 3600.0)
+    calls = []
+    store, runner = _runner_with(tmp_path, calls)
+    runner.admission = admission.Admission(1, lambda: 1)
+    batch = _batch(store, [[1, i] for i in range(6)])
+    await runner._validate(batch)
+    await asyncio.wait_for(runner._run(store.batch(None, "batch-t")), 30)
+    assert store.batch(None, "batch-t")["status"] == "completed"
+    assert sorted(calls) == [[1, i] for i in range(6)]
+
+
+async def test_a_poke_wakes_a_waiting_dispatcher_and_a_poll_ends_its_wait(monkeypatch):
+    import asyncio
+
+    from router.batches import admission
+
+    gate = admission.Admission(1, lambda: 1)
+    monkeypatch.setattr(admission, "POLL_S", 3600.0)
+    waiting = asyncio.create_task(gate.changed())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    gate.poke()
+    await asyncio.wait_for(waiting, 5)
+    monkeypatch.setattr(admission, "POLL_S", 0.01)
+    await asyncio.wait_for(gate.changed(), 5)  # nothing pokes: the poll ends it

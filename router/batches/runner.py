@@ -194,6 +194,11 @@ class BatchRunner:
         """Run the pending lines in order, as many at once as admission allows; return when all
         finished, or once none is left running after a cancel or the batch's expiry."""
         running: set[asyncio.Task] = set()
+
+        def ended(task: asyncio.Task) -> None:
+            running.discard(task)
+            self.admission.poke()
+
         # An exception inside the app is its 500 answer, as a client would get: the line's
         # error, not an exception out of the line's task (which would leave it pending).
         transport = httpx.ASGITransport(app=self._app(), raise_app_exceptions=False)
@@ -204,12 +209,12 @@ class BatchRunner:
             try:
                 for row in await asyncio.to_thread(self.store.pending, batch["id"]):
                     while not self.admission.may_start(len(running)):
-                        await self.admission.changed(running)
+                        await self.admission.changed()
                     if self._stop(batch):
                         break
                     task = asyncio.create_task(self._line(client, batch, row))
                     running.add(task)
-                    task.add_done_callback(running.discard)
+                    task.add_done_callback(ended)
                     # one line at a time into the loop: a batch's first hundreds of lines,
                     # started at once, would queue every live request behind their router work
                     await asyncio.sleep(0)
@@ -223,7 +228,7 @@ class BatchRunner:
         while running:
             if self._stop(batch):
                 return  # the finally above cancels what runs; its rows stay pending
-            await self.admission.changed(running)
+            await self.admission.changed()
 
     def _stop(self, batch: dict) -> bool:
         return batch["id"] in self._cancelled or time.time() >= batch["expires_at"]
