@@ -19,6 +19,7 @@ import time
 
 from fastapi import FastAPI
 
+from bench.scripts.batch_loop_lag import stored_batch
 from microserve.metrics import Registry
 from router.batches.admission import Admission
 from router.batches.runner import BatchRunner
@@ -46,10 +47,7 @@ async def main(args) -> None:
     data = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                                "body": {"prompt": [1, 2, 3, i], "max_tokens": 1}}) + "\n"
                    for i in range(args.lines)).encode()
-    made = store.add_file("", "in.jsonl", "batch", data)
-    batch = {"id": "batch-rate", "endpoint": "/v1/completions", "input_file_id": made["id"],
-             "status": "validating", "expires_at": time.time() + 3600}
-    store.add_batch("", batch)
+    batch = stored_batch(store, data, "batch-rate")
     await runner._validate(batch)
     start = time.perf_counter()
     await runner._dispatch(batch)

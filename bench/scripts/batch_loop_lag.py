@@ -26,16 +26,23 @@ from router.batches.runner import BatchRunner
 from router.batches.store import Store
 
 
+def stored_batch(store: Store, data: bytes, batch_id: str) -> dict:
+    """A `/v1/completions` batch of the JSONL `data`, its file and row in `store`, not yet
+    validated (what `POST /v1/batches` leaves for the runner)."""
+    made = store.add_file("", "in.jsonl", "batch", data)
+    batch = {"id": batch_id, "endpoint": "/v1/completions", "input_file_id": made["id"],
+             "status": "validating", "expires_at": time.time() + 3600}
+    store.add_batch("", batch)
+    return batch
+
+
 async def main(args) -> None:
     freeze_startup_heap()  # as a router does once started (microserve/http_server.py)
     store = Store(tempfile.mkdtemp(prefix="loop-lag-"))
     runner = BatchRunner(store, FastAPI, None, Registry(), Admission(2, lambda: 1), None)
     data = "".join(json.dumps(x) + "\n"
                    for x in workload(args.lines, 8, 128000, 0, args.scale)).encode()
-    made = store.add_file("", "in.jsonl", "batch", data)
-    batch = {"id": "batch-lag", "endpoint": "/v1/completions", "input_file_id": made["id"],
-             "status": "validating", "expires_at": time.time() + 3600}
-    store.add_batch("", batch)
+    batch = stored_batch(store, data, "batch-lag")
     late: list[float] = []
     done = asyncio.Event()
 
