@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -41,7 +42,7 @@ class Deployment:
     """`microserve up` in a child process on its own data directory."""
 
     def __init__(self, config: str, model: str, port: int, order: str, log: Path,
-                 lines_per_engine: int, engine_args: list[str] = ()):
+                 lines_per_engine: int, engine_args: Sequence[str] = ()):
         self.url = f"http://127.0.0.1:{port}/v1"
         self.data = tempfile.mkdtemp(prefix="microserve-batch-bench-")
         self.log = log
@@ -66,7 +67,7 @@ class Deployment:
         shutil.rmtree(self.data, ignore_errors=True)
 
 
-def with_engine_args(config: str, extra: list[str], out: Path) -> str:
+def with_engine_args(config: str, extra: Sequence[str], out: Path) -> str:
     """A copy of the deployment file `config` whose every engine gets `extra` before its own
     args (each `args = [` line of an [[engines]] table)."""
     text = Path(config).read_text()

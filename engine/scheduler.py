@@ -423,9 +423,7 @@ class Scheduler:
         out.scheduled.append(self._entry(seq, n))
         room.take(seq, n)
         if admission.twins is not None and self._computes_prompt(seq):
-            admission.twins.setdefault(seq.prompt_key, []).append(seq)
-            if seq.num_prompt_tokens > self.kv.page_size:
-                admission.heads.setdefault(self._head(seq), []).append(seq)
+            self._add_computing(seq, admission.twins, admission.heads)
         return budget - n
 
     def _is_background(self, seq: Sequence) -> bool:
@@ -491,10 +489,15 @@ class Scheduler:
         heads: dict[tuple[int, ...], list[Sequence]] = {}
         for seq in self.running:
             if seq.finish_reason is None and self._computes_prompt(seq):
-                twins.setdefault(seq.prompt_key, []).append(seq)
-                if seq.num_prompt_tokens > self.kv.page_size:
-                    heads.setdefault(self._head(seq), []).append(seq)
+                self._add_computing(seq, twins, heads)
         return twins, heads
+
+    def _add_computing(self, seq: Sequence, twins: dict[int, list[Sequence]],
+                       heads: dict[tuple[int, ...], list[Sequence]]) -> None:
+        """List `seq`, which is computing its prompt, by prompt key and (past a page) by head."""
+        twins.setdefault(seq.prompt_key, []).append(seq)
+        if seq.num_prompt_tokens > self.kv.page_size:
+            heads.setdefault(self._head(seq), []).append(seq)
 
     def _head(self, seq: Sequence) -> tuple[int, ...]:
         return tuple(seq.prompt_token_ids[: self.kv.page_size])
