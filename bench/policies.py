@@ -7,8 +7,10 @@
 For each policy it starts `microserve engine --scheduling-policy P` itself (the other engine
 options after `--`, e.g. `-- --gpu-memory-utilization 0.5`), waits for /health, and for each
 rate sends bench.serve's workload (same --seed: the same prompts, lengths and Poisson arrival
-times for every policy) and records its figures; then stops the engine. Under `priority` each
-request's priority is its output length (shortest job first; --priority-by none to send none).
+times for every policy; each rate its own prompt token ids, so that no rate finds the last
+one's prompts in the prefix cache) and records its figures; then stops the engine. Under
+`priority` each request's priority is its output length (shortest job first; --priority-by
+none to send none).
 One line per run holds the mean and p99 of JCT, TTFT and TPOT, in ms, and the run's
 preemptions, swaps to host memory (with `-- --kv-host-memory-gb N`) and recomputes chosen
 over a swap, from the engine's /metrics; --json writes every figure.
@@ -132,10 +134,14 @@ def main(argv: list[str] | None = None) -> None:
                         os.path.join(args.log_dir, f"bench-policies-{policy}.log"))
         try:
             engine.wait_ready(args.ready_timeout_s)
-            for rate in rates:
+            for i, rate in enumerate(rates):
+                # each rate its own prompts (the same for every policy): a later rate on the
+                # same engine must not find an earlier one's prompts in the prefix cache
+                prompt_seed = (args.seed if args.prompt_seed is None else args.prompt_seed) + i
                 run_args = SimpleNamespace(**vars(args) | {
                     "base_url": engine.base_url, "api_key": None, "model": None,
-                    "request_rate": rate, "event_loop": "asyncio"})
+                    "request_rate": rate, "event_loop": "asyncio",
+                    "prompt_seed": prompt_seed if i else args.prompt_seed})
                 if policy != "priority":
                     run_args.priority_by = "none"
                 before = engine.counters()
