@@ -75,3 +75,25 @@ def test_copy_rows_refuses_mismatched_pools():
     with pytest.raises(ValueError, match=r"runs of as many layers: \(2, 2, 2, 4, 2, 8\) vs "
                                          r"\(3, 2, 2, 4, 2, 16\)"):
         page_copy.copy_rows(src[1:], dst, slots, slots)
+
+
+def test_warm_up_leaves_the_pool_as_it_was_and_no_send_compiles_after_it():
+    """The row counts are not specialised: after the start-up copy, sends of 1, 16 and 17
+    rows (Triton's default would compile one variant for each kind) compile nothing."""
+    p = pool(8, 4, 2, 8, seed=5, dtype=torch.bfloat16)  # 32 slots
+    dst = pool(8, 4, 2, 8, seed=6, dtype=torch.bfloat16)
+    before = p.clone()
+    page_copy.warm_up(p, 4, 2)
+    assert torch.equal(p, before)
+    from triton import knobs
+    compiled = []
+    saved, knobs.runtime.jit_cache_hook = (knobs.runtime.jit_cache_hook,
+                                           lambda *a, **k: compiled.append(k) or False)
+    try:
+        for n in (1, 16, 17):
+            slots = torch.arange(n, dtype=torch.int64, device=DEVICE)
+            page_copy.copy_rows(p, dst, slots, slots, 4, 2)
+            assert torch.equal(dst.flatten(2, 3)[:, :, :n], p.flatten(2, 3)[:, :, :n])
+    finally:
+        knobs.runtime.jit_cache_hook = saved
+    assert compiled == []

@@ -31,7 +31,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The row counts vary with every send. Specialised (Triton's default: a value of 1, or divisible by
+# 16), each send of a new kind compiled a variant while the sender's step waited: three on the
+# first P/D requests of a run (two H200s, 2026-11-27), which were TTFT's p99 at concurrency 1.
+# `warm_up` compiles the one variant at start-up.
+@triton.jit(do_not_specialize=["n", "total"])
 def _copy_rows_kernel(src_ptr, dst_ptr, src_slots_ptr, dst_slots_ptr, n, total, width,
                       src_row, dst_row, src_col, dst_col,
                       src_layer_stride, dst_layer_stride, src_kv_stride, dst_kv_stride,
@@ -98,3 +102,13 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor,
         src.shape[-2] * dim, dst.shape[-2] * dim, src_heads.start * dim, dst_heads.start * dim,
         src.stride(0), dst.stride(0), src[0, 0].numel(), dst[0, 0].numel(),
         NUM_PROGRAMS=num_programs, ROWS=rows_at_once, BLOCK=triton.next_power_of_2(width))
+
+
+def warm_up(pool: torch.Tensor, num_programs: int, rows_at_once: int) -> None:
+    """Compile the kernel a sender of `pool` (`[layers, 2, pages, page_size, heads, head_dim]`,
+    all its layers) launches with this grid, before any request: copy slot 0 of every layer
+    onto itself (its values unchanged), and wait for it."""
+    slot = torch.zeros(1, dtype=torch.int64, device=pool.device)
+    copy_rows(pool, pool, slot, slot, num_programs, rows_at_once)
+    if pool.is_cuda:
+        torch.cuda.synchronize(pool.device)

@@ -122,6 +122,15 @@ class KVSender:
         self._renewer.start()
         _open_senders.add(self)
 
+    def warm_up(self) -> None:
+        """Compile the GPU page copy a send launches (a GPU pool only), so that the first
+        send of a run does not wait for it."""
+        if not self.local_kv.is_cuda:
+            return
+        from kvcache.transfer.cuda_ipc import CudaIpcPeer
+        from kvcache.transfer.page_copy import warm_up
+        warm_up(self.local_kv, CudaIpcPeer.num_programs, CudaIpcPeer.rows_at_once)
+
     def start(self, job_id: str, descriptor: dict, window: Window, slots: torch.Tensor,
               digest: bytes | None = None) -> None:
         """Begin a job that writes into `window` of the receiver `descriptor` names, at no
