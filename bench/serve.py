@@ -207,8 +207,9 @@ def workload_options(ap: argparse.ArgumentParser) -> None:
                     help="N, LO:HI (uniform) or lognormal:MEAN:SIGMA")
     ap.add_argument("--max-len", type=int, default=2048,
                     help="log-normal lengths are clipped to this")
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
-                    help="a preset of --input-len and --output-len")
+    ap.add_argument("--workload", choices=[*sorted(WORKLOADS), "custom"], default=None,
+                    help="a preset of --input-len and --output-len (custom: those two as "
+                         "given, where a tool sets a preset by default)")
     ap.add_argument("--priority-by", choices=("none", "output-len"), default="none",
                     help="output-len: send each request's output length as its priority")
     ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are < this")

@@ -48,3 +48,14 @@ def test_an_unknown_policy_is_refused_before_any_engine_starts(capsys):
     with pytest.raises(SystemExit):
         policies.main(["--policies", "fcfs,sjf"])
     assert "'sjf' is not one of fcfs, priority, mlfq" in capsys.readouterr().err
+
+
+def test_custom_takes_the_lengths_given_where_a_preset_is_the_default():
+    ap = argparse.ArgumentParser()
+    workload_options(ap)
+    ap.set_defaults(workload="heavy-tail")  # as bench.policies does
+    given = ap.parse_args(["--workload", "custom", "--input-len", "7", "--output-len", "3",
+                           "--num-requests", "5"])
+    assert [(len(p), n) for p, n in workload(given)] == [(7, 3)] * 5
+    preset = ap.parse_args(["--input-len", "7", "--num-requests", "50"])
+    assert {len(p) for p, _ in workload(preset)} != {7}  # the preset's lengths win
