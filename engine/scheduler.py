@@ -429,16 +429,20 @@ class Scheduler:
     def _is_background(self, seq: Sequence) -> bool:
         return self.background is not None and self.background.of(seq)
 
-    def _preemptable(self, seq: Sequence) -> list[Sequence]:
+    def _preemptable(self, seq: Sequence, for_pages: bool = False) -> list[Sequence]:
         """Running sequences waiting `seq` may preempt, worst first: those a ranked policy says
-        it outranks, and under any policy background ones if it is not background (background
-        work gives way to live work). Not a send in progress (its transfer reads its pages as
-        they are written) nor one whose last step is not resolved yet."""
+        it outranks (`for_pages`: to take their pages, only where the policy
+        `recomputes_to_admit` or a host tier may keep their KV), and under any policy
+        background ones if it is not background (background work gives way to live work). Not
+        a send in progress (its transfer reads its pages as they are written) nor one whose
+        last step is not resolved yet."""
         live = self.background is not None and not self.background.of(seq)
-        if not self.policy.preempts and not live:
+        ranked = self.policy.preempts and (not for_pages or self.policy.recomputes_to_admit
+                                           or self.swapper is not None)
+        if not ranked and not live:
             return []
         victims = [r for r in self.running if r.finish_reason is None and not r.send_only
-                   and ((self.policy.preempts and self.policy.outranks(seq, r))
+                   and ((ranked and self.policy.outranks(seq, r))
                         or (live and self._is_background(r)))]
         return sorted(victims, key=self.policy.rank, reverse=True)
 
@@ -454,7 +458,7 @@ class Scheduler:
         nothing, if it cannot fit."""
         if self.kv.allocate(seq.request_id, num_tokens):
             return 0
-        victims = self._preemptable(seq)
+        victims = self._preemptable(seq, for_pages=True)
         if not victims:
             return None
         stats = self.kv.stats()  # an upper bound: pages shared with others are not freed

@@ -14,11 +14,11 @@ from engine.host_swap import HostSwap, _runs
 from engine.policies import Priority
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus
-from kvcache.host_tier import HostState, HostTier
+from kvcache.host_tier import HostState
 from kvcache.manager import KVCacheManager
 from microserve.messages import SamplingParams
 from test_engine_core import random_prompts
-from test_scheduling_policies import run_step, seq
+from test_scheduling_policies import ids, run_step, seq
 
 # a GPU pool's shape: [layers, K|V, pages, page_size, kv_heads, head_dim]; a page is 512 bytes
 SHAPE = (2, 2, 8, 4, 2, 4)
@@ -368,3 +368,36 @@ def test_prefix_pages_demote_and_load_back_byte_equal_in_chunks():
     assert torch.equal(kv[:, :, [1, 3, 4]], before)
     assert swap.counters["kv_host_prefix_demoted_pages"] == 3
     assert swap.counters["kv_host_prefix_loaded_pages"] == 3
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_mlfq_takes_pages_to_admit_only_where_a_host_tier_keeps_the_kv(tier):
+    """MLFQ, 4 pages of 4 tokens: `old` (8-token prompt) sinks to queue 1 after its first
+    decode and holds 3 pages; `new` (9 tokens: 3 pages, 1 free) joins queue 0. With no host
+    tier it waits for pages: taking old's would throw away KV to recompute (the thrash of
+    docs/benchmarks.md, 2026-11-28). With one, old is swapped out and new runs at once."""
+    from test_scheduling_policies import mlfq
+    kv = KVCacheManager(4, 4)
+    swap = DeferredSwap(pool()) if tier else None
+    sched = Scheduler(kv, 64, 8, mlfq(), swapper=swap)
+    old = seq("old", 8, 0)
+    sched.add(old)
+    assert run_step(sched)[0] == [("old", 8)]
+    assert run_step(sched)[0] == [("old", 1)]
+    assert sched.policy.level(old) == 1 and len(kv.page_table("old")) == 3
+    new = seq("new", 9, 1, max_tokens=1)
+    sched.add(new)
+    steps, out = run_step(sched)
+    if tier:
+        assert steps == [("new", 9)] and ids(out.preempted) == ["old"]
+        assert swap.state("old") is HostState.HELD and old.num_computed_tokens == 9
+        assert run_step(sched)[0] == [("old", 1)]  # back with its KV: one decode token
+        assert swap.counters["kv_swap_ins"] == 1
+    else:
+        assert steps == [("old", 1)] and out.preempted == [] and not kv.has("new")
+        assert sched.preemptions_by_reason == {}
+        assert new.status is SeqStatus.WAITING
+    for s in (*sched.running, *sched.waiting):
+        sched.remove(s)
+    kv.check_integrity()
+    assert kv.stats().used_pages == 0
