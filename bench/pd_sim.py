@@ -16,6 +16,12 @@ than fitted: what the simulation isolates is how the picks follow the rate it re
 
     python -m bench.pd_sim --rate 18 --policy fixed:0.3 --policy adaptive:10 \
         --policy adaptive:30 --seeds 8
+
+`--policy dp` runs the same arrivals round robin over two engines that each prefill (chunked,
+in the order prompts came) and decode, with D's step terms: data parallel on the same two
+GPUs, what balanced P/D is measured against. On two H200s (2026-11-28) it gave data
+parallel's P99 JCT at 18 req/s within 2% of the measured one (3.24 vs 3.20 s, TPOT mean 18.0
+vs 18.6 ms); the P/D side is where the model and the GPUs part (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ from router.balance_model import BalanceModel
 # docs/benchmarks.md's "The GPU suites after the restructuring ..." section)
 H100X2 = {"p_token_s": 23.94e-6, "d_step_s": 5.97e-3, "d_per_seq_s": 135e-6,
           "d_token_s": 22.5e-6}
+# ... and on two H200s at 18 req/s (2026-11-28, the adaptive run of docs/benchmarks.md's "P/D at
+# concurrency 1 after the page copy stopped compiling at run time" section)
+H200X2 = {"p_token_s": 23.1e-6, "d_step_s": 5.0e-3, "d_per_seq_s": 101e-6, "d_token_s": 24.1e-6}
+TERMS = {"h100x2": H100X2, "h200x2": H200X2}
 
 
 @dataclass
@@ -76,7 +86,15 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
         p_free = start + b_p * (n - tail)
         handed.append((p_free, arrival, tail, share))
     handed.sort()
-    # D: steps back to back while there is work
+    return mixed_engine(handed, o, a, c_m, b_d, budget)
+
+
+def mixed_engine(handed: list[tuple], o: int, a: float, c_m: float, b_d: float,
+                 budget: int) -> list[Done]:
+    """One engine stepping back to back while it has work: each step decodes every sequence
+    and computes up to `budget` tokens of prompts (in the order they came), and takes
+    a + c_m·(decoding) + b_d·(prompt tokens). `handed`: (time it may start, arrival, prompt
+    tokens it computes, share) per request, sorted."""
     out: list[Done] = []
     tails: deque[list] = deque()  # [tokens left, arrival, share]
     decoding: list[tuple[int, int, float, float, float]] = []  # (left, id, arrival, first, share)
@@ -116,6 +134,22 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
     return out
 
 
+def data_parallel(rate: float, requests: int, n: int, o: int, seed: int, terms: dict = H100X2,
+                  budget: int = 2048) -> list[Done]:
+    """The same arrivals round robin over two engines that each prefill and decode (the
+    `dp` strategy), with D's step terms (prompt tokens at P's cost)."""
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    out = []
+    for half in (arrivals[0::2], arrivals[1::2]):
+        out += mixed_engine([(t, t, n, 0.0) for t in half], o, terms["d_step_s"],
+                            terms["d_per_seq_s"], terms["p_token_s"], budget)
+    return out
+
+
 def summary(done: list[Done], o: int) -> dict:
     def q(xs, p):
         return statistics.quantiles(xs, n=100, method="inclusive")[p - 1]
@@ -135,14 +169,23 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=3000)
     ap.add_argument("--output", type=int, default=100)
     ap.add_argument("--policy", action="append", required=True,
-                    help="fixed:RATIO or adaptive:RATE_WINDOW_S; repeat")
+                    help="fixed:RATIO, adaptive:RATE_WINDOW_S or dp; repeat")
+    ap.add_argument("--terms", choices=sorted(TERMS), default="h100x2",
+                    help="the cost terms: fitted on two H100s or on two H200s")
     ap.add_argument("--seeds", type=int, default=8, help="runs per policy, seeds 0..N-1")
     args = ap.parse_args()
     for rate in args.rate:
         base = None
         for policy in args.policy:
-            runs = [summary(simulate(rate, args.requests, args.prompt, args.output, policy,
-                                     seed), args.output) for seed in range(args.seeds)]
+            terms = TERMS[args.terms]
+            if policy == "dp":
+                runs = [summary(data_parallel(rate, args.requests, args.prompt, args.output,
+                                              seed, terms), args.output)
+                        for seed in range(args.seeds)]
+            else:
+                runs = [summary(simulate(rate, args.requests, args.prompt, args.output, policy,
+                                         seed, terms), args.output)
+                        for seed in range(args.seeds)]
             mean = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
             base = base or mean
             print(f"{rate:5.1f}/s {policy:>14}: P99 JCT {mean['jct_p99_s']:.2f} s "

@@ -36,3 +36,15 @@ def test_adaptive_runs_are_seeded_and_summarised():
     s = summary(one, 100)
     assert len(one) == 200 and 0.0 < s["share"] < 0.5
     assert s["jct_p99_s"] > s["ttft_p99_s"] > 0 and s["tpot_p99_ms"] >= s["tpot_p90_ms"]
+
+
+def test_data_parallel_prefills_in_chunks_and_decodes_on_each_engine():
+    """Two requests at once go one to each engine: each prefills its 3,000 tokens in two
+    steps (2,048 + 952, at P's cost per token), then decodes alone."""
+    from bench.pd_sim import data_parallel
+    runs = data_parallel(rate=1e6, requests=2, n=3000, o=3, seed=0)
+    a, c_m, b = (H100X2[k] for k in ("d_step_s", "d_per_seq_s", "p_token_s"))
+    for done in runs:
+        assert done.first == pytest.approx(done.arrival + 2 * a + b * 3000)
+        assert done.end == pytest.approx(done.first + 2 * (a + c_m))
+        assert done.share == 0.0
