@@ -250,3 +250,23 @@ def test_no_wait_for_less_than_a_page_another_adapter_or_background_work():
     assert run_step(s)[0] == [("live2", 1, True), ("batch2", 1, True)]
     assert s.running[1].num_cached_tokens == 12
     kv.check_integrity()
+
+
+def test_a_prefill_engines_sends_run_first_come_first_served():
+    """P of balanced P/D: each remote_send's head (here 10 tokens, a budget of 8) runs in the
+    order the calls came, each finished before the next one starts; none is spread over more
+    steps than its own tokens need."""
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=8)
+    for i in range(3):
+        q = seq(f"p{i}", 10, i, start=100 * i, max_tokens=1)
+        q.send_only = q.send_samples = True
+        s.add(q)
+    steps = []
+    for _ in range(4):
+        out = s.schedule()
+        steps.append([(e.seq.request_id, e.num_new_tokens) for e in out.scheduled])
+        for done in s.advance(out):
+            s.remove(done)
+    assert steps == [[("p0", 8)], [("p0", 2), ("p1", 6)], [("p1", 4), ("p2", 4)], [("p2", 6)]]
+    kv.check_integrity()
