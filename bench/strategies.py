@@ -430,7 +430,7 @@ def _line(e: dict) -> str:
 
 def _handover(stages: dict) -> str:
     parts = [f"{name} {stages[name]['p50_ms']:.1f}" for name in
-             ("p_queue", "p_prefill", "transfer_tail", "handover") if name in stages]
+             ("p_queue", "p_prefill", "p_chunks", "transfer_tail", "handover") if name in stages]
     return f"; p50 ms: {', '.join(parts)}" if parts else ""
 
 

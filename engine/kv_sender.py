@@ -210,8 +210,9 @@ class Sending:
     def sends_for(self, seq: Sequence, start: int, num_new: int) -> KVSend | None:
         """The share of a step's chunk [start, start + num_new) that goes to the receiver."""
         job = self.requests.get(seq.request_id).job
+        job.last_step_at = time.perf_counter()
         if job.first_step_at is None:
-            job.first_step_at = time.perf_counter()
+            job.first_step_at = job.last_step_at
         if job.dst_slots is None:  # no destination yet: send_to copies it later
             return None
         lo, hi = max(start, job.begin), min(start + num_new, job.end)

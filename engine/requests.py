@@ -119,13 +119,15 @@ class SendJob:
     # at the receiver. The answer's SendTiming; set by Sending.
     received_at: float = field(default_factory=time.perf_counter)
     first_step_at: float | None = None
+    last_step_at: float | None = None  # the step with its latest chunk (its last, once computed)
     computed_at: float | None = None
 
     def timing(self) -> SendTiming:
         done = self.computed_at or time.perf_counter()
         first = self.first_step_at or done  # all cached: nothing computed
+        last = self.last_step_at or first
         return SendTiming(queued_s=first - self.received_at, prefill_s=done - first,
-                          tail_s=time.perf_counter() - done)
+                          tail_s=time.perf_counter() - done, chunks_s=last - first)
 
 
 # Where a request may go from each state (None: not in the table). Any state may leave it.

@@ -10,6 +10,8 @@ first token to the client); the sending engine reports how its part of a `remote
                  ├ p_queue        from P's HTTP frontend taking the call to its   │
                  │                first step (the step in progress, work before)  │
                  ├ p_prefill      P's steps, to its token read back / KV landed   │
+                 │  ├ p_chunks    its first step to the launch of its last chunk's│
+                 │  └ p_last_step that step's run and the read-back after it      │
                  ├ transfer_tail  from then to the answer                         │
                  └ send_hops      the round trip beyond P's own time: HTTP hops   │
              start_generate on D ── d_first_chunk: D's admission, first step     ─┤
@@ -46,6 +48,7 @@ class Timeline:
     send_s: float | None = None  # engine handle: remote_send's round trip
     p_queue_s: float | None = None  # the sender's report (RemoteSendResponse.timing)
     p_prefill_s: float | None = None
+    p_chunks_s: float | None = None  # within p_prefill: its chunks' span (None: not reported)
     transfer_tail_s: float | None = None
     generate_started: float | None = None  # engine handle: start_generate called
     first_chunk: float | None = None  # engine handle: that engine's first chunk
@@ -57,7 +60,7 @@ class Timeline:
         self.send_s = round_trip_s
         if timing is not None:
             self.p_queue_s, self.p_prefill_s = timing.queued_s, timing.prefill_s
-            self.transfer_tail_s = timing.tail_s
+            self.transfer_tail_s, self.p_chunks_s = timing.tail_s, timing.chunks_s
 
     def stages(self) -> dict[str, float]:
         """The stages this request went through, in seconds."""
@@ -72,6 +75,9 @@ class Timeline:
             out["p_queue"] = self.p_queue_s
             out["p_prefill"] = self.p_prefill_s
             out["transfer_tail"] = self.transfer_tail_s
+            if self.p_chunks_s is not None:
+                out["p_chunks"] = self.p_chunks_s
+                out["p_last_step"] = max(0.0, self.p_prefill_s - self.p_chunks_s)
             engine = self.p_queue_s + self.p_prefill_s + self.transfer_tail_s
             out["send_hops"] = max(0.0, self.send_s - engine)
             if "ttft" in out:
@@ -91,8 +97,9 @@ class StageMetrics:
     def __init__(self, registry: Registry):
         self.histogram = registry.histogram(
             STAGE_METRIC, "Where requests' time to first token went, by stage (router/"
-            "handover.py): ttft, prep_recv, remote_send (p_queue, p_prefill, transfer_tail, "
-            "send_hops), d_first_chunk, and handover = ttft - p_queue - p_prefill.",
+            "handover.py): ttft, prep_recv, remote_send (p_queue, p_prefill (p_chunks, "
+            "p_last_step), transfer_tail, send_hops), d_first_chunk, and handover = ttft - "
+            "p_queue - p_prefill.",
             BUCKETS, ["strategy", "stage"])
 
     def observe(self, strategy: str, timeline: Timeline) -> None:

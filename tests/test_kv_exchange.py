@@ -1203,6 +1203,12 @@ def test_an_asynchronous_sender_answers_right_after_the_step_that_finished_its_s
                                                    real(ids, t))[1]
         r = d.exchange.prep_recv("s", prompt, n, None)
         p.remote_send("s", prompt, 0, n, r.kv_addr, greedy(N_NEW))
+        job = p.exchange.requests.get("s").job
+        chunk_steps = []  # the steps that scheduled a chunk of "s"
+        real_sends_for = p.exchange.sends_for
+        p.exchange.sends_for = lambda seq, start, num: (
+            chunk_steps.append(steps) if seq.request_id == "s" else None,
+            real_sends_for(seq, start, num))[1]
         answer = None
         while answer is None:
             steps += 1
@@ -1216,6 +1222,11 @@ def test_an_asynchronous_sender_answers_right_after_the_step_that_finished_its_s
         assert waits and waits[-1] == steps
         assert answer.first_token == ref[2][0]
         assert answer.timing.prefill_s > 0 and answer.timing.tail_s >= 0
+        # its chunks' span: from the step of its first chunk to that of its last, the fifth (each
+        # step's 16 tokens less the busy request's decode token: 61 = 4 x 15 + 1)
+        assert chunk_steps == list(range(chunk_steps[0], chunk_steps[0] + 5))
+        assert answer.timing.chunks_s == pytest.approx(job.last_step_at - job.first_step_at)
+        assert 0 < answer.timing.chunks_s < answer.timing.prefill_s
         d.exchange.abort("s")
         while p.has_work():
             p.step()

@@ -62,6 +62,10 @@ def test_a_timeline_yields_the_stages_it_went_through():
         "ttft": 0.050, "prep_recv": 0.001, "remote_send": 0.048, "p_queue": 0.005,
         "p_prefill": 0.040, "transfer_tail": 0.002, "send_hops": 0.001, "handover": 0.005,
         "d_first_chunk": 0.0025})
+    split = Timeline(arrived=0.0)
+    split.sent(0.048, SendTiming(queued_s=0.005, prefill_s=0.040, tail_s=0.002, chunks_s=0.030))
+    assert split.stages()["p_chunks"] == pytest.approx(0.030)
+    assert split.stages()["p_last_step"] == pytest.approx(0.010)  # the rest of p_prefill
     no_report = Timeline(arrived=0.0, first_token=0.1)
     no_report.sent(0.09, None)  # an engine that reports no timing: only the round trip
     assert no_report.stages() == pytest.approx({"ttft": 0.1, "remote_send": 0.09})

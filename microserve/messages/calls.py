@@ -76,6 +76,10 @@ class SendTiming:
     queued_s: float  # from the frontend taking the call to the first step computing it
     prefill_s: float  # from that step to the last one's outputs (0 if all was cached)
     tail_s: float  # from then to the answer: the writes flushed (and send_to, if late)
+    # within prefill_s: from the first step computing it to the launch of the step with its last
+    # chunk (its chunks' span); the rest of prefill_s is that step's run and the read-back of
+    # its outputs. None from an engine that does not report it.
+    chunks_s: float | None = None
 
 
 @dataclass(slots=True)
