@@ -705,11 +705,13 @@ async def test_each_request_reports_where_its_first_token_time_went(up, admin, t
     # pd on idle engines: P starts beside D's prep_recv (an early send), so prep_recv is on
     # the path too
     assert added == {stage: 1 for stage in ("ttft", "prep_recv", "remote_send", "p_queue",
-                                            "p_prefill", "transfer_tail", "send_hops",
-                                            "handover", "d_first_chunk")}
+                                            "p_prefill", "p_chunks", "p_last_step",
+                                            "transfer_tail", "send_hops", "handover",
+                                            "d_first_chunk")}
     text = httpx.get(up.url + "/metrics").text
     sums = {line.split("stage=\"")[1].split("\"")[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
             if line.startswith("microserve_router_stage_seconds_sum") and name in line}
     assert sums["p_prefill"] > 0
     assert sums["p_queue"] + sums["p_prefill"] + sums["transfer_tail"] <= sums["remote_send"]
+    assert sums["p_chunks"] + sums["p_last_step"] == pytest.approx(sums["p_prefill"])
