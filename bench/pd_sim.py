@@ -56,7 +56,6 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
              terms: dict = H100X2, budget: int = 2048, poll_s: float = 0.5) -> list[Done]:
     """One run: `requests` Poisson arrivals at `rate` of n prompt and o output tokens each,
     under `policy` ("fixed:R" or "adaptive:WINDOW_S")."""
-    rng = random.Random(seed)
     kind, _, arg = policy.partition(":")
     clock = [0.0]
     model = None
@@ -66,14 +65,10 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
     share, next_poll = 0.2 if model else float(arg), 0.0
     b_p, a, c_m, b_d = (terms["p_token_s"], terms["d_step_s"], terms["d_per_seq_s"],
                         terms["d_token_s"])
-    t, arrivals = 0.0, []
-    for _ in range(requests):
-        t += rng.expovariate(rate)
-        arrivals.append(t)
     # P: FIFO; each request's hand-over time to D
     handed = []  # (time at D, arrival, tail tokens, share)
     p_free = 0.0
-    for arrival in arrivals:
+    for arrival in poisson(rate, requests, seed):
         clock[0] = arrival
         if model is not None:
             model.arrived(n, o)
@@ -87,6 +82,15 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
         handed.append((p_free, arrival, tail, share))
     handed.sort()
     return mixed_engine(handed, o, a, c_m, b_d, budget)
+
+
+def poisson(rate: float, requests: int, seed: int) -> list[float]:
+    """`requests` Poisson arrival times at `rate`, the same for every policy of a seed."""
+    rng, t, arrivals = random.Random(seed), 0.0, []
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    return arrivals
 
 
 def mixed_engine(handed: list[tuple], o: int, a: float, c_m: float, b_d: float,
@@ -138,11 +142,7 @@ def data_parallel(rate: float, requests: int, n: int, o: int, seed: int, terms: 
                   budget: int = 2048) -> list[Done]:
     """The same arrivals round robin over two engines that each prefill and decode (the
     `dp` strategy), with D's step terms (prompt tokens at P's cost)."""
-    rng = random.Random(seed)
-    t, arrivals = 0.0, []
-    for _ in range(requests):
-        t += rng.expovariate(rate)
-        arrivals.append(t)
+    arrivals = poisson(rate, requests, seed)
     out = []
     for half in (arrivals[0::2], arrivals[1::2]):
         out += mixed_engine([(t, t, n, 0.0) for t in half], o, terms["d_step_s"],
@@ -174,18 +174,17 @@ def main() -> None:
                     help="the cost terms: fitted on two H100s or on two H200s")
     ap.add_argument("--seeds", type=int, default=8, help="runs per policy, seeds 0..N-1")
     args = ap.parse_args()
+    terms = TERMS[args.terms]
     for rate in args.rate:
         base = None
         for policy in args.policy:
-            terms = TERMS[args.terms]
-            if policy == "dp":
-                runs = [summary(data_parallel(rate, args.requests, args.prompt, args.output,
-                                              seed, terms), args.output)
-                        for seed in range(args.seeds)]
-            else:
-                runs = [summary(simulate(rate, args.requests, args.prompt, args.output, policy,
-                                         seed, terms), args.output)
-                        for seed in range(args.seeds)]
+            def run(seed: int) -> list[Done]:
+                if policy == "dp":
+                    return data_parallel(rate, args.requests, args.prompt, args.output, seed,
+                                         terms)
+                return simulate(rate, args.requests, args.prompt, args.output, policy, seed,
+                                terms)
+            runs = [summary(run(seed), args.output) for seed in range(args.seeds)]
             mean = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
             base = base or mean
             print(f"{rate:5.1f}/s {policy:>14}: P99 JCT {mean['jct_p99_s']:.2f} s "

@@ -135,13 +135,13 @@ def main(argv: list[str] | None = None) -> None:
         try:
             engine.wait_ready(args.ready_timeout_s)
             for i, rate in enumerate(rates):
-                # each rate its own prompts (the same for every policy): a later rate on the
-                # same engine must not find an earlier one's prompts in the prefix cache
-                prompt_seed = (args.seed if args.prompt_seed is None else args.prompt_seed) + i
+                # each later rate its own prompts (the same for every policy): it must not
+                # find an earlier rate's prompts in the engine's prefix cache
+                base_seed = args.seed if args.prompt_seed is None else args.prompt_seed
                 run_args = SimpleNamespace(**vars(args) | {
                     "base_url": engine.base_url, "api_key": None, "model": None,
                     "request_rate": rate, "event_loop": "asyncio",
-                    "prompt_seed": prompt_seed if i else args.prompt_seed})
+                    "prompt_seed": base_seed + i if i else args.prompt_seed})
                 if policy != "priority":
                     run_args.priority_by = "none"
                 before = engine.counters()
