@@ -8,7 +8,8 @@ works, the line an operator of vLLM ("Avg prompt throughput ... Running: N reqs"
     engine: 10.0 s: 612 steps (16.3 ms), prompt 40,120 tok/s, generation 3,210 tok/s;
     running 256, waiting 144, preempted 0; KV 91.2% used, 2.1% cached; prefix cache hits
     0.0% of prompt tokens (since start); core time: steps 97.8% (waiting for the device
-    71.5%), outputs to frontend 1.1%, messages 0.9%, idle 0.2%
+    71.5%), outputs to frontend 1.1%, messages 0.9%, idle 0.2%; device busy 96.4% in steps,
+    1.00 steps ahead at launch
 
 The core's time splits four ways: `step` (scheduling, launching a step and, with async
 scheduling, waiting for the GPU to finish the step before it: `device_wait`), `send` (writing
@@ -16,13 +17,19 @@ outputs to the frontend: a frontend that cannot keep up shows here, as the socke
 `messages` (handling the frontend's requests and calls) and `idle` (waiting with nothing that
 could run). A GPU-bound engine spends nearly all of it in `step`, most of that waiting for the device; a
 host-bound one in `step` with little waiting (the GPU then waits for the host's launches).
+The device's own share comes from CUDA events around each step (`DeviceTimeline`): the time
+the GPU spent running steps, and how many steps were launched but not finished when the next
+one was (1: the host prepares a step while the GPU runs the one before, as it should).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, fields, replace
+
+import torch
 
 log = logging.getLogger("microserve.core")
 
@@ -33,10 +40,14 @@ class LoopCounters:
     prompt_tokens_computed: int = 0  # prompt tokens through the forward pass (cached ones not)
     tokens_sampled: int = 0  # tokens sampled, of running and finished requests alike
     step_seconds: float = 0.0
-    device_wait_seconds: float = 0.0  # of step_seconds: waiting for a step's sampled tokens
+    device_wait_seconds: float = 0.0  # of step_seconds: waiting for the step before to run
     send_seconds: float = 0.0
     message_seconds: float = 0.0
     idle_seconds: float = 0.0
+    # The device's side (DeviceTimeline; 0 on CPU): its time running steps, and the steps
+    # launched but not finished on it, summed over launches (/ steps: how far ahead the host is)
+    device_busy_seconds: float = 0.0
+    device_steps_ahead: int = 0
 
     def snapshot(self) -> "LoopCounters":
         return replace(self)
@@ -58,6 +69,54 @@ class LoopClock:
         name = f"{what}_seconds"
         setattr(self.counters, name, getattr(self.counters, name) + now - self._last)
         self._last = now
+
+
+class DeviceTimeline:
+    """The device's time per step, from a pair of CUDA events around each launch.
+
+    The host's time says little about a GPU whose steps it launches ahead: a prefill engine
+    whose steps sample nothing never waits for one, so its core looks idle while the GPU is
+    not. The events say what the GPU did: a step's GPU time is the span from its first
+    event to its last (the stream runs steps in order, so the spans do not overlap), and the
+    steps whose last event has not fired yet are the host's lead. Events are read only once
+    they fired (`query`), so watching costs no synchronisation; `wait` is the one that does
+    (the core's pipeline bound, engine/core/step.py). On CPU every call is a no-op.
+    """
+
+    def __init__(self, counters: LoopCounters, cuda: bool):
+        self.counters = counters
+        self.cuda = cuda
+        self._pending: deque = deque()  # (start, end) of launched steps, oldest first
+
+    def begin(self):
+        """Mark a step's start on the current stream (before its first kernel)."""
+        if not self.cuda:
+            return None
+        self._collect()
+        self.counters.device_steps_ahead += len(self._pending)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def end(self, start):
+        """Mark the step's end (after its last kernel); returns the event that fires then."""
+        if start is None:
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((start, end))
+        return end
+
+    def wait(self, end) -> None:
+        """Block until the step that `end` closes has run on the device."""
+        if end is not None:
+            end.synchronize()
+            self._collect()
+
+    def _collect(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self.counters.device_busy_seconds += start.elapsed_time(end) / 1e3
 
 
 class StatsLog:
@@ -110,5 +169,14 @@ def format_line(elapsed: float, before: LoopCounters, after: LoopCounters, stats
         f"core time: steps {100 * spent['step'] / total:.1f}% (waiting for the device "
         f"{100 * delta('device_wait_seconds') / total:.1f}%), outputs to frontend "
         f"{100 * spent['send'] / total:.1f}%, messages {100 * spent['message'] / total:.1f}%, "
-        f"idle {100 * spent['idle'] / total:.1f}%"
+        f"idle {100 * spent['idle'] / total:.1f}%{_device_part(steps, elapsed, delta)}"
     )
+
+
+def _device_part(steps: int, elapsed: float, delta) -> str:
+    """The GPU's side of the line (nothing on CPU, where no step is timed on a device)."""
+    busy = delta("device_busy_seconds")
+    if busy <= 0:
+        return ""
+    return (f"; device busy {100 * busy / elapsed:.1f}% in steps, "
+            f"{delta('device_steps_ahead') / steps:.2f} steps ahead at launch")

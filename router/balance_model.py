@@ -66,7 +66,9 @@ HALF_LIFE = 20.0  # polls (10 s at the router's 0.5 s): how fast old observation
 RATE_WINDOW_S = 30.0
 GRID = 0.01  # the ratios tried
 OVERLOAD_TPOT = 3.0  # overloaded: D's TPOT kept within this many times its idle step
-# P's polls that count: those where its loop idled at most this share of the time. Steps run
+# P's polls that count, where its engine does not time its steps on the device (CPU; on a GPU
+# the fit takes the device's busy seconds, engine/loop_stats.py's DeviceTimeline, and every
+# poll counts): those where its loop idled at most this share of the time. Steps ran
 # ahead of the GPU (async scheduling), so a step's GPU work finishes while the loop idles after
 # it, and its step time then reads the prompt cheaper than it is: on two H200s P's 10-s log
 # windows gave 18.7-21.2 µs per prompt token where it idled 16-55% of the time and 23.0-24.4
@@ -172,7 +174,10 @@ class BalanceModel:
         if steps <= 0 or busy <= 0:  # idle (or restarted: counters went back)
             return
         if side == "p":
-            if shows_cost(stats, last):
+            device = stats.device_busy_seconds - last.device_busy_seconds
+            if device > 0:  # the GPU's own time in steps (CUDA events): exact, idle or not
+                self.p.add((prompt,), device)
+            elif shows_cost(stats, last):
                 self.p.add((prompt,), busy)
         else:
             self.d.add((steps, sampled, prompt), busy)

@@ -21,6 +21,7 @@ class Stats:  # the EngineStats counters the model reads
     prompt_tokens_computed: int = 0
     tokens_sampled: int = 0
     idle_seconds: float = 0.0
+    device_busy_seconds: float = 0.0  # 0: an engine that does not time steps on a device
 
 
 B, A, C = 26e-6, 6e-3, 50e-6
@@ -95,6 +96,21 @@ def test_ps_cost_comes_from_the_polls_where_its_loop_did_not_idle():
                     idle_seconds=p.idle_seconds + (0.005 if saturated else busy))
     assert model.fitted()["p_token_s"] == pytest.approx(B, rel=1e-3)
     assert model.p.n == 20
+
+
+def test_ps_cost_comes_from_its_device_time_in_every_poll_where_the_engine_reports_it():
+    """On a GPU P reports its steps' device time (CUDA events): every poll counts, idle or
+    not, and the loop's own step time (here off by 20% either way) is not read."""
+    model, p = BalanceModel(now=lambda: 0.0), Stats()
+    for i in range(40):
+        model.observe("p", p)
+        prompt = 10_000 + 500 * (i % 7)
+        loop = prompt * B * (0.8 if i % 2 else 1.2)
+        p = replace(p, steps=p.steps + 5, prompt_tokens_computed=p.prompt_tokens_computed + prompt,
+                    step_seconds=p.step_seconds + loop, idle_seconds=p.idle_seconds + loop,
+                    device_busy_seconds=p.device_busy_seconds + prompt * B)
+    assert model.fitted()["p_token_s"] == pytest.approx(B, rel=1e-3)
+    assert model.p.n == 39
 
 
 def test_light_load_keeps_prefill_on_p_and_heavy_load_moves_it_to_d():

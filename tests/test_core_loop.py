@@ -200,6 +200,10 @@ def test_the_stats_line_reports_the_interval_exactly():
         "running 64, waiting 3, preempted 0; KV 50.0% used, 2.5% cached; prefix cache hits "
         "25.0% of prompt tokens (since start); core time: steps 97.0% (waiting for the device "
         "70.0%), outputs to frontend 2.0%, messages 1.0%, idle 0.0%")
+    # On a GPU the device's side follows: its busy share and the host's lead per launch.
+    gpu_after = dataclasses.replace(after, device_busy_seconds=0.9, device_steps_ahead=100)
+    assert format_line(1.0, before, gpu_after, stats).endswith(
+        "idle 0.0%; device busy 90.0% in steps, 1.00 steps ahead at launch")
     log = StatsLog(0.0)
     assert not log.due(1e9) and log.wait_at_most(0.0, after) is None  # 0: never
 

@@ -163,3 +163,27 @@ def test_bf16_batch1_gemv_matches_cublas(tiny_model_dir):
         finally:
             runner.model.use_triton_kernels(True, gemv=True)
     torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_the_device_timeline_times_every_step_and_the_host_stays_one_ahead(tiny_model_dir,
+                                                                          tiny_ref):
+    """CUDA events around each step: after a run the GPU's busy seconds are positive and at
+    most the run's wall time, every step has been collected, and no launch found more than
+    the step before it still unfinished (the host's lead is one step)."""
+    import time
+
+    prompts, want = tiny_ref
+    core = make_core(tiny_model_dir, dtype="float32", async_scheduling=True,
+                     max_num_batched_tokens=64)
+    try:
+        started = time.perf_counter()
+        got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+        wall = time.perf_counter() - started
+        loop = core.loop
+        assert [got[f"r{i}"][0] for i in range(len(prompts))] == want
+        assert loop.steps > 32
+        assert 0 < loop.device_busy_seconds < wall
+        assert loop.device_steps_ahead <= loop.steps  # at most one unfinished at each launch
+        assert not core.device_timeline._pending  # the last step was waited for
+    finally:
+        core.close()

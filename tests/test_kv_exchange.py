@@ -1235,3 +1235,64 @@ def test_an_asynchronous_sender_answers_right_after_the_step_that_finished_its_s
     finally:
         p.close()
         d.close()
+
+
+class _Timeline:
+    """Records the order of an engine's launches and its waits for them (DeviceTimeline's
+    calls; on CPU the real one does nothing, so nothing would show)."""
+
+    def __init__(self):
+        self.events, self.launches = [], 0
+
+    def begin(self):
+        self.launches += 1
+        self.events.append(("launch", self.launches))
+        return self.launches
+
+    def end(self, started):
+        return started
+
+    def wait(self, done):
+        self.events.append(("wait", done))
+
+
+def test_a_sender_whose_steps_sample_nothing_stays_one_step_ahead_of_the_device(
+        tiny_model_dir, prompts):
+    """A balanced P's steps sample nothing (the receiver computes the prompt's rest and samples
+    its token), so no read-back makes the asynchronous core wait for the device: it must wait
+    for each step all the same before launching the one after next, or it packs each chunk
+    into a step of its own as soon as it arrives, queued on the GPU beyond the scheduler's
+    reach. Four sends of 16-token chunks: every step k is waited for before step k + 2 is
+    launched, and each is waited for once."""
+    p = make_core(tiny_model_dir, "shm", async_scheduling=True, max_num_batched_tokens=16)
+    d = make_core(tiny_model_dir, "shm")
+    try:
+        p.device_timeline = timeline = _Timeline()
+        for i, prompt in enumerate(prompts):
+            rid = f"s{i}"
+            r = d.exchange.prep_recv(rid, prompt, len(prompt), None)
+            p.remote_send(rid, prompt, 0, len(prompt), r.kv_addr)  # no sampling
+        answers = {}
+        for _ in range(60):
+            p.step()
+            answers.update(p.poll())
+            if len(answers) == len(prompts):
+                break
+        assert sorted(answers) == [f"s{i}" for i in range(len(prompts))]
+        assert all(a.first_token is None for a in answers.values())
+        while p.has_work():
+            p.step()
+        chunks = sum(-(-len(prompt) // 16) for prompt in prompts)  # 3 + 2 + 4 + 2 steps' worth
+        events = timeline.events
+        launched = [n for kind, n in events if kind == "launch"]
+        waited = [n for kind, n in events if kind == "wait"]
+        assert launched == list(range(1, len(launched) + 1)) and len(launched) <= chunks
+        assert waited == launched  # each step waited for, once, in order
+        for k in launched[:-2]:
+            assert events.index(("wait", k)) < events.index(("launch", k + 2))
+        for rid in answers:
+            d.exchange.abort(rid)
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()

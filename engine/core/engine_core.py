@@ -25,7 +25,7 @@ from engine.grammar import GrammarMatchers
 from engine.host_swap import HostSwap
 from engine.kernels.compile_watch import COMPILES
 from engine.kv_exchange import ExchangeLimits, KVExchange
-from engine.loop_stats import LoopCounters
+from engine.loop_stats import DeviceTimeline, LoopCounters
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.models import fp8
 from engine.penalties import PenaltyPool
@@ -145,6 +145,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
         self._rejected: list[tuple[str, MicroservingError]] = []
         self._init_handlers()
         self.loop = LoopCounters()  # steps and tokens here; the core process adds its time
+        self.device_timeline = DeviceTimeline(self.loop, self.runner.cuda)
         self.info = EngineInfo(
             model_name=mc.name,
             model_dir=str(config.model),

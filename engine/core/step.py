@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.loop_stats import DeviceTimeline
 from engine.penalties import StepAdjustments
 from engine.sampler import PendingSample
 from engine.scheduler import SchedulerOutput
@@ -81,6 +82,7 @@ class LaunchedStep:
     # the way (ModelRunner.score)
     scored: list[tuple[Sequence, int]] = field(default_factory=list)
     scores: list[PendingSample] = field(default_factory=list)
+    done: object = None  # the CUDA event that fires once the step ran (DeviceTimeline.end)
 
 
 class StepPipeline:
@@ -89,6 +91,7 @@ class StepPipeline:
 
     _in_flight: LaunchedStep | None  # async: the step launched, not yet resolved
     _pending_rows: dict[str, int]  # seq id -> its row in the last launch's sample
+    device_timeline: DeviceTimeline
 
     def step(self) -> list[TokenOutput]:
         masks_wait = self._in_flight is not None and self._constrains(self._in_flight)
@@ -133,6 +136,7 @@ class StepPipeline:
         sampled = [e.seq for e in sched.scheduled if e.sample]
         args = SampleArgs([seq.params for seq in sampled], self.requests.generators(sampled),
                           self.penalties.step(sampled))
+        started = self.device_timeline.begin()
         logits = self.runner.forward(batch.forward, batch.input_ids, batch.sample_rows,
                                      from_last=batch.from_last, sends=batch.sends,
                                      lora_slots=batch.lora_slots)
@@ -164,6 +168,7 @@ class StepPipeline:
             scored=[s for _, s in batch.scored], scores=scores)
         if logits is not None and sample_now:
             self._sample(launched)
+        launched.done = self.device_timeline.end(started)
         return launched
 
     def _sample(self, launched: LaunchedStep) -> None:
@@ -209,6 +214,14 @@ class StepPipeline:
         waited = time.perf_counter()
         if launched.pending is not None:
             result = launched.pending.result()
+        else:
+            # Nothing to read back (a prefill engine's steps sample nothing): wait for the
+            # step all the same, so the host stays one step ahead of the device, as it does
+            # where tokens are read back. Unbounded, it launched every prompt chunk the moment
+            # it arrived, each into a step of its own behind all the others: steps half full
+            # where waiting would have filled them, and a queue inside the GPU that the
+            # scheduler could neither see nor reorder.
+            self.device_timeline.wait(launched.done)
         if launched.scores:
             self._fill_prompt_logprobs(launched)
         self.loop.device_wait_seconds += time.perf_counter() - waited

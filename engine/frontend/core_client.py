@@ -390,10 +390,15 @@ _STAT_HELP = {
     "prompt_tokens_computed": ("counter", "Prompt tokens through the forward pass (not cached)"),
     "tokens_sampled": ("counter", "Tokens sampled"),
     "step_seconds": ("counter", "Core time in steps: scheduling, launching, waiting for the GPU"),
-    "device_wait_seconds": ("counter", "Of the step time: waiting for the sampled tokens"),
+    "device_wait_seconds": ("counter", "Of the step time: waiting for the GPU to run the "
+                                       "step before (its sampled tokens)"),
     "send_seconds": ("counter", "Core time writing outputs to the frontend"),
     "message_seconds": ("counter", "Core time handling the frontend's requests and calls"),
     "idle_seconds": ("counter", "Core time waiting with nothing to run"),
+    "device_busy_seconds": ("counter", "GPU time running steps (CUDA events around each step; "
+                                       "0 on CPU)"),
+    "device_steps_ahead": ("counter", "Steps launched and not yet run on the GPU, summed at "
+                                      "each launch (/ steps: the host's lead)"),
 }
 
 

@@ -78,10 +78,12 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # through the forward pass (cached ones not)
     tokens_sampled: int = 0
     step_seconds: float = 0.0  # scheduling, launching, waiting for the GPU's last step
-    device_wait_seconds: float = 0.0  # of step_seconds: waiting for the sampled tokens
+    device_wait_seconds: float = 0.0  # of step_seconds: waiting for the step before to run
     send_seconds: float = 0.0  # writing outputs to the frontend
     message_seconds: float = 0.0  # handling the frontend's requests and calls
     idle_seconds: float = 0.0  # waiting with nothing to run
+    device_busy_seconds: float = 0.0  # the GPU's time running steps (CUDA events; 0 on CPU)
+    device_steps_ahead: int = 0  # steps launched, not yet run, summed over launches
     # LoRA adapters (docs/lora.md): those requests may name, those in the GPU's slots now,
     # those a /v1/load_lora_adapter is reading from disk (not requestable yet)
     lora_registered: list[str] = field(default_factory=list)
