@@ -174,12 +174,15 @@ class EngineHandle:
         self._touch(request)
         await self._call(SendToRequest(request.request_id, begin, kv_addr))
 
-    async def send_prompt(self, request: Request, receiver: EngineHandle, early: bool = True
-                          ) -> tuple[int, int | None]:
+    async def send_prompt(self, request: Request, receiver: EngineHandle, early: bool = True,
+                          end: int | None = None) -> tuple[int, int | None]:
         """Put the KV of the prompt (all but its last token, or all of it with the first
         output token sampled here when `request.first_token_travels`) on `receiver`, which
         lacks it, as P/D and context migration do: receiver.prep_recv, then this engine's
-        remote_send. Returns (begin, first_token) for `receiver.start_generate`.
+        remote_send. Returns (begin, first_token) for `receiver.start_generate`. `end` < the
+        prompt's length: only prompt[:end] (balanced P/D's head; nothing sampled here), and
+        begin is `end` (or less, when the receiver holds all of it: then it computes the
+        head's last token itself).
 
         `early` (the default): this engine starts computing at once, beside the receiver's
         prep_recv, and is told where to send when that answers (remote_send without kv_addr,
@@ -187,7 +190,10 @@ class EngineHandle:
         receiver has pages free now: if it must wait for them, or already holds the whole
         prompt, the early send is dropped and the calls go one after the other."""
         n = len(request.prompt)
-        end = n if request.first_token_travels else n - 1
+        if end is None:
+            end = n if request.first_token_travels else n - 1
+        elif not 0 < end < n:
+            raise ValueError(f"a head of {end} tokens is not within a prompt of {n}")
         if early and _room_now(receiver, end) and (
                 self._pool.prefix_index.match(request.prompt, request.adapter).get(
                     receiver.name, 0) < end):
@@ -196,7 +202,7 @@ class EngineHandle:
                 return sent
         recv = await receiver.prep_recv(request, end=end)
         if recv.matched >= end:  # the receiver holds it all: it computes the last token
-            return n - 1, None
+            return min(end, n - 1), None
         sent = await self.remote_send(request, recv.matched, end, recv.kv_addr,
                                       sample=end == n)
         return end, sent.first_token
@@ -220,7 +226,7 @@ class EngineHandle:
                 await self.send_to(request, recv.matched, recv.kv_addr)
                 return end, (await sending).first_token
             await self._drop(request, sending)
-            return None if recv is None else (n - 1, None)
+            return None if recv is None else (min(end, n - 1), None)
         finally:
             if not sending.done():  # closing the call makes the engine abort the send
                 sending.cancel()

@@ -4,8 +4,7 @@ measurements predict costs least (router/choice_model.py has the model).
     choice = model.pick(len(prompt), loads, slo_ttft_s)
     whole:     E.start_generate(begin=0)
     pd:        P.send_prompt(D), then D.start_generate          (as strategies/pd.py)
-    balanced:  D.prep_recv(end=s), P.remote_send(..., s),       (as strategies/balanced_pd.py)
-               D.start_generate(begin=s)
+    balanced:  P.send_prompt(D, end=s), D.start_generate(begin=s)   (as strategies/balanced_pd.py)
 
 The model's fit and the count of each choice are in `GET /admin/strategy`. On a deployment of
 "any" engines every engine may be P, D or whole; with roles, P/D pairs follow them.
@@ -117,10 +116,8 @@ class Auto(Strategy):
             begin, first = await engines[choice.prefill].send_prompt(request, decode)
         elif choice.kind == "balanced" and n > 1:
             begin = n - max(1, math.ceil(choice.ratio * n))  # D computes at least one token
-            recv = await decode.prep_recv(request, end=begin)
-            if recv.matched < begin:
-                await engines[choice.prefill].remote_send(request, recv.matched, begin,
-                                                          recv.kv_addr)
+            if begin > 0:
+                begin, _ = await engines[choice.prefill].send_prompt(request, decode, end=begin)
         async for chunk in decode.start_generate(request, begin=begin, first_token=first):
             yield chunk
 

@@ -4,6 +4,9 @@
     P.remote_send(matched, s, kv_addr)     P computes and writes them
     D.start_generate(begin=s)              D computes the tail, samples, decodes
 
+(`prefill.send_prompt(request, decode, end=s)`: as in `pd`, P starts at once beside D's
+prep_recv and is told where to write when it answers, so that round trip is off the path.)
+
 `ratio` is the share of the prompt left to D (the paper uses 0.2: the last 20%). Adaptive mode
 (`adaptive: true`) picks the share from a model of both engines fitted to their measured
 rates as the service runs (router/balance_model.py): P's prefill cost per token, D's decode
@@ -112,9 +115,7 @@ class BalancedPD(Strategy):
             self.model.arrived(len(request.prompt), request.sampling.max_tokens or 1)
         s = 0 if prefill is None else self.split(len(request.prompt), prefill, decode, engines)
         if s > 0:
-            recv = await decode.prep_recv(request, end=s)
-            if recv.matched < s:
-                await prefill.remote_send(request, recv.matched, s, recv.kv_addr)
+            s, _ = await prefill.send_prompt(request, decode, end=s)
         async for chunk in decode.start_generate(request, begin=s):
             yield chunk
 

@@ -962,15 +962,42 @@ class _Receiver(FakeEngine):
 
 
 async def _send_prompt(receiver: _Receiver, log: list, early: bool = True,
-                       d_load: EngineStats | None = None):
+                       d_load: EngineStats | None = None, end: int | None = None):
     from router.strategy import Request
 
     pool = make_pool(("p", "prefill"), ("d", "decode"))
     pool["p"].client, pool["d"].client = _Sender(log), receiver
     pool["d"].load = d_load
     request = Request("r1", list(range(20)), SamplingParams(temperature=0))
-    sent = await pool["p"].send_prompt(request, pool["d"], early=early)
+    sent = await pool["p"].send_prompt(request, pool["d"], early=early, end=end)
     return sent, request
+
+
+async def test_a_balanced_head_starts_on_p_beside_ds_prep_recv_and_samples_nothing():
+    """Balanced P/D sends prompt[:14] (D computes the rest): P computes from the start while
+    D reserves, and sends [8, 14) once told (D holds 8 tokens already)."""
+    log = []
+    (begin, first), request = await _send_prompt(_Receiver(log), log, end=14)
+    assert (begin, first) == (14, None)
+    assert log == [("d.prep_recv", 14, 0), ("p.send_to", 8), ("p.remote_send", 0, 14, True)]
+    assert request.received_tokens == 6
+
+
+async def test_a_receiver_holding_the_whole_head_computes_from_its_end():
+    log = []
+    assert (await _send_prompt(_Receiver(log, matched=20), log, end=14))[0] == (14, None)
+    assert log == [("d.prep_recv", 14, 0), ("p.abort", False, True),
+                   ("p.remote_send", 0, 14, True)]
+    log.clear()  # one call after the other (no room now on D): the same answer
+    assert (await _send_prompt(_Receiver(log, matched=20), log, early=False,
+                               end=14))[0] == (14, None)
+    assert log == [("d.prep_recv", 14, 60.0)]
+
+
+@pytest.mark.parametrize("end", [0, 20, 25])
+async def test_a_head_outside_the_prompt_is_refused(end):
+    with pytest.raises(ValueError, match=f"head of {end} tokens"):
+        await _send_prompt(_Receiver([]), [], end=end)
 
 
 async def test_p_computes_beside_ds_prep_recv_and_is_told_where_to_send():
