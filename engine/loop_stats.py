@@ -92,7 +92,7 @@ class DeviceTimeline:
         """Mark a step's start on the current stream (before its first kernel)."""
         if not self.cuda:
             return None
-        self._collect()
+        self.collect()
         self.counters.device_steps_ahead += len(self._pending)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -111,9 +111,10 @@ class DeviceTimeline:
         """Block until the step that `end` closes has run on the device."""
         if end is not None:
             end.synchronize()
-            self._collect()
+            self.collect()
 
-    def _collect(self) -> None:
+    def collect(self) -> None:
+        """Count the steps whose end fired since the last call."""
         while self._pending and self._pending[0][1].query():
             start, end = self._pending.popleft()
             self.counters.device_busy_seconds += start.elapsed_time(end) / 1e3

@@ -234,6 +234,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
 
     def stats(self) -> EngineStats:
         s = self.kv.stats()
+        self.device_timeline.collect()  # the steps the device finished since the last step
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
