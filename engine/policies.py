@@ -81,7 +81,7 @@ class SchedulingPolicy(ABC):
     - If `preempts`, a waiting sequence that cannot be admitted (no seat, no pages) may take
       the place of running sequences it outranks (`outranks`), worst first; the scheduler
       releases their pages (whole pages stay in the prefix cache) and recomputes them later,
-      or swaps them to a host tier. For pages with no host tier only if `recomputes_to_admit`.
+      or swaps them to a host tier. For pages only if `takes_pages_to_admit`.
 
     Nothing here touches pages or the queues: the scheduler does, in the order this says.
     """
@@ -89,12 +89,14 @@ class SchedulingPolicy(ABC):
     name: str
     preempts: bool = False
     # Whether a waiting sequence short of pages may take those of running sequences it outranks
-    # when their KV is then recomputed (no host tier to keep it). Under mlfq, no: every
-    # sequence sinks below newer ones within a few quanta, so taking pages to admit each new
-    # arrival throws away KV that is then recomputed, often to be taken again before it decodes
-    # (on an H200 with ~2,000-token prompts and a 2,048-page pool, 3,752 preemptions for 400
-    # requests, 29 of which waited 60 s without starting; docs/benchmarks.md, 2026-11-28).
-    recomputes_to_admit: bool = True
+    # (their KV recomputed later, or swapped to a host tier). Under mlfq, no: every sequence
+    # sinks below newer ones within a few quanta, so taking pages to admit each new arrival
+    # takes them from sequences that have not finished, which lose their turn again and again.
+    # On an H200 with ~2,000-token prompts, a 2,048-page pool and 12 arrivals a second
+    # (docs/benchmarks.md, 2026-11-28): by recompute, 3,752 preemptions for 400 requests and 29
+    # that waited 60 s without starting; by swap, 1,250 preemptions (1,023 swapped) and mean
+    # JCT 22.9 s against 10.9 s with mlfq waiting for pages and no tier.
+    takes_pages_to_admit: bool = True
 
     def __init__(self, starvation_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -216,7 +218,7 @@ class SkipJoinMLFQ(SchedulingPolicy):
 
     name = "mlfq"
     preempts = True
-    recomputes_to_admit = False  # short of pages it waits, unless a host tier keeps the KV
+    takes_pages_to_admit = False  # short of pages it waits (a seat it still takes)
 
     def __init__(self, profile: PrefillProfile, num_levels: int = 8,
                  base_quantum_s: float | None = None, starvation_s: float | None = None,

@@ -432,13 +432,12 @@ class Scheduler:
     def _preemptable(self, seq: Sequence, for_pages: bool = False) -> list[Sequence]:
         """Running sequences waiting `seq` may preempt, worst first: those a ranked policy says
         it outranks (`for_pages`: to take their pages, only where the policy
-        `recomputes_to_admit` or a host tier may keep their KV), and under any policy
+        `takes_pages_to_admit`), and under any policy
         background ones if it is not background (background work gives way to live work). Not
         a send in progress (its transfer reads its pages as they are written) nor one whose
         last step is not resolved yet."""
         live = self.background is not None and not self.background.of(seq)
-        ranked = self.policy.preempts and (not for_pages or self.policy.recomputes_to_admit
-                                           or self.swapper is not None)
+        ranked = self.policy.preempts and (not for_pages or self.policy.takes_pages_to_admit)
         if not ranked and not live:
             return []
         victims = [r for r in self.running if r.finish_reason is None and not r.send_only
