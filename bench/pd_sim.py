@@ -32,6 +32,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from bench.workloads import WORKLOADS, schedule
 from router.balance_model import BalanceModel
 
 # The terms fitted on two H100s at 18 req/s of 3,000/100 (2026-11-27, call 6 of
@@ -41,7 +42,12 @@ H100X2 = {"p_token_s": 23.94e-6, "d_step_s": 5.97e-3, "d_per_seq_s": 135e-6,
 # ... and on two H200s at 18 req/s (2026-11-28, the adaptive run of docs/benchmarks.md's "P/D at
 # concurrency 1 after the page copy stopped compiling at run time" section)
 H200X2 = {"p_token_s": 23.1e-6, "d_step_s": 5.0e-3, "d_per_seq_s": 101e-6, "d_token_s": 24.1e-6}
-TERMS = {"h100x2": H100X2, "h200x2": H200X2}
+# ... and on two H200s at 20 req/s with P's cost from its device time (CUDA events; the host's
+# step time read it 3-7% cheap), 2026-11-28, "P/D with the device's own step times"
+H200X2_DEVICE = {"p_token_s": 24.9e-6, "d_step_s": 4.86e-3, "d_per_seq_s": 117e-6,
+                 "d_token_s": 24.1e-6}
+TERMS = {"h100x2": H100X2, "h200x2": H200X2, "h200x2-device": H200X2_DEVICE}
+COSTS = ("additive", "roofline")  # what a mixed step costs (mixed_engine)
 
 
 @dataclass
@@ -53,9 +59,10 @@ class Done:
 
 
 def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
-             terms: dict = H100X2, budget: int = 2048, poll_s: float = 0.5) -> list[Done]:
+             terms: dict = H100X2, budget: int = 2048, poll_s: float = 0.5,
+             source: str = "poisson", cost: str = "additive") -> list[Done]:
     """One run: `requests` Poisson arrivals at `rate` of n prompt and o output tokens each,
-    under `policy` ("fixed:R" or "adaptive:WINDOW_S")."""
+    under `policy` ("fixed:R" or "adaptive:WINDOW_S"); `source` as `arrival_times`'."""
     kind, _, arg = policy.partition(":")
     clock = [0.0]
     model = None
@@ -68,7 +75,7 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
     # P: FIFO; each request's hand-over time to D
     handed = []  # (time at D, arrival, tail tokens, share)
     p_free = 0.0
-    for arrival in poisson(rate, requests, seed):
+    for arrival in arrival_times(rate, requests, seed, source):
         clock[0] = arrival
         if model is not None:
             model.arrived(n, o)
@@ -81,7 +88,19 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
         p_free = start + b_p * (n - tail)
         handed.append((p_free, arrival, tail, share))
     handed.sort()
-    return mixed_engine(handed, o, a, c_m, b_d, budget)
+    return mixed_engine(handed, o, a, c_m, b_d, budget, cost)
+
+
+def arrival_times(rate: float, requests: int, seed: int, source: str = "poisson"
+                  ) -> list[float]:
+    """`source` "poisson": this model's own arrivals; "bench": the very times
+    `bench.strategies` sends at that rate in all and seed (bench/workloads.py's schedule), so
+    that a run of the model replays a measured run's arrivals."""
+    if source == "bench":
+        return [t for t, _, _ in schedule(requests, rate, WORKLOADS["synthetic"], seed)]
+    if source != "poisson":
+        raise ValueError(f"arrivals {source!r}: poisson or bench")
+    return poisson(rate, requests, seed)
 
 
 def poisson(rate: float, requests: int, seed: int) -> list[float]:
@@ -94,11 +113,15 @@ def poisson(rate: float, requests: int, seed: int) -> list[float]:
 
 
 def mixed_engine(handed: list[tuple], o: int, a: float, c_m: float, b_d: float,
-                 budget: int) -> list[Done]:
+                 budget: int, cost: str = "additive") -> list[Done]:
     """One engine stepping back to back while it has work: each step decodes every sequence
     and computes up to `budget` tokens of prompts (in the order they came), and takes
-    a + c_m·(decoding) + b_d·(prompt tokens). `handed`: (time it may start, arrival, prompt
-    tokens it computes, share) per request, sorted."""
+    a + c_m·(decoding) + b_d·(prompt tokens) (`cost` "additive"), or max(a, b_d·(prompt
+    tokens)) + c_m·(decoding) ("roofline": the weights a decode step reads are read once by a
+    step whose prompt chunk keeps the GPU computing that long anyway). `handed`: (time it may
+    start, arrival, prompt tokens it computes, share) per request, sorted."""
+    if cost not in COSTS:
+        raise ValueError(f"step cost {cost!r}: one of {COSTS}")
     out: list[Done] = []
     tails: deque[list] = deque()  # [tokens left, arrival, share]
     decoding: list[tuple[int, int, float, float, float]] = []  # (left, id, arrival, first, share)
@@ -120,7 +143,10 @@ def mixed_engine(handed: list[tuple], o: int, a: float, c_m: float, b_d: float,
             taken += step
             if entry[0] == 0:
                 finished_tails.append(entry)
-        now += a + c_m * len(decoding) + b_d * taken
+        if cost == "roofline":
+            now += max(a, b_d * taken) + c_m * len(decoding)
+        else:
+            now += a + c_m * len(decoding) + b_d * taken
         still = []
         for left, rid, arrival, first, s in decoding:
             if left == 1:
@@ -139,14 +165,15 @@ def mixed_engine(handed: list[tuple], o: int, a: float, c_m: float, b_d: float,
 
 
 def data_parallel(rate: float, requests: int, n: int, o: int, seed: int, terms: dict = H100X2,
-                  budget: int = 2048) -> list[Done]:
+                  budget: int = 2048, source: str = "poisson", cost: str = "additive"
+                  ) -> list[Done]:
     """The same arrivals round robin over two engines that each prefill and decode (the
     `dp` strategy), with D's step terms (prompt tokens at P's cost)."""
-    arrivals = poisson(rate, requests, seed)
+    arrivals = arrival_times(rate, requests, seed, source)
     out = []
     for half in (arrivals[0::2], arrivals[1::2]):
         out += mixed_engine([(t, t, n, 0.0) for t in half], o, terms["d_step_s"],
-                            terms["d_per_seq_s"], terms["p_token_s"], budget)
+                            terms["d_per_seq_s"], terms["p_token_s"], budget, cost)
     return out
 
 
@@ -173,6 +200,12 @@ def main() -> None:
     ap.add_argument("--terms", choices=sorted(TERMS), default="h100x2",
                     help="the cost terms: fitted on two H100s or on two H200s")
     ap.add_argument("--seeds", type=int, default=8, help="runs per policy, seeds 0..N-1")
+    ap.add_argument("--arrivals", choices=("poisson", "bench"), default="poisson",
+                    help="bench: the arrival times bench.strategies sends at this rate and "
+                         "seed (3,000/100 synthetic), to replay a measured run")
+    ap.add_argument("--step-cost", choices=COSTS, default="additive",
+                    help="a mixed step's cost: its terms added, or roofline (max of the "
+                         "decode step's and the prompt chunk's, plus the per-sequence term)")
     args = ap.parse_args()
     terms = TERMS[args.terms]
     for rate in args.rate:
@@ -181,9 +214,9 @@ def main() -> None:
             def run(seed: int) -> list[Done]:
                 if policy == "dp":
                     return data_parallel(rate, args.requests, args.prompt, args.output, seed,
-                                         terms)
+                                         terms, source=args.arrivals, cost=args.step_cost)
                 return simulate(rate, args.requests, args.prompt, args.output, policy, seed,
-                                terms)
+                                terms, source=args.arrivals, cost=args.step_cost)
             runs = [summary(run(seed), args.output) for seed in range(args.seeds)]
             mean = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
             base = base or mean

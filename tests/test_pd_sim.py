@@ -48,3 +48,30 @@ def test_data_parallel_prefills_in_chunks_and_decodes_on_each_engine():
         assert done.first == pytest.approx(done.arrival + 2 * a + b * 3000)
         assert done.end == pytest.approx(done.first + 2 * (a + c_m))
         assert done.share == 0.0
+
+
+def test_bench_arrivals_are_the_times_bench_strategies_sends():
+    """`--arrivals bench` replays a measured run: the schedule bench.strategies draws for a
+    rate in all and a seed, the same times whatever the policy."""
+    from bench.pd_sim import arrival_times
+    from bench.workloads import WORKLOADS, schedule
+
+    want = [t for t, _, _ in schedule(50, 18.0, WORKLOADS["synthetic"], 0)]
+    assert arrival_times(18.0, 50, 0, "bench") == want
+    assert arrival_times(18.0, 50, 0, "poisson") != want
+    runs = simulate(18.0, 50, 3000, 100, "fixed:0.3", 0, source="bench")
+    assert sorted(d.arrival for d in runs) == want
+    with pytest.raises(ValueError, match="poisson or bench"):
+        arrival_times(18.0, 5, 0, "trace")
+
+
+def test_a_roofline_step_costs_the_larger_of_its_decode_and_its_prompt_chunk():
+    [done] = simulate(rate=1.0, requests=1, n=3000, o=100, policy="fixed:0.3", seed=0,
+                      cost="roofline")
+    b_p, a, c_m, b_d = (H100X2[k] for k in ("p_token_s", "d_step_s", "d_per_seq_s",
+                                            "d_token_s"))
+    handed = done.arrival + b_p * 2100
+    assert done.first == pytest.approx(handed + max(a, b_d * 900))  # the weights read once
+    assert done.end == pytest.approx(done.first + 99 * (a + c_m))
+    with pytest.raises(ValueError, match="step cost 'sum'"):
+        simulate(1.0, 1, 3000, 100, "fixed:0.3", 0, cost="sum")
