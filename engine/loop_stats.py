@@ -9,7 +9,7 @@ works, the line an operator of vLLM ("Avg prompt throughput ... Running: N reqs"
     running 256, waiting 144, preempted 0; KV 91.2% used, 2.1% cached; prefix cache hits
     0.0% of prompt tokens (since start); core time: steps 97.8% (waiting for the device
     71.5%), outputs to frontend 1.1%, messages 0.9%, idle 0.2%; device busy 96.4% in steps,
-    1.00 steps ahead at launch
+    1.00 steps ahead at launch; decode-only steps 540 at 14.21 ms (batch 249.3)
 
 The core's time splits four ways: `step` (scheduling, launching a step and, with async
 scheduling, waiting for the GPU to finish the step before it: `device_wait`), `send` (writing
@@ -19,7 +19,9 @@ could run). A GPU-bound engine spends nearly all of it in `step`, most of that w
 host-bound one in `step` with little waiting (the GPU then waits for the host's launches).
 The device's own share comes from CUDA events around each step (`DeviceTimeline`): the time
 the GPU spent running steps, and how many steps were launched but not finished when the next
-one was (1: the host prepares a step while the GPU runs the one before, as it should).
+one was (1: the host prepares a step while the GPU runs the one before, as it should); then the
+steps that only decoded: how many, their mean GPU time and mean batch (what a decode step
+costs, apart from the steps that carried prompt tokens).
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class LoopCounters:
     # launched but not finished on it, summed over launches (/ steps: how far ahead the host is)
     device_busy_seconds: float = 0.0
     device_steps_ahead: int = 0
+    # ... of which steps that only decoded (one token a sequence): their GPU time, their
+    # count and their sequences summed (/ steps: the mean batch), a decode step's cost apart
+    # from the steps that carried prompt tokens
+    device_decode_seconds: float = 0.0
+    device_decode_steps: int = 0
+    device_decode_seqs: int = 0
 
     def snapshot(self) -> "LoopCounters":
         return replace(self)
@@ -86,25 +94,28 @@ class DeviceTimeline:
     def __init__(self, counters: LoopCounters, cuda: bool):
         self.counters = counters
         self.cuda = cuda
-        self._pending: deque = deque()  # (start, end) of launched steps, oldest first
+        # (start, end, decoding sequences if the step only decodes else 0) of launched steps,
+        # oldest first
+        self._pending: deque = deque()
 
-    def begin(self):
-        """Mark a step's start on the current stream (before its first kernel)."""
+    def begin(self, decodes: int = 0):
+        """Mark a step's start on the current stream (before its first kernel); `decodes`:
+        its sequences if it only decodes (one token each), else 0."""
         if not self.cuda:
             return None
         self.collect()
         self.counters.device_steps_ahead += len(self._pending)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        return start
+        return start, decodes
 
-    def end(self, start):
+    def end(self, started):
         """Mark the step's end (after its last kernel); returns the event that fires then."""
-        if start is None:
+        if started is None:
             return None
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((start, end))
+        self._pending.append((*started, end))
         return end
 
     def wait(self, end) -> None:
@@ -115,9 +126,15 @@ class DeviceTimeline:
 
     def collect(self) -> None:
         """Count the steps whose end fired since the last call."""
-        while self._pending and self._pending[0][1].query():
-            start, end = self._pending.popleft()
-            self.counters.device_busy_seconds += start.elapsed_time(end) / 1e3
+        c = self.counters
+        while self._pending and self._pending[0][2].query():
+            start, decodes, end = self._pending.popleft()
+            seconds = start.elapsed_time(end) / 1e3
+            c.device_busy_seconds += seconds
+            if decodes:
+                c.device_decode_seconds += seconds
+                c.device_decode_steps += 1
+                c.device_decode_seqs += decodes
 
 
 class StatsLog:
@@ -179,5 +196,11 @@ def _device_part(steps: int, elapsed: float, delta) -> str:
     busy = delta("device_busy_seconds")
     if busy <= 0:
         return ""
-    return (f"; device busy {100 * busy / elapsed:.1f}% in steps, "
+    line = (f"; device busy {100 * busy / elapsed:.1f}% in steps, "
             f"{delta('device_steps_ahead') / steps:.2f} steps ahead at launch")
+    decode_steps = delta("device_decode_steps")
+    if decode_steps:
+        line += (f"; decode-only steps {decode_steps} at "
+                 f"{1e3 * delta('device_decode_seconds') / decode_steps:.2f} ms "
+                 f"(batch {delta('device_decode_seqs') / decode_steps:.1f})")
+    return line

@@ -204,6 +204,10 @@ def test_the_stats_line_reports_the_interval_exactly():
     gpu_after = dataclasses.replace(after, device_busy_seconds=0.9, device_steps_ahead=100)
     assert format_line(1.0, before, gpu_after, stats).endswith(
         "idle 0.0%; device busy 90.0% in steps, 1.00 steps ahead at launch")
+    gpu_after = dataclasses.replace(gpu_after, device_decode_seconds=0.4,
+                                    device_decode_steps=50, device_decode_seqs=1234)
+    assert format_line(1.0, before, gpu_after, stats).endswith(
+        "1.00 steps ahead at launch; decode-only steps 50 at 8.00 ms (batch 24.7)")
     log = StatsLog(0.0)
     assert not log.due(1e9) and log.wait_at_most(0.0, after) is None  # 0: never
 

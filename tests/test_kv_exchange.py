@@ -1244,7 +1244,7 @@ class _Timeline:
     def __init__(self):
         self.events, self.launches = [], 0
 
-    def begin(self):
+    def begin(self, decodes=0):
         self.launches += 1
         self.events.append(("launch", self.launches))
         return self.launches

@@ -136,7 +136,9 @@ class StepPipeline:
         sampled = [e.seq for e in sched.scheduled if e.sample]
         args = SampleArgs([seq.params for seq in sampled], self.requests.generators(sampled),
                           self.penalties.step(sampled))
-        started = self.device_timeline.begin()
+        decodes = len(sched.scheduled) if all(
+            e.num_new_tokens == 1 for e in sched.scheduled) else 0
+        started = self.device_timeline.begin(decodes)
         logits = self.runner.forward(batch.forward, batch.input_ids, batch.sample_rows,
                                      from_last=batch.from_last, sends=batch.sends,
                                      lora_slots=batch.lora_slots)

@@ -399,6 +399,10 @@ _STAT_HELP = {
                                        "0 on CPU)"),
     "device_steps_ahead": ("counter", "Steps launched and not yet run on the GPU, summed at "
                                       "each launch (/ steps: the host's lead)"),
+    "device_decode_seconds": ("counter", "Of the GPU's step time: steps that only decoded"),
+    "device_decode_steps": ("counter", "Steps that only decoded (one token a sequence)"),
+    "device_decode_seqs": ("counter", "Sequences of the steps that only decoded, summed "
+                                      "(/ those steps: their mean batch)"),
 }
 
 

@@ -84,6 +84,9 @@ class EngineStats:
     idle_seconds: float = 0.0  # waiting with nothing to run
     device_busy_seconds: float = 0.0  # the GPU's time running steps (CUDA events; 0 on CPU)
     device_steps_ahead: int = 0  # steps launched, not yet run, summed over launches
+    device_decode_seconds: float = 0.0  # of device_busy_seconds: steps that only decoded
+    device_decode_steps: int = 0
+    device_decode_seqs: int = 0  # their sequences, summed (/ steps: the mean batch)
     # LoRA adapters (docs/lora.md): those requests may name, those in the GPU's slots now,
     # those a /v1/load_lora_adapter is reading from disk (not requestable yet)
     lora_registered: list[str] = field(default_factory=list)
