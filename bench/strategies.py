@@ -14,7 +14,8 @@ to compare patterns that use different numbers of GPUs. Every request streams an
 
 Per run it records TTFT, TPOT and JCT (end to end; mean, p50, p90, p99, in ms), request and
 token throughput, failures, and what each engine did meanwhile (prompt and generated tokens,
-KV tokens sent and received, preemptions: the proof that P/D moved KV). One JSON file holds
+KV tokens sent and received, preemptions: the proof that P/D moved KV; its steps and, on a GPU,
+the device's busy seconds and those of its decode-only steps, with their count and batch). One JSON file holds
 all runs; `python -m bench.plot_strategies` draws the paper's figures from it.
 
 Strategies (--strategy, repeated): a preset, or LABEL=BUILTIN{JSON args}, either with
@@ -192,8 +193,11 @@ class Bench:
 
     async def engine_counters(self) -> dict[str, dict]:
         engines = (await self.call("GET", "/admin/engines"))["engines"]
+        # ... and where each engine's time went: its steps, its GPU's busy seconds and the
+        # decode-only steps' share of them (0 on CPU; engine/loop_stats.py's DeviceTimeline)
         keys = ("prompt_tokens", "generation_tokens", "kv_tokens_sent", "kv_tokens_received",
-                "preemptions")
+                "preemptions", "steps", "prompt_tokens_computed", "device_busy_seconds",
+                "device_decode_seconds", "device_decode_steps", "device_decode_seqs")
         return {e["name"]: {k: e["load"].get(k, 0) for k in keys} for e in engines}
 
     async def settle(self, timeout_s: float = 60.0) -> None:

@@ -627,6 +627,10 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
                  "1p1d-balance-0.5": sum(n - max(1, math.ceil(0.5 * n)) for n in n_in)}[label]
         assert (c["p"]["kv_tokens_sent"], c["d"]["kv_tokens_received"]) == (moved, moved), label
         assert c["p"]["generation_tokens"] + c["d"]["generation_tokens"] == sum(n_out)
+        # each engine's steps in the run; no device timed on CPU
+        assert c["d"]["steps"] > 0 and c["d"]["prompt_tokens_computed"] > 0, label
+        assert all(c[e][k] == 0 for e in ("p", "d") for k in (
+            "device_busy_seconds", "device_decode_seconds", "device_decode_steps")), label
         if label == "dp":  # round robin: both engines served some
             assert c["p"]["generation_tokens"] > 0 and c["d"]["generation_tokens"] > 0
         else:  # P/D, or p drained: d generates every token
