@@ -628,7 +628,8 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
         assert (c["p"]["kv_tokens_sent"], c["d"]["kv_tokens_received"]) == (moved, moved), label
         assert c["p"]["generation_tokens"] + c["d"]["generation_tokens"] == sum(n_out)
         # each engine's steps in the run; no device timed on CPU
-        assert c["d"]["steps"] > 0 and c["d"]["prompt_tokens_computed"] > 0, label
+        assert c["d"]["steps"] > 0, label  # (under 1p1d D computes no prompt token)
+        assert c["p"]["prompt_tokens_computed"] + c["d"]["prompt_tokens_computed"] > 0, label
         assert all(c[e][k] == 0 for e in ("p", "d") for k in (
             "device_busy_seconds", "device_decode_seconds", "device_decode_steps")), label
         if label == "dp":  # round robin: both engines served some
