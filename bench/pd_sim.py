@@ -46,7 +46,14 @@ H200X2 = {"p_token_s": 23.1e-6, "d_step_s": 5.0e-3, "d_per_seq_s": 101e-6, "d_to
 # step time read it 3-7% cheap), 2026-11-28, "P/D with the device's own step times"
 H200X2_DEVICE = {"p_token_s": 24.9e-6, "d_step_s": 4.86e-3, "d_per_seq_s": 117e-6,
                  "d_token_s": 24.1e-6}
-TERMS = {"h100x2": H100X2, "h200x2": H200X2, "h200x2-device": H200X2_DEVICE}
+# ... and with a prompt token's cost growing with the tokens before it (`ctx_s`: attention), from
+# the device timeline's step times on two H200s (2026-11-28, call 7 of "P/D with the device's own
+# step times"): P's 24.7 µs a token over positions 0-2,099, D's tail steps over 2,100-2,999, and
+# the decode-only steps' 6.93 / 8.87 ms at batches 12.9 / 27.0. Meant with `--step-cost roofline`.
+H200X2_CTX = {"p_token_s": 23.2e-6, "d_step_s": 5.16e-3, "d_per_seq_s": 137e-6,
+              "d_token_s": 23.2e-6, "ctx_s": 1.46e-9}
+TERMS = {"h100x2": H100X2, "h200x2": H200X2, "h200x2-device": H200X2_DEVICE,
+         "h200x2-ctx": H200X2_CTX}
 COSTS = ("additive", "roofline")  # what a mixed step costs (mixed_engine)
 
 
@@ -72,6 +79,7 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
     share, next_poll = 0.2 if model else float(arg), 0.0
     b_p, a, c_m, b_d = (terms["p_token_s"], terms["d_step_s"], terms["d_per_seq_s"],
                         terms["d_token_s"])
+    ctx = terms.get("ctx_s", 0.0)
     # P: FIFO; each request's hand-over time to D
     handed = []  # (time at D, arrival, tail tokens, share)
     p_free = 0.0
@@ -85,10 +93,11 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
                 next_poll = arrival + poll_s
         tail = max(1, round(share * n))
         start = max(arrival, p_free)
-        p_free = start + b_p * (n - tail)
+        head = n - tail
+        p_free = start + b_p * head + ctx * head * (head - 1) / 2
         handed.append((p_free, arrival, tail, share))
     handed.sort()
-    return mixed_engine(handed, o, a, c_m, b_d, budget, cost)
+    return mixed_engine(handed, o, a, c_m, b_d, budget, cost, n, ctx)
 
 
 def arrival_times(rate: float, requests: int, seed: int, source: str = "poisson"
@@ -113,17 +122,20 @@ def poisson(rate: float, requests: int, seed: int) -> list[float]:
 
 
 def mixed_engine(handed: list[tuple], o: int, a: float, c_m: float, b_d: float,
-                 budget: int, cost: str = "additive") -> list[Done]:
+                 budget: int, cost: str = "additive", n: int = 0, ctx_s: float = 0.0
+                 ) -> list[Done]:
     """One engine stepping back to back while it has work: each step decodes every sequence
     and computes up to `budget` tokens of prompts (in the order they came), and takes
     a + c_m·(decoding) + b_d·(prompt tokens) (`cost` "additive"), or max(a, b_d·(prompt
     tokens)) + c_m·(decoding) ("roofline": the weights a decode step reads are read once by a
-    step whose prompt chunk keeps the GPU computing that long anyway). `handed`: (time it may
-    start, arrival, prompt tokens it computes, share) per request, sorted."""
+    step whose prompt chunk keeps the GPU computing that long anyway). A prompt token at
+    position p costs b_d + ctx_s·p (attention over the p tokens before it; `n`: the prompts'
+    length, a request's tokens being its last ones). `handed`: (time it may start, arrival,
+    prompt tokens it computes, share) per request, sorted."""
     if cost not in COSTS:
         raise ValueError(f"step cost {cost!r}: one of {COSTS}")
     out: list[Done] = []
-    tails: deque[list] = deque()  # [tokens left, arrival, share]
+    tails: deque[list] = deque()  # [tokens left, arrival, share, next position]
     decoding: list[tuple[int, int, float, float, float]] = []  # (left, id, arrival, first, share)
     now, i, k = 0.0, 0, 0
     while i < len(handed) or tails or decoding:
@@ -131,22 +143,24 @@ def mixed_engine(handed: list[tuple], o: int, a: float, c_m: float, b_d: float,
             now = max(now, handed[i][0])
         while i < len(handed) and handed[i][0] <= now:
             _, arrival, tail, s = handed[i]
-            tails.append([tail, arrival, s])
+            tails.append([tail, arrival, s, max(0, n - tail)])
             i += 1
         room = budget - len(decoding)
-        taken, finished_tails = 0, []
+        taken, finished_tails, prompt_s = 0, [], 0.0
         for entry in tails:
             if room - taken <= 0:
                 break
             step = min(entry[0], room - taken)
+            prompt_s += b_d * step + ctx_s * (step * entry[3] + step * (step - 1) / 2)
             entry[0] -= step
+            entry[3] += step
             taken += step
             if entry[0] == 0:
                 finished_tails.append(entry)
         if cost == "roofline":
-            now += max(a, b_d * taken) + c_m * len(decoding)
+            now += max(a, prompt_s) + c_m * len(decoding)
         else:
-            now += a + c_m * len(decoding) + b_d * taken
+            now += a + c_m * len(decoding) + prompt_s
         still = []
         for left, rid, arrival, first, s in decoding:
             if left == 1:
@@ -173,7 +187,8 @@ def data_parallel(rate: float, requests: int, n: int, o: int, seed: int, terms: 
     out = []
     for half in (arrivals[0::2], arrivals[1::2]):
         out += mixed_engine([(t, t, n, 0.0) for t in half], o, terms["d_step_s"],
-                            terms["d_per_seq_s"], terms["p_token_s"], budget, cost)
+                            terms["d_per_seq_s"], terms["p_token_s"], budget, cost, n,
+                            terms.get("ctx_s", 0.0))
     return out
 
 

@@ -75,3 +75,17 @@ def test_a_roofline_step_costs_the_larger_of_its_decode_and_its_prompt_chunk():
     assert done.end == pytest.approx(done.first + 99 * (a + c_m))
     with pytest.raises(ValueError, match="step cost 'sum'"):
         simulate(1.0, 1, 3000, 100, "fixed:0.3", 0, cost="sum")
+
+
+def test_a_prompt_tokens_cost_grows_with_the_tokens_before_it():
+    """ctx_s: a token at position p costs b + ctx_s·p, on P (positions 0..s-1) and on D (its
+    tail, s..n-1), so a tail of the same length costs D more than a head costs P."""
+    terms = dict(H100X2, ctx_s=1e-9)
+    [done] = simulate(rate=1.0, requests=1, n=3000, o=2, policy="fixed:0.3", seed=0,
+                      terms=terms, cost="roofline")
+    b_p, a, c_m, b_d = (terms[k] for k in ("p_token_s", "d_step_s", "d_per_seq_s",
+                                           "d_token_s"))
+    handed = done.arrival + b_p * 2100 + 1e-9 * 2100 * 2099 / 2
+    tail = b_d * 900 + 1e-9 * (900 * 2100 + 900 * 899 / 2)  # positions 2,100..2,999
+    assert done.first == pytest.approx(handed + max(a, tail))
+    assert done.end == pytest.approx(done.first + a + c_m)
