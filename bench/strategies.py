@@ -429,7 +429,16 @@ def _line(e: dict) -> str:
             f"tpot {ms(e['tpot'], 'mean_ms')}/{ms(e['tpot'], 'p99_ms')} "
             f"jct {ms(e['jct'], 'mean_ms')}/{ms(e['jct'], 'p99_ms')} ms (mean/p99) "
             f"{e['output_tokens_per_s']:.0f} out tok/s, goodput {e['slo']['goodput_per_gpu']:.2f}"
-            f"/GPU{_handover(e['stages'])}")
+            f"/GPU{_handover(e['stages'])}{_busy(e)}")
+
+
+def _busy(e: dict) -> str:
+    """Each engine's GPU time in steps over the run's wall time (engines on a GPU only)."""
+    wall = e.get("wall_s") or 0.0
+    busy = {name: c.get("device_busy_seconds", 0.0) / wall
+            for name, c in (e.get("engine_counters") or {}).items() if wall > 0}
+    parts = [f"{name} {share:.2f}" for name, share in busy.items() if share > 0]
+    return f"; GPU busy: {', '.join(parts)}" if parts else ""
 
 
 def _handover(stages: dict) -> str:

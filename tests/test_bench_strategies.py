@@ -168,3 +168,14 @@ def test_rounds_must_be_at_least_one():
     with pytest.raises(SystemExit):
         main(["--base-url", "http://x", "--admin-token", "t", "--strategy", "dp", "--rates", "1",
               "--rounds", "0"])
+
+
+def test_a_runs_line_shows_each_gpu_engines_busy_share():
+    from bench.strategies import _busy
+
+    run = {"wall_s": 20.0, "engine_counters": {
+        "prefill-0": {"device_busy_seconds": 19.8}, "decode-0": {"device_busy_seconds": 12.0},
+        "cpu-0": {"device_busy_seconds": 0.0}}}
+    assert _busy(run) == "; GPU busy: prefill-0 0.99, decode-0 0.60"
+    assert _busy({"wall_s": 20.0, "engine_counters": {"cpu-0": {"prompt_tokens": 5}}}) == ""
+    assert _busy({"wall_s": 0.0, "engine_counters": {}}) == ""
