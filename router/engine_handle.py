@@ -181,8 +181,7 @@ class EngineHandle:
         lacks it, as P/D and context migration do: receiver.prep_recv, then this engine's
         remote_send. Returns (begin, first_token) for `receiver.start_generate`. `end` < the
         prompt's length: only prompt[:end] (balanced P/D's head; nothing sampled here), and
-        begin is `end` (or less, when the receiver holds all of it: then it computes the
-        head's last token itself).
+        begin is `end`, sent or found whole in the receiver's cache.
 
         `early` (the default): this engine starts computing at once, beside the receiver's
         prep_recv, and is told where to send when that answers (remote_send without kv_addr,

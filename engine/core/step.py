@@ -82,7 +82,7 @@ class LaunchedStep:
     # the way (ModelRunner.score)
     scored: list[tuple[Sequence, int]] = field(default_factory=list)
     scores: list[PendingSample] = field(default_factory=list)
-    done: object = None  # the CUDA event that fires once the step ran (DeviceTimeline.end)
+    done: torch.cuda.Event | None = None  # fires once the step ran (DeviceTimeline.end)
 
 
 class StepPipeline:
