@@ -94,8 +94,8 @@ class DeviceTimeline:
     def __init__(self, counters: LoopCounters, cuda: bool):
         self.counters = counters
         self.cuda = cuda
-        # (start, end, decoding sequences if the step only decodes else 0) of launched steps,
-        # oldest first
+        # (start event, its sequences if the step only decodes else 0, end event) of the
+        # launched steps not yet counted, oldest first
         self._pending: deque = deque()
 
     def begin(self, decodes: int = 0):
