@@ -19,9 +19,11 @@ than fitted: what the simulation isolates is how the picks follow the rate it re
 
 `--policy dp` runs the same arrivals round robin over two engines that each prefill (chunked,
 in the order prompts came) and decode, with D's step terms: data parallel on the same two
-GPUs, what balanced P/D is measured against. On two H200s (2026-11-28) it gave data
-parallel's P99 JCT at 18 req/s within 2% of the measured one (3.24 vs 3.20 s, TPOT mean 18.0
-vs 18.6 ms); the P/D side is where the model and the GPUs part (docs/benchmarks.md).
+GPUs, what balanced P/D is measured against. Over eight of its own arrival seeds it put data
+parallel's P99 JCT at 18 req/s within 2% of one measured run on two H200s (2026-11-28); on
+that run's own arrivals (`--arrivals bench`) it is 20-45% too slow with the terms added, and
+no variant here (`--step-cost`, `--terms`) puts the GPUs' P/D and data parallel both within
+10% (docs/benchmarks.md, "P/D with the device's own step times").
 """
 
 from __future__ import annotations
@@ -93,8 +95,7 @@ def simulate(rate: float, requests: int, n: int, o: int, policy: str, seed: int,
                 next_poll = arrival + poll_s
         tail = max(1, round(share * n))
         start = max(arrival, p_free)
-        head = n - tail
-        p_free = start + b_p * head + ctx * head * (head - 1) / 2
+        p_free = start + prompt_cost(b_p, ctx, 0, n - tail)
         handed.append((p_free, arrival, tail, share))
     handed.sort()
     return mixed_engine(handed, o, a, c_m, b_d, budget, cost, n, ctx)
@@ -110,6 +111,12 @@ def arrival_times(rate: float, requests: int, seed: int, source: str = "poisson"
     if source != "poisson":
         raise ValueError(f"arrivals {source!r}: poisson or bench")
     return poisson(rate, requests, seed)
+
+
+def prompt_cost(per_token: float, ctx: float, first: int, count: int) -> float:
+    """Seconds for prompt tokens at positions [first, first + count): each `per_token` plus
+    `ctx` per token before it."""
+    return per_token * count + ctx * (count * first + count * (count - 1) / 2)
 
 
 def poisson(rate: float, requests: int, seed: int) -> list[float]:
@@ -151,7 +158,7 @@ def mixed_engine(handed: list[tuple], o: int, a: float, c_m: float, b_d: float,
             if room - taken <= 0:
                 break
             step = min(entry[0], room - taken)
-            prompt_s += b_d * step + ctx_s * (step * entry[3] + step * (step - 1) / 2)
+            prompt_s += prompt_cost(b_d, ctx_s, entry[3], step)
             entry[0] -= step
             entry[3] += step
             taken += step
@@ -213,7 +220,8 @@ def main() -> None:
     ap.add_argument("--policy", action="append", required=True,
                     help="fixed:RATIO, adaptive:RATE_WINDOW_S or dp; repeat")
     ap.add_argument("--terms", choices=sorted(TERMS), default="h100x2",
-                    help="the cost terms: fitted on two H100s or on two H200s")
+                    help="the cost terms (see TERMS): fitted on two H100s, on two H200s from "
+                         "host times, from device times, or with a per-position cost")
     ap.add_argument("--seeds", type=int, default=8, help="runs per policy, seeds 0..N-1")
     ap.add_argument("--arrivals", choices=("poisson", "bench"), default="poisson",
                     help="bench: the arrival times bench.strategies sends at this rate and "
