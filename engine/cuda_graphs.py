@@ -12,7 +12,10 @@ against ~6 ms of GPU work for 16 tokens. Two kinds of graphs take the launches o
       static inputs   input_ids[:bucket]  positions[:bucket]   (+ the backend's metadata)
       static output   hidden[:bucket]
 
-- `PiecewiseGraphs`: steps with prompt tokens (prefill chunks, alone or beside decodes), up to
+- `MixedGraphs`: decodes beside one prompt chunk of at most 32 tokens (a batch job's room in a
+  live step), also the whole pass as one graph per decode bucket, the chunk padded.
+
+- `PiecewiseGraphs`: other steps with prompt tokens (prefill chunks, alone or beside decodes), up to
   `max_piecewise_tokens`. Attention's grid and tiles depend on how the step's tokens split
   into sequences, so it stays eager; everything between two attentions is one graph per
   token-count bucket (vLLM's piecewise graphs, cut by hand at the model's attention calls):
@@ -133,6 +136,95 @@ class DecodeGraphs:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
+
+
+# Prompt tokens a mixed graph holds beside its decodes: a step's background room
+# (--background-max-tokens' default), and the last piece of a chunked prompt often fits too.
+MIXED_CHUNK = 32
+
+
+class MixedGraphs:
+    """Steps of decodes beside one prompt chunk of at most `chunk` tokens (a batch job's room in
+    a live step, a prompt's last few tokens), the whole forward pass as one graph per decode
+    bucket, as `DecodeGraphs` does for decode-only steps. Without them such a step ran the
+    piecewise graphs (attention eager between them) for a handful of prompt tokens.
+
+        rows:  [ decodes | padding to the bucket | the chunk | padding to `chunk` ]
+
+    The decode rows are padded as in a decode graph; the chunk's rows are padded to `chunk`,
+    its kv_len grown by as much (TritonAttentionBackend.plan_mixed), so its real rows keep
+    their positions and attend only to the keys before them, and the padding rows store
+    nothing. `use_graphs` False runs the same padded pass eagerly (tests the layout without a
+    GPU)."""
+
+    def __init__(self, model, kv: PagedKVCache, backend: TritonAttentionBackend, max_batch: int,
+                 chunk: int = MIXED_CHUNK, use_graphs: bool = True):
+        self.model, self.kv, self.backend = model, kv, backend
+        self.chunk, self.use_graphs = chunk, use_graphs
+        rows, tokens = backend.page_table.shape[0], backend.slot_mapping.shape[0]
+        self.buckets = [b for b in BUCKETS if b <= max_batch and b + 1 <= rows
+                        and b + chunk <= tokens]
+        n = (self.buckets[-1] if self.buckets else 0) + chunk
+        dev = backend.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.monotonic()
+        capture = _Capturer(self.backend.device)
+        for bucket in reversed(self.buckets):
+            self.backend.plan_mixed(None, bucket, self.chunk)
+            self.graphs[bucket], self.outputs[bucket] = capture(lambda: self._forward(bucket))
+        torch.cuda.synchronize(self.backend.device)
+        log.info("captured %d mixed graphs (batch %s beside a chunk of %d) in %.1f s",
+                 len(self.graphs), self.buckets, self.chunk, time.monotonic() - start)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        t = bucket + self.chunk
+        self.kv.begin_forward_static()
+        try:
+            return self.model(self.input_ids[:t], self.positions[:t], self.kv)
+        finally:
+            self.kv.end_forward()
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        seqs = batch.seqs
+        if not seqs or not self.buckets or len(seqs) - 1 > self.buckets[-1]:
+            return False
+        last = seqs[-1]
+        if not 1 < last.num_new_tokens <= self.chunk:
+            return False
+        if any(s.num_new_tokens != 1 for s in seqs[:-1]):
+            return False
+        grown = last.kv_len + self.chunk - last.num_new_tokens  # its padded kv_len
+        return -(-grown // batch.page_size) <= self.backend.max_pages_per_seq
+
+    def run(self, batch: ForwardBatch, input_ids: list[int], fill=None) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's T packed tokens; `fill` as for
+        DecodeGraphs.run (its input indices are the packed ones)."""
+        nd = len(batch.seqs) - 1
+        real = batch.seqs[-1].num_new_tokens
+        bucket = next(b for b in self.buckets if b >= max(nd, 1))
+        gap, tail = bucket - nd, self.chunk - real
+        self.backend.plan_mixed(batch, bucket, self.chunk)
+        dev, t = self.backend.device, bucket + self.chunk
+        positions = batch.positions()
+        self.input_ids[:t].copy_(to_device(
+            input_ids[:nd] + [0] * gap + input_ids[nd:] + [0] * tail, torch.long, dev))
+        self.positions[:t].copy_(to_device(
+            positions[:nd] + [0] * gap + positions[nd:] + [0] * tail, torch.long, dev))
+        if fill is not None:
+            rows = fill[0]
+            self.input_ids[torch.where(rows >= nd, rows + gap, rows)] = fill[1]
+        if self.use_graphs:
+            self.graphs[bucket].replay()
+            out = self.outputs[bucket]
+        else:
+            out = self._forward(bucket)
+        return torch.cat([out[:nd], out[bucket : bucket + real]])
 
 
 class _StepBuffers:

@@ -200,9 +200,9 @@ class ModelRunner:
             c.num_layers, num_pages, config.page_size, c.num_kv_heads, c.head_dim,
             self.kv_dtype, self.device, backend, pool,
         )  # fmt: skip
-        self.graphs = self.pieces = None
+        self.graphs = self.mixed = self.pieces = None
         if self.cuda and self.triton and capture_graphs and not config.enforce_eager:
-            from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+            from engine.cuda_graphs import DecodeGraphs, MixedGraphs, PiecewiseGraphs
 
             before = set_blas_library(config.blas_library)
             # graphs hold the LoRA kernels even though no step has used an adapter yet
@@ -211,6 +211,10 @@ class ModelRunner:
                 with lora:
                     self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
                     self.graphs.capture()
+                    if self.lora is None:  # a LoRA step's slots follow the packed rows
+                        self.mixed = MixedGraphs(self.model, self.kv, backend,
+                                                 config.max_num_seqs)
+                        self.mixed.capture()
                     tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
                     if tokens > 0:
                         self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens)
@@ -273,6 +277,8 @@ class ModelRunner:
                     self._last_tokens[to_device(src, torch.long, self.device)])  # fmt: skip
         if self.graphs is not None and not sends and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch, input_ids, fill)
+        elif self.mixed is not None and not sends and self.mixed.can_run(batch):
+            hidden = self.mixed.run(batch, input_ids, fill)
         elif self.pieces is not None and self.pieces.can_run(batch):
             hidden = self.pieces.run(batch, input_ids, fill)
         else:

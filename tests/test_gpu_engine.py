@@ -37,14 +37,16 @@ def test_fp32_tiny_equals_hf_on_gpu(tiny_model_dir, tiny_ref, eager):
                      max_num_batched_tokens=40)  # fmt: skip
     runner = core.runner
     assert (runner.graphs is None) == eager and (runner.pieces is None) == eager
-    piecewise = []
+    piecewise, mixed = [], []
     if not eager:  # prefill steps replay the piecewise graphs (every step here is <= 40 tokens)
         run = runner.pieces.run
         runner.pieces.run = lambda *a: piecewise.append(len(a[1])) or run(*a)
+        run_mixed = runner.mixed.run  # ... or a mixed graph: decodes beside <= 32 of a prompt
+        runner.mixed.run = lambda *a: mixed.append(len(a[1])) or run_mixed(*a)
     got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
     for i, expected in enumerate(ref):
         assert got[f"r{i}"][0] == expected, f"prompt {i} (len {len(prompts[i])})"
-    assert eager or (runner.pieces.buckets == [16, 32, 40] and len(piecewise) >= 7)
+    assert eager or (runner.pieces.buckets == [16, 32, 40] and len(piecewise) + len(mixed) >= 7)
     # Prefix-cache hits through the extend kernel over cached pages.
     got = run_all(core, {f"again{i}": p for i, p in enumerate(prompts)})
     for i, expected in enumerate(ref):
@@ -97,6 +99,48 @@ def test_bf16_graph_replay_matches_eager(tiny_model_dir):
         graph = runner.graphs.run(batch, ids).clone()
         eager = runner._forward_eager(batch, ids)
     torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_mixed_replay_matches_eager(tiny_model_dir):
+    """Two decodes beside a 13-token prompt chunk (padded to the graph's 32, its kv_len grown by
+    as much), replayed as one mixed graph, match the same step run eagerly and store the same KV,
+    nothing else."""
+    import torch
+
+    from kvcache.forward import ForwardBatch, SeqForward
+
+    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False)
+    runner = core.runner
+    for i, p in enumerate(random_prompts([20, 50], seed=8)):
+        core.add_request(f"r{i}", p, greedy(8))
+    for _ in range(3):
+        core.step()
+    seqs = core.scheduler.running
+    prompt = random_prompts([13], seed=9)[0]
+    core.kv.open("new", [])
+    assert core.kv.allocate("new", 13)
+    batch = ForwardBatch(
+        [SeqForward(s.request_id, s.num_computed_tokens, 1, core.kv.page_table(s.request_id))
+         for s in seqs] + [SeqForward("new", 0, 13, core.kv.page_table("new"))],
+        core.kv.page_size,
+    )  # fmt: skip
+    assert runner.mixed.can_run(batch) and not runner.graphs.can_run(batch)
+    ids = [s.output_token_ids[-1] for s in seqs] + prompt
+    slots = torch.tensor(batch.slot_mapping(), device="cuda")
+    kv = runner.kv.kv
+    with torch.inference_mode():
+        before = kv.flatten(2, 3).clone()
+        graph = runner.mixed.run(batch, ids).clone()
+        stored = kv.flatten(2, 3)[:, :, slots].clone()
+        untouched = torch.ones(before.shape[2], dtype=torch.bool, device="cuda")
+        untouched[slots] = False
+        assert torch.equal(kv.flatten(2, 3)[:, :, untouched], before[:, :, untouched])
+        eager = runner._forward_eager(batch, ids)
+        stored_eager = kv.flatten(2, 3)[:, :, slots].clone()
+    assert graph.shape == eager.shape == (len(seqs) + 13, eager.shape[1])
+    torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(stored, stored_eager, atol=2e-2, rtol=2e-2)
+    core.kv.free("new")
 
 
 def test_bf16_piecewise_replay_matches_eager(tiny_model_dir):

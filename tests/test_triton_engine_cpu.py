@@ -98,3 +98,38 @@ def test_device_page_tables_follow_shared_prefixes_and_preemption(tiny_model_dir
     # The last drops reach the tables with the next step's batch; then no row is held.
     tables.sync(ForwardBatch([], 4, core.kv.take_table_changes()))
     assert len(tables) == 0
+
+
+def test_mixed_forward_equals_hf_with_decodes_beside_small_padded_chunks(tiny_model_dir):
+    """Decodes beside one small prompt chunk as one padded pass (engine/cuda_graphs.py's
+    MixedGraphs, run here without capturing): decode rows padded to a bucket, the chunk's rows
+    padded to 8 with its kv_len grown by as much. Hugging Face's greedy tokens: the padded
+    rows neither store (another sequence's KV would change) nor shift the chunk's positions.
+    Three seats and a step budget of 10: two decodes beside up to 8 tokens of a third prompt,
+    one decode beside a chunk, a short prompt alone (one padding decode row)."""
+    from engine.cuda_graphs import MixedGraphs
+
+    core = EngineCore(EngineConfig(model=tiny_model_dir, attention_backend="triton", page_size=4,
+                                   num_pages=96, max_num_batched_tokens=10, max_num_seqs=3))
+    runner = core.runner
+    mixed = MixedGraphs(runner.model, runner.kv, runner.kv.backend, 3, chunk=8,
+                        use_graphs=False)
+    assert mixed.buckets == [1, 2]  # 3 rows (+1 for the chunk) and 10 tokens (+8) allow these
+    ran = []
+    run = mixed.run
+
+    def counted(batch, input_ids, fill=None):
+        ran.append((len(batch.seqs) - 1, batch.seqs[-1].num_new_tokens))
+        return run(batch, input_ids, fill)
+
+    mixed.run = counted
+    runner.mixed = mixed
+    for seed, lengths in ((23, [3, 9, 17, 30, 12, 21]), (24, [3, 20]), (25, [6])):
+        prompts = random_prompts(lengths, seed=seed)
+        ref = hf_greedy(tiny_model_dir, prompts, 10)
+        got = run_all(core, {f"r{seed}-{i}": p for i, p in enumerate(prompts)}, greedy(10))
+        for i, expected in enumerate(ref):
+            assert got[f"r{seed}-{i}"][0] == expected, f"seed {seed}, prompt {i}"
+    assert {d for d, _ in ran} == {0, 1, 2}  # both buckets, and a chunk alone
+    assert any(n < 8 for _, n in ran)  # a padded chunk
+    core.check_integrity()

@@ -106,13 +106,45 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_extend, self.max_q_len = 0, 0
         self.num_splits = self._splits(graph_batch, self.max_pages_per_seq)
 
-    def _upload(self, batch: ForwardBatch, pad: int, slots: list[int], cu: list[int]) -> None:
+    def plan_mixed(self, batch: ForwardBatch | None, graph_batch: int, chunk: int) -> None:
+        """A step of decodes and one prompt chunk of at most `chunk` tokens (its last
+        sequence) for a captured mixed graph (engine/cuda_graphs.py, MixedGraphs): the decode
+        rows padded to `graph_batch` as in `plan_graph`, then the chunk's rows padded to
+        `chunk`. The chunk's kv_len grows by its padding, so that its real rows keep their
+        positions (new token i sits at kv_len - q_len + i) and attend only to the keys before
+        them; its padding rows store nothing and read past its end (page ids its table row
+        holds). With batch None (capturing), the chunk is padding too."""
+        batch = batch or ForwardBatch([], self.page_size)
+        seqs = batch.seqs
+        nd = max(len(seqs) - 1, 0)
+        real = seqs[-1].num_new_tokens if seqs else 0
+        slots = batch.slot_mapping()
+        slots = slots[:nd] + [-1] * (graph_batch - nd) + slots[nd:] + [-1] * (chunk - real)
+        self._upload(batch, graph_batch - nd, slots, [0, chunk], pad_at=nd,
+                     grow_last=chunk - real if seqs else 0, chunk_row=0 if seqs else chunk)
+        self.num_tokens = graph_batch + chunk
+        self.num_decode, self.num_extend = graph_batch, 1
+        self.max_q_len = chunk
+        self.num_splits = self._splits(graph_batch, self.max_pages_per_seq)
+
+    def _upload(self, batch: ForwardBatch, pad: int, slots: list[int], cu: list[int],
+                pad_at: int | None = None, grow_last: int = 0, chunk_row: int = 0) -> None:
         """One host-to-device copy for the step: the page table entries that changed, the
         batch's table rows (then gathered on the device), kv_lens, cu_seqlens, slot_mapping.
-        `pad` rows (a CUDA graph's) read the zero row with kv_len 1."""
+        `pad` rows (a CUDA graph's) read the zero row with kv_len 1, after the batch's rows or
+        before row `pad_at`; `grow_last` lengthens the last sequence's kv_len (a mixed graph's
+        padded chunk); `chunk_row` > 0 adds a padding row of that kv_len (its chunk, when
+        capturing)."""
         rows, index, pages = self.tables.sync(batch)
-        rows += [PAD_ROW] * pad
-        lens = [s.kv_len for s in batch.seqs] + [1] * pad
+        lens = [s.kv_len for s in batch.seqs]
+        if grow_last:
+            lens[-1] += grow_last
+        at = len(rows) if pad_at is None else pad_at
+        rows[at:at] = [PAD_ROW] * pad
+        lens[at:at] = [1] * pad
+        if chunk_row:
+            rows.append(PAD_ROW)
+            lens.append(chunk_row)
         b, k, n_cu = len(rows), len(index), len(cu)
         packed = to_device(index + pages + rows + lens + cu + slots, torch.long, self.device)
         if k:
