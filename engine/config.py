@@ -78,6 +78,11 @@ class EngineConfig:
     # default budget): 48 ms eager against 40 ms as pieces on one host. Steps above it run
     # eagerly (the step budget caps it anyway).
     max_piecewise_tokens: int = 2048
+    # CUDA: a step of decodes beside one prompt chunk of at most this many tokens (a batch
+    # job's room in a live step, a prompt's last piece) replays one whole graph per decode
+    # bucket, the chunk padded to this size (engine/cuda_graphs.py, MixedGraphs); 0: such
+    # steps replay the piecewise graphs. One-GPU engines without LoRA only.
+    mixed_graph_tokens: int = 32
     # CUDA: before it reports ready, the engine serves a few requests of its own (EngineCore
     # .warm_up) so that the Triton kernels a shape needs compile then, not during the first
     # user requests of that shape (~1 s each on an H100)
@@ -190,6 +195,9 @@ class EngineConfig:
             raise ValueError(f"tp_overlap_tokens must be >= 0, got {self.tp_overlap_tokens}")
         if self.max_piecewise_tokens < 0:
             raise ValueError(f"max_piecewise_tokens must be >= 0, got {self.max_piecewise_tokens}")
+        if not 0 <= self.mixed_graph_tokens <= 256:
+            raise ValueError(f"mixed_graph_tokens must be 0 (off) to 256, got "
+                             f"{self.mixed_graph_tokens}")
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -211,9 +211,11 @@ class ModelRunner:
                 with lora:
                     self.graphs = DecodeGraphs(self.model, self.kv, backend, config.max_num_seqs)
                     self.graphs.capture()
-                    if self.lora is None:  # a LoRA step's slots follow the packed rows
+                    # not with LoRA (a LoRA step's slots follow the packed rows) nor across
+                    # GPUs (not run there yet)
+                    if config.mixed_graph_tokens and self.lora is None and tp.size == 1:
                         self.mixed = MixedGraphs(self.model, self.kv, backend,
-                                                 config.max_num_seqs)
+                                                 config.max_num_seqs, config.mixed_graph_tokens)
                         self.mixed.capture()
                     tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
                     if tokens > 0:
