@@ -213,7 +213,7 @@ class ModelRunner:
                     self.graphs.capture()
                     # not with LoRA (a LoRA step's slots follow the packed rows) nor across
                     # GPUs (not run there yet)
-                    if config.mixed_graph_tokens and self.lora is None and tp.size == 1:
+                    if config.mixed_graph_tokens and self.lora is None and self.tp.size == 1:
                         self.mixed = MixedGraphs(self.model, self.kv, backend,
                                                  config.max_num_seqs, config.mixed_graph_tokens)
                         self.mixed.capture()
