@@ -39,6 +39,7 @@ def drain(router_url: str, engine: str, admin_token: str, wait_s: float = 300.0,
         deadline = time.monotonic() + wait_s
         while True:
             open_calls = {e["name"]: e["open_sends"] + e["open_generations"]
+                          + e.get("open_receives", 0)
                           for e in _engines(http) if e["name"] in names}
             if not any(open_calls.values()) or time.monotonic() > deadline:
                 return open_calls

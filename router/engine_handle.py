@@ -71,6 +71,11 @@ class EngineHandle:
         # Open calls from this router, by kind; written by this handle's methods only.
         self.open_sends = 0
         self.open_generations = 0
+        # P/D requests and migrations headed here: counted from the moment this engine was
+        # picked as their receiver (send_prompt) until their generation opens. Without it, a
+        # D picked while P computes looked idle for that second, and the next requests picked
+        # it too (2P2D on four H200s: one D took the bursts, TPOT p99 41 ms against 18 on 1P1D)
+        self.open_receives = 0
         self.pending_prefill_tokens = 0  # prompt tokens of open calls not yet computed here
         # LoRA adapter -> generations of it open here: fresher than the polled stats' resident
         # adapters (router/affinity.py); an adapter leaves when its count drops to 0
@@ -90,7 +95,7 @@ class EngineHandle:
 
     @property
     def open_calls(self) -> int:
-        return self.open_sends + self.open_generations
+        return self.open_sends + self.open_generations + self.open_receives
 
     @property
     def routable(self) -> bool:
@@ -193,6 +198,15 @@ class EngineHandle:
             end = n if request.first_token_travels else n - 1
         elif not 0 < end < n:
             raise ValueError(f"a head of {end} tokens is not within a prompt of {n}")
+        receiver.open_receives += 1
+        try:
+            return await self._send_prompt(request, receiver, early, end)
+        finally:
+            receiver.open_receives -= 1
+
+    async def _send_prompt(self, request: Request, receiver: EngineHandle, early: bool,
+                           end: int) -> tuple[int, int | None]:
+        n = len(request.prompt)
         if early and _room_now(receiver, end) and (
                 self._pool.prefix_index.match(request.prompt, request.adapter).get(
                     receiver.name, 0) < end):

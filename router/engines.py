@@ -344,10 +344,15 @@ class EnginePool(PoolHealth):
                                "remote_send calls open on the engine.", ["engine"])
         gens = registry.gauge("microserve_router_engine_open_generations",
                               "start_generate streams open on the engine.", ["engine"])
+        receives = registry.gauge("microserve_router_engine_open_receives",
+                                  "P/D requests and migrations on their way to the engine "
+                                  "(its KV being sent; their generation not open yet).",
+                                  ["engine"])
         for e in self:
             up.set(float(e.routable), engine=e.name)
             sends.set(e.open_sends, engine=e.name)
             gens.set(e.open_generations, engine=e.name)
+            receives.set(e.open_receives, engine=e.name)
         down = registry.counter("microserve_router_engine_down_total",
                                 "Times an engine was found down (liveness probe or failed "
                                 "call).")
@@ -363,7 +368,7 @@ class EnginePool(PoolHealth):
         return [{"name": e.name, "url": e.url, "role": e.role, "source": e.source,
                  "state": _state(e),
                  "down_reason": e.down_reason or None, "open_sends": e.open_sends,
-                 "open_generations": e.open_generations,
+                 "open_generations": e.open_generations, "open_receives": e.open_receives,
                  "pending_prefill_tokens": e.pending_prefill_tokens,
                  "load": msgspec.to_builtins(e.load) if e.load else {},
                  "kv_capacity_tokens": e.info.kv_capacity_tokens if e.info else None}

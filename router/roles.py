@@ -32,7 +32,7 @@ log = logging.getLogger("microserve.router")
 
 POLL_S = 0.02  # how often a flip looks at the engine's open calls
 # the open-call counters of each kind of work, by the role that does it
-WORK = {"prefill": "open_sends", "decode": "open_generations"}
+WORK = {"prefill": ("open_sends",), "decode": ("open_generations", "open_receives")}
 
 
 class FlipInProgress(RuntimeError):
@@ -42,8 +42,8 @@ class FlipInProgress(RuntimeError):
 def old_role_work(engine: EngineHandle, old: str, new: str) -> int:
     """The router's calls open on `engine` that its old role brought and its new one does not
     do."""
-    return sum(getattr(engine, counter) for work, counter in WORK.items()
-               if old in (work, "any") and new not in (work, "any"))
+    return sum(getattr(engine, counter) for work, counters in WORK.items()
+               if old in (work, "any") and new not in (work, "any") for counter in counters)
 
 
 class RoleFlips:

@@ -1022,6 +1022,50 @@ async def test_a_receiver_without_room_now_makes_the_send_wait_for_it_in_line():
                    ("p.remote_send", 8, 20, False)]
 
 
+class _SlowReceiver(_Receiver):
+    """D whose prep_recv answers when `go` is set."""
+
+    def __init__(self, log: list):
+        super().__init__(log)
+        self.go = asyncio.Event()
+
+    async def prep_recv(self, *args, **kwargs):
+        await self.go.wait()
+        return await super().prep_recv(*args, **kwargs)
+
+
+async def test_a_d_that_kv_is_on_its_way_to_counts_as_loaded_until_its_generation_opens():
+    """2P2D: while P computes a request for d1, d1 has a call coming, so the next pair goes
+    to d2 (before, d1 looked idle until the generation opened and took every request of
+    that second); the count is gone once the send ends, failed or not."""
+    from router.strategy import Request
+
+    log = []
+    pool = make_pool(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode"))
+    receiver = _SlowReceiver(log)
+    pool["p1"].client, pool["d1"].client = _Sender(log), receiver
+    prefill, decode = pool.prefill_decode()
+    assert (prefill.name, decode.name) == ("p1", "d1")
+    request = Request("r1", list(range(20)), SamplingParams(temperature=0))
+    sending = asyncio.ensure_future(prefill.send_prompt(request, decode, end=14))
+    await asyncio.sleep(0.01)
+    assert (pool["d1"].open_receives, pool["d1"].open_calls) == (1, 1)
+    assert [(p.name, d.name) for p, d in [pool.prefill_decode()]] == [("p2", "d2")]
+    assert next(e for e in pool.describe() if e["name"] == "d1")["open_receives"] == 1
+    assert "microserve_router_engine_open_receives{engine=\"d1\"} 1" in pool.metrics_text()
+    receiver.go.set()
+    assert await sending == (14, None)
+    assert pool["d1"].open_receives == 0
+    # a send that fails leaves no count behind
+    receiver.go.clear()
+    sending = asyncio.ensure_future(prefill.send_prompt(
+        Request("r2", list(range(20)), SamplingParams(temperature=0)), decode, end=14))
+    await asyncio.sleep(0.01)
+    sending.cancel()
+    await asyncio.gather(sending, return_exceptions=True)
+    assert pool["d1"].open_receives == 0 and pool["d1"].open_calls == 0
+
+
 async def test_a_receiver_holding_the_whole_prompt_computes_the_last_token_itself():
     log = []
     (begin, first), _ = await _send_prompt(_Receiver(log, matched=20), log)
