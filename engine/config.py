@@ -80,9 +80,11 @@ class EngineConfig:
     max_piecewise_tokens: int = 2048
     # CUDA: a step of decodes beside one prompt chunk of at most this many tokens (a batch
     # job's room in a live step, a prompt's last piece) replays one whole graph per decode
-    # bucket, the chunk padded to this size (engine/cuda_graphs.py, MixedGraphs); 0: such
-    # steps replay the piecewise graphs. One-GPU engines without LoRA only.
-    mixed_graph_tokens: int = 32
+    # bucket, the chunk padded to this size (engine/cuda_graphs.py, MixedGraphs); 0: off,
+    # such steps replay the piecewise graphs. One-GPU engines without LoRA only. Off by
+    # default: on one H200 beside a batch (32) it cut live TPOT p99 in two calls of three and
+    # raised live TTFT p99 in all three (docs/benchmarks.md, "Mixed CUDA graphs").
+    mixed_graph_tokens: int = 0
     # CUDA: before it reports ready, the engine serves a few requests of its own (EngineCore
     # .warm_up) so that the Triton kernels a shape needs compile then, not during the first
     # user requests of that shape (~1 s each on an H100)

@@ -177,7 +177,8 @@ def lora_options(p) -> None:
                         "piecewise CUDA graphs, attention eager (default: 2048; 0: eager)")
     _config_option(p, "--mixed-graph-tokens", type=int,
                    help="CUDA: decodes beside one prompt chunk of up to this many tokens "
-                        "replay one whole CUDA graph, the chunk padded (default: 32; 0: off)")
+                        "replay one whole CUDA graph, the chunk padded (default: 0, off; "
+                        "try 32 beside batch jobs)")
     _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
                    help="launch step N before reading step N-1's tokens (default: auto, "
                         "which is on for CUDA)")

@@ -34,7 +34,7 @@ def tiny_ref(tiny_model_dir):
 def test_fp32_tiny_equals_hf_on_gpu(tiny_model_dir, tiny_ref, eager):
     prompts, ref = tiny_ref
     core = make_core(tiny_model_dir, dtype="float32", enforce_eager=eager,
-                     max_num_batched_tokens=40)  # fmt: skip
+                     max_num_batched_tokens=40, mixed_graph_tokens=32)  # fmt: skip
     runner = core.runner
     assert (runner.graphs is None) == eager and (runner.pieces is None) == eager
     piecewise, mixed = [], []
@@ -109,7 +109,8 @@ def test_bf16_mixed_replay_matches_eager(tiny_model_dir):
 
     from kvcache.forward import ForwardBatch, SeqForward
 
-    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False)
+    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False,
+                     mixed_graph_tokens=32)
     runner = core.runner
     for i, p in enumerate(random_prompts([20, 50], seed=8)):
         core.add_request(f"r{i}", p, greedy(8))

@@ -444,6 +444,8 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
     assert load_deployment(config).engines[0].config.queue_timeout_s == 2.5
     for args, message in [('["--page-size", "x"]', "argument --page-size: invalid int value"),
                           ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
+                          ('["--mixed-graph-tokens", "300"]',
+                           r"mixed_graph_tokens must be 0 \(off\) to 256, got 300"),
                           ('["--background-prompt-every", "0"]',
                            r"background_prompt_every must be in \[1, 1024\], got 0"),
                           ('["--no-such-option"]', "unrecognized arguments: --no-such-option"),
