@@ -82,7 +82,7 @@ class EngineLoad:
     prefill: bool
     decode: bool
     queue: int  # prompt tokens of its open calls not yet computed
-    decoding: int  # sequences generating on it
+    decoding: int  # sequences generating on it, or whose KV is on its way to it
     held: int = 0  # tokens of this prompt it has cached
     sends_kv: bool = True  # may be P (a tensor-parallel engine only with a KV transfer)
     receives_kv: bool = True  # may be D (runs a KV transfer)

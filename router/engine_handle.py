@@ -98,6 +98,12 @@ class EngineHandle:
         return self.open_sends + self.open_generations + self.open_receives
 
     @property
+    def decoding(self) -> int:
+        """Sequences generating here from this router's calls, and those whose KV is on its
+        way here (they generate here next)."""
+        return self.open_generations + self.open_receives
+
+    @property
     def routable(self) -> bool:
         return self.up and not self.draining
 

@@ -105,7 +105,7 @@ class EngineView:
     name: str
     role: str  # "prefill", "decode" or "any"
     waiting: int  # prompt tokens of the router's open calls on it not computed yet
-    decoding: int  # sequences the router has generating on it
+    decoding: int  # sequences the router has generating on it, or on their way to it
     tpot_s: float  # its predicted step time with one more sequence decoding
     kv_use: float  # share of its KV pages in use (last poll)
 

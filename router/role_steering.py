@@ -70,7 +70,7 @@ class RoleSteering:
         chosen = dict(self._chosen())
         since = {k: n - self._last_chosen.get(k, 0) for k, n in chosen.items()}
         self._last_chosen = chosen
-        engines = tuple(EngineView(e.name, e.role, e.pending_prefill_tokens, e.open_generations,
+        engines = tuple(EngineView(e.name, e.role, e.pending_prefill_tokens, e.decoding,
                                    self._tpot_s(e), _kv_use(e))
                         for e in self.pool.routable())
         return Observation(now, engines, since, self.pool.roles.in_flight)

@@ -70,7 +70,7 @@ class Auto(Strategy):
             if e.load is not None:
                 self.model.observe(e.name, e.load)
             out.append(EngineLoad(e.name, e.serves("prefill"), e.serves("decode"),
-                                  e.pending_prefill_tokens, e.open_generations,
+                                  e.pending_prefill_tokens, e.decoding,
                                   held.get(e.name, 0), e.sends_kv, e.receives_kv))
         return out
 
@@ -93,8 +93,7 @@ class Auto(Strategy):
         """`engine`'s predicted step time with one more sequence decoding on it."""
         if engine.load is not None:
             self.model.observe(engine.name, engine.load)
-        return self.model.tpot_s(EngineLoad(engine.name, True, True, 0,
-                                            engine.open_generations))
+        return self.model.tpot_s(EngineLoad(engine.name, True, True, 0, engine.decoding))
 
     def rate(self) -> float:
         """Requests per second over the last RATE_WINDOW_S (this one included)."""

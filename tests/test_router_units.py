@@ -1066,6 +1066,22 @@ async def test_a_d_that_kv_is_on_its_way_to_counts_as_loaded_until_its_generatio
     assert pool["d1"].open_receives == 0 and pool["d1"].open_calls == 0
 
 
+def test_auto_and_role_steering_count_requests_on_their_way_to_a_d_as_decoding():
+    """`auto` prices D's TPOT from the sequences it decodes: those whose KV P is sending count
+    (they decode there within the second), as in the pool's pick."""
+    from router.prefix_index import PrefixIndex
+    from router.strategy import Request
+    from strategies.auto import Auto
+
+    pool = make_pool(("p", "prefill"), ("d", "decode"))
+    pool.prefix_index = PrefixIndex(page_size=4)
+    pool["d"].open_generations, pool["d"].open_receives = 3, 2
+    auto = Auto()
+    loads = auto.loads(Request("r", list(range(8)), SamplingParams(temperature=0)), pool)
+    assert [(e.name, e.decoding) for e in loads] == [("p", 0), ("d", 5)]
+    assert auto.tpot_s(pool["d"]) == auto.model.tpot_s(loads[1])
+
+
 async def test_a_receiver_holding_the_whole_prompt_computes_the_last_token_itself():
     log = []
     (begin, first), _ = await _send_prompt(_Receiver(log, matched=20), log)
