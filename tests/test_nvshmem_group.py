@@ -124,6 +124,17 @@ def test_the_shipped_nvshmem_deployments_form_a_group_of_two(path):
         ("prefill", "0/2@/tmp/rv"), ("decode", "1/2@/tmp/rv")]
 
 
+def test_the_four_gpu_nvshmem_deployment_forms_one_group_of_four_in_file_order():
+    deployment = load_deployment("deploy/gpu-2p2d-nvshmem.toml")
+    launches = with_nvshmem_group(list(deployment.engines), "/tmp/rv")
+    assert [(launch.name, launch.role, launch.config.device, launch.env[GROUP_ENV])
+            for launch in launches] == [
+        ("prefill-0", "prefill", "cuda:0", "0/4@/tmp/rv"),
+        ("prefill-1", "prefill", "cuda:1", "1/4@/tmp/rv"),
+        ("decode-0", "decode", "cuda:2", "2/4@/tmp/rv"),
+        ("decode-1", "decode", "cuda:3", "3/4@/tmp/rv")]
+
+
 # ---- the rendezvous ----------------------------------------------------------------------------
 
 
