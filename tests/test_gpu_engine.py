@@ -101,86 +101,62 @@ def test_bf16_graph_replay_matches_eager(tiny_model_dir):
     torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
 
 
-def test_bf16_mixed_replay_matches_eager(tiny_model_dir):
-    """Two decodes beside a 13-token prompt chunk (padded to the graph's 32, its kv_len grown by
-    as much), replayed as one mixed graph, match the same step run eagerly and store the same KV,
-    nothing else."""
+def _replay_matches_eager(core, graphs: str, chunk: int, seeds: tuple[int, int]):
+    """Two decodes beside a `chunk`-token prompt chunk, run by `core.runner.<graphs>`, against
+    the same step run eagerly: the hidden states, the KV stored at the step's slots, and nothing
+    else in the pool changed. Returns the step's batch."""
     import torch
 
     from kvcache.forward import ForwardBatch, SeqForward
 
-    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False,
-                     mixed_graph_tokens=32)
     runner = core.runner
-    for i, p in enumerate(random_prompts([20, 50], seed=8)):
+    for i, p in enumerate(random_prompts([20, 50], seed=seeds[0])):
         core.add_request(f"r{i}", p, greedy(8))
     for _ in range(3):
         core.step()
     seqs = core.scheduler.running
-    prompt = random_prompts([13], seed=9)[0]
+    prompt = random_prompts([chunk], seed=seeds[1])[0]
     core.kv.open("new", [])
-    assert core.kv.allocate("new", 13)
+    assert core.kv.allocate("new", chunk)
     batch = ForwardBatch(
         [SeqForward(s.request_id, s.num_computed_tokens, 1, core.kv.page_table(s.request_id))
-         for s in seqs] + [SeqForward("new", 0, 13, core.kv.page_table("new"))],
+         for s in seqs] + [SeqForward("new", 0, chunk, core.kv.page_table("new"))],
         core.kv.page_size,
     )  # fmt: skip
-    assert runner.mixed.can_run(batch) and not runner.graphs.can_run(batch)
     ids = [s.output_token_ids[-1] for s in seqs] + prompt
     slots = torch.tensor(batch.slot_mapping(), device="cuda")
     kv = runner.kv.kv
     with torch.inference_mode():
         before = kv.flatten(2, 3).clone()
-        graph = runner.mixed.run(batch, ids).clone()
+        replayed = getattr(runner, graphs).run(batch, ids).clone()
         stored = kv.flatten(2, 3)[:, :, slots].clone()
         untouched = torch.ones(before.shape[2], dtype=torch.bool, device="cuda")
         untouched[slots] = False
         assert torch.equal(kv.flatten(2, 3)[:, :, untouched], before[:, :, untouched])
         eager = runner._forward_eager(batch, ids)
         stored_eager = kv.flatten(2, 3)[:, :, slots].clone()
-    assert graph.shape == eager.shape == (len(seqs) + 13, eager.shape[1])
-    torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
+    assert replayed.shape == eager.shape == (len(seqs) + chunk, eager.shape[1])
+    torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(stored, stored_eager, atol=2e-2, rtol=2e-2)
     core.kv.free("new")
+    return batch
+
+
+def test_bf16_mixed_replay_matches_eager(tiny_model_dir):
+    """Two decodes beside a 13-token prompt chunk (padded to the graph's 32, its kv_len grown by
+    as much), replayed as one mixed graph, match the same step run eagerly and store the same KV,
+    nothing else; a decode graph could not have run the step."""
+    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False,
+                     mixed_graph_tokens=32)
+    batch = _replay_matches_eager(core, "mixed", 13, (8, 9))
+    assert core.runner.mixed.can_run(batch) and not core.runner.graphs.can_run(batch)
 
 
 def test_bf16_piecewise_replay_matches_eager(tiny_model_dir):
     """A mixed step (two decodes and a 30-token prefill chunk, padded to the 32-token bucket)
     replayed as piecewise graphs matches the same step run eagerly, and stores the same KV."""
-    import torch
-
-    from kvcache.forward import ForwardBatch, SeqForward
-
     core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False)
-    runner = core.runner
-    for i, p in enumerate(random_prompts([20, 50], seed=6)):
-        core.add_request(f"r{i}", p, greedy(8))
-    for _ in range(3):
-        core.step()
-    seqs = core.scheduler.running
-    prompt = random_prompts([30], seed=7)[0]
-    core.kv.open("new", [])
-    assert core.kv.allocate("new", 30)
-    batch = ForwardBatch(
-        [SeqForward(s.request_id, s.num_computed_tokens, 1, core.kv.page_table(s.request_id))
-         for s in seqs] + [SeqForward("new", 0, 30, core.kv.page_table("new"))],
-        core.kv.page_size,
-    )  # fmt: skip
-    ids = [s.output_token_ids[-1] for s in seqs] + prompt
-    slots = torch.tensor(batch.slot_mapping(), device="cuda")
-    kv = runner.kv.kv
-    with torch.inference_mode():
-        before = kv.flatten(2, 3).clone()
-        pieces = runner.pieces.run(batch, ids).clone()
-        stored = kv.flatten(2, 3)[:, :, slots].clone()
-        untouched = torch.ones(before.shape[2], dtype=torch.bool, device="cuda")
-        untouched[slots] = False
-        assert torch.equal(kv.flatten(2, 3)[:, :, untouched], before[:, :, untouched])
-        eager = runner._forward_eager(batch, ids)
-        stored_eager = kv.flatten(2, 3)[:, :, slots].clone()
-    torch.testing.assert_close(pieces, eager, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(stored, stored_eager, atol=2e-2, rtol=2e-2)
-    core.kv.free("new")
+    _replay_matches_eager(core, "pieces", 30, (6, 7))
 
 
 def test_bf16_batch1_gemv_matches_cublas(tiny_model_dir):
