@@ -30,9 +30,9 @@ import subprocess
 import sys
 import time
 
-import httpx
 
 from bench.serve import one
+from bench.sse_client import StreamClient
 from bench.transfer import start_engine, wait_healthy
 from microserve.model_config import ModelConfig
 from microserve.model_files import resolve_model
@@ -50,11 +50,15 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def plain(client: httpx.AsyncClient, prompt: list[int], n_out: int) -> float:
+async def plain(client: StreamClient, prompt: list[int], n_out: int) -> float:
     body = {"prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
-    r = await client.post("/completions", json=body)
-    assert r.status_code == 200, r.text
+    response = await client.post("/completions", body)
+    try:
+        text = await response.read()
+    finally:
+        response.release()
+    assert response.status == 200, text
     return time.perf_counter() - start
 
 
@@ -76,7 +80,7 @@ async def latency(direct, routed, args, vocab: int, rng) -> dict:
     return out
 
 
-async def throughput(client: httpx.AsyncClient, args, vocab: int, rng) -> tuple[float, float]:
+async def throughput(client: StreamClient, args, vocab: int, rng) -> tuple[float, float]:
     gate = asyncio.Semaphore(args.concurrency)
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)]
                for _ in range(args.requests)]
@@ -123,26 +127,24 @@ async def main() -> None:
         [sys.executable, "-m", "launcher.cli", "router", "--model", model, "--port",
          str(args.base_port + 1), "--engine", f"e0={engine_url}", "--strategy",
          "data_parallel", "--log-level", "warning"], stdout=subprocess.DEVNULL)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    direct, routed = StreamClient(engine_url + "/v1"), StreamClient(router_url + "/v1")
     try:
         await wait_healthy(engine_url, engine)
         await wait_healthy(router_url, router)
         rng = random.Random(0)
-        async with httpx.AsyncClient(base_url=engine_url + "/v1", timeout=120,
-                                     limits=limits) as direct, \
-                httpx.AsyncClient(base_url=router_url + "/v1", timeout=120,
-                                  limits=limits) as routed:
-            warm = argparse.Namespace(**{**vars(args), "pairs": 10})
-            await latency(direct, routed, warm, vocab, rng)
-            idle = await idle_cpu(router.pid, 10.0)
-            cpu0, t0 = cpu_seconds(router.pid), time.perf_counter()
-            lat = await latency(direct, routed, args, vocab, rng)
-            cpu_lat = cpu_seconds(router.pid) - cpu0 - idle * (time.perf_counter() - t0)
-            rps_d, tps_d = await throughput(direct, args, vocab, rng)
-            cpu1, t1 = cpu_seconds(router.pid), time.perf_counter()
-            rps_r, tps_r = await throughput(routed, args, vocab, rng)
-            cpu_tput = cpu_seconds(router.pid) - cpu1 - idle * (time.perf_counter() - t1)
+        warm = argparse.Namespace(**{**vars(args), "pairs": 10})
+        await latency(direct, routed, warm, vocab, rng)
+        idle = await idle_cpu(router.pid, 10.0)
+        cpu0, t0 = cpu_seconds(router.pid), time.perf_counter()
+        lat = await latency(direct, routed, args, vocab, rng)
+        cpu_lat = cpu_seconds(router.pid) - cpu0 - idle * (time.perf_counter() - t0)
+        rps_d, tps_d = await throughput(direct, args, vocab, rng)
+        cpu1, t1 = cpu_seconds(router.pid), time.perf_counter()
+        rps_r, tps_r = await throughput(routed, args, vocab, rng)
+        cpu_tput = cpu_seconds(router.pid) - cpu1 - idle * (time.perf_counter() - t1)
     finally:
+        direct.close()
+        routed.close()
         router.terminate()
         engine.terminate()
         router.wait(30)

@@ -43,14 +43,10 @@ import statistics
 import time
 
 import httpx
+import msgspec
 
 from bench.slo import SLO
-
-
-# Reuse an idle connection only this long: below servers' keep-alive timeouts (uvicorn's
-# default, which vLLM keeps: 5 s), so a request never goes out on a connection the server is
-# closing at that moment.
-CLIENT_KEEP_ALIVE_S = 3.0
+from bench.sse_client import StreamClient, sse_payloads
 
 
 async def sse_chunks(resp: httpx.Response):
@@ -59,6 +55,8 @@ async def sse_chunks(resp: httpx.Response):
         if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[6:])
 
+
+_decode = msgspec.json.Decoder().decode
 
 WORKLOADS = {"heavy-tail": ("lognormal:512:1.0", "lognormal:128:1.2")}
 
@@ -92,22 +90,30 @@ def workload(args) -> list[tuple[list[int], int]]:
     return [([rng.randrange(args.vocab) for _ in range(n_in)], n_out) for n_in, n_out in lengths]
 
 
-async def one(client: httpx.AsyncClient, model: str, prompt: list[int], n_out: int,
+async def one(client: StreamClient, model: str, prompt: list[int], n_out: int,
               priority: int | None = None) -> dict:
+    """One streamed completion; when each token arrived, and its figures. Raises OSError (or
+    httptools.HttpParserError) if the connection fails."""
     body = {"model": model, "prompt": prompt, "max_tokens": n_out, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if priority is not None:
         body["priority"] = priority
     start = time.perf_counter()
     times, usage = [], None
-    async with client.stream("POST", "/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return {"error": f"{resp.status_code} {(await resp.aread())[:200]!r}"}
-        async for chunk in sse_chunks(resp):
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(time.perf_counter())
+    response = await client.post("/completions", body)
+    try:
+        if response.status != 200:
+            return {"error": f"{response.status} {(await response.read())[:200]!r}"}
+        async for arrived, payloads in sse_payloads(response):
+            for payload in payloads:
+                chunk = _decode(payload)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                choices = chunk.get("choices")
+                if choices and choices[0].get("text"):
+                    times.append(arrived)
+    finally:
+        response.release()
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else len(times)
     return {
@@ -135,12 +141,10 @@ async def run(args, slo: SLO | None = None, gpus: int = 1) -> dict:
     work = workload(args)
     rng = random.Random(f"{args.seed}/arrivals")
     limit = asyncio.Semaphore(args.concurrency or args.num_requests)
-    limits = httpx.Limits(max_connections=args.concurrency or args.num_requests,
-                          keepalive_expiry=CLIENT_KEEP_ALIVE_S)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=3600, limits=limits,
-                                 headers=headers) as client:
-        model = args.model or (await client.get("/models")).json()["data"][0]["id"]
+    client = StreamClient(args.base_url, headers)
+    try:
+        model = args.model or (await client.get_json("/models"))["data"][0]["id"]
         await one(client, model, work[0][0][:16], 4)  # warm-up
 
         lo_abort, hi_abort = (float(x) for x in args.abort_after.split(":"))
@@ -166,6 +170,8 @@ async def run(args, slo: SLO | None = None, gpus: int = 1) -> dict:
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         cpu = time.process_time() - cpu
+    finally:
+        client.close()
     aborted = sum(1 for r in results if r.get("aborted"))
     results = [r for r in results if not r.get("aborted")]
     ok = [r for r in results if "error" not in r]

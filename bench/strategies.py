@@ -69,11 +69,13 @@ import tomllib
 from dataclasses import dataclass, field
 
 import httpx
+from httptools import HttpParserError
 
 from bench.workloads import (WORKLOADS, Phase, compare_phases, overall_goodput, parse_lengths,
                              parse_phases, phase_report, phased_schedule, schedule)
-from bench.serve import CLIENT_KEEP_ALIVE_S, one, pct
+from bench.serve import one, pct
 from bench.slo import SLO, parse_stages, stage_quantiles
+from bench.sse_client import StreamClient
 
 PRESETS: dict[str, tuple[str, dict]] = {
     "dp": ("data_parallel", {}),
@@ -151,16 +153,13 @@ class Bench:
         self.args = args
         self.root = base_url.rstrip("/").removesuffix("/v1")
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512,
-                              keepalive_expiry=CLIENT_KEEP_ALIVE_S)
-        self.client = httpx.AsyncClient(base_url=self.root + "/v1", headers=auth, timeout=3600,
-                                        limits=limits)
+        self.client = StreamClient(self.root + "/v1", auth)  # the requests measured
         self.admin = httpx.AsyncClient(
             base_url=self.root, timeout=60,
             headers={"Authorization": f"Bearer {admin_token}"})  # fmt: skip
 
     async def close(self) -> None:
-        await self.client.aclose()
+        self.client.close()
         await self.admin.aclose()
 
     async def wait_ready(self, timeout_s: float, proc: subprocess.Popen | None) -> list[dict]:
@@ -215,7 +214,7 @@ class Bench:
 
     async def stages(self):
         """The router's stage histograms now (bench/slo.py)."""
-        return parse_stages((await self.client.get(self.root + "/metrics")).text)
+        return parse_stages((await self.admin.get("/metrics")).text)
 
     async def run(self, model: str, work: list[tuple[float, int, int]], rng: random.Random,
                   gpus: int, concurrency: int | None = None,
@@ -235,7 +234,7 @@ class Bench:
             async with limit:
                 try:
                     return await one(self.client, model, prompt, n_out)
-                except httpx.HTTPError as e:
+                except (OSError, HttpParserError) as e:
                     return {"error": f"{type(e).__name__}: {e}"}
 
         tasks = [asyncio.create_task(at(t, p, n_out))
@@ -327,7 +326,7 @@ async def main_async(args) -> dict:
                                          deployment.proc if deployment else None)
         names = [e["name"] for e in engines]
         record["engines"] = [{k: e[k] for k in ("name", "role", "url")} for e in engines]
-        model = args.served_model or (await bench.client.get("/models")).json()["data"][0]["id"]
+        model = args.served_model or (await bench.client.get_json("/models"))["data"][0]["id"]
         for e in (r.engines or [] for r in runs):
             if unknown := set(e) - set(names):
                 raise ValueError(f"strategy engines {sorted(unknown)} not in {names}")

@@ -28,10 +28,9 @@ import random
 import sys
 import time
 
-import httpx
-
 from bench.peers.servers import vllm_env
-from bench.serve import CLIENT_KEEP_ALIVE_S, one, workload_options
+from bench.serve import one, workload_options
+from bench.sse_client import StreamClient
 from bench.serve import run as serve_run
 
 FIGURES = ("first", "decode1", "prefill", "decode128", "serve", "poisson", "vllmbench")
@@ -46,14 +45,12 @@ def higher_is_better(row: str) -> bool:
     return row.endswith("tokens/s") or "goodput" in row
 
 
-def _client(base_url: str, n: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=n, keepalive_expiry=CLIENT_KEEP_ALIVE_S)
-    return httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits)
-
-
 async def _together(base_url: str, model: str, batch: list[list[int]], n_out: int) -> list[dict]:
-    async with _client(base_url, len(batch)) as client:
+    client = StreamClient(base_url)
+    try:
         results = await asyncio.gather(*(one(client, model, p, n_out) for p in batch))
+    finally:
+        client.close()
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(batch)} requests failed: {errors[:2]}")
