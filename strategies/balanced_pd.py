@@ -82,7 +82,7 @@ class BalancedPD(Strategy):
         `engines` (the pool) tells the adaptive model how many engines share the traffic."""
         ratio = self.ratio
         if self.adaptive == "queues":
-            d_work = decode.pending_prefill_tokens + self.decode_cost * decode.open_generations
+            d_work = decode.pending_prefill_tokens + self.decode_cost * decode.decoding
             s = (n + d_work - prefill.pending_prefill_tokens) / 2
             ratio = min(max((n - s) / n, self.min_ratio), self.max_ratio)
         elif self.adaptive:

@@ -366,6 +366,11 @@ def test_balanced_split_fixed_and_adaptive():
     assert adaptive.split(1000, p, d) == 700
     p.pending_prefill_tokens = 200  # s = (1000 + 400 - 200) / 2
     assert adaptive.split(1000, p, d) == 600
+    d.open_generations, d.open_receives = 20, 10  # requests on their way to D count
+    assert adaptive.split(1000, p, d) == 600
+    d.open_receives = 30  # D's work 100 + 500: s = (1000 + 600 - 200) / 2
+    assert adaptive.split(1000, p, d) == 700
+    d.open_receives = 0
     with pytest.raises(ValueError, match="min_ratio 0.5, max_ratio 0.2"):
         BalancedPD(min_ratio=0.5, max_ratio=0.2)
     with pytest.raises(ValueError, match="adaptive must be false, true or \"queues\", got 'x'"):
