@@ -68,7 +68,8 @@ class EngineHandle:
         self.live = False
         self.draining = False  # set by the admin API: finishes its requests, gets no new ones
         self.down_reason = "not polled yet"  # set with up = False
-        # Open calls from this router, by kind; written by this handle's methods only.
+        # Open calls from this router, by kind; written by this handle's methods only (but
+        # open_receives: by the sender's send_prompt).
         self.open_sends = 0
         self.open_generations = 0
         # P/D requests and migrations headed here: counted from the moment this engine was
