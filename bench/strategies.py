@@ -15,8 +15,8 @@ to compare patterns that use different numbers of GPUs. Every request streams an
 Per run it records TTFT, TPOT and JCT (end to end; mean, p50, p90, p99, in ms), request and
 token throughput, failures, and what each engine did meanwhile (prompt and generated tokens,
 KV tokens sent and received, preemptions: the proof that P/D moved KV; its steps and, on a GPU,
-the device's busy seconds and those of its decode-only steps, with their count and batch). One JSON file holds
-all runs; `python -m bench.plot_strategies` draws the paper's figures from it.
+the device's busy seconds and those of its decode-only steps, with their count and batch). One
+JSON file holds all runs; `python -m bench.plot_strategies` draws the paper's figures from it.
 
 Strategies (--strategy, repeated): a preset, or LABEL=BUILTIN{JSON args}, either with
 @ENGINE,ENGINE to use only those engines (the others are drained for its runs):
@@ -434,9 +434,11 @@ def _line(e: dict) -> str:
 def _busy(e: dict) -> str:
     """Each engine's GPU time in steps over the run's wall time (engines on a GPU only)."""
     wall = e.get("wall_s") or 0.0
-    busy = {name: c.get("device_busy_seconds", 0.0) / wall
-            for name, c in (e.get("engine_counters") or {}).items() if wall > 0}
-    parts = [f"{name} {share:.2f}" for name, share in busy.items() if share > 0]
+    if wall <= 0:
+        return ""
+    parts = [f"{name} {c.get('device_busy_seconds', 0.0) / wall:.2f}"
+             for name, c in (e.get("engine_counters") or {}).items()
+             if c.get("device_busy_seconds", 0.0) > 0]
     return f"; GPU busy: {', '.join(parts)}" if parts else ""
 
 

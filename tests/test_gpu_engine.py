@@ -210,6 +210,7 @@ def test_the_device_timeline_times_every_step_and_the_host_stays_one_ahead(tiny_
         # the decode-only steps: some (32 tokens a prompt), fewer than all, up to 7 a batch
         assert 0 < stats.device_decode_steps < stats.steps
         assert 0 < stats.device_decode_seconds < stats.device_busy_seconds
-        assert stats.device_decode_steps <= stats.device_decode_seqs <= 7 * stats.device_decode_steps
+        assert (stats.device_decode_steps <= stats.device_decode_seqs
+                <= 7 * stats.device_decode_steps)
     finally:
         core.close()
