@@ -21,7 +21,10 @@ from deployments import RouterProcess, assert_quiet, engine_stats
 MAX_TOKENS = 8
 BASE = ("--max-model-len", "512", "--api-key", ENGINE_KEY)
 SMALL_D = ("--num-pages", "24", *BASE)  # 384 tokens of KV: two of the prompts below at a time
-SLOW_P = ("--num-pages", "256", "--max-num-batched-tokens", "32", *BASE)  # many prefill steps
+# Many prefill steps, so that a send lasts long enough to be seen by polling over HTTP
+SLOW_P = ("--num-pages", "256", "--max-num-batched-tokens", "16", *BASE)
+
+
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(rng.randrange(120, 230))] for _ in range(n)]
@@ -138,7 +141,9 @@ def stat(daemon: Daemon, key: str) -> int:
 
 def check_killing_prefill(tiny_served_dir, tmp_path_factory, start_pair=None,
                           survivor: Daemon | None = None) -> None:
-    batch = prompts(8, seed=4)
+    # D holds two at a time: P sends in bursts, and the poll has five of them to catch while
+    # OPEN_AT_KILL requests or more are unanswered (with 8, a busy CI machine missed all three)
+    batch = prompts(12, seed=4)
     want = hf_greedy(tiny_served_dir, batch, MAX_TOKENS)
     with victim_and_survivor(tiny_served_dir, tmp_path_factory, "prefill", start_pair,
                              survivor) as (p, d, router):
