@@ -94,14 +94,18 @@ class HostSwap:
     def state(self, seq_id: str) -> HostState | None:
         return self.tier.state(seq_id)
 
-    def wants(self, num_tokens: int, recompute_tokens: int) -> bool:
-        """Whether a preempted sequence holding `num_tokens` of KV, of which recomputing would
-        compute `recompute_tokens`, should be swapped (counted as a recompute otherwise)."""
-        swap = (self.prefill_s is not None and self.copy_bytes_per_s is not None
+    def would_swap(self, num_tokens: int, recompute_tokens: int) -> bool:
+        """Whether a sequence holding `num_tokens` of KV, of which recomputing would compute
+        `recompute_tokens`, is cheaper to swap than to recompute (counts nothing)."""
+        return (self.prefill_s is not None and self.copy_bytes_per_s is not None
                 and swap_or_recompute(num_tokens, recompute_tokens,
                                       self.page_bytes // self.tier.page_size,
                                       self.copy_bytes_per_s, self.prefill_s,
                                       copy_out_overlapped=self.cuda) == "swap")
+
+    def wants(self, num_tokens: int, recompute_tokens: int) -> bool:
+        """`would_swap` for a sequence being preempted: counted as a recompute if not."""
+        swap = self.would_swap(num_tokens, recompute_tokens)
         self.counters["kv_swap_recomputes"] += not swap
         return swap
 
@@ -144,6 +148,12 @@ class HostSwap:
         self.counters["kv_swap_ins"] += 1
         self.counters["kv_swap_in_bytes"] += len(gpu_pages) * self.page_bytes
         return num_tokens
+
+    def copying_out(self) -> list[str]:
+        """The sequences whose copy out is in flight (their GPU pages still held), oldest
+        first."""
+        return [seq_id for seq_id in self._in_flight
+                if self.tier.state(seq_id) is HostState.COPYING_OUT]
 
     def poll(self) -> list[str]:
         """Settle the copies that landed. Returns the sequences whose copy out did (their GPU

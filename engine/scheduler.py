@@ -78,11 +78,19 @@ class AdapterSlots(Protocol):
 class KVSwapper(Protocol):
     """What the scheduler asks of the host KV tier (engine/host_swap.py's HostSwap)."""
 
+    synchronous: bool  # a copy has landed when its call returns (CPU, tensor parallel)
+
     def state(self, seq_id: str) -> HostState | None:
         """Where the sequence's KV is on the host; None: it has none there."""
 
+    def would_swap(self, num_tokens: int, recompute_tokens: int) -> bool:
+        """Whether swapping a sequence beats recomputing it (counts nothing)."""
+
     def wants(self, num_tokens: int, recompute_tokens: int) -> bool:
         """Whether swapping a preempted sequence beats recomputing it."""
+
+    def copying_out(self) -> list[str]:
+        """The sequences whose copy out is in flight, oldest first."""
 
     def swap_out(self, seq_id: str, gpu_pages: list[int], num_tokens: int) -> bool:
         """Start the copy out (COPYING_OUT; HELD at once where copies are synchronous). The
@@ -161,6 +169,10 @@ class Scheduler:
         self.policy = policy or FCFS()
         self.adapters = adapters  # None: no LoRA (every sequence runs the base)
         self.swapper = swapper  # None: no host KV tier (every preemption recomputes)
+        # Copies that run beside compute (a GPU engine's own stream): swap out ahead of need,
+        # copy back before admitting (see _swap_out_ahead); synchronous ones gain nothing
+        self.proactive = swapper is not None and not swapper.synchronous
+        self._prefill_pages = 0  # the running sequences' prompt chunks' growth (a step's)
         self.background = background  # None: no sequence is background
         self._prompt_credit = PromptCredit(background)  # gathered background prompts
         self.waiting: deque[Sequence] = deque()
@@ -218,6 +230,9 @@ class Scheduler:
         if self.swapper is not None:
             for seq_id in self.swapper.poll():  # copied out: their GPU pages are free now
                 self.kv.free(seq_id)
+            if self.proactive:
+                self._note_prefill_growth()
+                self._swap_out_ahead(out)
         active = self.policy.run_order([s for s in self.running if s.finish_reason is None])
         room = StepRoom.of(self.background, itertools.chain(active, self.waiting),
                            self._prompt_credit.credit)
@@ -265,12 +280,86 @@ class Scheduler:
             return
         if len(self.running) >= self.max_num_seqs and self._outranked(first) is None:
             return  # it would hold its pages while it waits for a seat
+        if self.proactive:
+            self._copy_back(first)
+            return
         need = -(-first.num_computed_tokens // self.kv.page_size)
         if self.kv.stats().free_pages < need + len(self.running):
             return
-        self.kv.open(rid, [], first.lora_id)
-        self.kv.allocate(rid, first.num_computed_tokens)
-        self.swapper.swap_in(rid, list(self.kv.page_table(rid)))
+        self._start_copy_back(first)
+
+    def _start_copy_back(self, seq: Sequence) -> None:
+        """Fresh pages for a HELD sequence's KV, and the copy back into them (it waits on)."""
+        self.kv.open(seq.request_id, [], seq.lora_id)
+        self.kv.allocate(seq.request_id, seq.num_computed_tokens)
+        self.swapper.swap_in(seq.request_id, list(self.kv.page_table(seq.request_id)))
+
+    # ---- proactive swapping (FastServe's): copies off the steps' path ---------------------------
+    #
+    # Where copies run beside compute, a step never waits for one: the sequence the policy
+    # would preempt next is copied out before the pool runs short (its pages come back when the
+    # copy lands, steps later), and a swapped sequence is admitted only once its copy back has
+    # landed (started while it waits). Admissions leave the pages the running sequences may
+    # grow into next step, so a sequence just admitted is not the next one copied out.
+
+    def _note_prefill_growth(self) -> None:
+        """The pages the running sequences' prompt chunks may take in the next step (at most a
+        step's budget of them), once a step: O(running)."""
+        prefill = sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.running
+                      if s.num_tokens - s.num_computed_tokens > 1)
+        self._prefill_pages = -(-min(prefill, self.max_num_batched_tokens) // self.kv.page_size)
+
+    def _growth_pages(self) -> int:
+        """Pages the running sequences may take in the next step, at most: a page each, and
+        their prompt chunks'."""
+        return len(self.running) + self._prefill_pages
+
+    def _leaves_growth(self, need: int) -> bool:
+        """Whether taking `need` pages now leaves the next step's growth (of one more
+        running sequence) available."""
+        return self.kv.num_available_pages() - need >= self._growth_pages() + 1
+
+    def _swap_out_ahead(self, out: SchedulerOutput) -> None:
+        """While the pages allocations can take, with those the copies out in flight will give
+        back, are fewer than the next step's growth, copy the policy's next victim out now,
+        beside compute, instead of waiting for its copy in the step that runs short. Only a
+        victim that swapping suits (a page short would recompute it) and never the last one
+        running."""
+        while len(self.running) > 1:
+            coming = sum(len(self.kv.page_table(s)) for s in self.swapper.copying_out()
+                         if self.kv.has(s))
+            if self.kv.num_available_pages() + coming >= self._growth_pages():
+                return
+            candidates = [s for s in self.running if s.finish_reason is None]
+            if not candidates:
+                return
+            victim = self.policy.preemption_victim(candidates)
+            computed = victim.num_computed_tokens
+            if (victim.send_only or computed == 0
+                    or self.swapper.state(victim.request_id) is not None
+                    or not self.swapper.would_swap(computed, computed)):
+                return
+            self._preempt(victim, out, "ahead", need_pages=False, recomputed=computed)
+
+    def _copy_back(self, seq: Sequence) -> bool:
+        """Start copying a HELD sequence's KV back if pages for it leave the next step's
+        growth. False: too few pages."""
+        if not self._leaves_growth(-(-seq.num_computed_tokens // self.kv.page_size)):
+            return False
+        self._start_copy_back(seq)
+        return True
+
+    def _settle_a_copy_out(self) -> bool:
+        """A page is short: wait for the oldest copy out in flight and free its GPU pages
+        (sooner than preempting another). False if none is in flight."""
+        if self.swapper is None:
+            return False
+        for seq_id in self.swapper.copying_out():
+            self.swapper.settle_out(seq_id)
+            if self.kv.has(seq_id):
+                self.kv.free(seq_id)
+            return True
+        return False
 
     def _run(self, seq: Sequence, budget: int, out: SchedulerOutput, room: StepRoom) -> int:
         """Schedule a running sequence's next chunk (or decode token). Returns the budget left."""
@@ -303,6 +392,8 @@ class Scheduler:
         """Find pages for `seq` to hold `num_tokens`, preempting others as needed.
         Returns False if `seq` itself had to be preempted."""
         while not self.kv.allocate(seq.request_id, num_tokens):
+            if self._settle_a_copy_out():
+                continue
             candidates = [s for s in self.running if s.finish_reason is None]
             victim = self.policy.preemption_victim(candidates)
             self._preempt(victim, out, "pages")
@@ -316,12 +407,14 @@ class Scheduler:
             self.adapters.release(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str,
-                 need_pages: bool = True) -> int:
+                 need_pages: bool = True, recomputed: int | None = None) -> int:
         """Take a running sequence out and queue it again: its KV swapped to the host, or
         its pages released for it to be recomputed. `need_pages`: the caller needs its pages
-        now (else a copy out keeps them until it lands). Returns the tokens this step had
-        scheduled for it (given back to the budget by the caller)."""
-        swapped = self._swap_out(seq, need_pages)  # first: if it raises, nothing has moved
+        now (else a copy out keeps them until it lands). `recomputed`: what recomputing it
+        would compute, if known (see _swap_out). Returns the tokens this step had scheduled
+        for it (given back to the budget by the caller)."""
+        # first: if it raises, nothing has moved
+        swapped = self._swap_out(seq, need_pages, recomputed)
         self.running.remove(seq)
         self._release_adapter(seq)
         if not swapped:
@@ -336,21 +429,24 @@ class Scheduler:
         self.preemptions_by_reason[reason] += 1
         return freed
 
-    def _swap_out(self, seq: Sequence, need_pages: bool) -> bool:
+    def _swap_out(self, seq: Sequence, need_pages: bool, recomputed: int | None = None
+                  ) -> bool:
         """Swap a sequence being preempted to the host if that beats recomputing it. Its GPU
         pages are released once the copy lands: now if `need_pages`. False: recompute it.
 
-        What a recompute would compute: for a seat given up (`need_pages` False) the pages
-        stay in the prefix cache and only what it did not cache is recomputed; when its
-        pages are taken because they are short, the cache gives them away next (eviction),
-        so all of it would be."""
+        What a recompute would compute (unless `recomputed` says): for a seat given up
+        (`need_pages` False) the pages stay in the prefix cache and only what it did not
+        cache is recomputed; when its pages are taken because they are short (now, or ahead
+        of need), the cache gives them away next (eviction), so all of it would be."""
         rid, computed = seq.request_id, seq.num_computed_tokens
         if self.swapper is None or seq.send_only or computed == 0:
             return False
         if self.swapper.state(rid) is not None:  # its copy back has not landed yet: wait for
             self.swapper.release(rid)  # it (the GPU pages then hold the KV), free the host's
-        cached = 0 if need_pages else self.kv.num_cached_pages(rid) * self.kv.page_size
-        if not self.swapper.wants(computed, computed - min(cached, computed)):
+        if recomputed is None:
+            cached = 0 if need_pages else self.kv.num_cached_pages(rid) * self.kv.page_size
+            recomputed = computed - min(cached, computed)
+        if not self.swapper.wants(computed, recomputed):
             return False
         pages = self.kv.page_table(rid)[: -(-computed // self.kv.page_size)]
         if not self.swapper.swap_out(rid, list(pages), computed):
@@ -369,7 +465,10 @@ class Scheduler:
         if budget_for_it == 0:
             return budget  # background work past the step's room: its turn is kept
         on_host = None if self.swapper is None else self.swapper.state(seq.request_id)
-        if on_host is HostState.COPYING_OUT:  # its GPU pages are still there: keep them
+        if on_host is HostState.COPYING_OUT:  # its GPU pages are still there: keep them,
+            if self.proactive and not self._leaves_growth(0):  # unless they are the ones the
+                admission.block(self._is_background(seq))  # pool is short of
+                return budget
             self.swapper.release(seq.request_id)
             on_host = None
         prepared = self.kv.has(seq.request_id)  # KV received or held since the call came
@@ -381,6 +480,12 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs and self._outranked(seq) is None:
             if not prepared:  # no sequence ranked after it gets a seat either
                 admission.block(background)
+            return budget
+        if self.proactive and on_host is HostState.COPYING_IN:
+            return budget  # admitted once its copy back has landed (its pages are its own)
+        if self.proactive and on_host is HostState.HELD:  # copied back while it waits first
+            if not self._copy_back(seq):
+                admission.block(background)  # too few pages: it keeps its turn
             return budget
         if not prepared and on_host is None and self._waits_for_prefix(seq, admission.heads):
             return budget
@@ -399,7 +504,12 @@ class Scheduler:
             reused, loaded = self.kv.open_from_tiers(seq.request_id, seq.token_at(0, end),
                                                      seq.lora_id)
         n = min(seq.num_tokens - reused, budget_for_it)
-        freed = self._allocate_or_preempt(seq, reused + n, out)
+        if (self.proactive and not prepared
+                and not self._leaves_growth(self.kv.pages_needed(seq.request_id, reused + n))
+                and not self._preemptable(seq, for_pages=True)):
+            freed = None  # it would take pages the running sequences grow into next step
+        else:
+            freed = self._allocate_or_preempt(seq, reused + n, out)
         if freed is None:
             self._release_adapter(seq)
             if not prepared:

@@ -203,6 +203,10 @@ class KVCacheManager:
         self.cache.evict_host(self.cache.num_host_pages)
         return freed
 
+    def num_available_pages(self) -> int:
+        """Pages an allocation can take now: free ones and cached ones nothing else holds."""
+        return self.pool.num_free + self.cache.num_evictable()
+
     def can_allocate(self, num_pages: int) -> bool:
         free = self.pool.num_free
         return num_pages <= free or num_pages <= free + self.cache.num_evictable()

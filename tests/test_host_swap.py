@@ -144,8 +144,11 @@ def test_a_seat_preemption_keeps_the_gpu_pages_until_the_copy_out_lands():
     assert low.status is SeqStatus.WAITING and low.num_computed_tokens == 7
     assert kv.page_table("low") == [0, 1] and swap.tier.pages("low") == [0, 1]
     swap.landed = True
-    run_step(sched)  # high finished before; the copy landed: GPU pages freed, low admitted
-    assert swap.counters["kv_swap_ins"] == 1
+    # high finished before; the copy out landed: GPU pages freed, and low's copy back starts
+    # while it waits (a step never waits for a copy)
+    assert run_step(sched)[0] == []
+    assert swap.counters["kv_swap_ins"] == 1 and swap.state("low") is HostState.COPYING_IN
+    assert run_step(sched)[0] == [("low", 1)]  # landed: admitted with its KV
     assert low.status is SeqStatus.RUNNING and low.num_computed_tokens == 8  # no recompute
     sched.remove(low)
     check_nothing_held(kv, swap, sched)
@@ -187,28 +190,26 @@ def test_no_prefetch_for_a_sequence_without_a_seat():
     check_nothing_held(kv, swap, sched)
 
 
-def test_a_sequence_preempted_again_before_its_copy_back_lands_swaps_out_anew():
-    """Preempted, swapped back in, and preempted again before the host saw the copy in land
-    (a GPU engine under MLFQ did this): the copy is waited out, the host pages freed, and the
-    sequence swapped out anew; nothing is lost or held twice."""
+def test_a_sequence_copying_back_waits_for_its_copy_and_keeps_its_pages():
+    """Copied back while it waits, a sequence runs only once the copy has landed (the step
+    before would have waited for it), and an urgent arrival meanwhile runs beside it without
+    touching its pages; nothing is lost or held twice."""
     kv, swap, sched, low, high = seat_preemption()
     run_step(sched)  # low preempted: copy out in flight
     swap.landed = True
     sched.remove(high)
-    run_step(sched)  # the copy out landed; low admitted, its copy back started
-    assert swap.state("low") is HostState.COPYING_IN and low.status is SeqStatus.RUNNING
+    assert run_step(sched)[0] == []  # the copy out landed; low's copy back started
+    assert swap.state("low") is HostState.COPYING_IN and low.status is SeqStatus.WAITING
+    pages = kv.page_table("low")
     swap.landed = False  # the copy back has not landed when...
     urgent = seq("urgent", 5, 2, priority=0, max_tokens=1)
     sched.add(urgent)
-    recomputes = swap.counters["kv_swap_recomputes"]
-    run_step(sched)  # ...urgent takes low's seat again: its whole pages are in the prefix
-    # cache, so it is recomputed from there, and its host pages are freed (not left behind)
-    assert low.status is SeqStatus.WAITING and swap.state("low") is None
-    assert swap.tier.pool.num_free == 8 and swap.counters["kv_swap_outs"] == 1
-    assert swap.counters["kv_swap_recomputes"] == recomputes + 1
-    sched.remove(urgent)
-    assert run_step(sched)[0] == [("low", 1)]  # its 8 cached tokens reused, 1 computed
-    assert low.status is SeqStatus.RUNNING and low.num_computed_tokens == 9
+    assert run_step(sched)[0] == [("urgent", 5)]  # ...urgent runs; low still waits for it
+    assert swap.state("low") is HostState.COPYING_IN and kv.page_table("low") == pages
+    swap.landed = True
+    assert run_step(sched)[0] == [("low", 1)]  # landed: admitted with its 7 tokens of KV
+    assert low.status is SeqStatus.RUNNING and low.num_computed_tokens == 8
+    assert swap.counters["kv_swap_outs"] == 1 and swap.counters["kv_swap_ins"] == 1
     sched.remove(low)
     check_nothing_held(kv, swap, sched)
 
@@ -224,6 +225,91 @@ def test_admission_before_the_copy_out_lands_keeps_the_gpu_pages():
     assert swap.counters["kv_swap_ins"] == 0
     sched.remove(low)
     check_nothing_held(kv, swap, sched)
+
+
+def two_decoding(a_tokens: int):
+    """FCFS over 8 GPU pages of 4 tokens: `a` (6-token prompt, `a_tokens` to generate) and
+    `b` (6 tokens, 20 to generate) run side by side until, after step 8, they hold all 8
+    pages."""
+    kv = KVCacheManager(8, 4)
+    swap = DeferredSwap(pool())
+    sched = Scheduler(kv, 64, 4, swapper=swap)
+    a, b = seq("a", 6, 0, max_tokens=a_tokens), seq("b", 6, 1, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(8):
+        assert run_step(sched)[0] in ([("a", 6), ("b", 6)], [("a", 1), ("b", 1)])
+    assert kv.page_table("a") == [0, 1, 4, 6] and kv.page_table("b") == [2, 3, 5, 7]
+    assert kv.num_available_pages() == 0
+    return kv, swap, sched, a, b
+
+
+def test_the_next_victim_is_copied_out_before_a_page_is_short():
+    """No page is free and the next step may need one: the newest sequence is copied out
+    ahead (beside compute, its pages held until the copy lands), not when a page is short
+    (when the step would wait for the copy). It is not taken back while the pool is short,
+    and comes back, copied in while it waits, once `a` has finished."""
+    kv, swap, sched, a, b = two_decoding(a_tokens=12)
+    steps, out = run_step(sched)
+    assert steps == [("a", 1)] and out.preempted == [b]
+    assert sched.preemptions_by_reason == {"ahead": 1}
+    assert swap.state("b") is HostState.COPYING_OUT and kv.page_table("b") == [2, 3, 5, 7]
+    assert b.num_computed_tokens == 13
+    assert run_step(sched)[0] == [("a", 1)]  # b not taken back: its pages are the short ones
+    assert swap.state("b") is HostState.COPYING_OUT
+    swap.landed = True
+    assert run_step(sched)[0] == [("a", 1)]  # landed: b's GPU pages freed
+    assert swap.state("b") is HostState.HELD and not kv.has("b")
+    assert run_step(sched)[0] == [("a", 1)] and a.status is SeqStatus.FINISHED
+    assert run_step(sched)[0] == []  # b's copy back starts while it waits
+    assert swap.state("b") is HostState.COPYING_IN
+    assert run_step(sched)[0] == [("b", 1)]  # landed: it resumes with its 13 tokens of KV
+    assert b.num_computed_tokens == 14
+    while sched.has_work():
+        run_step(sched)
+    assert sched.preemptions_by_reason == {"ahead": 1}
+    assert swap.counters["kv_swap_outs"] == 1 and swap.counters["kv_swap_ins"] == 1
+    check_nothing_held(kv, swap, sched)
+
+
+def test_a_page_short_waits_for_the_copy_out_in_flight_instead_of_preempting():
+    """The copy out started ahead has not landed when `a` needs a page: the scheduler waits
+    for that copy and takes a page of b's, instead of preempting another sequence."""
+    kv, swap, sched, a, b = two_decoding(a_tokens=30)
+    run_step(sched)  # b copied out ahead
+    run_step(sched)
+    assert run_step(sched)[0] == [("a", 1)]  # a: 16 tokens of KV, its 4 pages full
+    assert swap.state("b") is HostState.COPYING_OUT
+    assert run_step(sched)[0] == [("a", 1)]  # a's 17th token: a page of b's
+    assert swap.state("b") is HostState.HELD and not kv.has("b")
+    assert kv.page_table("a") == [0, 1, 4, 6, 7]
+    assert sched.preemptions_by_reason == {"ahead": 1}  # none for "pages"
+    sched.remove(a)
+    sched.remove(b)
+    check_nothing_held(kv, swap, sched)
+
+
+def test_admission_leaves_the_pages_running_sequences_grow_into():
+    """With copies beside compute, a new sequence is admitted only if it leaves a page for
+    each running sequence (with itself): taking the last ones would make it the next one
+    copied out. Synchronous copies (a CPU engine's) admit it: nothing is copied ahead."""
+    for proactive in (True, False):
+        kv = KVCacheManager(8, 4)
+        swap = DeferredSwap(pool())
+        sched = Scheduler(kv, 64, 4, swapper=swap)
+        sched.proactive = proactive
+        a, c = seq("a", 16, 0, max_tokens=2), seq("c", 12, 1, max_tokens=1)
+        sched.add(a)
+        assert run_step(sched)[0] == [("a", 16)]
+        sched.add(c)  # 3 pages of the 4 available, leaving 1 for a and c to grow into
+        if proactive:
+            assert run_step(sched)[0] == [("a", 1)] and not kv.has("c")
+            assert run_step(sched)[0] == [("c", 12)]  # a finished: room
+        else:
+            assert run_step(sched)[0] == [("a", 1), ("c", 12)]
+        while sched.has_work():
+            run_step(sched)
+        check_nothing_held(kv, swap, sched)
 
 
 @pytest.mark.parametrize("when", ["copying_out", "held", "copying_in"])
@@ -325,15 +411,19 @@ def test_the_swap_counters_are_in_metrics(swapped_run):
     assert f"microserve_engine_kv_host_pages_total {core.host_swap.tier.pool.num_pages}" in text
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device):
+@pytest.mark.parametrize("device, ahead", [("cpu", False), ("cpu", True),
+                                           pytest.param("cuda", True, marks=pytest.mark.gpu)])
+def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device, ahead):
     """FCFS with too few pages for three growing requests: the newest is preempted for the
-    pages (the copy waited for, then its pages freed), comes back from the host, and every
-    request's greedy tokens still equal Hugging Face's. On CUDA: the copy stream, events,
-    async scheduling and CUDA graphs, in fp32 to compare with Hugging Face."""
+    pages and comes back from the host, and every request's greedy tokens still equal
+    Hugging Face's. Synchronous copies (CPU) preempt when a page is short; copies beside
+    compute (CUDA, and CPU made to schedule as if they were: `ahead`) copy the victim out
+    ahead of need and back before it is admitted. On CUDA: the copy stream, events, async
+    scheduling and CUDA graphs, in fp32 to compare with Hugging Face."""
     core = EngineCore(EngineConfig(model=tiny_model_dir, device=device, dtype="float32",
                                    page_size=4, num_pages=24, max_num_seqs=4,
                                    kv_host_memory_gb=0.01, kv_host_copy_gbps=1000.0))
+    core.scheduler.proactive = ahead
     prompts = random_prompts([20, 18, 16], seed=5, vocab=TINY_VOCAB)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -344,7 +434,7 @@ def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device):
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
         core.check_integrity()
     stats = core.stats()
-    assert stats.preemptions_by_reason["pages"] >= 1
+    assert stats.preemptions_by_reason["ahead" if ahead else "pages"] >= 1
     assert stats.kv_swap_outs == stats.kv_swap_ins == stats.preemptions
     assert stats.kv_swap_recomputes == 0
     # no sequence holds host pages: those not free are prefix-cache pages demoted there

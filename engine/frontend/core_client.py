@@ -420,9 +420,10 @@ def format_core_stats(stats: EngineStats, info: EngineInfo) -> str:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
     lines += _labelled("preemptions_by_reason", "counter", "Requests preempted, by reason "
                        "(pages: a running request needed a page; priority: one ranked higher "
-                       "took the place)", "reason",
+                       "took the place; ahead: copied to the host tier before pages ran "
+                       "short)", "reason",
                        {reason: stats.preemptions_by_reason.get(reason, 0)
-                        for reason in ("pages", "priority")})
+                        for reason in ("pages", "priority", "ahead")})
     lines += _labelled("prefix_cache_hit_tokens", "counter", "Prompt tokens of finished "
                        "requests served from the prefix cache, by the tier that held them",
                        "tier", {"device": stats.cached_prompt_tokens
