@@ -274,19 +274,38 @@ class Scheduler:
         free pages hold it beside a page of growth per running sequence: the copy then
         overlaps this step, and the sequence is admitted later as one whose KV is held (as a
         received one is)."""
+        if self.proactive:
+            self._prefetch_in_order()
+            return
         first = next(iter(self.policy.admit_order(self.waiting)))
         rid = first.request_id
         if self.swapper.state(rid) is not HostState.HELD:
             return
         if len(self.running) >= self.max_num_seqs and self._outranked(first) is None:
             return  # it would hold its pages while it waits for a seat
-        if self.proactive:
-            self._copy_back(first)
-            return
         need = -(-first.num_computed_tokens // self.kv.page_size)
         if self.kv.stats().free_pages < need + len(self.running):
             return
         self._start_copy_back(first)
+
+    def _prefetch_in_order(self) -> None:
+        """Copies back beside compute: start those of the swapped sequences the policy admits
+        next, in its order, while seats and pages (beyond the next step's growth) hold them.
+        Stops at the first sequence that would compute KV (its turn comes first) or that
+        does not fit."""
+        seats = self.max_num_seqs - len(self.running)
+        for seq in self.policy.admit_order(self.waiting):
+            state = self.swapper.state(seq.request_id)
+            if state is HostState.COPYING_IN or self.kv.has(seq.request_id):
+                seats -= 1  # KV held or on its way: it takes the next seat
+                continue
+            if state is not HostState.HELD:
+                return
+            if seats <= 0 and self._outranked(seq) is None:
+                return  # it would hold its pages while it waits for a seat
+            if not self._copy_back(seq):
+                return
+            seats -= 1
 
     def _start_copy_back(self, seq: Sequence) -> None:
         """Fresh pages for a HELD sequence's KV, and the copy back into them (it waits on)."""

@@ -289,6 +289,34 @@ def test_a_page_short_waits_for_the_copy_out_in_flight_instead_of_preempting():
     check_nothing_held(kv, swap, sched)
 
 
+def test_the_swapped_sequences_admitted_next_are_all_copied_back_while_they_wait():
+    """`b` and `c` wait on the host behind nothing but seats and pages, and `a`'s decode takes
+    the step's whole budget: both copies back start in that step, in the policy's order, and
+    both are admitted together once they land."""
+    from engine.scheduler import SchedulerOutput
+    kv = KVCacheManager(8, 4)
+    swap = DeferredSwap(pool())
+    sched = Scheduler(kv, 64, 4, swapper=swap)
+    a, b, c = (seq(r, 3, i) for i, r in enumerate("abc"))
+    for s in (a, b, c):
+        sched.add(s)
+    assert run_step(sched)[0] == [("a", 3), ("b", 3), ("c", 3)]
+    for s in (c, b):  # as a policy giving their seats away would
+        sched._preempt(s, SchedulerOutput(), "priority", need_pages=False)
+    assert [swap.state(r) for r in "bc"] == [HostState.COPYING_OUT] * 2
+    swap.landed = True
+    sched.max_num_batched_tokens = 1
+    assert run_step(sched)[0] == [("a", 1)]
+    assert [swap.state(r) for r in "bc"] == [HostState.COPYING_IN] * 2
+    assert swap.counters["kv_swap_ins"] == 2
+    sched.max_num_batched_tokens = 64
+    assert run_step(sched)[0] == [("a", 1), ("b", 1), ("c", 1)]
+    assert [s.num_computed_tokens for s in (a, b, c)] == [5, 4, 4]
+    for s in (a, b, c):
+        sched.remove(s)
+    check_nothing_held(kv, swap, sched)
+
+
 def test_admission_leaves_the_pages_running_sequences_grow_into():
     """With copies beside compute, a new sequence is admitted only if it leaves a page for
     each running sequence (with itself): taking the last ones would make it the next one
