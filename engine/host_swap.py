@@ -30,9 +30,13 @@ such an engine is waited for on the host before the call that made it returns (n
 and no rank's next step can read a page before it is loaded, or write one before it is saved.
 
 The prefix cache's second level (kvcache/prefix_host.py) uses the same pool and layout through
-`demote` and `load`: those copies run on the compute stream, in the order the bookkeeping
-issues them, so a page is read before the pool hands it to anyone else, and the forward that
-reads a loaded page comes after its load, without host waits or events.
+`demote` and `load`, in the order the bookkeeping issues them. A demotion's gather runs on the
+compute stream, so a page is read before the pool hands it to anyone else; its DMA to the host
+runs on the copy stream (after that gather, and after every copy to the host before it), off
+the steps' path, its staging buffer held for the copy stream (`record_stream`). A load runs on
+the compute stream, after the demotions in flight (it may read one of their pages), so the
+forward that reads a loaded page comes after its load, without host waits. Where copies are
+synchronous (CPU, tensor parallel), both are plain copies.
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ class HostSwap:
         self.prefill_s: Callable[[int], float] | None = None  # set by the engine (its profile)
         # the last prefix-cache copy (demote, load) not waited for by `settle` (CUDA)
         self._last_prefix_copy: torch.cuda.Event | None = None
+        # the last demotion's DMA on the copy stream, until a load makes the compute stream
+        # wait for it (CUDA, copies beside compute)
+        self._last_demotion: torch.cuda.Event | None = None
         self.counters = {"kv_swap_outs": 0, "kv_swap_ins": 0, "kv_swap_out_bytes": 0,
                          "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0,
                          "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0}
@@ -196,16 +203,32 @@ class HostSwap:
     PREFIX_COPY_PAGES = 64
 
     def demote(self, device_pages: list[int], host_pages: list[int]) -> None:
-        """Copy evicted prefix-cache pages to the host, on the compute stream."""
+        """Copy evicted prefix-cache pages to the host. The gather runs on the compute stream
+        (it reads the device pages before the pool hands them to a writer); where copies run
+        beside compute, the DMA to the host runs on the copy stream, off the steps' path."""
+        beside = not self.synchronous
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)
-            self._copy_out(device_pages[chunk], host_pages[chunk])
+            staging = self._gather(device_pages[chunk])
+            if not beside:
+                self._to_host(staging, host_pages[chunk])
+                continue
+            self.stream.wait_stream(torch.cuda.current_stream(self.gpu_kv.device))
+            with torch.cuda.stream(self.stream):
+                self._to_host(staging, host_pages[chunk])
+            staging.record_stream(self.stream)  # its memory is not reused before the DMA ends
+        if beside:
+            self._last_demotion = self._record()
         self._wait_if_ranks()
         self._mark_prefix_copy()
         self.counters["kv_host_prefix_demoted_pages"] += len(device_pages)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy prefix-cache pages back from the host, on the compute stream."""
+        """Copy prefix-cache pages back from the host, on the compute stream (after the
+        demotions' DMAs in flight: a page loaded may be one of theirs)."""
+        if self._last_demotion is not None:
+            torch.cuda.current_stream(self.gpu_kv.device).wait_event(self._last_demotion)
+            self._last_demotion = None  # what the compute stream runs next comes after it
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)
             self._copy_in(host_pages[chunk], device_pages[chunk])
@@ -269,16 +292,24 @@ class HostSwap:
     def _copy_out(self, gpu_pages: list[int], host_pages: list[int]) -> torch.Tensor:
         """Gather `gpu_pages` into a page-major staging tensor, then DMA it into `host_pages`
         (on the current stream). Returns the staging tensor (it must outlive the copy)."""
+        staging = self._gather(gpu_pages)
+        self._to_host(staging, host_pages)
+        return staging
+
+    def _gather(self, gpu_pages: list[int]) -> torch.Tensor:
+        """`gpu_pages` gathered into a page-major staging tensor (on the current stream)."""
         index = self._index(gpu_pages)
         if len(self.pools) == 1:
-            staging = self.gpu_kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-        else:  # [n, rank, layer, K|V, ...]
-            staging = torch.stack([pool.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
-                                   for pool in self.pools], dim=1)
+            return self.gpu_kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        # [n, rank, layer, K|V, ...]
+        return torch.stack([pool.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
+                            for pool in self.pools], dim=1)
+
+    def _to_host(self, staging: torch.Tensor, host_pages: list[int]) -> None:
+        """DMA a staging tensor into `host_pages` (on the current stream), a run at a time."""
         for start, end, first in _runs(host_pages):
             self.host[first : first + end - start].copy_(staging[start:end],
                                                         non_blocking=self.cuda)
-        return staging
 
     def _copy_in(self, host_pages: list[int], gpu_pages: list[int]) -> torch.Tensor:
         """DMA `host_pages` into a staging tensor, then scatter it into `gpu_pages` (on the
