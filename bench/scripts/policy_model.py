@@ -69,10 +69,12 @@ class Job:
     readmit: int = 0  # tokens a re-admission computes again before it decodes
 
 
-def workload(n: int, rate: float, seed: int, max_len: int) -> list[Job]:
-    """bench.serve's heavy-tail lengths for `seed` (the same draws), Poisson arrivals."""
+def workload(n: int, rate: float, seed: int, max_len: int,
+             specs: tuple[str, str] = WORKLOADS["heavy-tail"]) -> list[Job]:
+    """bench.serve's lengths for `seed` (the same draws; `specs`: its --input-len and
+    --output-len, heavy-tail's by default), Poisson arrivals."""
     rng = random.Random(seed)
-    in_spec, out_spec = WORKLOADS["heavy-tail"]
+    in_spec, out_spec = specs
     lengths = [(draw_len(rng, in_spec, max_len), draw_len(rng, out_spec, max_len))
                for _ in range(n)]
     clock, t, jobs = random.Random(f"arrivals/{seed}"), 0.0, []
@@ -202,6 +204,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--input-len", default=WORKLOADS["heavy-tail"][0],
+                    help="as bench.serve's (default: the heavy-tail workload's)")
+    ap.add_argument("--output-len", default=WORKLOADS["heavy-tail"][1])
     ap.add_argument("--starvation-s", type=float, default=10.0,
                     help="the engine's --scheduling-starvation-s")
     args = ap.parse_args()
@@ -209,7 +214,8 @@ def main() -> None:
     print(f"{'rate':>5} {'policy':>9} {'JCT mean':>9} {'JCT p99':>8} {'TTFT mean':>10} "
           f"{'TTFT p99':>9} {'mean: fcfs/it':>14} {'p99: it/fcfs':>13}")
     for rate in (float(r) for r in args.rates.split(",")):
-        jobs = workload(args.requests, rate, args.seed, args.max_len)
+        jobs = workload(args.requests, rate, args.seed, args.max_len,
+                        (args.input_len, args.output_len))
         base = None
         for policy in args.policies.split(","):
             done = simulate(jobs, policy, model, args.seats, args.budget, args.starvation_s)
