@@ -206,7 +206,7 @@ class HostSwap:
         """Copy evicted prefix-cache pages to the host. The gather runs on the compute stream
         (it reads the device pages before the pool hands them to a writer); where copies run
         beside compute, the DMA to the host runs on the copy stream, off the steps' path."""
-        beside = not self.synchronous
+        beside = self.cuda and not self.synchronous
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)
             staging = self._gather(device_pages[chunk])

@@ -439,19 +439,38 @@ def test_the_swap_counters_are_in_metrics(swapped_run):
     assert f"microserve_engine_kv_host_pages_total {core.host_swap.tier.pool.num_pages}" in text
 
 
-@pytest.mark.parametrize("device, ahead", [("cpu", False), ("cpu", True),
-                                           pytest.param("cuda", True, marks=pytest.mark.gpu)])
-def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device, ahead):
+class LateEvent:
+    """A CPU copy's event that lands at its `polls`-th query, as a CUDA copy lands some steps
+    after it was issued (the bytes were copied at once)."""
+
+    def __init__(self, polls: int):
+        self.left = polls
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left <= 0
+
+    def synchronize(self) -> None:
+        self.left = 0
+
+
+@pytest.mark.parametrize("device, copies", [("cpu", "synchronous"), ("cpu", "late"),
+                                            pytest.param("cuda", "beside", marks=pytest.mark.gpu)])
+def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device, copies):
     """FCFS with too few pages for three growing requests: the newest is preempted for the
     pages and comes back from the host, and every request's greedy tokens still equal
-    Hugging Face's. Synchronous copies (CPU) preempt when a page is short; copies beside
-    compute (CUDA, and CPU made to schedule as if they were: `ahead`) copy the victim out
-    ahead of need and back before it is admitted. On CUDA: the copy stream, events, async
-    scheduling and CUDA graphs, in fp32 to compare with Hugging Face."""
+    Hugging Face's. Synchronous copies (CPU) preempt when a page is short. Copies beside
+    compute (CUDA; on CPU `late`: each copy lands at the third step after it was issued) copy
+    the victim out ahead of need, and back before it is admitted. On CUDA: the copy stream,
+    events, async scheduling and CUDA graphs, in fp32 to compare with Hugging Face."""
     core = EngineCore(EngineConfig(model=tiny_model_dir, device=device, dtype="float32",
                                    page_size=4, num_pages=24, max_num_seqs=4,
                                    kv_host_memory_gb=0.01, kv_host_copy_gbps=1000.0))
-    core.scheduler.proactive = ahead
+    if copies == "late":
+        core.host_swap.synchronous = False
+        core.host_swap._record = lambda: LateEvent(3)
+        core.scheduler.proactive = True
+    ahead = copies != "synchronous"
     prompts = random_prompts([20, 18, 16], seed=5, vocab=TINY_VOCAB)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
