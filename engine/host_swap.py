@@ -96,7 +96,7 @@ class HostSwap:
                          "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0,
                          "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0}
 
-    # ---- the scheduler's calls (engine/scheduler.py, KVSwapper) --------------------------------
+    # ---- the scheduler's calls (engine/swap_scheduling.py, KVSwapper) -------------------------
 
     def state(self, seq_id: str) -> HostState | None:
         return self.tier.state(seq_id)

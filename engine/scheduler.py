@@ -24,7 +24,8 @@ running sequence needs a page and none is left, the policy's victim (the newest 
 sequence under FCFS) is preempted: its pages are released (whole pages stay in the prefix cache)
 and it is recomputed later from prompt + output so far, unless a host KV tier
 (`swapper`, engine/host_swap.py) takes its KV: then it waits on the host and, admitted again,
-gets fresh pages that its KV is copied back into, and resumes where it was.
+gets fresh pages that its KV is copied back into, and resumes where it was. When that happens,
+and how no step waits for a copy on a GPU, is engine/swap_scheduling.py's (mixed in here).
 
 Background work (engine/background.py): while live work exists, sequences at or past the
 background priority (a batch job's lines) get only a small room in each step, give their seats
@@ -52,6 +53,7 @@ from typing import Protocol
 from engine.background import Background, PromptCredit, StepRoom
 from engine.policies import FCFS, SchedulingPolicy
 from engine.sequence import Sequence, SeqStatus
+from engine.swap_scheduling import HostSwapping, KVSwapper
 from kvcache.host_tier import HostState
 from kvcache.manager import KVCacheManager
 
@@ -73,40 +75,6 @@ class AdapterSlots(Protocol):
 
     def let_go(self, seq: Sequence) -> None:
         """That send-only sequence left the scheduler (`hold`'s end)."""
-
-
-class KVSwapper(Protocol):
-    """What the scheduler asks of the host KV tier (engine/host_swap.py's HostSwap)."""
-
-    synchronous: bool  # a copy has landed when its call returns (CPU, tensor parallel)
-
-    def state(self, seq_id: str) -> HostState | None:
-        """Where the sequence's KV is on the host; None: it has none there."""
-
-    def would_swap(self, num_tokens: int, recompute_tokens: int) -> bool:
-        """Whether swapping a sequence beats recomputing it (counts nothing)."""
-
-    def wants(self, num_tokens: int, recompute_tokens: int) -> bool:
-        """Whether swapping a preempted sequence beats recomputing it."""
-
-    def copying_out(self) -> list[str]:
-        """The sequences whose copy out is in flight, oldest first."""
-
-    def swap_out(self, seq_id: str, gpu_pages: list[int], num_tokens: int) -> bool:
-        """Start the copy out (COPYING_OUT; HELD at once where copies are synchronous). The
-        GPU pages must stay held until it lands. False, copying nothing: host pool full."""
-
-    def settle_out(self, seq_id: str) -> None:
-        """Wait for the copy out to land (now HELD)."""
-
-    def swap_in(self, seq_id: str, gpu_pages: list[int]) -> int:
-        """Start the copy of a HELD sequence's KV into `gpu_pages`. Returns its tokens."""
-
-    def poll(self) -> list[str]:
-        """Settle the copies that landed; returns those whose copy out did."""
-
-    def release(self, seq_id: str) -> int:
-        """Free its host pages, in any state (waits out a copy in flight)."""
 
 
 @dataclass
@@ -147,7 +115,7 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-class Scheduler:
+class Scheduler(HostSwapping):
     def __init__(
         self,
         kv: KVCacheManager,
@@ -268,118 +236,6 @@ class Scheduler:
             self._prefetch()
         return out
 
-    def _prefetch(self) -> None:
-        """Start copying back the KV of the waiting sequence the policy admits next, if it is
-        on the host, will find a seat (one is free, or it outranks a running sequence) and
-        free pages hold it beside a page of growth per running sequence: the copy then
-        overlaps this step, and the sequence is admitted later as one whose KV is held (as a
-        received one is)."""
-        if self.proactive:
-            self._prefetch_in_order()
-            return
-        first = next(iter(self.policy.admit_order(self.waiting)))
-        rid = first.request_id
-        if self.swapper.state(rid) is not HostState.HELD:
-            return
-        if len(self.running) >= self.max_num_seqs and self._outranked(first) is None:
-            return  # it would hold its pages while it waits for a seat
-        need = -(-first.num_computed_tokens // self.kv.page_size)
-        if self.kv.stats().free_pages < need + len(self.running):
-            return
-        self._start_copy_back(first)
-
-    def _prefetch_in_order(self) -> None:
-        """Copies back beside compute: start those of the swapped sequences the policy admits
-        next, in its order, while seats and pages (beyond the next step's growth) hold them.
-        Stops at the first sequence that would compute KV (its turn comes first) or that
-        does not fit."""
-        seats = self.max_num_seqs - len(self.running)
-        for seq in self.policy.admit_order(self.waiting):
-            state = self.swapper.state(seq.request_id)
-            if state is HostState.COPYING_IN or self.kv.has(seq.request_id):
-                seats -= 1  # KV held or on its way: it takes the next seat
-                continue
-            if state is not HostState.HELD:
-                return
-            if seats <= 0 and self._outranked(seq) is None:
-                return  # it would hold its pages while it waits for a seat
-            if not self._copy_back(seq):
-                return
-            seats -= 1
-
-    def _start_copy_back(self, seq: Sequence) -> None:
-        """Fresh pages for a HELD sequence's KV, and the copy back into them (it waits on)."""
-        self.kv.open(seq.request_id, [], seq.lora_id)
-        self.kv.allocate(seq.request_id, seq.num_computed_tokens)
-        self.swapper.swap_in(seq.request_id, list(self.kv.page_table(seq.request_id)))
-
-    # ---- proactive swapping (FastServe's): copies off the steps' path ---------------------------
-    #
-    # Where copies run beside compute, a step never waits for one: the sequence the policy
-    # would preempt next is copied out before the pool runs short (its pages come back when the
-    # copy lands, steps later), and a swapped sequence is admitted only once its copy back has
-    # landed (started while it waits). Admissions leave the pages the running sequences may
-    # grow into next step, so a sequence just admitted is not the next one copied out.
-
-    def _note_prefill_growth(self) -> None:
-        """The pages the running sequences' prompt chunks may take in the next step (at most a
-        step's budget of them), once a step: O(running)."""
-        prefill = sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.running
-                      if s.num_tokens - s.num_computed_tokens > 1)
-        self._prefill_pages = -(-min(prefill, self.max_num_batched_tokens) // self.kv.page_size)
-
-    def _growth_pages(self) -> int:
-        """Pages the running sequences may take in the next step, at most: a page each, and
-        their prompt chunks'."""
-        return len(self.running) + self._prefill_pages
-
-    def _leaves_growth(self, need: int) -> bool:
-        """Whether taking `need` pages now leaves the next step's growth (of one more
-        running sequence) available."""
-        return self.kv.num_available_pages() - need >= self._growth_pages() + 1
-
-    def _swap_out_ahead(self, out: SchedulerOutput) -> None:
-        """While the pages allocations can take, with those the copies out in flight will give
-        back, are fewer than the next step's growth, copy the policy's next victim out now,
-        beside compute, instead of waiting for its copy in the step that runs short. Only a
-        victim that swapping suits (a page short would recompute it) and never the last one
-        running."""
-        while len(self.running) > 1:
-            coming = sum(len(self.kv.page_table(s)) for s in self.swapper.copying_out()
-                         if self.kv.has(s))
-            if self.kv.num_available_pages() + coming >= self._growth_pages():
-                return
-            candidates = [s for s in self.running if s.finish_reason is None]
-            if not candidates:
-                return
-            victim = self.policy.preemption_victim(candidates)
-            computed = victim.num_computed_tokens
-            if (victim.send_only or computed == 0
-                    or self.swapper.state(victim.request_id) is not None
-                    or not self.swapper.would_swap(computed, computed)):
-                return
-            self._preempt(victim, out, "ahead", need_pages=False, recomputed=computed)
-
-    def _copy_back(self, seq: Sequence) -> bool:
-        """Start copying a HELD sequence's KV back if pages for it leave the next step's
-        growth. False: too few pages."""
-        if not self._leaves_growth(-(-seq.num_computed_tokens // self.kv.page_size)):
-            return False
-        self._start_copy_back(seq)
-        return True
-
-    def _settle_a_copy_out(self) -> bool:
-        """A page is short: wait for the oldest copy out in flight and free its GPU pages
-        (sooner than preempting another). False if none is in flight."""
-        if self.swapper is None:
-            return False
-        for seq_id in self.swapper.copying_out():
-            self.swapper.settle_out(seq_id)
-            if self.kv.has(seq_id):
-                self.kv.free(seq_id)
-            return True
-        return False
-
     def _run(self, seq: Sequence, budget: int, out: SchedulerOutput, room: StepRoom) -> int:
         """Schedule a running sequence's next chunk (or decode token). Returns the budget left."""
         n = room.cap(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
@@ -447,34 +303,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.preemptions_by_reason[reason] += 1
         return freed
-
-    def _swap_out(self, seq: Sequence, need_pages: bool, recomputed: int | None = None
-                  ) -> bool:
-        """Swap a sequence being preempted to the host if that beats recomputing it. Its GPU
-        pages are released once the copy lands: now if `need_pages`. False: recompute it.
-
-        What a recompute would compute (unless `recomputed` says): for a seat given up
-        (`need_pages` False) the pages stay in the prefix cache and only what it did not
-        cache is recomputed; when its pages are taken because they are short (now, or ahead
-        of need), the cache gives them away next (eviction), so all of it would be."""
-        rid, computed = seq.request_id, seq.num_computed_tokens
-        if self.swapper is None or seq.send_only or computed == 0:
-            return False
-        if self.swapper.state(rid) is not None:  # its copy back has not landed yet: wait for
-            self.swapper.release(rid)  # it (the GPU pages then hold the KV), free the host's
-        if recomputed is None:
-            cached = 0 if need_pages else self.kv.num_cached_pages(rid) * self.kv.page_size
-            recomputed = computed - min(cached, computed)
-        if not self.swapper.wants(computed, recomputed):
-            return False
-        pages = self.kv.page_table(rid)[: -(-computed // self.kv.page_size)]
-        if not self.swapper.swap_out(rid, list(pages), computed):
-            return False
-        if need_pages:
-            self.swapper.settle_out(rid)
-        if self.swapper.state(rid) is HostState.HELD:
-            self.kv.free(rid)
-        return True
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput,
                admission: _Admission, room: StepRoom) -> int:
