@@ -116,6 +116,9 @@ async def main() -> None:
                     help="the engine's --cpu-threads (default: leave one core to the router "
                          "and this client)")
     ap.add_argument("--base-port", type=int, default=18200)
+    ap.add_argument("--engine-streams", action="store_true",
+                    help="the router reads a stream per request from the engine, not its "
+                         "channel (microserve router --engine-streams)")
     args = ap.parse_args()
     model = str(resolve_model(args.model))
     vocab = ModelConfig.from_dir(model).vocab_size
@@ -126,7 +129,8 @@ async def main() -> None:
     router = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "router", "--model", model, "--port",
          str(args.base_port + 1), "--engine", f"e0={engine_url}", "--strategy",
-         "data_parallel", "--log-level", "warning"], stdout=subprocess.DEVNULL)
+         "data_parallel", "--log-level", "warning",
+         *(["--engine-streams"] if args.engine_streams else [])], stdout=subprocess.DEVNULL)
     direct, routed = StreamClient(engine_url + "/v1"), StreamClient(router_url + "/v1")
     try:
         await wait_healthy(engine_url, engine)
@@ -140,8 +144,10 @@ async def main() -> None:
         cpu_lat = cpu_seconds(router.pid) - cpu0 - idle * (time.perf_counter() - t0)
         rps_d, tps_d = await throughput(direct, args, vocab, rng)
         cpu1, t1 = cpu_seconds(router.pid), time.perf_counter()
+        engine_cpu1 = cpu_seconds(engine.pid)
         rps_r, tps_r = await throughput(routed, args, vocab, rng)
         cpu_tput = cpu_seconds(router.pid) - cpu1 - idle * (time.perf_counter() - t1)
+        engine_cpu = cpu_seconds(engine.pid) - engine_cpu1
     finally:
         direct.close()
         routed.close()
@@ -149,10 +155,11 @@ async def main() -> None:
         engine.terminate()
         router.wait(30)
         engine.wait(30)
-    report(args, lat, (rps_d, tps_d, rps_r, tps_r), cpu_lat, cpu_tput, idle)
+    report(args, lat, (rps_d, tps_d, rps_r, tps_r), cpu_lat, cpu_tput, idle, engine_cpu)
 
 
-def report(args, lat: dict, tput: tuple, cpu_lat: float, cpu_tput: float, idle: float) -> None:
+def report(args, lat: dict, tput: tuple, cpu_lat: float, cpu_tput: float, idle: float,
+           engine_cpu: float) -> None:
     ms = 1e3
     print(f"- {args.pairs} pairs, prompts of {args.input_len} random token ids, "
           f"{args.output_len} output tokens (ignore_eos), one request at a time; engine "
@@ -175,6 +182,11 @@ def report(args, lat: dict, tput: tuple, cpu_lat: float, cpu_tput: float, idle: 
     print(f"- router CPU time per request (beyond its idle {idle:.1%} of a core, which is the "
           f"engine polling): {cpu_lat / (routed_requests / 2) * ms:.2f} ms one at a time, "
           f"{cpu_tput / args.requests * ms:.2f} ms with {args.concurrency} in flight")
+    tokens = args.requests * args.output_len
+    print(f"- CPU per streamed token with {args.concurrency} in flight ("
+          f"{'a stream per request' if args.engine_streams else 'the engine channel'}): router "
+          f"{cpu_tput / tokens * 1e6:.1f} µs, the engine's HTTP process (not its core) "
+          f"{engine_cpu / tokens * 1e6:.1f} µs")
 
 
 if __name__ == "__main__":

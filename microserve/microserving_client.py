@@ -18,6 +18,9 @@ the engine's OpenAI error JSON; an engine that cannot be reached or drops the co
 raises BackendUnavailable naming its URL, one that does not answer within `timeout_s`
 SlowAnswer (a BackendUnavailable: the call failed, but a slow engine is not a dead one).
 `live` goes without the key: it is how the router checks an engine before the key goes there.
+start_generate's chunks after the first come on one channel per engine (_Channel, opened by the
+first request: one read per engine step for all of them) unless `channel=False` or the engine
+has none; a request read no further is aborted by an abort call.
 
 HTTP is microserve/http_client.py's: the router makes several calls per client request and
 reads every token through this client, so the transport is a lean keep-alive HTTP/1.1 client on
@@ -27,7 +30,9 @@ of CPU, 0.22-0.28 of it the transport, against 0.93 on aiohttp, which replaced h
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
@@ -37,6 +42,8 @@ import msgspec
 from microserve.backend import BackendUnavailable, MicroservingError
 from microserve.http_client import ConnectionPool, Response
 from microserve.messages import (
+    AbortRequest,
+    ChannelItem,
     GenerateChunk,
     Liveness,
     SamplingParams,
@@ -61,6 +68,7 @@ class SlowAnswer(BackendUnavailable):
 
 _chunk = msgspec.msgpack.Decoder(GenerateChunk)
 _stream_error = msgspec.msgpack.Decoder(StreamError)
+_channel_item = msgspec.msgpack.Decoder(ChannelItem)
 
 
 class _ChunkDecoder:
@@ -148,11 +156,100 @@ def _coalesced(items: list[GenerateChunk | StreamError]) -> Iterator[GenerateChu
         yield merged
 
 
+class _ChannelDecoder:
+    """A channel's msgpack frames, each decoded once into a ChannelItem."""
+
+    def __init__(self):
+        self._frames = FrameDecoder(msgspec.Raw)
+
+    def feed(self, data: bytes) -> list[ChannelItem]:
+        return [_channel_item.decode(raw) for raw in self._frames.feed(data)]
+
+
+class _ChannelLineDecoder:
+    """A channel's NDJSON lines."""
+
+    def __init__(self):
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[ChannelItem]:
+        *lines, self._buf = (self._buf + data).split(b"\n")
+        return [msgspec.json.decode(line, type=ChannelItem) for line in lines if line]
+
+
+class _Channel:
+    """The router's channel to one engine (GET /microserving/channel/{id}): one reader task
+    hands each item to the queue of the request it names. Read per engine step, it carries the
+    chunks of every request bound to it: one read, not one per request. When it fails (the
+    engine died, the connection dropped) every request on it gets the BackendUnavailable; the
+    next request opens another."""
+
+    def __init__(self, channel_id: str, loop: asyncio.AbstractEventLoop, name: str):
+        self.id = channel_id
+        self.name = name  # the engine's URL, for errors
+        self.loop = loop
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.error: BaseException | None = None  # set when it ended
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    def usable(self, loop: asyncio.AbstractEventLoop) -> bool:
+        return self.error is None and not self._closing and loop is self.loop
+
+    def start(self, response: Response, decoder, unavailable) -> None:
+        self._task = self.loop.create_task(self._read(response, decoder, unavailable))
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        if self.error is not None:
+            queue.put_nowait(self.error)
+        self.queues[request_id] = queue
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+        if self._closing and not self.queues and self._task is not None:
+            self._task.cancel()
+
+    def close_when_idle(self) -> None:
+        self._closing = True
+        if not self.queues and self._task is not None:
+            self._task.cancel()
+
+    def fail(self, error: BaseException) -> None:
+        """End it: every request on it gets `error`."""
+        if self.error is None:
+            self.error = error
+            for queue in self.queues.values():
+                queue.put_nowait(error)
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+
+    async def _read(self, response: Response, decoder, unavailable) -> None:
+        error: BaseException
+        try:
+            while (data := await response.next_data()) is not None:
+                for item in decoder.feed(data):
+                    queue = self.queues.get(item.request_id)
+                    if queue is not None:  # else: a request its caller stopped reading
+                        queue.put_nowait(item.chunk if item.error is None else item.error)
+            error = BackendUnavailable(f"engine {self.name}: its channel ended")
+        except _TRANSPORT_ERRORS as e:
+            error = unavailable(e)
+        except asyncio.CancelledError:
+            error = BackendUnavailable("the channel was closed")
+        except Exception as e:  # an item that does not decode: the engine is not ours
+            error = BackendUnavailable(f"channel: {type(e).__name__}: {e}")
+        finally:
+            response.release()  # mid-stream: the connection closes, the engine aborts
+        self.fail(error)
+
+
 class EngineClient:
     """Async client of one engine's /microserving/* routes; safe to share between tasks."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, use_msgpack: bool = True,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, channel: bool = True):
         """
         Args:
             base_url: the engine's root, e.g. "http://10.0.0.7:8000".
@@ -161,6 +258,9 @@ class EngineClient:
             timeout_s: the limit on connecting, and on waiting for an answer, except for
                 remote_send's answer and start_generate's chunks, which wait as long as the
                 engine works (a long prefill, a long queue).
+            channel: carry start_generate's chunks after the first on one channel to the
+                engine (_Channel) rather than a stream per request; an engine without
+                channels gets streams.
         """
         self.base_url = base_url.rstrip("/")
         self._http = ConnectionPool(self.base_url, connect_timeout_s=timeout_s)
@@ -172,6 +272,11 @@ class EngineClient:
         if api_key is not None:
             headers += f"Authorization: Bearer {api_key}\r\n"
         self._headers = headers.encode("latin-1")
+        self._use_channel = channel
+        self._channel: _Channel | None = None
+        self._channel_opening: asyncio.Lock | None = None  # one opener at a time
+        self._channel_opening_loop: asyncio.AbstractEventLoop | None = None
+        self._aborts: set[asyncio.Task] = set()  # abort calls for requests closed unfinished
 
     async def call(self, request: Any) -> Any:
         """Make the call whose request `request` is (microserve.messages.CALLS): its answer,
@@ -187,7 +292,7 @@ class EngineClient:
             return call.decode_answer(raw)
         return msgspec.json.decode(raw, type=call.answer)
 
-    async def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
+    def start_generate(self, request_id: str, prompt: list[int], begin: int = 0,
                              sampling: SamplingParams | None = None,
                              first_token: int | None = None,
                              queue_s: float | None = None,
@@ -203,13 +308,104 @@ class EngineClient:
         Yields the engine's chunks as they come; the last has finish_reason and usage.
         Raises MicroservingError / BackendUnavailable, before the first chunk or after (the
         engine failed, or the connection dropped, mid-stream). The request is sent when the
-        first chunk is awaited. Closing the iterator early closes the HTTP connection, which
-        makes the engine abort the request.
+        first chunk is awaited. Closing the iterator early aborts the request in the engine:
+        an abort call (on a channel) or the stream's connection closed.
         """
         body = StartGenerateRequest(request_id, prompt, begin, sampling or SamplingParams(),
                                     first_token=first_token,
                                     first_token_delivered=first_token_delivered,
                                     queue_s=queue_s, priority=priority)
+        if self._use_channel:
+            return self._on_channel(body)
+        return self._streamed(body)
+
+    async def _on_channel(self, body: StartGenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """start_generate whose first chunk is the call's answer and whose others come on the
+        channel; a stream if the engine has no channel."""
+        channel = await self._open_channel()
+        if channel is None:
+            async for chunk in self._streamed(body):
+                yield chunk
+            return
+        rid = body.request_id
+        queue = channel.register(rid)
+        body.channel = channel.id
+        started = finished = False
+        try:
+            try:
+                response = await self._open(b"POST", "start_generate", self._encode(body), None)
+            except MicroservingError as e:
+                if e.code != "channel_not_open":
+                    raise
+                channel.fail(BackendUnavailable(f"engine {self.base_url}: channel closed"))
+                body.channel = None  # it went (the engine restarted?): this one streams
+                async for chunk in self._streamed(body):
+                    yield chunk
+                return
+            raw = await self._answer(response, None)
+            first = (_chunk.decode(raw) if _is_msgpack(response)
+                     else msgspec.json.decode(raw, type=GenerateChunk))
+            started, finished = True, first.finish_reason is not None
+            yield first
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                if isinstance(items[-1], BaseException):  # the channel failed
+                    raise items[-1]
+                for chunk in _coalesced(items):
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+        finally:
+            channel.unregister(rid)
+            if started and not finished:
+                self._abort_soon(rid)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Abort a request whose chunks are no longer wanted (its caller stopped reading)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # finalized with no loop running: its loop, and channel, are gone
+            return
+        task = loop.create_task(self._abort_quietly(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.call(AbortRequest(request_id))
+        except (MicroservingError, BackendUnavailable):
+            pass  # gone with its engine, or finished meanwhile: nothing to abort there
+
+    async def _open_channel(self) -> _Channel | None:
+        """The channel to this engine, opened if none is (None: the engine has none)."""
+        channel, loop = self._channel, asyncio.get_running_loop()
+        if channel is not None and channel.usable(loop):
+            return channel
+        if not self._use_channel:
+            return None
+        if self._channel_opening is None or self._channel_opening_loop is not loop:
+            self._channel_opening, self._channel_opening_loop = asyncio.Lock(), loop
+        async with self._channel_opening:
+            channel = self._channel
+            if channel is not None and channel.usable(loop):
+                return channel
+            channel = _Channel(secrets.token_urlsafe(12), loop, self.base_url)
+            try:
+                response = await self._open(b"GET", f"channel/{channel.id}", None,
+                                            self._timeout_s)
+            except MicroservingError as e:
+                if e.status in (404, 405):  # an engine without channels: streams, from now on
+                    self._use_channel = False
+                    return None
+                raise
+            channel.start(response, _ChannelDecoder() if _is_msgpack(response)
+                          else _ChannelLineDecoder(), self._unavailable)
+            self._channel = channel
+            return channel
+
+    async def _streamed(self, body: StartGenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """start_generate as a stream of its own."""
         response = await self._open(b"POST", "start_generate", self._encode(body), None)
         decoder = _ChunkDecoder() if _is_msgpack(response) else _LineDecoder()
         finished = False
@@ -227,8 +423,8 @@ class EngineClient:
             # sees the client go.
             response.release()
         if not finished:
-            raise BackendUnavailable(
-                f"engine {self.base_url}: the stream of {request_id} ended before it finished")
+            raise BackendUnavailable(f"engine {self.base_url}: the stream of "
+                                     f"{body.request_id} ended before it finished")
 
     async def stats(self, check: bool = False) -> StatsResponse:
         """The engine's load and facts, with the KV integrity check's verdict if `check`."""
@@ -244,12 +440,21 @@ class EngineClient:
         return _decoded(response, await self._answer(response, self._timeout_s), Liveness)
 
     def retire(self) -> None:
-        """Keep no idle connections from now on; calls still go out."""
+        """Keep no idle connections from now on; calls still go out (a channel open stays
+        open until its requests end, and none opens after)."""
         self._http.retire()
+        self._wind_down()
 
     def close(self) -> None:
-        """Close the idle connections; calls in flight finish, their connections then close."""
+        """Close the idle connections; calls in flight finish, their connections then close
+        (a channel's once its requests have ended)."""
         self._http.close()
+        self._wind_down()
+
+    def _wind_down(self) -> None:
+        self._use_channel = False
+        if self._channel is not None:
+            self._channel.close_when_idle()
 
     async def aclose(self) -> None:
         self.close()

@@ -83,7 +83,7 @@ class EnginePool(PoolHealth):
                  timeout_s: float = 30.0, queue_timeout_s: float = 60.0,
                  registry: Registry | None = None, deployment: str | None = None,
                  health_timeout_s: float | None = None,
-                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S):
+                 liveness_timeout_s: float = LIVENESS_TIMEOUT_S, channels: bool = True):
         """
         Args:
             api_key: the engines' bearer token (their --api-key), sent on every call to an
@@ -99,7 +99,10 @@ class EnginePool(PoolHealth):
             liveness_timeout_s: an engine whose liveness answer takes longer, or whose core
                 has been silent longer, is marked down: its open streams and sends are given
                 up at once. What bounds the wait on an engine that hangs, stops or is cut off.
+            channels: read start_generate's chunks on one channel per engine (EngineClient's
+                `channel`); False: a stream per request.
         """
+        self.channels = channels
         self.health_timeout_s = timeout_s if health_timeout_s is None else health_timeout_s
         self.liveness_timeout_s = liveness_timeout_s
         self.deployment = deployment
@@ -278,7 +281,8 @@ class EnginePool(PoolHealth):
         BackendUnavailable if it does not answer."""
         if spec.name in self._engines:
             raise ValueError(f"an engine named {spec.name!r} is already in the pool")
-        client = EngineClient(spec.url, api_key=self.api_key, timeout_s=self.timeout_s)
+        client = EngineClient(spec.url, api_key=self.api_key, timeout_s=self.timeout_s,
+                              channel=self.channels)
         handle = EngineHandle(spec, client, self, source)
         try:
             await self._check_live(client)  # before anything goes there with the key

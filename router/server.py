@@ -87,7 +87,8 @@ class Router:
                                queue_timeout_s=config.queue_timeout_s, registry=self.registry,
                                deployment=config.deployment,
                                health_timeout_s=config.health_timeout_s,
-                               liveness_timeout_s=config.liveness_timeout_s)
+                               liveness_timeout_s=config.liveness_timeout_s,
+                               channels=not config.engine_streams)
         self.discovery = Discovery(self.pool, config.engines_from_dns, config.dns_interval_s,
                                    self.registry)
         self.host = StrategyHost(self.pool)

@@ -61,6 +61,10 @@ class RouterSettings:
                             "core has sent no heartbeat this long (stopped, hung, cut off), is "
                             "marked down and the calls open on it end (a busy engine still "
                             "answers)", up=True)
+    engine_streams: bool = _setting(
+        False, "read each request's tokens from its engine on a connection of its own, as a "
+               "stream, instead of on the one channel per engine that carries every request's "
+               "(one read per engine step)")
     health_timeout_s: float = _setting(
         30.0, "how long a stats poll (an engine's load) may take; a later answer leaves the "
               "load as it was (--liveness-timeout-s decides what is down)")

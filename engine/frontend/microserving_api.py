@@ -4,6 +4,8 @@
 
     POST /microserving/{prep_recv, remote_send, send_to, start_generate, commit, abort, pin,
                         unpin}
+    GET  /microserving/channel/{id}        a stream of ChannelItems: the chunks after the first
+                                           of every start_generate sent with `channel: id`
     GET  /microserving/stats[?check=1]
     GET  /microserving/live[?challenge=HEX]   no key needed: alive? core progressing? (Liveness)
 
@@ -18,8 +20,10 @@ GenerateChunk per engine output, each sent as soon as it exists:
     JSON     application/x-ndjson   one JSON object per line
     msgpack  application/msgpack    length-prefixed msgpack frames (microserve.wire)
 
-The last chunk has finish_reason and usage. A failure after the status line went out ends the
-stream with a StreamError (`{"status": s, "error": {...}}`) instead: the status and error JSON
+The last chunk has finish_reason and usage. With `channel`, the call answers its first chunk
+alone, and the rest go out on that channel with every other request's bound to it, the items of
+one read of the core's outputs in one write (_Channel); closing the channel aborts its requests.
+A failure after the status line went out ends the stream with a StreamError (`{"status": s, "error": {...}}`) instead: the status and error JSON
 the call would have been answered with. Each call's route follows from its declaration
 (microserve.messages.CALLS). A client that goes away before a call carrying a request_id finished
 (start_generate mid-stream included) gets that request aborted in the engine.
@@ -33,8 +37,10 @@ no engine before it has checked that proof). It needs no key, and tells nothing 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
@@ -54,6 +60,7 @@ from microserve.errors import as_openai_error, from_validation_errors, invalid_r
 from microserve.messages import (
     CALLS,
     Call,
+    ChannelItem,
     CheckIntegrityRequest,
     ErrorDetail,
     GenerateChunk,
@@ -63,6 +70,7 @@ from microserve.messages import (
     StreamError,
     validator,
 )
+from microserve.messages.fields import CHANNEL_ID
 
 log = logging.getLogger("microserve.engine")
 BodyT = TypeVar("BodyT")
@@ -148,6 +156,7 @@ class _MicroservingAPI:
         self.client = client  # a CoreClient (core_client.py), or anything with its contract
         self._api_key = api_key  # what liveness proves this engine holds
         self._start_generate = validator(StartGenerateRequest)
+        self._channels: dict[str, _Channel] = {}  # open channels by id
 
     def call_route(self, call: Call) -> Callable:
         """The handler of POST /microserving/{call.name}: validates `call.request` and hands it
@@ -174,6 +183,12 @@ class _MicroservingAPI:
         body = await _read_body(request, self._start_generate)
         codec = _answer_codec(request)
         # Closed before its finishing chunk, the core client's stream aborts the request.
+        channel = None
+        if body.channel is not None and body.stream:
+            channel = self._channels.get(body.channel)
+            if channel is None:
+                raise MicroservingError(409, f"channel {body.channel!r} is not open here",
+                                        "channel", "channel_not_open")
         chunks = self.client.start_generate(body.request_id, body.prompt, body.begin,
                                             body.sampling, body.first_token, body.queue_s,
                                             received_at, body.priority,
@@ -187,8 +202,42 @@ class _MicroservingAPI:
             return Response(status_code=499)
         if not body.stream:
             return _answer(codec, chunk)
-        return EventStream(self._stream(body.request_id, codec, chunk, chunks),
-                           media_type=codec.stream_media_type)
+        if channel is None:
+            return EventStream(self._stream(body.request_id, codec, chunk, chunks),
+                               media_type=codec.stream_media_type)
+        if chunk.finish_reason is not None:  # nothing follows (the iterator has returned)
+            return _answer(codec, chunk)
+        if channel.closed:  # gone while the first chunk came: so is its reader
+            await chunks.aclose()  # aborts the request
+            raise MicroservingError(409, f"channel {body.channel!r} closed", "channel",
+                                    "channel_not_open")
+        channel.pump(body.request_id, chunks)
+        return _answer(codec, chunk)
+
+    async def channel(self, request: Request) -> Response:
+        """GET /microserving/channel/{channel_id}: a stream of ChannelItems, the chunks after
+        the first of every start_generate bound to it, each read of the core's outputs
+        written at once. Closing it aborts the requests whose chunks it was carrying."""
+        channel_id = request.path_params["channel_id"]
+        if not re.fullmatch(CHANNEL_ID, channel_id):
+            raise invalid_request("channel_id must be 1 to 64 letters, digits, '-' or '_'",
+                                  "channel_id")
+        if channel_id in self._channels:
+            raise MicroservingError(409, f"channel {channel_id!r} is open already",
+                                    "channel_id")
+        channel = self._channels[channel_id] = _Channel()
+        codec = _answer_codec(request)
+
+        async def items() -> AsyncGenerator[bytes, None]:
+            try:
+                while True:
+                    batch = await channel.next_items()
+                    yield b"".join(codec.item(item) for item in batch)
+            finally:
+                del self._channels[channel_id]
+                await channel.close()
+
+        return EventStream(items(), media_type=codec.stream_media_type)
 
     @staticmethod
     async def _stream(request_id: str, codec: _Codec, first: GenerateChunk,
@@ -233,6 +282,54 @@ class _MicroservingAPI:
         return _answer(_answer_codec(request), body)
 
 
+class _Channel:
+    """One caller's channel: the chunks of its requests (after each one's first), gathered into
+    one queue by a task per request, and taken out together by the channel's stream."""
+
+    MAX_ITEMS = 4096  # in one write
+
+    def __init__(self):
+        self.items: asyncio.Queue[ChannelItem] = asyncio.Queue()
+        self.pumps: set[asyncio.Task] = set()
+        self.closed = False
+
+    def pump(self, request_id: str, chunks: AsyncGenerator[GenerateChunk, None]) -> None:
+        """Carry `chunks` (a request's, past its first) until they end; the stream's error,
+        if it fails, as its last item."""
+        task = asyncio.get_running_loop().create_task(self._pump(request_id, chunks))
+        self.pumps.add(task)
+        task.add_done_callback(self.pumps.discard)
+
+    async def _pump(self, request_id: str, chunks: AsyncGenerator[GenerateChunk, None]) -> None:
+        try:
+            async for chunk in chunks:
+                self.items.put_nowait(ChannelItem(request_id, chunk=chunk))
+        except Exception as e:
+            if not isinstance(e, (MicroservingError, BackendUnavailable)):
+                log.exception("start_generate %s failed on its channel", request_id)
+            error = as_openai_error(e)
+            self.items.put_nowait(ChannelItem(request_id, error=StreamError(
+                error.status_code, ErrorDetail(error.message, error.type, error.param,
+                                               error.code))))
+        finally:
+            await chunks.aclose()  # unfinished (cancelled: the channel closed): aborted
+
+    async def next_items(self) -> list[ChannelItem]:
+        """The items waiting, at least one (waits for it)."""
+        batch = [await self.items.get()]
+        while not self.items.empty() and len(batch) < self.MAX_ITEMS:
+            batch.append(self.items.get_nowait())
+        return batch
+
+    async def close(self) -> None:
+        """The caller went away: its requests are aborted (their pumps cancelled)."""
+        self.closed = True
+        pumps = list(self.pumps)
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
 def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdefABCDEF" for c in text)
 
@@ -260,6 +357,7 @@ def add_microserving_routes(app: FastAPI, client, *, api_key: str | None = None)
     for name in ("load_lora_adapter", "unload_lora_adapter"):  # vLLM's paths for them too
         app.add_api_route(f"/v1/{name}", api.call_route(CALLS[name]), methods=["POST"])
     app.add_api_route("/microserving/start_generate", api.start_generate, methods=["POST"])
+    app.add_api_route("/microserving/channel/{channel_id}", api.channel, methods=["GET"])
     app.add_api_route("/microserving/stats", api.stats, methods=["GET"])
     app.add_api_route("/microserving/live", api.live, methods=["GET"])
     if api_key is not None:

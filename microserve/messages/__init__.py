@@ -37,18 +37,19 @@ The vocabulary is one package, a module per concern, every name importable from 
     sampling.py   `SamplingParams`; what a generation answers (`GenerateChunk`, `TokenOutput`)
     kv.py         `KVLayout`, `KVAddr`: where KV goes
     calls.py      the calls' bodies and answers, and `CALLS`: each call declared once
-    status.py     `EngineInfo`, `Liveness`, `EngineStats`, `StatsResponse`; `StreamError`
+    status.py     `EngineInfo`, `Liveness`, `EngineStats`, `StatsResponse`; `StreamError`,
+                  `ChannelItem`
 """
 
 from __future__ import annotations
 
-from microserve.messages.fields import (CHECKED, validator, RequestId, Prompt, Slot, Position,
-                                        WindowIndex, WindowTag)
+from microserve.messages.fields import (CHECKED, validator, RequestId, ChannelId, Prompt, Slot,
+                                        Position, WindowIndex, WindowTag)
 from microserve.messages.sampling import (SamplingParams, TokenLogprob, FinishReason, Usage,
                                           GenerateChunk, TokenOutput)
 from microserve.messages.kv import KVLayout, TransferDescriptor, KVAddr
 from microserve.messages.status import (EngineInfo, Liveness, EngineStats, StatsResponse,
-                                        ErrorDetail, StreamError)
+                                        ErrorDetail, StreamError, ChannelItem)
 from microserve.messages.calls import (PrepRecvRequest, PrepRecvResponse, RemoteSendRequest,
                                        SendTiming, RemoteSendResponse, SendToRequest,
                                        SendToResponse, StartGenerateRequest, CommitRequest,
@@ -59,10 +60,12 @@ from microserve.messages.calls import (PrepRecvRequest, PrepRecvResponse, Remote
                                        call_of)
 
 __all__ = [
-    "CHECKED", "validator", "RequestId", "Prompt", "Slot", "Position", "WindowIndex", "WindowTag",
+    "CHECKED", "validator", "RequestId", "ChannelId", "Prompt", "Slot", "Position",
+    "WindowIndex", "WindowTag",
     "SamplingParams", "TokenLogprob", "FinishReason", "Usage", "GenerateChunk", "TokenOutput",
     "KVLayout", "TransferDescriptor", "KVAddr", "EngineInfo", "Liveness", "EngineStats",
-    "StatsResponse", "ErrorDetail", "StreamError", "PrepRecvRequest", "PrepRecvResponse",
+    "StatsResponse", "ErrorDetail", "StreamError", "ChannelItem",
+    "PrepRecvRequest", "PrepRecvResponse",
     "RemoteSendRequest", "SendTiming", "RemoteSendResponse", "SendToRequest", "SendToResponse",
     "StartGenerateRequest", "CommitRequest", "CommitResponse", "AbortRequest", "AbortResponse",
     "PinRequest", "UnpinRequest", "PinResponse", "StatsRequest", "CheckIntegrityRequest",

@@ -10,7 +10,7 @@ from msgspec import Raw
 from pydantic import Field
 
 from microserve.bounds import Index, Priority, TokenId
-from microserve.messages.fields import CHECKED, Position, Prompt, RequestId
+from microserve.messages.fields import CHECKED, ChannelId, Position, Prompt, RequestId
 from microserve.messages.kv import KVAddr
 from microserve.messages.sampling import SamplingParams
 from microserve.messages.status import EngineStats
@@ -64,6 +64,11 @@ class RemoteSendRequest:
     queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
     # Its scheduling priority on this engine (--scheduling-policy priority: lower runs first)
     priority: Priority = 0
+    # The id of a channel the caller holds open (GET /microserving/channel/{id}): a streamed
+    # call then answers its first chunk alone, as its body, and every later chunk goes out on
+    # the channel, beside those of the caller's other requests (ChannelItem). None: the answer
+    # is the stream of all its chunks.
+    channel: ChannelId | None = None
     # The LoRA adapter to compute the KV with (and reuse cached KV of); None: the base model.
     # With `sampling`, its lora_name must be the same.
     lora_name: LoraName | None = None
@@ -129,6 +134,11 @@ class StartGenerateRequest:
     queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
     # Its scheduling priority on this engine (--scheduling-policy priority: lower runs first)
     priority: Priority = 0
+    # The id of a channel the caller holds open (GET /microserving/channel/{id}): a streamed
+    # call then answers its first chunk alone, as its body, and every later chunk goes out on
+    # the channel, beside those of the caller's other requests (ChannelItem). None: the answer
+    # is the stream of all its chunks.
+    channel: ChannelId | None = None
 
 
 @CHECKED

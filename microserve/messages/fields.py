@@ -22,6 +22,8 @@ def validator(message: type[T]) -> TypeAdapter[T]:
 
 
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]
+CHANNEL_ID = r"^[A-Za-z0-9_-]{1,64}$"
+ChannelId = Annotated[str, Field(pattern=CHANNEL_ID)]
 Prompt = Annotated[list[TokenId], Field(min_length=1)]
 Slot = Annotated[int, Field(ge=0, le=INT64_MAX)]  # checked against the receiver's pool
 Position = Annotated[int, Field(ge=0, le=INT32_MAX)]

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from msgspec import Struct
 
+from microserve.messages.sampling import GenerateChunk
+
 
 @dataclass(slots=True)
 class EngineInfo:
@@ -147,3 +149,12 @@ class StreamError(Struct):
 
     status: int
     error: ErrorDetail
+
+
+class ChannelItem(Struct, omit_defaults=True):
+    """One item of a channel (GET /microserving/channel/{id}): a chunk after the first of a
+    start_generate bound to the channel, or the StreamError that ends it."""
+
+    request_id: str
+    chunk: GenerateChunk | None = None
+    error: StreamError | None = None
