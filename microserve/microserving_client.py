@@ -334,6 +334,7 @@ class EngineClient:
         try:
             try:
                 response = await self._open(b"POST", "start_generate", self._encode(body), None)
+                started = True  # from here on the engine may be running it
             except MicroservingError as e:
                 if e.code != "channel_not_open":
                     raise
@@ -345,17 +346,20 @@ class EngineClient:
             raw = await self._answer(response, None)
             first = (_chunk.decode(raw) if _is_msgpack(response)
                      else msgspec.json.decode(raw, type=GenerateChunk))
-            started, finished = True, first.finish_reason is not None
+            finished = first.finish_reason is not None
             yield first
             while not finished:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
-                if isinstance(items[-1], BaseException):  # the channel failed
-                    raise items[-1]
+                failed = next((x for x in items if isinstance(x, BaseException)), None)
+                if failed is not None:  # the channel failed: what came before it, then that
+                    items = items[:items.index(failed)]
                 for chunk in _coalesced(items):
                     finished = chunk.finish_reason is not None
                     yield chunk
+                if failed is not None and not finished:
+                    raise failed
         finally:
             channel.unregister(rid)
             if started and not finished:
