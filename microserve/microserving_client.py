@@ -238,8 +238,9 @@ class _Channel:
             error = unavailable(e)
         except asyncio.CancelledError:
             error = BackendUnavailable("the channel was closed")
-        except Exception as e:  # an item that does not decode: the engine is not ours
-            error = BackendUnavailable(f"channel: {type(e).__name__}: {e}")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            error = BackendUnavailable(f"engine {self.name}: its channel sent an item that does "
+                                       f"not decode: {e}")
         finally:
             response.release()  # mid-stream: the connection closes, the engine aborts
         self.fail(error)

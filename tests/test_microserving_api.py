@@ -51,7 +51,7 @@ from microserve.messages import (
     TokenOutput,
     validator,
 )
-from microserve.microserving_client import EngineClient
+from microserve.microserving_client import EngineClient, _coalesced
 from microserve.openai.app import build_openai_app
 from microserve.tokenizer import Tokenizer
 
@@ -605,9 +605,10 @@ async def test_engine_client_start_generate(use_msgpack):
         chunks = [c async for c in engine.start_generate("g1", PROMPT, 3, sampling,
                                                          queue_s=2.5, priority=-7)]
         sent = time.perf_counter()
-    assert [plain(c) for c in chunks] == [
-        chunk([11], logprobs=logprobs(11), first=True), chunk([12, 13], logprobs=logprobs(12, 13)),
-        chunk([14], "stop", 4, logprobs(14))]
+    # the first chunk is the call's answer; the channel carries the rest in one read or two
+    assert plain(chunks[0]) == chunk([11], logprobs=logprobs(11), first=True)
+    assert [plain(c) for c in _coalesced(chunks[1:])] == [
+        chunk([12, 13, 14], "stop", 4, logprobs(12, 13, 14))]
     assert core.generate_calls == [("g1", PROMPT, 3, sampling)]
     # the queue time, counted from when the engine's frontend took the call
     (queue_s, received_at), = core.queue_times
@@ -673,37 +674,51 @@ async def test_engine_client_unreachable_engine():
     await engine.aclose()
 
 
-@pytest.mark.parametrize(("status", "content", "exc", "message"), [
-    (200, b'{"token_ids":[11]}\n', BackendUnavailable,
+@pytest.mark.parametrize(("status", "content", "channel", "exc", "message"), [
+    (200, b'{"token_ids":[11]}\n', False, BackendUnavailable,
      "engine http://engine: the stream of g1 ended before it finished"),
-    (502, b"<html>Bad Gateway</html>", MicroservingError, "HTTP 502: <html>Bad Gateway</html>"),
+    (200, b'{"token_ids":[11]}\n', True, BackendUnavailable,
+     "engine http://engine: its channel sent an item that does not decode: Object missing "
+     "required field `request_id`"),
+    (502, b"<html>Bad Gateway</html>", True, MicroservingError,
+     "HTTP 502: <html>Bad Gateway</html>"),
 ])
-async def test_engine_client_bad_answers(status, content, exc, message):
+async def test_engine_client_bad_answers(status, content, channel, exc, message):
     async def answer(scope, receive, send):
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/x-ndjson")]})
         await send({"type": "http.response.body", "body": content})
 
     async with live_server(answer) as url:
-        engine = EngineClient(url, use_msgpack=False)
+        engine = EngineClient(url, use_msgpack=False, channel=channel)
         with pytest.raises(exc) as raised:
             _ = [c async for c in engine.start_generate("g1", PROMPT)]
         await engine.aclose()
     assert str(raised.value) == message.replace("http://engine", url)
 
 
-async def test_engine_client_early_close_aborts_in_the_engine():
+@pytest.mark.parametrize("channel", [True, False])
+async def test_engine_client_early_close_aborts_in_the_engine(channel):
+    """Closed early, a request is aborted: on a channel by an abort call, a stream by its
+    connection closing (the core client aborts it)."""
     core = FakeCore(steps=[[11], [12]], hang=True)
     async with live_server(engine_app(core)) as url:
-        engine = EngineClient(url)
+        engine = EngineClient(url, channel=channel)
         chunks = engine.start_generate("g1", PROMPT)
         assert (await anext(chunks)).token_ids == [11]
         await chunks.aclose()
-        await eventually(lambda: core.aborted == ["g1"])
+        if channel:
+            await eventually(lambda: [(m, a) for m, a, _ in core.calls] == [
+                ("abort", {"request_id": "g1", "early_send": False})])
+        else:
+            await eventually(lambda: core.aborted == ["g1"])
         await engine.aclose()
+    assert core.aborted == ["g1"]  # (on a channel: its pump, cancelled as the channel closed)
 
 
-async def test_engine_client_keeps_its_connection():
+@pytest.mark.parametrize("channel", [True, False])
+async def test_engine_client_keeps_its_connection(channel):
+    """Calls one after the other reuse one connection; a channel holds one more, opened once."""
     app, client_ports = engine_app(FakeCore()), []
 
     async def noting_client_ports(scope, receive, send):
@@ -711,13 +726,20 @@ async def test_engine_client_keeps_its_connection():
         await app(scope, receive, send)
 
     async with live_server(noting_client_ports) as url:
-        engine = EngineClient(url)
+        engine = EngineClient(url, channel=channel)
         for _ in range(3):
             chunks = [c.token_ids async for c in engine.start_generate("g1", PROMPT)]
-            assert chunks == [[11], [12, 13], [14]]
+            if channel:  # the first is the call's answer; the rest in one read or two
+                assert chunks[0] == [11] and sum(chunks, []) == [11, 12, 13, 14]
+            else:
+                assert chunks == [[11], [12, 13], [14]]
         await engine.call(AbortRequest("g1"))
         await engine.aclose()
-    assert len(client_ports) == 4 and len(set(client_ports)) == 1
+    if channel:  # the channel's GET, then 3 start_generate and an abort on another
+        assert len(client_ports) == 5 and len(set(client_ports)) == 2
+        assert client_ports.count(client_ports[0]) == 1
+    else:
+        assert len(client_ports) == 4 and len(set(client_ports)) == 1
 
 
 async def test_a_merged_answer_keeps_the_prompt_logprobs_of_the_first_chunk():

@@ -64,11 +64,6 @@ class RemoteSendRequest:
     queue_s: Annotated[float, Field(gt=0, le=3600)] | None = None
     # Its scheduling priority on this engine (--scheduling-policy priority: lower runs first)
     priority: Priority = 0
-    # The id of a channel the caller holds open (GET /microserving/channel/{id}): a streamed
-    # call then answers its first chunk alone, as its body, and every later chunk goes out on
-    # the channel, beside those of the caller's other requests (ChannelItem). None: the answer
-    # is the stream of all its chunks.
-    channel: ChannelId | None = None
     # The LoRA adapter to compute the KV with (and reuse cached KV of); None: the base model.
     # With `sampling`, its lora_name must be the same.
     lora_name: LoraName | None = None
