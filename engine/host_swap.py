@@ -32,8 +32,9 @@ and no rank's next step can read a page before it is loaded, or write one before
 The prefix cache's second level (kvcache/prefix_host.py) uses the same pool and layout through
 `demote` and `load`, in the order the bookkeeping issues them. A demotion's gather runs on the
 compute stream, so a page is read before the pool hands it to anyone else; its DMA to the host
-runs on the copy stream (after that gather, and after every copy to the host before it), off
-the steps' path, its staging buffer held for the copy stream (`record_stream`). A load runs on
+runs on a stream of its own (after that gather), off the steps' path and apart from the swaps'
+copies, its staging buffer held for that stream (`record_stream`); a swap's copy out, whose
+host pages may have been a demotion's a moment ago, waits for the demotions before it. A load runs on
 the compute stream, after the demotions in flight (it may read one of their pages), so the
 forward that reads a loaded page comes after its load, without host waits. Where copies are
 synchronous (CPU, tensor parallel), both are plain copies.
@@ -79,6 +80,9 @@ class HostSwap:
                                 pin_memory=self.cuda)
         self.tier = HostTier(num_pages, page_size)
         self.stream = torch.cuda.Stream(gpu_kv.device) if self.cuda else None
+        # the prefix cache's demotions' DMAs: apart from the swaps', so that a swap's copy back
+        # (host to device) never waits behind a batch of demotions (device to host)
+        self.demotion_stream = torch.cuda.Stream(gpu_kv.device) if self.cuda else None
         # every copy waited for on the host: the other ranks' streams wait for no event here
         self._wait_each = self.cuda and len(self.pools) > 1
         # a copy has landed when its call returns
@@ -124,7 +128,7 @@ class HostSwap:
             self.counters["kv_swap_recomputes"] += 1
             return False
         assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
-        with self._on_copy_stream():
+        with self._on_copy_stream(after_demotions=True):
             staging = self._copy_out(gpu_pages, host_pages)
         self._wait_if_ranks()
         self._finish_or_track(seq_id, staging)
@@ -213,12 +217,13 @@ class HostSwap:
             if not beside:
                 self._to_host(staging, host_pages[chunk])
                 continue
-            self.stream.wait_stream(torch.cuda.current_stream(self.gpu_kv.device))
-            with torch.cuda.stream(self.stream):
+            self.demotion_stream.wait_stream(torch.cuda.current_stream(self.gpu_kv.device))
+            with torch.cuda.stream(self.demotion_stream):
                 self._to_host(staging, host_pages[chunk])
-            staging.record_stream(self.stream)  # its memory is not reused before the DMA ends
+            # its memory is not reused before the DMA ends
+            staging.record_stream(self.demotion_stream)
         if beside:
-            self._last_demotion = self._record()
+            self._last_demotion = self._record(self.demotion_stream)
         self._wait_if_ranks()
         self._mark_prefix_copy()
         self.counters["kv_host_prefix_demoted_pages"] += len(device_pages)
@@ -336,10 +341,15 @@ class HostSwap:
     def _index(self, pages: list[int]) -> torch.Tensor:
         return torch.tensor(pages, dtype=torch.long).to(self.gpu_kv.device, non_blocking=True)
 
-    def _on_copy_stream(self):
+    def _on_copy_stream(self, after_demotions: bool = False):
+        """The copy stream, after the compute stream's work so far; `after_demotions` (a
+        copy out, whose host pages may be ones a demotion in flight still writes): after the
+        demotions' DMAs too."""
         if not self.cuda:
             return contextlib.nullcontext()
         self.stream.wait_stream(torch.cuda.current_stream(self.gpu_kv.device))
+        if after_demotions and self._last_demotion is not None:
+            self.stream.wait_event(self._last_demotion)
         return torch.cuda.stream(self.stream)
 
     def _finish_or_track(self, seq_id: str, staging: torch.Tensor) -> None:
@@ -348,9 +358,10 @@ class HostSwap:
         if not self.synchronous:
             self._in_flight[seq_id] = (self._record(), staging)
 
-    def _record(self) -> torch.cuda.Event:
+    def _record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+        """An event at the end of the work queued on `stream` (the copy stream's)."""
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(stream or self.stream)
         return event
 
 
