@@ -18,7 +18,7 @@ from kvcache.host_tier import HostState
 from kvcache.manager import KVCacheManager
 from microserve.messages import SamplingParams
 from test_engine_core import random_prompts
-from test_scheduling_policies import ids, run_step, seq
+from test_scheduling_policies import run_step, seq
 
 # a GPU pool's shape: [layers, K|V, pages, page_size, kv_heads, head_dim]; a page is 512 bytes
 SHAPE = (2, 2, 8, 4, 2, 4)
@@ -533,3 +533,77 @@ def test_mlfq_short_of_pages_waits_for_them_with_or_without_a_host_tier(tier):
         sched.remove(s)
     kv.check_integrity()
     assert kv.stats().used_pages == 0
+
+
+def test_the_copies_order_across_streams_as_on_cuda(monkeypatch):
+    """The CUDA paths' stream order, with torch.cuda's streams and events recorded (the bytes
+    still move, on the CPU): a demotion's DMA goes on its own stream after the compute
+    stream's work; a load makes the compute stream wait for it; a copy out waits for the
+    compute stream and the demotions before it; a copy back waits for the compute stream
+    alone (never behind demotions). Pages come back byte-equal along the way."""
+    import contextlib
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append((self.name, "waits for", other.name))
+
+        def wait_event(self, event):
+            log.append((self.name, "waits for", event.name))
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.name = f"event {Event.count}"
+
+        def record(self, stream=None):
+            log.append((self.name, "on", stream.name if stream else "compute"))
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+    compute = Stream("compute")
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(("runs on", stream.name))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: log.append(("staging kept for", stream.name)),
+                        raising=False)
+    swap = HostSwap(pool(), memory_gb=8 * PAGE_BYTES / 2**30, copy_gbps=1e6)
+    swap.cuda, swap.synchronous, swap.prefill_s = True, False, lambda n: 1.0
+    swap.stream, swap.demotion_stream = Stream("copy"), Stream("demotions")
+    before = swap.gpu_kv[:, :, [0, 1]].clone()
+
+    swap.demote([0, 1], [3, 4])
+    assert log == [("demotions", "waits for", "compute"), ("runs on", "demotions"),
+                   ("staging kept for", "demotions"), ("event 1", "on", "demotions"),
+                   ("event 2", "on", "compute")]
+    log.clear()
+    swap.demote([5], [6])
+    assert swap.swap_out("s", [0, 1], 8)
+    assert log[-4:] == [("copy", "waits for", "compute"), ("copy", "waits for", "event 3"),
+                        ("runs on", "copy"), ("event 5", "on", "copy")]
+    log.clear()
+    swap.poll()
+    swap.load([3, 4], [5, 7])
+    assert log[0] == ("compute", "waits for", "event 3")
+    assert torch.equal(swap.gpu_kv[:, :, [5, 7]], before)
+    log.clear()
+    assert swap.swap_in("s", [2, 3]) == 8
+    assert log == [("copy", "waits for", "compute"), ("runs on", "copy"),
+                   ("event 7", "on", "copy")]
+    assert torch.equal(swap.gpu_kv[:, :, [2, 3]], before)
