@@ -144,20 +144,26 @@ class HostSwap:
             self._in_flight.pop(seq_id)[0].synchronize()
             self.tier.copied_out(seq_id)
 
-    def swap_in(self, seq_id: str, gpu_pages: list[int]) -> int:
-        """Start copying a HELD sequence's KV into `gpu_pages` (as many as it held). Returns
-        the tokens restored; the next forward waits for the copy (`before_forward`)."""
+    def swap_in(self, seq_id: str, gpu_pages: list[int], skip: int = 0) -> int:
+        """Start copying a HELD sequence's KV into `gpu_pages` (as many as it held), but for
+        the first `skip`, which the GPU pool holds already (the prefix cache kept them).
+        Returns the tokens restored; the next forward waits for the copy (`before_forward`).
+        With nothing to copy it is back at once (its host pages freed)."""
         host_pages = self.tier.start_in(seq_id)
-        assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
-        with self._on_copy_stream():
-            staging = self._copy_in(host_pages, gpu_pages)
-        self._wait_if_ranks()
+        assert len(host_pages) == len(gpu_pages) and 0 <= skip <= len(gpu_pages), (
+            host_pages, gpu_pages, skip)
         num_tokens = self.tier.num_tokens(seq_id)
-        self._finish_or_track(seq_id, staging)
-        if self.synchronous:
+        if skip == len(gpu_pages):
             self.tier.copied_in(seq_id)
+        else:
+            with self._on_copy_stream():
+                staging = self._copy_in(host_pages[skip:], gpu_pages[skip:])
+            self._wait_if_ranks()
+            self._finish_or_track(seq_id, staging)
+            if self.synchronous:
+                self.tier.copied_in(seq_id)
         self.counters["kv_swap_ins"] += 1
-        self.counters["kv_swap_in_bytes"] += len(gpu_pages) * self.page_bytes
+        self.counters["kv_swap_in_bytes"] += (len(gpu_pages) - skip) * self.page_bytes
         return num_tokens
 
     def copying_out(self) -> list[str]:

@@ -24,7 +24,8 @@ running sequence needs a page and none is left, the policy's victim (the newest 
 sequence under FCFS) is preempted: its pages are released (whole pages stay in the prefix cache)
 and it is recomputed later from prompt + output so far, unless a host KV tier
 (`swapper`, engine/host_swap.py) takes its KV: then it waits on the host and, admitted again,
-gets fresh pages that its KV is copied back into, and resumes where it was. When that happens,
+gets pages that its KV is copied back into (but for the whole pages of it the prefix cache
+still holds, which it reuses), and resumes where it was. When that happens,
 and how no step waits for a copy on a GPU, is engine/swap_scheduling.py's (mixed in here).
 
 Background work (engine/background.py): while live work exists, sequences at or past the
@@ -341,9 +342,9 @@ class Scheduler(HostSwapping):
         loaded = 0  # tokens of its cached prefix loaded from the host tier
         if prepared:
             reused = seq.num_computed_tokens
-        elif on_host is HostState.HELD:  # fresh pages; its KV is copied into them below
-            self.kv.open(seq.request_id, [], seq.lora_id)
-            reused = seq.num_computed_tokens
+        elif on_host is HostState.HELD:  # its KV is copied below into fresh pages, after
+            reused = seq.num_computed_tokens  # those of it the prefix cache still holds
+            self.kv.open(seq.request_id, seq.token_at(0, reused), seq.lora_id)
         else:  # reuse cached KV for all but the last token: its logits are needed
             end = seq.num_tokens - 1
             if seq.prompt_logprobs is not None:  # nor any prompt token not yet scored
@@ -368,7 +369,8 @@ class Scheduler(HostSwapping):
             budget += self._preempt(self._outranked(seq), out, "priority", need_pages=False)
         if on_host is HostState.HELD:
             held = self.kv.page_table(seq.request_id)[: -(-reused // self.kv.page_size)]
-            self.swapper.swap_in(seq.request_id, list(held))
+            self.swapper.swap_in(seq.request_id, list(held),
+                                 self.kv.num_cached_pages(seq.request_id))
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = min(reused, seq.num_prompt_tokens)
             # the host's pages come after the device's: the part of them within the prompt

@@ -59,8 +59,9 @@ class KVSwapper(Protocol):
     def settle_out(self, seq_id: str) -> None:
         """Wait for the copy out to land (now HELD)."""
 
-    def swap_in(self, seq_id: str, gpu_pages: list[int]) -> int:
-        """Start the copy of a HELD sequence's KV into `gpu_pages`. Returns its tokens."""
+    def swap_in(self, seq_id: str, gpu_pages: list[int], skip: int = 0) -> int:
+        """Start the copy of a HELD sequence's KV into `gpu_pages`, but for the first `skip`
+        (held on the GPU already). Returns its tokens."""
 
     def poll(self) -> list[str]:
         """Settle the copies that landed; returns those whose copy out did."""
@@ -112,10 +113,19 @@ class HostSwapping:
             seats -= 1
 
     def _start_copy_back(self, seq: Sequence) -> None:
-        """Fresh pages for a HELD sequence's KV, and the copy back into them (it waits on)."""
-        self.kv.open(seq.request_id, [], seq.lora_id)
-        self.kv.allocate(seq.request_id, seq.num_computed_tokens)
-        self.swapper.swap_in(seq.request_id, list(self.kv.page_table(seq.request_id)))
+        """Pages for a HELD sequence's KV, and the copy back into them (it waits on): the
+        leading ones the prefix cache still holds on the GPU are reused, not copied."""
+        rid = seq.request_id
+        self.swapper.swap_in(rid, self._open_for_copy_back(seq),
+                             self.kv.num_cached_pages(rid))
+
+    def _open_for_copy_back(self, seq: Sequence) -> list[int]:
+        """A page table for a HELD sequence's KV: the whole pages of it still cached on the
+        GPU (its own, unless evicted since), then fresh ones. Returns it."""
+        rid, n = seq.request_id, seq.num_computed_tokens
+        self.kv.open(rid, seq.token_at(0, n), seq.lora_id)
+        self.kv.allocate(rid, n)
+        return list(self.kv.page_table(rid))
 
     # ---- proactive swapping, where copies run beside compute ----------------------------------
 
@@ -160,7 +170,8 @@ class HostSwapping:
 
     def _copy_back(self, seq: Sequence) -> bool:
         """Start copying a HELD sequence's KV back if pages for it leave the next step's
-        growth. False: too few pages."""
+        growth (its pages still cached count as free: they are among the evictable).
+        False: too few pages."""
         if not self._leaves_growth(-(-seq.num_computed_tokens // self.kv.page_size)):
             return False
         self._start_copy_back(seq)

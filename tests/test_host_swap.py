@@ -157,7 +157,8 @@ def test_a_seat_preemption_keeps_the_gpu_pages_until_the_copy_out_lands():
 def test_the_next_sequence_to_run_is_prefetched_while_it_waits():
     """`high` runs three steps; once `low`'s copy out lands, its GPU pages are freed and, as the
     policy's next, with a seat and free pages but no token budget left, its KV is copied back
-    while it still waits."""
+    while it still waits: its first page, which the prefix cache kept, is reused as it is, and
+    only its partial second page is copied."""
     kv, swap, sched, low, high = seat_preemption()
     high.params = SamplingParams(max_tokens=3)
     before = swap.gpu_kv[:, :, [0, 1]].clone()
@@ -168,8 +169,9 @@ def test_the_next_sequence_to_run_is_prefetched_while_it_waits():
     swap.landed = True
     assert run_step(sched)[0] == [("high", 1)]
     assert swap.state("low") is HostState.COPYING_IN and low.status is SeqStatus.WAITING
-    assert kv.page_table("low") == [1, 4]
-    assert torch.equal(swap.gpu_kv[:, :, [1, 4]], before)
+    assert kv.page_table("low") == [0, 1]
+    assert torch.equal(swap.gpu_kv[:, :, [0, 1]], before)
+    assert swap.counters["kv_swap_in_bytes"] == PAGE_BYTES
     assert run_step(sched)[0] == [("high", 1)]  # high finishes; the copy landed
     assert swap.state("low") is None and swap.tier.pool.num_free == 8
     assert run_step(sched)[0] == [("low", 1)]  # admitted with its KV: one decode token
@@ -401,8 +403,8 @@ def swapped_run(tiny_model_dir):
         out_pages.append(kv[:, :, gpu_pages].clone())
         return swap_out(seq_id, gpu_pages, num_tokens)
 
-    def spy_in(seq_id, gpu_pages):
-        tokens = swap_in(seq_id, gpu_pages)
+    def spy_in(seq_id, gpu_pages, skip=0):
+        tokens = swap_in(seq_id, gpu_pages, skip)
         in_pages.append(kv[:, :, gpu_pages].clone())
         return tokens
 
@@ -483,6 +485,8 @@ def test_requests_swapped_for_pages_equal_hf(tiny_model_dir, device, copies):
     stats = core.stats()
     assert stats.preemptions_by_reason["ahead" if ahead else "pages"] >= 1
     assert stats.kv_swap_outs == stats.kv_swap_ins == stats.preemptions
+    if device == "cpu":  # its leading pages were still cached on the device: not copied back
+        assert 0 < stats.kv_swap_in_bytes < stats.kv_swap_out_bytes
     assert stats.kv_swap_recomputes == 0
     # no sequence holds host pages: those not free are prefix-cache pages demoted there
     assert stats.kv_host_pages_free + stats.kv_host_pages_cached == stats.kv_host_pages_total

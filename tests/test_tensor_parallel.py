@@ -335,8 +335,8 @@ def test_the_host_tier_swaps_every_ranks_share_and_tokens_equal_hf(tiny_model_di
             out_pages.append([pool[:, :, gpu_pages].clone() for pool in swap.pools])
             return swap_out(seq_id, gpu_pages, num_tokens)
 
-        def spy_in(seq_id, gpu_pages):
-            tokens = swap_in(seq_id, gpu_pages)
+        def spy_in(seq_id, gpu_pages, skip=0):
+            tokens = swap_in(seq_id, gpu_pages, skip)
             in_pages.append([pool[:, :, gpu_pages].clone() for pool in swap.pools])
             return tokens
 
