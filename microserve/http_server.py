@@ -259,13 +259,19 @@ class QuietServer(uvicorn.Server):
             self._captured_signals.clear()  # uvicorn's private list of signals to re-raise
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's default, which it sets again when it serves
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """A bound TCP socket whose accepted connections have TCP_NODELAY, for uvicorn:
 
         await uvicorn.Server(uvicorn.Config(app)).serve(sockets=[listen_socket(host, port)])
 
     proto=IPPROTO_TCP makes asyncio set TCP_NODELAY on each accepted socket; the listener's own
-    TCP_NODELAY is also inherited by accepted sockets on Linux.
+    TCP_NODELAY is also inherited by accepted sockets on Linux. It listens at once: with
+    SO_REUSEADDR two processes may both bind one port until one of them listens, so a second
+    server started on a port this one is loading on fails here, not seconds later. (Clients
+    that connect meanwhile wait in the backlog until the app serves.)
     """
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                   flags=socket.AI_PASSIVE)[0]
@@ -274,6 +280,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:

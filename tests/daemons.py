@@ -22,10 +22,21 @@ ENGINE_KEY = "test-engine-key"
 ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 
 
+_GIVEN: set[int] = set()  # ports free_port handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and one this process has not handed out before: the
+    kernel may give the same free port to two binds in a row, and daemons started together
+    bind theirs seconds later (and with SO_REUSEADDR two binds of one port both succeed
+    until the second listens)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def cpu_threads(args: tuple[str, ...]) -> tuple[str, ...]:
