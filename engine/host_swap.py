@@ -34,10 +34,10 @@ The prefix cache's second level (kvcache/prefix_host.py) uses the same pool and 
 compute stream, so a page is read before the pool hands it to anyone else; its DMA to the host
 runs on a stream of its own (after that gather), off the steps' path and apart from the swaps'
 copies, its staging buffer held for that stream (`record_stream`); a swap's copy out, whose
-host pages may have been a demotion's a moment ago, waits for the demotions before it. A load runs on
-the compute stream, after the demotions in flight (it may read one of their pages), so the
-forward that reads a loaded page comes after its load, without host waits. Where copies are
-synchronous (CPU, tensor parallel), both are plain copies.
+host pages may have been a demotion's a moment ago, waits for the demotions before it. A load
+runs on the compute stream, after the demotions in flight (it may read one of their pages), so
+the forward that reads a loaded page comes after its load, without host waits. Where copies
+are synchronous (CPU, tensor parallel), both are plain copies.
 """
 
 from __future__ import annotations
