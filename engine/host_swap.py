@@ -93,8 +93,8 @@ class HostSwap:
         self.prefill_s: Callable[[int], float] | None = None  # set by the engine (its profile)
         # the last prefix-cache copy (demote, load) not waited for by `settle` (CUDA)
         self._last_prefix_copy: torch.cuda.Event | None = None
-        # the last demotion's DMA on the copy stream, until a load makes the compute stream
-        # wait for it (CUDA, copies beside compute)
+        # the last demotion's DMA on the demotion stream, until a load makes the compute
+        # stream wait for it (CUDA, copies beside compute)
         self._last_demotion: torch.cuda.Event | None = None
         self.counters = {"kv_swap_outs": 0, "kv_swap_ins": 0, "kv_swap_out_bytes": 0,
                          "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0,
@@ -215,7 +215,7 @@ class HostSwap:
     def demote(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy evicted prefix-cache pages to the host. The gather runs on the compute stream
         (it reads the device pages before the pool hands them to a writer); where copies run
-        beside compute, the DMA to the host runs on the copy stream, off the steps' path."""
+        beside compute, the DMA to the host runs on the demotion stream, off the steps' path."""
         beside = self.cuda and not self.synchronous
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)

@@ -208,8 +208,7 @@ class KVCacheManager:
         return self.pool.num_free + self.cache.num_evictable()
 
     def can_allocate(self, num_pages: int) -> bool:
-        free = self.pool.num_free
-        return num_pages <= free or num_pages <= free + self.cache.num_evictable()
+        return num_pages <= self.num_available_pages()
 
     def allocate(self, seq_id: str, num_tokens: int) -> bool:
         """Grow the page table so it covers `num_tokens` positions, evicting cached pages if

@@ -23,10 +23,11 @@ GenerateChunk per engine output, each sent as soon as it exists:
 The last chunk has finish_reason and usage. With `channel`, the call answers its first chunk
 alone, and the rest go out on that channel with every other request's bound to it, the items of
 one read of the core's outputs in one write (_Channel); closing the channel aborts its requests.
-A failure after the status line went out ends the stream with a StreamError (`{"status": s, "error": {...}}`) instead: the status and error JSON
-the call would have been answered with. Each call's route follows from its declaration
-(microserve.messages.CALLS). A client that goes away before a call carrying a request_id finished
-(start_generate mid-stream included) gets that request aborted in the engine.
+A failure after the status line went out ends the stream with a StreamError (`{"status": s,
+"error": {...}}`) instead: the status and error JSON the call would have been answered with.
+Each call's route follows from its declaration (microserve.messages.CALLS). A client that goes
+away before a call carrying a request_id finished (start_generate mid-stream included) gets that
+request aborted in the engine.
 
 /microserving/live is the router's liveness probe: answered from this process's event loop
 without waiting for the core (a core in a minute-long step is busy, not dead), with how long
