@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import httptools
@@ -71,15 +71,26 @@ _stream_error = msgspec.msgpack.Decoder(StreamError)
 _channel_item = msgspec.msgpack.Decoder(ChannelItem)
 
 
-class _ChunkDecoder:
-    """start_generate's msgpack stream: feed bytes as they arrive; get the whole frames out,
-    each decoded once: a GenerateChunk, or the StreamError that ends a failed stream."""
+class _Frames:
+    """A msgpack stream (microserve.wire's frames): feed bytes as they arrive; get the whole
+    frames out, each decoded once by `decode`."""
 
-    def __init__(self):
-        self._frames = FrameDecoder(msgspec.Raw)
+    def __init__(self, decode: Callable[[msgspec.Raw], Any]):
+        self._frames, self._decode = FrameDecoder(msgspec.Raw), decode
 
-    def feed(self, data: bytes) -> list[GenerateChunk | StreamError]:
-        return [_decode_item(raw) for raw in self._frames.feed(data)]
+    def feed(self, data: bytes) -> list:
+        return [self._decode(raw) for raw in self._frames.feed(data)]
+
+
+class _Lines:
+    """An NDJSON stream (without msgpack): the whole lines, each decoded once by `decode`."""
+
+    def __init__(self, decode: Callable[[bytes], Any]):
+        self._buf, self._decode = b"", decode
+
+    def feed(self, data: bytes) -> list:
+        *lines, self._buf = (self._buf + data).split(b"\n")
+        return [self._decode(line) for line in lines if line]
 
 
 def _decode_item(raw: msgspec.Raw) -> GenerateChunk | StreamError:
@@ -89,17 +100,21 @@ def _decode_item(raw: msgspec.Raw) -> GenerateChunk | StreamError:
         return _stream_error.decode(raw)
 
 
-class _LineDecoder:
-    """NDJSON (start_generate without msgpack): the whole lines' items, typed."""
+def _decode_line(line: bytes) -> GenerateChunk | StreamError:
+    item = json.loads(line)
+    return msgspec.convert(item, StreamError if "error" in item else GenerateChunk)
 
-    def __init__(self):
-        self._buf = b""
 
-    def feed(self, data: bytes) -> list[GenerateChunk | StreamError]:
-        *lines, self._buf = (self._buf + data).split(b"\n")
-        items = [json.loads(line) for line in lines if line]
-        return [msgspec.convert(item, StreamError if "error" in item else GenerateChunk)
-                for item in items]
+def _stream_decoder(response: Response) -> _Frames | _Lines:
+    """start_generate's stream: GenerateChunks, or the StreamError that ends a failed one."""
+    return _Frames(_decode_item) if _is_msgpack(response) else _Lines(_decode_line)
+
+
+def _channel_decoder(response: Response) -> _Frames | _Lines:
+    """A channel's stream: ChannelItems."""
+    if _is_msgpack(response):
+        return _Frames(_channel_item.decode)
+    return _Lines(lambda line: msgspec.json.decode(line, type=ChannelItem))
 
 
 def _is_msgpack(response: Response) -> bool:
@@ -154,27 +169,6 @@ def _coalesced(items: list[GenerateChunk | StreamError]) -> Iterator[GenerateChu
             merged.prompt_logprobs = item.prompt_logprobs
     if merged is not None:
         yield merged
-
-
-class _ChannelDecoder:
-    """A channel's msgpack frames, each decoded once into a ChannelItem."""
-
-    def __init__(self):
-        self._frames = FrameDecoder(msgspec.Raw)
-
-    def feed(self, data: bytes) -> list[ChannelItem]:
-        return [_channel_item.decode(raw) for raw in self._frames.feed(data)]
-
-
-class _ChannelLineDecoder:
-    """A channel's NDJSON lines."""
-
-    def __init__(self):
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[ChannelItem]:
-        *lines, self._buf = (self._buf + data).split(b"\n")
-        return [msgspec.json.decode(line, type=ChannelItem) for line in lines if line]
 
 
 class _Channel:
@@ -404,15 +398,14 @@ class EngineClient:
                     self._use_channel = False
                     return None
                 raise
-            channel.start(response, _ChannelDecoder() if _is_msgpack(response)
-                          else _ChannelLineDecoder(), self._unavailable)
+            channel.start(response, _channel_decoder(response), self._unavailable)
             self._channel = channel
             return channel
 
     async def _streamed(self, body: StartGenerateRequest) -> AsyncIterator[GenerateChunk]:
         """start_generate as a stream of its own."""
         response = await self._open(b"POST", "start_generate", self._encode(body), None)
-        decoder = _ChunkDecoder() if _is_msgpack(response) else _LineDecoder()
+        decoder = _stream_decoder(response)
         finished = False
         try:
             # Read on past the last chunk to the end of the stream (it ends right there), so

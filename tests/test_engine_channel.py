@@ -65,14 +65,21 @@ def test_requests_on_one_channel_give_the_tokens_of_streams_and_hugging_faces(
     have been read on their own)."""
     batch = prompts(16, seed=1)
     reads: list[int] = []
-    feed = microserving_client._ChannelDecoder.feed
+    make = microserving_client._channel_decoder
 
-    def counted(self, data):
-        items = feed(self, data)
-        reads.append(len(items))
-        return items
+    def counted(response):
+        decoder = make(response)
+        feed = decoder.feed
 
-    monkeypatch.setattr(microserving_client._ChannelDecoder, "feed", counted)
+        def counted_feed(data):
+            items = feed(data)
+            reads.append(len(items))
+            return items
+
+        decoder.feed = counted_feed
+        return decoder
+
+    monkeypatch.setattr(microserving_client, "_channel_decoder", counted)
 
     async def run(channel: bool) -> list[list[int]]:
         client = EngineClient(eng.url, api_key=ENGINE_KEY, channel=channel)
