@@ -14,8 +14,15 @@ the engines' step time over the counters every engine reports, polled twice a se
     P/D on (P, D):        TTFT = b·(queue_P + n − held_P) + a + h      delay = D_P(n − held_P)
     balanced r on (P, D): TTFT = b·(queue_P + (n − held_P)·(1 − r)) + b·n·r + a + h
                           delay = D_P((n − held_P)·(1 − r)) + D_D(n·r)
+    each TTFT, + the wait for a seat on each engine it runs on (P, then D; a send takes a
+    seat on P while it computes):
+                          W_e = (k_e + 1 − seats_e) / ends_e  when k_e + 1 > seats_e, else 0
 
-`D_e(t)` is what the t tokens cost other requests. The m_e sequences decoding on e each wait
+`k_e` is e's open calls (sends, generations, KV on its way to it), `seats_e` its
+--max-num-seqs and `ends_e` the rate its calls from this router ended over the last
+seconds: past its seats a request waits for others to end before it runs (a P/D
+request gets its first token from P, then waits for the rest). `D_e(t)` is what the t tokens
+cost other requests. The m_e sequences decoding on e each wait
 them out (chunked prefill shares their steps). And every prompt that reaches e before its
 queue empties waits w longer: the queue ahead, b·queue_e, and w itself drain at 1 − ρ_e of
 e's time (ρ_e: the share of e's time its prompt tokens took over the last polls, b times the
@@ -27,6 +34,9 @@ of a prompt to D, or the whole prompt to a D with room, worth their cost to D's 
 before P's queue breaks the TTFT target. `h` is the handover (its p50 on two H200s: 2.6 ms;
 `handover_s`, 5 ms). The cost of a choice is its TTFT plus the delay it adds. The SLO filters
 first, and drops a choice while another keeps within it when
+- its generating engine has no seat free (W_e > 0): at chat lengths a decode engine's seats
+  fill while its steps, short contexts decoding, stay far under the TPOT target, and the
+  requests past them queue, or
 - its generating engine's predicted TPOT, (a + c·(m + 1)) / (1 − ρ) once the request joins
   its batch (its prompts take ρ of its steps' time), is over `slo_tpot_s`, or
 - it computes prompt tokens on its generating engine (whole, balanced) while that engine's
@@ -53,6 +63,7 @@ _PRIOR = (5e-3, 5e-3 * 0.1 / 64, 25e-6)  # a, c, b: Llama-3.1-8B on an H100 (bal
 _SCALE = (50.0, 1e3, 1e3)  # a poll's typical steps, sampled and prompt tokens
 BUSY_SMOOTHING = 0.3  # the weight of the latest poll in an engine's prompt share ρ
 MAX_BUSY = 0.95  # ρ is held below 1: past it the queue term has no bound
+UNKNOWN_WAIT_S = 3600.0  # a seat's wait where none ended lately
 STEP_SHARE = 0.8  # of the TPOT target: an engine whose steps take this long gets no prompt
 
 
@@ -86,6 +97,18 @@ class EngineLoad:
     held: int = 0  # tokens of this prompt it has cached
     sends_kv: bool = True  # may be P (a tensor-parallel engine only with a KV transfer)
     receives_kv: bool = True  # may be D (runs a KV transfer)
+    seats: int = 0  # sequences it runs at once (--max-num-seqs); 0: not known
+    ends_per_s: float = 0.0  # generations that ended on it per second, lately
+    calls: int = 0  # its open calls, each a seat: sends, generations, KV on its way here
+
+    def seat_wait_s(self) -> float:
+        """How long one more request would wait for a seat here: 0 while one is free, else
+        the requests ahead of it over the rate seats free up (none ended lately: an hour,
+        never chosen while anything else can be, and JSON can still show it)."""
+        over = max(self.calls, self.decoding) + 1 - self.seats
+        if not self.seats or over <= 0:
+            return 0.0
+        return over / self.ends_per_s if self.ends_per_s > 0 else UNKNOWN_WAIT_S
 
 
 class ChoiceModel:
@@ -135,17 +158,17 @@ class ChoiceModel:
             return work * e.decoding + work * arrivals * (b * e.queue + work) / (1 - rho)
 
         whole = [e for e in engines if e.decode] or engines  # prefill engines are kept for P
-        out = [Choice("whole", e.name, ttft_s=b * (e.queue + n - e.held) + a,
+        out = [Choice("whole", e.name, ttft_s=b * (e.queue + n - e.held) + a + e.seat_wait_s(),
                       delay_s=delay(e, n - e.held)) for e in whole]
         for p in (e for e in engines if e.prefill and e.sends_kv):
             for d in (e for e in engines if e.decode and e.receives_kv and e is not p):
-                todo = n - p.held
+                todo, seat = n - p.held, p.seat_wait_s() + d.seat_wait_s()
                 out.append(Choice("pd", d.name, p.name,
-                                  ttft_s=b * (p.queue + todo) + a + self.handover_s,
+                                  ttft_s=b * (p.queue + todo) + a + self.handover_s + seat,
                                   delay_s=delay(p, todo)))
                 out += [Choice("balanced", d.name, p.name, r,
                                ttft_s=b * (p.queue + todo * (1 - r)) + b * n * r + a
-                               + self.handover_s,
+                               + self.handover_s + seat,
                                delay_s=delay(p, todo * (1 - r)) + delay(d, n * r))
                         for r in self.ratios]
         return out
@@ -157,7 +180,7 @@ class ChoiceModel:
         return (a + c * (engine.decoding + 1)) / (1 - self.busy.get(engine.name, 0.0))
 
     def _keeps_tpot(self, choice: Choice, engine: EngineLoad, slo_tpot_s: float) -> bool:
-        if self.tpot_s(engine) > slo_tpot_s:
+        if engine.seat_wait_s() > 0 or self.tpot_s(engine) > slo_tpot_s:
             return False
         prefills_there = choice.kind != "pd"  # whole and balanced compute prompt tokens on it
         return not (prefills_there and

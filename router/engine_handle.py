@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
     from router.engines import EnginePool, EngineSpec
     from router.strategy import Request
 
+ENDS_WINDOW_S = 5.0  # ends_per_s counts the calls that ended this many seconds back
+
 
 class EngineHandle:
     """One engine as strategies use it. Safe to share between requests."""
@@ -81,6 +84,7 @@ class EngineHandle:
         # LoRA adapter -> generations of it open here: fresher than the polled stats' resident
         # adapters (router/affinity.py); an adapter leaves when its count drops to 0
         self.open_adapters: Counter[str] = Counter()
+        self._ends: deque[float] = deque()  # when its sends and generations ended, lately
 
     @property
     def name(self) -> str:
@@ -103,6 +107,26 @@ class EngineHandle:
         """Sequences generating here from this router's calls, and those whose KV is on its
         way here (they generate here next)."""
         return self.open_generations + self.open_receives
+
+    @property
+    def seats(self) -> int | None:
+        """Sequences it runs at once (its --max-num-seqs); None until its info came."""
+        return None if self.info is None else self.info.max_num_seqs
+
+    def ends_per_s(self) -> float:
+        """Sends and generations from this router that ended here per second, over the
+        last ENDS_WINDOW_S: the rate its seats free up."""
+        self._forget_ends(time.monotonic())
+        return len(self._ends) / ENDS_WINDOW_S
+
+    def _ended(self) -> None:
+        now_s = time.monotonic()
+        self._ends.append(now_s)
+        self._forget_ends(now_s)
+
+    def _forget_ends(self, now_s: float) -> None:
+        while self._ends and self._ends[0] < now_s - ENDS_WINDOW_S:
+            self._ends.popleft()
 
     @property
     def routable(self) -> bool:
@@ -172,6 +196,7 @@ class EngineHandle:
                 f"while engine {self.name} was sending it KV for request {request.request_id}")
         finally:
             self.open_sends -= 1
+            self._ended()
             self.pending_prefill_tokens -= tokens
         self._pool.prefix_index.insert(request.prompt[:end], self.name, request.adapter)
         request.settled.add(self.name)  # a sender holds nothing once its send is done
@@ -317,6 +342,7 @@ class EngineHandle:
             await watch.aclose()
             await chunks.aclose()
             self.open_generations -= 1
+            self._ended()
             if request.adapter is not None:
                 self.open_adapters[request.adapter] -= 1
                 if not self.open_adapters[request.adapter]:

@@ -1,20 +1,29 @@
 """When the `auto` strategy flips an engine's role by itself (issue 44, item 2): a pure policy.
 
 Fed one `Observation` of the pool per poll (each routable engine's role, prompt tokens waiting,
-sequences decoding, predicted TPOT and KV use; the choices `auto` made since the last one), it
-answers at most one `Flip`. Three rules, checked in this order:
+sequences decoding, predicted TPOT, KV use, seats, measured step and share of its time on
+prompts; the choices `auto` made since the last one), it answers at most one `Flip`. Four
+rules, checked in this order:
 
     decode_bound   every routable engine that decodes is saturated (it decodes something,
                    and its predicted step with one more sequence >= tpot_share x the TPOT
-                   target, or its KV use >= kv_use) while a prefill engine idles (fewer than
+                   target, or its KV use >= kv_use, or every seat of its --max-num-seqs
+                   taken) while a prefill engine idles (fewer than
                    backlog_tokens / 10 prompt tokens waiting): that engine -> decode, or -> any
                    when it is the last engine that prefills and `auto` sent a request P/D or
                    balanced within the window
     prefill_bound  the prefill engines have backlog_tokens or more prompt tokens waiting each
-                   (on average) while a decode engine has room (TPOT and KV use at most half of
-                   saturated) and is not the last engine that decodes: that engine -> prefill
+                   (on average) while a decode engine has room (TPOT, KV use and seats taken
+                   at most half of saturated) and is not the last engine that decodes: that
+                   engine -> prefill
     chat_like      within the window `auto` chose at least min_requests times, whole_share or
                    more of them "whole": a prefill engine -> any, else a decode engine -> any
+    interference   no engine is a prefill engine, and every engine that decodes steps past
+                   STEP_SHARE x the TPOT target while prompts take PROMPT_SHARE or more of its
+                   time (long prompts computed beside decodes stretch them all): the "any"
+                   engine decoding the fewest -> prefill, so the others decode undisturbed
+                   (disaggregation's reason to be; decode_bound turns it back when decodes,
+                   not prompts, are what is short)
 
 Hysteresis, so a burst flips nothing and two rules do not chase each other:
 
@@ -45,9 +54,11 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 
-RULES = ("decode_bound", "prefill_bound", "chat_like")
+RULES = ("decode_bound", "prefill_bound", "chat_like", "interference")
 IDLE_SHARE = 0.1  # a prefill engine idles below this share of backlog_tokens waiting
 ROOM_SHARE = 0.5  # a decode engine has room at or below this share of saturated
+STEP_SHARE = 0.8  # of the TPOT target: a step this long is stretched (as auto's choice model)
+PROMPT_SHARE = 0.3  # ... by prompts, when they take this share of its time or more
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,9 @@ class EngineView:
     decoding: int  # sequences the router has generating on it, or on their way to it
     tpot_s: float  # its predicted step time with one more sequence decoding
     kv_use: float  # share of its KV pages in use (last poll)
+    seats: int = 0  # sequences it runs at once (--max-num-seqs); 0: not known
+    step_s: float = 0.0  # its mean step over its last poll (measured)
+    prompt_share: float = 0.0  # the share of its time its prompt tokens took, lately
 
     @property
     def prefills(self) -> bool:
@@ -148,6 +162,7 @@ class RolePolicy:
     def __init__(self, settings: FlipSettings, slo_tpot_s: float):
         self.settings = settings
         self.saturated_s = settings.tpot_share * slo_tpot_s  # a decode step this long: full
+        self.stretched_s = STEP_SHARE * slo_tpot_s  # a measured step this long: stretched
         # written by observe only
         self._since: dict[str, float] = {}  # rule -> when it started holding
         self._roles: dict[str, str] = {}  # the roles last seen (with this policy's flip done)
@@ -229,15 +244,27 @@ class RolePolicy:
         engine = (prefill + decode)[0]
         return Flip(engine.name, engine.role, "any", "chat_like")
 
+    def interference(self, obs: Observation) -> Flip | None:
+        decoders = [e for e in obs.engines if e.decodes]
+        if (any(e.role == "prefill" for e in obs.engines) or len(decoders) < 2
+                or not all(e.step_s >= self.stretched_s and e.prompt_share >= PROMPT_SHARE
+                           for e in decoders)):
+            return None
+        flips = [Flip(e.name, "any", "prefill", "interference")
+                 for e in sorted(decoders, key=lambda e: e.decoding) if e.role == "any"]
+        return next((f for f in flips if keeps_needed_roles(obs.engines, f, True)), None)
+
     def _saturated(self, e: EngineView) -> bool:
         # an idle engine stepping slower than the target is not saturated: another engine
         # that decodes would step no faster
         return e.decoding > 0 and (e.tpot_s >= self.saturated_s
-                                   or e.kv_use >= self.settings.kv_use)
+                                   or e.kv_use >= self.settings.kv_use
+                                   or 0 < e.seats <= e.decoding)
 
     def _has_room(self, e: EngineView) -> bool:
         return (e.tpot_s <= ROOM_SHARE * self.saturated_s
-                and e.kv_use <= ROOM_SHARE * self.settings.kv_use)
+                and e.kv_use <= ROOM_SHARE * self.settings.kv_use
+                and e.decoding <= ROOM_SHARE * (e.seats or math.inf))
 
     def _needs_prefill(self) -> bool:
         """Whether `auto` sent a request P/D or balanced within the window."""

@@ -2,7 +2,7 @@
 (router/role_policy.py) once per poll and carries out the flips it decides.
 
     steering = RoleSteering(policy, pool, chosen=lambda: auto.chosen, tpot_s=auto.tpot_s,
-                            wait_s=2.0)
+                            wait_s=2.0, measured=auto.measured)
     steering.start()      # auto's start(): the task begins
     steering.retire()     # auto swapped out: no flip from now on (its requests still run)
     await steering.stop() # auto's stop(): the task is cancelled and awaited
@@ -39,15 +39,18 @@ KEPT_FLIPS = 8  # the last flips GET /admin/strategy shows
 class RoleSteering:
     def __init__(self, policy: RolePolicy, pool: EnginePool,
                  chosen: Callable[[], Mapping[str, int]],
-                 tpot_s: Callable[[EngineHandle], float], wait_s: float):
+                 tpot_s: Callable[[EngineHandle], float], wait_s: float,
+                 measured: Callable[[EngineHandle], tuple[float, float]] = lambda e: (0.0, 0.0)):
         """
         Args:
             chosen: the strategy's running count of its choices, by kind.
             tpot_s: an engine's predicted step time with one more sequence decoding.
             wait_s: how long a flip waits for its old role's work.
+            measured: an engine's mean step over its last poll and the share of its time
+                its prompts took lately, in seconds and (0, 1).
         """
         self.policy, self.pool, self.wait_s = policy, pool, wait_s
-        self._chosen, self._tpot_s = chosen, tpot_s
+        self._chosen, self._tpot_s, self._measured = chosen, tpot_s, measured
         self._last_chosen: dict[str, int] = dict(chosen())
         self._task: asyncio.Task | None = None  # started by start(), ended by stop()
         self.flips: deque[dict] = deque(maxlen=KEPT_FLIPS)  # written by _flip only
@@ -71,7 +74,8 @@ class RoleSteering:
         since = {k: n - self._last_chosen.get(k, 0) for k, n in chosen.items()}
         self._last_chosen = chosen
         engines = tuple(EngineView(e.name, e.role, e.pending_prefill_tokens, e.decoding,
-                                   self._tpot_s(e), _kv_use(e))
+                                   self._tpot_s(e), _kv_use(e), e.seats or 0,
+                                   *self._measured(e))
                         for e in self.pool.routable())
         return Observation(now, engines, since, self.pool.roles.in_flight)
 

@@ -71,14 +71,15 @@ class Auto(Strategy):
                 self.model.observe(e.name, e.load)
             out.append(EngineLoad(e.name, e.serves("prefill"), e.serves("decode"),
                                   e.pending_prefill_tokens, e.decoding,
-                                  held.get(e.name, 0), e.sends_kv, e.receives_kv))
+                                  held.get(e.name, 0), e.sends_kv, e.receives_kv,
+                                  e.seats or 0, e.ends_per_s(), e.open_calls))
         return out
 
     async def start(self, engines) -> None:
         if self.flip is not None:
             policy = RolePolicy(self.flip, self.slo_tpot_ms / 1e3)
             self.steering = RoleSteering(policy, engines, lambda: self.chosen, self.tpot_s,
-                                         self.flip.wait_s)
+                                         self.flip.wait_s, self.measured)
             self.steering.start()
 
     def retire(self) -> None:
@@ -94,6 +95,10 @@ class Auto(Strategy):
         if engine.load is not None:
             self.model.observe(engine.name, engine.load)
         return self.model.tpot_s(EngineLoad(engine.name, True, True, 0, engine.decoding))
+
+    def measured(self, engine) -> tuple[float, float]:
+        """`engine`'s mean step over its last poll and its share of time on prompts."""
+        return self.model.step_s.get(engine.name, 0.0), self.model.busy.get(engine.name, 0.0)
 
     def rate(self) -> float:
         """Requests per second over the last RATE_WINDOW_S (this one included)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from router.choice_model import ChoiceModel, EngineLoad
+from router.choice_model import UNKNOWN_WAIT_S, ChoiceModel, EngineLoad
 
 A, C, B = 6e-3, 50e-6, 26e-6
 N = 3000
@@ -245,3 +245,36 @@ def test_engines_that_cannot_move_kv_are_never_p_or_d(model):
     assert all(c.kind == "whole" for c in model.choices(N, engines))
     choice = model.pick(N, engines, slo_ttft_s=2.0)
     assert (choice.kind, choice.generate) == ("whole", "e")
+
+
+def test_a_decoder_whose_seats_are_taken_gets_no_request_while_another_has_one(model):
+    """1P1D at chat lengths after P turned any, 96 seats on d: all taken (the rest of its
+    requests queue) though its steps are short; one more request there waits for one of them
+    to end, at 20 ends a second (50 ms). So it runs whole on e, which has seats free, though
+    by delay alone (e's 120 decodes against d's 96) d would win — and does, a seat free."""
+    a, b = fitted(model)
+    d = EngineLoad("d", False, True, 0, 96, seats=96, ends_per_s=20.0)
+    e = EngineLoad("e", True, True, 0, 120, seats=128, ends_per_s=5.0)
+    assert (d.seat_wait_s(), e.seat_wait_s()) == (pytest.approx(1 / 20), 0)
+    by_kind = {(c.kind, c.generate, c.ratio): c for c in model.choices(200, [e, d])}
+    assert by_kind["whole", "d", 0.0].ttft_s == pytest.approx(b * 200 + a + 1 / 20)
+    assert by_kind["pd", "d", 0.0].ttft_s == pytest.approx(
+        b * 200 + a + model.handover_s + 1 / 20)
+    choice = model.pick(200, [e, d], slo_ttft_s=2.0, slo_tpot_s=0.025)
+    assert (choice.kind, choice.generate) == ("whole", "e")
+    d = replace(d, decoding=95)
+    choice = model.pick(200, [e, d], slo_ttft_s=2.0, slo_tpot_s=0.025)
+    assert (choice.kind, choice.generate) == ("whole", "d")
+
+
+def test_past_its_seats_an_engine_with_no_ends_yet_is_priced_an_hours_wait(model):
+    """No generation has ended on d lately (a burst filled its seats): the wait is unknown and
+    priced as an hour, so P/D to d loses to f, a decoder with a seat free; with d the only
+    decoder it still gets the request (nothing else can decode it), its price shown."""
+    d = EngineLoad("d", False, True, 0, 8, seats=8)
+    assert d.seat_wait_s() == UNKNOWN_WAIT_S
+    p = EngineLoad("p", True, False, 0, 0, seats=8)
+    free = EngineLoad("f", False, True, 0, 3, seats=8)
+    assert model.pick(N, [p, d, free], slo_ttft_s=2.0).generate == "f"
+    choice = model.pick(N, [p, d], slo_ttft_s=2.0)
+    assert choice.generate == "d" and choice.ttft_s > UNKNOWN_WAIT_S

@@ -185,3 +185,49 @@ async def test_a_swap_ends_auto_s_steering_while_its_last_request_runs():
     host.release(running, finished=True)
     await host.close()
     assert Auto(flip_roles=False).steering is None
+
+
+def test_a_decoder_with_every_seat_taken_is_saturated_whatever_its_step():
+    """Chat lengths on 1P1D: D's 96 seats all taken (the rest of its requests queue for
+    them) while its predicted step, short contexts, is roomy: decode_bound turns the idle P
+    to any after the window. One seat free: nothing flips."""
+    full = [engine("p", "prefill"), EngineView("d", "decode", 0, 96, ROOMY, 0.1, seats=96)]
+    assert run(policy(), [(full, {"pd": 2})] * 6) == [
+        (2.0, Flip("p", "prefill", "any", "decode_bound"))]
+    free = [engine("p", "prefill"), EngineView("d", "decode", 0, 95, ROOMY, 0.1, seats=96)]
+    assert run(policy(), [(free, {"pd": 2})] * 10) == []
+
+
+def test_prefill_bound_counts_seats_as_room():
+    """P 1500 tokens behind; d0 has more than half its seats taken (no room), d1 fewer."""
+    pool = [engine("p", "prefill", waiting=1500),
+            EngineView("d0", "decode", 0, 40, ROOMY, 0.1, seats=64),
+            EngineView("d1", "decode", 0, 32, ROOMY, 0.1, seats=64)]
+    assert run(policy(), [(pool, {"pd": 3})] * 5) == [
+        (2.0, Flip("d1", "decode", "prefill", "prefill_bound"))]
+
+
+def stretched(name, role="any", decoding=30, step_s=0.045, prompt_share=0.6):
+    """An engine whose steps long prompts stretch: 45 ms (the TPOT target's 25 x 0.8 = 20 ms
+    is the line), 60% of its time on prompts."""
+    return EngineView(name, role, 0, decoding, ROOMY, 0.1, 96, step_s, prompt_share)
+
+
+def test_interference_turns_the_any_engine_decoding_least_to_prefill():
+    """Two "any" engines (after a chat phase) computing 3,000-token prompts beside their
+    decodes, both stepping 45 ms: e1, decoding fewer, becomes the prefill engine after the
+    window, and the pool is 1P1D again."""
+    pool = [stretched("e0", decoding=40), stretched("e1", decoding=25)]
+    assert run(policy(), [(pool, {"whole": 8, "pd": 4})] * 6) == [
+        (2.0, Flip("e1", "any", "prefill", "interference"))]
+
+
+def test_interference_needs_every_decoder_stretched_and_by_prompts():
+    """Not when one decoder steps under 20 ms, nor when the long steps are decodes' own
+    (prompts 10% of the time: a full batch of long contexts, which a prefill engine would not
+    help), nor when a prefill engine exists already (the other rules' pool)."""
+    calm = [stretched("e0"), stretched("e1", step_s=0.015)]
+    batch_bound = [stretched("e0", prompt_share=0.1), stretched("e1", prompt_share=0.1)]
+    pd = [stretched("p", role="prefill", decoding=0), stretched("d0"), stretched("d1")]
+    for pool in (calm, batch_bound, pd):
+        assert run(policy(), [(pool, {"whole": 4, "pd": 4})] * 10) == [], pool
