@@ -179,24 +179,35 @@ class ChoiceModel:
         a, c, _ = self.costs()
         return (a + c * (engine.decoding + 1)) / (1 - self.busy.get(engine.name, 0.0))
 
-    def _keeps_tpot(self, choice: Choice, engine: EngineLoad, slo_tpot_s: float) -> bool:
-        if engine.seat_wait_s() > 0 or self.tpot_s(engine) > slo_tpot_s:
-            return False
-        prefills_there = choice.kind != "pd"  # whole and balanced compute prompt tokens on it
-        return not (prefills_there and
-                    self.step_s.get(engine.name, 0.0) >= STEP_SHARE * slo_tpot_s)
+    def _has_room(self, engine: EngineLoad, slo_tpot_s: float) -> bool:
+        """A seat free on `engine`, and its predicted TPOT within the target with one more."""
+        return engine.seat_wait_s() == 0 and self.tpot_s(engine) <= slo_tpot_s
+
+    def _stretches(self, choice: Choice, engine: EngineLoad, slo_tpot_s: float) -> bool:
+        """Whether `choice` computes prompt tokens on `engine` (whole and balanced do, on the
+        engine that generates) while its last polled step took STEP_SHARE of the target."""
+        return (choice.kind != "pd"
+                and self.step_s.get(engine.name, 0.0) >= STEP_SHARE * slo_tpot_s)
 
     def pick(self, n: int, engines: list[EngineLoad], slo_ttft_s: float, rate: float = 0.0,
              kinds: tuple[str, ...] = KINDS, slo_tpot_s: float = float("inf")) -> Choice:
         """The cheapest choice of `kinds` that keeps its engine within `slo_tpot_s` and meets
         `slo_ttft_s`, else the fastest first token (any choice when none of `kinds` is
-        possible: a P/D kind needs two engines; any engine when none keeps within the TPOT
-        target)."""
+        possible: a P/D kind needs two engines). When no engine that could generate it has
+        room (a seat, a TPOT within the target), still none that computes prompt tokens on an
+        engine whose steps are stretched while another choice does not: with 1P1D's one D
+        full and P's queue priced high, whole prompts went to D anyway and its steps grew to
+        46 ms (two H200s, 3,000/100 at 10 requests/s per GPU); then any choice."""
         options = self.choices(n, engines, rate)
         options = [c for c in options if c.kind in kinds] or options
         by_name = {e.name: e for e in engines}
-        options = [c for c in options if self._keeps_tpot(c, by_name[c.generate], slo_tpot_s)
-                   ] or options
+        for keeps in (lambda c, e: self._has_room(e, slo_tpot_s)
+                      and not self._stretches(c, e, slo_tpot_s),
+                      lambda c, e: not self._stretches(c, e, slo_tpot_s)):
+            kept = [c for c in options if keeps(c, by_name[c.generate])]
+            if kept:
+                options = kept
+                break
         meeting = [c for c in options if c.ttft_s <= slo_ttft_s]
         # to the nanosecond: choices equal but for rounding go to the earlier one
         if meeting:

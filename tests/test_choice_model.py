@@ -278,3 +278,22 @@ def test_past_its_seats_an_engine_with_no_ends_yet_is_priced_an_hours_wait(model
     assert model.pick(N, [p, d, free], slo_ttft_s=2.0).generate == "f"
     choice = model.pick(N, [p, d], slo_ttft_s=2.0)
     assert choice.generate == "d" and choice.ttft_s > UNKNOWN_WAIT_S
+
+
+def test_with_no_decoder_to_spare_prompts_still_stay_off_a_stretched_one(model):
+    """1P1D with D's 96 seats all taken (every choice generates on D, none has room) and P
+    nearly saturated, so P's work is priced high and whole on D is cheapest. While D's last
+    step took 46 ms (over 0.8 of the 25-ms target), only P/D keeps prompts off it; once its
+    steps are short again, the cheapest of all."""
+    model.busy.update(p=0.95, d=0.3)
+    engines = [EngineLoad("p", True, False, 12_000, 0, seats=96, ends_per_s=18.0),
+               EngineLoad("d", False, True, 0, 96, seats=96, ends_per_s=18.0)]
+    try:
+        model.step_s["d"] = 0.046
+        assert model.pick(N, engines, slo_ttft_s=2.0, rate=18.0, slo_tpot_s=0.025).kind == "pd"
+        model.step_s["d"] = 0.012
+        cheapest = min(model.choices(N, engines, 18.0), key=lambda c: round(c.cost_s, 9))
+        assert cheapest.kind != "pd"
+        assert model.pick(N, engines, slo_ttft_s=2.0, rate=18.0, slo_tpot_s=0.025) == cheapest
+    finally:
+        del model.busy["p"], model.busy["d"], model.step_s["d"]
