@@ -375,8 +375,10 @@ async def main_async(args) -> dict:
                     for row in result["phases"]:
                         print(f"#   phase {row['workload']}@{row['rate_per_gpu']:g}:"
                               f"{row['seconds']:g}  n={row['requests']} ok={row['completed']} "
-                              f"met={row['met']} goodput {row['goodput_per_gpu']:.2f}/GPU",
-                              flush=True)
+                              f"met={row['met']} goodput {row['goodput_per_gpu']:.2f}/GPU; "
+                              f"p99 ms: ttft {row['ttft'].get('p99_ms', math.nan):.0f} "
+                              f"tpot {row['tpot'].get('p99_ms', math.nan):.1f} "
+                              f"jct {row['jct'].get('p99_ms', math.nan):.0f}", flush=True)
                 if saturated(result, args.stop_when_saturated) and rate != rates[-1]:
                     print(f"# {run.label}: saturated at {rate:g} req/s per GPU; higher rates "
                           "skipped", flush=True)

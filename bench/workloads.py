@@ -109,7 +109,7 @@ def phased_schedule(phases: list[Phase], gpus: int, seed: int
 def phase_report(phases: list[Phase], phase_of: list[int], answers: list[dict | None], slo: SLO,
            gpus: int) -> list[dict]:
     """Per phase: its requests, those answered and those meeting the SLO, goodput per GPU
-    over the phase's seconds, TTFT and TPOT percentiles. `answers[i]`: request i's record
+    over the phase's seconds, TTFT, TPOT and JCT percentiles. `answers[i]`: request i's record
     (bench.serve.one's), None or with "error" if it did not answer."""
     rows = []
     for k, phase in enumerate(phases):
@@ -119,7 +119,8 @@ def phase_report(phases: list[Phase], phase_of: list[int], answers: list[dict | 
         rows.append({"workload": phase.workload, "rate_per_gpu": phase.rate_per_gpu,
                      "seconds": phase.seconds, "requests": len(mine), "completed": len(ok),
                      "met": met, "goodput_per_gpu": met / phase.seconds / gpus,
-                     "ttft": pct([a["ttft"] for a in ok]), "tpot": pct([a["tpot"] for a in ok])})
+                     "ttft": pct([a["ttft"] for a in ok]), "tpot": pct([a["tpot"] for a in ok]),
+                     "jct": pct([a["e2e"] for a in ok])})
     return rows
 
 

@@ -119,6 +119,21 @@ def up_prefill_decode(tmp: Path, model_dir: str, engine_args: list[str], admin: 
             stop_and_check(deployment)
 
 
+def admin_session(up, request, token: str, reset: dict | None = None):
+    """A fixture body: a client of `up`'s router with the admin token, its log attached to
+    the test's report; after the test, `reset` (a body for PUT /admin/strategy) if given,
+    then every engine checked quiet (nothing running, reserved or leaked)."""
+    from conftest import DAEMON_LOGS
+    request.node.stash[DAEMON_LOGS] = [up.log_path]
+    with httpx.Client(base_url=up.url, headers={"Authorization": f"Bearer {token}"},
+                      timeout=60) as http:
+        yield http
+        if reset is not None:
+            http.put("/admin/strategy", json=reset)
+    for name, url in up.engine_urls.items():
+        assert_quiet(name, url)
+
+
 def with_engine_key(env: dict | None) -> dict:
     """The environment for `up` or `router`: the suites' engine key unless `env` names one."""
     return {"MICROSERVE_ENGINE_API_KEY": ENGINE_KEY, **(env or os.environ)}

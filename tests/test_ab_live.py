@@ -15,8 +15,7 @@ import time
 
 import httpx
 import pytest
-from conftest import DAEMON_LOGS
-from deployments import assert_quiet, up_prefill_decode
+from deployments import admin_session, up_prefill_decode
 
 from router.arms import pick
 
@@ -47,13 +46,8 @@ def up(tiny_served_dir, tmp_path_factory):
 
 @pytest.fixture
 def admin(up, request):
-    request.node.stash[DAEMON_LOGS] = [up.log_path]
-    with httpx.Client(base_url=up.url, headers={"Authorization": f"Bearer {ADMIN}"},
-                      timeout=60) as http:
-        yield http
-        http.put("/admin/strategy", json={"builtin": "data_parallel"})  # ends any experiment
-    for name, url in up.engine_urls.items():
-        assert_quiet(name, url)
+    # ends any experiment
+    yield from admin_session(up, request, ADMIN, reset={"builtin": "data_parallel"})
 
 
 def arm_counts(admin) -> dict[tuple[str, str], float]:

@@ -126,14 +126,16 @@ def test_phase_report_counts_what_met_the_slo_in_each_phase_and_compares_strateg
     from bench.workloads import Phase, compare_phases, overall_goodput, phase_report
 
     phases = [Phase("chat", 1.0, 2.0), Phase("synthetic", 1.0, 4.0)]
-    good = {"ttft": 0.5, "tpot": 0.010}
-    slow = {"ttft": 3.0, "tpot": 0.010}  # TTFT over 2 s
-    choppy = {"ttft": 0.5, "tpot": 0.030}  # TPOT over 25 ms
+    good = {"ttft": 0.5, "tpot": 0.010, "e2e": 1.5}
+    slow = {"ttft": 3.0, "tpot": 0.010, "e2e": 4.0}  # TTFT over 2 s
+    choppy = {"ttft": 0.5, "tpot": 0.030, "e2e": 3.5}  # TPOT over 25 ms
     answers = [good, good, slow, None, choppy, good, {"error": "503"}]
     phase_of = [0, 0, 0, 1, 1, 1, 1]
     rows = phase_report(phases, phase_of, answers, SLO(), gpus=2)
     assert [(r["requests"], r["completed"], r["met"]) for r in rows] == [(3, 3, 2), (4, 2, 1)]
     assert [r["goodput_per_gpu"] for r in rows] == [2 / 2.0 / 2, 1 / 4.0 / 2]
+    assert [(r["jct"]["p50_ms"], r["jct"]["mean_ms"]) for r in rows] == [(1500, 2333.3333333333335),
+                                                                        (3500, 2500)]
     assert overall_goodput(rows, 2) == 3 / 6.0 / 2
     runs = [{"strategy": "auto", "phases": rows, "phased_goodput_per_gpu": 0.25},
             {"strategy": "dp", "phases": [{**rows[0], "goodput_per_gpu": 1.0},

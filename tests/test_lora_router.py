@@ -14,9 +14,9 @@ import re
 
 import httpx
 import pytest
-from conftest import DAEMON_LOGS, TINY_VOCAB
+from conftest import TINY_VOCAB
 from daemons import ENGINE_AUTH
-from deployments import Up, assert_quiet, engine_stats, stop_and_check, write_config
+from deployments import Up, admin_session, engine_stats, stop_and_check, write_config
 from lora_adapters import peft_greedy, write_adapter
 
 pytestmark = pytest.mark.slow
@@ -61,12 +61,7 @@ def up(tiny_served_dir, adapters, tmp_path_factory):
 
 @pytest.fixture
 def admin(up, request):
-    request.node.stash[DAEMON_LOGS] = [up.log_path]
-    with httpx.Client(base_url=up.url, headers={"Authorization": f"Bearer {ADMIN}"},
-                      timeout=60) as http:
-        yield http
-    for name, url in up.engine_urls.items():
-        assert_quiet(name, url)
+    yield from admin_session(up, request, ADMIN)
 
 
 def use(admin, builtin: str, **args) -> None:

@@ -1115,3 +1115,28 @@ async def test_a_receiver_polled_with_room_gets_the_early_start():
     d_load = engine_load(kv_pages_free=4, kv_pages_cached=1)  # 20 tokens of 4-token pages
     assert (await _send_prompt(_Receiver(log), log, d_load=d_load))[0] == (20, 7)
     assert log[0] == ("d.prep_recv", 20, 0)
+
+
+def test_an_engine_handle_knows_its_seats_and_the_rate_its_calls_end(monkeypatch):
+    """`seats` is the engine's --max-num-seqs once its info came; `ends_per_s` counts the
+    sends and generations that ended there over the last ENDS_WINDOW_S (5 s), and forgets
+    older ones as new ones end, whether or not anyone asks for the rate."""
+    from router.engine_handle import ENDS_WINDOW_S
+    d = make_pool(("d", "decode"))["d"]
+    d.info = engine_info(max_num_seqs=8)
+    assert d.seats == 8
+    d.info = None
+    assert d.seats is None
+    clock = [100.0]
+    monkeypatch.setattr("router.engine_handle.time.monotonic", lambda: clock[0])
+    for t in (100.0, 101.0, 102.0, 103.0, 104.5):
+        clock[0] = t
+        d._ended()
+    clock[0] = 105.0
+    assert d.ends_per_s() == 5 / ENDS_WINDOW_S
+    clock[0] = 106.2  # 100.0 and 101.0 are past the window
+    assert d.ends_per_s() == 3 / ENDS_WINDOW_S
+    for k in range(1000):  # ends nobody asks about do not pile up
+        clock[0] = 200.0 + k
+        d._ended()
+    assert len(d._ends) == 6
