@@ -25,6 +25,10 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              step wall time against GPU time, and the decode-only step beside it
   mixed512   the same with 512-token prompts (576-token steps)
   mixed1200  the same with 1,200-token prompts (1,264-token steps)
+  beside-copies  64 sequences decoding at context ~1,024: the step's wall time alone and while
+             the host KV tier's copies (engine/host_swap.py: gather, DMA on its own stream)
+             move 64 pages out and back in a loop, in alternating rounds; and the rate the
+             copies moved (issue 40: a decode step slows <= 3% while copies run)
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -35,12 +39,15 @@ import cProfile
 import json
 import pstats
 import random
+import statistics
 import time
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.host_swap import HostSwap
+from kvcache.host_tier import HostState
 from engine.requests import RequestState
 from engine.sequence import Sequence
 from microserve.model_files import resolve_model
@@ -210,6 +217,57 @@ def mixed(core: EngineCore, vocab: int, batch: int = 64, chunk: int = 128) -> di
     gpu_ms = gpu["gpu_s"] / max(gpu["gpu_steps"], 1) * 1e3
     return {"step_ms": ms, "gpu_step_ms": gpu_ms, "wall_over_gpu": ms / gpu_ms, "steps": n,
             "decode_only_step_ms": decode_ms}
+
+
+def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 1024,
+                  pages: int = 64, rounds: int = 3, steps: int = 100) -> dict:
+    """Decode steps alone and beside the host tier's copies, in alternating rounds of `steps`.
+    The copies are the swap path's own (a HostSwap over the engine's GPU pool, its own host
+    buffer and stream) on `pages` pages taken from the pool for them, so no sequence's KV is
+    touched: one copy in flight at a time, out then back in, started between steps as soon
+    as the last one landed."""
+    own = core.kv.pool.alloc(pages)
+    if own is None:
+        raise SystemExit(f"beside-copies: {pages} free pages needed")
+    gpu_kv = core.runner.kv.kv
+    swap = HostSwap(gpu_kv, memory_gb=(pages + 1) * gpu_kv[:, :, 0].numel()
+                    * gpu_kv.element_size() / 2**30, copy_gbps=40)
+    moved = [0]
+
+    def pump() -> bool:
+        swap.poll()
+        state = swap.state("copies")
+        if state is None:
+            swap.swap_out("copies", own, pages * core.kv.page_size)
+        elif state is HostState.HELD:
+            swap.swap_in("copies", own)
+        else:
+            return True
+        moved[0] += pages * swap.page_bytes
+        return True
+
+    for i, p in enumerate(prompts(batch, context, vocab, 11)):
+        core.add_request(f"c{i}", p, params(2 * rounds * steps + 64))
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in generating(core)):
+        core.step()
+    alone, beside, rates = [], [], []
+    try:
+        for _ in range(rounds):
+            ms, _ = steady_step_ms(core, steps, lambda: len(core.requests) == batch)
+            alone.append(ms)
+            moved[0], start = 0, time.perf_counter()
+            ms, _ = steady_step_ms(core, steps, lambda: pump() and len(core.requests) == batch)
+            swap.release("copies")  # waits out the copy in flight: the next round is alone
+            beside.append(ms)
+            rates.append(moved[0] / (time.perf_counter() - start) / 1e9)
+    finally:
+        swap.release("copies")
+        core.kv.pool.release(own)
+        drain(core)
+    a, b = statistics.median(alone), statistics.median(beside)
+    return {"step_ms_alone": alone, "step_ms_beside_copies": beside, "copies_gb_s": rates,
+            "copies": swap.counters["kv_swap_outs"] + swap.counters["kv_swap_ins"],
+            "slowdown": b / a - 1}
 
 
 def host_overhead(core: EngineCore, vocab: int, batch: int = 128) -> dict:
@@ -385,7 +443,7 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
                max_tokens=129, temperature=0.0, ignore_eos=True, repetition_penalty=1.1,
                frequency_penalty=0.5, presence_penalty=0.5)),
            "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
-           "decode256short": decode_short, "mixed": mixed,
+           "decode256short": decode_short, "mixed": mixed, "beside-copies": beside_copies,
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
            "mixed1200": lambda core, vocab: mixed(core, vocab, chunk=1200),
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),

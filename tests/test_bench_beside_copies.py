@@ -1,0 +1,28 @@
+"""bench.engine_gpu's `beside-copies` figure on a CPU engine of the tiny model: the copies it
+runs beside the decode steps are the host tier's own, one per step where they are synchronous
+(CPU), on pages it takes from the pool and gives back; the engine ends with every request
+done, its pages intact and nothing on the host."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+
+from bench.engine_gpu import beside_copies
+
+
+def test_beside_copies_copies_once_a_step_and_gives_its_pages_back(tiny_model_dir):
+    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=256))
+    try:
+        free = core.kv.pool.num_free
+        r = beside_copies(core, core.info.vocab_size, batch=3, context=20, pages=6, rounds=2,
+                          steps=5)
+        assert len(r["step_ms_alone"]) == len(r["step_ms_beside_copies"]) == 2
+        assert r["copies"] == 2 * 5  # synchronous copies: out, in, out, ... one per step
+        assert all(rate > 0 for rate in r["copies_gb_s"])
+        assert len(core.requests) == 0
+        core.check_integrity()
+        # the copies' 6 pages are back; what the sequences left is only cached
+        assert core.kv.pool.num_free + core.kv.cache.num_evictable() == free
+    finally:
+        core.close()
