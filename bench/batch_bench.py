@@ -11,9 +11,9 @@ such as `--engine-arg=--num-pages --engine-arg=8192` to hold the KV pool to what
 shared prefixes outgrow). Then, with --live-rate, one more deployment: bench.serve's live load
 alone, then the same load while a batch (blend order) runs. Prints one JSON object:
 `orders.ORDER.{wall_s, output_tokens_per_s, prompt_tokens, cached_prompt_tokens,
-prefix_sharing_vs_dfs}`, `blend_vs_file`,
-`blend_vs_dfs` (throughput ratios), and with live load `live.{alone, with_batch}` (bench.serve's
-figures), `ttft_p99_ratio`, `tpot_p99_ratio`.
+prefix_sharing_vs_dfs}`, `blend_vs_file`, `blend_vs_dfs` (throughput ratios; `alternate_vs_file`
+and `alternate_vs_dfs` with --orders alternate,...), and with live load `live.{alone,
+with_batch}` (bench.serve's figures), `ttft_p99_ratio`, `tpot_p99_ratio`.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=1, help="bench/batch_workload.py's --scale")
     ap.add_argument("--templates", type=int, default=8,
                     help="bench/batch_workload.py's --templates (few-shot templates)")
+    ap.add_argument("--documents", type=float, default=0.0,
+                    help="bench/batch_workload.py's --documents (share of document lines)")
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="more args for every engine (repeat: --engine-arg=--num-pages "
                          "--engine-arg=8192 holds the KV pool small)")
@@ -137,8 +139,10 @@ def main() -> None:
     args = ap.parse_args()
     Path(args.logs).mkdir(parents=True, exist_ok=True)
     data = "".join(json.dumps(x) + "\n" for x in
-                   workload(args.lines, args.templates, args.vocab, args.seed, args.scale)).encode()
+                   workload(args.lines, args.templates, args.vocab, args.seed, args.scale,
+                            args.documents)).encode()
     result: dict = {"lines": args.lines, "templates": args.templates, "scale": args.scale,
+                    "documents": args.documents,
                     "engine_args": args.engine_arg, "orders": {}}
     for order in [o for o in args.orders.split(",") if o]:  # "": the live run alone
         up = Deployment(args.config, args.model, args.port, order,
@@ -150,9 +154,10 @@ def main() -> None:
             up.stop()
         print(f"{order}: {result['orders'][order]}", file=sys.stderr, flush=True)
     speed = {k: v["output_tokens_per_s"] for k, v in result["orders"].items()}
-    for other in ("file", "dfs"):
-        if "blend" in speed and other in speed:
-            result[f"blend_vs_{other}"] = speed["blend"] / speed[other]
+    for mine in ("blend", "alternate"):
+        for other in ("file", "dfs"):
+            if mine in speed and other in speed:
+                result[f"{mine}_vs_{other}"] = speed[mine] / speed[other]
     if args.live_rate > 0:
         up = Deployment(args.config, args.model, args.port, "blend",
                         Path(args.logs) / "batch-bench-live.log", args.lines_per_engine,

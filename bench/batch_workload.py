@@ -10,6 +10,12 @@ Two kinds of line, shuffled together so that file order has no locality:
   tokens) plus a new message, answered at length (256-1024 tokens): memory-heavy, its prefix
   shared with the same conversation's earlier turns.
 
+With --documents F, a share F of the lines is a third kind, and the rest split as above:
+
+- document: one task instruction (64 tokens, the same in every such line) and a document of
+  its own (1024-4096 tokens), answered briefly (16-64 tokens): compute-heavy, nearly all of
+  the prompt computed (a batch of classifications or summaries).
+
 Prompts are token ids (`/v1/completions` with `prompt: [ids]`), so lengths are exact for any
 model, and `ignore_eos` makes each answer exactly its max_tokens. Deterministic for a --seed.
 """
@@ -21,8 +27,12 @@ import json
 import random
 
 
-def workload(lines: int, templates: int, vocab: int, seed: int, scale: int = 1) -> list[dict]:
-    """`scale`: every length divided by it (16 makes a file a CPU runs in minutes)."""
+def workload(lines: int, templates: int, vocab: int, seed: int, scale: int = 1,
+             documents: float = 0.0) -> list[dict]:
+    """`scale`: every length divided by it (16 makes a file a CPU runs in minutes);
+    `documents`: the share of document lines (0: the file of the two kinds alone, as before)."""
+    if not 0.0 <= documents <= 1.0:
+        raise ValueError(f"documents {documents} must be a share in [0, 1]")
     rng = random.Random(seed)
 
     def ids(lo: int, hi: int) -> list[int]:
@@ -32,14 +42,18 @@ def workload(lines: int, templates: int, vocab: int, seed: int, scale: int = 1) 
         return max(1, rng.randint(lo // scale, hi // scale))
 
     shots = [ids(512, 2048) for _ in range(templates)]
+    docs = round(lines * documents)
     requests = []
-    for _ in range(lines // 2):
+    for _ in range((lines - docs) // 2):
         requests.append((rng.choice(shots) + ids(32, 256), length(16, 64)))
-    while len(requests) < lines:
+    while len(requests) < lines - docs:
         history = ids(64, 256)
-        for _ in range(min(rng.randint(2, 6), lines - len(requests))):
+        for _ in range(min(rng.randint(2, 6), lines - docs - len(requests))):
             history = history + ids(64, 256)
             requests.append((history, length(256, 1024)))
+    if docs:
+        task = ids(64, 64)
+        requests += [(task + ids(1024, 4096), length(16, 64)) for _ in range(docs)]
     rng.shuffle(requests)
     return [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
              "body": {"prompt": prompt, "max_tokens": out, "temperature": 0,
@@ -54,10 +68,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32_000, help="token ids drawn below this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=int, default=1, help="divide every length by this")
+    ap.add_argument("--documents", type=float, default=0.0,
+                    help="share of the lines that are documents (compute-heavy; 0: none)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     with open(args.out, "w") as f:
-        for line in workload(args.lines, args.templates, args.vocab, args.seed, args.scale):
+        for line in workload(args.lines, args.templates, args.vocab, args.seed, args.scale,
+                             args.documents):
             f.write(json.dumps(line) + "\n")
 
 

@@ -21,7 +21,8 @@ from microserve.http_limits import HttpLimits
 from router.engines import LIVENESS_TIMEOUT_S
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
-BATCH_ORDERS = ("blend", "dfs", "file")  # router/batches/order.py  # microserve/openai/tool_parsers.py's PARSERS
+# TOOL_CALL_PARSERS: microserve/openai/tool_parsers.py's PARSERS
+BATCH_ORDERS = ("blend", "alternate", "dfs", "file")  # router/batches/order.py
 
 
 def _setting(default, help: str, *, file: str | None = "router", up: bool = False,
@@ -79,8 +80,9 @@ class RouterSettings:
            "request in flight takes one of these slots away", up=True)
     batch_order: str = _setting(
         "blend", "the order a batch's lines run in: blend (BlendServe's resource-aware prefix "
-                 "tree), dfs (the prefix tree's depth-first order) or file (as written; "
-                 "for comparisons)", up=True, choices=BATCH_ORDERS)
+                 "tree), alternate (the same tree's two ends taken in turn), dfs (the prefix "
+                 "tree's depth-first order) or file (as written; for comparisons)", up=True,
+        choices=BATCH_ORDERS)
     tool_call_parser: str = _setting(
         "hermes", "how tool calls look in the model's text (as vLLM's option): hermes "
                   "(<tool_call> blocks; also how tools are written into the prompt when the "

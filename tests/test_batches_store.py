@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse
 from microserve.errors import install_error_handlers
 from router.batches.api import MAX_LINES, BatchAPI, add_batch_routes
 from router.batches.lines import parse_lines
-from router.batches.order import (blend_order, build_tree, request_memory, shared_tokens,
-                                  sharing_ratio)
+from router.batches.order import (alternate, blend_order, build_tree, request_memory,
+                                  shared_tokens, sharing_ratio)
 from router.batches.store import SCHEMA_VERSION, Store
 
 A, B, C = [1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5]
@@ -52,6 +52,9 @@ def test_dual_scanner_blends_short_and_long_outputs_and_keeps_each_side_a_dfs():
     assert shared_tokens(prompts, ordering.order, window=1) == 0  # one path: none survives
     assert shared_tokens(prompts, range(6), window=1) == 0  # file order alternates templates
     assert shared_tokens(prompts, ordering.dfs, window=1) == 16  # DFS is the optimum
+    # `alternate`: one from each end of the DFS in turn, each side still in DFS order
+    assert alternate(ordering.dfs) == [0, 5, 2, 3, 4, 1]
+    assert alternate(ordering.dfs[:5]) == [0, 3, 2, 1, 4]
 
 
 def test_children_sorted_by_density_within_their_parent():

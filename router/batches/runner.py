@@ -34,7 +34,7 @@ from microserve.metrics import Registry
 from microserve.tokenizer import Tokenizer
 from router.batches.admission import Admission
 from router.batches.lines import expected_output_tokens, iter_lines, output_line
-from router.batches.order import blend_order, sharing_ratio
+from router.batches.order import alternate, blend_order, sharing_ratio
 from router.batches.store import LineRow, Store
 
 log = logging.getLogger("microserve.batches")
@@ -59,7 +59,7 @@ class BatchRunner:
     def __init__(self, store: Store, app: Callable, tokenizer: Tokenizer, registry: Registry,
                  admission: Admission, api_key: str | None, order: str = "blend"):
         """`app`: returns the router's ASGI app (built once, on first use); `order`: blend,
-        dfs or file (router/settings.py's batch_order)."""
+        alternate, dfs or file (router/settings.py's batch_order)."""
         self.store, self._app, self.tokenizer, self.order = store, app, tokenizer, order
         self.admission, self.api_key = admission, api_key
         self._wakeup = asyncio.Event()
@@ -164,8 +164,8 @@ class BatchRunner:
             prompts.append(self._prompt_ids(endpoint, line.body))
             outputs.append(expected_output_tokens(line.body))
         ordering = blend_order(prompts, outputs)
-        order = {"blend": ordering.order, "dfs": ordering.dfs,
-                 "file": range(len(good))}[self.order]
+        order = {"blend": ordering.order, "alternate": alternate(ordering.dfs),
+                 "dfs": ordering.dfs, "file": range(len(good))}[self.order]
         for position, k in enumerate(order):
             idx, custom_id, body = good[k]
             rows.append((idx, position, custom_id, "pending", body, None))
