@@ -61,6 +61,7 @@ class Auto(Strategy):
         self.chosen = {"whole": 0, "pd": 0, "balanced": 0}
         self._arrivals: deque[float] = deque()
         self.last = None  # the last request's Choice
+        self.last_loads: list[EngineLoad] = []  # what the model read for it
 
     def loads(self, request, engines) -> list[EngineLoad]:
         """Each routable engine's load, as the model reads it (its stats fed to the fit)."""
@@ -100,6 +101,15 @@ class Auto(Strategy):
         """`engine`'s mean step over its last poll and its share of time on prompts."""
         return self.model.step_s.get(engine.name, 0.0), self.model.busy.get(engine.name, 0.0)
 
+    def read(self, load: EngineLoad) -> dict:
+        """One engine as the model read it for the last choice."""
+        return {"queue": load.queue, "decoding": load.decoding, "held": load.held,
+                "calls": load.calls, "seats": load.seats,
+                "ends_per_s": round(load.ends_per_s, 3),
+                "seat_wait_s": round(load.seat_wait_s(), 6),
+                "step_s": round(self.model.step_s.get(load.name, 0.0), 6),
+                "prompt_share": round(self.model.busy.get(load.name, 0.0), 4)}
+
     def rate(self) -> float:
         """Requests per second over the last RATE_WINDOW_S (this one included)."""
         now = time.monotonic()
@@ -110,10 +120,11 @@ class Auto(Strategy):
 
     async def generate(self, request, engines):
         n = len(request.prompt)
-        choice = self.model.pick(n, self.loads(request, engines), self.slo_ttft_s, self.rate(),
-                                 self.kinds, self.slo_tpot_ms / 1e3)
+        loads = self.loads(request, engines)
+        choice = self.model.pick(n, loads, self.slo_ttft_s, self.rate(), self.kinds,
+                                 self.slo_tpot_ms / 1e3)
         self.chosen[choice.kind] += 1
-        self.last = choice
+        self.last, self.last_loads = choice, loads
         decode = engines[choice.generate]
         begin, first = 0, None
         if choice.kind == "pd" and n > 1:
@@ -135,7 +146,9 @@ class Auto(Strategy):
                 "fit": {"step_s": a, "per_sampled_token_s": c, "per_prompt_token_s": b},
                 "last": None if last is None else {
                     "kind": last.kind, "generate": last.generate, "prefill": last.prefill,
-                    "ratio": last.ratio, "ttft_s": last.ttft_s, "delay_s": last.delay_s},
+                    "ratio": last.ratio, "ttft_s": last.ttft_s, "delay_s": last.delay_s,
+                    # what the model read of each engine for it
+                    "engines": {e.name: self.read(e) for e in self.last_loads}},
                 "flip_roles": None if self.flip is None else {
                     "settings": asdict(self.flip),
                     **(self.steering.describe() if self.steering else {})}}

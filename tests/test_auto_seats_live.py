@@ -81,6 +81,10 @@ async def test_a_decoder_out_of_seats_turns_p_to_decode_and_requests_run_whole_o
     assert engine_stats(p_url, check=False)["stats"]["generation_tokens"] - before >= 4 * 32
     described = admin.get("/admin/strategy").json()["active"]["settings"]
     assert described["chosen"]["whole"] >= 4
+    read = described["last"]["engines"]  # what the model read of each engine, last request
+    assert set(read) == {"p", "d"} and read["d"]["seats"] == read["p"]["seats"] == 2
+    assert set(read["d"]) == {"queue", "decoding", "held", "calls", "seats", "ends_per_s",
+                              "seat_wait_s", "step_s", "prompt_share"}
     roles = {e["name"]: e["role"] for e in admin.get("/admin/engines").json()["engines"]}
     assert roles == {"p": "decode", "d": "decode"}
     assert "engine p: role prefill -> decode (decode_bound) after" in up.log()
