@@ -18,32 +18,31 @@ the engines' step time over the counters every engine reports, polled twice a se
     seat on P while it computes):
                           W_e = (k_e + 1 − seats_e) / ends_e  when k_e + 1 > seats_e, else 0
 
-`k_e` is e's open calls (sends, generations, KV on its way to it), `seats_e` its
---max-num-seqs and `ends_e` the rate its calls from this router ended over the last
-seconds: past its seats a request waits for others to end before it runs (a P/D
-request gets its first token from P, then waits for the rest). `D_e(t)` is what the t tokens
-cost other requests. The m_e sequences decoding on e each wait
-them out (chunked prefill shares their steps). And every prompt that reaches e before its
-queue empties waits w longer: the queue ahead, b·queue_e, and w itself drain at 1 − ρ_e of
-e's time (ρ_e: the share of e's time its prompt tokens took over the last polls, b times the
-prompt tokens it computed per second of its loop's time), and prompts arrive at λ_e per second
-(the larger of ρ_e / (b·n), the rate that keeps e as busy with prompts like this one, and the
-request rate the strategy sees spread evenly over the engines). As a prefill engine's share
-nears 1 its work grows dear without bound: that is what makes balanced P/D, which moves part
-of a prompt to D, or the whole prompt to a D with room, worth their cost to D's decodes,
-before P's queue breaks the TTFT target. `h` is the handover (its p50 on two H200s: 2.6 ms;
-`handover_s`, 5 ms). The cost of a choice is its TTFT plus the delay it adds. The SLO filters
-first, and drops a choice while another keeps within it when
+`k_e` is e's open calls (sends, generations, KV on its way to it), `seats_e` its --max-num-seqs
+and `ends_e` the rate its calls from this router ended over the last seconds: past its seats a
+request waits for others to end before it runs (a P/D request gets its first token from P, then
+waits for the rest). `D_e(t)` is what the t tokens cost other requests. The m_e sequences
+decoding on e each wait them out (chunked prefill shares their steps). And every prompt that
+reaches e before its queue empties waits w longer: the queue ahead, b·queue_e, and w itself
+drain at 1 − ρ_e of e's time (ρ_e: the share of e's time its prompt tokens took over the last
+polls, b times the prompt tokens it computed per second of its loop's time), and prompts arrive
+at λ_e per second (the larger of ρ_e / (b·n), the rate that keeps e as busy with prompts like
+this one, and the request rate the strategy sees spread evenly over the engines). As a prefill
+engine's share nears 1 its work grows dear without bound: that is what makes balanced P/D,
+which moves part of a prompt to D, or the whole prompt to a D with room, worth their cost to
+D's decodes, before P's queue breaks the TTFT target. `h` is the handover (its p50 on two
+H200s: 2.6 ms; `handover_s`, 5 ms). The cost of a choice is its TTFT plus the delay it adds.
+The SLO filters first, and drops a choice while another keeps within it when
 - its generating engine has no seat free (W_e > 0): at chat lengths a decode engine's seats
   fill while its steps, short contexts decoding, stay far under the TPOT target, and the
   requests past them queue, or
-- its generating engine's predicted TPOT, (a + c·(m + 1)) / (1 − ρ) once the request joins
-  its batch (its prompts take ρ of its steps' time), is over `slo_tpot_s`, or
-- it computes prompt tokens on its generating engine (whole, balanced) while that engine's
-  last polled step took `STEP_SHARE` of `slo_tpot_s` or more. The fit has no term for the
-  context its decodes attend to: on two H200s, with ~100 sequences of 3,000-token prompts
-  decoding beside prefill chunks, D's steps took 44 ms where the fit said 17, and `auto`
-  kept sending it whole prompts (TPOT mean 41 ms). The measured step is the check.
+- its generating engine's predicted TPOT, (a + c·(m + 1)) / (1 − ρ) once the request joins its
+  batch (its prompts take ρ of its steps' time), is over `slo_tpot_s`, or
+- it computes prompt tokens on its generating engine (whole, balanced) while that engine's last
+  polled step took `STEP_SHARE` of `slo_tpot_s` or more. The fit has no term for the context
+  its decodes attend to: on two H200s, with ~100 sequences of 3,000-token prompts decoding
+  beside prefill chunks, D's steps took 44 ms where the fit said 17, and `auto` kept sending it
+  whole prompts (TPOT mean 41 ms). The measured step is the check.
 Then among those whose TTFT meets `slo_ttft_s` the cheapest wins, else the one with the least
 TTFT. Ties go to the earlier choice in the order whole, P/D, balanced: fewer calls, no
 transfer.
@@ -98,7 +97,7 @@ class EngineLoad:
     sends_kv: bool = True  # may be P (a tensor-parallel engine only with a KV transfer)
     receives_kv: bool = True  # may be D (runs a KV transfer)
     seats: int = 0  # sequences it runs at once (--max-num-seqs); 0: not known
-    ends_per_s: float = 0.0  # generations that ended on it per second, lately
+    ends_per_s: float = 0.0  # its calls (sends, generations) that ended, per second lately
     calls: int = 0  # its open calls, each a seat: sends, generations, KV on its way here
 
     def seat_wait_s(self) -> float:
