@@ -221,11 +221,13 @@ def mixed(core: EngineCore, vocab: int, batch: int = 64, chunk: int = 128) -> di
 
 def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 1024,
                   pages: int = 64, rounds: int = 3, steps: int = 100) -> dict:
-    """Decode steps alone and beside the host tier's copies, in alternating rounds of `steps`.
-    The copies are the swap path's own (a HostSwap over the engine's GPU pool, its own host
-    buffer and stream) on `pages` pages taken from the pool for them, so no sequence's KV is
-    touched: one copy in flight at a time, out then back in, started between steps as soon
-    as the last one landed."""
+    """Decode steps alone and beside the host tier's copies, in alternating rounds of `steps`
+    (alone first and last: each round beside copies is set against the mean of the rounds
+    alone on either side of it, since the steps slow as the contexts grow). The copies are
+    the swap path's own (a HostSwap over the engine's GPU pool, its own host buffer and
+    stream) on `pages` pages taken from the pool for them, so no sequence's KV is touched:
+    one copy in flight at a time, out then back in, started between steps as soon as the last
+    one landed."""
     own = core.kv.pool.alloc(pages)
     if own is None:
         raise SystemExit(f"beside-copies: {pages} free pages needed")
@@ -247,7 +249,7 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
         return True
 
     for i, p in enumerate(prompts(batch, context, vocab, 11)):
-        core.add_request(f"c{i}", p, params(2 * rounds * steps + 64))
+        core.add_request(f"c{i}", p, params((2 * rounds + 1) * steps + 64))
     while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in generating(core)):
         core.step()
     alone, beside, rates = [], [], []
@@ -260,14 +262,15 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
             swap.release("copies")  # waits out the copy in flight: the next round is alone
             beside.append(ms)
             rates.append(moved[0] / (time.perf_counter() - start) / 1e9)
+        alone.append(steady_step_ms(core, steps, lambda: len(core.requests) == batch)[0])
     finally:
         swap.release("copies")
         core.kv.pool.release(own)
         drain(core)
-    a, b = statistics.median(alone), statistics.median(beside)
+    slowdowns = [b / ((a0 + a1) / 2) - 1 for b, a0, a1 in zip(beside, alone, alone[1:])]
     return {"step_ms_alone": alone, "step_ms_beside_copies": beside, "copies_gb_s": rates,
             "copies": swap.counters["kv_swap_outs"] + swap.counters["kv_swap_ins"],
-            "slowdown": b / a - 1}
+            "slowdowns": slowdowns, "slowdown": statistics.median(slowdowns)}
 
 
 def host_overhead(core: EngineCore, vocab: int, batch: int = 128) -> dict:

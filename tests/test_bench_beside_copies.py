@@ -5,6 +5,8 @@ done, its pages intact and nothing on the host."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 
@@ -17,7 +19,12 @@ def test_beside_copies_copies_once_a_step_and_gives_its_pages_back(tiny_model_di
         free = core.kv.pool.num_free
         r = beside_copies(core, core.info.vocab_size, batch=3, context=20, pages=6, rounds=2,
                           steps=5)
-        assert len(r["step_ms_alone"]) == len(r["step_ms_beside_copies"]) == 2
+        assert len(r["step_ms_alone"]) == 3 and len(r["step_ms_beside_copies"]) == 2
+        # each round beside copies against the rounds alone around it; the median of two
+        alone, beside = r["step_ms_alone"], r["step_ms_beside_copies"]
+        assert r["slowdowns"] == [beside[k] / ((alone[k] + alone[k + 1]) / 2) - 1
+                                  for k in range(2)]
+        assert r["slowdown"] == pytest.approx(sum(r["slowdowns"]) / 2)
         assert r["copies"] == 2 * 5  # synchronous copies: out, in, out, ... one per step
         assert all(rate > 0 for rate in r["copies_gb_s"])
         assert len(core.requests) == 0
