@@ -48,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.device import to_device
 from kvcache.host_tier import HostState, HostTier, swap_or_recompute
 from kvcache.integrity import IntegrityError
 
@@ -345,14 +346,9 @@ class HostSwap:
             torch.cuda.synchronize(self.gpu_kv.device)
 
     def _index(self, pages: list[int]) -> torch.Tensor:
-        index = torch.tensor(pages, dtype=torch.long)
-        if self.gpu_kv.device.type != "cuda":
-            return index
-        # From pinned memory: CUDA runs an upload from pageable memory only after the work
-        # queued on its stream, so the host would wait here for the copy stream, which waits
-        # for the compute stream's step in flight: the next step's launch stalled behind it.
-        # (torch keeps the pinned block until the upload has run.)
-        return index.pin_memory().to(self.gpu_kv.device, non_blocking=True)
+        # through pinned memory (engine/device.py): from pageable memory the host would wait
+        # for the copy stream, which waits for the compute stream's step in flight
+        return to_device(pages, torch.long, self.gpu_kv.device)
 
     def _on_copy_stream(self, after_demotions: bool = False):
         """The copy stream, after the compute stream's work so far; `after_demotions` (a
