@@ -7,19 +7,16 @@
 #
 #   bench/scripts/phases_two_gpus.sh deploy/gpu-1p1d.toml 96 OUT_DIR \
 #       "--workload chat --rates 20,28 --strategy dp --strategy 1p1d-balance-0.3" \
-#       "--phases chat@28:20,synthetic@10:80,chat@28:20 --strategy dp ..."
+#       "--phases chat@28:10,synthetic@9:90,chat@28:10 --strategy dp ..."
 set -euo pipefail
 deployment=$1 seats=$2 out=$3
 shift 3
 mkdir -p "$out"
 seated="$out/$(basename "$deployment" .toml)-seats$seats.toml"
-python3 - "$deployment" "$seats" "$seated" <<'PY'
-import re, sys
-src, seats, dst = sys.argv[1], sys.argv[2], sys.argv[3]
-text = open(src).read()
-# every engine's args gain --max-num-seqs SEATS
-text, n = re.subn(r'args = \[', f'args = ["--max-num-seqs", "{seats}", ', text)
-assert n >= 2, f"{src}: expected an args list per engine"
-open(dst, "w").write(text)
-PY
+python3 -c '
+import sys
+from pathlib import Path
+from bench.batch_bench import with_engine_args  # every engine gets the args first
+with_engine_args(sys.argv[1], ["--max-num-seqs", sys.argv[2]], Path(sys.argv[3]))
+' "$deployment" "$seats" "$seated"
 exec bash "$(dirname "$0")/pd_two_gpus.sh" "$seated" "$out" "$@"
