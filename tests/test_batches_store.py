@@ -368,6 +368,26 @@ async def test_the_runner_resumes_only_pending_lines_and_retries_a_5xx(tmp_path)
     store.close()
 
 
+async def test_each_order_the_router_offers_is_the_dispatch_order_it_stores(tmp_path):
+    """`--batch-order`: the lines wait in the order's positions (what `pending` reads back),
+    with the order named in the batch's `ordering`."""
+    prompts = [A + [10], B + [20], A + [11], B + [21], A + [12]]
+    outputs = [4] * 5  # each line's max_tokens (_batch's)
+    ordering = blend_order(prompts, outputs)
+    expected = {"blend": ordering.order, "alternate": alternate(ordering.dfs),
+                "dfs": ordering.dfs, "file": [0, 1, 2, 3, 4]}
+    for order, want in expected.items():
+        calls = []
+        store, runner = _runner_with(tmp_path / order, calls)
+        runner.order = order
+        batch = _batch(store, prompts)
+        await runner._validate(batch)
+        assert [row.idx for row in store.pending("batch-t")] == want, order
+        assert store.batch(None, "batch-t")["ordering"]["order"] == order
+        store.close()
+    assert expected["alternate"] != expected["dfs"]
+
+
 async def test_an_exception_in_the_app_is_the_lines_500_not_a_lost_line(tmp_path):
     calls = []
     store, runner = _runner_with(tmp_path, calls)
