@@ -88,7 +88,7 @@ class HostSwapping:
             return
         if len(self.running) >= self.max_num_seqs and self._outranked(first) is None:
             return  # it would hold its pages while it waits for a seat
-        need = -(-first.num_computed_tokens // self.kv.page_size)
+        need = self.kv.pages_needed(None, first.num_computed_tokens)
         if self.kv.stats().free_pages < need + len(self.running):
             return
         self._start_copy_back(first)
@@ -134,7 +134,7 @@ class HostSwapping:
         step's budget of them), once a step: O(running)."""
         prefill = sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.running
                       if s.num_tokens - s.num_computed_tokens > 1)
-        self._prefill_pages = -(-min(prefill, self.max_num_batched_tokens) // self.kv.page_size)
+        self._prefill_pages = self.kv.pages_needed(None, min(prefill, self.max_num_batched_tokens))
 
     def _growth_pages(self) -> int:
         """Pages the running sequences may take in the next step, at most: a page each, and
@@ -172,7 +172,7 @@ class HostSwapping:
         """Start copying a HELD sequence's KV back if pages for it leave the next step's
         growth (its pages still cached count as free: they are among the evictable).
         False: too few pages."""
-        if not self._leaves_growth(-(-seq.num_computed_tokens // self.kv.page_size)):
+        if not self._leaves_growth(self.kv.pages_needed(None, seq.num_computed_tokens)):
             return False
         self._start_copy_back(seq)
         return True
@@ -208,7 +208,7 @@ class HostSwapping:
             recomputed = computed - min(cached, computed)
         if not self.swapper.wants(computed, recomputed):
             return False
-        pages = self.kv.page_table(rid)[: -(-computed // self.kv.page_size)]
+        pages = self.kv.page_table(rid)[: self.kv.pages_needed(None, computed)]
         if not self.swapper.swap_out(rid, list(pages), computed):
             return False
         if need_pages:

@@ -54,11 +54,12 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 
+from router.choice_model import STEP_SHARE  # of the TPOT target: a step this long is stretched
+
 RULES = ("decode_bound", "prefill_bound", "chat_like", "interference")
 IDLE_SHARE = 0.1  # a prefill engine idles below this share of backlog_tokens waiting
 ROOM_SHARE = 0.5  # a decode engine has room at or below this share of saturated
-STEP_SHARE = 0.8  # of the TPOT target: a step this long is stretched (as auto's choice model)
-PROMPT_SHARE = 0.3  # ... by prompts, when they take this share of its time or more
+PROMPT_SHARE = 0.3  # a step stretched (STEP_SHARE) by prompts: they take this share or more
 
 
 @dataclass(frozen=True)

@@ -103,12 +103,12 @@ class Auto(Strategy):
 
     def read(self, load: EngineLoad) -> dict:
         """One engine as the model read it for the last choice."""
+        step_s, prompt_share = self.measured(load)
         return {"queue": load.queue, "decoding": load.decoding, "held": load.held,
                 "calls": load.calls, "seats": load.seats,
                 "ends_per_s": round(load.ends_per_s, 3),
                 "seat_wait_s": round(load.seat_wait_s(), 6),
-                "step_s": round(self.model.step_s.get(load.name, 0.0), 6),
-                "prompt_share": round(self.model.busy.get(load.name, 0.0), 4)}
+                "step_s": round(step_s, 6), "prompt_share": round(prompt_share, 4)}
 
     def rate(self) -> float:
         """Requests per second over the last RATE_WINDOW_S (this one included)."""
