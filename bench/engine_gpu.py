@@ -26,9 +26,11 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
   mixed512   the same with 512-token prompts (576-token steps)
   mixed1200  the same with 1,200-token prompts (1,264-token steps)
   beside-copies  64 sequences decoding at context ~1,024: the step's wall time alone and while
-             the host KV tier's copies (engine/host_swap.py: gather, DMA on its own stream)
+             the host KV tier's copies (engine/host_swap.py: its copy kernel on its own stream)
              move 64 pages out and back in a loop, in alternating rounds; and the rate the
-             copies moved (issue 40: a decode step slows <= 3% while copies run)
+             copies moved (issue 40: a decode step slows <= 3% while copies run).
+             -staged: the staged copies (gather, then DMA); -dma: their DMAs alone (no
+             gather); -k8, -k16, -k64: the kernel's grid at 8, 16, 64 programs (default 32)
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -220,23 +222,45 @@ def mixed(core: EngineCore, vocab: int, batch: int = 64, chunk: int = 128) -> di
 
 
 def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 1024,
-                  pages: int = 64, rounds: int = 3, steps: int = 100) -> dict:
+                  pages: int = 64, rounds: int = 3, steps: int = 100,
+                  copy_programs: int | None = None, dma_only: bool = False) -> dict:
     """Decode steps alone and beside the host tier's copies, in alternating rounds of `steps`
     (alone first and last: each round beside copies is set against the mean of the rounds
     alone on either side of it, since the steps slow as the contexts grow). The copies are
     the swap path's own (a HostSwap over the engine's GPU pool, its own host buffer and
     stream) on `pages` pages taken from the pool for them, so no sequence's KV is touched:
     one copy in flight at a time, out then back in, started between steps as soon as the last
-    one landed."""
+    one landed. `copy_programs`: HostSwap's (None: its default, the copy kernel; 0: staged).
+    `dma_only` (a diagnosis): the staged copies' DMAs alone, a device buffer of the same bytes
+    to the pinned host buffer and back on a stream of their own, no gather."""
     own = core.kv.pool.alloc(pages)
     if own is None:
         raise SystemExit(f"beside-copies: {pages} free pages needed")
     gpu_kv = core.runner.kv.kv
     swap = HostSwap(gpu_kv, memory_gb=(pages + 1) * gpu_kv[:, :, 0].numel()
-                    * gpu_kv.element_size() / 2**30, copy_gbps=40)
+                    * gpu_kv.element_size() / 2**30, copy_gbps=40, copy_programs=copy_programs)
     moved = [0]
+    staging = (torch.empty((pages, *swap.page_shape), dtype=gpu_kv.dtype, device=gpu_kv.device)
+               if dma_only else None)
+    dma = {"event": None, "out": True}
+
+    def pump_dma() -> bool:
+        if dma["event"] is not None and not dma["event"].query():
+            return True
+        swap.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(swap.stream):
+            if dma["out"]:
+                swap.host[:pages].copy_(staging, non_blocking=True)
+            else:
+                staging.copy_(swap.host[:pages], non_blocking=True)
+        dma["event"], dma["out"] = torch.cuda.Event(), not dma["out"]
+        dma["event"].record(swap.stream)
+        moved[0] += pages * swap.page_bytes
+        return True
 
     def pump() -> bool:
+        if dma_only:
+            return pump_dma()
         swap.poll()
         state = swap.state("copies")
         if state is None:
@@ -260,6 +284,8 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
             moved[0], start = 0, time.perf_counter()
             ms, _ = steady_step_ms(core, steps, lambda: pump() and len(core.requests) == batch)
             swap.release("copies")  # waits out the copy in flight: the next round is alone
+            if dma["event"] is not None:
+                dma["event"].synchronize()
             beside.append(ms)
             rates.append(moved[0] / (time.perf_counter() - start) / 1e9)
         alone.append(steady_step_ms(core, steps, lambda: len(core.requests) == batch)[0])
@@ -268,7 +294,8 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
         core.kv.pool.release(own)
         drain(core)
     slowdowns = [b / ((a0 + a1) / 2) - 1 for b, a0, a1 in zip(beside, alone, alone[1:])]
-    return {"step_ms_alone": alone, "step_ms_beside_copies": beside, "copies_gb_s": rates,
+    return {"copy_programs": swap.copy_programs, "dma_only": dma_only,
+            "step_ms_alone": alone, "step_ms_beside_copies": beside, "copies_gb_s": rates,
             "copies": swap.counters["kv_swap_outs"] + swap.counters["kv_swap_ins"],
             "slowdowns": slowdowns, "slowdown": statistics.median(slowdowns)}
 
@@ -447,6 +474,11 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
                frequency_penalty=0.5, presence_penalty=0.5)),
            "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
            "decode256short": decode_short, "mixed": mixed, "beside-copies": beside_copies,
+           "beside-copies-staged": lambda core, vocab: beside_copies(core, vocab, copy_programs=0),
+           "beside-copies-dma": lambda core, vocab: beside_copies(core, vocab, dma_only=True),
+           "beside-copies-k8": lambda core, vocab: beside_copies(core, vocab, copy_programs=8),
+           "beside-copies-k16": lambda core, vocab: beside_copies(core, vocab, copy_programs=16),
+           "beside-copies-k64": lambda core, vocab: beside_copies(core, vocab, copy_programs=64),
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
            "mixed1200": lambda core, vocab: mixed(core, vocab, chunk=1200),
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),

@@ -6,14 +6,20 @@ tier that holds tensors.
 Layouts. The GPU pool is layer-major, `kv[layer, K|V, page, slot, head, dim]`, so one page is
 `layers x 2` fragments (64 of 32 KiB for an 8B model). The host pool is page-major,
 `host[page, layer, K|V, slot, head, dim]`: a host page is one contiguous block, and pages the
-host pool hands out together are mostly adjacent (its free list is LIFO), so a copy is
+host pool hands out together are mostly adjacent (its free list is LIFO). A swap's copy on a
+GPU is one Triton kernel with a small grid that moves every fragment straight between the pool
+and the pinned host pages (engine/kernels/host_pages.py): no staging buffer, no copy engine, and
+at most `copy_programs` SMs taken from the step beside it. Where that kernel does not apply (a
+tensor-parallel engine's several pools, `copy_programs=0`) and for the prefix cache's demotions
+below, a copy is staged:
 
     GPU pages --gather (one index_select on the device)--> staging [n, layer, K|V, ...]
     staging --one DMA per run of adjacent host pages--> host pages
 
-and the reverse on the way in (DMA into staging, then one index_copy_ into the pool). The
-gather costs a device-to-device pass (GB/s in the hundreds) to turn 64 small DMAs a page into
-one large one; `bench/host_copy.py` measures both ways.
+and the reverse on the way in (DMA into staging, then one index_copy_ into the pool): a
+device-to-device pass (GB/s in the hundreds) turns 64 small DMAs a page into one large one.
+Staged copies slowed a decode step beside them 9-10% on an H200 (docs/benchmarks.md, "A decode
+step beside the host tier's copies"); `bench/host_copy.py` measures each way's rate.
 
 On CUDA the copies run on a stream of their own. A copy out first waits for the compute
 stream (the step in flight may still be writing the pages); the GPU pages stay held until its
@@ -49,6 +55,7 @@ from collections.abc import Callable
 import torch
 
 from engine.device import to_device
+from engine.kernels.host_pages import copy_host_pages
 from kvcache.host_tier import HostState, HostTier, swap_or_recompute
 from kvcache.integrity import IntegrityError
 
@@ -60,10 +67,17 @@ class HostSwap:
         copy_gbps: the copy rate to assume, one way; None: measured (`measure_copy_rate`).
         rank_pools: a tensor-parallel engine's ranks' pools, rank 0's (`gpu_kv`) first, mapped
             into this process; a host page then holds every rank's share.
+        copy_programs: the grid of the swaps' copy kernel (engine/kernels/host_pages.py); 0:
+            staged copies (a gather, then DMAs); None: COPY_PROGRAMS on a GPU, staged on CPU
+            (where the kernel runs only under Triton's interpreter, for tests).
     """
 
+    # the copy kernel's default grid (bench.engine_gpu --only beside-copies)
+    COPY_PROGRAMS = 32
+
     def __init__(self, gpu_kv: torch.Tensor, memory_gb: float, copy_gbps: float | None = None,
-                 rank_pools: list[torch.Tensor] | None = None):
+                 rank_pools: list[torch.Tensor] | None = None,
+                 copy_programs: int | None = None):
         self.gpu_kv = gpu_kv
         # a tensor-parallel engine's ranks' pools, rank 0's (gpu_kv) first, mapped here
         self.pools = rank_pools if rank_pools and len(rank_pools) > 1 else [gpu_kv]
@@ -81,6 +95,12 @@ class HostSwap:
                                 pin_memory=self.cuda)
         self.tier = HostTier(num_pages, page_size)
         self.stream = torch.cuda.Stream(gpu_kv.device) if self.cuda else None
+        if copy_programs is None:
+            copy_programs = self.COPY_PROGRAMS if self.cuda else 0
+        if copy_programs < 0:
+            raise ValueError(f"copy_programs must be >= 0, got {copy_programs}")
+        # the swaps' copies by kernel, straight between the pool and the pinned host pages
+        self.copy_programs = copy_programs if len(self.pools) == 1 else 0
         # the prefix cache's demotions' DMAs: apart from the swaps', so that a swap's copy back
         # (host to device) never waits behind a batch of demotions (device to host)
         self.demotion_stream = torch.cuda.Stream(gpu_kv.device) if self.cuda else None
@@ -302,8 +322,11 @@ class HostSwap:
     # ---- copies ---------------------------------------------------------------------------------
 
     def _copy_out(self, gpu_pages: list[int], host_pages: list[int]) -> torch.Tensor:
-        """Gather `gpu_pages` into a page-major staging tensor, then DMA it into `host_pages`
-        (on the current stream). Returns the staging tensor (it must outlive the copy)."""
+        """Copy `gpu_pages` into `host_pages` (on the current stream): by kernel, or gathered
+        into a page-major staging tensor and DMAed from there. Returns the device tensor the
+        copy reads (it must outlive the copy)."""
+        if self.copy_programs:
+            return self._by_kernel(gpu_pages, host_pages, to_host=True)
         staging = self._gather(gpu_pages)
         self._to_host(staging, host_pages)
         return staging
@@ -324,8 +347,10 @@ class HostSwap:
                                                         non_blocking=self.cuda)
 
     def _copy_in(self, host_pages: list[int], gpu_pages: list[int]) -> torch.Tensor:
-        """DMA `host_pages` into a staging tensor, then scatter it into `gpu_pages` (on the
-        current stream). Returns the staging tensor."""
+        """Copy `host_pages` into `gpu_pages` (on the current stream): by kernel, or DMAed into
+        a staging tensor and scattered from there. Returns the device tensor the copy reads."""
+        if self.copy_programs:
+            return self._by_kernel(gpu_pages, host_pages, to_host=False)
         staging = torch.empty((len(host_pages), *self.page_shape), dtype=self.host.dtype,
                               device=self.gpu_kv.device)
         for start, end, first in _runs(host_pages):
@@ -338,6 +363,14 @@ class HostSwap:
             for rank, pool in enumerate(self.pools):
                 pool.index_copy_(2, index, staging[:, rank].permute(1, 2, 0, 3, 4, 5))
         return staging
+
+    def _by_kernel(self, gpu_pages: list[int], host_pages: list[int],
+                   to_host: bool) -> torch.Tensor:
+        """The copy kernel between the pool and the host pages; returns its page ids (on the
+        device: they must outlive the copy)."""
+        ids = to_device([gpu_pages, host_pages], torch.long, self.gpu_kv.device)
+        copy_host_pages(self.gpu_kv, self.host, ids[0], ids[1], to_host, self.copy_programs)
+        return ids
 
     def _wait_if_ranks(self) -> None:
         """A tensor-parallel engine on GPUs: wait until the copies queued on this device so far

@@ -13,12 +13,15 @@ from engine.core import EngineCore
 from bench.engine_gpu import beside_copies
 
 
-def test_beside_copies_copies_once_a_step_and_gives_its_pages_back(tiny_model_dir):
+@pytest.mark.parametrize("copy_programs", [None, 2])  # staged on CPU; the copy kernel
+def test_beside_copies_copies_once_a_step_and_gives_its_pages_back(tiny_model_dir,
+                                                                    copy_programs):
     core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=256))
     try:
         free = core.kv.pool.num_free
         r = beside_copies(core, core.info.vocab_size, batch=3, context=20, pages=6, rounds=2,
-                          steps=5)
+                          steps=5, copy_programs=copy_programs)
+        assert r["copy_programs"] == (copy_programs or 0)
         assert len(r["step_ms_alone"]) == 3 and len(r["step_ms_beside_copies"]) == 2
         # each round beside copies against the rounds alone around it; the median of two
         alone, beside = r["step_ms_alone"], r["step_ms_beside_copies"]

@@ -35,9 +35,9 @@ def test_runs_of_adjacent_pages():
     assert _runs([2, 1]) == [(0, 1, 2), (1, 2, 1)]
 
 
-def round_trip(kv: torch.Tensor) -> None:
+def round_trip(kv: torch.Tensor, copy_programs: int | None = None) -> None:
     """Swap pages [5, 2, 7] out, spoil them, swap the KV into pages [1, 3, 4]: byte-equal."""
-    swap = HostSwap(kv, memory_gb=4 * PAGE_BYTES / 2**30)
+    swap = HostSwap(kv, memory_gb=4 * PAGE_BYTES / 2**30, copy_programs=copy_programs)
     assert swap.tier.pool.num_pages == 4
     before = kv[:, :, [5, 2, 7]].clone()
     assert swap.swap_out("a", [5, 2, 7], 10)
@@ -63,9 +63,16 @@ def test_pages_come_back_byte_equal_into_other_pages():
     round_trip(pool())
 
 
+def test_pages_come_back_byte_equal_through_the_copy_kernel():
+    """The copy kernel (engine/kernels/host_pages.py) under Triton's interpreter, its grid
+    smaller than the fragments to copy (3 programs, 3 pages x 4 fragments each way)."""
+    round_trip(pool(), copy_programs=3)
+
+
 @pytest.mark.gpu
-def test_pages_come_back_byte_equal_on_cuda():
-    round_trip(pool("cuda"))
+@pytest.mark.parametrize("copy_programs", [None, 0])  # the kernel (the default), staged
+def test_pages_come_back_byte_equal_on_cuda(copy_programs):
+    round_trip(pool("cuda"), copy_programs)
 
 
 def test_a_full_host_pool_means_recompute():

@@ -1,0 +1,85 @@
+"""KV pages between the GPU pool and the pinned host pool, copied by a Triton kernel with a small
+fixed grid that reads and writes host memory directly (the host KV tier, engine/host_swap.py).
+
+    copy_host_pages(gpu_kv, host, gpu_pages, host_pages, to_host, num_programs)
+
+Layouts as engine/host_swap.py's: the GPU pool `[layer, K|V, page, slot, head, dim]`, the host
+pool `[page, layer, K|V, slot, head, dim]` (pinned). A page is `layers x 2` fragments, each one
+contiguous block on either side (`slot x head x dim` values, 32 KiB for Llama-3.1-8B), so the
+copy is a list of fragment-to-fragment moves; a fixed grid of programs walks them, each program
+every `num_programs`-th, a block of every fragment at a time.
+
+Why a kernel and not the staged copy (a gather on the device, then a DMA per run of host pages):
+measured on an H200 (docs/benchmarks.md, "A decode step beside the host tier's copies"), a
+decode step slowed 9-10% while the staged copies ran beside it. The kernel needs no staging
+buffer and no copy engine, and its grid bounds the SMs it takes from the step beside it.
+The host memory is reached over PCIe through unified addressing (a pinned allocation is mapped
+into the device's address space), so the kernel's loads and stores on it are the transfer.
+
+On CPU (tests; Triton's interpreter, TRITON_INTERPRET=1) the same kernel runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# values of a fragment moved per program and iteration: 8 KiB of bf16, 16 bytes per thread of
+# 4 warps per load, several loads of host memory in flight per program
+BLOCK = 4096
+
+
+@triton.jit(do_not_specialize=["total"])
+def _copy_fragments_kernel(gpu_ptr, host_ptr, gpu_pages_ptr, host_pages_ptr, total,
+                           pool_pages, fragment, layer_pairs,
+                           TO_HOST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                           BLOCK: tl.constexpr):  # fmt: skip
+    offs = tl.arange(0, BLOCK)
+    for f in range(tl.program_id(0), total, NUM_PROGRAMS):
+        i, j = f // layer_pairs, f % layer_pairs  # page i of the list; j = layer * 2 + K|V
+        g = tl.load(gpu_pages_ptr + i).to(tl.int64)
+        h = tl.load(host_pages_ptr + i).to(tl.int64)
+        gpu_at = (j.to(tl.int64) * pool_pages + g) * fragment
+        host_at = (h * layer_pairs + j) * fragment
+        for start in range(0, fragment, BLOCK):
+            at = start + offs
+            mask = at < fragment
+            if TO_HOST:
+                tl.store(host_ptr + host_at + at, tl.load(gpu_ptr + gpu_at + at, mask=mask),
+                         mask=mask)
+            else:
+                tl.store(gpu_ptr + gpu_at + at, tl.load(host_ptr + host_at + at, mask=mask),
+                         mask=mask)
+
+
+def copy_host_pages(gpu_kv: torch.Tensor, host: torch.Tensor, gpu_pages: torch.Tensor,
+                    host_pages: torch.Tensor, to_host: bool, num_programs: int = 32) -> None:
+    """Copy GPU pages `gpu_pages` to host pages `host_pages` (`to_host`), or the reverse, on the
+    current stream.
+
+    Args:
+        gpu_kv: the GPU pool, `[layers, 2, pages, page_size, heads, head_dim]`, contiguous.
+        host: the host pool, `[pages, layers, 2, page_size, heads, head_dim]`, contiguous, the
+            same dtype (pinned on CUDA: the kernel reaches it through unified addressing).
+        gpu_pages, host_pages: int64 page ids on gpu_kv's device, equal lengths.
+        num_programs: the grid; fewer programs leave more of the GPU to the steps beside it.
+    """
+    if gpu_kv.dim() != 6 or host.dim() != 6 or host.shape[1:3] != gpu_kv.shape[0:2] or (
+            host.shape[3:] != gpu_kv.shape[3:]) or host.dtype != gpu_kv.dtype:
+        raise ValueError(f"pools differ: GPU {tuple(gpu_kv.shape)} {gpu_kv.dtype}, host "
+                         f"{tuple(host.shape)} {host.dtype}")
+    if not (gpu_kv.is_contiguous() and host.is_contiguous()):
+        raise ValueError("copy_host_pages needs contiguous pools")
+    if gpu_kv.is_cuda and not host.is_pinned():
+        raise ValueError("the host pool must be pinned for a GPU to reach it")
+    n = len(gpu_pages)
+    if n != len(host_pages):
+        raise ValueError(f"{n} GPU pages but {len(host_pages)} host pages")
+    if n == 0:
+        return
+    layer_pairs = gpu_kv.shape[0] * 2
+    _copy_fragments_kernel[(num_programs,)](
+        gpu_kv, host, gpu_pages, host_pages, n * layer_pairs, gpu_kv.shape[2],
+        gpu_kv[0, 0, 0].numel(), layer_pairs,
+        TO_HOST=to_host, NUM_PROGRAMS=num_programs, BLOCK=BLOCK)

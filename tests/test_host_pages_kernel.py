@@ -1,0 +1,65 @@
+"""engine/kernels/host_pages.py's copy between the GPU pool's layout and the host pool's, under
+Triton's interpreter on CPU (and on a GPU with the `gpu` marker): every fragment lands in its
+place, byte-equal, and nothing else is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.host_pages import BLOCK, copy_host_pages
+
+# [layers, K|V, pages, page_size, kv_heads, head_dim]: a fragment of 2 * 8 * 512 values is two
+# and a half of the kernel's blocks
+LAYERS, POOL_PAGES, FRAGMENT = 3, 6, (2, 8, BLOCK // 16 + BLOCK // 64)
+
+
+def pools(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    gpu = torch.randn((LAYERS, 2, POOL_PAGES, *FRAGMENT), generator=gen).to(torch.bfloat16)
+    host = torch.randn((4, LAYERS, 2, *FRAGMENT), generator=gen).to(torch.bfloat16)
+    if device == "cuda":
+        return gpu.to(device), host.pin_memory()
+    return gpu, host
+
+
+def check(device: str) -> None:
+    gpu, host = pools(device)
+    gpu_before, host_before = gpu.clone(), host.clone()
+    ids = lambda xs: torch.tensor(xs, dtype=torch.long, device=gpu.device)  # noqa: E731
+    copy_host_pages(gpu, host, ids([4, 0]), ids([2, 1]), to_host=True, num_programs=5)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    want = host_before.clone()
+    want[2], want[1] = gpu_before[:, :, 4].cpu(), gpu_before[:, :, 0].cpu()
+    assert torch.equal(host, want)
+    assert torch.equal(gpu, gpu_before)  # the source is only read
+
+    copy_host_pages(gpu, host, ids([5, 3, 1]), ids([1, 3, 2]), to_host=False, num_programs=2)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    want_gpu = gpu_before.clone()
+    for g, h in ((5, 1), (3, 3), (1, 2)):
+        want_gpu[:, :, g] = want[h].to(gpu.device)
+    assert torch.equal(gpu, want_gpu)
+
+
+def test_fragments_land_in_place_both_ways():
+    check("cpu")
+
+
+@pytest.mark.gpu
+def test_fragments_land_in_place_both_ways_on_cuda():
+    check("cuda")
+
+
+def test_refuses_pools_that_do_not_match():
+    gpu, host = pools("cpu")
+    one = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="pools differ"):
+        copy_host_pages(gpu, host[:, :2], one, one, to_host=True)
+    with pytest.raises(ValueError, match="1 GPU pages but 2 host pages"):
+        copy_host_pages(gpu, host, one, torch.zeros(2, dtype=torch.long), to_host=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = torch.cat([gpu, gpu], dim=-1)[..., ::2]  # the same shape, strided
+        copy_host_pages(strided, host, one, one, to_host=True)
