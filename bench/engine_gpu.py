@@ -30,7 +30,8 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              move 64 pages out and back in a loop, in alternating rounds; and the rate the
              copies moved (issue 40: a decode step slows <= 3% while copies run).
              -staged: the staged copies (gather, then DMA); -dma: their DMAs alone (no
-             gather); -k8, -k16, -k64: the kernel's grid at 8, 16, 64 programs (default 32)
+             gather); -k2 ... -k64: the kernel's grid at 2 to 64 programs (default 32);
+             -staged-d4, -dma-d4: those two with DMAs of 4 pages (8 MiB) at most
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -223,7 +224,8 @@ def mixed(core: EngineCore, vocab: int, batch: int = 64, chunk: int = 128) -> di
 
 def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 1024,
                   pages: int = 64, rounds: int = 3, steps: int = 100,
-                  copy_programs: int | None = None, dma_only: bool = False) -> dict:
+                  copy_programs: int | None = None, dma_only: bool = False,
+                  dma_pages: int | None = None) -> dict:
     """Decode steps alone and beside the host tier's copies, in alternating rounds of `steps`
     (alone first and last: each round beside copies is set against the mean of the rounds
     alone on either side of it, since the steps slow as the contexts grow). The copies are
@@ -232,13 +234,17 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
     one copy in flight at a time, out then back in, started between steps as soon as the last
     one landed. `copy_programs`: HostSwap's (None: its default, the copy kernel; 0: staged).
     `dma_only` (a diagnosis): the staged copies' DMAs alone, a device buffer of the same bytes
-    to the pinned host buffer and back on a stream of their own, no gather."""
+    to the pinned host buffer and back on a stream of their own, no gather. `dma_pages`:
+    HostSwap's (the staged copies' DMAs, and these, `dma_pages` pages at most each)."""
+    if dma_only and core.runner.kv.kv.device.type != "cuda":
+        raise SystemExit("beside-copies-dma: DMAs on a stream of their own need a GPU")
     own = core.kv.pool.alloc(pages)
     if own is None:
         raise SystemExit(f"beside-copies: {pages} free pages needed")
     gpu_kv = core.runner.kv.kv
     swap = HostSwap(gpu_kv, memory_gb=(pages + 1) * gpu_kv[:, :, 0].numel()
-                    * gpu_kv.element_size() / 2**30, copy_gbps=40, copy_programs=copy_programs)
+                    * gpu_kv.element_size() / 2**30, copy_gbps=40, copy_programs=copy_programs,
+                    dma_pages=dma_pages)
     moved = [0]
     staging = (torch.empty((pages, *swap.page_shape), dtype=gpu_kv.dtype, device=gpu_kv.device)
                if dma_only else None)
@@ -249,10 +255,12 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
             return True
         swap.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(swap.stream):
-            if dma["out"]:
-                swap.host[:pages].copy_(staging, non_blocking=True)
-            else:
-                staging.copy_(swap.host[:pages], non_blocking=True)
+            for at in range(0, pages, dma_pages or pages):
+                piece = slice(at, at + (dma_pages or pages))
+                if dma["out"]:
+                    swap.host[piece].copy_(staging[piece], non_blocking=True)
+                else:
+                    staging[piece].copy_(swap.host[piece], non_blocking=True)
         dma["event"], dma["out"] = torch.cuda.Event(), not dma["out"]
         dma["event"].record(swap.stream)
         moved[0] += pages * swap.page_bytes
@@ -476,6 +484,12 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "decode256short": decode_short, "mixed": mixed, "beside-copies": beside_copies,
            "beside-copies-staged": lambda core, vocab: beside_copies(core, vocab, copy_programs=0),
            "beside-copies-dma": lambda core, vocab: beside_copies(core, vocab, dma_only=True),
+           "beside-copies-staged-d4": lambda core, vocab: beside_copies(core, vocab, copy_programs=0,
+                                                                      dma_pages=4),
+           "beside-copies-dma-d4": lambda core, vocab: beside_copies(core, vocab, dma_only=True,
+                                                                   dma_pages=4),
+           "beside-copies-k2": lambda core, vocab: beside_copies(core, vocab, copy_programs=2),
+           "beside-copies-k4": lambda core, vocab: beside_copies(core, vocab, copy_programs=4),
            "beside-copies-k8": lambda core, vocab: beside_copies(core, vocab, copy_programs=8),
            "beside-copies-k16": lambda core, vocab: beside_copies(core, vocab, copy_programs=16),
            "beside-copies-k64": lambda core, vocab: beside_copies(core, vocab, copy_programs=64),

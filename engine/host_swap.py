@@ -70,14 +70,20 @@ class HostSwap:
         copy_programs: the grid of the swaps' copy kernel (engine/kernels/host_pages.py); 0:
             staged copies (a gather, then DMAs); None: COPY_PROGRAMS on a GPU, staged on CPU
             (where the kernel runs only under Triton's interpreter, for tests).
+        dma_pages: a staged copy's DMAs move at most this many pages each (None: a whole run
+            of adjacent host pages): a copy engine that serves the step's own small copies
+            too then has them wait for one piece, not for the whole copy.
     """
 
-    # the copy kernel's default grid (bench.engine_gpu --only beside-copies)
-    COPY_PROGRAMS = 32
+    # the copy kernel's default grid: on an H200 (docs/benchmarks.md, "The host tier's copies by
+    # kernel") 16 programs copied 48 GB/s each way and slowed a decode step beside them 8%,
+    # against 9% at 32, 11% at 64 and 9-10% for the staged copies; 8 slowed it 6% but copied
+    # in at 37 GB/s
+    COPY_PROGRAMS = 16
 
     def __init__(self, gpu_kv: torch.Tensor, memory_gb: float, copy_gbps: float | None = None,
                  rank_pools: list[torch.Tensor] | None = None,
-                 copy_programs: int | None = None):
+                 copy_programs: int | None = None, dma_pages: int | None = None):
         self.gpu_kv = gpu_kv
         # a tensor-parallel engine's ranks' pools, rank 0's (gpu_kv) first, mapped here
         self.pools = rank_pools if rank_pools and len(rank_pools) > 1 else [gpu_kv]
@@ -101,6 +107,11 @@ class HostSwap:
             raise ValueError(f"copy_programs must be >= 0, got {copy_programs}")
         # the swaps' copies by kernel, straight between the pool and the pinned host pages
         self.copy_programs = copy_programs if len(self.pools) == 1 else 0
+        if self.cuda and self.copy_programs:
+            self._warm_up()
+        if dma_pages is not None and dma_pages < 1:
+            raise ValueError(f"dma_pages must be >= 1, got {dma_pages}")
+        self.dma_pages = dma_pages
         # the prefix cache's demotions' DMAs: apart from the swaps', so that a swap's copy back
         # (host to device) never waits behind a batch of demotions (device to host)
         self.demotion_stream = torch.cuda.Stream(gpu_kv.device) if self.cuda else None
@@ -342,7 +353,7 @@ class HostSwap:
 
     def _to_host(self, staging: torch.Tensor, host_pages: list[int]) -> None:
         """DMA a staging tensor into `host_pages` (on the current stream), a run at a time."""
-        for start, end, first in _runs(host_pages):
+        for start, end, first in _runs(host_pages, self.dma_pages):
             self.host[first : first + end - start].copy_(staging[start:end],
                                                         non_blocking=self.cuda)
 
@@ -353,7 +364,7 @@ class HostSwap:
             return self._by_kernel(gpu_pages, host_pages, to_host=False)
         staging = torch.empty((len(host_pages), *self.page_shape), dtype=self.host.dtype,
                               device=self.gpu_kv.device)
-        for start, end, first in _runs(host_pages):
+        for start, end, first in _runs(host_pages, self.dma_pages):
             staging[start:end].copy_(self.host[first : first + end - start],
                                      non_blocking=self.cuda)
         index = self._index(gpu_pages)
@@ -369,8 +380,17 @@ class HostSwap:
         """The copy kernel between the pool and the host pages; returns its page ids (on the
         device: they must outlive the copy)."""
         ids = to_device([gpu_pages, host_pages], torch.long, self.gpu_kv.device)
-        copy_host_pages(self.gpu_kv, self.host, ids[0], ids[1], to_host, self.copy_programs)
+        copy_host_pages(self.gpu_kv, self.host, ids, to_host, self.copy_programs)
         return ids
+
+    def _warm_up(self) -> None:
+        """Compile the copy kernel's two variants now, not at the first swap (a compile stalls
+        the step beside it ~0.1-1 s): GPU page 0 to host page 0 and back, its values
+        unchanged, waited for."""
+        ids = to_device([[0], [0]], torch.long, self.gpu_kv.device)
+        for to_host in (True, False):
+            copy_host_pages(self.gpu_kv, self.host, ids, to_host, self.copy_programs)
+        torch.cuda.synchronize(self.gpu_kv.device)
 
     def _wait_if_ranks(self) -> None:
         """A tensor-parallel engine on GPUs: wait until the copies queued on this device so far
@@ -407,14 +427,16 @@ class HostSwap:
         return event
 
 
-def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of adjacent ids in `pages`: (start, end) in the list and the run's first id.
+def _runs(pages: list[int], longest: int | None = None) -> list[tuple[int, int, int]]:
+    """Runs of adjacent ids in `pages`, each at most `longest` ids (None: unbounded): (start,
+    end) in the list and the run's first id.
 
-        [7, 8, 9, 3, 4] -> (0, 3, 7), (3, 5, 3)
+        [7, 8, 9, 3, 4] -> (0, 3, 7), (3, 5, 3);   longest 2: (0, 2, 7), (2, 3, 9), (3, 5, 3)
     """
     runs, start = [], 0
     for i in range(1, len(pages) + 1):
-        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+        if (i == len(pages) or pages[i] != pages[i - 1] + 1
+                or (longest is not None and i - start == longest)):
             runs.append((start, i, pages[start]))
             start = i
     return runs

@@ -27,7 +27,7 @@ def check(device: str) -> None:
     gpu, host = pools(device)
     gpu_before, host_before = gpu.clone(), host.clone()
     ids = lambda xs: torch.tensor(xs, dtype=torch.long, device=gpu.device)  # noqa: E731
-    copy_host_pages(gpu, host, ids([4, 0]), ids([2, 1]), to_host=True, num_programs=5)
+    copy_host_pages(gpu, host, ids([[4, 0], [2, 1]]), to_host=True, num_programs=5)
     if device == "cuda":
         torch.cuda.synchronize()
     want = host_before.clone()
@@ -35,7 +35,7 @@ def check(device: str) -> None:
     assert torch.equal(host, want)
     assert torch.equal(gpu, gpu_before)  # the source is only read
 
-    copy_host_pages(gpu, host, ids([5, 3, 1]), ids([1, 3, 2]), to_host=False, num_programs=2)
+    copy_host_pages(gpu, host, ids([[5, 3, 1], [1, 3, 2]]), to_host=False, num_programs=2)
     if device == "cuda":
         torch.cuda.synchronize()
     want_gpu = gpu_before.clone()
@@ -55,11 +55,13 @@ def test_fragments_land_in_place_both_ways_on_cuda():
 
 def test_refuses_pools_that_do_not_match():
     gpu, host = pools("cpu")
-    one = torch.zeros(1, dtype=torch.long)
+    one = torch.zeros((2, 1), dtype=torch.long)
     with pytest.raises(ValueError, match="pools differ"):
-        copy_host_pages(gpu, host[:, :2], one, one, to_host=True)
-    with pytest.raises(ValueError, match="1 GPU pages but 2 host pages"):
-        copy_host_pages(gpu, host, one, torch.zeros(2, dtype=torch.long), to_host=True)
+        copy_host_pages(gpu, host[:, :2], one, to_host=True)
+    with pytest.raises(ValueError, match=r"\[2, n\] int64 tensor .* got torch.int64 \(3, 1\)"):
+        copy_host_pages(gpu, host, torch.zeros((3, 1), dtype=torch.long), to_host=True)
+    with pytest.raises(ValueError, match="torch.int32"):
+        copy_host_pages(gpu, host, one.int(), to_host=True)
     with pytest.raises(ValueError, match="contiguous"):
         strided = torch.cat([gpu, gpu], dim=-1)[..., ::2]  # the same shape, strided
-        copy_host_pages(strided, host, one, one, to_host=True)
+        copy_host_pages(strided, host, one, to_host=True)

@@ -33,11 +33,15 @@ def test_runs_of_adjacent_pages():
     assert _runs([7, 8, 9, 3, 4]) == [(0, 3, 7), (3, 5, 3)]
     assert _runs([5]) == [(0, 1, 5)]
     assert _runs([2, 1]) == [(0, 1, 2), (1, 2, 1)]
+    assert _runs([7, 8, 9, 3, 4], 2) == [(0, 2, 7), (2, 3, 9), (3, 5, 3)]
+    assert _runs([1, 2, 3, 4, 5], 1) == [(k, k + 1, k + 1) for k in range(5)]
 
 
-def round_trip(kv: torch.Tensor, copy_programs: int | None = None) -> None:
+def round_trip(kv: torch.Tensor, copy_programs: int | None = None,
+               dma_pages: int | None = None) -> None:
     """Swap pages [5, 2, 7] out, spoil them, swap the KV into pages [1, 3, 4]: byte-equal."""
-    swap = HostSwap(kv, memory_gb=4 * PAGE_BYTES / 2**30, copy_programs=copy_programs)
+    swap = HostSwap(kv, memory_gb=4 * PAGE_BYTES / 2**30, copy_programs=copy_programs,
+                    dma_pages=dma_pages)
     assert swap.tier.pool.num_pages == 4
     before = kv[:, :, [5, 2, 7]].clone()
     assert swap.swap_out("a", [5, 2, 7], 10)
@@ -63,6 +67,10 @@ def test_pages_come_back_byte_equal_into_other_pages():
     round_trip(pool())
 
 
+def test_pages_come_back_byte_equal_in_one_page_dmas():
+    round_trip(pool(), dma_pages=1)
+
+
 def test_pages_come_back_byte_equal_through_the_copy_kernel():
     """The copy kernel (engine/kernels/host_pages.py) under Triton's interpreter, its grid
     smaller than the fragments to copy (3 programs, 3 pages x 4 fragments each way)."""
@@ -70,9 +78,10 @@ def test_pages_come_back_byte_equal_through_the_copy_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copy_programs", [None, 0])  # the kernel (the default), staged
-def test_pages_come_back_byte_equal_on_cuda(copy_programs):
-    round_trip(pool("cuda"), copy_programs)
+@pytest.mark.parametrize("copy_programs, dma_pages", [(None, None), (0, None), (0, 1)])
+def test_pages_come_back_byte_equal_on_cuda(copy_programs, dma_pages):
+    """The copy kernel (the default), staged, staged in one-page DMAs."""
+    round_trip(pool("cuda"), copy_programs, dma_pages)
 
 
 def test_a_full_host_pool_means_recompute():

@@ -1,7 +1,7 @@
 """KV pages between the GPU pool and the pinned host pool, copied by a Triton kernel with a small
 fixed grid that reads and writes host memory directly (the host KV tier, engine/host_swap.py).
 
-    copy_host_pages(gpu_kv, host, gpu_pages, host_pages, to_host, num_programs)
+    copy_host_pages(gpu_kv, host, pages, to_host, num_programs)   # pages: [GPU ids, host ids]
 
 Layouts as engine/host_swap.py's: the GPU pool `[layer, K|V, page, slot, head, dim]`, the host
 pool `[page, layer, K|V, slot, head, dim]` (pinned). A page is `layers x 2` fragments, each one
@@ -30,16 +30,19 @@ import triton.language as tl
 BLOCK = 4096
 
 
-@triton.jit(do_not_specialize=["total"])
-def _copy_fragments_kernel(gpu_ptr, host_ptr, gpu_pages_ptr, host_pages_ptr, total,
+# The page count varies with every copy: specialised (a value of 1, or divisible by 16), a copy of
+# a new kind would compile a variant in the middle of serving. The page ids come as one tensor
+# (GPU ids, then host ids) so that no pointer's alignment varies with the count either.
+@triton.jit(do_not_specialize=["n", "total"])
+def _copy_fragments_kernel(gpu_ptr, host_ptr, pages_ptr, n, total,
                            pool_pages, fragment, layer_pairs,
                            TO_HOST: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                            BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.arange(0, BLOCK)
     for f in range(tl.program_id(0), total, NUM_PROGRAMS):
         i, j = f // layer_pairs, f % layer_pairs  # page i of the list; j = layer * 2 + K|V
-        g = tl.load(gpu_pages_ptr + i).to(tl.int64)
-        h = tl.load(host_pages_ptr + i).to(tl.int64)
+        g = tl.load(pages_ptr + i).to(tl.int64)
+        h = tl.load(pages_ptr + n + i).to(tl.int64)
         gpu_at = (j.to(tl.int64) * pool_pages + g) * fragment
         host_at = (h * layer_pairs + j) * fragment
         for start in range(0, fragment, BLOCK):
@@ -53,16 +56,17 @@ def _copy_fragments_kernel(gpu_ptr, host_ptr, gpu_pages_ptr, host_pages_ptr, tot
                          mask=mask)
 
 
-def copy_host_pages(gpu_kv: torch.Tensor, host: torch.Tensor, gpu_pages: torch.Tensor,
-                    host_pages: torch.Tensor, to_host: bool, num_programs: int = 32) -> None:
-    """Copy GPU pages `gpu_pages` to host pages `host_pages` (`to_host`), or the reverse, on the
+def copy_host_pages(gpu_kv: torch.Tensor, host: torch.Tensor, pages: torch.Tensor,
+                    to_host: bool, num_programs: int = 32) -> None:
+    """Copy GPU pages `pages[0]` to host pages `pages[1]` (`to_host`), or the reverse, on the
     current stream.
 
     Args:
         gpu_kv: the GPU pool, `[layers, 2, pages, page_size, heads, head_dim]`, contiguous.
         host: the host pool, `[pages, layers, 2, page_size, heads, head_dim]`, contiguous, the
             same dtype (pinned on CUDA: the kernel reaches it through unified addressing).
-        gpu_pages, host_pages: int64 page ids on gpu_kv's device, equal lengths.
+        pages: `[2, n]` int64 page ids on gpu_kv's device, contiguous: the GPU pages, then
+            the host pages, pairwise.
         num_programs: the grid; fewer programs leave more of the GPU to the steps beside it.
     """
     if gpu_kv.dim() != 6 or host.dim() != 6 or host.shape[1:3] != gpu_kv.shape[0:2] or (
@@ -73,13 +77,15 @@ def copy_host_pages(gpu_kv: torch.Tensor, host: torch.Tensor, gpu_pages: torch.T
         raise ValueError("copy_host_pages needs contiguous pools")
     if gpu_kv.is_cuda and not host.is_pinned():
         raise ValueError("the host pool must be pinned for a GPU to reach it")
-    n = len(gpu_pages)
-    if n != len(host_pages):
-        raise ValueError(f"{n} GPU pages but {len(host_pages)} host pages")
+    if pages.dim() != 2 or pages.shape[0] != 2 or not pages.is_contiguous() or (
+            pages.dtype != torch.int64):
+        raise ValueError(f"pages must be a contiguous [2, n] int64 tensor (GPU ids, host ids), "
+                         f"got {pages.dtype} {tuple(pages.shape)}")
+    n = pages.shape[1]
     if n == 0:
         return
     layer_pairs = gpu_kv.shape[0] * 2
     _copy_fragments_kernel[(num_programs,)](
-        gpu_kv, host, gpu_pages, host_pages, n * layer_pairs, gpu_kv.shape[2],
+        gpu_kv, host, pages, n, n * layer_pairs, gpu_kv.shape[2],
         gpu_kv[0, 0, 0].numel(), layer_pairs,
         TO_HOST=to_host, NUM_PROGRAMS=num_programs, BLOCK=BLOCK)
