@@ -183,12 +183,19 @@ class Bench:
         return resp.json()
 
     async def use(self, run: StrategyRun, all_engines: list[str]) -> dict:
-        """Swap the strategy in and drain the engines it does not use. Its description."""
+        """Swap the strategy in, drain the engines it does not use and give every engine back
+        the role it joined with (an `auto` run before may have flipped it: a fixed strategy
+        is measured on the deployment's roles). Its description."""
         for name in all_engines:
             action = "undrain" if run.engines is None or name in run.engines else "drain"
             await self.call("POST", f"/admin/engines/{name}/{action}")
-        return await self.call("PUT", "/admin/strategy",
-                                 json={"builtin": run.builtin, "args": run.args})
+        described = await self.call("PUT", "/admin/strategy",
+                                    json={"builtin": run.builtin, "args": run.args})
+        for e in (await self.call("GET", "/admin/engines"))["engines"]:
+            if e["role"] != e["added_role"]:
+                await self.call("POST", f"/admin/engines/{e['name']}/role",
+                                json={"role": e["added_role"], "wait_s": 30.0})
+        return described
 
     async def engine_counters(self) -> dict[str, dict]:
         engines = (await self.call("GET", "/admin/engines"))["engines"]

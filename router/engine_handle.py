@@ -60,6 +60,7 @@ class EngineHandle:
     def __init__(self, spec: EngineSpec, client: EngineClient, pool: EnginePool,
                  source: str = "static"):
         self.spec = spec
+        self.added_role = spec.role  # the role it joined with (flips change spec.role only)
         self.source = source  # how it joined: "static", "admin" or "dns:NAME"
         self.client = client
         self._pool = pool

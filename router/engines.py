@@ -369,7 +369,8 @@ class EnginePool(PoolHealth):
 
     def describe(self) -> list[dict]:
         """What GET /admin/engines shows."""
-        return [{"name": e.name, "url": e.url, "role": e.role, "source": e.source,
+        return [{"name": e.name, "url": e.url, "role": e.role, "added_role": e.added_role,
+                 "source": e.source,
                  "state": _state(e),
                  "down_reason": e.down_reason or None, "open_sends": e.open_sends,
                  "open_generations": e.open_generations, "open_receives": e.open_receives,

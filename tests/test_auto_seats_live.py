@@ -15,6 +15,8 @@ import httpx
 import pytest
 from deployments import admin_session, engine_stats, up_prefill_decode
 
+from bench.strategies import Bench, StrategyRun
+
 ADMIN = "seats-admin"
 ENGINE_ARGS = ["--num-pages", "256", "--max-model-len", "512", "--max-num-seqs", "2"]
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -85,9 +87,16 @@ async def test_a_decoder_out_of_seats_turns_p_to_decode_and_requests_run_whole_o
     assert set(read) == {"p", "d"} and read["d"]["seats"] == read["p"]["seats"] == 2
     assert set(read["d"]) == {"queue", "decoding", "held", "calls", "seats", "ends_per_s",
                               "seat_wait_s", "step_s", "prompt_share"}
-    roles = {e["name"]: e["role"] for e in admin.get("/admin/engines").json()["engines"]}
-    assert roles == {"p": "decode", "d": "decode"}
+    roles = {e["name"]: (e["role"], e["added_role"])
+             for e in admin.get("/admin/engines").json()["engines"]}
+    assert roles == {"p": ("decode", "prefill"), "d": ("decode", "decode")}
     assert "engine p: role prefill -> decode (decode_bound) after" in up.log()
-    # back as the deployment set it, for the engines' quiet check and nothing else
-    assert admin.put("/admin/strategy", json={"builtin": "data_parallel"}).status_code == 200
-    assert admin.post("/admin/engines/p/role", json={"role": "prefill"}).json()["flipped"]
+    # bench.strategies swaps the next strategy in on the roles the engines joined with
+    bench = Bench(up.url, None, ADMIN, args=None)
+    try:
+        await bench.use(StrategyRun("dp", "data_parallel"), ["p", "d"])
+    finally:
+        await bench.close()
+    roles = {e["name"]: e["role"] for e in admin.get("/admin/engines").json()["engines"]}
+    assert roles == {"p": "prefill", "d": "decode"}
+    assert admin.get("/admin/strategy").json()["active"]["class"] == "DataParallel"
