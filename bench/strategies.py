@@ -191,11 +191,18 @@ class Bench:
             await self.call("POST", f"/admin/engines/{name}/{action}")
         described = await self.call("PUT", "/admin/strategy",
                                     json={"builtin": run.builtin, "args": run.args})
-        for e in (await self.call("GET", "/admin/engines"))["engines"]:
-            if e["role"] != e["added_role"]:
-                await self.call("POST", f"/admin/engines/{e['name']}/role",
-                                json={"role": e["added_role"], "wait_s": 30.0})
-        return described
+        deadline = time.monotonic() + 120.0  # an `auto` swapped out restores roles itself
+        while True:
+            engines = (await self.call("GET", "/admin/engines"))["engines"]
+            flipped = [e for e in engines if e["role"] != e["added_role"]]
+            if not flipped:
+                return described
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"roles not restored: {[(e['name'], e['role']) for e in flipped]}")
+            for e in flipped:  # 409: a flip (auto's restoring) is under way; look again
+                await self.admin.post(f"/admin/engines/{e['name']}/role",
+                                      json={"role": e["added_role"], "wait_s": 30.0})
+            await asyncio.sleep(0.5)
 
     async def engine_counters(self) -> dict[str, dict]:
         engines = (await self.call("GET", "/admin/engines"))["engines"]

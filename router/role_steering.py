@@ -4,14 +4,20 @@
     steering = RoleSteering(policy, pool, chosen=lambda: auto.chosen, tpot_s=auto.tpot_s,
                             wait_s=2.0, measured=auto.measured)
     steering.start()      # auto's start(): the task begins
-    steering.retire()     # auto swapped out: no flip from now on (its requests still run)
-    await steering.stop() # auto's stop(): the task is cancelled and awaited
+    steering.retire()     # auto swapped out: no flip from now on (its requests still run),
+                          # and the engines it flipped get their roles from before it back
+    await steering.stop() # auto's stop(): the task cancelled and awaited, the restoring awaited
 
 A flip goes through the same call as the ops API's (`pool.roles.flip`, reason: the rule), so it
 drains the old role's work the same way, is logged and counted in
 microserve_router_role_flips_total{engine,from_role,to_role,reason}; the last ones are kept
 for GET /admin/strategy. A flip cancelled by `stop` leaves the engine's role and routing as
 they were (RoleFlips restores them).
+
+Swapped out, the steering gives each engine it flipped the role it had before its first flip
+here (reason `restore`, the same drain), unless the engine's role is no longer the one the last
+flip here gave it (an ops call changed it since: that one stands): the strategy swapped in
+next, a fixed P/D one say, finds the roles the deployment set, not the last ones `auto` chose.
 """
 
 from __future__ import annotations
@@ -53,20 +59,43 @@ class RoleSteering:
         self._chosen, self._tpot_s, self._measured = chosen, tpot_s, measured
         self._last_chosen: dict[str, int] = dict(chosen())
         self._task: asyncio.Task | None = None  # started by start(), ended by stop()
+        # engine -> (its role before the first flip here, the role the last flip here gave it)
+        self._flipped: dict[str, tuple[str, str]] = {}
+        self._restoring: asyncio.Task | None = None  # started by retire()
         self.flips: deque[dict] = deque(maxlen=KEPT_FLIPS)  # written by _flip only
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def retire(self) -> None:
-        """No flip from now on; `stop` still awaits the task's end."""
+        """No flip from now on, and the roles from before this steering's flips back (a task
+        of its own); `stop` awaits both."""
         if self._task is not None:
             self._task.cancel()
+        if self._flipped and self._restoring is None:
+            self._restoring = asyncio.get_running_loop().create_task(self._restore())
 
     async def stop(self) -> None:
+        """The task cancelled and awaited; the restoring (each flip bounded by `wait_s`)
+        awaited to its end."""
         if self._task is not None:
             self._task.cancel()
+        await asyncio.gather(*(t for t in (self._task, self._restoring) if t is not None),
+                             return_exceptions=True)
+
+    async def _restore(self) -> None:
+        if self._task is not None:  # a flip of its own in flight ends first (cancelled)
             await asyncio.gather(self._task, return_exceptions=True)
+        for name, (before, given) in self._flipped.items():
+            engine = self.pool.get(name)
+            if engine is None or engine.role != given or before == given:
+                continue  # gone, changed by an ops call since, or back already
+            try:
+                result = await self.pool.roles.flip(name, before, self.wait_s, reason="restore")
+            except (UnknownEngine, FlipInProgress) as e:
+                log.warning("auto: engine %s keeps role %s: %s", name, given, e)
+                continue
+            self.flips.append({**result, "reason": "restore", "at": time.time()})
 
     def observation(self, now: float) -> Observation:
         """The pool now, and the choices made since the last observation."""
@@ -101,6 +130,9 @@ class RoleSteering:
             log.warning("auto: no %s flip of engine %s: %s", flip.reason, flip.engine, e)
             return
         self.flips.append({**result, "reason": flip.reason, "at": time.time()})
+        if result["flipped"]:
+            before = self._flipped.get(flip.engine, (result["from"], ""))[0]
+            self._flipped[flip.engine] = (before, result["to"])
 
     def describe(self) -> dict:
         return {**self.policy.describe(time.monotonic()), "flips": list(self.flips)}

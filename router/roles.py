@@ -52,8 +52,9 @@ class RoleFlips:
         self._flipping: set[str] = set()
         self._flips = registry.counter(
             "microserve_router_role_flips_total",
-            "Engine role changes, by engine, roles and reason (ops: the admin API; else the "
-            "auto strategy's rule).", ["engine", "from_role", "to_role", "reason"])
+            "Engine role changes, by engine, roles and reason (ops: the admin API; restore: "
+            "the auto strategy swapped out, giving roles back; else its rule).",
+            ["engine", "from_role", "to_role", "reason"])
 
     @property
     def in_flight(self) -> bool:

@@ -276,10 +276,17 @@ async def test_auto_flips_roles_under_chat_like_load_and_no_request_fails(up, ad
     assert ('microserve_router_role_flips_total{engine="p",from_role="any",'
             'to_role="prefill",reason="ops"} 1') in metrics
 
-    # swapped out with no request left, auto is stopped (its steering with it)
+    # swapped out with no request left, auto is stopped (its steering with it) once it gave
+    # D back its role from before its flip; P's role, set by the ops call since, stands
     assert admin.put("/admin/strategy", json={"builtin": "data_parallel"}).status_code == 200
     assert admin.get("/admin/strategy").json()["retired"] == []
-    assert admin.post("/admin/engines/d/role", json={"role": "decode"}).json()["flipped"]
+    deadline = time.monotonic() + 10  # the restoring is the stopping strategy's task
+    while "engine d: role any -> decode (restore) after" not in up.log():
+        assert time.monotonic() < deadline, up.log()[-2000:]
+        await asyncio.sleep(0.1)
+    roles = {e["name"]: e["role"] for e in admin.get("/admin/engines").json()["engines"]}
+    assert roles == {"p": "prefill", "d": "decode"}
+    assert "engine p: role any -> prefill (restore)" not in up.log()
 
 
 async def load_while(url: str, work) -> tuple[list[tuple[int, str]], object]:

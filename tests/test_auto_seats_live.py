@@ -91,12 +91,23 @@ async def test_a_decoder_out_of_seats_turns_p_to_decode_and_requests_run_whole_o
              for e in admin.get("/admin/engines").json()["engines"]}
     assert roles == {"p": ("decode", "prefill"), "d": ("decode", "decode")}
     assert "engine p: role prefill -> decode (decode_bound) after" in up.log()
-    # bench.strategies swaps the next strategy in on the roles the engines joined with
+    def roles_now() -> dict[str, str]:
+        return {e["name"]: e["role"] for e in admin.get("/admin/engines").json()["engines"]}
+
+    # swapped out, auto gives P the role it had before its flip (P had no work to drain)
+    assert admin.put("/admin/strategy", json={"builtin": "data_parallel"}).status_code == 200
+    deadline = time.monotonic() + 30
+    while roles_now() != {"p": "prefill", "d": "decode"}:
+        assert time.monotonic() < deadline, roles_now()
+        await asyncio.sleep(0.2)
+    assert "engine p: role decode -> prefill (restore) after" in up.log()
+    # bench.strategies swaps each strategy in on the roles the engines joined with, whoever
+    # changed them (here an ops call)
+    assert admin.post("/admin/engines/d/role", json={"role": "any"}).json()["flipped"]
     bench = Bench(up.url, None, ADMIN, args=None)
     try:
         await bench.use(StrategyRun("dp", "data_parallel"), ["p", "d"])
     finally:
         await bench.close()
-    roles = {e["name"]: e["role"] for e in admin.get("/admin/engines").json()["engines"]}
-    assert roles == {"p": "prefill", "d": "decode"}
+    assert roles_now() == {"p": "prefill", "d": "decode"}
     assert admin.get("/admin/strategy").json()["active"]["class"] == "DataParallel"
