@@ -14,17 +14,17 @@ from engine.kernels.host_pages import BLOCK, copy_host_pages
 LAYERS, POOL_PAGES, FRAGMENT = 3, 6, (2, 8, BLOCK // 16 + BLOCK // 64)
 
 
-def pools(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pools(device: str, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    gpu = torch.randn((LAYERS, 2, POOL_PAGES, *FRAGMENT), generator=gen).to(torch.bfloat16)
-    host = torch.randn((4, LAYERS, 2, *FRAGMENT), generator=gen).to(torch.bfloat16)
+    gpu = torch.randn((LAYERS, 2, POOL_PAGES, *FRAGMENT), generator=gen).to(dtype)
+    host = torch.randn((4, LAYERS, 2, *FRAGMENT), generator=gen).to(dtype)
     if device == "cuda":
         return gpu.to(device), host.pin_memory()
     return gpu, host
 
 
-def check(device: str) -> None:
-    gpu, host = pools(device)
+def check(device: str, dtype=torch.bfloat16) -> None:
+    gpu, host = pools(device, dtype)
     gpu_before, host_before = gpu.clone(), host.clone()
     ids = lambda xs: torch.tensor(xs, dtype=torch.long, device=gpu.device)  # noqa: E731
     copy_host_pages(gpu, host, ids([[4, 0], [2, 1]]), to_host=True, num_programs=5)
@@ -32,8 +32,8 @@ def check(device: str) -> None:
         torch.cuda.synchronize()
     want = host_before.clone()
     want[2], want[1] = gpu_before[:, :, 4].cpu(), gpu_before[:, :, 0].cpu()
-    assert torch.equal(host, want)
-    assert torch.equal(gpu, gpu_before)  # the source is only read
+    assert torch.equal(host.view(torch.uint8), want.view(torch.uint8))  # byte-equal
+    assert torch.equal(gpu.view(torch.uint8), gpu_before.view(torch.uint8))  # only read
 
     copy_host_pages(gpu, host, ids([[5, 3, 1], [1, 3, 2]]), to_host=False, num_programs=2)
     if device == "cuda":
@@ -41,16 +41,18 @@ def check(device: str) -> None:
     want_gpu = gpu_before.clone()
     for g, h in ((5, 1), (3, 3), (1, 2)):
         want_gpu[:, :, g] = want[h].to(gpu.device)
-    assert torch.equal(gpu, want_gpu)
+    assert torch.equal(gpu.view(torch.uint8), want_gpu.view(torch.uint8))
 
 
-def test_fragments_land_in_place_both_ways():
-    check("cpu")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_fragments_land_in_place_both_ways(dtype):
+    check("cpu", dtype)
 
 
 @pytest.mark.gpu
-def test_fragments_land_in_place_both_ways_on_cuda():
-    check("cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fragments_land_in_place_both_ways_on_cuda(dtype):
+    check("cuda", dtype)
 
 
 def test_refuses_pools_that_do_not_match():

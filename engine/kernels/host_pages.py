@@ -29,6 +29,10 @@ import triton.language as tl
 # 4 warps per load, several loads of host memory in flight per program
 BLOCK = 4096
 
+# the kernel moves bits, not numbers: each pool is viewed as integers of its element's size, so
+# any KV dtype (bf16, fp16, fp32, fp8) takes the same path
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
 
 # The page count varies with every copy: specialised (a value of 1, or divisible by 16), a copy of
 # a new kind would compile a variant in the middle of serving. The page ids come as one tensor
@@ -84,8 +88,11 @@ def copy_host_pages(gpu_kv: torch.Tensor, host: torch.Tensor, pages: torch.Tenso
     n = pages.shape[1]
     if n == 0:
         return
+    bits = _BITS.get(gpu_kv.element_size())
+    if bits is None:
+        raise ValueError(f"no copy kernel for {gpu_kv.dtype} ({gpu_kv.element_size()} bytes)")
     layer_pairs = gpu_kv.shape[0] * 2
     _copy_fragments_kernel[(num_programs,)](
-        gpu_kv, host, pages, n, n * layer_pairs, gpu_kv.shape[2],
+        gpu_kv.view(bits), host.view(bits), pages, n, n * layer_pairs, gpu_kv.shape[2],
         gpu_kv[0, 0, 0].numel(), layer_pairs,
         TO_HOST=to_host, NUM_PROGRAMS=num_programs, BLOCK=BLOCK)
