@@ -31,7 +31,9 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              copies moved (issue 40: a decode step slows <= 3% while copies run).
              -staged: the staged copies (gather, then DMA); -dma: their DMAs alone (no
              gather); -k2 ... -k64: the kernel's grid at 2 to 64 programs (default 32);
-             -staged-d4, -dma-d4: those two with DMAs of 4 pages (8 MiB) at most
+             -staged-d4, -dma-d4: those two with DMAs of 4 pages (8 MiB) at most;
+             -d2d: the DMAs between two device buffers (no PCIe); -events: the copy
+             stream's wait and event alone, no bytes (diagnoses)
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -225,7 +227,7 @@ def mixed(core: EngineCore, vocab: int, batch: int = 64, chunk: int = 128) -> di
 def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 1024,
                   pages: int = 64, rounds: int = 3, steps: int = 100,
                   copy_programs: int | None = None, dma_only: bool = False,
-                  dma_pages: int | None = None) -> dict:
+                  dma_pages: int | None = None, dma_to: str = "host") -> dict:
     """Decode steps alone and beside the host tier's copies, in alternating rounds of `steps`
     (alone first and last: each round beside copies is set against the mean of the rounds
     alone on either side of it, since the steps slow as the contexts grow). The copies are
@@ -235,7 +237,11 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
     one landed. `copy_programs`: HostSwap's (None: its default, the copy kernel; 0: staged).
     `dma_only` (a diagnosis): the staged copies' DMAs alone, a device buffer of the same bytes
     to the pinned host buffer and back on a stream of their own, no gather. `dma_pages`:
-    HostSwap's (the staged copies' DMAs, and these, `dma_pages` pages at most each)."""
+    HostSwap's (the staged copies' DMAs, and these, `dma_pages` pages at most each).
+    `dma_to` (with `dma_only`): "host"; "device" (a second device buffer: the same bytes, no
+    PCIe); "nothing" (the copy stream's wait and event alone, no bytes)."""
+    if dma_to not in ("host", "device", "nothing"):
+        raise ValueError(f"dma_to {dma_to!r}: host, device or nothing")
     if dma_only and core.runner.kv.kv.device.type != "cuda":
         raise SystemExit("beside-copies-dma: DMAs on a stream of their own need a GPU")
     own = core.kv.pool.alloc(pages)
@@ -248,6 +254,7 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
     moved = [0]
     staging = (torch.empty((pages, *swap.page_shape), dtype=gpu_kv.dtype, device=gpu_kv.device)
                if dma_only else None)
+    far = torch.empty_like(staging) if dma_only and dma_to == "device" else swap.host
     dma = {"event": None, "out": True}
 
     def pump_dma() -> bool:
@@ -255,15 +262,15 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
             return True
         swap.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(swap.stream):
-            for at in range(0, pages, dma_pages or pages):
+            for at in range(0, pages if dma_to != "nothing" else 0, dma_pages or pages):
                 piece = slice(at, at + (dma_pages or pages))
                 if dma["out"]:
-                    swap.host[piece].copy_(staging[piece], non_blocking=True)
+                    far[piece].copy_(staging[piece], non_blocking=True)
                 else:
-                    staging[piece].copy_(swap.host[piece], non_blocking=True)
+                    staging[piece].copy_(far[piece], non_blocking=True)
         dma["event"], dma["out"] = torch.cuda.Event(), not dma["out"]
         dma["event"].record(swap.stream)
-        moved[0] += pages * swap.page_bytes
+        moved[0] += pages * swap.page_bytes if dma_to != "nothing" else 0
         return True
 
     def pump() -> bool:
@@ -488,6 +495,10 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
                                                                       dma_pages=4),
            "beside-copies-dma-d4": lambda core, vocab: beside_copies(core, vocab, dma_only=True,
                                                                    dma_pages=4),
+           "beside-copies-d2d": lambda core, vocab: beside_copies(core, vocab, dma_only=True,
+                                                                dma_to="device"),
+           "beside-copies-events": lambda core, vocab: beside_copies(core, vocab, dma_only=True,
+                                                                   dma_to="nothing"),
            "beside-copies-k2": lambda core, vocab: beside_copies(core, vocab, copy_programs=2),
            "beside-copies-k4": lambda core, vocab: beside_copies(core, vocab, copy_programs=4),
            "beside-copies-k8": lambda core, vocab: beside_copies(core, vocab, copy_programs=8),
