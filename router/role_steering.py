@@ -86,6 +86,8 @@ class RoleSteering:
     async def _restore(self) -> None:
         if self._task is not None:  # a flip of its own in flight ends first (cancelled)
             await asyncio.gather(self._task, return_exceptions=True)
+        # one engine at a time: a flip drains its engine (no new request routed to it for up
+        # to wait_s), and two at once could leave no engine to take a request
         for name, (before, given) in self._flipped.items():
             engine = self.pool.get(name)
             if engine is None or engine.role != given or before == given:
