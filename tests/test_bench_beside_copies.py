@@ -36,3 +36,16 @@ def test_beside_copies_copies_once_a_step_and_gives_its_pages_back(tiny_model_di
         assert core.kv.pool.num_free + core.kv.cache.num_evictable() == free
     finally:
         core.close()
+
+
+def test_the_dma_diagnoses_need_a_gpu_and_a_known_target(tiny_model_dir):
+    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64))
+    try:
+        with pytest.raises(SystemExit, match="beside-copies-dma: DMAs on a stream of their own "
+                                             "need a GPU"):
+            beside_copies(core, core.info.vocab_size, dma_only=True)
+        with pytest.raises(ValueError, match="dma_to 'disk': host, device or nothing"):
+            beside_copies(core, core.info.vocab_size, dma_only=True, dma_to="disk")
+        assert core.kv.pool.num_free == 64  # nothing taken
+    finally:
+        core.close()
