@@ -30,7 +30,7 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              move 64 pages out and back in a loop, in alternating rounds; and the rate the
              copies moved (issue 40: a decode step slows <= 3% while copies run).
              -staged: the staged copies (gather, then DMA); -dma: their DMAs alone (no
-             gather); -k2 ... -k64: the kernel's grid at 2 to 64 programs (default 32);
+             gather); -k2 ... -k64: the kernel's grid at 2 to 64 programs (default 16);
              -staged-d4, -dma-d4: those two with DMAs of 4 pages (8 MiB) at most;
              -d2d: the DMAs between two device buffers (no PCIe); -events: the copy
              stream's wait and event alone, no bytes (diagnoses)
@@ -46,6 +46,7 @@ import pstats
 import random
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -255,6 +256,7 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
     staging = (torch.empty((pages, *swap.page_shape), dtype=gpu_kv.dtype, device=gpu_kv.device)
                if dma_only else None)
     far = torch.empty_like(staging) if dma_only and dma_to == "device" else swap.host
+    span = 0 if dma_to == "nothing" else pages  # the pages each DMA diagnosis moves
     dma = {"event": None, "out": True}
 
     def pump_dma() -> bool:
@@ -262,7 +264,7 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
             return True
         swap.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(swap.stream):
-            for at in range(0, pages if dma_to != "nothing" else 0, dma_pages or pages):
+            for at in range(0, span, dma_pages or pages):
                 piece = slice(at, at + (dma_pages or pages))
                 if dma["out"]:
                     far[piece].copy_(staging[piece], non_blocking=True)
@@ -270,7 +272,7 @@ def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 
                     staging[piece].copy_(far[piece], non_blocking=True)
         dma["event"], dma["out"] = torch.cuda.Event(), not dma["out"]
         dma["event"].record(swap.stream)
-        moved[0] += pages * swap.page_bytes if dma_to != "nothing" else 0
+        moved[0] += span * swap.page_bytes
         return True
 
     def pump() -> bool:
@@ -489,21 +491,14 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
                frequency_penalty=0.5, presence_penalty=0.5)),
            "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
            "decode256short": decode_short, "mixed": mixed, "beside-copies": beside_copies,
-           "beside-copies-staged": lambda core, vocab: beside_copies(core, vocab, copy_programs=0),
-           "beside-copies-dma": lambda core, vocab: beside_copies(core, vocab, dma_only=True),
-           "beside-copies-staged-d4": lambda core, vocab: beside_copies(core, vocab, copy_programs=0,
-                                                                      dma_pages=4),
-           "beside-copies-dma-d4": lambda core, vocab: beside_copies(core, vocab, dma_only=True,
-                                                                   dma_pages=4),
-           "beside-copies-d2d": lambda core, vocab: beside_copies(core, vocab, dma_only=True,
-                                                                dma_to="device"),
-           "beside-copies-events": lambda core, vocab: beside_copies(core, vocab, dma_only=True,
-                                                                   dma_to="nothing"),
-           "beside-copies-k2": lambda core, vocab: beside_copies(core, vocab, copy_programs=2),
-           "beside-copies-k4": lambda core, vocab: beside_copies(core, vocab, copy_programs=4),
-           "beside-copies-k8": lambda core, vocab: beside_copies(core, vocab, copy_programs=8),
-           "beside-copies-k16": lambda core, vocab: beside_copies(core, vocab, copy_programs=16),
-           "beside-copies-k64": lambda core, vocab: beside_copies(core, vocab, copy_programs=64),
+           "beside-copies-staged": partial(beside_copies, copy_programs=0),
+           "beside-copies-dma": partial(beside_copies, dma_only=True),
+           "beside-copies-staged-d4": partial(beside_copies, copy_programs=0, dma_pages=4),
+           "beside-copies-dma-d4": partial(beside_copies, dma_only=True, dma_pages=4),
+           "beside-copies-d2d": partial(beside_copies, dma_only=True, dma_to="device"),
+           "beside-copies-events": partial(beside_copies, dma_only=True, dma_to="nothing"),
+           **{f"beside-copies-k{k}": partial(beside_copies, copy_programs=k)
+              for k in (2, 4, 8, 16, 32, 64)},
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
            "mixed1200": lambda core, vocab: mixed(core, vocab, chunk=1200),
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),

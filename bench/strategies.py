@@ -198,7 +198,8 @@ class Bench:
             if not flipped:
                 return described
             if time.monotonic() > deadline:
-                raise RuntimeError(f"roles not restored: {[(e['name'], e['role']) for e in flipped]}")
+                left = [(e["name"], e["role"]) for e in flipped]
+                raise RuntimeError(f"roles not restored: {left}")
             for e in flipped:  # 409: a flip (auto's restoring) is under way; look again
                 await self.admin.post(f"/admin/engines/{e['name']}/role",
                                       json={"role": e["added_role"], "wait_s": 30.0})
