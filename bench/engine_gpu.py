@@ -33,7 +33,9 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              gather); -k2 ... -k64: the kernel's grid at 2 to 64 programs (default 16);
              -staged-d4, -dma-d4: those two with DMAs of 4 pages (8 MiB) at most;
              -d2d: the DMAs between two device buffers (no PCIe); -events: the copy
-             stream's wait and event alone, no bytes (diagnoses)
+             stream's wait and event alone, no bytes (diagnoses); -k4096: a program per
+             32-KiB fragment (short blocks, not a few that loop); -hipri-k16, -hipri-k4096,
+             -hipri-dma: the steps on a high-priority CUDA stream (diagnoses)
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -225,10 +227,27 @@ def mixed(core: EngineCore, vocab: int, batch: int = 64, chunk: int = 128) -> di
             "decode_only_step_ms": decode_ms}
 
 
-def beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 1024,
-                  pages: int = 64, rounds: int = 3, steps: int = 100,
-                  copy_programs: int | None = None, dma_only: bool = False,
-                  dma_pages: int | None = None, dma_to: str = "host") -> dict:
+def beside_copies(core: EngineCore, vocab: int, step_priority: int = 0, **kwargs) -> dict:
+    """_beside_copies (below); `step_priority` < 0 (a diagnosis): the engine's steps on a CUDA
+    stream of that priority (higher than the copies' stream, which has the default 0), so
+    that the GPU's block scheduler gives their kernels freed SMs before the copy kernel's."""
+    if not step_priority:
+        return _beside_copies(core, vocab, **kwargs)
+    device = core.runner.kv.kv.device
+    if device.type != "cuda":
+        raise SystemExit("beside-copies-hipri: stream priorities need a GPU")
+    torch.cuda.synchronize(device)  # nothing of the default stream's still running after this
+    with torch.cuda.stream(torch.cuda.Stream(device, priority=step_priority)):
+        try:
+            return {**_beside_copies(core, vocab, **kwargs), "step_priority": step_priority}
+        finally:
+            torch.cuda.synchronize(device)
+
+
+def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 1024,
+                   pages: int = 64, rounds: int = 3, steps: int = 100,
+                   copy_programs: int | None = None, dma_only: bool = False,
+                   dma_pages: int | None = None, dma_to: str = "host") -> dict:
     """Decode steps alone and beside the host tier's copies, in alternating rounds of `steps`
     (alone first and last: each round beside copies is set against the mean of the rounds
     alone on either side of it, since the steps slow as the contexts grow). The copies are
@@ -498,7 +517,10 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            "beside-copies-d2d": partial(beside_copies, dma_only=True, dma_to="device"),
            "beside-copies-events": partial(beside_copies, dma_only=True, dma_to="nothing"),
            **{f"beside-copies-k{k}": partial(beside_copies, copy_programs=k)
-              for k in (2, 4, 8, 16, 32, 64)},
+              for k in (2, 4, 8, 16, 32, 64, 4096)},  # 4,096: a program per fragment of 64 pages
+           **{f"beside-copies-hipri-k{k}": partial(beside_copies, copy_programs=k,
+                                                   step_priority=-1) for k in (16, 4096)},
+           "beside-copies-hipri-dma": partial(beside_copies, dma_only=True, step_priority=-1),
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
            "mixed1200": lambda core, vocab: mixed(core, vocab, chunk=1200),
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),

@@ -38,7 +38,7 @@ def test_beside_copies_copies_once_a_step_and_gives_its_pages_back(tiny_model_di
         core.close()
 
 
-def test_the_dma_diagnoses_need_a_gpu_and_a_known_target(tiny_model_dir):
+def test_the_diagnoses_need_a_gpu_and_a_known_target(tiny_model_dir):
     core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64))
     try:
         with pytest.raises(SystemExit, match="beside-copies-dma: DMAs on a stream of their own "
@@ -46,6 +46,8 @@ def test_the_dma_diagnoses_need_a_gpu_and_a_known_target(tiny_model_dir):
             beside_copies(core, core.info.vocab_size, dma_only=True)
         with pytest.raises(ValueError, match="dma_to 'disk': host, device or nothing"):
             beside_copies(core, core.info.vocab_size, dma_only=True, dma_to="disk")
+        with pytest.raises(SystemExit, match="beside-copies-hipri: stream priorities need a GPU"):
+            beside_copies(core, core.info.vocab_size, step_priority=-1)
         assert core.kv.pool.num_free == 64  # nothing taken
     finally:
         core.close()
