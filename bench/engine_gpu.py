@@ -28,9 +28,11 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
   beside-copies  64 sequences decoding at context ~1,024: the step's wall time alone and while
              the host KV tier's copies (engine/host_swap.py: its copy kernel on its own stream)
              move 64 pages out and back in a loop, in alternating rounds; and the rate the
-             copies moved (issue 40: a decode step slows <= 3% while copies run).
+             copies moved (issue 40: a decode step slows <= 3% while copies run). The copies
+             are the engine's beside steps: the kernel's narrow grid (4 programs).
              -staged: the staged copies (gather, then DMA); -dma: their DMAs alone (no
-             gather); -k2 ... -k64: the kernel's grid at 2 to 64 programs (default 16);
+             gather); -k2 ... -k64: the kernel's grid at 2 to 64 programs (16: the wide grid,
+             the copies' the GPU waits for);
              -staged-d4, -dma-d4: those two with DMAs of 4 pages (8 MiB) at most;
              -d2d: the DMAs between two device buffers (no PCIe); -events: the copy
              stream's wait and event alone, no bytes (diagnoses); -k4096: a program per
@@ -254,7 +256,10 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
     the swap path's own (a HostSwap over the engine's GPU pool, its own host buffer and
     stream) on `pages` pages taken from the pool for them, so no sequence's KV is touched:
     one copy in flight at a time, out then back in, started between steps as soon as the last
-    one landed. `copy_programs`: HostSwap's (None: its default, the copy kernel; 0: staged).
+    one landed, each as a copy beside steps (`beside`: the engine's scheduler says so for
+    its proactive copies out and prefetches back). `copy_programs`: None: HostSwap's defaults
+    (the copy kernel, the narrow grid for copies beside steps); k: the kernel at k programs,
+    beside steps too; 0: staged.
     `dma_only` (a diagnosis): the staged copies' DMAs alone, a device buffer of the same bytes
     to the pinned host buffer and back on a stream of their own, no gather. `dma_pages`:
     HostSwap's (the staged copies' DMAs, and these, `dma_pages` pages at most each).
@@ -270,7 +275,7 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
     gpu_kv = core.runner.kv.kv
     swap = HostSwap(gpu_kv, memory_gb=(pages + 1) * gpu_kv[:, :, 0].numel()
                     * gpu_kv.element_size() / 2**30, copy_gbps=40, copy_programs=copy_programs,
-                    dma_pages=dma_pages)
+                    dma_pages=dma_pages, beside_programs=copy_programs or None)
     moved = [0]
     staging = (torch.empty((pages, *swap.page_shape), dtype=gpu_kv.dtype, device=gpu_kv.device)
                if dma_only else None)
@@ -300,9 +305,9 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
         swap.poll()
         state = swap.state("copies")
         if state is None:
-            swap.swap_out("copies", own, pages * core.kv.page_size)
+            swap.swap_out("copies", own, pages * core.kv.page_size, beside=True)
         elif state is HostState.HELD:
-            swap.swap_in("copies", own)
+            swap.swap_in("copies", own, beside=True)
         else:
             return True
         moved[0] += pages * swap.page_bytes
@@ -330,7 +335,8 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
         core.kv.pool.release(own)
         drain(core)
     slowdowns = [b / ((a0 + a1) / 2) - 1 for b, a0, a1 in zip(beside, alone, alone[1:])]
-    return {"copy_programs": swap.copy_programs, "dma_only": dma_only,
+    return {"copy_programs": swap.copy_programs, "beside_programs": swap.beside_programs,
+            "dma_only": dma_only,
             "step_ms_alone": alone, "step_ms_beside_copies": beside, "copies_gb_s": rates,
             "copies": swap.counters["kv_swap_outs"] + swap.counters["kv_swap_ins"],
             "slowdowns": slowdowns, "slowdown": statistics.median(slowdowns)}

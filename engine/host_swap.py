@@ -9,7 +9,13 @@ Layouts. The GPU pool is layer-major, `kv[layer, K|V, page, slot, head, dim]`, s
 host pool hands out together are mostly adjacent (its free list is LIFO). A swap's copy on a
 GPU is one Triton kernel with a small grid that moves every fragment straight between the pool
 and the pinned host pages (engine/kernels/host_pages.py): no staging buffer, no copy engine, and
-at most `copy_programs` SMs taken from the step beside it. Where that kernel does not apply (a
+at most `copy_programs` SMs taken from the step beside it. A copy that steps run beside (a
+proactive copy out, a prefetch back) takes the narrower `beside_programs` grid: what slows a
+decode step beside a copy is the copy's rate over PCIe while it runs (on an H200 the same bytes
+cost a step 8-9% at 16 programs, 48 GB/s, or by DMA, against 2.5% at 4 programs; between two
+device buffers 0.6%: docs/benchmarks.md, "What slows a decode step beside the host tier's
+copies"), and such a copy has steps' time to land in. A copy the GPU would otherwise wait for
+(a page short, an admission's copy back, the start-up measurement) takes the wide grid. Where that kernel does not apply (a
 tensor-parallel engine's several pools, `copy_programs=0`) and for the prefix cache's demotions
 below, a copy is staged:
 
@@ -71,8 +77,10 @@ class HostSwap:
             staged copies (a gather, then DMAs); None: COPY_PROGRAMS on a GPU, staged on CPU
             (where the kernel runs only under Triton's interpreter, for tests).
         dma_pages: a staged copy's DMAs move at most this many pages each (None: a whole run
-            of adjacent host pages): a copy engine that serves the step's own small copies
-            too then has them wait for one piece, not for the whole copy.
+            of adjacent host pages; 4 pages cost a step beside them as much as whole runs on
+            an H200: a diagnosis, not a remedy).
+        beside_programs: the copy kernel's grid for copies that steps run beside (`beside`
+            in swap_out and swap_in); None: BESIDE_PROGRAMS, or copy_programs if smaller.
     """
 
     # the copy kernel's default grid: on an H200 (docs/benchmarks.md, "The host tier's copies by
@@ -80,10 +88,15 @@ class HostSwap:
     # against 9% at 32, 11% at 64 and 9-10% for the staged copies; 8 slowed it 6% but copied
     # in at 37 GB/s
     COPY_PROGRAMS = 16
+    # the grid for copies beside steps: on an H200 4 programs slowed a decode step beside a loop
+    # of 64-page copies 2.5% (2 programs: 1.1%, 8: 6.3%) and moved as many bytes in that loop as
+    # 16, each copy landing within a step or two (a 64-page copy alone: ~20 GB/s)
+    BESIDE_PROGRAMS = 4
 
     def __init__(self, gpu_kv: torch.Tensor, memory_gb: float, copy_gbps: float | None = None,
                  rank_pools: list[torch.Tensor] | None = None,
-                 copy_programs: int | None = None, dma_pages: int | None = None):
+                 copy_programs: int | None = None, dma_pages: int | None = None,
+                 beside_programs: int | None = None):
         self.gpu_kv = gpu_kv
         # a tensor-parallel engine's ranks' pools, rank 0's (gpu_kv) first, mapped here
         self.pools = rank_pools if rank_pools and len(rank_pools) > 1 else [gpu_kv]
@@ -107,6 +120,12 @@ class HostSwap:
             raise ValueError(f"copy_programs must be >= 0, got {copy_programs}")
         # the swaps' copies by kernel, straight between the pool and the pinned host pages
         self.copy_programs = copy_programs if len(self.pools) == 1 else 0
+        if beside_programs is None:
+            beside_programs = min(self.BESIDE_PROGRAMS, self.copy_programs)
+        if self.copy_programs and not 1 <= beside_programs <= self.copy_programs:
+            raise ValueError(f"beside_programs must be in [1, copy_programs {self.copy_programs}]"
+                             f", got {beside_programs}")
+        self.beside_programs = beside_programs if self.copy_programs else 0
         if self.cuda and self.copy_programs:
             self._warm_up()
         if dma_pages is not None and dma_pages < 1:
@@ -129,7 +148,7 @@ class HostSwap:
         # stream wait for it (CUDA, copies beside compute)
         self._last_demotion: torch.cuda.Event | None = None
         self.counters = {"kv_swap_outs": 0, "kv_swap_ins": 0, "kv_swap_out_bytes": 0,
-                         "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0,
+                         "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0, "kv_swap_copies_beside": 0,
                          "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0}
 
     # ---- the scheduler's calls (engine/swap_scheduling.py, KVSwapper) -------------------------
@@ -152,16 +171,18 @@ class HostSwap:
         self.counters["kv_swap_recomputes"] += not swap
         return swap
 
-    def swap_out(self, seq_id: str, gpu_pages: list[int], num_tokens: int) -> bool:
-        """Start copying `num_tokens` of KV from `gpu_pages` to the host. False, copying
-        nothing, if the host pool is short (the caller recomputes it instead)."""
+    def swap_out(self, seq_id: str, gpu_pages: list[int], num_tokens: int,
+                 beside: bool = False) -> bool:
+        """Start copying `num_tokens` of KV from `gpu_pages` to the host; `beside`: steps run
+        while it does (the narrow grid). False, copying nothing, if the host pool is short
+        (the caller recomputes it instead)."""
         host_pages = self.tier.reserve(seq_id, num_tokens)
         if host_pages is None:
             self.counters["kv_swap_recomputes"] += 1
             return False
         assert len(host_pages) == len(gpu_pages), (host_pages, gpu_pages)
         with self._on_copy_stream(after_demotions=True):
-            staging = self._copy_out(gpu_pages, host_pages)
+            staging = self._copy_out(gpu_pages, host_pages, self._grid(beside))
         self._wait_if_ranks()
         self._finish_or_track(seq_id, staging)
         if self.synchronous:
@@ -176,9 +197,11 @@ class HostSwap:
             self._in_flight.pop(seq_id)[0].synchronize()
             self.tier.copied_out(seq_id)
 
-    def swap_in(self, seq_id: str, gpu_pages: list[int], skip: int = 0) -> int:
+    def swap_in(self, seq_id: str, gpu_pages: list[int], skip: int = 0,
+                beside: bool = False) -> int:
         """Start copying a HELD sequence's KV into `gpu_pages` (as many as it held), but for
-        the first `skip`, which the GPU pool holds already (the prefix cache kept them).
+        the first `skip`, which the GPU pool holds already (the prefix cache kept them);
+        `beside`: steps run while it does (the narrow grid).
         Returns the tokens restored; the next forward waits for the copy (`before_forward`).
         With nothing to copy it is back at once (its host pages freed)."""
         host_pages = self.tier.start_in(seq_id)
@@ -189,7 +212,8 @@ class HostSwap:
             self.tier.copied_in(seq_id)
         else:
             with self._on_copy_stream():
-                staging = self._copy_in(host_pages[skip:], gpu_pages[skip:])
+                staging = self._copy_in(host_pages[skip:], gpu_pages[skip:],
+                                        self._grid(beside))
             self._wait_if_ranks()
             self._finish_or_track(seq_id, staging)
             if self.synchronous:
@@ -274,7 +298,7 @@ class HostSwap:
             self._last_demotion = None  # what the compute stream runs next comes after it
         for at in range(0, len(device_pages), self.PREFIX_COPY_PAGES):
             chunk = slice(at, at + self.PREFIX_COPY_PAGES)
-            self._copy_in(host_pages[chunk], device_pages[chunk])
+            self._copy_in(host_pages[chunk], device_pages[chunk], self.copy_programs)
         self._wait_if_ranks()
         self._mark_prefix_copy()
         self.counters["kv_host_prefix_loaded_pages"] += len(device_pages)
@@ -332,12 +356,20 @@ class HostSwap:
 
     # ---- copies ---------------------------------------------------------------------------------
 
-    def _copy_out(self, gpu_pages: list[int], host_pages: list[int]) -> torch.Tensor:
-        """Copy `gpu_pages` into `host_pages` (on the current stream): by kernel, or gathered
-        into a page-major staging tensor and DMAed from there. Returns the device tensor the
-        copy reads (it must outlive the copy)."""
-        if self.copy_programs:
-            return self._by_kernel(gpu_pages, host_pages, to_host=True)
+    def _grid(self, beside: bool) -> int:
+        """The copy kernel's grid for a copy steps run beside (`beside`) or not (0: staged)."""
+        if beside and self.beside_programs:
+            self.counters["kv_swap_copies_beside"] += 1
+            return self.beside_programs
+        return self.copy_programs
+
+    def _copy_out(self, gpu_pages: list[int], host_pages: list[int],
+                  programs: int) -> torch.Tensor:
+        """Copy `gpu_pages` into `host_pages` (on the current stream): by kernel of `programs`
+        programs, or (0) gathered into a page-major staging tensor and DMAed from there.
+        Returns the device tensor the copy reads (it must outlive the copy)."""
+        if programs:
+            return self._by_kernel(gpu_pages, host_pages, True, programs)
         staging = self._gather(gpu_pages)
         self._to_host(staging, host_pages)
         return staging
@@ -357,11 +389,13 @@ class HostSwap:
             self.host[first : first + end - start].copy_(staging[start:end],
                                                         non_blocking=self.cuda)
 
-    def _copy_in(self, host_pages: list[int], gpu_pages: list[int]) -> torch.Tensor:
-        """Copy `host_pages` into `gpu_pages` (on the current stream): by kernel, or DMAed into
-        a staging tensor and scattered from there. Returns the device tensor the copy reads."""
-        if self.copy_programs:
-            return self._by_kernel(gpu_pages, host_pages, to_host=False)
+    def _copy_in(self, host_pages: list[int], gpu_pages: list[int],
+                 programs: int) -> torch.Tensor:
+        """Copy `host_pages` into `gpu_pages` (on the current stream): by kernel of `programs`
+        programs, or (0) DMAed into a staging tensor and scattered from there. Returns the
+        device tensor the copy reads."""
+        if programs:
+            return self._by_kernel(gpu_pages, host_pages, False, programs)
         staging = torch.empty((len(host_pages), *self.page_shape), dtype=self.host.dtype,
                               device=self.gpu_kv.device)
         for start, end, first in _runs(host_pages, self.dma_pages):
@@ -375,21 +409,22 @@ class HostSwap:
                 pool.index_copy_(2, index, staging[:, rank].permute(1, 2, 0, 3, 4, 5))
         return staging
 
-    def _by_kernel(self, gpu_pages: list[int], host_pages: list[int],
-                   to_host: bool) -> torch.Tensor:
+    def _by_kernel(self, gpu_pages: list[int], host_pages: list[int], to_host: bool,
+                   programs: int) -> torch.Tensor:
         """The copy kernel between the pool and the host pages; returns its page ids (on the
         device: they must outlive the copy)."""
         ids = to_device([gpu_pages, host_pages], torch.long, self.gpu_kv.device)
-        copy_host_pages(self.gpu_kv, self.host, ids, to_host, self.copy_programs)
+        copy_host_pages(self.gpu_kv, self.host, ids, to_host, programs)
         return ids
 
     def _warm_up(self) -> None:
-        """Compile the copy kernel's two variants now, not at the first swap (a compile stalls
-        the step beside it ~0.1-1 s): GPU page 0 to host page 0 and back, its values
-        unchanged, waited for."""
+        """Compile the copy kernel's variants (each way, each grid) now, not at the first swap
+        (a compile stalls the step beside it ~0.1-1 s): GPU page 0 to host page 0 and back,
+        its values unchanged, waited for."""
         ids = to_device([[0], [0]], torch.long, self.gpu_kv.device)
-        for to_host in (True, False):
-            copy_host_pages(self.gpu_kv, self.host, ids, to_host, self.copy_programs)
+        for programs in {self.copy_programs, self.beside_programs}:
+            for to_host in (True, False):
+                copy_host_pages(self.gpu_kv, self.host, ids, to_host, programs)
         torch.cuda.synchronize(self.gpu_kv.device)
 
     def _wait_if_ranks(self) -> None:

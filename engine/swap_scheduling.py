@@ -52,16 +52,19 @@ class KVSwapper(Protocol):
     def copying_out(self) -> list[str]:
         """The sequences whose copy out is in flight, oldest first."""
 
-    def swap_out(self, seq_id: str, gpu_pages: list[int], num_tokens: int) -> bool:
+    def swap_out(self, seq_id: str, gpu_pages: list[int], num_tokens: int,
+                 beside: bool = False) -> bool:
         """Start the copy out (COPYING_OUT; HELD at once where copies are synchronous). The
-        GPU pages must stay held until it lands. False, copying nothing: host pool full."""
+        GPU pages must stay held until it lands. `beside`: steps run while it does (it may
+        copy slower, and slow them less). False, copying nothing: host pool full."""
 
     def settle_out(self, seq_id: str) -> None:
         """Wait for the copy out to land (now HELD)."""
 
-    def swap_in(self, seq_id: str, gpu_pages: list[int], skip: int = 0) -> int:
+    def swap_in(self, seq_id: str, gpu_pages: list[int], skip: int = 0,
+                beside: bool = False) -> int:
         """Start the copy of a HELD sequence's KV into `gpu_pages`, but for the first `skip`
-        (held on the GPU already). Returns its tokens."""
+        (held on the GPU already); `beside` as swap_out's. Returns its tokens."""
 
     def poll(self) -> list[str]:
         """Settle the copies that landed; returns those whose copy out did."""
@@ -114,10 +117,11 @@ class HostSwapping:
 
     def _start_copy_back(self, seq: Sequence) -> None:
         """Pages for a HELD sequence's KV, and the copy back into them (it waits on): the
-        leading ones the prefix cache still holds on the GPU are reused, not copied."""
+        leading ones the prefix cache still holds on the GPU are reused, not copied. The
+        running sequences' steps go on beside it, if any."""
         rid = seq.request_id
         self.swapper.swap_in(rid, self._open_for_copy_back(seq),
-                             self.kv.num_cached_pages(rid))
+                             self.kv.num_cached_pages(rid), beside=bool(self.running))
 
     def _open_for_copy_back(self, seq: Sequence) -> list[int]:
         """A page table for a HELD sequence's KV: the whole pages of it still cached on the
@@ -209,7 +213,8 @@ class HostSwapping:
         if not self.swapper.wants(computed, recomputed):
             return False
         pages = self.kv.page_table(rid)[: self.kv.pages_needed(None, computed)]
-        if not self.swapper.swap_out(rid, list(pages), computed):
+        # unless its pages are needed now (the copy then waited for), steps run beside it
+        if not self.swapper.swap_out(rid, list(pages), computed, beside=not need_pages):
             return False
         if need_pages:
             self.swapper.settle_out(rid)

@@ -58,6 +58,7 @@ def round_trip(kv: torch.Tensor, copy_programs: int | None = None,
     assert swap.stats() == {"kv_swap_outs": 1, "kv_swap_ins": 1,
                             "kv_swap_out_bytes": 3 * PAGE_BYTES,
                             "kv_swap_in_bytes": 3 * PAGE_BYTES, "kv_swap_recomputes": 0,
+                            "kv_swap_copies_beside": 0,
                             "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0,
                             "kv_host_pages_total": 4, "kv_host_pages_free": 4}
     swap.check_integrity(set())
@@ -75,6 +76,43 @@ def test_pages_come_back_byte_equal_through_the_copy_kernel():
     """The copy kernel (engine/kernels/host_pages.py) under Triton's interpreter, its grid
     smaller than the fragments to copy (3 programs, 3 pages x 4 fragments each way)."""
     round_trip(pool(), copy_programs=3)
+
+
+def test_copies_beside_steps_take_the_narrow_grid(monkeypatch):
+    """A copy that steps run beside takes `beside_programs` programs, one the GPU waits for
+    `copy_programs`; both move the same bytes (under Triton's interpreter)."""
+    import engine.host_swap as host_swap
+
+    grids = []
+
+    def spy(gpu_kv, host, pages, to_host, num_programs):
+        grids.append((to_host, num_programs))
+        host_swap_copy(gpu_kv, host, pages, to_host, num_programs)
+
+    host_swap_copy = host_swap.copy_host_pages
+    monkeypatch.setattr(host_swap, "copy_host_pages", spy)
+    kv = pool()
+    swap = HostSwap(kv, memory_gb=4 * PAGE_BYTES / 2**30, copy_programs=3, beside_programs=2)
+    before = kv[:, :, [5, 2]].clone()
+    assert swap.swap_out("a", [5, 2], 8, beside=True)
+    swap.settle_out("a")
+    kv[:, :, [5, 2]] = 0
+    assert swap.swap_in("a", [5, 2]) == 8
+    assert torch.equal(kv[:, :, [5, 2]], before)
+    assert swap.swap_out("b", [1], 3) and swap.swap_in("b", [1], beside=True) == 3
+    assert grids == [(True, 2), (False, 3), (True, 3), (False, 2)]
+    assert swap.counters["kv_swap_copies_beside"] == 2
+
+
+def test_the_narrow_grid_is_checked():
+    with pytest.raises(ValueError, match=r"beside_programs must be in \[1, copy_programs 3\], "
+                                         "got 4"):
+        HostSwap(pool(), memory_gb=PAGE_BYTES / 2**30, copy_programs=3, beside_programs=4)
+    with pytest.raises(ValueError, match="got 0"):
+        HostSwap(pool(), memory_gb=PAGE_BYTES / 2**30, copy_programs=3, beside_programs=0)
+    assert HostSwap(pool(), memory_gb=PAGE_BYTES / 2**30, copy_programs=3).beside_programs == 3
+    assert HostSwap(pool(), memory_gb=PAGE_BYTES / 2**30, copy_programs=16).beside_programs == 4
+    assert HostSwap(pool(), memory_gb=PAGE_BYTES / 2**30).beside_programs == 0  # staged (CPU)
 
 
 @pytest.mark.gpu
@@ -127,9 +165,18 @@ class DeferredSwap(HostSwap):
         super().__init__(kv, memory_gb=8 * PAGE_BYTES / 2**30, copy_gbps=1e6)
         self.prefill_s = lambda n: 1.0  # a second to recompute: always swap
         self.synchronous, self.landed = False, False
+        self.besides = []  # each copy: ("out" | "in", seq id, beside)
 
     def _record(self):
         return FakeEvent(self)
+
+    def swap_out(self, seq_id, gpu_pages, num_tokens, beside=False):
+        self.besides.append(("out", seq_id, beside))
+        return super().swap_out(seq_id, gpu_pages, num_tokens, beside)
+
+    def swap_in(self, seq_id, gpu_pages, skip=0, beside=False):
+        self.besides.append(("in", seq_id, beside))
+        return super().swap_in(seq_id, gpu_pages, skip, beside)
 
 
 def seat_preemption():
@@ -166,6 +213,8 @@ def test_a_seat_preemption_keeps_the_gpu_pages_until_the_copy_out_lands():
     assert swap.counters["kv_swap_ins"] == 1 and swap.state("low") is HostState.COPYING_IN
     assert run_step(sched)[0] == [("low", 1)]  # landed: admitted with its KV
     assert low.status is SeqStatus.RUNNING and low.num_computed_tokens == 8  # no recompute
+    # high's steps ran beside the copy out; nothing ran beside the copy back
+    assert swap.besides == [("out", "low", True), ("in", "low", False)]
     sched.remove(low)
     check_nothing_held(kv, swap, sched)
 
@@ -192,6 +241,7 @@ def test_the_next_sequence_to_run_is_prefetched_while_it_waits():
     assert swap.state("low") is None and swap.tier.pool.num_free == 8
     assert run_step(sched)[0] == [("low", 1)]  # admitted with its KV: one decode token
     assert low.num_computed_tokens == 8 and swap.counters["kv_swap_ins"] == 1
+    assert swap.besides == [("out", "low", True), ("in", "low", True)]  # high ran beside both
     sched.remove(low)
     check_nothing_held(kv, swap, sched)
 
@@ -414,14 +464,17 @@ def swapped_run(tiny_model_dir):
     swap, kv = core.host_swap, core.runner.kv.kv
     out_pages, in_pages = [], []
     swap_out, swap_in = swap.swap_out, swap.swap_in
+    core.besides = []  # each copy's `beside`, in order: ("out" | "in", beside)
 
-    def spy_out(seq_id, gpu_pages, num_tokens):
+    def spy_out(seq_id, gpu_pages, num_tokens, beside=False):
         out_pages.append(kv[:, :, gpu_pages].clone())
-        return swap_out(seq_id, gpu_pages, num_tokens)
+        core.besides.append(("out", beside))
+        return swap_out(seq_id, gpu_pages, num_tokens, beside)
 
-    def spy_in(seq_id, gpu_pages, skip=0):
-        tokens = swap_in(seq_id, gpu_pages, skip)
+    def spy_in(seq_id, gpu_pages, skip=0, beside=False):
+        tokens = swap_in(seq_id, gpu_pages, skip, beside)
         in_pages.append(kv[:, :, gpu_pages].clone())
+        core.besides.append(("in", beside))
         return tokens
 
     swap.swap_out, swap.swap_in = spy_out, spy_in
@@ -434,6 +487,9 @@ def test_a_swapped_request_resumes_with_its_pages_and_hf_tokens(swapped_run, tin
     stats = core.stats()
     assert stats.preemptions_by_reason == {"priority": 1}
     assert (stats.kv_swap_outs, stats.kv_swap_ins, stats.kv_swap_recomputes) == (1, 1, 0)
+    # the urgent request's steps ran beside the copy out; the copy back was the admission's
+    # (copies on CPU are synchronous: no prefetch), which its step waits for
+    assert core.besides == [("out", True), ("in", False)]
     assert len(out_pages) == len(in_pages) == 1
     assert torch.equal(out_pages[0], in_pages[0])  # byte-equal KV in its new pages
     pages = out_pages[0].shape[2]

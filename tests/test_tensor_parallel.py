@@ -331,12 +331,12 @@ def test_the_host_tier_swaps_every_ranks_share_and_tokens_equal_hf(tiny_model_di
         out_pages, in_pages = [], []
         swap_out, swap_in = swap.swap_out, swap.swap_in
 
-        def spy_out(seq_id, gpu_pages, num_tokens):
+        def spy_out(seq_id, gpu_pages, num_tokens, beside=False):
             out_pages.append([pool[:, :, gpu_pages].clone() for pool in swap.pools])
-            return swap_out(seq_id, gpu_pages, num_tokens)
+            return swap_out(seq_id, gpu_pages, num_tokens, beside)
 
-        def spy_in(seq_id, gpu_pages, skip=0):
-            tokens = swap_in(seq_id, gpu_pages, skip)
+        def spy_in(seq_id, gpu_pages, skip=0, beside=False):
+            tokens = swap_in(seq_id, gpu_pages, skip, beside)
             in_pages.append([pool[:, :, gpu_pages].clone() for pool in swap.pools])
             return tokens
 

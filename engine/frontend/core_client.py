@@ -362,6 +362,8 @@ _STAT_HELP = {
     "kv_swap_in_bytes": ("counter", "KV bytes copied back from host memory"),
     "kv_swap_recomputes": ("counter", "Preemptions with a host KV tier that recompute instead "
                                       "(cheaper than the copy, or the host pool was full)"),
+    "kv_swap_copies_beside": ("counter", "Host-tier copies made beside steps, by the copy "
+                                         "kernel's narrow grid (slower, and slowing them less)"),
     "kv_host_pages_total": ("gauge", "KV pages in the host tier (0: off)"),
     "kv_host_pages_free": ("gauge", "KV pages free in the host tier"),
     "kv_host_pages_cached": ("gauge", "KV pages of the prefix cache in the host tier"),

@@ -115,6 +115,7 @@ class EngineStats:
     kv_swap_out_bytes: int = 0
     kv_swap_in_bytes: int = 0
     kv_swap_recomputes: int = 0
+    kv_swap_copies_beside: int = 0  # of those copies, the ones made beside steps (narrow grid)
     kv_host_pages_total: int = 0
     kv_host_pages_free: int = 0
     # The host tier as the prefix cache's second level: pages demoted to it and loaded back,
