@@ -12,9 +12,10 @@ every `num_programs`-th, a block of every fragment at a time.
 Why a kernel and not the staged copy (a gather on the device, then a DMA per run of host pages):
 it needs no staging buffer and no copy engine, its grid bounds the SMs it takes from the step
 beside it, and it copies as fast (H200: 48-50 GB/s each way at 16 programs, against 45-50
-staged). Beside a decode step it costs less but not nothing: 8% slower steps at 16 programs,
-6% at 8, against 9-10% staged and 8% for the staged copies' DMAs alone (docs/benchmarks.md,
-"The host tier's copies by kernel"). The host memory is reached over PCIe through unified
+staged). Beside a decode step a copy costs what its rate over PCIe costs (8-9% slower steps
+at 16 programs, as for the staged copies' DMAs alone at the same rate; 2.5% at 4 programs, 1%
+at 2), so HostSwap gives copies beside steps a narrower grid than copies the GPU waits for
+(docs/benchmarks.md, "What slows a decode step beside the host tier's copies"). The host memory is reached over PCIe through unified
 addressing (a pinned allocation is mapped into the device's address space), so the kernel's
 loads and stores on it are the transfer.
 
