@@ -162,12 +162,16 @@ class Bench:
         self.client.close()
         await self.admin.aclose()
 
-    async def wait_ready(self, timeout_s: float, proc: subprocess.Popen | None) -> list[dict]:
-        """The engines, once the router answers and every engine is up."""
+    async def wait_ready(self, timeout_s: float, proc: subprocess.Popen | None,
+                         watch_pid: int | None = None) -> list[dict]:
+        """The engines, once the router answers and every engine is up. Fails at once if the
+        deployment's process (`proc`, ours; `watch_pid`, a script's) has exited."""
         deadline = time.monotonic() + timeout_s
         while True:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"the deployment exited with status {proc.returncode}")
+            if watch_pid is not None and not process_alive(watch_pid):
+                raise RuntimeError(f"the deployment's process {watch_pid} has exited")
             with contextlib.suppress(httpx.HTTPError):
                 engines = (await self.admin.get("/admin/engines")).json()["engines"]
                 if engines and all(e["state"] == "up" for e in engines):
@@ -338,7 +342,8 @@ async def main_async(args) -> dict:
     }  # fmt: skip
     try:
         engines = await bench.wait_ready(args.ready_timeout_s,
-                                         deployment.proc if deployment else None)
+                                         deployment.proc if deployment else None,
+                                         args.watch_pid)
         names = [e["name"] for e in engines]
         record["engines"] = [{k: e[k] for k in ("name", "role", "url")} for e in engines]
         model = args.served_model or (await bench.client.get_json("/models"))["data"][0]["id"]
@@ -509,6 +514,9 @@ def parser() -> argparse.ArgumentParser:
                          "the first strategy's round by round")
     ap.add_argument("--run-timeout-s", type=float, default=600.0)
     ap.add_argument("--ready-timeout-s", type=float, default=900.0)
+    ap.add_argument("--watch-pid", type=int, default=None,
+                    help="with --base-url: the deployment's process (`microserve up` started by "
+                         "a script); waiting for readiness fails at once if it has exited")
     ap.add_argument("--stop-when-saturated", type=float, default=None, metavar="P99_JCT_S")
     ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are < this")
     ap.add_argument("--seed", type=int, default=0)
@@ -516,6 +524,21 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--note", default=None,
                     help="recorded in the JSON: what a --base-url deployment is, for instance")
     return ap
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: the signal check (a zombie counts as alive)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -181,3 +181,47 @@ def test_a_runs_line_shows_each_gpu_engines_busy_share():
     assert _busy(run) == "; GPU busy: prefill-0 0.99, decode-0 0.60"
     assert _busy({"wall_s": 20.0, "engine_counters": {"cpu-0": {"prompt_tokens": 5}}}) == ""
     assert _busy({"wall_s": 0.0, "engine_counters": {}}) == ""
+
+
+def test_process_alive_sees_a_running_process_but_not_an_exited_or_zombie_one():
+    import subprocess
+    import time
+
+    from bench.strategies import process_alive
+
+    running = subprocess.Popen(["sleep", "30"])
+    zombie = subprocess.Popen(["true"])
+    reaped = subprocess.Popen(["true"])
+    reaped.wait()
+    try:
+        deadline = time.monotonic() + 10
+        while process_alive(zombie.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # `true` exits at once; unreaped, it stays a zombie
+        assert process_alive(running.pid)
+        assert not process_alive(zombie.pid) and zombie.returncode is None  # not reaped
+        assert not process_alive(reaped.pid)
+    finally:
+        running.kill()
+        running.wait()
+        zombie.wait()
+
+
+async def test_waiting_for_a_deployment_whose_process_exited_fails_at_once():
+    """pd_two_gpus.sh's `up` died (e.g. a missing package): the bench says so, not after its
+    readiness timeout."""
+    import argparse
+    import subprocess
+    import time
+
+    from bench.strategies import Bench
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    bench = Bench("http://127.0.0.1:9", None, "t", argparse.Namespace())
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=f"the deployment's process {gone.pid} has exited"):
+            await bench.wait_ready(900.0, None, gone.pid)
+    finally:
+        await bench.close()
+    assert time.monotonic() - start < 5

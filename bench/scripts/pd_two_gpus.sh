@@ -26,5 +26,5 @@ for spec in "$@"; do
     n=$((n + 1))
     # shellcheck disable=SC2086  # each spec is a list of arguments
     python3 -m bench.strategies --base-url "http://127.0.0.1:$port" --vocab 128000 \
-        --note "$deployment, random:llama-3.1-8b" --json "$out/$stem-$n.json" $spec
+        --watch-pid "$up" --note "$deployment, random:llama-3.1-8b" --json "$out/$stem-$n.json" $spec
 done
