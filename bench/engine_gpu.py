@@ -37,7 +37,8 @@ Figures (each on a fresh engine state, prompts of random token ids, ignore_eos):
              -d2d: the DMAs between two device buffers (no PCIe); -events: the copy
              stream's wait and event alone, no bytes (diagnoses); -k4096: a program per
              32-KiB fragment (short blocks, not a few that loop); -hipri-k16, -hipri-k4096,
-             -hipri-dma: the steps on a high-priority CUDA stream (diagnoses)
+             -hipri-dma: the steps on a high-priority CUDA stream; -out-k4, -in-k4, -out-k16,
+             -in-k16, -dma-out, -dma-in: the kernel or the DMAs one way only (diagnoses)
   hf         Hugging Face transformers eager `generate`, batch 1, context 1,024 (baseline)
 """
 
@@ -56,7 +57,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.device import to_device
 from engine.host_swap import HostSwap
+from engine.kernels.host_pages import copy_host_pages
 from kvcache.host_tier import HostState
 from engine.requests import RequestState
 from engine.sequence import Sequence
@@ -249,7 +252,8 @@ def beside_copies(core: EngineCore, vocab: int, step_priority: int = 0, **kwargs
 def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int = 1024,
                    pages: int = 64, rounds: int = 3, steps: int = 100,
                    copy_programs: int | None = None, dma_only: bool = False,
-                   dma_pages: int | None = None, dma_to: str = "host") -> dict:
+                   dma_pages: int | None = None, dma_to: str = "host",
+                   one_way: str | None = None) -> dict:
     """Decode steps alone and beside the host tier's copies, in alternating rounds of `steps`
     (alone first and last: each round beside copies is set against the mean of the rounds
     alone on either side of it, since the steps slow as the contexts grow). The copies are
@@ -264,11 +268,18 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
     to the pinned host buffer and back on a stream of their own, no gather. `dma_pages`:
     HostSwap's (the staged copies' DMAs, and these, `dma_pages` pages at most each).
     `dma_to` (with `dma_only`): "host"; "device" (a second device buffer: the same bytes, no
-    PCIe); "nothing" (the copy stream's wait and event alone, no bytes)."""
+    PCIe); "nothing" (the copy stream's wait and event alone, no bytes). `one_way` (a
+    diagnosis): "out" or "in", the copies one way only, again and again: the copy kernel (at
+    the grid of copies beside steps; no bookkeeping: the pages are the bench's), or with
+    `dma_only` the DMAs."""
     if dma_to not in ("host", "device", "nothing"):
         raise ValueError(f"dma_to {dma_to!r}: host, device or nothing")
+    if one_way not in (None, "out", "in") or (one_way and not dma_only and copy_programs == 0):
+        raise ValueError(f"one_way {one_way!r}: out or in, by the copy kernel or DMAs")
     if dma_only and core.runner.kv.kv.device.type != "cuda":
         raise SystemExit("beside-copies-dma: DMAs on a stream of their own need a GPU")
+    if one_way and core.runner.kv.kv.device.type != "cuda":
+        raise SystemExit("beside-copies-out/-in: copies on a stream of their own need a GPU")
     own = core.kv.pool.alloc(pages)
     if own is None:
         raise SystemExit(f"beside-copies: {pages} free pages needed")
@@ -281,7 +292,7 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
                if dma_only else None)
     far = torch.empty_like(staging) if dma_only and dma_to == "device" else swap.host
     span = 0 if dma_to == "nothing" else pages  # the pages each DMA diagnosis moves
-    dma = {"event": None, "out": True}
+    dma = {"event": None, "out": one_way != "in"}
 
     def pump_dma() -> bool:
         if dma["event"] is not None and not dma["event"].query():
@@ -294,14 +305,31 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
                     far[piece].copy_(staging[piece], non_blocking=True)
                 else:
                     staging[piece].copy_(far[piece], non_blocking=True)
-        dma["event"], dma["out"] = torch.cuda.Event(), not dma["out"]
+        dma["event"] = torch.cuda.Event()
+        dma["out"] = one_way == "out" if one_way else not dma["out"]
         dma["event"].record(swap.stream)
         moved[0] += span * swap.page_bytes
+        return True
+
+    ids = (to_device([own, list(range(pages))], torch.long, gpu_kv.device)
+           if one_way and not dma_only else None)
+
+    def pump_one_way() -> bool:
+        if dma["event"] is not None and not dma["event"].query():
+            return True
+        swap.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(swap.stream):
+            copy_host_pages(gpu_kv, swap.host, ids, one_way == "out", swap.beside_programs)
+        dma["event"] = torch.cuda.Event()
+        dma["event"].record(swap.stream)
+        moved[0] += pages * swap.page_bytes
         return True
 
     def pump() -> bool:
         if dma_only:
             return pump_dma()
+        if one_way:  # by kernel
+            return pump_one_way()
         swap.poll()
         state = swap.state("copies")
         if state is None:
@@ -336,7 +364,7 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
         drain(core)
     slowdowns = [b / ((a0 + a1) / 2) - 1 for b, a0, a1 in zip(beside, alone, alone[1:])]
     return {"copy_programs": swap.copy_programs, "beside_programs": swap.beside_programs,
-            "dma_only": dma_only,
+            "dma_only": dma_only, "one_way": one_way,
             "step_ms_alone": alone, "step_ms_beside_copies": beside, "copies_gb_s": rates,
             "copies": swap.counters["kv_swap_outs"] + swap.counters["kv_swap_ins"],
             "slowdowns": slowdowns, "slowdown": statistics.median(slowdowns)}
@@ -527,6 +555,10 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
            **{f"beside-copies-hipri-k{k}": partial(beside_copies, copy_programs=k,
                                                    step_priority=-1) for k in (16, 4096)},
            "beside-copies-hipri-dma": partial(beside_copies, dma_only=True, step_priority=-1),
+           **{f"beside-copies-{way}-k{k}": partial(beside_copies, copy_programs=k, one_way=way)
+              for way in ("out", "in") for k in (4, 16)},
+           **{f"beside-copies-dma-{way}": partial(beside_copies, dma_only=True, one_way=way)
+              for way in ("out", "in")},
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
            "mixed1200": lambda core, vocab: mixed(core, vocab, chunk=1200),
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),

@@ -48,6 +48,13 @@ def test_the_diagnoses_need_a_gpu_and_a_known_target(tiny_model_dir):
             beside_copies(core, core.info.vocab_size, dma_only=True, dma_to="disk")
         with pytest.raises(SystemExit, match="beside-copies-hipri: stream priorities need a GPU"):
             beside_copies(core, core.info.vocab_size, step_priority=-1)
+        with pytest.raises(SystemExit, match="beside-copies-out/-in: copies on a stream of "
+                                             "their own need a GPU"):
+            beside_copies(core, core.info.vocab_size, copy_programs=4, one_way="out")
+        with pytest.raises(ValueError, match="one_way 'up': out or in, by the copy kernel or DMAs"):
+            beside_copies(core, core.info.vocab_size, one_way="up")
+        with pytest.raises(ValueError, match="one_way 'in': out or in, by the copy kernel or DMAs"):
+            beside_copies(core, core.info.vocab_size, copy_programs=0, one_way="in")
         assert core.kv.pool.num_free == 64  # nothing taken
     finally:
         core.close()
