@@ -15,9 +15,9 @@ decode step beside a copy is the copy's rate over PCIe while it runs (on an H200
 cost a step 8-9% at 16 programs, 48 GB/s, or by DMA, against 2.5% at 4 programs; between two
 device buffers 0.6%: docs/benchmarks.md, "What slows a decode step beside the host tier's
 copies"), and such a copy has steps' time to land in. A copy the GPU would otherwise wait for
-(a page short, an admission's copy back, the start-up measurement) takes the wide grid. Where that kernel does not apply (a
-tensor-parallel engine's several pools, `copy_programs=0`) and for the prefix cache's demotions
-below, a copy is staged:
+(a page short, an admission's copy back, the start-up measurement) takes the wide grid. Where
+that kernel does not apply (a tensor-parallel engine's several pools, `copy_programs=0`) and
+for the prefix cache's demotions below, a copy is staged:
 
     GPU pages --gather (one index_select on the device)--> staging [n, layer, K|V, ...]
     staging --one DMA per run of adjacent host pages--> host pages
@@ -89,8 +89,8 @@ class HostSwap:
     # in at 37 GB/s
     COPY_PROGRAMS = 16
     # the grid for copies beside steps: on an H200 4 programs slowed a decode step beside a loop
-    # of 64-page copies 2.5% (2 programs: 1.1%, 8: 6.3%) and moved as many bytes in that loop as
-    # 16, each copy landing within a step or two (a 64-page copy alone: ~20 GB/s)
+    # of 64-page copies 2.2-2.6% (2 programs: 1%, 8: 6.3%, 16: 6.7-8.8%) and moved as many bytes
+    # in that loop as 16, each copy landing within a step or two (alone: 49 GB/s out, 21 in)
     BESIDE_PROGRAMS = 4
 
     def __init__(self, gpu_kv: torch.Tensor, memory_gb: float, copy_gbps: float | None = None,
@@ -148,8 +148,9 @@ class HostSwap:
         # stream wait for it (CUDA, copies beside compute)
         self._last_demotion: torch.cuda.Event | None = None
         self.counters = {"kv_swap_outs": 0, "kv_swap_ins": 0, "kv_swap_out_bytes": 0,
-                         "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0, "kv_swap_copies_beside": 0,
-                         "kv_host_prefix_demoted_pages": 0, "kv_host_prefix_loaded_pages": 0}
+                         "kv_swap_in_bytes": 0, "kv_swap_recomputes": 0,
+                         "kv_swap_copies_beside": 0, "kv_host_prefix_demoted_pages": 0,
+                         "kv_host_prefix_loaded_pages": 0}
 
     # ---- the scheduler's calls (engine/swap_scheduling.py, KVSwapper) -------------------------
 

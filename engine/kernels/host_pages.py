@@ -15,9 +15,9 @@ beside it, and it copies as fast (H200: 48-50 GB/s each way at 16 programs, agai
 staged). Beside a decode step a copy costs what its rate over PCIe costs (8-9% slower steps
 at 16 programs, as for the staged copies' DMAs alone at the same rate; 2.5% at 4 programs, 1%
 at 2), so HostSwap gives copies beside steps a narrower grid than copies the GPU waits for
-(docs/benchmarks.md, "What slows a decode step beside the host tier's copies"). The host memory is reached over PCIe through unified
-addressing (a pinned allocation is mapped into the device's address space), so the kernel's
-loads and stores on it are the transfer.
+(docs/benchmarks.md, "What slows a decode step beside the host tier's copies"). The host memory
+is reached over PCIe through unified addressing (a pinned allocation is mapped into the
+device's address space), so the kernel's loads and stores on it are the transfer.
 
 On CPU (tests; Triton's interpreter, TRITON_INTERPRET=1) the same kernel runs on CPU tensors.
 """
