@@ -51,6 +51,7 @@ import pstats
 import random
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -292,44 +293,42 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
                if dma_only else None)
     far = torch.empty_like(staging) if dma_only and dma_to == "device" else swap.host
     span = 0 if dma_to == "nothing" else pages  # the pages each DMA diagnosis moves
-    dma = {"event": None, "out": one_way != "in"}
+    loop = {"event": None, "out": one_way != "in"}  # the copy in flight; the DMAs' next way
 
-    def pump_dma() -> bool:
-        if dma["event"] is not None and not dma["event"].query():
+    def on_copy_stream(copy: Callable[[], int]) -> bool:
+        """Unless the last copy is in flight, `copy()` (the bytes it moves) on the copy
+        stream, after the steps queued so far."""
+        if loop["event"] is not None and not loop["event"].query():
             return True
         swap.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(swap.stream):
-            for at in range(0, span, dma_pages or pages):
-                piece = slice(at, at + (dma_pages or pages))
-                if dma["out"]:
-                    far[piece].copy_(staging[piece], non_blocking=True)
-                else:
-                    staging[piece].copy_(far[piece], non_blocking=True)
-        dma["event"] = torch.cuda.Event()
-        dma["out"] = one_way == "out" if one_way else not dma["out"]
-        dma["event"].record(swap.stream)
-        moved[0] += span * swap.page_bytes
+            moved[0] += copy()
+        loop["event"] = torch.cuda.Event()
+        loop["event"].record(swap.stream)
         return True
+
+    def dmas() -> int:
+        for at in range(0, span, dma_pages or pages):
+            piece = slice(at, at + (dma_pages or pages))
+            if loop["out"]:
+                far[piece].copy_(staging[piece], non_blocking=True)
+            else:
+                staging[piece].copy_(far[piece], non_blocking=True)
+        loop["out"] = one_way == "out" if one_way else not loop["out"]
+        return span * swap.page_bytes
 
     ids = (to_device([own, list(range(pages))], torch.long, gpu_kv.device)
            if one_way and not dma_only else None)
 
-    def pump_one_way() -> bool:
-        if dma["event"] is not None and not dma["event"].query():
-            return True
-        swap.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(swap.stream):
-            copy_host_pages(gpu_kv, swap.host, ids, one_way == "out", swap.beside_programs)
-        dma["event"] = torch.cuda.Event()
-        dma["event"].record(swap.stream)
-        moved[0] += pages * swap.page_bytes
-        return True
+    def kernel_one_way() -> int:
+        copy_host_pages(gpu_kv, swap.host, ids, one_way == "out", swap.beside_programs)
+        return pages * swap.page_bytes
 
     def pump() -> bool:
         if dma_only:
-            return pump_dma()
+            return on_copy_stream(dmas)
         if one_way:  # by kernel
-            return pump_one_way()
+            return on_copy_stream(kernel_one_way)
         swap.poll()
         state = swap.state("copies")
         if state is None:
@@ -353,8 +352,8 @@ def _beside_copies(core: EngineCore, vocab: int, batch: int = 64, context: int =
             moved[0], start = 0, time.perf_counter()
             ms, _ = steady_step_ms(core, steps, lambda: pump() and len(core.requests) == batch)
             swap.release("copies")  # waits out the copy in flight: the next round is alone
-            if dma["event"] is not None:
-                dma["event"].synchronize()
+            if loop["event"] is not None:
+                loop["event"].synchronize()
             beside.append(ms)
             rates.append(moved[0] / (time.perf_counter() - start) / 1e9)
         alone.append(steady_step_ms(core, steps, lambda: len(core.requests) == batch)[0])
