@@ -42,9 +42,12 @@ migrate (paper §4.2, Fig. 12 and Table 3): a prompt of N tokens whose first N -
              hit's prefill, divided by the layer count (the paper's Table 3)
 
 tpot (receiving GPU only): 16 greedy streams decode on each GPU kind's receiver; their time per
-  output token is taken while it is idle, while P copies 3,000 cached tokens into it in a
-  loop (transfer alone), and while P prefills and sends fresh 3,000-token prompts to it (on
-  one shared GPU that also takes the receiver's GPU for P's compute)
+  output token is taken while it is idle, while D's side of a copy runs alone (prep_recv and
+  abort, back to back, no bytes: D's host cost), while P copies 3,000 cached tokens into it in
+  a loop (transfer alone), and while P prefills and sends fresh 3,000-token prompts to it (on
+  one shared GPU that also takes the receiver's GPU for P's compute); --tpot-rounds rounds of
+  the four windows, each set against its round's idle one. The copy kernel's grid is the
+  sender's (MICROSERVE_KV_COPY_PROGRAMS in the engines' environment, a diagnosis)
 
 Times are wall-clock per HTTP call, measured from this client (so they include the HTTP round
 trip and the engine's scheduling). Prints Markdown tables for docs/benchmarks.md.
@@ -201,16 +204,18 @@ async def measure_migration(p: EngineClient, d: EngineClient, n: int, new: int, 
 
 async def decode_times(d: EngineClient, vocab: int, rng, streams: int, max_tokens: int,
                        stop: asyncio.Event) -> list[list[float]]:
-    """Run `streams` greedy decodes on `d` until `stop`; returns each stream's token times."""
+    """Run `streams` greedy decodes on `d` until `stop` (a stream that reaches `max_tokens`
+    starts again on a fresh prompt); returns each stream's token times."""
     times: list[list[float]] = [[] for _ in range(streams)]
 
     async def one(i: int) -> None:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        async for chunk in d.start_generate(f"tpot-{i}-{rng.random()}", fresh(rng, vocab, 64),
-                                            0, sampling):
-            times[i] += [time.perf_counter()] * len(chunk.token_ids)
-            if stop.is_set():
-                break
+        while not stop.is_set():
+            async for chunk in d.start_generate(f"tpot-{i}-{rng.random()}",
+                                                fresh(rng, vocab, 64), 0, sampling):
+                times[i] += [time.perf_counter()] * len(chunk.token_ids)
+                if stop.is_set():
+                    break
 
     tasks = [asyncio.create_task(one(i)) for i in range(streams)]
     await stop.wait()
@@ -220,16 +225,23 @@ async def decode_times(d: EngineClient, vocab: int, rng, streams: int, max_token
     return times
 
 
+TPOT_WINDOWS = ("idle", "rpc", "copy", "compute")
+
+
 async def measure_tpot(p: EngineClient, d: EngineClient, vocab: int, page_size: int, rng,
-                       n: int, max_tokens: int, phase_s: float = 4.0, streams: int = 16) -> dict:
-    """D's time per output token over three windows: idle, receiving copies of `n` tokens,
-    receiving while P computes `n`-token prompts; each stream decodes up to `max_tokens`."""
+                       n: int, max_tokens: int, phase_s: float = 4.0, streams: int = 16,
+                       rounds: int = 1) -> dict:
+    """D's time per output token over `rounds` rounds of four windows: idle; `rpc` (D's side
+    of a copy alone: prep_recv of `n` cached tokens and its abort, back to back, no bytes);
+    receiving copies of `n` tokens; receiving while P computes `n`-token prompts. Each stream
+    decodes up to `max_tokens`. Each window is set against the idle one of its round (the
+    contexts grow over a round); the figure is the median over rounds."""
     cached = fresh(rng, vocab, n)
     await prefill_on(p, "tpot-ctx", cached)
     whole = n // page_size * page_size
     stop, phase = asyncio.Event(), {"now": "warm"}
-    marks: list[float] = []
-    sends = {"copy": 0, "compute": 0}
+    marks: list[tuple[str, float]] = []
+    sends = {"rpc": 0, "copy": 0, "compute": 0}
 
     async def load() -> None:
         i = 0
@@ -239,19 +251,21 @@ async def measure_tpot(p: EngineClient, d: EngineClient, vocab: int, page_size: 
                 await asyncio.sleep(0.01)
                 continue
             i += 1
-            prompt, end = (cached, whole) if kind == "copy" else (fresh(rng, vocab, n), n)
+            prompt, end = (fresh(rng, vocab, n), n) if kind == "compute" else (cached, whole)
             r = await d.call(PrepRecvRequest(f"load-{i}", prompt, end=end))
-            await p.call(RemoteSendRequest(f"load-{i}", prompt, r.matched, end, r.kv_addr))
+            if kind != "rpc":
+                await p.call(RemoteSendRequest(f"load-{i}", prompt, r.matched, end, r.kv_addr))
             await d.call(AbortRequest(f"load-{i}"))
             sends[kind] += 1
 
     async def phases() -> None:
         await asyncio.sleep(2.0)  # the streams' prefills are over
-        for name in ("idle", "copy", "compute"):
-            phase["now"] = name
-            marks.append(time.perf_counter())
-            await asyncio.sleep(phase_s)
-        marks.append(time.perf_counter())
+        for _ in range(rounds):
+            for name in TPOT_WINDOWS:
+                phase["now"] = name
+                marks.append((name, time.perf_counter()))
+                await asyncio.sleep(phase_s)
+        marks.append(("end", time.perf_counter()))
         stop.set()
 
     loader = asyncio.create_task(load())
@@ -259,13 +273,19 @@ async def measure_tpot(p: EngineClient, d: EngineClient, vocab: int, page_size: 
     times = await decode_times(d, vocab, rng, streams, max_tokens, stop)
     await timer
     await loader
-    out = {"sends": sends}
-    for k, name in enumerate(("idle", "copy", "compute")):
-        lo, hi = marks[k] + 0.2, marks[k + 1]  # skip the switch between loads
+    windows: dict[str, list[dict]] = {name: [] for name in TPOT_WINDOWS}
+    for (name, lo), (_, hi) in zip(marks, marks[1:]):
+        lo += 0.2  # skip the switch between loads
         per_stream = [(hi - lo) / c for c in (sum(lo <= t < hi for t in ts) for ts in times) if c]
         gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]) if lo <= a and b < hi)
-        out[name] = {"tpot_ms": 1e3 * statistics.mean(per_stream),
-                     "gap_p99_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))]}
+        windows[name].append({"tpot_ms": 1e3 * statistics.mean(per_stream),
+                              "gap_p99_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))]})
+    out = {"sends": sends, "rounds": windows}
+    for name, got in windows.items():
+        out[name] = {"tpot_ms": statistics.median(w["tpot_ms"] for w in got),
+                     "gap_p99_ms": statistics.median(w["gap_p99_ms"] for w in got),
+                     "vs_idle": statistics.median(
+                         w["tpot_ms"] / i["tpot_ms"] for w, i in zip(got, windows["idle"]))}
     return out
 
 
@@ -331,6 +351,8 @@ async def main() -> None:
                     help="CUDA: each engine's --gpu-memory-utilization")
     ap.add_argument("--modes", default="send", help="any of send,migrate,tpot (tpot: GPU)")
     ap.add_argument("--new-tokens", type=int, default=500, help="migrate: tokens not cached")
+    ap.add_argument("--tpot-rounds", type=int, default=3,
+                    help="tpot: rounds of the four windows, interleaved (the median is shown)")
     ap.add_argument("--kv-transfer", default=None,
                     help="the receivers' kinds, comma-separated (default: cuda_ipc,tcp on a "
                          "GPU, shm,tcp on CPU); with nvshmem, P joins that receiver's group")
@@ -390,19 +412,25 @@ async def main() -> None:
             await table_send(clients, kinds, lengths, mc, kv_bytes_per_token, args.repeat, rng)
         if "migrate" in modes:
             await table_migrate(clients, kinds, lengths, mc, args.new_tokens, args.repeat, rng)
+        if "tpot" in modes and gpu:  # the engines' environment is this process's
+            from kvcache.transfer.cuda_ipc import CudaIpcPeer
         for kind in (k for k in kinds if k != "tcp") if "tpot" in modes and gpu else ():
             n = min(3000, max(lengths))
             r = await measure_tpot(clients["p"], clients[kind], mc.vocab_size, 16, rng,
-                                   n, max_tokens=max(lengths) - 64)
+                                   n, max_tokens=max(lengths) - 64, rounds=args.tpot_rounds)
             print(f"\nD's decode while receiving with {kind} (16 streams; "
-                  f"{r['sends']['copy']} copies and "
-                  f"{r['sends']['compute']} computed sends of {n:,} tokens in the windows)\n")
-            print("| D is | time per output token | vs idle | p99 gap between tokens |")
-            print("|---|---|---|---|")
-            for name in ("idle", "copy", "compute"):
-                print(f"| {name} | {r[name]['tpot_ms']:.2f} ms | "
-                      f"{r[name]['tpot_ms'] / r['idle']['tpot_ms']:.2f}x | "
-                      f"{r[name]['gap_p99_ms']:.2f} ms |")
+                  f"{r['sends']['rpc']} prep_recv/abort pairs alone, {r['sends']['copy']} "
+                  f"copies and {r['sends']['compute']} computed sends of {n:,} tokens in the "
+                  f"windows; {args.tpot_rounds} rounds, median; the copy kernel's grid "
+                  f"{CudaIpcPeer.num_programs} programs)\n")
+            print("| D is | time per output token | vs idle (same round) | p99 gap between "
+                  "tokens | each round vs idle |")
+            print("|---|---|---|---|---|")
+            for name in TPOT_WINDOWS:
+                each = ", ".join(f"{w['tpot_ms'] / i['tpot_ms']:.3f}" for w, i in
+                                 zip(r["rounds"][name], r["rounds"]["idle"]))
+                print(f"| {name} | {r[name]['tpot_ms']:.2f} ms | {r[name]['vs_idle']:.3f}x | "
+                      f"{r[name]['gap_p99_ms']:.2f} ms | {each} |")
         for c in clients.values():
             await c.aclose()
     finally:

@@ -34,6 +34,8 @@ A pool that must outlive its engine, or join an NVSHMEM group later, needs the f
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvcache.transfer.base import KVLayout, TransferError, Window
@@ -88,7 +90,9 @@ class CudaIpcPeer(ShmPeer):
     # (H100, 2026-11-24, three runs): beside the sender's own 512- and 2,048-token prefill
     # steps, 132 x 8 moved a step's KV at 480-513 / 879-1,036 GB/s, 132 x 4 at 460-520 /
     # 798-899, neither slowing the pass outside the +-1% noise; alone 0.9-1.9 TB/s vs 0.8-1.3.
-    num_programs = 132
+    # MICROSERVE_KV_COPY_PROGRAMS (a diagnosis, `bench.transfer --modes tpot`): another grid,
+    # to see how a receiver's decode steps follow the rate the copies land at.
+    num_programs = int(os.environ.get("MICROSERVE_KV_COPY_PROGRAMS", "132"))
     rows_at_once = 8
     _stream: torch.cuda.Stream | None = None
     _held: Window | None = None  # the window whose entry this peer holds locked, copies queued
