@@ -258,7 +258,11 @@ class Bench:
 
         tasks = [asyncio.create_task(at(t, p, n_out))
                  for (t, _, n_out), p in zip(work, prompts)]  # fmt: skip
+        trace: list[dict] = []
+        tracer = asyncio.create_task(self.trace(start, trace))
         done, pending = await asyncio.wait(tasks, timeout=self.args.run_timeout_s)
+        tracer.cancel()
+        await asyncio.gather(tracer, return_exceptions=True)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -285,7 +289,26 @@ class Bench:
             "input_tokens_per_s": in_tokens / wall, "output_tokens_per_s": out_tokens / wall,
             "ttft": ttft, "tpot": tpot, "jct": pct([r["e2e"] for r in ok]), "slo": slo,
             "stages": stage_quantiles(stages_before, await self.stages()), **by_phase,
+            **({"strategy_trace": trace} if trace else {}),
         }  # fmt: skip
+
+    async def trace(self, start: float, into: list[dict]) -> None:
+        """Every --trace-s seconds of a run, what an `auto` strategy sees and holds (GET
+        /admin/strategy: each engine as its last choice saw it, the role rules holding and
+        for how long, its choices so far), appended to `into`; nothing for a strategy that
+        describes none of it."""
+        if not self.args.trace_s:
+            return
+        while True:
+            await asyncio.sleep(self.args.trace_s)
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                settings = (await self.admin.get("/admin/strategy")).json()["active"]["settings"]
+                last, roles = settings.get("last") or {}, settings.get("flip_roles") or {}
+                if "engines" in last:
+                    into.append({"t": round(time.perf_counter() - start, 2),
+                                 "engines": last["engines"], "chosen": settings.get("chosen"),
+                                 "holding_s": roles.get("holding_s"),
+                                 "flips": len(roles.get("flips", ()))})
 
 
 def parse_rate(text: str) -> float | str:
@@ -513,6 +536,9 @@ def parser() -> argparse.ArgumentParser:
                          "arrivals of seed --seed + r, and print each one's P99 JCT against "
                          "the first strategy's round by round")
     ap.add_argument("--run-timeout-s", type=float, default=600.0)
+    ap.add_argument("--trace-s", type=float, default=1.0,
+                    help="how often an `auto` run's view of the engines and its role rules "
+                         "are sampled into the JSON's strategy_trace (0: never)")
     ap.add_argument("--ready-timeout-s", type=float, default=900.0)
     ap.add_argument("--watch-pid", type=int, default=None,
                     help="with --base-url: the deployment's process (`microserve up` started by "

@@ -119,6 +119,9 @@ class ChoiceModel:
         self._last: dict[str, object] = {}
         self.busy: dict[str, float] = {}  # ρ: each engine's share of time on prompt tokens
         self.step_s: dict[str, float] = {}  # each engine's mean step over its last poll
+        # ... smoothed as ρ is (BUSY_SMOOTHING): the role rules' view, which must hold at
+        # every poll of their window (router/role_policy.py)
+        self.step_smoothed_s: dict[str, float] = {}
 
     def observe(self, engine: str, stats) -> None:
         """`stats` (EngineStats) of `engine`: the difference from its last is one poll."""
@@ -131,7 +134,9 @@ class ChoiceModel:
         if steps <= 0 or busy <= 0:  # idle, or restarted (the counters went back)
             return
         prompt = stats.prompt_tokens_computed - last.prompt_tokens_computed
-        self.step_s[engine] = busy / steps
+        self.step_s[engine] = step = busy / steps
+        was = self.step_smoothed_s.get(engine, step)
+        self.step_smoothed_s[engine] = step + (1 - BUSY_SMOOTHING) * (was - step)
         if shows_cost(stats, last):  # as the balance model's P fit: idle polls read cheap
             self.fit.add((steps, stats.tokens_sampled - last.tokens_sampled, prompt), busy)
         wall = sum(getattr(stats, k) - getattr(last, k) for k in (

@@ -19,11 +19,11 @@ rules, checked in this order:
     chat_like      within the window `auto` chose at least min_requests times, whole_share or
                    more of them "whole": a prefill engine -> any, else a decode engine -> any
     interference   no engine is a prefill engine, and every engine that decodes steps past
-                   STEP_SHARE x the TPOT target while prompts take PROMPT_SHARE or more of its
-                   time (long prompts computed beside decodes stretch them all): the "any"
-                   engine decoding the fewest -> prefill, so the others decode undisturbed
-                   (disaggregation's reason to be; decode_bound turns it back when decodes,
-                   not prompts, are what is short)
+                   INTERFERENCE_SHARE x the TPOT target while prompts take PROMPT_SHARE or
+                   more of its time (long prompts computed beside decodes stretch them all):
+                   the "any" engine decoding the fewest -> prefill, so the others decode
+                   undisturbed (disaggregation's reason to be; decode_bound turns it back
+                   when decodes, not prompts, are what is short)
 
 Hysteresis, so a burst flips nothing and two rules do not chase each other:
 
@@ -54,12 +54,20 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 
-from router.choice_model import STEP_SHARE  # of the TPOT target: a step this long is stretched
-
 RULES = ("decode_bound", "prefill_bound", "chat_like", "interference")
 IDLE_SHARE = 0.1  # a prefill engine idles below this share of backlog_tokens waiting
 ROOM_SHARE = 0.5  # a decode engine has room at or below this share of saturated
-PROMPT_SHARE = 0.3  # a step stretched (STEP_SHARE) by prompts: they take this share or more
+PROMPT_SHARE = 0.3  # a step stretched by prompts: they take this share or more of the time
+# Of the TPOT target: an engine's mean step this long, with prompts PROMPT_SHARE of its time,
+# is stretched by them. It was the choice model's STEP_SHARE (0.8, 20 ms), and the rule held
+# "at every poll for window_s" only 100 and 280 s into a 3,000/100 phase at 9 req/s per GPU
+# over two "any" engines (two pairs of H200s, 2026-11-28: that phase's goodput 0.98x and 0.85x
+# balanced P/D's). By the fit's costs a step there averages ~24 ms (2,048-token chunks of ~55
+# ms two-thirds of the time, ~10-ms decode steps the rest), so a poll's mean crosses 20 ms
+# often: an estimate, not a trace (runs since keep one: bench.strategies' strategy_trace).
+# Chat-like traffic steps 5-8 ms with prompts under 1% of the time, and 3,000-token prompts
+# at 3 req/s per GPU (where data parallel wins) take ~0.2 of it.
+INTERFERENCE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ class EngineView:
     tpot_s: float  # its predicted step time with one more sequence decoding
     kv_use: float  # share of its KV pages in use (last poll)
     seats: int = 0  # sequences it runs at once (--max-num-seqs); 0: not known
-    step_s: float = 0.0  # its mean step over its last poll (measured)
+    step_s: float = 0.0  # its mean step over its last polls (measured, smoothed)
     prompt_share: float = 0.0  # the share of its time its prompt tokens took, lately
 
     @property
@@ -163,7 +171,7 @@ class RolePolicy:
     def __init__(self, settings: FlipSettings, slo_tpot_s: float):
         self.settings = settings
         self.saturated_s = settings.tpot_share * slo_tpot_s  # a decode step this long: full
-        self.stretched_s = STEP_SHARE * slo_tpot_s  # a measured step this long: stretched
+        self.stretched_s = INTERFERENCE_SHARE * slo_tpot_s  # a step this long: stretched
         # written by observe only
         self._since: dict[str, float] = {}  # rule -> when it started holding
         self._roles: dict[str, str] = {}  # the roles last seen (with this policy's flip done)

@@ -98,8 +98,10 @@ class Auto(Strategy):
         return self.model.tpot_s(EngineLoad(engine.name, True, True, 0, engine.decoding))
 
     def measured(self, engine) -> tuple[float, float]:
-        """`engine`'s mean step over its last poll and its share of time on prompts."""
-        return self.model.step_s.get(engine.name, 0.0), self.model.busy.get(engine.name, 0.0)
+        """`engine`'s mean step and its share of time on prompts, each smoothed over its
+        last polls (the role rules' view)."""
+        return (self.model.step_smoothed_s.get(engine.name, 0.0),
+                self.model.busy.get(engine.name, 0.0))
 
     def read(self, load: EngineLoad) -> dict:
         """One engine as the model read it for the last choice."""

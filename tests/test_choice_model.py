@@ -42,6 +42,7 @@ def model() -> ChoiceModel:
                                     + prompt * B)
     m.busy.clear()  # the random polls' prompt shares and steps: each test sets its own
     m.step_s.clear()
+    m.step_smoothed_s.clear()
     return m
 
 
@@ -139,11 +140,15 @@ def test_each_engines_share_of_time_on_prompts_is_measured_from_its_polls(model)
     model.observe("probe", third)
     assert model.busy["probe"] == pytest.approx(0.7 * share)
     assert model.step_s["probe"] == pytest.approx(A + C * 10)  # the last poll's mean step
+    # ... and the role rules' view, smoothed as the share is: the second poll's mean step
+    # (its prompts in it), then 0.3 of the way to the third's
+    step2, step3 = busy / 50, A + C * 10
+    assert model.step_smoothed_s["probe"] == pytest.approx(step2 + 0.3 * (step3 - step2))
     # its decodes' time per token is stretched by that share
     engine = any_engine("probe", decoding=60)
     a, c, _ = model.costs()
     assert model.tpot_s(engine) == pytest.approx((a + c * 61) / (1 - 0.7 * share))
-    del model.busy["probe"], model.step_s["probe"]
+    del model.busy["probe"], model.step_s["probe"], model.step_smoothed_s["probe"]
 
 
 def test_as_p_nears_saturation_its_work_grows_dear_and_d_takes_the_prompt(model):

@@ -208,8 +208,8 @@ def test_prefill_bound_counts_seats_as_room():
 
 
 def stretched(name, role="any", decoding=30, step_s=0.045, prompt_share=0.6):
-    """An engine whose steps long prompts stretch: 45 ms (the TPOT target's 25 x 0.8 = 20 ms
-    is the line), 60% of its time on prompts."""
+    """An engine whose steps long prompts stretch: 45 ms (the TPOT target's 25 x 0.5 = 12.5
+    ms is the line), 60% of its time on prompts."""
     return EngineView(name, role, 0, decoding, ROOMY, 0.1, 96, step_s, prompt_share)
 
 
@@ -223,11 +223,27 @@ def test_interference_turns_the_any_engine_decoding_least_to_prefill():
 
 
 def test_interference_needs_every_decoder_stretched_and_by_prompts():
-    """Not when one decoder steps under 20 ms, nor when the long steps are decodes' own
+    """Not when one decoder steps under 12.5 ms, nor when the long steps are decodes' own
     (prompts 10% of the time: a full batch of long contexts, which a prefill engine would not
     help), nor when a prefill engine exists already (the other rules' pool)."""
-    calm = [stretched("e0"), stretched("e1", step_s=0.015)]
+    calm = [stretched("e0"), stretched("e1", step_s=0.012)]
     batch_bound = [stretched("e0", prompt_share=0.1), stretched("e1", prompt_share=0.1)]
     pd = [stretched("p", role="prefill", decoding=0), stretched("d0"), stretched("d1")]
     for pool in (calm, batch_bound, pd):
         assert run(policy(), [(pool, {"whole": 4, "pd": 4})] * 10) == [], pool
+
+
+def test_interference_holds_through_steps_that_swing_around_the_old_line():
+    """Two "any" engines computing 3,000-token prompts beside their decodes, their smoothed
+    steps swinging 14-30 ms poll to poll (prompts 60% of the time): past 12.5 ms at every
+    poll, so e1 becomes the prefill engine after the window, where the old line (20 ms) was
+    missed at every other poll and never held. Chat-like traffic (7-ms steps, prompts 1% of
+    the time) flips nothing."""
+    swings = [0.014, 0.030, 0.016, 0.026]
+    frames = [([stretched("e0", decoding=40, step_s=swings[i % 4]),
+                stretched("e1", decoding=25, step_s=swings[(i + 1) % 4])], {"pd": 4})
+              for i in range(10)]
+    assert run(policy(), frames) == [(2.0, Flip("e1", "any", "prefill", "interference"))]
+    chat = [stretched("e0", step_s=0.007, prompt_share=0.01),
+            stretched("e1", step_s=0.007, prompt_share=0.01)]
+    assert run(policy(), [(chat, {"whole": 3, "pd": 3})] * 20) == []

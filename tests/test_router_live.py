@@ -687,6 +687,28 @@ async def test_a_phased_run_reports_each_phase_for_each_strategy(up, admin):
         assert run["output_tokens"] == sum(p[2] for p in planned)
 
 
+async def test_an_auto_run_keeps_a_trace_of_what_it_saw_and_a_fixed_one_none(up, admin):
+    """--trace-s: while `auto` runs, GET /admin/strategy is sampled into the run's
+    strategy_trace (each engine as auto's last choice saw it, its choices so far, the role
+    rules holding); a fixed strategy describes none of that and gets no trace."""
+    from bench.strategies import main_async, parser
+
+    argv = ["--base-url", up.url, "--admin-token", ADMIN, "--phases", "40:3/5:1@3:2",
+            "--strategy", "auto=auto{\"flip_roles\": true}", "--strategy", "dp",
+            "--trace-s", "0.2", "--run-timeout-s", "120", "--seed", "3"]
+    record = await main_async(parser().parse_args(argv))
+    auto, dp = record["runs"]
+    assert (auto["completed"], dp["completed"]) == (auto["requests"], dp["requests"])
+    assert "strategy_trace" not in dp
+    trace = auto["strategy_trace"]
+    assert len(trace) >= 5  # a 2-s phase sampled every 0.2 s
+    assert [e["t"] for e in trace] == sorted(e["t"] for e in trace)
+    assert all(set(e["engines"]) == {"p", "d"} for e in trace)
+    chosen = [sum(e["chosen"].values()) for e in trace]
+    assert chosen == sorted(chosen) and chosen[-1] <= auto["requests"]
+    assert all(isinstance(e["holding_s"], dict) for e in trace)
+
+
 @pytest.mark.parametrize("strategy", ["data_parallel", "pd"])
 async def test_each_request_reports_where_its_first_token_time_went(up, admin, tok, strategy):
     """router/handover.py: one request adds one observation to each stage it went through;
