@@ -90,11 +90,19 @@ def start_engine(model: str, port: int, *args: str, api_key: str | None = None
 
 
 def stop_engines(procs) -> None:
-    """SIGTERM every engine, then wait for each (30 s)."""
+    """SIGTERM every engine, then wait for each (30 s); one still running then is killed, and
+    said so (on one H200, 2026-11-28, a sender of cuda_ipc sends outlived its SIGTERM by 30 s
+    after the tpot windows, P and D stopped together: not reproduced on CPU)."""
     for proc in procs:
         proc.terminate()
     for proc in procs:
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            print(f"engine {' '.join(proc.args[6:8])} still running 30 s after SIGTERM: "
+                  "killed", file=sys.stderr, flush=True)
+            proc.kill()
+            proc.wait()
 
 
 async def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -226,6 +234,10 @@ async def decode_times(d: EngineClient, vocab: int, rng, streams: int, max_token
 
 
 TPOT_WINDOWS = ("idle", "rpc", "copy", "compute")
+# each stream's tokens before it starts again: ~3 s at 6 ms a token, so every 4-s window sees
+# contexts over the whole range (with 2,936, a window fell at one end of the range or the
+# other, and the rounds of one H200 run read 0.92-1.25x for the same load)
+TPOT_TOKENS = 512
 
 
 async def measure_tpot(p: EngineClient, d: EngineClient, vocab: int, page_size: int, rng,
@@ -417,7 +429,7 @@ async def main() -> None:
         for kind in (k for k in kinds if k != "tcp") if "tpot" in modes and gpu else ():
             n = min(3000, max(lengths))
             r = await measure_tpot(clients["p"], clients[kind], mc.vocab_size, 16, rng,
-                                   n, max_tokens=max(lengths) - 64, rounds=args.tpot_rounds)
+                                   n, max_tokens=TPOT_TOKENS, rounds=args.tpot_rounds)
             print(f"\nD's decode while receiving with {kind} (16 streams; "
                   f"{r['sends']['rpc']} prep_recv/abort pairs alone, {r['sends']['copy']} "
                   f"copies and {r['sends']['compute']} computed sends of {n:,} tokens in the "
