@@ -555,7 +555,7 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
                                                    step_priority=-1) for k in (16, 4096)},
            "beside-copies-hipri-dma": partial(beside_copies, dma_only=True, step_priority=-1),
            **{f"beside-copies-{way}-k{k}": partial(beside_copies, copy_programs=k, one_way=way)
-              for way in ("out", "in") for k in (4, 16)},
+              for way in ("out", "in") for k in (1, 2, 4, 16)},
            **{f"beside-copies-dma-{way}": partial(beside_copies, dma_only=True, one_way=way)
               for way in ("out", "in")},
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
