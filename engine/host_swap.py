@@ -25,7 +25,11 @@ for the prefix cache's demotions below, a copy is staged:
 and the reverse on the way in (DMA into staging, then one index_copy_ into the pool): a
 device-to-device pass (GB/s in the hundreds) turns 64 small DMAs a page into one large one.
 Staged copies slowed a decode step beside them 9-10% on an H200 (docs/benchmarks.md, "A decode
-step beside the host tier's copies"); `bench/host_copy.py` measures each way's rate.
+step beside the host tier's copies"); `bench/host_copy.py` measures each way's rate. What that
+costs depends on the way: one way at a time beside the same steps (docs/benchmarks.md, "The
+host tier's copies one way at a time"), a DMA out cost nothing (-0.3%) and a DMA in 16%, where
+the kernel cost 12% out and 3% in at 16 programs (1.7% and 2.8-3.4% at 4). So the demotions
+below (a DMA out) need no narrow grid.
 
 On CUDA the copies run on a stream of their own. A copy out first waits for the compute
 stream (the step in flight may still be writing the pages); the GPU pages stay held until its
