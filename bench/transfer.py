@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import secrets
@@ -91,8 +92,8 @@ def start_engine(model: str, port: int, *args: str, api_key: str | None = None
 
 def stop_engines(procs) -> None:
     """SIGTERM every engine, then wait for each (30 s); one still running then is killed, and
-    said so (on one H200, 2026-11-28, a sender of cuda_ipc sends outlived its SIGTERM by 30 s
-    after the tpot windows, P and D stopped together: not reproduced on CPU)."""
+    said so. (An engine exits once its connections have closed: a client's channel left open,
+    as EngineClient.aclose did until it awaited the channel's end, held it.)"""
     for proc in procs:
         proc.terminate()
     for proc in procs:
@@ -290,8 +291,9 @@ async def measure_tpot(p: EngineClient, d: EngineClient, vocab: int, page_size: 
         lo += 0.2  # skip the switch between loads
         per_stream = [(hi - lo) / c for c in (sum(lo <= t < hi for t in ts) for ts in times) if c]
         gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]) if lo <= a and b < hi)
-        windows[name].append({"tpot_ms": 1e3 * statistics.mean(per_stream),
-                              "gap_p99_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))]})
+        windows[name].append({  # (a window with no token: nan, not a crash)
+            "tpot_ms": 1e3 * statistics.mean(per_stream) if per_stream else math.nan,
+            "gap_p99_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else math.nan})
     out = {"sends": sends, "rounds": windows}
     for name, got in windows.items():
         out[name] = {"tpot_ms": statistics.median(w["tpot_ms"] for w in got),
@@ -405,6 +407,7 @@ async def main() -> None:
     procs = {k: start_engine(model, port, *common, *placed[k], *transfer[k], api_key=ENGINE_KEY)
              for k, port in ports.items()}
     urls = {k: f"http://127.0.0.1:{port}" for k, port in ports.items()}
+    clients: dict[str, EngineClient] = {}
     try:
         for k in procs:
             await wait_healthy(urls[k], procs[k])
@@ -443,9 +446,9 @@ async def main() -> None:
                                  zip(r["rounds"][name], r["rounds"]["idle"]))
                 print(f"| {name} | {r[name]['tpot_ms']:.2f} ms | {r[name]['vs_idle']:.3f}x | "
                       f"{r[name]['gap_p99_ms']:.2f} ms | {each} |")
-        for c in clients.values():
-            await c.aclose()
     finally:
+        for c in clients.values():  # first: an engine waits for its open connections to close
+            await c.aclose()
         stop_engines(procs.values())
         shutil.rmtree(group, ignore_errors=True)
 

@@ -455,7 +455,16 @@ class EngineClient:
             self._channel.close_when_idle()
 
     async def aclose(self) -> None:
+        """close(), and an idle channel's connection closed by the time this returns: a
+        script that stops the engine next (its loop then blocked on the engine's exit, say)
+        would otherwise leave the channel's reader cancelled but never run, its connection
+        open, and the engine waiting for it to close before it exits."""
         self.close()
+        channel = self._channel
+        task = channel._task if channel is not None else None
+        if (task is not None and not channel.queues
+                and channel.loop is asyncio.get_running_loop()):
+            await asyncio.gather(task, return_exceptions=True)
 
     # -- plumbing ------------------------------------------------------------------------------
 

@@ -229,3 +229,30 @@ def test_frames_decode_back_into_items():
     frames = FrameDecoder(msgspec.Raw)
     got = [msgspec.msgpack.decode(raw, type=ChannelItem) for raw in frames.feed(data)]
     assert got == items
+
+
+def test_after_aclose_an_engine_stopped_at_once_exits_at_once(tiny_served_dir, tmp_path):
+    """EngineClient.aclose() returns with its idle channel's connection closed: an engine sent
+    SIGTERM right after, while the caller's loop is blocked waiting for it (a script's
+    teardown), exits within seconds. (Before, the channel's reader was cancelled but never
+    ran, its connection stayed open, and the engine waited for it: 30 s and a kill in
+    bench.transfer.)"""
+    daemon = Daemon(tiny_served_dir, tmp_path / "daemon.log", "aclose", "--max-model-len", "512",
+                    "--api-key", ENGINE_KEY)
+    try:
+        daemon.wait_ready()
+
+        async def run():
+            client = EngineClient(daemon.url, api_key=ENGINE_KEY)
+            assert len(await tokens_of(client, "one", prompts(1, seed=6)[0])) == MAX_TOKENS
+            assert client._channel is not None and not client._channel.queues
+            await client.aclose()
+            assert client._channel._task.done()
+            daemon.terminate()
+            return daemon.proc.wait(10)  # blocks this loop, as stop_engines does
+
+        assert asyncio.run(run()) == 0
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.kill()
+            daemon.proc.wait()
