@@ -60,7 +60,7 @@ ROOM_SHARE = 0.5  # a decode engine has room at or below this share of saturated
 PROMPT_SHARE = 0.3  # a step stretched by prompts: they take this share or more of the time
 # Of the TPOT target: an engine's mean step this long, with prompts PROMPT_SHARE of its time,
 # is stretched by them. It was the choice model's STEP_SHARE (0.8, 20 ms), and the rule held
-# "at every poll for window_s" only 100 and 280 s into a 3,000/100 phase at 9 req/s per GPU
+# "at every poll for window_s" only ~97 and ~278 s into a 3,000/100 phase at 9 req/s per GPU
 # over two "any" engines (two pairs of H200s, 2026-11-28: that phase's goodput 0.98x and 0.85x
 # balanced P/D's). By the fit's costs a step there averages ~24 ms (2,048-token chunks of ~55
 # ms two-thirds of the time, ~10-ms decode steps the rest), so a poll's mean crosses 20 ms
