@@ -11,10 +11,10 @@ GPU is one Triton kernel with a small grid that moves every fragment straight be
 and the pinned host pages (engine/kernels/host_pages.py): no staging buffer, no copy engine, and
 at most `copy_programs` SMs taken from the step beside it. A copy that steps run beside (a
 proactive copy out, a prefetch back) takes the narrower `beside_programs` grid: what slows a
-decode step beside a copy is the copy's rate over PCIe while it runs (on an H200 the same bytes
-cost a step 8-9% at 16 programs, 48 GB/s, or by DMA, against 2.5% at 4 programs; between two
-device buffers 0.6%: docs/benchmarks.md, "What slows a decode step beside the host tier's
-copies"), and such a copy has steps' time to land in. A copy the GPU would otherwise wait for
+decode step beside a copy is the copy's rate over PCIe while it runs (on an H200 the same bytes,
+both ways in turn, cost a step 8-9% at 16 programs, 48 GB/s, or by DMA, against 2.5% at 4
+programs; between two device buffers 0.6%: docs/benchmarks.md, "What slows a decode step
+beside the host tier's copies"), and such a copy has steps' time to land in. A copy the GPU would otherwise wait for
 (a page short, an admission's copy back, the start-up measurement) takes the wide grid. Where
 that kernel does not apply (a tensor-parallel engine's several pools, `copy_programs=0`) and
 for the prefix cache's demotions below, a copy is staged:

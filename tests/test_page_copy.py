@@ -97,3 +97,14 @@ def test_warm_up_leaves_the_pool_as_it_was_and_no_send_compiles_after_it():
     finally:
         knobs.runtime.jit_cache_hook = saved
     assert compiled == []
+
+
+def test_the_copy_grid_from_the_environment_is_a_number_of_programs_or_an_error_naming_it():
+    """MICROSERVE_KV_COPY_PROGRAMS (kvcache/transfer/cuda_ipc.py, a diagnosis): 1-4,096
+    programs; anything else fails when the engine starts, naming the variable."""
+    from kvcache.transfer.cuda_ipc import _copy_programs
+
+    assert [_copy_programs(v) for v in ("132", "1", "4096", " 8 ")] == [132, 1, 4096, 8]
+    for bad in ("0", "-3", "4097", "abc", "", "1.5"):
+        with pytest.raises(ValueError, match="MICROSERVE_KV_COPY_PROGRAMS"):
+            _copy_programs(bad)

@@ -64,6 +64,19 @@ def ipc_export(kv: torch.Tensor) -> dict:
     }
 
 
+def _copy_programs(text: str) -> int:
+    """MICROSERVE_KV_COPY_PROGRAMS's value: a grid of 1 to 4,096 programs, or an error that
+    names it at import (the engine's start), not at its first send."""
+    try:
+        programs = int(text)
+    except ValueError:
+        programs = 0
+    if not 1 <= programs <= 4096:
+        raise ValueError(f"MICROSERVE_KV_COPY_PROGRAMS={text!r}: a whole number of copy "
+                         "kernel programs from 1 to 4096 (default 132)")
+    return programs
+
+
 class CudaIpcBackend(ShmBackend):
     """A receiver's pool on `device`, exported to same-host senders by CUDA IPC."""
 
@@ -92,7 +105,7 @@ class CudaIpcPeer(ShmPeer):
     # 798-899, neither slowing the pass outside the +-1% noise; alone 0.9-1.9 TB/s vs 0.8-1.3.
     # MICROSERVE_KV_COPY_PROGRAMS (a diagnosis, `bench.transfer --modes tpot`): another grid,
     # to see how a receiver's decode steps follow the rate the copies land at.
-    num_programs = int(os.environ.get("MICROSERVE_KV_COPY_PROGRAMS", "132"))
+    num_programs = _copy_programs(os.environ.get("MICROSERVE_KV_COPY_PROGRAMS", "132"))
     rows_at_once = 8
     _stream: torch.cuda.Stream | None = None
     _held: Window | None = None  # the window whose entry this peer holds locked, copies queued
