@@ -499,6 +499,17 @@ def _write(path: str, record: dict) -> None:
         json.dump(record, f, indent=1)
 
 
+def seconds(text: str) -> float:
+    """A duration option: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds >= 0")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.strategies", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -536,7 +547,7 @@ def parser() -> argparse.ArgumentParser:
                          "arrivals of seed --seed + r, and print each one's P99 JCT against "
                          "the first strategy's round by round")
     ap.add_argument("--run-timeout-s", type=float, default=600.0)
-    ap.add_argument("--trace-s", type=float, default=1.0,
+    ap.add_argument("--trace-s", type=seconds, default=1.0,
                     help="how often an `auto` run's view of the engines and its role rules "
                          "are sampled into the JSON's strategy_trace (0: never)")
     ap.add_argument("--ready-timeout-s", type=float, default=900.0)

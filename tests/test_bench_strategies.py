@@ -225,3 +225,17 @@ async def test_waiting_for_a_deployment_whose_process_exited_fails_at_once():
     finally:
         await bench.close()
     assert time.monotonic() - start < 5
+
+
+def test_trace_s_takes_seconds_from_zero_and_refuses_the_rest(capsys):
+    """--trace-s 0 turns the trace off; a negative, infinite or non-number value is refused
+    by the parser (a negative one would poll the router without a pause)."""
+    from bench.strategies import parser
+
+    base = ["--base-url", "http://x", "--strategy", "dp", "--rates", "1"]
+    assert parser().parse_args([*base, "--trace-s", "0"]).trace_s == 0.0
+    assert parser().parse_args([*base, "--trace-s", "0.5"]).trace_s == 0.5
+    for bad in ("-1", "inf", "nan", "x"):
+        with pytest.raises(SystemExit):
+            parser().parse_args([*base, "--trace-s", bad])
+        assert "a number of seconds >= 0" in capsys.readouterr().err
