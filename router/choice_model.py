@@ -131,7 +131,11 @@ class ChoiceModel:
             return
         steps = stats.steps - last.steps
         busy = stats.step_seconds - last.step_seconds
-        if steps <= 0 or busy <= 0:  # idle, or restarted (the counters went back)
+        if steps < 0 or busy < 0:  # restarted: the counters went back
+            return
+        if steps == 0 or busy == 0:  # idle the whole poll: no prompt took any of its time
+            if engine in self.busy:  # (a share that froze here kept an idle P priced busy)
+                self.busy[engine] *= 1 - BUSY_SMOOTHING
             return
         prompt = stats.prompt_tokens_computed - last.prompt_tokens_computed
         self.step_s[engine] = step = busy / steps

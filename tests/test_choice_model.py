@@ -148,6 +148,15 @@ def test_each_engines_share_of_time_on_prompts_is_measured_from_its_polls(model)
     engine = any_engine("probe", decoding=60)
     a, c, _ = model.costs()
     assert model.tpot_s(engine) == pytest.approx((a + c * 61) / (1 - 0.7 * share))
+    # a poll in which it ran no step at all: its share falls as by any prompt-free poll, its
+    # last measured step stays (no step measured nothing)
+    idle = replace(third, idle_seconds=third.idle_seconds + 0.5)
+    model.observe("probe", idle)
+    assert model.busy["probe"] == pytest.approx(0.7 * 0.7 * share)
+    assert model.step_s["probe"] == pytest.approx(A + C * 10)
+    # a restart (the counters went back) reads as nothing
+    model.observe("probe", Stats(steps=3, step_seconds=0.1))
+    assert model.busy["probe"] == pytest.approx(0.7 * 0.7 * share)
     del model.busy["probe"], model.step_s["probe"], model.step_smoothed_s["probe"]
 
 
