@@ -299,16 +299,22 @@ class Bench:
         describes none of it."""
         if not self.args.trace_s:
             return
+        seen = None  # the flips the strategy had made when last sampled
         while True:
             await asyncio.sleep(self.args.trace_s)
             with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
                 settings = (await self.admin.get("/admin/strategy")).json()["active"]["settings"]
                 last, roles = settings.get("last") or {}, settings.get("flip_roles") or {}
+                flips = roles.get("flips") or []
                 if "engines" in last:
                     into.append({"t": round(time.perf_counter() - start, 2),
                                  "engines": last["engines"], "chosen": settings.get("chosen"),
-                                 "holding_s": roles.get("holding_s"),
-                                 "flips": len(roles.get("flips", ()))})
+                                 "holding_s": roles.get("holding_s"), "flips": len(flips),
+                                 # each flip since the last sample: engine, roles, rule
+                                 "flipped": [{k: v for k, v in f.items() if k != "at"}
+                                             for f in flips[len(flips) if seen is None
+                                                            else seen:]]})
+                seen = len(flips)
 
 
 def parse_rate(text: str) -> float | str:

@@ -54,6 +54,22 @@ def test_each_phase_gets_medians_and_rule_shares_and_each_flip_its_phase():
     ]
 
 
+def test_a_flip_in_a_phase_whose_name_came_before_counts_from_its_own_start_and_is_named():
+    """chat, synthetic, chat: a flip in the second chat phase is timed from that phase's
+    start, not the first's; a trace that kept what flipped names the engine, roles and rule."""
+    run = {"strategy": "auto",
+           "phases": [{"workload": "chat", "rate_per_gpu": 28.0, "seconds": 2.0},
+                      {"workload": "synthetic", "rate_per_gpu": 9.0, "seconds": 3.0},
+                      {"workload": "chat", "rate_per_gpu": 28.0, "seconds": 2.0}],
+           "strategy_trace": [
+               {"t": 4.5, "engines": {"p": engine(0.05, 0.8)}, "holding_s": {}, "flips": 1},
+               {"t": 6.0, "engines": {"p": engine(0.007, 0.1)}, "holding_s": {}, "flips": 2,
+                "flipped": [{"engine": "p", "from": "prefill", "to": "decode",
+                             "reason": "decode_bound", "flipped": True}]}]}
+    assert summarize(run)[-1] == ("  flip 2 seen at 6.0 s (chat@28, 1.0 s into it): p prefill "
+                                  "-> decode by decode_bound")
+
+
 def test_a_run_without_a_trace_says_so_and_the_cli_picks_runs_by_label(tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"runs": [RUN, {"strategy": "dp", "phases": []}]}))

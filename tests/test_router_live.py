@@ -707,6 +707,10 @@ async def test_an_auto_run_keeps_a_trace_of_what_it_saw_and_a_fixed_one_none(up,
     chosen = [sum(e["chosen"].values()) for e in trace]
     assert chosen == sorted(chosen) and chosen[-1] <= auto["requests"]
     assert all(isinstance(e["holding_s"], dict) for e in trace)
+    # each flip once, in the sample that first saw it, named (none before the first sample)
+    assert sum(len(e["flipped"]) for e in trace) == trace[-1]["flips"] - trace[0]["flips"]
+    assert trace[0]["flipped"] == []
+    assert all({"engine", "from", "to", "reason"} <= set(f) for e in trace for f in e["flipped"])
 
 
 @pytest.mark.parametrize("strategy", ["data_parallel", "pd"])

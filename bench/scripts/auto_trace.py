@@ -61,11 +61,16 @@ def summarize(run: dict) -> list[str]:
             lines.append(f"    {rule} holding in {held / len(samples):.0%} of samples")
     bounds = phase_bounds(run)
     for before, after in zip(trace, trace[1:]):
+        # (two phases may share a name: the bounds, not the name, say which one it fell in)
+        phase, start, _ = next((b for b in bounds if b[1] <= after["t"] < b[2]), ("?", 0, 0))
+        flipped = after.get("flipped") or []  # runs before 2026-11-29 kept only the count
         for k in range(before.get("flips", 0), after.get("flips", 0)):
-            phase = next((n for n, a, b in bounds if a <= after["t"] < b), "?")
-            into = after["t"] - next((a for n, a, b in bounds if n == phase), 0.0)
-            lines.append(f"  flip {k + 1} seen at {after['t']:.1f} s ({phase}, {into:.1f} s "
-                         "into it)")
+            what = flipped[k - before.get("flips", 0)] if len(flipped) > k - before.get(
+                "flips", 0) else {}
+            detail = (f": {what.get('engine')} {what.get('from')} -> {what.get('to')} by "
+                      f"{what.get('reason')}" if what else "")
+            lines.append(f"  flip {k + 1} seen at {after['t']:.1f} s ({phase}, "
+                         f"{after['t'] - start:.1f} s into it){detail}")
     return lines
 
 
