@@ -76,7 +76,10 @@ class FlipSettings:
 
     window_s: float = 10.0  # a rule must hold this long before it flips
     cooldown_s: float = 30.0  # after any role change, no flip for this long
-    wait_s: float = 2.0  # a flip waits this long for its old role's work, then flips anyway
+    # a flip waits this long for its old role's work, then flips anyway; 2.0 ended an
+    # any -> prefill flip under 3,000/100 at 9 req/s per GPU 2.005 s after it began (two H200s,
+    # 2026-11-29): past issue 44's 2 s for a flip, so a margin
+    wait_s: float = 1.5
     backlog_tokens: int = 8192  # prompt tokens waiting per prefill engine: prefill-bound
     tpot_share: float = 0.9  # of the TPOT target: a decode engine is saturated
     kv_use: float = 0.9  # share of KV pages in use: a decode engine is saturated

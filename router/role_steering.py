@@ -2,7 +2,7 @@
 (router/role_policy.py) once per poll and carries out the flips it decides.
 
     steering = RoleSteering(policy, pool, chosen=lambda: auto.chosen, tpot_s=auto.tpot_s,
-                            wait_s=2.0, measured=auto.measured)
+                            wait_s=1.5, measured=auto.measured)
     steering.start()      # auto's start(): the task begins
     steering.retire()     # auto swapped out: no flip from now on (its requests still run),
                           # and the engines it flipped get their roles from before it back

@@ -78,9 +78,10 @@ class RoleFlips:
         was_draining, engine.draining = engine.draining, True
         loop = asyncio.get_running_loop()
         started = loop.time()
-        try:
-            while old_role_work(engine, old, role) and loop.time() - started < wait_s:
-                await asyncio.sleep(POLL_S)
+        try:  # (to the deadline, not a poll past it: a flip's time is bounded by wait_s)
+            while old_role_work(engine, old, role) and (
+                    left_s := started + wait_s - loop.time()) > 0:
+                await asyncio.sleep(min(POLL_S, left_s))
             left = old_role_work(engine, old, role)
             engine.spec = replace(engine.spec, role=role)
         finally:

@@ -67,3 +67,33 @@ async def test_a_steering_that_flipped_nothing_restores_nothing():
     await s.stop()
     await asyncio.sleep(0)
     assert pool.roles.calls == []
+
+
+async def test_a_flip_whose_old_work_never_drains_ends_at_its_wait_not_a_poll_after():
+    """router/roles.py: decodes still open on an engine turning prefill; the flip waits
+    `wait_s` for them (polling every POLL_S), then flips with them open, within the bound
+    (it slept a whole poll past it before: an auto flip read 2.005 s against wait_s 2.0)."""
+    from dataclasses import dataclass
+
+    from microserve.metrics import Registry
+    from router.roles import POLL_S, RoleFlips
+
+    @dataclass(frozen=True)
+    class Spec:
+        role: str
+
+    class Engine(SimpleNamespace):  # EngineHandle's parts a flip uses
+        role = property(lambda self: self.spec.role)
+
+    engine = Engine(spec=Spec("decode"), draining=False, open_generations=3, open_receives=0,
+                    open_sends=0)
+    flips = RoleFlips({"d": engine}, Registry())
+    wait_s = 2.1 * POLL_S  # not a whole number of polls
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await flips.flip("d", "prefill", wait_s)
+    took = loop.time() - started
+    assert (result["from"], result["to"], result["flipped"], result["left"]) == (
+        "decode", "prefill", True, 3)
+    assert wait_s <= result["waited_s"] <= took < wait_s + POLL_S / 2
+    assert engine.spec.role == "prefill" and engine.draining is False
