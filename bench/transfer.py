@@ -144,6 +144,7 @@ async def measure(p: EngineClient, d: EngineClient, n: int, vocab: int, page_siz
     r = await d.call(PrepRecvRequest(f"copy-{tag}", ctx, end=cached))
     copy_s, sent = await timed(p.call(RemoteSendRequest(f"copy-{tag}", ctx, 0, cached, r.kv_addr)))
     assert sent.reused == cached and sent.computed == 0, sent
+    timing = sent.timing  # P's own parts of the copy's time; the rest is the hops
     await d.call(AbortRequest(f"copy-{tag}"))
     new = fresh(rng, vocab, n)
     r = await d.call(PrepRecvRequest(f"compute-{tag}", new, end=n))
@@ -152,7 +153,9 @@ async def measure(p: EngineClient, d: EngineClient, n: int, vocab: int, page_siz
     p_prefill_s, _ = await timed(prefill_on(p, f"p-local-{tag}", fresh(rng, vocab, n)))
     prefill_s, _ = await timed(prefill_on(d, f"local-{tag}", fresh(rng, vocab, n)))
     return {"copy_s": copy_s, "copied": sent.reused, "compute_s": compute_s,
-            "p_prefill_s": p_prefill_s, "prefill_s": prefill_s}  # fmt: skip
+            "p_prefill_s": p_prefill_s, "prefill_s": prefill_s,
+            "copy_queued_s": timing.queued_s if timing else math.nan,
+            "copy_tail_s": timing.tail_s if timing else math.nan}  # fmt: skip
 
 
 def fresh(rng, vocab: int, n: int) -> list[int]:
@@ -311,17 +314,18 @@ async def median_runs(measure_one, repeat: int) -> dict:
 
 
 async def table_send(clients, kinds, lengths, mc, kv_bytes_per_token, repeat, rng) -> None:
-    print("| backend | tokens | copy: remote_send from P's cache | MB/s | "
-          "compute: remote_send, prefill on P | prefill on P alone | prefill on D alone | "
-          "compute / P alone |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| backend | tokens | copy: remote_send from P's cache | of it on P: queued / tail "
+          "(the rest: the hops) | MB/s | compute: remote_send, prefill on P | prefill on P "
+          "alone | prefill on D alone | compute / P alone |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind in kinds:
         for n in lengths:
             med = await median_runs(lambda: measure(clients["p"], clients[kind], n,
                                                     mc.vocab_size, 16, rng), repeat)
             mb_s = med["copied"] * kv_bytes_per_token / med["copy_s"] / 1e6
             print(f"| {kind} | {n:,} | {med['copy_s'] * 1e3:.1f} ms "
-                  f"({int(med['copied'])} tokens) | {mb_s:,.0f} | "
+                  f"({int(med['copied'])} tokens) | {med['copy_queued_s'] * 1e3:.2f} / "
+                  f"{med['copy_tail_s'] * 1e3:.2f} ms | {mb_s:,.0f} | "
                   f"{med['compute_s'] * 1e3:.0f} ms | {med['p_prefill_s'] * 1e3:.0f} ms | "
                   f"{med['prefill_s'] * 1e3:.0f} ms | "
                   f"{med['compute_s'] / med['p_prefill_s']:.2f}x |",
