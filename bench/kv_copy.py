@@ -5,6 +5,11 @@ GB/s alone on one GPU, >= 150 GB/s beside the forward pass with <= 2% slowdown).
     python -m bench.kv_copy [--tokens 3000] [--grids 66,132,264] [--rows 1,2,4,8]
     python -m bench.kv_copy --beside-forward random:llama-3.1-8b [--step-tokens 512,2048]
         [--grids 16,32,66,132] [--rows 4,8,16]
+    python -m bench.kv_copy --receiver-device cuda:1 [--grids 16,32,66,132] [--rows 8]
+
+The third form times the cuda_ipc peer alone (one `write_layers` of every layer and its flush,
+no engine, no RPC) into a receiver process's pool on another GPU: the copy kernel across NVLink,
+what an engine's copy of cached pages costs beneath its calls (issue 37).
 
 The second form is the target's own measurement: the engine's real forward pass of a prefill
 step (ModelRunner, CUDA graphs as the engine runs them) on the default stream, and one step's
@@ -99,7 +104,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15, help="beside the forward pass: pairs")
     ap.add_argument("--priorities", default="normal",
                     help="beside the forward pass: the copy stream's priorities (normal,high)")
+    ap.add_argument("--receiver-device", default=None, metavar="cuda:N",
+                    help="only the cuda_ipc peer end to end, with the receiver's pool on this "
+                         "GPU (another of this host: the copy across NVLink), at --grids and "
+                         "the largest of --rows")
     args = ap.parse_args()
+    if args.receiver_device:
+        grids = tuple(int(g) for g in args.grids.split(","))
+        rows = max(int(r) for r in args.rows.split(","))
+        print(json.dumps({"device": torch.cuda.get_device_name(), "tokens": args.tokens,
+                          "bytes_moved": bytes_moved(args.tokens),
+                          "peer": peer_end_to_end(args.tokens, grids, args.receiver_device,
+                                                  rows)}, indent=1))
+        return
     if args.beside_forward:
         print(json.dumps(beside_forward(args), indent=1))
         return
@@ -248,20 +265,23 @@ from kvcache.transfer import KVLayout, make_backend
 from kvcache.transfer.auth import transfer_key
 import json
 layout = KVLayout(**json.loads(sys.argv[1]))
-backend = make_backend("cuda_ipc", layout, int(sys.argv[2]), "cuda", key=transfer_key("bench"))
+backend = make_backend("cuda_ipc", layout, int(sys.argv[2]), sys.argv[3], key=transfer_key("bench"))
 w = backend.open_window()
 print(json.dumps({"descriptor": backend.descriptor(), "window": [w.index, w.tag]}), flush=True)
 sys.stdin.read()
 """
 
 
-def peer_end_to_end(tokens: int) -> dict:
-    """A receiver in another process on this GPU; the sender writes every layer through the
-    cuda_ipc peer in one `write_layers` and flushes (as the transfer thread does)."""
+def peer_end_to_end(tokens: int, grids: tuple[int, ...] = (66, 132, 264),
+                    receiver_device: str = "cuda", rows_at_once: int = 8) -> dict:
+    """A receiver in another process, on this GPU or `receiver_device` (another GPU of this
+    host: its pool mapped here by CUDA IPC with peer access, as between two engines); the
+    sender writes every layer through the cuda_ipc peer in one `write_layers` and flushes (as
+    the transfer thread does): the copy kernel, its wait and the window's lock, no engine."""
     pages = -(-tokens // 16) + 64
     proc = subprocess.Popen([sys.executable, "-c", RECEIVER, json.dumps(LAYOUT.to_dict()),
-                             str(pages)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+                             str(pages), receiver_device], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     try:
         hello = json.loads(proc.stdout.readline())
         src = torch.randn(LAYOUT.pool_shape(pages), device="cuda").to(torch.bfloat16)
@@ -272,7 +292,8 @@ def peer_end_to_end(tokens: int) -> dict:
         s = torch.arange(tokens, device="cuda")
         d = s[torch.randperm(tokens, device="cuda")]
         results = {}
-        for grid in (66, 132, 264):
+        peer.rows_at_once = rows_at_once
+        for grid in grids:
             peer.num_programs = grid
             times = []
             for _ in range(8):
@@ -283,7 +304,8 @@ def peer_end_to_end(tokens: int) -> dict:
             sec = statistics.median(times[2:])
             results[str(grid)] = {"ms": sec * 1e3, "GB/s": bytes_moved(tokens) / sec / 1e9}
         peer.close()
-        return {"open_ms": open_s * 1e3, "write_all_layers": results}
+        return {"receiver": receiver_device, "open_ms": open_s * 1e3,
+                "rows_at_once": rows_at_once, "write_all_layers": results}
     finally:
         proc.stdin.close()
         proc.wait(30)
