@@ -80,7 +80,8 @@ async def run(args) -> None:
             await wait_healthy(urls[k], procs[k])
         clients = {k: EngineClient(u, api_key=ENGINE_KEY) for k, u in urls.items()}
         p, d = clients["p"], clients["d"]
-        ctx = fresh(random.Random(0), vocab, args.tokens)
+        rng = random.Random(0)
+        ctx = fresh(rng, vocab, args.tokens)
         await prefill_on(p, "warm", ctx)
         cached = args.tokens // 16 * 16
         walls, queued, tails = [], [], []
@@ -95,6 +96,11 @@ async def run(args) -> None:
                                         "-r", "1000", "-d", str(max(1, int(args.seconds / 2))),
                                         "-f", "raw", "-o", args.py_spy, "--nonblocking"],
                                        stdout=subprocess.DEVNULL)
+            if args.fresh:  # as bench.transfer: a context P has just computed, each time
+                ctx = fresh(rng, vocab, args.tokens)
+                await prefill_on(p, f"warm-{i}", ctx)
+                if args.pause_s:
+                    await asyncio.sleep(args.pause_s)
             r = await d.call(PrepRecvRequest(f"copy-{i}", ctx, end=cached))
             wall, sent = await timed(p.call(RemoteSendRequest(f"copy-{i}", ctx, 0, cached,
                                                               r.kv_addr)))
@@ -135,6 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--base-port", type=int, default=18300)
+    ap.add_argument("--fresh", action="store_true",
+                    help="copy a context P has just prefilled each time (bench.transfer's "
+                         "copy), not the same one")
+    ap.add_argument("--pause-s", type=float, default=0.0,
+                    help="with --fresh: wait this long between the prefill and the copy")
     ap.add_argument("--py-spy", default=None, metavar="FILE",
                     help="sample P with py-spy meanwhile; its collapsed stacks go here")
     args = ap.parse_args(argv)
