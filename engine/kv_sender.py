@@ -199,7 +199,7 @@ class Sending:
             raise MicroservingError(502, f"cannot reach the receiver: {e}") from None
         if have > begin:
             try:
-                src = slot_tensor(self.kv.slot_ranges(request_id, begin, have))
+                src = torch.from_numpy(self.kv.slots(request_id, begin, have))
                 self.sender.write_all_layers(request_id, src, dst[:have - begin])
             except BaseException:
                 self.sender.cancel(request_id)
@@ -218,7 +218,7 @@ class Sending:
         lo, hi = max(start, job.begin), min(start + num_new, job.end)
         if lo >= hi:
             return None
-        src = slot_tensor(self.kv.slot_ranges(seq.request_id, lo, hi))
+        src = torch.from_numpy(self.kv.slots(seq.request_id, lo, hi))
         return KVSend(seq.request_id, src, job.dst_slots[lo - job.begin : hi - job.begin])
 
     def computed(self, seq: Sequence) -> None:

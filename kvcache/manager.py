@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvcache.host_tier import HostTier
 from kvcache.integrity import IntegrityError
 from kvcache.page_pool import PagePool
@@ -175,6 +177,21 @@ class KVCacheManager:
         thread or a peer outside the compute stream touches pages they used."""
         if self.cache.mover is not None:
             self.cache.mover.settle()
+
+    def slots(self, seq_id: str, begin: int, end: int) -> np.ndarray:
+        """The flat slots of positions [begin, end) of a sequence, one int64 per position, in
+        order: what a sender's copy reads. Computed per page by numpy (a 3,000-token send
+        names 2,992 slots: ~10 us, where the run-length form and its expansion took ~100 on
+        this project's CPU machine and ~0.1 ms a send on an H200's host, py-spy 2026-11-29)."""
+        table, ps = self._tables[seq_id], self.page_size
+        if end > len(table) * ps:
+            raise ValueError(f"positions up to {end} beyond the {len(table) * ps} held")
+        if end <= begin:
+            return np.empty(0, dtype=np.int64)
+        first = begin // ps
+        pages = np.asarray(table[first:(end - 1) // ps + 1], dtype=np.int64)
+        flat = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).ravel()
+        return flat[begin - first * ps:end - first * ps]
 
     def slot_ranges(self, seq_id: str, begin: int, end: int) -> list[tuple[int, int]]:
         """The flat slots (page * page_size + offset) of positions [begin, end) of a sequence,

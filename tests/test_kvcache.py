@@ -1,5 +1,6 @@
 """Exact tests of the page pool, the radix prefix cache and per-sequence page tables."""
 
+import numpy as np
 import pytest
 
 from kvcache.manager import KVCacheManager, PageCopy
@@ -305,6 +306,8 @@ def test_prep_recv_reserves_after_the_cached_prefix_and_gives_slots():
     assert m.slot_ranges("r", 8, 14) == [(8, 6)]  # slots 8..13: pages 2 and 3 are adjacent
     with pytest.raises(ValueError, match="positions up to 17 beyond the 16 held"):
         m.slot_ranges("r", 8, 17)
+    with pytest.raises(ValueError, match="positions up to 17 beyond the 16 held"):
+        m.slots("r", 8, 17)
     m.check_integrity()
     # Not enough pages: None, and nothing is held.
     assert m.prep_recv("big", toks(40, start=100)) is None
@@ -331,6 +334,10 @@ def test_slot_ranges_are_the_run_length_form_of_each_positions_slot_over_scatter
                 else:
                     runs.append([s, 1])
             assert m.slot_ranges("a", begin, end) == [tuple(r) for r in runs], (table, begin, end)
+            # ... and the same slots one per position, as a sender's copy reads them
+            assert m.slots("a", begin, end).tolist() == [table[i // PS] * PS + i % PS
+                                                         for i in range(begin, end)]
+            assert m.slots("a", begin, end).dtype == np.int64
     assert len(m.slot_ranges("a", 0, 30)) > 1  # the table really is scattered
 
 
