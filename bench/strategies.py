@@ -305,16 +305,17 @@ class Bench:
             with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
                 settings = (await self.admin.get("/admin/strategy")).json()["active"]["settings"]
                 last, roles = settings.get("last") or {}, settings.get("flip_roles") or {}
-                flips = roles.get("flips") or []
+                flips = roles.get("flips") or []  # the last few the router keeps
+                total = roles.get("flips_total", len(flips))  # every one so far
+                new = 0 if seen is None else min(total - seen, len(flips))
                 if "engines" in last:
                     into.append({"t": round(time.perf_counter() - start, 2),
                                  "engines": last["engines"], "chosen": settings.get("chosen"),
-                                 "holding_s": roles.get("holding_s"), "flips": len(flips),
+                                 "holding_s": roles.get("holding_s"), "flips": total,
                                  # each flip since the last sample: engine, roles, rule
                                  "flipped": [{k: v for k, v in f.items() if k != "at"}
-                                             for f in flips[len(flips) if seen is None
-                                                            else seen:]]})
-                seen = len(flips)
+                                             for f in flips[len(flips) - new:]]})
+                seen = total
 
 
 def parse_rate(text: str) -> float | str:

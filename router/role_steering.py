@@ -63,6 +63,7 @@ class RoleSteering:
         self._flipped: dict[str, tuple[str, str]] = {}
         self._restoring: asyncio.Task | None = None  # started by retire()
         self.flips: deque[dict] = deque(maxlen=KEPT_FLIPS)  # written by _flip only
+        self.flips_total = 0  # every flip appended to `flips`, the ones it dropped too
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -98,6 +99,7 @@ class RoleSteering:
                 log.warning("auto: engine %s keeps role %s: %s", name, given, e)
                 continue
             self.flips.append({**result, "reason": "restore", "at": time.time()})
+            self.flips_total += 1
 
     def observation(self, now: float) -> Observation:
         """The pool now, and the choices made since the last observation."""
@@ -132,12 +134,14 @@ class RoleSteering:
             log.warning("auto: no %s flip of engine %s: %s", flip.reason, flip.engine, e)
             return
         self.flips.append({**result, "reason": flip.reason, "at": time.time()})
+        self.flips_total += 1
         if result["flipped"]:
             before = self._flipped.get(flip.engine, (result["from"], ""))[0]
             self._flipped[flip.engine] = (before, result["to"])
 
     def describe(self) -> dict:
-        return {**self.policy.describe(time.monotonic()), "flips": list(self.flips)}
+        return {**self.policy.describe(time.monotonic()), "flips": list(self.flips),
+                "flips_total": self.flips_total}
 
 
 def _kv_use(engine: EngineHandle) -> float:

@@ -9,7 +9,7 @@ import asyncio
 from types import SimpleNamespace
 
 from router.engines import UnknownEngine
-from router.role_policy import Flip
+from router.role_policy import Flip, FlipSettings, RolePolicy
 from router.role_steering import RoleSteering
 
 
@@ -58,6 +58,22 @@ async def test_retired_steering_gives_back_the_roles_from_before_its_first_flip(
     assert {n: e.role for n, e in pool.engines.items()} == {"p": "prefill", "d": "prefill"}
     assert [(f["engine"], f["to"], f["reason"]) for f in s.flips][-1] == (
         "p", "prefill", "restore")
+
+
+async def test_the_flips_shown_are_the_last_few_and_the_total_counts_every_one():
+    """GET /admin/strategy keeps KEPT_FLIPS flips; `flips_total` goes on counting past them
+    (bench.strategies' trace finds each new flip by it)."""
+    from router.role_steering import KEPT_FLIPS
+
+    pool = Pool(p="prefill")
+    s = RoleSteering(RolePolicy(FlipSettings(), slo_tpot_s=0.025), pool, chosen=dict,
+                     tpot_s=lambda e: 0.0, wait_s=2.0)
+    roles = ["any", "prefill"] * KEPT_FLIPS
+    for before, after in zip(["prefill"] + roles, roles):
+        await s._flip(Flip("p", before, after, "chat_like"))
+    shown = s.describe()
+    assert shown["flips_total"] == 2 * KEPT_FLIPS
+    assert [f["to"] for f in shown["flips"]] == roles[-KEPT_FLIPS:]
 
 
 async def test_a_steering_that_flipped_nothing_restores_nothing():
