@@ -11,9 +11,10 @@ One copy is what `bench.transfer`'s "copy" measures: D's prep_recv (not timed), 
 remote_send of the cached pages (timed from this client), D's abort. Prints the copies'
 p50 / p90 wall time and, from P's answer (SendTiming), how much of it P spent from taking the
 call to the KV landing (`queued_s` of an all-cached send) and after (`tail_s`); the rest is the
-hops between this client and P. With --py-spy, `py-spy record --subprocesses --idle --threads -f raw`
-(its threads apart) runs on P for the middle of the loop and writes collapsed stacks to the file given, and the
-heaviest frames of each of P's processes and threads are printed. py-spy is not a dependency;
+hops between this client and P. With --py-spy, `py-spy record --subprocesses --idle
+--threads -f raw` runs on P for the middle of the loop and writes collapsed stacks to the file
+given, and the heaviest frames of each of P's processes and threads are printed (--fresh: a
+context P has just computed each time, as bench.transfer copies). py-spy is not a dependency;
 for a lent GPU machine, `pip download py-spy --no-deps -d .whl` puts its wheel beside the
 others (`bench/scripts/device_wheels.sh`), and `--target /tmp/site` installs the binary in
 /tmp/site/bin (put it on PATH).
