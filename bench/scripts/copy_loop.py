@@ -42,7 +42,8 @@ from microserve.model_files import resolve_model
 def heaviest(raw_path: str, top: int = 25) -> list[str]:
     """The frames py-spy's raw (collapsed) output spends most samples in, as a leaf and
     inclusive, per process and thread (its first two frames)."""
-    leaf, inclusive, per_thread = collections.Counter(), collections.Counter(), collections.Counter()
+    leaf, inclusive = collections.Counter(), collections.Counter()
+    per_thread = collections.Counter()
     with open(raw_path) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
