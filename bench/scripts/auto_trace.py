@@ -64,12 +64,12 @@ def summarize(run: dict) -> list[str]:
         # (two phases may share a name: the bounds, not the name, say which one it fell in)
         phase, start, _ = next((b for b in bounds if b[1] <= after["t"] < b[2]), ("?", 0, 0))
         flipped = after.get("flipped") or []  # runs before 2026-11-29 kept only the count
-        for k in range(before.get("flips", 0), after.get("flips", 0)):
-            what = flipped[k - before.get("flips", 0)] if len(flipped) > k - before.get(
-                "flips", 0) else {}
+        first = before.get("flips", 0)
+        for j in range(after.get("flips", 0) - first):
+            what = flipped[j] if j < len(flipped) else {}
             detail = (f": {what.get('engine')} {what.get('from')} -> {what.get('to')} by "
                       f"{what.get('reason')}" if what else "")
-            lines.append(f"  flip {k + 1} seen at {after['t']:.1f} s ({phase}, "
+            lines.append(f"  flip {first + j + 1} seen at {after['t']:.1f} s ({phase}, "
                          f"{after['t'] - start:.1f} s into it){detail}")
     return lines
 
