@@ -18,9 +18,14 @@ MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will co
 # leave its GEMMs short of work: 400 requests of 1,024 tokens in, 128 out, sent at once, ran
 # at 20.8k tokens/s with 512 and 27.8-30.1k with 2,048 (8,192: the same throughput, twice the
 # inter-token latency while prompts are prefilled); H100, bench.serve, docs/benchmarks.md.
+# A step in which no sequence decodes keeps nobody's next token waiting, so it may take up to
+# max_prefill_step_tokens: 8 x 4,096-token prompts prefilled at 38,266 tokens/s in steps of
+# 8,192 against 33,972 in steps of 2,048 (H100, one call, bench.peers; vLLM's server takes
+# 8,192 a step on such a GPU). None: the step budget (no larger prompt-only steps).
 DEVICE_DEFAULTS = {
-    "cpu": {"max_num_batched_tokens": 512, "max_num_seqs": 256},
-    "cuda": {"max_num_batched_tokens": 2048, "max_num_seqs": 256},
+    "cpu": {"max_num_batched_tokens": 512, "max_num_seqs": 256, "max_prefill_step_tokens": None},
+    "cuda": {"max_num_batched_tokens": 2048, "max_num_seqs": 256,
+             "max_prefill_step_tokens": 8192},
 }
 
 # --kv-cache-dtype: auto is the model's dtype; fp8_e4m3 is fp8's other name (vLLM takes both)
@@ -41,6 +46,10 @@ class EngineConfig:
     # device's default (DEVICE_DEFAULTS).
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    # The budget of a step in which no running sequence decodes (prompt chunks only: a burst
+    # arriving at an idle engine, a long prompt alone, a prefill engine of P/D): at least
+    # max_num_batched_tokens. None: the device's default, raised to max_num_batched_tokens.
+    max_prefill_step_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     # Which waiting and running sequences go first (engine/policies.py): fcfs, priority (the
@@ -187,6 +196,7 @@ class EngineConfig:
 
     def __post_init__(self):
         defaults = DEVICE_DEFAULTS["cuda" if self.device.startswith("cuda") else "cpu"]
+        prefill_given = self.max_prefill_step_tokens is not None
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -203,6 +213,12 @@ class EngineConfig:
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not prefill_given:  # the default never lowers a budget the user raised
+            object.__setattr__(self, "max_prefill_step_tokens", max(
+                self.max_prefill_step_tokens or 0, self.max_num_batched_tokens))
+        elif self.max_prefill_step_tokens < self.max_num_batched_tokens:
+            raise ValueError(f"max_prefill_step_tokens ({self.max_prefill_step_tokens}) must be "
+                             f">= max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"

@@ -104,7 +104,7 @@ class ModelRunner:
         self.lora: LoraModel | None = None  # the adapters' slots, with --lora-modules
         if config.lora:
             # the most tokens one forward runs: a step, or a decode graph's largest bucket
-            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs, 512)
+            max_tokens = max(config.max_prefill_step_tokens, config.max_num_seqs, 512)
             self.lora = LoraModel(self.model, self.config, config.max_loras,
                                   config.max_lora_rank, max_tokens)
         backend = config.attention_backend
@@ -156,10 +156,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_peak_memory(self, max_model_len: int) -> int:
-        """Peak bytes of a step with the full token budget (one long prefill chunk) and a full
-        sampling batch, run on a scratch KV pool just large enough for it."""
+        """Peak bytes of a step with the largest token budget (one long prefill chunk of a
+        prompt-only step) and a full sampling batch, run on a scratch KV pool just large
+        enough for it."""
         config = self.engine_config
-        n = config.max_num_batched_tokens
+        n = config.max_prefill_step_tokens
         pages = -(-n // config.page_size)
         self.allocate_kv(pages, max_model_len, capture_graphs=False)
         torch.cuda.synchronize(self.device)
@@ -189,7 +190,7 @@ class ModelRunner:
 
             backend = TritonAttentionBackend(
                 self.device, c.num_heads, c.num_kv_heads, c.head_dim,
-                max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                max_tokens=max(config.max_prefill_step_tokens, config.max_num_seqs),
                 max_seqs=config.max_num_seqs,
                 max_pages_per_seq=-(-max_model_len // config.page_size),
                 page_size=config.page_size,
@@ -217,7 +218,7 @@ class ModelRunner:
                         self.mixed = MixedGraphs(self.model, self.kv, backend,
                                                  config.max_num_seqs, config.mixed_graph_tokens)
                         self.mixed.capture()
-                    tokens = min(config.max_piecewise_tokens, config.max_num_batched_tokens)
+                    tokens = min(config.max_piecewise_tokens, config.max_prefill_step_tokens)
                     if tokens > 0:
                         self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens)
                         self.pieces.capture()

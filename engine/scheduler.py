@@ -126,14 +126,20 @@ class Scheduler(HostSwapping):
         adapters: AdapterSlots | None = None,
         swapper: KVSwapper | None = None,
         background: Background | None = None,
+        max_prefill_step_tokens: int | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
                 f"({max_num_seqs}) must be >= 1"
             )
+        if max_prefill_step_tokens is not None and max_prefill_step_tokens < max_num_batched_tokens:
+            raise ValueError(f"max_prefill_step_tokens ({max_prefill_step_tokens}) must be >= "
+                             f"max_num_batched_tokens ({max_num_batched_tokens})")
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the budget of a step with no decoding row: a long step then delays nobody's token
+        self.max_prefill_step_tokens = max_prefill_step_tokens or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.policy = policy or FCFS()
         self.adapters = adapters  # None: no LoRA (every sequence runs the base)
@@ -195,7 +201,6 @@ class Scheduler(HostSwapping):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         if self.swapper is not None:
             for seq_id in self.swapper.poll():  # copied out: their GPU pages are free now
                 self.kv.free(seq_id)
@@ -209,6 +214,7 @@ class Scheduler(HostSwapping):
                             if not self._is_background(s))
         decoding = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
+        budget = self.max_num_batched_tokens if decoding else self.max_prefill_step_tokens
         for seq in decoding:
             if budget == 0:
                 break

@@ -2,7 +2,7 @@
 KV goes to the host, when it comes back, and, where copies run beside compute (a GPU engine's
 own stream), how no step waits for one. Mixed into engine/scheduler.py's Scheduler, whose
 fields it uses (`kv`, `swapper`, `running`, `waiting`, `policy`, `max_num_seqs`,
-`max_num_batched_tokens`, `proactive`, `_prefill_pages`) and whose `_preempt` and `_outranked`
+`max_prefill_step_tokens`, `proactive`, `_prefill_pages`) and whose `_preempt` and `_outranked`
 it calls.
 
 Proactive swapping (FastServe's), where copies run beside compute:
@@ -138,7 +138,7 @@ class HostSwapping:
         step's budget of them), once a step: O(running)."""
         prefill = sum(s.num_tokens - s.num_computed_tokens - 1 for s in self.running
                       if s.num_tokens - s.num_computed_tokens > 1)
-        self._prefill_pages = self.kv.pages_needed(None, min(prefill, self.max_num_batched_tokens))
+        self._prefill_pages = self.kv.pages_needed(None, min(prefill, self.max_prefill_step_tokens))
 
     def _growth_pages(self) -> int:
         """Pages the running sequences may take in the next step, at most: a page each, and

@@ -103,6 +103,10 @@ def engine_options(p: argparse.ArgumentParser) -> None:
     _config_option(p, "--max-num-batched-tokens", type=int,
                    help="per-step token budget (prefill chunk + decodes; default: 512 on CPU, "
                         "2048 on CUDA)")
+    _config_option(p, "--max-prefill-step-tokens", type=int,
+                   help="token budget of a step in which no sequence decodes (prompt chunks "
+                        "only), at least --max-num-batched-tokens (default: 8192 on CUDA, the "
+                        "step budget on CPU)")
     _config_option(p, "--max-num-seqs", type=int, help="sequences running at once "
                                                        "(default: 256)")
     _config_option(p, "--max-model-len", type=int,

@@ -109,7 +109,8 @@ def test_table_orients_every_ratio_so_above_one_is_microserve_ahead():
 EXPECTED_ROWS = [
     "start-up s", "first request TTFT ms", "first request e2e ms",
     "decode batch 1 @ 32 ms/token", "prefill 2x32 tokens/s", "decode 4 seqs @ 16 tokens/s",
-    "bench.serve 8x16/4 total tokens/s",
+    "bench.serve 8x16/4 total tokens/s", "bench.serve 8x16/4 TTFT p99 ms",
+    "bench.serve 8x16/4 TPOT p99 ms",
     *(f"poisson {r}/s {m} {q} ms" for r in (4, 8, 16) for m in ("TTFT", "TPOT")
       for q in ("p50", "p99")),
 ]  # fmt: skip

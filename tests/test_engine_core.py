@@ -82,6 +82,33 @@ def test_tiny_chunked_prefill_equals_hf(tiny_model_dir, tiny_ref, overlap):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_tiny_prompt_only_steps_take_the_larger_budget_and_equal_hf(tiny_model_dir, tiny_ref,
+                                                                    overlap):
+    """Steps of 7 tokens while anything decodes, of up to 50 when nothing does (the first
+    step; a long prompt alone): the same tokens as Hugging Face's greedy decoding."""
+    prompts, ref = tiny_ref
+    core = make_core(tiny_model_dir, max_num_batched_tokens=7, max_prefill_step_tokens=50,
+                     async_scheduling=overlap, enable_prefix_cache=False)
+    schedule, steps = core.scheduler.schedule, []
+
+    def recording():
+        out = schedule()
+        steps.append([(e.seq.request_id, e.num_new_tokens) for e in out.scheduled])
+        return out
+
+    core.scheduler.schedule = recording
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+    for i, expected in enumerate(ref):
+        assert got[f"r{i}"][0] == expected, f"prompt {i} (len {len(prompts[i])})"
+    # nothing decodes yet: 50 tokens (r0 1, r1 5, r2 17, r3 27 of its 40)
+    assert steps[0] == [("r0", 1), ("r1", 5), ("r2", 17), ("r3", 27)]
+    assert all(sum(n for _, n in step) <= 7 for step in steps[1:]), steps  # decodes in each
+    steps.clear()
+    assert run_all(core, {"alone": prompts[5]})["alone"][0] == ref[5]
+    assert steps[:3] == [[("alone", 50)], [("alone", 40)], [("alone", 1)]]  # 90 tokens
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 def test_tiny_prefix_cache_hits_equal_hf(tiny_model_dir, overlap):
     (shared,) = random_prompts([37], seed=1)
     tails = random_prompts([3, 11, 1], seed=2)

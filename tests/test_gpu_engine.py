@@ -34,7 +34,8 @@ def tiny_ref(tiny_model_dir):
 def test_fp32_tiny_equals_hf_on_gpu(tiny_model_dir, tiny_ref, eager):
     prompts, ref = tiny_ref
     core = make_core(tiny_model_dir, dtype="float32", enforce_eager=eager,
-                     max_num_batched_tokens=40, mixed_graph_tokens=32)  # fmt: skip
+                     max_num_batched_tokens=40, max_prefill_step_tokens=40,
+                     mixed_graph_tokens=32)  # fmt: skip
     runner = core.runner
     assert (runner.graphs is None) == eager and (runner.pieces is None) == eager
     piecewise, mixed = [], []
@@ -67,7 +68,8 @@ def test_fp32_tiny_with_an_fp8_cache_equals_hf_reading_fp8_kv(tiny_model_dir, ti
     with hf_fp8_kv(_hf_model(tiny_model_dir)):
         ref = hf_greedy(tiny_model_dir, prompts, 32)
     core = make_core(tiny_model_dir, dtype="float32", enforce_eager=eager,
-                     max_num_batched_tokens=40, kv_cache_dtype="fp8")  # fmt: skip
+                     max_num_batched_tokens=40, max_prefill_step_tokens=40,
+                     kv_cache_dtype="fp8")  # fmt: skip
     assert core.runner.kv.kv.dtype == torch.float8_e4m3fn
     for tag in ("first", "again"):  # again: the prompts' prefixes come from the cache
         got = run_all(core, {f"{tag}{i}": p for i, p in enumerate(prompts)})

@@ -57,7 +57,8 @@ def test_fp32_tiny_tp2_equals_hf(tiny_model_dir, eager, all_reduce):
     prompts = random_prompts([1, 5, 17, 40, 64, 90, 33])
     ref = hf_greedy(tiny_model_dir, prompts, 32)
     assert tokens(tiny_model_dir, prompts, tensor_parallel_size=2, enforce_eager=eager,
-                  max_num_batched_tokens=40, all_reduce=all_reduce) == ref
+                  max_num_batched_tokens=40, max_prefill_step_tokens=40,
+                  all_reduce=all_reduce) == ref
 
 
 # What each two-rank script starts with (a template, as the scripts are): `join` makes rank r's
@@ -252,9 +253,9 @@ def test_fp32_llama_1b_shape_tp2_equals_tp1(tmp_path, steps):
 
     model = str(materialize("random:llama-3.2-1b", tmp_path))
     prompts = random_prompts([7, 300, 1000], vocab=128256)
-    one = tokens(model, prompts, max_num_batched_tokens=512)
-    assert tokens(model, prompts, tensor_parallel_size=2, max_num_batched_tokens=512,
-                  **steps) == one
+    budgets = {"max_num_batched_tokens": 512, "max_prefill_step_tokens": 512}
+    one = tokens(model, prompts, **budgets)
+    assert tokens(model, prompts, tensor_parallel_size=2, **budgets, **steps) == one
 
 
 async def _pd(p_url: str, d_url: str, prompts: list[list[int]]) -> list[list[int]]:

@@ -442,6 +442,15 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
     assert engine.config.queue_timeout_s == RouterSettings().queue_timeout_s == 60.0
     config.write_text('[[engines]]\nname = "e"\nargs = ["--queue-timeout-s", "2.5"]\n')
     assert load_deployment(config).engines[0].config.queue_timeout_s == 2.5
+    # a prompt-only step's budget: 8,192 on CUDA, the step budget on CPU, never below it
+    for args, budgets in [('[]', (512, 512)), ('["--device", "cuda"]', (2048, 8192)),
+                          ('["--device", "cuda", "--max-num-batched-tokens", "16384"]',
+                           (16384, 16384)),
+                          ('["--max-prefill-step-tokens", "4096"]', (512, 4096))]:
+        config.write_text(f'[[engines]]\nname = "e"\nargs = {args}\n')
+        engine_config = load_deployment(config).engines[0].config
+        assert (engine_config.max_num_batched_tokens,
+                engine_config.max_prefill_step_tokens) == budgets, args
     for args, message in [('["--page-size", "x"]', "argument --page-size: invalid int value"),
                           ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
                           ('["--mixed-graph-tokens", "300"]',
@@ -459,6 +468,9 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
                           ('["--background-priority", "4294967296"]',
                            r"background_priority must be in \[-2147483648, 2147483647\], got "
                            "4294967296"),
+                          ('["--max-num-batched-tokens", "4096", "--max-prefill-step-tokens", '
+                           '"2048"]', r"max_prefill_step_tokens \(2048\) must be >= "
+                                      r"max_num_batched_tokens \(4096\)"),
                           ('["--queue-timeout-s", "nan"]',
                            r"queue_timeout_s must be in \(0, 3600\] s, got nan")]:
         config.write_text(f'[[engines]]\nname = "e"\nargs = {args}\n')

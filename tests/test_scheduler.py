@@ -47,6 +47,36 @@ def test_decodes_go_before_a_long_prefill_chunk():
     assert run_step(s)[0] == [("a", 1, True), ("b", 5, False)]
 
 
+def test_a_step_with_no_decoding_row_takes_the_prefill_step_budget():
+    """Prompt chunks alone take up to max_prefill_step_tokens; once a sequence decodes, a
+    step is back to max_num_batched_tokens (its decode first), and a step after the last
+    decode ends takes the larger budget again."""
+    kv = KVCacheManager(num_pages=64, page_size=PS)
+    s = Scheduler(kv, max_num_batched_tokens=6, max_num_seqs=8, max_prefill_step_tokens=16)
+    s.add(seq("a", 10, 0, max_tokens=2))
+    s.add(seq("b", 12, 1, start=100))
+    assert run_step(s)[0] == [("a", 10, True), ("b", 6, False)]  # 16: nothing decodes
+    assert run_step(s)[0] == [("a", 1, True), ("b", 5, False)]  # a decodes: 6
+    s.remove(s.running[0])  # a reached max_tokens
+    assert run_step(s)[0] == [("b", 1, True)]  # the rest of b's prompt
+    s.add(seq("c", 30, 2, start=200))
+    assert run_step(s)[0] == [("b", 1, True), ("c", 5, False)]
+    s.remove(s.running[0])
+    assert run_step(s)[0] == [("c", 16, False)]  # prompt-only again: 16
+    assert run_step(s)[0] == [("c", 9, True)]
+    kv.check_integrity()
+
+
+def test_the_prefill_step_budget_is_never_below_the_step_budget():
+    import pytest
+
+    kv = KVCacheManager(num_pages=8, page_size=PS)
+    with pytest.raises(ValueError, match=r"max_prefill_step_tokens \(4\) must be >= "
+                                         r"max_num_batched_tokens \(6\)"):
+        Scheduler(kv, max_num_batched_tokens=6, max_num_seqs=8, max_prefill_step_tokens=4)
+    assert Scheduler(kv, 6, 8).max_prefill_step_tokens == 6  # None: the step budget
+
+
 def test_admission_waits_for_pages_and_respects_fcfs():
     kv = KVCacheManager(num_pages=4, page_size=PS)  # 16 slots
     s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)

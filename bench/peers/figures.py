@@ -11,10 +11,10 @@ server sees the same requests and every figure includes its HTTP path.
              window where all are decoding (from the last first token to the first finish;
              chunks counted, each weighed by its request's tokens per chunk)
   serve      bench.serve's --serve-requests x (--serve-input in / --serve-output out) at once:
-             total tokens/s
+             total tokens/s, TTFT and TPOT p99
   poisson@R  bench.serve at R requests/s (Poisson): TTFT and TPOT p50 / p99
   vllmbench  vLLM's own client, `vllm bench serve` (random dataset, the serve sizes, all at
-             once): total tokens/s and TTFT p99 (needs vLLM importable: --vllm-site)
+             once): total tokens/s, TTFT and TPOT p99 (needs vLLM importable: --vllm-site)
 
 Each function returns {row name: value}; `HIGHER_IS_BETTER` says which way a row points.
 """
@@ -112,7 +112,9 @@ async def serve(base_url: str, model: str, args, vocab: int) -> dict:
     result = await serve_run(ns)
     check(result, "serve")
     name = f"bench.serve {args.serve_requests}x{args.serve_input}/{args.serve_output}"
-    return {f"{name} total tokens/s": result["total_tokens_per_s"]}
+    return {f"{name} total tokens/s": result["total_tokens_per_s"],
+            f"{name} TTFT p99 ms": result["ttft"]["p99_ms"],
+            f"{name} TPOT p99 ms": result["tpot"]["p99_ms"]}
 
 
 async def poisson(base_url: str, model: str, args, vocab: int) -> dict:
@@ -152,7 +154,8 @@ async def vllm_bench(base_url: str, model: str, args, vocab: int) -> dict:
     result = json.loads(result_file.read_text())
     name = f"vllm bench serve {args.serve_requests}x{args.serve_input}/{args.serve_output}"
     return {f"{name} total tokens/s": result["total_token_throughput"],
-            f"{name} TTFT p99 ms": result["p99_ttft_ms"]}
+            f"{name} TTFT p99 ms": result["p99_ttft_ms"],
+            f"{name} TPOT p99 ms": result["p99_tpot_ms"]}
 
 
 def check(result: dict, name: str) -> None:

@@ -108,7 +108,8 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
                                    background=Background(config.background_priority,
                                                          config.background_max_seqs,
                                                          config.background_max_tokens,
-                                                         config.background_prompt_every))
+                                                         config.background_prompt_every),
+                                   max_prefill_step_tokens=config.max_prefill_step_tokens)
         self.requests = RequestTable()
         # The transfer thread wakes the step loop through this pipe when a send completes.
         self.wakeup_fd, self._wakeup_w = os.pipe()
@@ -159,6 +160,7 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             kv_capacity_tokens=num_pages * config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
+            max_prefill_step_tokens=config.max_prefill_step_tokens,
             kv_transfer=self.transfer.kind,
             quantization="fp8" if fp8.is_quantized(self.runner.model) else None,
             kv_cache_dtype=kv_dtype,

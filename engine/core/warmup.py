@@ -9,7 +9,7 @@ from microserve.messages import SamplingParams
 
 # The start-up requests' prompt lengths, each alone in a step: one per extend tile height
 # the kernels pick by the longest chunk (16 / 64 / 128 query rows) and a long prompt; then
-# a batch over the step's token budget (an eager step, a chunk over its own prefix) with
+# a batch over a prompt-only step's token budget (a chunk over its own prefix) with
 # sampled rows beside greedy ones; then each length again, arriving while two requests decode
 # (a mixed step). On an H100 each first request of such a shape waited ~1 s for Triton's
 # compiles without it (docs/benchmarks.md).
@@ -30,7 +30,8 @@ def warm_up(core, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> float:
     sampled = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20,
                              logprobs=2, seed=0, ignore_eos=True)  # its own generator
     mid = fits[min(2, len(fits) - 1)]
-    batch = [(mid, greedy)] * max(1, min(8, core.config.max_num_seqs - 2,
+    over = core.config.max_prefill_step_tokens // mid + 1  # past a prompt-only step's budget
+    batch = [(mid, greedy)] * max(1, min(over, core.config.max_num_seqs - 2,
                                          capacity // (2 * (mid + 3))))
     batch += [(fits[0], sampled)] * 2
 

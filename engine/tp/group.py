@@ -48,8 +48,9 @@ def join(config: EngineConfig, rank: int, init_method: str, tp: TensorParallel,
     dist.all_reduce(torch.ones(1, device=device))
     small = allreduce.set_up(config.all_reduce, tp.group, device, dtype,
                              config.tensor_parallel_timeout_s)
-    eager = config.enforce_eager or config.max_num_batched_tokens > config.max_piecewise_tokens
-    large_bytes = config.max_num_batched_tokens * hidden_size * dtype.itemsize if eager else 0
+    step = config.max_prefill_step_tokens  # the largest step
+    eager = config.enforce_eager or step > config.max_piecewise_tokens
+    large_bytes = step * hidden_size * dtype.itemsize if eager else 0
     tp.custom.install(small, exchange.set_up(config.all_reduce, tp.group, device, dtype,
                                              large_bytes))
 

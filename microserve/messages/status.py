@@ -32,6 +32,7 @@ class EngineInfo:
     max_loras: int = 0  # LoRA slots; 0: LoRA off
     lora_adapters: list[str] = field(default_factory=list)  # registered at start-up
     tensor_parallel_size: int = 1  # GPUs (ranks) the model is split over
+    max_prefill_step_tokens: int = 0  # a step's budget with no decoding row (0: not reported)
 
 
 @dataclass(slots=True)
