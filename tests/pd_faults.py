@@ -22,7 +22,8 @@ MAX_TOKENS = 8
 BASE = ("--max-model-len", "512", "--api-key", ENGINE_KEY)
 SMALL_D = ("--num-pages", "24", *BASE)  # 384 tokens of KV: two of the prompts below at a time
 # Many prefill steps, so that a send lasts long enough to be seen by polling over HTTP
-SLOW_P = ("--num-pages", "256", "--max-num-batched-tokens", "16", *BASE)
+SLOW_P = ("--num-pages", "256", "--max-num-batched-tokens", "16", "--max-prefill-step-tokens",
+          "16", *BASE)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:

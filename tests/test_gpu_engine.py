@@ -197,7 +197,7 @@ def test_the_device_timeline_times_every_step_and_the_host_stays_one_ahead(tiny_
 
     prompts, want = tiny_ref
     core = make_core(tiny_model_dir, dtype="float32", async_scheduling=True,
-                     max_num_batched_tokens=64)
+                     max_num_batched_tokens=64, max_prefill_step_tokens=64)
     try:
         started = time.perf_counter()
         got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
