@@ -6,8 +6,8 @@
 #
 #   bash bench/peers/fetch.sh            # -> .peers/manifest.json and .peers/parts/bundle.tar.NN
 #
-# PEERS_PART_MIB (default 56): the size of a part. A call carries the working tree (~5 MiB
-# tracked) plus its `carry` paths, 64 MiB in all.
+# PEERS_PART_MIB (default 52): the size of a part. A call carries the working tree (~9 MiB
+# tracked on 2026-11-29) plus its `carry` paths, 64 MiB in all.
 # PEERS_KEEP_ALL=1: keep the three libraries of vLLM's wheel that a dense model on Hopper
 # never loads (116 MiB packed; see below and README.md), e.g. for an MoE model or an A100.
 # PEERS_NIXL=1: add NIXL (nixl 1.5.1, the loader, and nixl-cu13 1.5.1 less nixl_ep_cu13, its
@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 OUT=.peers
 WHEELS=$OUT/wheels
-PART_MIB=${PEERS_PART_MIB:-56}
+PART_MIB=${PEERS_PART_MIB:-52}
 mkdir -p "$WHEELS"
 
 # vLLM and the packages its server imports that neither the image nor .whl/ holds (or holds
@@ -29,7 +29,7 @@ mkdir -p "$WHEELS"
 PACKAGES=(
   vllm==0.24.0
   fastapi==0.136.3
-  openai==2.54.0 jiter==0.19.0 distro==1.9.0
+  openai==2.54.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1
   openai-harmony==0.0.8
   pyzmq==27.3.0
   cbor2==6.3.0 cachetools==8.0.2 pybase64==1.5.1
