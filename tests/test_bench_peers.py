@@ -164,3 +164,8 @@ def test_variants_are_sides_of_their_own_and_checked(capsys):
         with pytest.raises(SystemExit):
             parse_args(["--variant", bad])
         assert f"--variant {bad!r}: give NAME=ARGS" in capsys.readouterr().err
+    # named in --variant but left out of --sides: refused, not silently skipped
+    with pytest.raises(SystemExit):
+        parse_args(["--variant", "big=-x 1", "--variant", "p=-y 2", "--sides", "vllm,engine@p"])
+    assert ("--variant engine@big: not in --sides vllm,engine@p; add it there"
+            in capsys.readouterr().err)

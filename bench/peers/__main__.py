@@ -136,6 +136,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name, given, known in checks:
         if not given or set(given) - set(known):
             ap.error(f"{name} {','.join(given)!r}: choose from {','.join(known)}")
+    if args.gpus == 1 and (left := [v for v in args.variants if v not in args.sides]):
+        # a variant asked for and silently not run costs a GPU call its comparison
+        ap.error(f"--variant {', '.join(left)}: not in --sides {','.join(args.sides)}; add it "
+                 f"there (or leave --sides out)")
     return args
 
 
