@@ -19,9 +19,10 @@ MAX_LEASE_S = 86400.0  # a day: any longer lease is a reservation nobody will co
 # at 20.8k tokens/s with 512 and 27.8-30.1k with 2,048 (8,192: the same throughput, twice the
 # inter-token latency while prompts are prefilled); H100, bench.serve, docs/benchmarks.md.
 # A step in which no sequence decodes keeps nobody's next token waiting, so it may take up to
-# max_prefill_step_tokens: 8 x 4,096-token prompts prefilled at 38,266 tokens/s in steps of
-# 8,192 against 33,972 in steps of 2,048 (H100, one call, bench.peers; vLLM's server takes
-# 8,192 a step on such a GPU). None: the step budget (no larger prompt-only steps).
+# max_prefill_step_tokens, as vLLM's server takes 8,192 a step on such a GPU: 8 x 4,096-token
+# prompts prefilled at 38,266 tokens/s in steps of 8,192 against 33,972 in steps of 2,048 on
+# an H100, 40,388 against 40,003 on an H200 (one bench.peers call each, docs/benchmarks.md).
+# None: the step budget (no larger prompt-only steps).
 DEVICE_DEFAULTS = {
     "cpu": {"max_num_batched_tokens": 512, "max_num_seqs": 256, "max_prefill_step_tokens": None},
     "cuda": {"max_num_batched_tokens": 2048, "max_num_seqs": 256,
