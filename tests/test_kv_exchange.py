@@ -128,6 +128,33 @@ def test_pd_no_cache(pair, prompts, ref):
     assert_clean(p, d)
 
 
+def test_a_prefill_engine_takes_prompt_only_steps_of_its_larger_budget(tiny_model_dir, prompts,
+                                                                        ref):
+    """P never decodes, so every one of its steps has the prompt-only budget (32 here, 8 with
+    decodes): 60 tokens sent in steps of 32 and 28, and D's tokens are Hugging Face's."""
+    p = make_core(tiny_model_dir, "shm", max_num_batched_tokens=8, max_prefill_step_tokens=32)
+    d = make_core(tiny_model_dir, "shm")
+    try:
+        schedule, steps = p.scheduler.schedule, []
+
+        def recording():
+            out = schedule()
+            steps.append([e.num_new_tokens for e in out.scheduled])
+            return out
+
+        p.scheduler.schedule = recording
+        prompt = prompts[2]  # 61 tokens
+        r = d.exchange.prep_recv("a", prompt, -1, None)
+        out = send(p, "a", prompt, 0, -1, r.kv_addr)
+        assert out == RemoteSendResponse(sent=60, computed=60, reused=0)
+        assert [s for s in steps if s] == [[32], [28]]
+        assert generate(d, "a", prompt, begin=60) == (ref[2], 60)
+        assert_clean(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
 def test_pd_prefix_on_d_sends_only_the_rest(pair, prompts, ref):
     """Case 2 of §3.5: D holds a prefix P does not; P computes from 0 but sends [matched, end)."""
     p, d = pair
