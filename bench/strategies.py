@@ -212,10 +212,12 @@ class Bench:
     async def engine_counters(self) -> dict[str, dict]:
         engines = (await self.call("GET", "/admin/engines"))["engines"]
         # ... and where each engine's time went: its steps, its GPU's busy seconds and the
-        # decode-only steps' share of them (0 on CPU; engine/loop_stats.py's DeviceTimeline)
+        # decode-only and prompt-only steps' shares of them (0 on CPU; engine/loop_stats.py's
+        # DeviceTimeline)
         keys = ("prompt_tokens", "generation_tokens", "kv_tokens_sent", "kv_tokens_received",
                 "preemptions", "steps", "prompt_tokens_computed", "device_busy_seconds",
-                "device_decode_seconds", "device_decode_steps", "device_decode_seqs")
+                "device_decode_seconds", "device_decode_steps", "device_decode_seqs",
+                "device_prompt_seconds", "device_prompt_steps", "device_prompt_tokens")
         return {e["name"]: {k: e["load"].get(k, 0) for k in keys} for e in engines}
 
     async def settle(self, timeout_s: float = 60.0) -> None:

@@ -11,6 +11,8 @@ works, the line an operator of vLLM ("Avg prompt throughput ... Running: N reqs"
     71.5%), outputs to frontend 1.1%, messages 0.9%, idle 0.2%; device busy 96.4% in steps,
     1.00 steps ahead at launch; decode-only steps 540 at 14.21 ms (batch 249.3)
 
+(and, when a step had no decoding row, "; prompt-only steps N at X ms (T tokens)").
+
 The core's time splits four ways: `step` (scheduling, launching a step and, with async
 scheduling, waiting for the GPU to finish the step before it: `device_wait`), `send` (writing
 outputs to the frontend: a frontend that cannot keep up shows here, as the socket fills),
@@ -21,7 +23,8 @@ The device's own share comes from CUDA events around each step (`DeviceTimeline`
 the GPU spent running steps, and how many steps were launched but not finished when the next
 one was (1: the host prepares a step while the GPU runs the one before, as it should); then the
 steps that only decoded: how many, their mean GPU time and mean batch (what a decode step
-costs, apart from the steps that carried prompt tokens).
+costs, apart from the steps that carried prompt tokens), and the steps in which nothing decoded
+(prompt chunks under the prompt-only budget): how many, their mean GPU time and size.
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ class LoopCounters:
     device_decode_seconds: float = 0.0
     device_decode_steps: int = 0
     device_decode_seqs: int = 0
+    # ... and steps in which nothing decoded (prompt chunks only, up to the prompt-only
+    # budget): their GPU time, their count and their tokens summed
+    device_prompt_seconds: float = 0.0
+    device_prompt_steps: int = 0
+    device_prompt_tokens: int = 0
 
     def snapshot(self) -> "LoopCounters":
         return replace(self)
@@ -94,20 +102,21 @@ class DeviceTimeline:
     def __init__(self, counters: LoopCounters, cuda: bool):
         self.counters = counters
         self.cuda = cuda
-        # (start event, its sequences if the step only decodes else 0, end event) of the
-        # launched steps not yet counted, oldest first
+        # (start event, its sequences if the step only decodes else 0, its tokens if nothing in
+        # it decodes else 0, end event) of the launched steps not yet counted, oldest first
         self._pending: deque = deque()
 
-    def begin(self, decodes: int = 0):
+    def begin(self, decodes: int = 0, prompt_tokens: int = 0):
         """Mark a step's start on the current stream (before its first kernel); `decodes`:
-        its sequences if it only decodes (one token each), else 0."""
+        its sequences if it only decodes (one token each), else 0; `prompt_tokens`: its tokens
+        if no sequence in it decodes (prompt chunks only), else 0."""
         if not self.cuda:
             return None
         self.collect()
         self.counters.device_steps_ahead += len(self._pending)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        return start, decodes
+        return start, decodes, prompt_tokens
 
     def end(self, started):
         """Mark the step's end (after its last kernel); returns the event that fires then."""
@@ -127,14 +136,18 @@ class DeviceTimeline:
     def collect(self) -> None:
         """Count the steps whose end fired since the last call."""
         c = self.counters
-        while self._pending and self._pending[0][2].query():
-            start, decodes, end = self._pending.popleft()
+        while self._pending and self._pending[0][3].query():
+            start, decodes, prompt_tokens, end = self._pending.popleft()
             seconds = start.elapsed_time(end) / 1e3
             c.device_busy_seconds += seconds
             if decodes:
                 c.device_decode_seconds += seconds
                 c.device_decode_steps += 1
                 c.device_decode_seqs += decodes
+            if prompt_tokens:
+                c.device_prompt_seconds += seconds
+                c.device_prompt_steps += 1
+                c.device_prompt_tokens += prompt_tokens
 
 
 class StatsLog:
@@ -203,4 +216,9 @@ def _device_part(steps: int, elapsed: float, delta) -> str:
         line += (f"; decode-only steps {decode_steps} at "
                  f"{1e3 * delta('device_decode_seconds') / decode_steps:.2f} ms "
                  f"(batch {delta('device_decode_seqs') / decode_steps:.1f})")
+    prompt_steps = delta("device_prompt_steps")
+    if prompt_steps:
+        line += (f"; prompt-only steps {prompt_steps} at "
+                 f"{1e3 * delta('device_prompt_seconds') / prompt_steps:.2f} ms "
+                 f"({delta('device_prompt_tokens') / prompt_steps:,.0f} tokens)")
     return line

@@ -110,6 +110,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     short_of_pages: bool = False  # a running sequence's growth preempted: admit nothing more
+    prompt_only: bool = False  # no sequence decodes: the step had max_prefill_step_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -214,6 +215,7 @@ class Scheduler(HostSwapping):
                             if not self._is_background(s))
         decoding = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
+        out.prompt_only = not decoding
         budget = self.max_num_batched_tokens if decoding else self.max_prefill_step_tokens
         for seq in decoding:
             if budget == 0:

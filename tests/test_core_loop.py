@@ -208,6 +208,10 @@ def test_the_stats_line_reports_the_interval_exactly():
                                     device_decode_steps=50, device_decode_seqs=1234)
     assert format_line(1.0, before, gpu_after, stats).endswith(
         "1.00 steps ahead at launch; decode-only steps 50 at 8.00 ms (batch 24.7)")
+    gpu_after = dataclasses.replace(gpu_after, device_prompt_seconds=0.36,
+                                    device_prompt_steps=2, device_prompt_tokens=16_000)
+    assert format_line(1.0, before, gpu_after, stats).endswith(
+        "(batch 24.7); prompt-only steps 2 at 180.00 ms (8,000 tokens)")
     log = StatsLog(0.0)
     assert not log.due(1e9) and log.wait_at_most(0.0, after) is None  # 0: never
 

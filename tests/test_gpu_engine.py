@@ -214,5 +214,10 @@ def test_the_device_timeline_times_every_step_and_the_host_stays_one_ahead(tiny_
         assert 0 < stats.device_decode_seconds < stats.device_busy_seconds
         assert (stats.device_decode_steps <= stats.device_decode_seqs
                 <= 7 * stats.device_decode_steps)
+        # one step in which nothing decoded: the first (1 + 5 + 17 + 40 tokens, and the 64's
+        # first one: the budget of 64)
+        assert (stats.device_prompt_steps, stats.device_prompt_tokens) == (1, 64)
+        assert 0 < stats.device_prompt_seconds <= (stats.device_busy_seconds
+                                                   - stats.device_decode_seconds)
     finally:
         core.close()

@@ -1271,7 +1271,7 @@ class _Timeline:
     def __init__(self):
         self.events, self.launches = [], 0
 
-    def begin(self, decodes=0):
+    def begin(self, decodes=0, prompt_tokens=0):
         self.launches += 1
         self.events.append(("launch", self.launches))
         return self.launches

@@ -631,7 +631,8 @@ async def test_strategy_benchmark_swaps_strategies_and_shows_where_kv_went(up, a
         assert c["d"]["steps"] > 0, label  # (under 1p1d D computes no prompt token)
         assert c["p"]["prompt_tokens_computed"] + c["d"]["prompt_tokens_computed"] > 0, label
         assert all(c[e][k] == 0 for e in ("p", "d") for k in (
-            "device_busy_seconds", "device_decode_seconds", "device_decode_steps")), label
+            "device_busy_seconds", "device_decode_seconds", "device_decode_steps",
+            "device_prompt_seconds", "device_prompt_steps", "device_prompt_tokens")), label
         if label == "dp":  # round robin: both engines served some
             assert c["p"]["generation_tokens"] > 0 and c["d"]["generation_tokens"] > 0
         else:  # P/D, or p drained: d generates every token

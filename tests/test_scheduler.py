@@ -55,8 +55,10 @@ def test_a_step_with_no_decoding_row_takes_the_prefill_step_budget():
     s = Scheduler(kv, max_num_batched_tokens=6, max_num_seqs=8, max_prefill_step_tokens=16)
     s.add(seq("a", 10, 0, max_tokens=2))
     s.add(seq("b", 12, 1, start=100))
-    assert run_step(s)[0] == [("a", 10, True), ("b", 6, False)]  # 16: nothing decodes
-    assert run_step(s)[0] == [("a", 1, True), ("b", 5, False)]  # a decodes: 6
+    steps, out = run_step(s)
+    assert steps == [("a", 10, True), ("b", 6, False)] and out.prompt_only  # 16: nothing decodes
+    steps, out = run_step(s)
+    assert steps == [("a", 1, True), ("b", 5, False)] and not out.prompt_only  # a decodes: 6
     s.remove(s.running[0])  # a reached max_tokens
     assert run_step(s)[0] == [("b", 1, True)]  # the rest of b's prompt
     s.add(seq("c", 30, 2, start=200))

@@ -405,6 +405,12 @@ _STAT_HELP = {
     "device_decode_steps": ("counter", "Steps that only decoded (one token a sequence)"),
     "device_decode_seqs": ("counter", "Sequences of the steps that only decoded, summed "
                                       "(/ those steps: their mean batch)"),
+    "device_prompt_seconds": ("counter", "Of the GPU's step time: steps in which nothing "
+                                         "decoded (prompt chunks only)"),
+    "device_prompt_steps": ("counter", "Steps in which nothing decoded (the prompt-only "
+                                       "budget, --max-prefill-step-tokens)"),
+    "device_prompt_tokens": ("counter", "Tokens of the steps in which nothing decoded, summed "
+                                        "(/ those steps: their mean size)"),
 }
 
 

@@ -90,6 +90,9 @@ class EngineStats:
     device_decode_seconds: float = 0.0  # of device_busy_seconds: steps that only decoded
     device_decode_steps: int = 0
     device_decode_seqs: int = 0  # their sequences, summed (/ steps: the mean batch)
+    device_prompt_seconds: float = 0.0  # of device_busy_seconds: steps in which nothing decoded
+    device_prompt_steps: int = 0
+    device_prompt_tokens: int = 0  # their tokens, summed (/ steps: the mean step)
     # LoRA adapters (docs/lora.md): those requests may name, those in the GPU's slots now,
     # those a /v1/load_lora_adapter is reading from disk (not requestable yet)
     lora_registered: list[str] = field(default_factory=list)
