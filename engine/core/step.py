@@ -138,7 +138,8 @@ class StepPipeline:
                           self.penalties.step(sampled))
         decodes = len(sched.scheduled) if all(
             e.num_new_tokens == 1 for e in sched.scheduled) else 0
-        prompt_only = sched.num_tokens if sched.prompt_only else 0
+        # (a step of one-token prompts alone counts as decode-only: the two never overlap)
+        prompt_only = sched.num_tokens if sched.prompt_only and not decodes else 0
         started = self.device_timeline.begin(decodes, prompt_only)
         logits = self.runner.forward(batch.forward, batch.input_ids, batch.sample_rows,
                                      from_last=batch.from_last, sends=batch.sends,
