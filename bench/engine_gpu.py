@@ -560,6 +560,8 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
               for way in ("out", "in")},
            "mixed512": lambda core, vocab: mixed(core, vocab, chunk=512),
            "mixed1200": lambda core, vocab: mixed(core, vocab, chunk=1200),
+           # bench.peers' Poisson load at 16/s: ~19 decoding beside a 1,024-token prompt
+           **{f"mixed{c}b19": partial(mixed, batch=19, chunk=c) for c in (600, 1024, 1500)},
            "offline-profile": lambda core, vocab: offline(core, vocab, n=300, cprofile=True),
            "serve400": lambda core, vocab: offline(core, vocab, n=400, input_len=1024,
                                                    output_len=(128, 128)),
@@ -576,6 +578,8 @@ def main() -> None:
     ap.add_argument("--max-piecewise-tokens", type=int, default=None,
                     help="steps with prompt tokens replay piecewise graphs up to this size "
                          "(default: the engine's; 0: eager)")
+    ap.add_argument("--piecewise-bucket-step", type=int, default=None,
+                    help="the engine's --piecewise-bucket-step (buckets' spacing above 512)")
     ap.add_argument("--no-gemv", action="store_true",
                     help="batch-1 projections through cuBLAS, not the Triton GEMV")
     ap.add_argument("--no-pdl", action="store_true",
@@ -608,6 +612,8 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl,
         tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        **({} if args.piecewise_bucket_step is None else
+           {"piecewise_bucket_step": args.piecewise_bucket_step}),
         **({} if args.tp_overlap_tokens is None else
            {"tp_overlap_tokens": args.tp_overlap_tokens}),
         **({"blas_library": args.blas} if args.blas else {}),
@@ -627,6 +633,7 @@ def main() -> None:
     # the engine's: an fp8 checkpoint is fp8 without --quantization
     results["quantization"] = core.info.quantization
     results["max_piecewise_tokens"] = core.config.max_piecewise_tokens
+    results["piecewise_bucket_step"] = core.config.piecewise_bucket_step
     results["kv_capacity_tokens"] = core.info.kv_capacity_tokens
     vocab = core.info.vocab_size
     print(json.dumps(results), flush=True)

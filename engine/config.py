@@ -88,6 +88,10 @@ class EngineConfig:
     # default budget): 48 ms eager against 40 ms as pieces on one host. Steps above it run
     # eagerly (the step budget caps it anyway).
     max_piecewise_tokens: int = 2048
+    # CUDA: above 512 tokens, piecewise graphs are captured every this many tokens, and a step
+    # pads to the next. Padded rows cost GEMM time like real ones there: at 256 apart (before
+    # 2026-11-29), 1,024 prompt tokens beside 19 decodes ran as 1,280 rows.
+    piecewise_bucket_step: int = 64
     # CUDA: a step of decodes beside one prompt chunk of at most this many tokens (a batch
     # job's room in a live step, a prompt's last piece) replays one whole graph per decode
     # bucket, the chunk padded to this size (engine/cuda_graphs.py, MixedGraphs); 0: off,
@@ -208,6 +212,9 @@ class EngineConfig:
             raise ValueError(f"tp_overlap_tokens must be >= 0, got {self.tp_overlap_tokens}")
         if self.max_piecewise_tokens < 0:
             raise ValueError(f"max_piecewise_tokens must be >= 0, got {self.max_piecewise_tokens}")
+        if not 1 <= self.piecewise_bucket_step <= 2048:
+            raise ValueError(f"piecewise_bucket_step must be 1 to 2048 tokens, got "
+                             f"{self.piecewise_bucket_step}")
         if not 0 <= self.mixed_graph_tokens <= 256:
             raise ValueError(f"mixed_graph_tokens must be 0 (off) to 256, got "
                              f"{self.mixed_graph_tokens}")

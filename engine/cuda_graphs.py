@@ -50,10 +50,20 @@ from kvcache.paged import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-PIECE_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792,
-                 2048)
+# Piecewise buckets up to 512 tokens; above it they come every `piece_bucket_step` tokens
+# (piece_buckets). A step pads to its bucket, and above ~512 tokens every padded row costs GEMM
+# time like a real one: with buckets 256 apart, 1,024 prompt tokens beside 19 decodes computed
+# 1,280 rows (docs/benchmarks.md, "Piecewise buckets 64 tokens apart").
+PIECE_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
            448, 512)
+
+
+def piece_buckets(max_tokens: int, step: int) -> list[int]:
+    """The token counts piecewise graphs are captured for: PIECE_BUCKETS, then every `step`
+    tokens above 512, up to and including max_tokens."""
+    small = [b for b in PIECE_BUCKETS if b < max_tokens]
+    return small + list(range(PIECE_BUCKETS[-1] + step, max_tokens, step)) + [max_tokens]
 
 
 class _Capturer:
@@ -243,13 +253,14 @@ class _StepBuffers:
 
 class PiecewiseGraphs:
     """Args: model (a LlamaForCausalLM with the Triton kernels on), kv, backend, max_tokens
-    (the largest step to run this way; buckets up to it), use_graphs (False: run the pieces
-    eagerly, which tests the cut without a GPU)."""
+    (the largest step to run this way; buckets up to it), bucket_step (the buckets' spacing
+    above 512 tokens: piece_buckets), use_graphs (False: run the pieces eagerly, which tests the
+    cut without a GPU)."""
 
     def __init__(self, model, kv: PagedKVCache, backend: TritonAttentionBackend,
-                 max_tokens: int, use_graphs: bool = True):
+                 max_tokens: int, bucket_step: int = 64, use_graphs: bool = True):
         self.model, self.kv, self.backend = model, kv, backend
-        self.buckets = [b for b in PIECE_BUCKETS if b < max_tokens] + [max_tokens]
+        self.buckets = piece_buckets(max_tokens, bucket_step)
         self.num_layers = model.config.num_layers
         weight = model.model.embed_tokens.weight
         self.bufs = _StepBuffers(model.config, max_tokens, weight.dtype, weight.device)

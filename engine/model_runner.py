@@ -220,7 +220,8 @@ class ModelRunner:
                         self.mixed.capture()
                     tokens = min(config.max_piecewise_tokens, config.max_prefill_step_tokens)
                     if tokens > 0:
-                        self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens)
+                        self.pieces = PiecewiseGraphs(self.model, self.kv, backend, tokens,
+                                                      config.piecewise_bucket_step)
                         self.pieces.capture()
             finally:
                 set_blas_library(before)

@@ -179,6 +179,9 @@ def lora_options(p) -> None:
     _config_option(p, "--max-piecewise-tokens", type=int,
                    help="CUDA: steps with prompt tokens, up to this many in all, replay "
                         "piecewise CUDA graphs, attention eager (default: 2048; 0: eager)")
+    _config_option(p, "--piecewise-bucket-step", type=int,
+                   help="CUDA: above 512 tokens, a piecewise graph every this many tokens; a "
+                        "step pads to the next (default: 64)")
     _config_option(p, "--mixed-graph-tokens", type=int,
                    help="CUDA: decodes beside one prompt chunk of up to this many tokens "
                         "replay one whole CUDA graph, the chunk padded (default: 0, off; "

@@ -161,6 +161,22 @@ def test_bf16_piecewise_replay_matches_eager(tiny_model_dir):
     _replay_matches_eager(core, "pieces", 30, (6, 7))
 
 
+def test_bf16_piecewise_replay_above_512_tokens_matches_eager(tiny_model_dir, tmp_path):
+    """Two decodes beside a 600-token prefill chunk pad to the 640-token bucket (buckets every
+    64 tokens above 512) and match the same step run eagerly."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "tiny-1k")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 1024}))
+    core = make_core(str(model), dtype="bfloat16", async_scheduling=False,
+                     max_num_batched_tokens=700, max_prefill_step_tokens=700)
+    assert core.runner.pieces.buckets[-4:] == [512, 576, 640, 700]
+    batch = _replay_matches_eager(core, "pieces", 600, (11, 12))
+    assert batch.num_tokens == 602
+
+
 def test_bf16_batch1_gemv_matches_cublas(tiny_model_dir):
     """Batch-1 decode runs its projections through the Triton GEMV (PDL launches inside the
     CUDA graph): the replayed step must match an eager step with cuBLAS projections."""

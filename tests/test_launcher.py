@@ -453,6 +453,8 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
                 engine_config.max_prefill_step_tokens) == budgets, args
     for args, message in [('["--page-size", "x"]', "argument --page-size: invalid int value"),
                           ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
+                          ('["--piecewise-bucket-step", "0"]',
+                           "piecewise_bucket_step must be 1 to 2048 tokens, got 0"),
                           ('["--mixed-graph-tokens", "300"]',
                            r"mixed_graph_tokens must be 0 \(off\) to 256, got 300"),
                           ('["--background-prompt-every", "0"]',

@@ -44,6 +44,20 @@ def test_triton_backend_engine_equals_hf(tiny_model_dir):
 
 
 
+def test_piecewise_buckets_come_every_step_tokens_above_512():
+    """Steps pad to their bucket; above 512 tokens the buckets come every
+    `piecewise_bucket_step` tokens and end at the largest step exactly."""
+    from engine.cuda_graphs import piece_buckets
+
+    small = [16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512]
+    assert piece_buckets(24, 64) == [16, 24]
+    assert piece_buckets(512, 64) == small
+    assert piece_buckets(700, 64) == small + [576, 640, 700]
+    assert piece_buckets(2048, 256) == small + [768, 1024, 1280, 1536, 1792, 2048]
+    assert piece_buckets(2048, 64) == small + list(range(576, 2049, 64))
+    assert len(piece_buckets(2048, 64)) == 35
+
+
 def test_piecewise_forward_equals_hf_with_mixed_and_padded_steps(tiny_model_dir):
     """The forward pass cut at attention (engine/cuda_graphs.py's PiecewiseGraphs, run here
     without capturing: the same pieces, launched one by one) in the real engine: prefill
