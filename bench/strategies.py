@@ -217,7 +217,8 @@ class Bench:
         keys = ("prompt_tokens", "generation_tokens", "kv_tokens_sent", "kv_tokens_received",
                 "preemptions", "steps", "prompt_tokens_computed", "device_busy_seconds",
                 "device_decode_seconds", "device_decode_steps", "device_decode_seqs",
-                "device_prompt_seconds", "device_prompt_steps", "device_prompt_tokens")
+                "device_prompt_seconds", "device_prompt_steps", "device_prompt_tokens",
+                "launch_holds", "launch_hold_seconds", "launch_hold_arrivals")
         return {e["name"]: {k: e["load"].get(k, 0) for k in keys} for e in engines}
 
     async def settle(self, timeout_s: float = 60.0) -> None:

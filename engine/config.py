@@ -106,6 +106,11 @@ class EngineConfig:
     # launch step N before reading step N-1's tokens back; None: on for CUDA, off for CPU
     # (where the host is not waiting on a device and overlap would only delay each token)
     async_scheduling: bool | None = None
+    # CUDA, async scheduling: while a step replayed as piecewise graphs (prompt tokens, up to
+    # max_piecewise_tokens) runs, the next step is scheduled only once this many of its layers
+    # are left on the GPU, so that a prompt arriving during the step makes the next one, not
+    # the one after it; 0: scheduled at once (engine/core_proc.py, CoreLoop._hold_launch)
+    launch_ahead_layers: int = 0
     # auto: triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1 (tests)
     attention_backend: str = "auto"
     # CUDA, 16-bit weights: batch-1 decode projections through the Triton GEMV (not cuBLAS)
@@ -212,6 +217,9 @@ class EngineConfig:
             raise ValueError(f"tp_overlap_tokens must be >= 0, got {self.tp_overlap_tokens}")
         if self.max_piecewise_tokens < 0:
             raise ValueError(f"max_piecewise_tokens must be >= 0, got {self.max_piecewise_tokens}")
+        if not 0 <= self.launch_ahead_layers <= 1024:
+            raise ValueError(f"launch_ahead_layers must be 0 (off) to 1024, got "
+                             f"{self.launch_ahead_layers}")
         if not 1 <= self.piecewise_bucket_step <= 2048:
             raise ValueError(f"piecewise_bucket_step must be 1 to 2048 tokens, got "
                              f"{self.piecewise_bucket_step}")

@@ -16,6 +16,10 @@ The loop does the I/O only: each frame goes to the core's `handle`, what is due 
 to its `tick`, and the frames they return are sent. Between steps the loop drains whatever
 messages have arrived without blocking; when it has no work it blocks on the socket, the KV
 sender's wake-up pipe and the next lease or wait deadline.
+With --launch-ahead-layers K, the loop holds the launch after a step with prompt tokens until
+K of that step's layers are left on the GPU (its mark fires), taking messages meanwhile: with
+async scheduling the next step is otherwise scheduled the moment this one is launched, and a
+prompt arriving during a 30-ms prompt step waits for that next step and then its own.
 A remote_send call is answered when its transfer completes, several steps later; a prep_recv
 that must wait for pages, between the steps once they are free. When the frontend goes away
 (EOF), the core exits.
@@ -52,6 +56,9 @@ log = logging.getLogger("microserve.core")
 MAX_FAILED_STEPS = 3  # steps in a row that may raise before the engine gives up (and exits)
 CHECK_AFTER_IDLE_S = 0.05  # idle this long before the integrity check runs (see run)
 MAX_IDLE_WAIT_S = 3600.0  # select() needs a timeout a C time_t holds; leases are shorter anyway
+# While a launch is held (--launch-ahead-layers), how often the loop looks at the step in
+# flight's mark between messages: a fraction of the host's ~1-3 ms to launch the next step
+LAUNCH_HOLD_POLL_S = 0.0002
 HEARTBEAT_S = 0.2  # between two heartbeats: well under any liveness timeout a router sets
 
 
@@ -137,6 +144,10 @@ class CoreLoop:
                 check_due = False
             self.clock.charge("message")
             if self.running and self.core.has_work() and not stalled:
+                if not self.core.launch_ready():
+                    self._hold_launch()
+                    if not self.running:
+                        continue
                 self.step_started = time.monotonic()
                 try:
                     outputs = self.core.step()
@@ -155,6 +166,20 @@ class CoreLoop:
             if self.stats_log.due(now):
                 self.stats_log.log(now, self.core.loop, self.core.stats())
 
+    def _hold_launch(self) -> None:
+        """Take messages until the step in flight has --launch-ahead-layers left on the GPU
+        (its mark fired), so that prompts arriving meanwhile make the next step. The time
+        counts as step time: the loop waits on the device, not for work."""
+        loop, waiting = self.core.loop, len(self.core.scheduler.waiting)
+        start = time.perf_counter()
+        self.clock.charge("message")
+        while self.running and not self.core.launch_ready():
+            self._receive(timeout=LAUNCH_HOLD_POLL_S, waiting_as="step")
+            self.clock.charge("message")
+        loop.launch_holds += 1
+        loop.launch_hold_seconds += time.perf_counter() - start
+        loop.launch_hold_arrivals += max(0, len(self.core.scheduler.waiting) - waiting)
+
     def _fail_step(self, error: Exception) -> None:
         """Fail every request in the engine (which of them made the step raise is unknown),
         then check that nothing leaked; if the state is broken after all, the engine exits."""
@@ -171,12 +196,13 @@ class CoreLoop:
             return None
         return min(max(0.0, deadline - time.monotonic()), MAX_IDLE_WAIT_S)
 
-    def _receive(self, timeout: float | None) -> bool:
-        """Handle what arrived within `timeout`. True if anything did: a message, or a wake-up
-        from the KV sender (a send completed or failed), so remote_send answers may be due."""
+    def _receive(self, timeout: float | None, waiting_as: str = "idle") -> bool:
+        """Handle what arrived within `timeout` (the wait charged as `waiting_as`). True if
+        anything did: a message, or a wake-up from the KV sender (a send completed or failed),
+        so remote_send answers may be due."""
         wakeup = self.core.wakeup_fd
         ready, _, _ = select.select([self.sock, wakeup], [], [], timeout)
-        self.clock.charge("idle")
+        self.clock.charge(waiting_as)
         if wakeup in ready:
             os.read(wakeup, 4096)
         if self.sock in ready:

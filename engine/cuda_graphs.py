@@ -267,6 +267,7 @@ class PiecewiseGraphs:
         self.cos_sin = model.model.rotary_emb.cos_sin
         self.use_graphs = use_graphs
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.near_end: torch.cuda.Event | None = None  # the last run's mark (run)
         c = model.config
         self._q_size, self._heads, self._head_dim = c.num_heads * c.head_dim, c.num_heads, c.head_dim
 
@@ -294,9 +295,13 @@ class PiecewiseGraphs:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.num_tokens <= self.max_tokens
 
-    def run(self, batch: ForwardBatch, input_ids: list[int], fill=None) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, input_ids: list[int], fill=None,
+            mark_layers_left: int = 0) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's T packed tokens (any mix of prefill chunks
-        and decodes); `fill` as for DecodeGraphs.run."""
+        and decodes); `fill` as for DecodeGraphs.run. With `mark_layers_left` K > 0, a CUDA
+        event is recorded when K layers are left to run (`near_end`; None without one)."""
+        self.near_end = None
+        mark = self.num_layers - mark_layers_left if mark_layers_left > 0 else -1
         n = len(input_ids)
         bucket = next(b for b in self.buckets if b >= n)
         pad, bufs, dev = bucket - n, self.bufs, self.backend.device
@@ -318,6 +323,9 @@ class PiecewiseGraphs:
                     self._piece(i, bucket)
                 if i < self.num_layers:
                     self.kv.attend_stored(i, q, out)
+                if i == mark and self.use_graphs:
+                    self.near_end = torch.cuda.Event()
+                    self.near_end.record()
         finally:
             self.kv.end_forward()
         return bufs.hidden[:n]

@@ -24,7 +24,9 @@ the GPU spent running steps, and how many steps were launched but not finished w
 one was (1: the host prepares a step while the GPU runs the one before, as it should); then the
 steps that only decoded: how many, their mean GPU time and mean batch (what a decode step
 costs, apart from the steps that carried prompt tokens), and the steps in which nothing decoded
-(prompt chunks under the prompt-only budget): how many, their mean GPU time and size.
+(prompt chunks under the prompt-only budget): how many, their mean GPU time and size; and,
+with --launch-ahead-layers, the launches held until the step before neared its end: how many,
+for how long, and the requests that arrived meanwhile.
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ class LoopCounters:
     device_prompt_seconds: float = 0.0
     device_prompt_steps: int = 0
     device_prompt_tokens: int = 0
+    # Launches held until the step in flight had config.launch_ahead_layers left
+    # (CoreLoop._hold_launch): how many, the core's time holding them (part of step_seconds),
+    # and the requests that arrived while they were held (each made the held step)
+    launch_holds: int = 0
+    launch_hold_seconds: float = 0.0
+    launch_hold_arrivals: int = 0
 
     def snapshot(self) -> "LoopCounters":
         return replace(self)
@@ -221,4 +229,8 @@ def _device_part(steps: int, elapsed: float, delta) -> str:
         line += (f"; prompt-only steps {prompt_steps} at "
                  f"{1e3 * delta('device_prompt_seconds') / prompt_steps:.2f} ms "
                  f"({delta('device_prompt_tokens') / prompt_steps:,.0f} tokens)")
+    holds = delta("launch_holds")
+    if holds:
+        line += (f"; launches held {holds} for {1e3 * delta('launch_hold_seconds') / holds:.2f}"
+                 f" ms, {delta('launch_hold_arrivals')} requests arrived meanwhile")
     return line

@@ -120,6 +120,10 @@ class ModelRunner:
         self.kv: PagedKVCache | None = None  # set by allocate_kv
         self.graphs: DecodeGraphs | None = None  # set by allocate_kv on CUDA
         self.pieces: PiecewiseGraphs | None = None  # likewise
+        # A step replayed as pieces records an event when this many layers are left
+        # (config.launch_ahead_layers; 0: none); `forward` leaves it in near_end (or None)
+        self.launch_ahead_layers = config.launch_ahead_layers
+        self.near_end: torch.cuda.Event | None = None
         self._last_tokens: torch.Tensor | None = None  # the previous step's sampled ids (device)
         self._hidden: torch.Tensor | None = None  # the last forward's final hidden states
 
@@ -268,6 +272,7 @@ class ModelRunner:
         by layer during this step (`PagedKVCache.mark_send`). `lora_slots`: each input's LoRA
         slot (-1: the base model); None: all the base. Returns without waiting for the GPU.
         """
+        self.near_end = None
         if self.lora is not None:
             self.lora.batch.set_slots(lora_slots or ())
         if copies:
@@ -284,7 +289,8 @@ class ModelRunner:
         elif self.mixed is not None and not sends and self.mixed.can_run(batch):
             hidden = self.mixed.run(batch, input_ids, fill)
         elif self.pieces is not None and self.pieces.can_run(batch):
-            hidden = self.pieces.run(batch, input_ids, fill)
+            hidden = self.pieces.run(batch, input_ids, fill, self.launch_ahead_layers)
+            self.near_end = self.pieces.near_end
         else:
             hidden = self._forward_eager(batch, input_ids, fill)
         self._last_tokens = None

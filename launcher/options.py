@@ -186,6 +186,10 @@ def lora_options(p) -> None:
                    help="CUDA: decodes beside one prompt chunk of up to this many tokens "
                         "replay one whole CUDA graph, the chunk padded (default: 0, off; "
                         "try 32 beside batch jobs)")
+    _config_option(p, "--launch-ahead-layers", type=int,
+                   help="CUDA, async scheduling: schedule the step after one with prompt "
+                        "tokens (piecewise graphs) only when this many of its layers are left, "
+                        "so a prompt arriving meanwhile makes it (default: 0, at once)")
     _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
                    help="launch step N before reading step N-1's tokens (default: auto, "
                         "which is on for CUDA)")

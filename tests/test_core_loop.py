@@ -212,8 +212,64 @@ def test_the_stats_line_reports_the_interval_exactly():
                                     device_prompt_steps=2, device_prompt_tokens=16_000)
     assert format_line(1.0, before, gpu_after, stats).endswith(
         "(batch 24.7); prompt-only steps 2 at 180.00 ms (8,000 tokens)")
+    gpu_after = dataclasses.replace(gpu_after, launch_holds=4, launch_hold_seconds=0.05,
+                                    launch_hold_arrivals=3)
+    assert format_line(1.0, before, gpu_after, stats).endswith(
+        "(8,000 tokens); launches held 4 for 12.50 ms, 3 requests arrived meanwhile")
     log = StatsLog(0.0)
     assert not log.due(1e9) and log.wait_at_most(0.0, after) is None  # 0: never
+
+
+def test_a_held_launch_takes_the_requests_that_arrive_meanwhile(tiny_model_dir, monkeypatch):
+    """While the core says the step in flight is not near its end (launch_ready False, as
+    with --launch-ahead-layers on a GPU), the loop launches nothing and takes messages: the
+    requests that arrive then all make the next step, one step for the three prompts, and
+    each gets Hugging Face's greedy tokens. The hold and its arrivals are counted."""
+    core = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64))
+    steps = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        steps.append(sorted(e.seq.request_id for e in out.scheduled))
+        return out
+
+    monkeypatch.setattr(core.scheduler, "schedule", spy)
+    held, released = [], []  # asked while "a" waits; the step nears its end at 3 waiting
+
+    def launch_ready():
+        if not released:
+            held.append(len(core.scheduler.waiting))
+            if held[-1] >= 3:
+                released.append(True)
+        return bool(released)
+
+    monkeypatch.setattr(core, "launch_ready", launch_ready)
+    prompts = {"a": PROMPT, "b": PROMPT[::-1], "c": PROMPT[1:]}  # (a twin would wait for a)
+    h = LoopHarness(core)
+    try:
+        h.send(Generate("a", prompts["a"], greedy(N_NEW), 0))
+        while not held:  # the loop holds a's launch
+            time.sleep(0.01)
+        h.send(Generate("b", prompts["b"], greedy(N_NEW), 0))
+        h.send(Generate("c", prompts["c"], greedy(N_NEW), 0))
+        tokens = {}
+        while len(tokens) < 3 or any(not done for _, done in tokens.values()):
+            msg = h.receive()
+            for out in msg.items:
+                got, _ = tokens.get(out.request_id, ([], False))
+                tokens[out.request_id] = (got + out.token_ids, out.finish_reason is not None)
+        h.send(invoke(1, StatsRequest()))
+        stats = CALLS["stats"].decode_answer(h.receive().result)
+    finally:
+        h.stop()
+        core.close()
+    want = dict(zip(prompts, hf_greedy(tiny_model_dir, list(prompts.values()), N_NEW)))
+    assert {r: t for r, (t, _) in tokens.items()} == want
+    assert steps == [["a", "b", "c"]] * N_NEW
+    assert held[0] == 1 and held[-1] == 3  # asked with a alone, released with all three
+    assert (stats.launch_holds, stats.launch_hold_arrivals) == (1, 2)
+    assert 0 < stats.launch_hold_seconds < stats.step_seconds
 
 
 def test_a_long_step_beats_while_the_calls_wait_for_it(tiny_model_dir, monkeypatch):

@@ -54,6 +54,42 @@ def test_fp32_tiny_equals_hf_on_gpu(tiny_model_dir, tiny_ref, eager):
         assert got[f"again{i}"][0] == expected
 
 
+def test_launch_marks_ride_the_piecewise_steps_and_leave_the_tokens_hf(tiny_model_dir, tiny_ref):
+    """--launch-ahead-layers 1, async: each step replayed as piecewise graphs carries an event
+    recorded with one layer left (the loop holds the next launch until it fires), decode-only
+    steps none; launch_ready reads a fired mark once and drops it; tokens are Hugging Face's."""
+    import torch
+
+    prompts, ref = tiny_ref
+    core = make_core(tiny_model_dir, dtype="float32", async_scheduling=True,
+                     launch_ahead_layers=1, max_num_batched_tokens=40,
+                     max_prefill_step_tokens=40)  # fmt: skip
+    runner, marks, pieces = core.runner, [], []
+    run, launch = runner.pieces.run, core._launch
+    runner.pieces.run = lambda *a: pieces.append(a[3]) or run(*a)
+
+    def spy(*a, **k):
+        launched = launch(*a, **k)
+        if launched is not None:
+            marks.append(launched.near_end)
+        return launched
+
+    core._launch = spy
+    got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)})
+    assert [got[f"r{i}"][0] for i in range(len(prompts))] == ref
+    assert pieces and set(pieces) == {1}
+    assert sum(isinstance(m, torch.cuda.Event) for m in marks) == len(pieces)
+    assert sum(m is None for m in marks) == len(marks) - len(pieces) > 0  # the decode steps
+    core.add_request("late", random_prompts([30], seed=77)[0], greedy(4))  # no cached prefix
+    core.step()
+    assert core._in_flight.near_end is not None
+    torch.cuda.synchronize()
+    assert core.launch_ready() and core._in_flight.near_end is None and core.launch_ready()
+    while core.has_work():
+        core.step()
+    core.check_integrity()
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_fp32_tiny_with_an_fp8_cache_equals_hf_reading_fp8_kv(tiny_model_dir, tiny_ref, eager):
     """--kv-cache-dtype fp8 on the GPU (compiled kernels: the store rounds to nearest even,

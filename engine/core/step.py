@@ -83,6 +83,9 @@ class LaunchedStep:
     scored: list[tuple[Sequence, int]] = field(default_factory=list)
     scores: list[PendingSample] = field(default_factory=list)
     done: torch.cuda.Event | None = None  # fires once the step ran (DeviceTimeline.end)
+    # fires when config.launch_ahead_layers of its layers are left (ModelRunner.near_end);
+    # None: none recorded, or already seen fired (launch_ready)
+    near_end: torch.cuda.Event | None = None
 
 
 class StepPipeline:
@@ -109,6 +112,18 @@ class StepPipeline:
             if sent:
                 self.exchange.await_flushes(sent, FLUSH_WAIT_S)
         return outputs
+
+    def launch_ready(self) -> bool:
+        """Whether the next step should be launched now: False only while the step in flight
+        has a near-end mark (config.launch_ahead_layers) the GPU has not reached. The core
+        loop takes messages until then (CoreLoop._hold_launch)."""
+        launched = self._in_flight
+        if launched is None or launched.near_end is None:
+            return True
+        if not launched.near_end.query():
+            return False
+        launched.near_end = None
+        return True
 
     def _count(self, sched: SchedulerOutput) -> None:
         loop = self.loop
@@ -169,7 +184,7 @@ class StepPipeline:
         launched = LaunchedStep(
             scheduled=[e.seq for e in sched.scheduled], sampled=list(zip(sampled, slots)),
             length_done=length_done, sample_args=args, logits=logits,
-            scored=[s for _, s in batch.scored], scores=scores)
+            scored=[s for _, s in batch.scored], scores=scores, near_end=self.runner.near_end)
         if logits is not None and sample_now:
             self._sample(launched)
         launched.done = self.device_timeline.end(started)

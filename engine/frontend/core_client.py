@@ -411,6 +411,10 @@ _STAT_HELP = {
                                        "budget, --max-prefill-step-tokens)"),
     "device_prompt_tokens": ("counter", "Tokens of the steps in which nothing decoded, summed "
                                         "(/ those steps: their mean size)"),
+    "launch_holds": ("counter", "Launches held until the step in flight had "
+                                "--launch-ahead-layers left"),
+    "launch_hold_seconds": ("counter", "Of the step time: holding those launches"),
+    "launch_hold_arrivals": ("counter", "Requests that arrived while a launch was held"),
 }
 
 

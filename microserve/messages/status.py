@@ -93,6 +93,11 @@ class EngineStats:
     device_prompt_seconds: float = 0.0  # of device_busy_seconds: steps in which nothing decoded
     device_prompt_steps: int = 0
     device_prompt_tokens: int = 0  # their tokens, summed (/ steps: the mean step)
+    # launches held until the step in flight neared its end (--launch-ahead-layers), the
+    # core's time holding them (of step_seconds), requests that arrived while they were held
+    launch_holds: int = 0
+    launch_hold_seconds: float = 0.0
+    launch_hold_arrivals: int = 0
     # LoRA adapters (docs/lora.md): those requests may name, those in the GPU's slots now,
     # those a /v1/load_lora_adapter is reading from disk (not requestable yet)
     lora_registered: list[str] = field(default_factory=list)
