@@ -122,9 +122,28 @@ async def one(client: StreamClient, model: str, prompt: list[int], n_out: int,
         "itl": [b - a for a, b in zip(times, times[1:])],
         "times": times,  # perf_counter at each chunk with text (bench.peers windows on them)
         "e2e": end - start,
+        "sent": start,
         "prompt_tokens": len(prompt),
         "output_tokens": n,
     }
+
+
+def write_requests(path: str, results: list[dict], start: float) -> None:
+    """One JSON line a request, in the order they were sent: when (s after the first), its
+    TTFT, TPOT and end-to-end time (ms) and lengths; or that it was aborted, or its error.
+    What a tail is made of: which requests, arriving when, beside which others."""
+    with open(path, "w") as f:
+        for i, r in enumerate(results):
+            if r.get("aborted") or "error" in r:
+                line = {"i": i, **({"aborted": True} if r.get("aborted") else
+                                   {"error": r["error"]})}
+            else:
+                line = {"i": i, "sent_s": round(r["sent"] - start, 6),
+                        "ttft_ms": round(r["ttft"] * 1e3, 3),
+                        "tpot_ms": None if r["tpot"] != r["tpot"] else round(r["tpot"] * 1e3, 4),
+                        "e2e_ms": round(r["e2e"] * 1e3, 3),
+                        "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"]}
+            f.write(json.dumps(line) + "\n")
 
 
 def pct(values: list[float]) -> dict:
@@ -172,6 +191,8 @@ async def run(args, slo: SLO | None = None, gpus: int = 1) -> dict:
         cpu = time.process_time() - cpu
     finally:
         client.close()
+    if getattr(args, "requests_out", None):
+        write_requests(args.requests_out, results, start)
     aborted = sum(1 for r in results if r.get("aborted"))
     results = [r for r in results if not r.get("aborted")]
     ok = [r for r in results if "error" not in r]
@@ -242,6 +263,9 @@ def main() -> None:
                          "core parses every stream's chunks, and asyncio's loop costs more "
                          "per chunk)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--requests-out", default=None, metavar="FILE",
+                    help="one JSON line a request: when it was sent, its TTFT, TPOT, "
+                         "end-to-end time and lengths")
     args = ap.parse_args()
     if args.event_loop == "uvloop":
         import uvloop

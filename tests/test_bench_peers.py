@@ -139,6 +139,15 @@ def test_microserve_half_end_to_end_on_random_tiny(tmp_path):
         assert all(float(cell.split(" [")[0].replace(",", "")) > 0 for cell in cells), line
     result = json.loads((tmp_path / "peers.json").read_text())
     assert [len(result["samples"][side]) for side in ("engine", "up", "engine@small")] == [1, 1, 1]
+    # each Poisson run's requests, one line each in the order sent (bench.serve --requests-out)
+    for side in ("engine", "up", "engine@small"):
+        for rate in ("4", "8", "16"):
+            sent = [json.loads(line) for line in
+                    (work / f"requests-{side}-r1-{rate}per-s.jsonl").read_text().splitlines()]
+            assert [r["i"] for r in sent] == list(range(6)), (side, rate)
+            assert [r["sent_s"] for r in sent] == sorted(r["sent_s"] for r in sent)
+            assert all((r["prompt_tokens"], r["output_tokens"]) == (16, 4)
+                       and 0 < r["ttft_ms"] <= r["e2e_ms"] for r in sent), sent
     mark = f"BENCH_PEERS_RUN={work}".encode()
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and mark in _environ(pid)]
     assert left == []

@@ -45,9 +45,9 @@ def test_piecewise_forward_with_adapters_equals_peft(tiny_model_dir, tmp_path):
     padded = []
     run_pieces = pieces.run
 
-    def counted(batch, input_ids, fill=None):
+    def counted(batch, input_ids, fill=None, mark_layers_left=0):
         padded.append(len(input_ids) not in pieces.buckets)
-        return run_pieces(batch, input_ids, fill)
+        return run_pieces(batch, input_ids, fill, mark_layers_left)
 
     def eager(*args):
         raise AssertionError("a step ran eagerly")

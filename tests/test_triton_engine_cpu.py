@@ -76,10 +76,10 @@ def test_piecewise_forward_equals_hf_with_mixed_and_padded_steps(tiny_model_dir)
     steps = []
     run = pieces.run
 
-    def counted(batch, input_ids, fill=None):
+    def counted(batch, input_ids, fill=None, mark_layers_left=0):
         chunks = sum(s.num_new_tokens > 1 for s in batch.seqs)
         steps.append((len(input_ids), chunks, len(batch.seqs) - chunks))
-        return run(batch, input_ids, fill)
+        return run(batch, input_ids, fill, mark_layers_left)
 
     def eager(*args):
         raise AssertionError("a step ran eagerly")

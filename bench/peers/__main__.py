@@ -113,6 +113,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # vLLM's own client needs vLLM: without it, the other figures only
     args.only = [f for f in args.only.split(",") if f and not (args.skip_vllm and f == "vllmbench")]
     args.variants = {}
+    args.trace_name = "run"  # the side and round, once a round starts (figures.poisson)
     for given in args.variant:
         name, eq, extra = given.partition("=")
         if not eq or not name.isidentifier() or not extra.strip():
@@ -213,6 +214,7 @@ async def run(args) -> tuple[str, dict]:
         return await run_two(args, model_dir, workdir, vocab, samples)
     for r in range(args.rounds):
         for side in (args.sides if r % 2 == 0 else args.sides[::-1]):
+            args.trace_name = f"{side}-r{r + 1}"  # names the Poisson runs' request files
             rows = await one_round(side, model_dir, args, workdir, vocab)
             samples[side].append(rows)
             print(f"round {r + 1} {side}: {json.dumps(rows)}", flush=True)

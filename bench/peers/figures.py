@@ -126,6 +126,8 @@ async def poisson(base_url: str, model: str, args, vocab: int) -> dict:
             "--num-requests", str(args.poisson_requests), "--request-rate", str(rate),
             "--input-len", str(args.poisson_input), "--output-len", str(args.poisson_output),
             "--vocab", str(vocab), "--seed", str(100 + i)])  # fmt: skip
+        # each request's arrival and figures, for reading a tail: requests-SIDE-rR-RATE.jsonl
+        ns.requests_out = args.run_dir / f"requests-{args.trace_name}-{rate:g}per-s.jsonl"
         result = await serve_run(ns)
         check(result, f"poisson@{rate}")
         for metric in ("ttft", "tpot"):
