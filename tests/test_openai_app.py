@@ -176,11 +176,18 @@ async def test_priority_reaches_the_backend_for_every_choice(tok):
     assert backend.priorities == [-5, -5, 7, 0]
 
 
-async def test_max_tokens_defaults_to_the_rest_of_the_context(tok):
+async def test_max_tokens_defaults_as_openai_and_vllm_do(tok):
+    """Left out: 16 on completions (OpenAI's and vLLM's default), fit to the context left;
+    what is left of the context on chat, and on completions given as null."""
     backend = ScriptedBackend(steps(tok, "hello"))
     async with client_for(backend, tok) as client:
         await client.post("/v1/completions", json={"prompt": [5, 6, 7]})  # no model: served one
-    assert backend.calls[0][2].max_tokens == MAX_MODEL_LEN - 3
+        await client.post("/v1/completions", json={"prompt": [5] * (MAX_MODEL_LEN - 5)})
+        await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": None})
+        await client.post("/v1/chat/completions", json={"messages": HI})
+    budgets = [call[2].max_tokens for call in backend.calls]
+    assert budgets[:3] == [16, 5, MAX_MODEL_LEN - 3]
+    assert MAX_MODEL_LEN - 30 < budgets[3] < MAX_MODEL_LEN - 3  # the chat template's tokens
 
 
 async def test_completion_stream_with_usage(tok):

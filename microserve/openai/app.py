@@ -107,8 +107,8 @@ class OpenAIFrontend:
                 prompt_ids = await self.tokenizer.encode_async(prompt)
             else:
                 prompt_ids = self._checked_token_ids(prompt)
-            max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids), body.max_tokens, "max_tokens",
-                                           "prompt")
+            max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids), body.max_tokens,
+                                     "max_tokens", "prompt", body.default_max_tokens)
             echo = None
             if body.echo:  # the prompt as sent, or its tokens' text
                 echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)

@@ -14,16 +14,17 @@ def check_choices(prompts: int, n: int) -> None:
 
 
 def fit_context(limit: int, prompt_len: int, max_tokens: int | None, max_tokens_field: str,
-                prompt_field: str) -> int:
+                prompt_field: str, default: int | None = None) -> int:
     """The completion budget in a context of `limit` tokens: `max_tokens` if prompt +
-    completion fit, else a 400. Without max_tokens the budget is what is left of the context.
+    completion fit, else a 400. Without max_tokens the budget is `default` or what is left of
+    the context, whichever is smaller (no default: what is left).
     """
     if prompt_len == 0:
         raise invalid_request(f"The {prompt_field} is empty after tokenization", prompt_field)
     where = "in the messages" if prompt_field == "messages" else "in the prompt"
     if max_tokens is None:
         if prompt_len < limit:
-            return limit - prompt_len
+            return min(limit - prompt_len, default or limit)
         raise invalid_request(
             f"This model's maximum context length is {limit} tokens. However, your request "
             f"has {prompt_len} tokens {where}, which leaves no room for the completion. "

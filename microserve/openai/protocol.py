@@ -196,6 +196,9 @@ class GenerationRequest(BaseModel):
         )
 
 
+DEFAULT_COMPLETION_TOKENS = 16
+
+
 class CompletionRequest(GenerationRequest):
     # One prompt (a string or token ids) or a batch of them ([str] or [[int]]); `prompts`.
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -223,6 +226,13 @@ class CompletionRequest(GenerationRequest):
         if not (isinstance(value, str) or isinstance(value, list) and _token_ids(value)):
             raise ValueError("must be a string, a list of token ids, or a list of either")
         return value
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """The budget of a request that leaves max_tokens out: 16, OpenAI's default for the
+        legacy completions API and vLLM's (fit to the context left). An explicit null means
+        what is left of the context, the default of a chat request."""
+        return None if "max_tokens" in self.model_fields_set else DEFAULT_COMPLETION_TOKENS
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import msgspec
 
+from microserve.openai.protocol import DEFAULT_COMPLETION_TOKENS
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-DEFAULT_OUTPUT_TOKENS = 256  # the ordering's guess for a line without max_tokens
+DEFAULT_OUTPUT_TOKENS = 256  # the ordering's guess for a chat line without max_tokens
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,13 @@ def _parse(idx: int, raw: bytes, endpoint: str, seen: set[str]) -> ParsedLine:
     return ParsedLine(idx, custom_id, body, raw_body=bytes(line["body"]))
 
 
-def expected_output_tokens(body: dict) -> int:
+def expected_output_tokens(body: dict, endpoint: str) -> int:
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if isinstance(value, int) and value > 0:
             return value
+    if endpoint == "/v1/completions" and "max_tokens" not in body:
+        return DEFAULT_COMPLETION_TOKENS  # what the API gives such a line
     return DEFAULT_OUTPUT_TOKENS
 
 

@@ -162,7 +162,7 @@ class BatchRunner:
                 continue
             good.append((line.idx, line.custom_id, line.raw_body.decode()))
             prompts.append(self._prompt_ids(endpoint, line.body))
-            outputs.append(expected_output_tokens(line.body))
+            outputs.append(expected_output_tokens(line.body, endpoint))
         ordering = blend_order(prompts, outputs)
         order = {"blend": ordering.order, "alternate": alternate(ordering.dfs),
                  "dfs": ordering.dfs, "file": range(len(good))}[self.order]
