@@ -50,7 +50,7 @@ from kvcache.paged import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-# Piecewise buckets up to 512 tokens; above it they come every `piece_bucket_step` tokens
+# Piecewise buckets up to 512 tokens; above it they come every `piecewise_bucket_step` tokens
 # (piece_buckets). A step pads to its bucket, and above ~512 tokens every padded row costs GEMM
 # time like a real one: with buckets 256 apart, 1,024 prompt tokens beside 19 decodes computed
 # 1,280 rows (docs/benchmarks.md, "Piecewise buckets 64 tokens apart").

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -202,9 +203,11 @@ async def test_each_rate_sends_prompts_no_earlier_rate_sent(monkeypatch, which):
     from bench.serve import workload
 
     sent: list[list[list[int]]] = []
+    files = []  # where each Poisson run's requests go
 
     async def fake_run(ns, slo=None, gpus=1):
         sent.append([prompt for prompt, _ in workload(ns)])
+        files.append(getattr(ns, "requests_out", None))
         row = {"p50_ms": 1.0, "p99_ms": 1.0}
         return {"ttft": row, "tpot": row, "jct": row, "total_tokens_per_s": 1.0,
                 "failed": 0, "errors": [], "completed": ns.num_requests,
@@ -216,8 +219,9 @@ async def test_each_rate_sends_prompts_no_earlier_rate_sent(monkeypatch, which):
     monkeypatch.setattr(two_gpus, "check", lambda result, what: None)
     if which == "poisson":
         args = SimpleNamespace(rates=[8.0, 16.0, 24.0], poisson_requests=5, poisson_input=32,
-                               poisson_output=4)
+                               poisson_output=4, run_dir=Path("/runs"), trace_name="engine-r1")
         await figures.poisson("http://x/v1", "m", args, 1000)
+        assert files == [Path(f"/runs/requests-engine-r1-{r}per-s.jsonl") for r in (8, 16, 24)]
     else:
         args = SimpleNamespace(pd_rates=[2.0, 3.0, 4.0], pd_requests=5, pd_input=32,
                                pd_output=4, slo_ttft_s=2.0, slo_tpot_ms=25.0)
