@@ -236,20 +236,23 @@ class _CloseAfterServerError:
 class QuietServer(uvicorn.Server):
     """A uvicorn server that leaves signals to its caller's cleanup: uvicorn re-raises
     SIGINT/SIGTERM once it has shut down, which would end the process before the caller
-    stops what it started (an engine core, engine processes)."""
+    stops what it started (an engine core, engine processes). No ASGI lifespan: the apps
+    served have no startup or shutdown handlers (their owners start and close what they run
+    around `serve`), and a second Ctrl-C, which makes uvicorn skip the lifespan's shutdown,
+    left its task to be cancelled at exit with a CancelledError traceback on the terminal."""
 
     @classmethod
     def serving(cls, app, log_level: str, limits: HttpLimits = HttpLimits()) -> "QuietServer":
         """Serve `app` with every connection bounded by `limits` (microserve/http_limits.py;
         fit them to the open-file limit first with `fit_file_limit`)."""
         return cls(uvicorn.Config(_CloseAfterServerError(app), log_level=log_level,
-                                  access_log=False,
+                                  access_log=False, lifespan="off",
                                   http=BoundedHttpProtocol.bounded_by(limits),
                                   timeout_keep_alive=limits.keep_alive_s))
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
-        if self.started:  # the app's lifespan has run: what is alive now lives as long as it
+        if self.started:  # listening: what is alive now lives as long as the server
             freeze_startup_heap()
 
     @contextlib.contextmanager

@@ -306,3 +306,35 @@ def test_engine_and_router_options_and_the_deployment_file_set_the_limits(tmp_pa
         config.write_text(f"[router]\n{line}\n" + engines)
         with pytest.raises(ValueError, match=f"deploy.toml \\[router\\]: {message}"):
             load_deployment(config)
+
+
+DOUBLE_CTRL_C = '''
+import asyncio, os, signal
+from fastapi import FastAPI
+from microserve.http_server import QuietServer, listen_socket
+
+async def main():
+    server = QuietServer.serving(FastAPI(), "info")
+    serving = asyncio.create_task(server.serve(sockets=[listen_socket("127.0.0.1", 0)]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: uvicorn exits at once
+    await serving
+    print("stopped", flush=True)
+
+asyncio.run(main())
+'''
+
+
+def test_a_second_ctrl_c_stops_the_server_without_a_traceback():
+    """Ctrl-C twice (a user who presses it again, or a signal to `timeout` and its child):
+    uvicorn skips its graceful steps, and a lifespan task left behind was cancelled at exit
+    with a CancelledError traceback on the terminal. The server serves no lifespan."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", DOUBLE_CTRL_C], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout == "stopped\n", done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Finished server process" in done.stderr
