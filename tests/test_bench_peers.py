@@ -178,3 +178,22 @@ def test_variants_are_sides_of_their_own_and_checked(capsys):
         parse_args(["--variant", "big=-x 1", "--variant", "p=-y 2", "--sides", "vllm,engine@p"])
     assert ("--variant engine@big: not in --sides vllm,engine@p; add it there"
             in capsys.readouterr().err)
+
+
+def test_poisson_tail_groups_first_tokens_by_their_recent_neighbours(tmp_path):
+    """bench/scripts/poisson_tail.py on a crafted run: a burst of three (each later one waits
+    longer) and two lone requests; an aborted line and a failed one are left out."""
+    from bench.scripts.poisson_tail import read, tail
+
+    lines = [{"i": 0, "sent_s": 0.0, "ttft_ms": 40.0}, {"i": 1, "sent_s": 1.0, "ttft_ms": 41.0},
+             {"i": 2, "sent_s": 1.02, "ttft_ms": 70.0}, {"i": 3, "sent_s": 1.05, "ttft_ms": 99.0},
+             {"i": 4, "aborted": True}, {"i": 5, "error": "500 b''"},
+             {"i": 6, "sent_s": 3.0, "ttft_ms": 39.0}]
+    path = tmp_path / "requests-engine-r1-16per-s.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    got = tail(read(path), window_ms=100, top=2)
+    assert (got["requests"], got["ttft_p50_ms"], got["ttft_p99_ms"]) == (5, 41.0, 99.0)
+    assert got["mean_ttft_ms_by_recent"] == {"0": 40.0, "1": 70.0, "2": 99.0}
+    assert got["slowest"] == [
+        {"i": 3, "sent_s": 1.05, "ttft_ms": 99.0, "recent": 2, "recent_ttft_ms": [41.0, 70.0]},
+        {"i": 2, "sent_s": 1.02, "ttft_ms": 70.0, "recent": 1, "recent_ttft_ms": [41.0]}]
