@@ -19,6 +19,8 @@ import statistics
 from bisect import bisect_left
 from pathlib import Path
 
+from bench.serve import pct
+
 
 def read(path: Path) -> list[dict]:
     """The answered requests of a file, in the order they were sent."""
@@ -26,29 +28,22 @@ def read(path: Path) -> list[dict]:
     return sorted((r for r in rows if "ttft_ms" in r), key=lambda r: r["sent_s"])
 
 
-def rank(values: list[float], q: float) -> float:
-    """bench.serve's percentile: the value at int(q * n) of the sorted values."""
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
-
-
 def tail(rows: list[dict], window_ms: float, top: int) -> dict:
     sent = [r["sent_s"] for r in rows]
-    for i, r in enumerate(rows):
-        first = bisect_left(sent, r["sent_s"] - window_ms / 1e3)
-        r["recent"] = [rows[j] for j in range(first, i)]
+    # each request's neighbours: those sent in the window before it
+    recent = [rows[bisect_left(sent, r["sent_s"] - window_ms / 1e3):i] for i, r in enumerate(rows)]
     by_recent: dict[int, list[float]] = {}
-    for r in rows:
-        by_recent.setdefault(min(len(r["recent"]), 3), []).append(r["ttft_ms"])
-    ttfts = [r["ttft_ms"] for r in rows]
-    slowest = sorted(rows, key=lambda r: -r["ttft_ms"])[:top]
+    for r, before in zip(rows, recent):
+        by_recent.setdefault(min(len(before), 3), []).append(r["ttft_ms"])
+    ttft = pct([r["ttft_ms"] / 1e3 for r in rows])  # ranked as bench.serve ranks them
+    slowest = sorted(range(len(rows)), key=lambda i: -rows[i]["ttft_ms"])[:top]
     return {
-        "requests": len(rows), "ttft_p50_ms": rank(ttfts, 0.5), "ttft_p99_ms": rank(ttfts, 0.99),
+        "requests": len(rows), "ttft_p50_ms": ttft["p50_ms"], "ttft_p99_ms": ttft["p99_ms"],
         "mean_ttft_ms_by_recent": {f"{k}{'+' if k == 3 else ''}": statistics.fmean(v)
                                    for k, v in sorted(by_recent.items())},
-        "slowest": [{"i": r["i"], "sent_s": r["sent_s"], "ttft_ms": r["ttft_ms"],
-                     "recent": len(r["recent"]),
-                     "recent_ttft_ms": [x["ttft_ms"] for x in r["recent"]]} for r in slowest],
+        "slowest": [{"i": rows[i]["i"], "sent_s": rows[i]["sent_s"], "ttft_ms": rows[i]["ttft_ms"],
+                     "recent": len(recent[i]),
+                     "recent_ttft_ms": [x["ttft_ms"] for x in recent[i]]} for i in slowest],
     }  # fmt: skip
 
 
