@@ -7,6 +7,8 @@ a CUDA-graph chain whose kernels launch programmatically dependent (PDL) on the 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,6 +118,22 @@ def test_gemv_default_tiles():
     assert gemv_mod.gemv_config(4096, 14336) == gemv_mod.GemvConfig(4, 2048, 8)  # down
     assert gemv_mod.gemv_config(128256, 4096) == gemv_mod.GemvConfig(1, 4096, 8)  # LM head
     assert gemv_mod.gemv_config(49152, 576) == gemv_mod.GemvConfig(2, 1024, 4)  # masked past 576
+
+
+def test_gemv_tiles_by_gpu():
+    """An H200 takes the tiles of its own sweep for bf16 projections of 16 Mi weights and more;
+    fp8 weights, the small shares of tensor parallelism and other GPUs keep the H100's."""
+    h200 = functools.partial(gemv_mod.gemv_config, gpu="NVIDIA H200")
+    assert h200(6144, 4096) == gemv_mod.GemvConfig(4, 2048, 4)  # qkv
+    assert h200(4096, 4096) == gemv_mod.GemvConfig(4, 2048, 4)  # o (16 Mi)
+    assert h200(28672, 4096) == gemv_mod.GemvConfig(4, 2048, 4)  # gate_up
+    assert h200(128256, 4096) == gemv_mod.GemvConfig(4, 4096, 8)  # LM head
+    assert h200(4096, 14336) == gemv_mod.GemvConfig(8, 2048, 8)  # down
+    assert h200(3072, 4096) == gemv_mod.GemvConfig(8, 1024, 4)  # a TP 2 share of qkv
+    assert h200(28672, 4096, fp8=True) == gemv_mod.gemv_config(28672, 4096, fp8=True)
+    assert gemv_mod.gemv_config(28672, 4096, gpu="NVIDIA H100 80GB HBM3") == (
+        gemv_mod.GemvConfig(2, 4096, 8))
+    assert gemv_mod.device_gpu(torch.zeros(1)) == ""  # off CUDA: no name, the H100's tiles
 
 
 def test_gemv_rejects_bad_shapes():

@@ -31,6 +31,7 @@ CUDA-graph safety: the wrapper reads only shapes and dtypes; the grid depends on
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ class GemvConfig:
     num_stages: int = 1
 
 
-def gemv_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
+def gemv_config(n: int, k: int, fp8: bool = False, gpu: str = "") -> GemvConfig:
     """The tile from the 2026-11-23 H100 sweep of this kernel (`python -m bench.gemv_sweep
     --engine`): a row of up to 4,096 columns loads whole, 2 rows a program (1 for a vocabulary-
     sized N), 8 warps; longer rows (the down projection) go 2,048 columns at a time, 4 rows a
@@ -57,6 +58,10 @@ def gemv_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     338.9 (3.10 TB/s); each within 0.4 us of the fastest tile of 54 (the LM head's is this
     one), and 1 or 2 pipeline stages made no difference. fp8 weights: twice the rows a
     program, so each load moves as many bytes.
+
+    `gpu` (torch.cuda.get_device_name) picks the tiles swept on that GPU where they differ:
+    on an H200 (HBM3e, 4.8 TB/s against the H100's 3.35) the H100's tiles left a third of the
+    bandwidth unused on the largest projections; see _H200_TILES.
 
     Smaller matrices (a tensor-parallel rank's share: under 16 Mi weights of up to 4,096
     columns, under 32 Mi of longer rows) take 8 rows x 1,024 columns a program, 4 warps: in the
@@ -67,11 +72,38 @@ def gemv_config(n: int, k: int, fp8: bool = False) -> GemvConfig:
     if n * k < (16 << 20 if k <= 4096 else 32 << 20):
         return GemvConfig(block_n=8 * rows, block_k=min(1024, triton.next_power_of_2(k)),
                           num_warps=4)
+    if gpu in _H200_TILES and not fp8:
+        short, vocab, long = _H200_TILES[gpu]
+        return long if k > 4096 else vocab if n >= 65536 else short
     if k <= 4096:
         block_k = triton.next_power_of_2(k)
         return GemvConfig(block_n=(1 if n >= 65536 else 2) * rows, block_k=block_k,
                           num_warps=8 if block_k >= 2048 else 4)
     return GemvConfig(block_n=4 * rows, block_k=2048, num_warps=8)
+
+
+# bf16/fp16 weights of 16 Mi and more on an H200, from its `bench.gemv_sweep --engine` of
+# 2026-11-29 (54 tiles, Llama-3.1-8B's projections; docs/benchmarks.md, session 73): rows of up
+# to 4,096 columns, rows of a vocabulary-sized N (the LM head), and longer rows (the down
+# projection). Against the H100's tiles: qkv 18.1 -> 15.4 us, o 10.0 -> 9.9, gate_up 75.3 ->
+# 61.8 (3.12 -> 3.80 TB/s), LM head 260.2 -> 240.4 (4.37 TB/s), down 33.2 -> 31.7, each
+# within 0.2 us of the grid's fastest (o: 9.7). fp8 weights were not swept there and keep the
+# H100's rule.
+_H200_TILES = {
+    "NVIDIA H200": (GemvConfig(4, 2048, 4), GemvConfig(4, 4096, 8), GemvConfig(8, 2048, 8)),
+}
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_gpu(t: torch.Tensor) -> str:
+    """The name of the GPU holding t ("" off CUDA, or under the Triton interpreter)."""
+    if not t.is_cuda:
+        return ""
+    return _gpu_name(torch.cuda.current_device() if t.device.index is None else t.device.index)
 
 
 @triton.jit
@@ -218,7 +250,7 @@ def gemv(
         weight: [N, K], last dim contiguous, x's dtype (or float8_e4m3fn with `scale`).
         out: [1, N], x's dtype or float32 (allocated in x's dtype if None).
         gated: the input is silu(gate) * up (the MLP's down projection).
-        config: launch parameters; default `gemv_config(N, K, fp8=scale is not None)`.
+        config: launch parameters; default `gemv_config` for N, K, fp8 and x's GPU.
         scale: [N] float32, the fp8 weight's per-row scales (engine/models/fp8.py).
         lora: (a [slots, NA, K] in x's dtype, part [NA] float32, slot [1] int32): part =
             a[slot] @ x as well, the LoRA shrink (nothing when slot is -1).
@@ -287,7 +319,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) ->
 
 def _launch(x, weight, out, config, scale, gated: bool = False, norm=None, lora=None) -> None:
     n, k = weight.shape
-    config = config or gemv_config(n, k, fp8=scale is not None)
+    config = config or gemv_config(n, k, fp8=scale is not None, gpu=device_gpu(x))
     residual, res_out, norm_weight, eps = norm or (None, x, x, 0.0)
     pdl = _pdl.use_pdl(x)
     base_programs = triton.cdiv(n, config.block_n)
