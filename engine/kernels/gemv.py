@@ -61,7 +61,7 @@ def gemv_config(n: int, k: int, fp8: bool = False, gpu: str = "") -> GemvConfig:
 
     `gpu` (torch.cuda.get_device_name) picks the tiles swept on that GPU where they differ:
     on an H200 (HBM3e, 4.8 TB/s against the H100's 3.35) the H100's tiles left a third of the
-    bandwidth unused on the largest projections; see _H200_TILES.
+    bandwidth unused on the largest projections; see _TILES_BY_GPU.
 
     Smaller matrices (a tensor-parallel rank's share: under 16 Mi weights of up to 4,096
     columns, under 32 Mi of longer rows) take 8 rows x 1,024 columns a program, 4 warps: in the
@@ -72,8 +72,8 @@ def gemv_config(n: int, k: int, fp8: bool = False, gpu: str = "") -> GemvConfig:
     if n * k < (16 << 20 if k <= 4096 else 32 << 20):
         return GemvConfig(block_n=8 * rows, block_k=min(1024, triton.next_power_of_2(k)),
                           num_warps=4)
-    if gpu in _H200_TILES and not fp8:
-        short, vocab, long = _H200_TILES[gpu]
+    if gpu in _TILES_BY_GPU and not fp8:
+        short, vocab, long = _TILES_BY_GPU[gpu]
         return long if k > 4096 else vocab if n >= 65536 else short
     if k <= 4096:
         block_k = triton.next_power_of_2(k)
@@ -82,14 +82,14 @@ def gemv_config(n: int, k: int, fp8: bool = False, gpu: str = "") -> GemvConfig:
     return GemvConfig(block_n=4 * rows, block_k=2048, num_warps=8)
 
 
-# bf16/fp16 weights of 16 Mi and more on an H200, from its `bench.gemv_sweep --engine` of
-# 2026-11-29 (54 tiles, Llama-3.1-8B's projections; docs/benchmarks.md, session 73): rows of up
+# Tiles for bf16/fp16 weights of 16 Mi and more, by torch.cuda.get_device_name: for rows of up
 # to 4,096 columns, rows of a vocabulary-sized N (the LM head), and longer rows (the down
-# projection). Against the H100's tiles: qkv 18.1 -> 15.4 us, o 10.0 -> 9.9, gate_up 75.3 ->
-# 61.8 (3.12 -> 3.80 TB/s), LM head 260.2 -> 240.4 (4.37 TB/s), down 33.2 -> 31.7, each
-# within 0.2 us of the grid's fastest (o: 9.7). fp8 weights were not swept there and keep the
-# H100's rule.
-_H200_TILES = {
+# projection). The H200's come from its `bench.gemv_sweep --engine` of 2026-11-29 (54 tiles,
+# Llama-3.1-8B's projections; docs/benchmarks.md, session 73). Against the H100's tiles
+# there: qkv 18.1 -> 15.4 us, o 10.0 -> 9.9, gate_up 75.3 -> 61.8 (3.12 -> 3.80 TB/s), LM head
+# 260.2 -> 240.4 (4.37 TB/s), down 33.2 -> 31.7, each within 0.2 us of the grid's fastest
+# (o: 9.7). fp8 weights were not swept there and keep the H100's rule.
+_TILES_BY_GPU = {
     "NVIDIA H200": (GemvConfig(4, 2048, 4), GemvConfig(4, 4096, 8), GemvConfig(8, 2048, 8)),
 }
 
