@@ -177,14 +177,16 @@ def _length(spans: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in spans)
 
 
-def decode128(core: EngineCore, vocab: int, sampling: SamplingParams | None = None) -> dict:
-    for i, p in enumerate(prompts(128, 1024, vocab, 3)):
+def decode128(core: EngineCore, vocab: int, sampling: SamplingParams | None = None,
+              batch: int = 128) -> dict:
+    """`batch` sequences (128 unless named: decode2 ... decode16) decoding at ~1,024."""
+    for i, p in enumerate(prompts(batch, 1024, vocab, 3)):
         core.add_request(f"b{i}", p, sampling or params(129))
     while any(s.num_computed_tokens < len(s.prompt_token_ids) + 4 for s in generating(core)):
         core.step()
-    ms, n = steady_step_ms(core, 100, lambda: len(core.requests) == 128)
+    ms, n = steady_step_ms(core, 100, lambda: len(core.requests) == batch)
     drain(core)
-    return {"output_tokens_per_s": 128 / ms * 1e3, "step_ms": ms, "steps": n}
+    return {"output_tokens_per_s": batch / ms * 1e3, "step_ms": ms, "steps": n}
 
 
 def decode_short(core: EngineCore, vocab: int, batch: int = 256, context: int = 128) -> dict:
@@ -535,6 +537,7 @@ def hf_baseline(model_dir: str, vocab: int) -> dict:
 
 
 FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
+           **{f"decode{b}": partial(decode128, batch=b) for b in (2, 4, 8, 12, 16, 32)},
            "prefill-profile": prefill_profile,
            "overhead": host_overhead, "offline": offline,
            "overhead1": lambda core, vocab: host_overhead(core, vocab, batch=1),
@@ -582,6 +585,9 @@ def main() -> None:
                     help="the engine's --piecewise-bucket-step (buckets' spacing above 512)")
     ap.add_argument("--no-gemv", action="store_true",
                     help="batch-1 projections through cuBLAS, not the Triton GEMV")
+    ap.add_argument("--few-rows-gemm", type=int, default=0, metavar="N",
+                    help="the engine's --few-rows-gemm: steps of 2..N rows through the "
+                         "few-rows kernel, not cuBLAS (default: 0, off)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch the GEMV without programmatic dependent launch")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
@@ -608,7 +614,8 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
         **({} if args.max_piecewise_tokens is None else
            {"max_piecewise_tokens": args.max_piecewise_tokens}),
-        decode_gemv=not args.no_gemv, quantization=args.quantization,
+        decode_gemv=not args.no_gemv, few_rows_gemm=args.few_rows_gemm,
+        quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl,
         tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -623,6 +630,7 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "blas": config.blas_library, "eager_blas": config.eager_blas_library}  # fmt: skip
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
+    results["few_rows_gemm"] = args.few_rows_gemm
     results["tensor_parallel_size"] = args.tensor_parallel_size
     results["all_reduce"] = args.all_reduce
     results["tp_overlap_tokens"] = config.tp_overlap_tokens

@@ -26,6 +26,12 @@ times instead the engine's own kernel (`engine/kernels/gemv.py`) in the variant 
 layer runs for each projection (qkv and gate_up with the RMSNorm folded in, down gated, the LM
 head writing fp32, with PDL) over a wider grid of tiles (`ENGINE_TILES`, up to whole rows per
 load), against its default `gemv_config`.
+
+    python -m bench.gemv_sweep --few-rows 2,4,8,16 [--only gate_up,down]
+
+times the engine's few-rows kernel (`engine/kernels/few_rows.py`, decode steps of 2-16 rows)
+over FEW_ROWS_TILES and K splits of 1, 2 and 4, against F.linear at the same rows (cuBLASLt,
+as the engine's graphs run it), the LM head writing fp32.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import math
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
@@ -218,6 +225,64 @@ def sweep_engine_kernel(name: str, n: int, k: int, rows: list[dict]) -> None:
     _print_row(best)
 
 
+# The --few-rows grid: (BLOCK_N, BLOCK_K, warps, stages), each with K split 1, 2 or 4 ways
+FEW_ROWS_TILES = [(bn, bk, w, st) for bn in (32, 64, 128) for bk in (128, 256)
+                  for w in (4, 8) for st in (3, 4)
+                  if bn * bk <= 16384 and (w == 4 or bn * bk >= 8192)]  # fmt: skip
+
+
+def sweep_few_rows(name: str, n: int, k: int, m: int, rows: list[dict]) -> None:
+    """The engine's few-rows kernel (`engine/kernels/few_rows.py`) for `name` at m rows, per
+    tile of FEW_ROWS_TILES and K split, against F.linear (cuBLASLt, as the engine runs it)."""
+    from engine.kernels.few_rows import FewRowsConfig, few_rows_config, few_rows_linear
+
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k + m)
+    nbytes = n * k * 2
+    copies = max(2, min(16, math.ceil((512 << 20) / nbytes)))
+    weights = [torch.randn(n, k, generator=gen, device=DEVICE, dtype=torch.bfloat16) * 0.02
+               for _ in range(copies)]  # fmt: skip
+    x = torch.randn(m, k, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
+    out = torch.empty(m, n, device=DEVICE, dtype=out_dtype)
+    ref = (x.double() @ weights[0].double().t())
+
+    def linear(i=0):
+        return F.linear(x, weights[i % len(weights)])
+
+    def call(config, i=0):
+        return few_rows_linear(x, weights[i % len(weights)], out, config)
+
+    start = len(rows)
+    ms = graph_ms(linear, copies)
+    rows.append({"projection": name, "n": n, "k": k, "m": m, "method": "linear", "tile": None,
+                 "splits": 1, "rel_err": rel_err(linear().double(), ref), "us": ms * 1e3,
+                 "tb_s": nbytes / ms / 1e9})  # fmt: skip
+    _print_row(rows[-1])
+    default = few_rows_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    configs = [default] + [FewRowsConfig(*t, split_k=s) for t in FEW_ROWS_TILES
+                           for s in (1, 2, 4)]  # fmt: skip
+    for config in dict.fromkeys(configs):
+        try:
+            err = rel_err(call(config).double(), ref)
+            ms = graph_ms(functools.partial(call, config), copies)
+        except (RuntimeError, OutOfResources, CompilationError) as e:
+            print(f"{name} {config}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        rows.append({"projection": name, "n": n, "k": k, "m": m,
+                     "method": "default" if config == default else "few-rows",
+                     "tile": (config.block_n, config.block_k, config.num_warps,
+                              config.num_stages),
+                     "splits": config.split_k, "rel_err": err, "us": ms * 1e3,
+                     "tb_s": nbytes / ms / 1e9})  # fmt: skip
+        _print_row(rows[-1])
+    mine = rows[start:]
+    best = min(mine[1:], key=lambda r: r["us"])
+    print(f"{name} m={m}: F.linear {mine[0]['us']:.1f} us, default {mine[1]['us']:.1f} us, "
+          f"best ", end="")
+    _print_row(best)
+
+
 def _print_row(r: dict) -> None:
     tile = "n{}:k{}:w{}:s{}".format(*r["tile"]) if r["tile"] else "-"
     print(f"{r['projection']:8} {r['method']:14} {tile:14} splits {r['splits']}  "
@@ -272,17 +337,23 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="one rank's shapes at this size: qkv, gate_up and the LM head have "
                          "1/size of the rows, o and down 1/size of the columns")
+    ap.add_argument("--few-rows", default=None, metavar="M,M,...",
+                    help="time the engine's few-rows kernel at these row counts (2-16) over "
+                         "FEW_ROWS_TILES and K splits, against F.linear (cuBLASLt)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows: list[dict] = []
     for name, n, k, _ in rank_shapes(args.tensor_parallel_size):
         if name in args.only.split(","):
-            if args.engine:
+            if args.few_rows:
+                for m in (int(v) for v in args.few_rows.split(",")):
+                    sweep_few_rows(name, n, k, m, rows)
+            elif args.engine:
                 sweep_engine_kernel(name, n, k, rows)
             else:
                 sweep_projection(name, n, k, rows, args.m)
             torch.cuda.empty_cache()
-    if args.engine:
+    if args.engine or args.few_rows:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)

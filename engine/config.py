@@ -115,6 +115,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA, 16-bit weights: batch-1 decode projections through the Triton GEMV (not cuBLAS)
     decode_gemv: bool = True
+    # CUDA, 16-bit weights: decode steps of 2..N rows (N <= 16) run their projections and the
+    # LM head through the Triton few-rows kernel (engine/kernels/few_rows.py), each weight read
+    # once for all rows, instead of cuBLAS; 0: off (the default until measured on a GPU)
+    few_rows_gemm: int = 0
     # CUDA: the decode-path kernels launch with programmatic dependent launch where the GPU has
     # it (sm_90+; engine/kernels/pdl.py). bench.engine_gpu --no-pdl turns it off.
     pdl: bool = True
@@ -220,6 +224,8 @@ class EngineConfig:
         if not 0 <= self.launch_ahead_layers <= 1024:
             raise ValueError(f"launch_ahead_layers must be 0 (off) to 1024, got "
                              f"{self.launch_ahead_layers}")
+        if not 0 <= self.few_rows_gemm <= 16:
+            raise ValueError(f"few_rows_gemm must be 0 (off) to 16 rows, got {self.few_rows_gemm}")
         if not 1 <= self.piecewise_bucket_step <= 2048:
             raise ValueError(f"piecewise_bucket_step must be 1 to 2048 tokens, got "
                              f"{self.piecewise_bucket_step}")

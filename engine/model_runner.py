@@ -110,7 +110,8 @@ class ModelRunner:
         backend = config.attention_backend
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
-            self.model.use_triton_kernels(True, gemv=self.cuda and config.decode_gemv)
+            self.model.use_triton_kernels(True, gemv=self.cuda and config.decode_gemv,
+                                          few_rows=config.few_rows_gemm)
         if self.lora is not None:
             self.lora.use_triton_kernels(self.triton)
         elif tp.size > 1:  # (an adapter's slots are per row of the whole step)

@@ -190,6 +190,10 @@ def lora_options(p) -> None:
                    help="CUDA, async scheduling: schedule the step after one with prompt "
                         "tokens (piecewise graphs) only when this many of its layers are left, "
                         "so a prompt arriving meanwhile makes it (default: 0, at once)")
+    _config_option(p, "--few-rows-gemm", type=int, metavar="N",
+                   help="CUDA, 16-bit weights: decode steps of 2..N sequences (N <= 16) run "
+                        "their projections through a Triton kernel that reads each weight once "
+                        "for all of them, not cuBLAS (default: 0, off)")
     _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
                    help="launch step N before reading step N-1's tokens (default: auto, "
                         "which is on for CUDA)")

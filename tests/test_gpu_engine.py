@@ -240,6 +240,41 @@ def test_bf16_batch1_gemv_matches_cublas(tiny_model_dir):
     torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
 
 
+def test_bf16_few_rows_replay_matches_cublas(tiny_model_dir):
+    """`few_rows_gemm`: a decode step of three sequences replays its CUDA graph with the
+    projections and the LM head through the few-rows kernel; its hidden states match an
+    eager step with cuBLAS projections, and its logits cuBLAS's."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvcache.forward import ForwardBatch, SeqForward
+
+    core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False, few_rows_gemm=8)
+    runner = core.runner
+    assert runner.model.model.layers[0].mlp.down_proj.few_rows == 8
+    for i, p in enumerate(random_prompts([37, 12, 20], seed=5)):
+        core.add_request(f"r{i}", p, greedy(8))
+    for _ in range(4):
+        core.step()
+    seqs = list(core.scheduler.running)
+    assert len(seqs) == 3
+    batch = ForwardBatch([SeqForward(s.request_id, s.num_computed_tokens, 1,
+                                     core.kv.page_table(s.request_id)) for s in seqs],
+                         core.kv.page_size)  # fmt: skip
+    ids = [s.token_ids()[-1] for s in seqs]
+    with torch.inference_mode():
+        graph = runner.graphs.run(batch, ids)[:3].clone()
+        logits = runner.model.compute_logits(graph)
+        runner.model.use_triton_kernels(True, gemv=True, few_rows=0)
+        try:
+            eager = runner._forward_eager(batch, ids)
+        finally:
+            runner.model.use_triton_kernels(True, gemv=True, few_rows=8)
+        ref = F.linear(graph, runner.model.lm_head.weight).float()
+    torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(logits, ref, atol=2e-2, rtol=2e-2)
+
+
 def test_the_device_timeline_times_every_step_and_the_host_stays_one_ahead(tiny_model_dir,
                                                                           tiny_ref):
     """CUDA events around each step: after a run the GPU's busy seconds are positive and at

@@ -455,6 +455,8 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
                           ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
                           ('["--launch-ahead-layers", "-1"]',
                            r"launch_ahead_layers must be 0 \(off\) to 1024, got -1"),
+                          ('["--few-rows-gemm", "17"]',
+                           r"few_rows_gemm must be 0 \(off\) to 16 rows, got 17"),
                           ('["--piecewise-bucket-step", "0"]',
                            "piecewise_bucket_step must be 1 to 2048 tokens, got 0"),
                           ('["--mixed-graph-tokens", "300"]',

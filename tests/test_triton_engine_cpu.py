@@ -44,6 +44,73 @@ def test_triton_backend_engine_equals_hf(tiny_model_dir):
 
 
 
+def test_few_rows_projections_match_cublas_path_in_the_engine(tiny_model_dir):
+    """`few_rows_gemm`: a decode step of 2..N sequences runs the projections and the LM head
+    through the few-rows kernel (fp16 here: the interpreter's bf16 dots are wrong); its logits
+    match the same step with torch's projections, and steps of one row or more than N rows
+    take torch's. The engine keeps generating with it (every request finishes)."""
+    import torch.nn.functional as F
+
+    from kvcache.forward import SeqForward
+
+    few = []  # (rows) of each call the kernel took
+    import engine.kernels.few_rows as kernel
+
+    real = kernel.few_rows_linear
+
+    def counted(x, weight, out=None, config=None):
+        few.append(x.shape[0])
+        return real(x, weight, out, config)
+
+    core = EngineCore(EngineConfig(model=tiny_model_dir, attention_backend="triton", page_size=4,
+                                   num_pages=64, max_num_seqs=8, dtype="float16",
+                                   few_rows_gemm=3))  # fmt: skip
+    runner = core.runner
+    layer = runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.few_rows == 3 and runner.model.few_rows_logits == 3
+    prompts = random_prompts([5, 9, 13, 7], seed=4)
+    for i, p in enumerate(prompts[:3]):
+        core.add_request(f"r{i}", p, greedy(6))
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in core.scheduler.running) or (
+            core.scheduler.waiting):  # fmt: skip
+        core.step()
+    seqs = list(core.scheduler.running)
+    assert len(seqs) == 3
+    batch = ForwardBatch([SeqForward(s.request_id, s.num_computed_tokens, 1,
+                                     core.kv.page_table(s.request_id)) for s in seqs],
+                         core.kv.page_size)  # fmt: skip
+    ids = [s.token_ids()[-1] for s in seqs]
+    kernel.few_rows_linear = counted
+    try:
+        with torch.inference_mode():
+            hidden = runner._forward_eager(batch, ids)
+            logits = runner.model.compute_logits(hidden)
+            runner.model.use_triton_kernels(True, few_rows=0)
+            ref_hidden = runner._forward_eager(batch, ids)
+            ref = F.linear(ref_hidden, runner.model.lm_head.weight).float()
+    finally:
+        kernel.few_rows_linear = real
+        runner.model.use_triton_kernels(True, few_rows=3)
+    n_layers = len(runner.model.model.layers)
+    assert few == [3] * (4 * n_layers + 1)  # qkv, o, gate_up, down a layer; the LM head
+    torch.testing.assert_close(hidden.float(), ref_hidden.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(logits, ref, atol=5e-2, rtol=2e-2)
+    core.add_request("r3", prompts[3], greedy(6))  # the three decode on with a fourth
+    tokens = {f"r{i}": [] for i in range(4)}
+    for s in seqs:
+        tokens[s.request_id] = list(s.output_token_ids)
+    few.clear()
+    kernel.few_rows_linear = counted
+    try:
+        while core.has_work():
+            for out in core.step():
+                tokens[out.request_id] += out.token_ids
+    finally:
+        kernel.few_rows_linear = real
+    assert [len(t) for t in tokens.values()] == [6] * 4
+    assert set(few) <= {2, 3}  # four rows or a prompt's 16: torch's projections
+
+
 def test_piecewise_buckets_come_every_step_tokens_above_512():
     """Steps pad to their bucket; above 512 tokens the buckets come every
     `piecewise_bucket_step` tokens and end at the largest step exactly."""

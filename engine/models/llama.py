@@ -200,8 +200,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention
     ) -> torch.Tensor:
-        return self.tp.all_reduce(self.o_proj(self.attend(self.qkv_proj(x), positions, rotary,
-                                                          attn)))
+        qkv = _project(self.qkv_proj, x)
+        return self.tp.all_reduce(_project(self.o_proj, self.attend(qkv, positions, rotary, attn)))
 
     def attend(
         self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: Attention,
@@ -235,13 +235,13 @@ class LlamaMLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the MLP's output, before the sum over the ranks."""
-        gate_up = self.gate_up_proj(x)
+        gate_up = _project(self.gate_up_proj, x)
         if isinstance(self.down_proj, Fp8Linear):  # SiLU·mul inside its input's quantization
             return self.down_proj(gate_up, gated=True)
         if self.use_triton:
             from engine.kernels.fused import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
+            return _project(self.down_proj, silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -357,6 +357,16 @@ def _gemv_weight(proj: nn.Module) -> dict:
             "scale": proj.weight_scale if isinstance(proj, Fp8Linear) else None}
 
 
+def _project(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """proj(x); a step of 2..proj.few_rows rows through the few-rows kernel, where
+    use_triton_kernels turned it on for this projection (plain 16-bit weights on CUDA)."""
+    if 2 <= x.shape[0] <= getattr(proj, "few_rows", 0):
+        from engine.kernels.few_rows import few_rows_linear
+
+        return few_rows_linear(x, proj.weight)
+    return proj(x)
+
+
 def _project_into(proj: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
     """out = proj(x), written into out (a CUDA graph's static buffer)."""
     if isinstance(proj, (Fp8Linear, LoraLinear)):
@@ -452,6 +462,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, tp.vocab_per_rank(config.vocab_size), bias=False)
         )
         self.gemv_logits = False  # one-row logits through the Triton GEMV (use_triton_kernels)
+        self.few_rows_logits = 0  # 2..this many rows through the few-rows kernel (the same)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention
@@ -503,20 +514,34 @@ class LlamaForCausalLM(nn.Module):
 
             logits = gemv(hidden, weight, torch.empty(1, weight.shape[0], dtype=torch.float32,
                                                       device=hidden.device))
+        elif 2 <= hidden.shape[0] <= self.few_rows_logits and weight.dtype == hidden.dtype:
+            from engine.kernels.few_rows import few_rows_linear
+
+            logits = few_rows_linear(hidden, weight, torch.empty(
+                hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device))
         else:
             logits = F.linear(hidden, weight).float()
         return tp.gather_vocab(logits, vocab)
 
-    def use_triton_kernels(self, enabled: bool = True, gemv: bool = False) -> None:
+    def use_triton_kernels(self, enabled: bool = True, gemv: bool = False,
+                           few_rows: int = 0) -> None:
         """Run norms and SiLU*mul as the fused Triton kernels (CUDA); attention and RoPE are
         the attention backend's choice. `gemv`: one-row projections (batch-1 decode) through
         the Triton GEMV, for 16-bit weights (fp32 keeps cuBLAS and its exact greedy tokens).
         fp8 projections on CUDA quantize their inputs with Triton kernels: the norm before
-        qkv and gate_up, the down projection's own (with SiLU·mul), o's own."""
+        qkv and gate_up, the down projection's own (with SiLU·mul), o's own. `few_rows`: steps
+        of 2..few_rows rows (at most 16) run the plain 16-bit projections and the LM head
+        through the few-rows kernel (engine/kernels/few_rows.py); 0: cuBLAS."""
         from engine.kernels.fused import rms_norm_fp8_fits
 
-        gemv = enabled and gemv and self.model.embed_tokens.weight.dtype in (
-            torch.bfloat16, torch.float16)
+        half = self.model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
+        gemv = enabled and gemv and half
+        few_rows = min(few_rows, 16) if enabled and half else 0
+        for layer in self.model.layers:  # plain projections only: not fp8, not an adapter's
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                proj.few_rows = few_rows if type(proj) is nn.Linear else 0
+        self.few_rows_logits = few_rows
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.use_triton = enabled
