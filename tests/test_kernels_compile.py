@@ -1,4 +1,4 @@
-"""The GPU path's Triton kernels (GEMV, LoRA, attention, norm and rope, fp8 quantization,
+"""The GPU path's Triton kernels (GEMV, few-rows, LoRA, attention, norm and rope, fp8 quantization,
 argmax, the KV page copy) compiled for an H100 (sm_90) on a machine without a GPU, with
 the ptxas the Triton wheel ships: the Triton interpreter (the CPU tests' way of running them)
 accepts code the compiler refuses, such as a variable first assigned in a runtime branch and
@@ -28,9 +28,15 @@ _TYPES = {"part_ptr": "*fp32", "ws_ptr": "*fp32", "norm_ptr": "*bf16", "slot_ptr
           "slots_ptr": "*i32", "rows_ptr": "*i32", "tiles_ptr": "*i32", "eps": "fp32"}
 
 
-def compile_for_h100(kernel, types: dict | None = None, **constexprs) -> None:
-    """Compile `kernel` (a triton.jit function) with `constexprs`; every other argument a
-    bf16 pointer (`*_ptr`), an i32, or as `types` (then _TYPES) says."""
+def compile_for_h100(kernel, types: dict | None = None, divisible: tuple[str, ...] = (),
+                     **constexprs) -> None:  # fmt: skip
+    """Compile `kernel` (a triton.jit function) with `constexprs` (num_warps and num_stages,
+    if among them, are launch options); every other argument a bf16 pointer (`*_ptr`), an
+    i32, or as `types` (then _TYPES) says. `divisible`: arguments known to be multiples of 16
+    (as the JIT specializes aligned pointers and sizes at run time, which lets the pipeliner
+    stage loads through shared memory)."""
+    options = {key: constexprs.pop(key) for key in ("num_warps", "num_stages")
+               if key in constexprs}
     types = {**_TYPES, **(types or {})}
     signature = {}
     for param in kernel.params:
@@ -43,14 +49,16 @@ def compile_for_h100(kernel, types: dict | None = None, **constexprs) -> None:
     missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, f"constexprs missing: {missing}"
     source = ASTSource(kernel, signature,
-                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(source, target=H100)
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible})
+    triton.compile(source, target=H100, options=options or None)
 
 
 def compile_all() -> None:
     from engine.kernels import argmax, fused, one_shot, quant
     from engine.kernels import paged_attention as pa
     from engine.kernels.fp8_format import FP8_MAX, INV_FP8_MAX, MIN_AMAX
+    from engine.kernels import few_rows
     from engine.kernels.gemv import _gemv_kernel
     from engine.lora import kernels as k
     from kvcache.transfer import page_copy
@@ -91,6 +99,14 @@ def compile_all() -> None:
             compile_for_h100(_gemv_kernel, GATED=form == "gated", NORM=form == "norm",
                              HAS_RES=form == "norm", SCALED=False, LORA=lora, PDL=True,
                              BLOCK_N=2, BLOCK_K=4096, EVEN_N=True, EVEN_K=True)
+    aligned = ("x_ptr", "w_ptr", "out_ptr", "K", "N", "k_per_split", "stride_xm", "stride_wn",
+               "stride_os", "stride_om")  # Llama-3.1-8B's shapes: staged loads, wgmma
+    for even, stages in ((True, 3), (False, 4)):  # in bf16, as on the GPU (the CPU tests: fp16)
+        compile_for_h100(few_rows._few_rows_kernel, divisible=aligned if even else (),
+                         BLOCK_M=few_rows.MAX_ROWS, BLOCK_N=64, BLOCK_K=128, EVEN_K=even,
+                         num_stages=stages)
+    compile_for_h100(few_rows._sum_splits_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16"},
+                     SPLITS=4, BLOCK=1024)
 
     compile_for_h100(k._bgmv_shrink_kernel, MODE=0, BLOCK_N=64, BLOCK_K=128, PDL=True)
     compile_for_h100(k._bgmv_expand_kernel, SLICES=3, SPLITS=16, NORM=False, BLOCK_N=128,
