@@ -1,7 +1,8 @@
 """Batched token sampling for one engine step.
 
-Greedy rows take the argmax. Sampled rows divide by their temperature, drop tokens outside top-k
-and then outside the top-p nucleus, and pick a token by an exponential race: for noise
+Greedy rows take the argmax. Sampled rows divide by their temperature, drop tokens less likely
+than min_p times the most likely one, then those outside top-k and then outside the top-p
+nucleus (vLLM's order), and pick a token by an exponential race: for noise
 E ~ Exponential(1) drawn per token, argmax(probs / E) is distributed exactly as probs (it is the
 Gumbel-max trick in another form). The race needs no host sync and lets every row draw its noise
 from its own generator:
@@ -238,10 +239,22 @@ class Sampler:
         """Token ids [n] for rows that are all non-greedy (temperature > 0, top_k != 1)."""
         temperature = to_device([p.temperature for p in params], torch.float32, logits.device)
         logits = logits / temperature[:, None]
+        logits = self._apply_min_p(logits, params)
         logits = self._apply_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)  # dropped tokens are exactly 0
         noise = self._exponential_noise(probs.shape, generators)
         return probs.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Set to -inf every logit whose probability is below the row's min_p times its most
+        likely token's: p_i < min_p * p_max, compared as logit_i - logit_max < log(min_p) (the
+        softmax's normalisation cancels). A row with min_p 0 (log: -inf) keeps every logit."""
+        if not any(p.min_p > 0 for p in params):
+            return logits
+        floor = to_device([p.min_p for p in params], torch.float32, logits.device).log()
+        below = logits - logits.max(dim=-1, keepdim=True).values < floor[:, None]
+        return logits.masked_fill(below, float("-inf"))
 
     def _apply_top_k_top_p(
         self, logits: torch.Tensor, params: list[SamplingParams]

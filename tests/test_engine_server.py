@@ -280,6 +280,22 @@ def test_seed_makes_sampling_reproducible_whatever_the_batch(client):
     assert sample(1235) != alone  # checked: a different story for this prompt and these seeds
 
 
+def test_min_p_reaches_the_sampler(client, tok, smollm2_dir):
+    """vLLM's `min_p` through the OpenAI client: at 1 only the most likely token survives, so
+    sampling at temperature 1.5 gives Hugging Face's greedy text; at 0 (off) the same seed
+    samples another story (checked for this prompt and seed)."""
+    ids = tok.encode(FOX)
+    (greedy_ids,) = hf_greedy(smollm2_dir, [ids], 12)
+
+    def sample(min_p):
+        r = client.completions.create(model=MODEL, prompt=FOX, max_tokens=12, temperature=1.5,
+                                      seed=7, extra_body={"min_p": min_p, "ignore_eos": True})
+        return r.choices[0].text
+
+    assert sample(1.0) == tok.decode(greedy_ids)
+    assert sample(0.0) != tok.decode(greedy_ids)
+
+
 def test_penalties_logit_bias_and_min_tokens_equal_hf(client, tok, smollm2_dir):
     """The engine's own server: min_tokens is HF's min_new_tokens (greedy would end after
     3 tokens), repetition_penalty HF's, a -100 logit_bias bans its token; a bias on a token

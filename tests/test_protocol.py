@@ -37,10 +37,12 @@ def test_defaults_become_sampling_params():
 
 def test_sampling_fields_map_to_params():
     request = CompletionRequest(prompt="hi", temperature=0, top_p=0.5, top_k=-1, seed=3,
-                                stop="x", stop_token_ids=[9], ignore_eos=True, logprobs=2)
+                                stop="x", stop_token_ids=[9], ignore_eos=True, logprobs=2,
+                                min_p=0.05)  # fmt: skip
     params = request.sampling_params(max_tokens=4, logprobs=request.logprobs)
     assert params == SamplingParams(max_tokens=4, temperature=0.0, top_p=0.5, top_k=0, seed=3,
-                                    stop_token_ids=(9,), ignore_eos=True, logprobs=2)
+                                    stop_token_ids=(9,), ignore_eos=True, logprobs=2,
+                                    min_p=0.05)  # fmt: skip
     assert params.greedy and request.stop == ["x"]
 
 
@@ -114,6 +116,8 @@ def test_include_usage_only_when_streaming():
     ("top_p", 0, "greater than 0"),
     ("top_p", 1.5, "less than or equal to 1"),
     ("top_k", -2, "greater than or equal to -1"),
+    ("min_p", -0.1, "greater than or equal to 0"),
+    ("min_p", 1.5, "less than or equal to 1"),
     ("logprobs", 21, "less than or equal to 20"),
     ("n", 0, "greater than or equal to 1"),
     ("n", 129, "less than or equal to 128"),

@@ -94,6 +94,43 @@ def test_top_k_then_top_p(device):
     assert set(counts) == {1, 4}
 
 
+def test_min_p_only_samples_tokens_near_the_top(device):
+    """min_p drops tokens less likely than min_p x the most likely (0.5 here): with 0.5 the
+    floor is 0.25, so 0.3 and 0.5 stay (odds 0.5 : 0.3 renormalised); with 0.6 only the top
+    token; at 0 nothing is dropped."""
+    sampler = Sampler(4, device, seed=0)
+    counts = draw_many(sampler, NUCLEUS_PROBS, 2000, device, min_p=0.5)
+    assert set(counts) == {0, 1}
+    assert abs(counts[0] / 2000 - 0.625) < 0.05
+    assert set(draw_many(sampler, NUCLEUS_PROBS, 2000, device, min_p=0.6)) == {0}
+    assert set(draw_many(sampler, NUCLEUS_PROBS, 2000, device, min_p=0.0)) == {0, 1, 2, 3}
+    # after temperature: at 2.0 the probabilities flatten to ~0.42, 0.32, 0.16, 0.08 (a floor
+    # of 0.21 at min_p 0.5 keeps two); at 0.5 they sharpen to 0.70, 0.25, ... (0.35: one)
+    assert set(draw_many(sampler, NUCLEUS_PROBS, 2000, device, min_p=0.5, temperature=2.0)) == {
+        0, 1, 2}
+    assert set(draw_many(sampler, NUCLEUS_PROBS, 2000, device, min_p=0.5, temperature=0.5)) == {0}
+
+
+def test_min_p_before_top_p(device):
+    """vLLM's order: min_p 0.25 drops 0.05 (floor 0.125), then top_p 0.82 over the rest
+    (0.5, 0.3, 0.15 renormalised to 0.526, 0.316, 0.158: mass before the third 0.842, not
+    below 0.82) drops the third; top_p first would have kept it (mass before it 0.8), and
+    min_p after that too (0.15 >= 0.25 x 0.5)."""
+    sampler = Sampler(4, device, seed=0)
+    assert set(draw_many(sampler, NUCLEUS_PROBS, 3000, device, min_p=0.25, top_p=0.82)) == {
+        0, 1}
+    assert set(draw_many(sampler, NUCLEUS_PROBS, 3000, device, min_p=0.25, top_p=0.85)) == {
+        0, 1, 2}
+
+
+def test_min_p_one_at_any_temperature_is_greedy(device):
+    """min_p 1 keeps only the most likely token (ties aside): the argmax, sampled or not."""
+    logits = random_logits(6, 100, seed=7, device=device)
+    sampler = Sampler(100, device, seed=0)
+    result = sampler.sample(logits, [params(temperature=1.3, min_p=1.0)] * 6, [None] * 6)
+    assert result.token_ids == logits.argmax(dim=-1).tolist()
+
+
 def test_temperature_sharpens_and_flattens(device):
     sampler = Sampler(4, device, seed=0)
     n = 4000
@@ -194,7 +231,7 @@ def test_logprobs_are_of_the_raw_logits(device, temperature):
 
 def test_mixed_batch_gives_each_row_what_it_would_alone(device):
     vocab = 64
-    logits = random_logits(6, vocab, seed=5, device=device)
+    logits = random_logits(7, vocab, seed=5, device=device)
     row_params = [
         params(temperature=0.0),
         params(temperature=0.9, top_p=0.8, seed=21, logprobs=3),
@@ -202,6 +239,7 @@ def test_mixed_batch_gives_each_row_what_it_would_alone(device):
         params(temperature=1.2, seed=22),
         params(temperature=0.6, top_k=5, seed=23),
         params(temperature=1.0, top_k=1, logprobs=1),
+        params(temperature=1.1, min_p=0.2, seed=24),
     ]
     batch = Sampler(vocab, device, seed=0).sample(
         logits, row_params, [make_generator(p.seed, device) for p in row_params]
@@ -213,7 +251,7 @@ def test_mixed_batch_gives_each_row_what_it_would_alone(device):
         assert batch.token_ids[i] == alone.token_ids[0]
         assert batch.logprobs[i] == alone.logprobs[0]
     assert batch.token_ids[0] == logits[0].argmax().item()
-    assert [lp is None for lp in batch.logprobs] == [True, False, False, True, True, False]
+    assert [lp is None for lp in batch.logprobs] == [True, False, False, True, True, False, True]
 
 
 def test_padded_vocab_columns_are_never_sampled(device):

@@ -37,6 +37,9 @@ class SamplingParams:
     temperature: Annotated[float, Field(ge=0)] = 1.0  # 0 means greedy
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # 0 disables
+    # vLLM's and SGLang's min_p: after temperature, tokens less likely than min_p times the most
+    # likely one are dropped (before top_k and top_p, as vLLM orders them); 0 disables
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     seed: Seed | None = None  # per-request generator when set
     stop_token_ids: tuple[TokenId, ...] = ()  # in addition to the model's eos ids
     ignore_eos: bool = False

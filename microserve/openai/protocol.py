@@ -8,8 +8,9 @@ Ranges are OpenAI's documented ones: `temperature` in [0, 2], `top_p` in (0, 1],
 `presence_penalty` and `frequency_penalty` in [-2, 2], `logit_bias` values in [-100, 100]
 (keys are token ids, at most MAX_LOGIT_BIAS of them), at most 4 `stop` strings, message roles
 system, developer, user, assistant and tool, and `content` required except on an assistant
-turn. vLLM's extensions `repetition_penalty` (in (0, 2], SGLang's bound) and `min_tokens`
-(at most the completion budget, checked by the frontend once that is resolved) are accepted.
+turn. vLLM's extensions `repetition_penalty` (in (0, 2], SGLang's bound), `min_p` (in [0, 1])
+and `min_tokens` (at most the completion budget, checked by the frontend once that is
+resolved) are accepted.
 `model` may be absent or empty, meaning the served model (as in vLLM).
 Options we do not implement are refused rather than ignored when ignoring them would silently
 change the output: best_of > 1, suffix. `echo` (completions) puts the prompt in front of the
@@ -88,6 +89,7 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)  # None: 1.0; 0: greedy
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: TopK | None = None  # vLLM extension; -1 and 0 disable it; <= the vocabulary
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM / SGLang extension; None and 0: off
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -181,6 +183,7 @@ class GenerationRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
             seed=seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
