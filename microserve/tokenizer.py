@@ -149,23 +149,40 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None,
+                            continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> str:
         """Render a conversation to prompt text (encode it with add_special_tokens=False).
 
-        `tools` (OpenAI's tool definitions) are passed to the template as transformers does.
+        `tools` (OpenAI's tool definitions) are passed to the template as transformers does;
+        `template_kwargs` are more variables for it (they cannot replace the messages, the
+        tools, add_generation_prompt or the special tokens). `continue_final_message`: the text
+        ends where the last message's content does (what the template writes after it, such
+        as an end-of-turn token, is cut), so the model continues that message, as
+        transformers does it.
 
         Raises:
-            ChatTemplateError: no chat template, or the template refused the messages.
+            ChatTemplateError: no chat template, the template refused the messages, or (to
+            continue it) the last message's content is not found in the rendered text.
         """
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            extra = {"tools": tools} if tools else {}
-            return self._template.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **extra)
+            variables = {**(template_kwargs or {}), **self.special_tokens,
+                         "messages": messages, "add_generation_prompt": add_generation_prompt}
+            if tools:
+                variables["tools"] = tools
+            text = self._template.render(**variables)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
+        if not continue_final_message:
+            return text
+        final = str(messages[-1].get("content") or "").strip()
+        at = text.rfind(final) if final else -1
+        if at == -1:
+            raise ChatTemplateError("continue_final_message: the last message's content is "
+                                    "not in the rendered prompt, so it cannot be continued")
+        return text[:at + len(final)]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes a token stands for (part of a UTF-8 character for byte tokens)."""
@@ -230,15 +247,17 @@ class IncrementalDetokenizer:
 
 
 class StopChecker:
-    """Cuts generated text before the first stop string, as OpenAI does (stop string excluded).
+    """Cuts generated text before the first stop string, as OpenAI does (stop string excluded;
+    after it with `include`, vLLM's include_stop_str_in_output).
 
     While streaming, a tail that could still grow into a stop string is held back until later
     text resolves it: with stop "ab", text "xa" releases "x" and holds "a"; then "b" ends the
     text at "x", while "c" releases "ac". So no released text ever contains a stop string.
     """
 
-    def __init__(self, stop: Sequence[str]):
+    def __init__(self, stop: Sequence[str], include: bool = False):
         self._stops = [s for s in stop if s]  # an empty stop string would match everywhere
+        self._include = include
         self._held = ""
         self.stopped = False  # set once a stop string was found; later text is ignored
 
@@ -249,10 +268,11 @@ class StopChecker:
         if not self._stops:
             return text
         buffer = self._held + text
-        cut = min((i for s in self._stops if (i := buffer.find(s)) != -1), default=-1)
-        if cut != -1:
+        found = [(i, len(s)) for s in self._stops if (i := buffer.find(s)) != -1]
+        if found:
+            cut, length = min(found)  # the first to start (the shorter of two at one place)
             self.stopped, self._held = True, ""
-            return buffer[:cut]
+            return buffer[:cut + length] if self._include else buffer[:cut]
         keep = self._longest_partial_stop(buffer)
         self._held = buffer[len(buffer) - keep:]
         return buffer[:len(buffer) - keep]

@@ -280,6 +280,43 @@ def test_seed_makes_sampling_reproducible_whatever_the_batch(client):
     assert sample(1235) != alone  # checked: a different story for this prompt and these seeds
 
 
+def test_vllm_text_options_keep_the_stop_and_the_special_tokens(client):
+    """include_stop_str_in_output keeps a stop string (and, with skip_special_tokens false,
+    the eos token's text) in the output, as vLLM does."""
+    plain = complete(client, FOX, 12, stop=[" bear"]).choices[0]
+    kept = complete(client, FOX, 12, stop=[" bear"],
+                    extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert plain.text == " with a quick brown" and plain.finish_reason == "stop"
+    assert kept.text == " with a quick brown bear" and kept.finish_reason == "stop"
+    answer = chat(client, 32, extra_body={"include_stop_str_in_output": True,
+                                          "skip_special_tokens": False}).choices[0]
+    assert (answer.message.content, answer.finish_reason) == (CAPITAL_ANSWER + "<|im_end|>",
+                                                               "stop")
+    assert chat(client, 32, extra_body={"include_stop_str_in_output": True}).choices[
+        0].message.content == CAPITAL_ANSWER  # the eos's text is skipped as a special token
+
+
+def test_vllm_prompt_options_truncate_and_continue(client, tok, smollm2_dir):
+    """truncate_prompt_tokens keeps the prompt's last N tokens (the answer is Hugging Face's
+    greedy one for those alone); continue_final_message leaves the assistant's last turn open
+    and the model goes on from its words."""
+    ids = tok.encode(FIB) + tok.encode(FOX, add_special_tokens=False)
+    (want,) = hf_greedy(smollm2_dir, [ids[-5:]], 8)
+    r = complete(client, ids, 8, extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+    assert r.usage.prompt_tokens == 5 and r.choices[0].text == tok.decode(want)
+    messages = CAPITAL + [{"role": "assistant", "content": "The capital of France is"}]
+    prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False,
+                                                continue_final_message=True),
+                        add_special_tokens=False)  # fmt: skip
+    (want,) = hf_greedy(smollm2_dir, [prompt], 3)
+    r = chat(client, 3, messages=messages, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True})
+    assert r.usage.prompt_tokens == len(prompt)
+    assert tok.decode(prompt, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\nThe capital of France is")
+    assert r.choices[0].message.content == tok.decode(want)
+
+
 def test_min_p_reaches_the_sampler(client, tok, smollm2_dir):
     """vLLM's `min_p` through the OpenAI client: at 1 only the most likely token survives, so
     sampling at temperature 1.5 gives Hugging Face's greedy text; at 0 (off) the same seed

@@ -135,12 +135,44 @@ def test_include_usage_only_when_streaming():
     ("min_tokens", -1, "greater than or equal to 0"),
     ("stop", 5, "must be a string or a list of strings"),
     ("stop", ["a", 1], "must be a string or a list of strings"),
+    ("truncate_prompt_tokens", 0, "must be -1 (the context) or >= 1, got 0"),
+    ("truncate_prompt_tokens", -2, "greater than or equal to -1"),
+    ("use_beam_search", True, "use_beam_search is not supported"),
+    ("bad_words", ["x"], "bad_words is not supported"),
+    ("allowed_token_ids", [1, 2], "allowed_token_ids is not supported"),
+    ("return_tokens_as_token_ids", True, "return_tokens_as_token_ids is not supported"),
 ])
 def test_bad_completion_field_is_a_400_naming_field_and_value(field, value, says):
     status, param, message = error_of(CompletionRequest, {"prompt": "hi", field: value})
     assert (status, param) == (400, field)
     assert message.startswith(f"Invalid value for '{field}': ") and says in message
     assert message.endswith(f"(got {value!r})".replace("True", "true").replace("'", '"'))
+
+
+def test_vllm_text_and_prompt_options():
+    """Accepted at their defaults (what a client of vLLM may send unasked); the chat ones
+    refuse what cannot work together."""
+    body = CompletionRequest.model_validate({
+        "prompt": "hi", "use_beam_search": False, "bad_words": [], "allowed_token_ids": None,
+        "include_stop_str_in_output": True, "skip_special_tokens": False,
+        "truncate_prompt_tokens": 3})
+    assert body.include_stop_str_in_output and not body.skip_special_tokens
+    assert body.truncated([1, 2, 3, 4, 5], 100) == [3, 4, 5]
+    assert body.truncated([1, 2], 100) == [1, 2]
+    whole = CompletionRequest(prompt="hi", truncate_prompt_tokens=-1)
+    assert whole.truncated(list(range(10)), 4) == [6, 7, 8, 9]
+    assert CompletionRequest(prompt="hi").truncated([1, 2, 3], 2) == [1, 2, 3]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
+    chat = ChatCompletionRequest.model_validate({
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.continue_final_message and chat.chat_template_kwargs == {"enable_thinking": False}
+    assert error_of(ChatCompletionRequest, {"messages": messages,
+                                            "continue_final_message": True})[1:] == (
+        "continue_final_message", "Invalid value for 'continue_final_message': "
+        "continue_final_message and add_generation_prompt cannot both be true (set "
+        "add_generation_prompt to false) (got true)")
+    assert error_of(ChatCompletionRequest, {"messages": messages, "echo": True})[1] == "echo"
 
 
 def test_prompt_batches_and_refused_prompts():

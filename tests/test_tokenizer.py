@@ -217,6 +217,42 @@ def test_stop_checker(stops, chunks, released, stopped):
     assert checker.stopped == stopped
 
 
+@pytest.mark.parametrize("stops, chunks, released", [
+    (["ab"], ["xa", "b", "more"], ["x", "ab", ""]),  # held "a", then the stop, kept whole
+    (["yz", "b"], ["xyab"], ["xyab"]),  # the earliest stop string, up to its end
+    (["abc", "ab"], ["xabcd"], ["xab"]),  # two at one place: the shorter ends the text
+])
+def test_stop_checker_can_keep_the_stop_string(stops, chunks, released):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string."""
+    checker = StopChecker(stops, include=True)
+    assert [checker.feed(c) for c in chunks] == released
+    assert checker.stopped
+
+
+def test_chat_template_kwargs_continue_and_no_generation_prompt(tmp_path):
+    """More variables for the template (never replacing the messages or the generation
+    prompt flag); the last message continued (cut where its content ends); and a content the
+    template does not write cannot be continued."""
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+                "{% if think is defined %}[think={{ think }}]{% endif %}")
+    tok = Tokenizer.from_dir(make_tokenizer_dir(tmp_path, chat_template=template))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " Hello "}]
+    assert tok.apply_chat_template(chat[:1]) == "<user>hi</user><assistant>"
+    assert tok.apply_chat_template(chat[:1], template_kwargs={"think": False}) == (
+        "<user>hi</user><assistant>[think=False]")
+    assert tok.apply_chat_template(
+        chat[:1], add_generation_prompt=False,
+        template_kwargs={"messages": [], "add_generation_prompt": True}) == "<user>hi</user>"
+    assert tok.apply_chat_template(chat, add_generation_prompt=False,
+                                   continue_final_message=True) == (
+        "<user>hi</user><assistant> Hello")
+    counts = Tokenizer.from_dir(make_tokenizer_dir(tmp_path / "n", chat_template="n={{ messages"
+                                                   " | length }}"))  # fmt: skip
+    with pytest.raises(ChatTemplateError, match="cannot be continued"):
+        counts.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_stop_checker_flush_releases_held_text():
     checker = StopChecker(["</end>"])
     assert checker.feed("done </e") == "done "

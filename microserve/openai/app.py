@@ -107,11 +107,14 @@ class OpenAIFrontend:
                 prompt_ids = await self.tokenizer.encode_async(prompt)
             else:
                 prompt_ids = self._checked_token_ids(prompt)
+            whole = len(prompt_ids)
+            prompt_ids = body.truncated(prompt_ids, self.backend.max_model_len)
             max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids), body.max_tokens,
                                      "max_tokens", "prompt", body.default_max_tokens)
             echo = None
-            if body.echo:  # the prompt as sent, or its tokens' text
-                echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+            if body.echo:  # the prompt as sent, or its (kept) tokens' text
+                echo = (prompt if isinstance(prompt, str) and len(prompt_ids) == whole
+                        else self.tokenizer.decode(prompt_ids))
             for i in range(body.n):
                 index = len(choices)
                 run = self._new_run(run_id(response_id, index, len(prompts) * body.n), body,
@@ -132,6 +135,7 @@ class OpenAIFrontend:
         text = self._render_chat(body)
         # The template writes the BOS itself.
         prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
+        prompt_ids = body.truncated(prompt_ids, self.backend.max_model_len)
         max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids), body.requested_max_tokens,
                                        body.max_tokens_field, "messages")
         token_bytes = self.tokenizer.token_bytes if body.logprobs else None
@@ -178,7 +182,10 @@ class OpenAIFrontend:
         if not self.tokenizer.renders_tools:
             messages, tools = self.tool_parser.inline(messages, tools), []
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools or None)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tools=tools or None,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs)
         except ChatTemplateError as e:
             raise invalid_request(str(e), "messages") from e
 
@@ -225,7 +232,9 @@ class OpenAIFrontend:
             params = replace(params, lora_name=adapter)
         check_sampling(params, self.tokenizer.vocab_size)  # pydantic bounded what an int holds
         return Run(request_id=request_id, prompt_ids=prompt_ids, params=params, stop=body.stop,
-                    arrival=arrival, echo=echo, priority=body.priority, choices_of=choices_of)
+                   arrival=arrival, echo=echo, priority=body.priority, choices_of=choices_of,
+                   include_stop=body.include_stop_str_in_output,
+                   skip_special_tokens=body.skip_special_tokens)
 
     # -- generation -----------------------------------------------------------------------
 
@@ -338,8 +347,9 @@ class OpenAIFrontend:
         Aborts the request in the backend unless the backend finished it: on a stop string,
         and when the consumer stops early or is cancelled (a client that went away).
         """
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=run.prompt_ids)
-        stop = StopChecker(run.stop)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, run.skip_special_tokens,
+                                             prompt_ids=run.prompt_ids)
+        stop = StopChecker(run.stop, include=run.include_stop)
         outputs = self.backend.generate(run.request_id, run.prompt_ids, run.params,
                                         run.priority, run.choices_of)
         backend_finished = False
@@ -402,9 +412,10 @@ class OpenAIFrontend:
         return Delta(text, logprobs, finish_reason, indexed)
 
     def _text_ids(self, run: Run, out: GenerateChunk) -> list[int]:
-        """The tokens that become text: a final stop token's or eos's text is left out."""
+        """The tokens that become text: a final stop token's or eos's text is left out
+        (unless include_stop_str_in_output)."""
         ids = out.token_ids
-        if out.finish_reason != FinishReason.STOP or not ids:
+        if out.finish_reason != FinishReason.STOP or not ids or run.include_stop:
             return ids
         last = ids[-1]
         if last in run.params.stop_token_ids or last == self.tokenizer.eos_token_id:

@@ -12,8 +12,13 @@ turn. vLLM's extensions `repetition_penalty` (in (0, 2], SGLang's bound), `min_p
 and `min_tokens` (at most the completion budget, checked by the frontend once that is
 resolved) are accepted.
 `model` may be absent or empty, meaning the served model (as in vLLM).
+vLLM's output and prompt options are honoured: `include_stop_str_in_output`,
+`skip_special_tokens`, `truncate_prompt_tokens` (keep the prompt's last N tokens; -1: the
+context), and for chat `add_generation_prompt`, `continue_final_message` and
+`chat_template_kwargs` (extra variables for the template).
 Options we do not implement are refused rather than ignored when ignoring them would silently
-change the output: best_of > 1, suffix. `echo` (completions) puts the prompt in front of the
+change the output: best_of > 1, suffix, and vLLM's use_beam_search, bad_words,
+allowed_token_ids, return_tokens_as_token_ids and (chat) echo. `echo` (completions) puts the prompt in front of the
 completion, and with `logprobs` the prompt tokens' logprobs in front of the completion's (the
 first token's null), as vLLM does. `n` choices per prompt and a batch of
 completion prompts are served as that many generations (at most MAX_CHOICES in one request).
@@ -116,6 +121,39 @@ class GenerationRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     regex: str | None = None
     json_schema: str | None = None
+    # vLLM extensions on the text and the prompt
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) kept
+    skip_special_tokens: bool = True  # False: special tokens' text in the output
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)  # -1: the context
+    # vLLM extensions we refuse when set (ignoring them would change the output unseen)
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context) or >= 1, got 0")
+        return value
+
+    @field_validator("use_beam_search", "bad_words", "allowed_token_ids",
+                     "return_tokens_as_token_ids")
+    @classmethod
+    def _not_supported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: the context's worth), or the
+        prompt as it is."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        keep = max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -301,6 +339,28 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool = True
+    # vLLM extensions on the chat template: the assistant's turn opened after the messages
+    # (default) or the last message left open for the model to continue; extra template
+    # variables (e.g. {"enable_thinking": false})
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's chat echo: refused
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_open(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true (set add_generation_prompt to false)")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported for chat completions")
+        return value
 
     @field_validator("tool_choice")
     @classmethod

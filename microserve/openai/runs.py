@@ -51,6 +51,8 @@ class Run:
     choices_of: str | None = None  # shared by the n > 1 choices of one prompt (the backend's)
     tool_calls: CallStream | None = None  # reads tool calls out of the text (chat with tools)
     echo: str | None = None  # completions' echo: the prompt text the first delta starts with
+    include_stop: bool = False  # include_stop_str_in_output: the stop string stays in the text
+    skip_special_tokens: bool = True  # the detokenizer's
     num_tool_calls: int = 0  # calls found so far; written by OpenAIFrontend._delta
     num_generated: int = 0
     num_cached: int = 0
