@@ -481,7 +481,10 @@ async def test_api_key_required(tok, authorization, message):
                    await http.post("/microserving/abort", json={"request_id": "r1"},
                                    headers=headers),
                    await http.post("/microserving/start_generate", json=GENERATE,
-                                   headers=headers)]
+                                   headers=headers),
+                   await http.post("/tokenize", json={"prompt": "hi"}, headers=headers),
+                   await http.post("/detokenize", json={"tokens": [1]}, headers=headers),
+                   await http.get("/version", headers=headers)]
         health = await http.get("/health", headers=headers)
         metrics = await http.get("/metrics", headers=headers)
     for response in refused:

@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 from test_tokenizer import byte_token_ids, make_tokenizer_dir
 
+import microserve
 from microserve.backend import BackendUnavailable, GenerateBackend
 from microserve.http_limits import HttpLimits
 from microserve.http_server import QuietServer, listen_socket
@@ -611,6 +612,46 @@ async def test_models_and_health(tok):
     assert other.status_code == 404 and other.json()["error"] == {
         "message": "The model 'org/other-model' does not exist", "type": "invalid_request_error",
         "param": "model", "code": "model_not_found"}
+
+
+async def test_tokenize_and_detokenize(tok):
+    """vLLM's /tokenize (a prompt as a completion sends it, messages as a chat completion
+    renders them, the same template options) and /detokenize, with their refusals; /version."""
+    backend = ScriptedBackend([])
+    conversation = HI + [{"role": "assistant", "content": "hello"}]
+    async with client_for(backend, tok) as client:
+        prompt = (await client.post("/tokenize", json={"prompt": "the quick",
+                                                       "return_token_strs": True})).json()
+        bare = (await client.post("/tokenize", json={"prompt": "the quick",
+                                                     "add_special_tokens": False})).json()
+        chat = (await client.post("/tokenize", json={"model": MODEL, "messages": HI})).json()
+        cont = (await client.post("/tokenize", json={
+            "messages": conversation, "add_generation_prompt": False,
+            "continue_final_message": True})).json()
+        text = (await client.post("/detokenize", json={"tokens": prompt["tokens"]})).json()
+        both = await client.post("/tokenize", json={"prompt": "a", "messages": HI})
+        neither = await client.post("/tokenize", json={})
+        past = await client.post("/detokenize", json={"tokens": [1, tok.vocab_size]})
+        other = await client.post("/detokenize", json={"model": "nope", "tokens": [1]})
+        version = (await client.get("/version")).json()
+    ids = tok.encode("the quick")
+    assert prompt == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                      "token_strs": [tok.token_text(i) for i in ids]}
+    assert bare["tokens"] == tok.encode("the quick", add_special_tokens=False)
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(HI), add_special_tokens=False)
+    assert chat["token_strs"] is None
+    assert cont["tokens"] == tok.encode(tok.apply_chat_template(
+        conversation, add_generation_prompt=False, continue_final_message=True),
+        add_special_tokens=False)  # fmt: skip
+    assert text == {"prompt": tok.decode(ids)}
+    assert (both.status_code, both.json()["error"]["param"]) == (400, "messages")
+    assert (neither.status_code, neither.json()["error"]["param"]) == (400, "messages")
+    assert past.status_code == 400 and past.json()["error"]["param"] == "tokens"
+    assert f"Token id {tok.vocab_size} at position 1 is out of range" in (
+        past.json()["error"]["message"])
+    assert (other.status_code, other.json()["error"]["code"]) == (404, "model_not_found")
+    assert version == {"version": microserve.__version__}
+    assert backend.calls == []
 
 
 async def test_metrics(tok):

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 import llguidance
 
+from microserve import __version__
 from microserve.backend import CLIENT, BackendError, Client, GenerateBackend
 from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
 from microserve.errors import (from_validation_errors, install_error_handlers, invalid_request,
@@ -36,7 +37,9 @@ from microserve.errors import (from_validation_errors, install_error_handlers, i
 from microserve.metrics import CONTENT_TYPE, Registry
 from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
 from microserve.openai.limits import check_choices, fit_context
-from microserve.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from microserve.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                        MAX_TOKENIZE, DetokenizeRequest, GenerationRequest,
+                                        TokenizeRequest)
 from microserve.openai.guided import checked, request_grammar
 from microserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 from microserve.openai.tool_parsers import ToolParser, make_parser
@@ -151,6 +154,40 @@ class OpenAIFrontend:
                                           token_bytes, i)))
         return await self._respond(raw, body, choices)
 
+    async def tokenize(self, raw: Request) -> JSONResponse:
+        """vLLM's POST /tokenize: the prompt's token ids as a completion would send them, or
+        the messages' as a chat completion would (same template options)."""
+        body = await _parse_body(raw, TokenizeRequest)
+        self._check_model(body.model)
+        if body.messages is not None:
+            text = self._render_chat(body)
+            special = bool(body.add_special_tokens)  # the template writes the BOS itself
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = await self.tokenizer.encode_async(text, add_special_tokens=special)
+        if len(ids) > MAX_TOKENIZE:
+            raise invalid_request(f"The text is {len(ids):,} tokens; /tokenize answers for at "
+                                  f"most {MAX_TOKENIZE:,}", "messages" if body.messages
+                                  else "prompt")
+        strs = [self.tokenizer.token_text(i) for i in ids] if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.backend.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, raw: Request) -> JSONResponse:
+        """vLLM's POST /detokenize: token ids (below the vocabulary, else a 400 naming
+        `tokens`) into text."""
+        body = await _parse_body(raw, DetokenizeRequest)
+        self._check_model(body.model)
+        bad = out_of_vocab(body.tokens, self.tokenizer.vocab_size)
+        if bad is not None:
+            raise invalid_request(f"Token id {body.tokens[bad]} at position {bad} is out of "
+                                  f"range for a vocabulary of {self.tokenizer.vocab_size} tokens",
+                                  "tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
+
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
     async def models(self) -> JSONResponse:
         return JSONResponse(model_list(self.backend.model_name, self.started,
                                        self.backend.max_model_len, self.backend.lora_names()))
@@ -174,7 +211,7 @@ class OpenAIFrontend:
 
     # -- request preparation --------------------------------------------------------------
 
-    def _render_chat(self, body: ChatCompletionRequest) -> str:
+    def _render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
         """The prompt text: tools and tool turns through the template when it renders them,
         else written into the messages in the tool-call parser's format."""
         messages = [m.template_dict() for m in body.messages]
@@ -489,5 +526,8 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
     # :path, because model names may hold "/" (HuggingFaceTB/SmolLM2-135M-Instruct)
     app.add_api_route("/v1/models/{model_id:path}", frontend.model, methods=["GET"])
     app.add_api_route("/health", frontend.health, methods=["GET"])
+    app.add_api_route("/tokenize", frontend.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", frontend.detokenize, methods=["POST"])
+    app.add_api_route("/version", frontend.version, methods=["GET"])
     app.add_api_route("/metrics", frontend.metrics, methods=["GET"])
     return app

@@ -8,7 +8,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from microserve.errors import OpenAIError
 from microserve.metrics import Counter
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+             "/tokenize", "/detokenize", "/version")
 
 
 class CountRequests:

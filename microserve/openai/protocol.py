@@ -397,6 +397,43 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+MAX_TOKENIZE = 1 << 17  # token ids /tokenize answers with and /detokenize takes (~20 ms of work)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a `prompt`, or chat `messages` rendered as
+    /v1/chat/completions renders them (the same template options), into token ids."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, validate_default=True)
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_open(cls, value: bool, info: ValidationInfo) -> bool:
+        return ChatCompletionRequest._continue_or_open(value, info)
+
+    @field_validator("messages")
+    @classmethod
+    def _prompt_or_messages(cls, value: list | None, info: ValidationInfo) -> list | None:
+        if (info.data.get("prompt") is None) == (value is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return value
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids (below the vocabulary) into text."""
+
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_TOKENIZE)
+
+
 def _token_id_key(key: Any) -> int | None:
     """A logit_bias key as a token id: an int, or a string of decimal digits; None if not."""
     if isinstance(key, str) and re.fullmatch(r"[0-9]+", key):
