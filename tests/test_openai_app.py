@@ -203,6 +203,26 @@ async def test_completion_stream_with_usage(tok):
     assert {c["id"] for c in chunks[:3]} == {backend.calls[0][0]}
 
 
+async def test_continuous_usage_in_every_chunk(tok):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far
+    (the stream opens once the first output is in: the role chunk counts it), then the usage
+    chunk; without include_usage it changes nothing."""
+    backend = ScriptedBackend(steps(tok, "hello", " world"))
+    hello, world = (len(ids) for ids in steps(tok, "hello", " world"))
+    prompt = len(tok.encode(tok.apply_chat_template(HI), add_special_tokens=False))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    async with client_for(backend, tok) as client:
+        chat = events(await client.post(CHAT, json={"messages": HI, "stream": True,
+                                                    "stream_options": options}))
+        alone = events(await client.post(CHAT, json={
+            "messages": HI, "stream": True, "stream_options": {"continuous_usage_stats": True}}))
+    assert [c["usage"]["completion_tokens"] for c in chat[:4]] == [hello, hello, hello + world,
+                                                                    hello + world]
+    assert chat[3]["choices"] == [] and chat[4] == "[DONE]"
+    assert {c["usage"]["prompt_tokens"] for c in chat[:4]} == {prompt}
+    assert all("usage" not in c for c in alone[:-1])
+
+
 async def test_chat_stream(tok):
     backend = ScriptedBackend(steps(tok, "hello", " world"))
     messages = [{"role": "user", "content": "hi"}]

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from typing import TypeVar
 
@@ -303,25 +303,29 @@ class OpenAIFrontend:
         except BaseException:
             await close_all(gens)
             raise
+        runs = [run for run, _ in choices]
+        each = (lambda: self._usage(runs)) if body.continuous_usage else None
         if len(choices) == 1:
             run, wire = choices[0]
-            events = self._events(run, wire, firsts[0], gens[0], body.include_usage)
+            events = self._events(run, wire, firsts[0], gens[0], body.include_usage, each)
         else:
-            events = self._events_of_all(choices, firsts, gens, body.include_usage)
+            events = self._events_of_all(choices, firsts, gens, body.include_usage, each)
         return EventStream(events, headers={"Cache-Control": "no-cache"})
 
     async def _events(self, run: Run, wire: CompletionWire | ChatWire, first: Delta,
-                      deltas: AsyncGenerator[Delta, None], include_usage: bool
+                      deltas: AsyncGenerator[Delta, None], include_usage: bool,
+                      usage_each: Callable[[], dict] | None = None
                       ) -> AsyncGenerator[bytes, None]:
-        """The SSE body: opening chunks, a chunk per delta, usage if asked for, then [DONE]."""
+        """The SSE body: opening chunks, a chunk per delta, usage if asked for, then [DONE].
+        `usage_each`: every chunk carries the usage so far (continuous_usage_stats)."""
         try:
             for chunk in wire.opening_chunks():
-                yield sse(chunk)
+                yield _sse_with(chunk, usage_each)
             delta: Delta | None = first
             while delta is not None:
                 for chunk in wire.delta_chunks(delta.text, delta.logprobs, delta.finish_reason,
                                                delta.tool_calls):
-                    yield sse(chunk)
+                    yield _sse_with(chunk, usage_each)
                 delta = await anext(deltas, None)
             if include_usage:
                 yield sse(wire.usage_chunk(self._usage([run])))
@@ -333,7 +337,8 @@ class OpenAIFrontend:
 
     async def _events_of_all(self, choices: list[tuple[Run, CompletionWire | ChatWire]],
                              firsts: list[Delta], gens: list[AsyncGenerator[Delta, None]],
-                             include_usage: bool) -> AsyncGenerator[bytes, None]:
+                             include_usage: bool, usage_each: Callable[[], dict] | None = None
+                             ) -> AsyncGenerator[bytes, None]:
         """`_events` for several choices: each one's chunks as its generation makes them,
         tagged with its index; one usage chunk for all. One failing ends them all."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -350,11 +355,11 @@ class OpenAIFrontend:
         try:
             for _, wire in choices:
                 for chunk in wire.opening_chunks():
-                    yield sse(chunk)
+                    yield _sse_with(chunk, usage_each)
             for (_, wire), delta in zip(choices, firsts):
                 for chunk in wire.delta_chunks(delta.text, delta.logprobs, delta.finish_reason,
                                                delta.tool_calls):
-                    yield sse(chunk)
+                    yield _sse_with(chunk, usage_each)
             pumps = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
             running = len(gens)
             while running:
@@ -366,7 +371,7 @@ class OpenAIFrontend:
                     continue
                 for chunk in choices[k][1].delta_chunks(delta.text, delta.logprobs,
                                                         delta.finish_reason, delta.tool_calls):
-                    yield sse(chunk)
+                    yield _sse_with(chunk, usage_each)
             if include_usage:
                 yield sse(choices[0][1].usage_chunk(self._usage([r for r, _ in choices])))
         except Exception as e:
@@ -492,6 +497,13 @@ class OpenAIFrontend:
             prompts[id(run.prompt_ids)] = (len(run.prompt_ids), max(cached, run.num_cached))
         return usage(sum(n for n, _ in prompts.values()), sum(r.num_generated for r in runs),
                      sum(c for _, c in prompts.values()))
+
+
+def _sse_with(chunk: dict, usage_each: Callable[[], dict] | None) -> bytes:
+    """A stream chunk as an SSE event, with the usage so far when `usage_each` is given."""
+    if usage_each is not None:
+        chunk["usage"] = usage_each()
+    return sse(chunk)
 
 
 def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,

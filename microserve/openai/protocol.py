@@ -52,6 +52,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class StreamOptions(BaseModel):
     model_config = FINITE
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage in every chunk
 
 
 class JsonSchemaFormat(BaseModel):
@@ -194,6 +195,12 @@ class GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
+        carries the usage so far."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def guided_fields(self) -> dict[str, Any]:
         """The structured-output fields, as guided.request_grammar takes them."""
