@@ -1,4 +1,5 @@
-"""Logit adjustments in the engine core: logit_bias, min_tokens and the penalties.
+"""Logit adjustments in the engine core: allowed_token_ids, logit_bias, min_tokens and the
+penalties.
 
 Every request whose `SamplingParams.adjusts_logits` has an entry in the core's `PenaltyPool`,
 keyed by request id (like engine/grammar.py's matchers), from when it is added until it
@@ -23,6 +24,7 @@ a request has out, the pending one included (`len(seq.output_token_ids)` counts 
 Adjustments, in vLLM's order (after the grammar mask, before temperature, top-k, top-p and
 greedy's argmax):
 
+    0. allowed_token_ids   every other token: logit = -inf (what follows keeps -inf at -inf)
     1. logit_bias          logit[t] += bias[t]
     2. min_tokens          while len(output) < min_tokens: logit[stop ids] = -inf
                            (stop_token_ids, and the eos ids unless ignore_eos)
@@ -63,6 +65,7 @@ class _Entry:
     stop_ids: list[int]  # made impossible while fewer than min_tokens tokens are out
     min_tokens: int
     penalties: tuple[float, float, float]  # repetition, frequency, presence
+    allowed_ids: list[int]  # distinct; empty: no restriction
 
 
 @dataclass
@@ -80,6 +83,9 @@ class StepAdjustments:
     bias_at: list[int] = field(default_factory=list)  # logit_bias: flat positions, distinct
     bias_values: list[float] = field(default_factory=list)  # ... and what they get added
     banned_at: list[int] = field(default_factory=list)  # min_tokens: flat positions -> -inf
+    # allowed_token_ids: j of the rows restricted, and the flat positions they keep
+    allowed_rows: list[int] = field(default_factory=list)
+    allowed_at: list[int] = field(default_factory=list)
     counted: list[int] = field(default_factory=list)  # j of the rows with penalties
     pool_rows: list[int] = field(default_factory=list)  # ... their rows of `pool`
     penalties: list[tuple[float, float, float]] = field(default_factory=list)  # ... and values
@@ -98,6 +104,8 @@ class _OnDevice:
     rows: torch.Tensor
     bias_at: torch.Tensor
     banned_at: torch.Tensor
+    allowed_rows: torch.Tensor
+    allowed_at: torch.Tensor
     counted: torch.Tensor
     pool_rows: torch.Tensor
     counted_rows: torch.Tensor  # rows of the step's logits of the counted rows
@@ -107,8 +115,8 @@ class _OnDevice:
     @classmethod
     def of(cls, adjust: StepAdjustments, device: torch.device) -> _OnDevice:
         counted_rows = [adjust.rows[j] for j in adjust.counted]
-        longs = [adjust.rows, adjust.bias_at, adjust.banned_at, adjust.counted,
-                 adjust.pool_rows, counted_rows]
+        longs = [adjust.rows, adjust.bias_at, adjust.banned_at, adjust.allowed_rows,
+                 adjust.allowed_at, adjust.counted, adjust.pool_rows, counted_rows]
         packed = to_device([x for part in longs for x in part], torch.long, device)
         views = packed.split([len(part) for part in longs])
         floats = to_device(adjust.bias_values + [x for p in adjust.penalties for x in p],
@@ -166,8 +174,10 @@ class PenaltyPool:
             bias[token] = bias.get(token, 0.0) + value
         penalties = (params.repetition_penalty, params.frequency_penalty,
                      params.presence_penalty)
-        self._entries[request_id] = _Entry(params.needs_token_counts, None, list(bias), list(bias.values()), sorted(stops),
-                                           params.min_tokens, penalties)
+        self._entries[request_id] = _Entry(params.needs_token_counts, None, list(bias),
+                                           list(bias.values()), sorted(stops),
+                                           params.min_tokens, penalties,
+                                           list(dict.fromkeys(params.allowed_token_ids)))
 
     admit = add
 
@@ -188,7 +198,7 @@ class PenaltyPool:
             if entry is None:
                 continue
             ban = len(seq.output_token_ids) < entry.min_tokens and entry.stop_ids
-            if not (ban or entry.bias_ids or entry.counted):
+            if not (ban or entry.bias_ids or entry.counted or entry.allowed_ids):
                 continue  # min_tokens reached, and nothing else
             if entry.counted and entry.row is None:  # its first sample: nothing out yet
                 entry.row = self._start_row(seq.prompt_token_ids)
@@ -199,6 +209,9 @@ class PenaltyPool:
                 adjust.bias_values.extend(entry.bias_values)
             if ban:
                 adjust.banned_at.extend([j * vocab + t for t in entry.stop_ids])
+            if entry.allowed_ids:
+                adjust.allowed_rows.append(j)
+                adjust.allowed_at.extend([j * vocab + t for t in entry.allowed_ids])
             if entry.counted:
                 adjust.counted.append(j)
                 adjust.pool_rows.append(entry.row)
@@ -257,6 +270,10 @@ def adjust_logits(logits: torch.Tensor, adjust: StepAdjustments) -> torch.Tensor
     assert logits.shape[1] == adjust.vocab_size, (logits.shape, adjust.vocab_size)
     on = adjust._on_device = _OnDevice.of(adjust, logits.device)
     x = logits.index_select(0, on.rows)  # contiguous [n, V]: flat positions index its view
+    if adjust.allowed_rows:  # keep the allowed logits, the rest of those rows -inf
+        kept = x.view(-1).index_select(0, on.allowed_at)
+        x.index_fill_(0, on.allowed_rows, float("-inf"))
+        x.view(-1).index_copy_(0, on.allowed_at, kept)
     if adjust.bias_at:
         x.view(-1).index_add_(0, on.bias_at, on.bias_values)
     if adjust.banned_at:

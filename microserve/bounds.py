@@ -42,6 +42,7 @@ MAX_REPETITION_PENALTY = 2.0
 RepetitionPenalty = Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]  # OpenAI's range
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+MAX_ALLOWED_TOKENS = 1 << 16  # allowed_token_ids entries per request
 # An llguidance grammar's JSON (structured outputs, forced tool calls); the OpenAI frontend caps
 # the schemas it is built from at MAX_SCHEMA_CHARS.
 MAX_GRAMMAR_CHARS = 1 << 20

@@ -19,7 +19,7 @@ def out_of_vocab(ids, vocab_size: int) -> int | None:
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     """What `params` must meet besides their own bounds: the fields bounded by the vocabulary
-    (top_k, stop_token_ids, logit_bias) and min_tokens within max_tokens."""
+    (top_k, stop_token_ids, logit_bias, allowed_token_ids) and min_tokens within max_tokens."""
     if params.top_k > vocab_size:
         raise RequestRejected(f"top_k {params.top_k} exceeds the vocabulary of {vocab_size} "
                               "tokens (-1 or 0 disables top-k)", "top_k")
@@ -31,6 +31,11 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     if bad is not None:
         raise RequestRejected(f"logit_bias token id {params.logit_bias[bad][0]} is out of range "
                               f"for a vocabulary of {vocab_size} tokens", "logit_bias")
+    bad = out_of_vocab(params.allowed_token_ids, vocab_size)
+    if bad is not None:
+        raise RequestRejected(f"allowed_token_ids token id {params.allowed_token_ids[bad]} is out "
+                              f"of range for a vocabulary of {vocab_size} tokens",
+                              "allowed_token_ids")
     if params.min_tokens > params.max_tokens:
         raise RequestRejected(f"min_tokens ({params.min_tokens}) exceeds the completion's "
                               f"max_tokens ({params.max_tokens})", "min_tokens")

@@ -317,6 +317,28 @@ def test_vllm_prompt_options_truncate_and_continue(client, tok, smollm2_dir):
     assert r.choices[0].message.content == tok.decode(want)
 
 
+def test_allowed_token_ids_restrict_every_token(client, tok, smollm2_dir):
+    """vLLM's allowed_token_ids: greedy picks the likelier of two allowed tokens at every
+    step (Hugging Face's choice between them), sampling never leaves them; an id past the
+    vocabulary is a 400 naming the field."""
+    a, b = tok.encode(" dog", add_special_tokens=False)[0], tok.encode(" cat",
+                                                                   add_special_tokens=False)[0]
+    greedy = complete(client, FOX, 4, extra_body={"allowed_token_ids": [a, b],
+                                                  "ignore_eos": True})
+    r = client.completions.create(model=MODEL, prompt=FOX, max_tokens=6, temperature=1.0,
+                                  seed=3, extra_body={"allowed_token_ids": [a, b],
+                                                      "ignore_eos": True})
+    assert set(r.choices[0].text.split()) <= {"dog", "cat"} and r.usage.completion_tokens == 6
+    ids, want = tok.encode(FOX), []
+    for _ in range(4):  # Hugging Face's greedy choice between the two, step by step
+        logprobs = hf_logprobs(smollm2_dir, [ids + want])[0, -1]
+        want.append(a if logprobs[a] >= logprobs[b] else b)
+    assert greedy.choices[0].text == tok.decode(want)
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(client, FOX, 2, extra_body={"allowed_token_ids": [a, tok.vocab_size]})
+    assert info.value.body["param"] == "allowed_token_ids"
+
+
 def test_min_p_reaches_the_sampler(client, tok, smollm2_dir):
     """vLLM's `min_p` through the OpenAI client: at 1 only the most likely token survives, so
     sampling at temperature 1.5 gives Hugging Face's greedy text; at 0 (off) the same seed

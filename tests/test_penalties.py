@@ -77,6 +77,28 @@ def test_min_tokens_bans_the_stop_ids_until_reached(device):
         [1.0, 0.0, 0.5, -INF, 3.0]]
 
 
+def test_allowed_token_ids_leave_only_those(device):
+    """allowed_token_ids: every other logit of the row -inf, the allowed ones as they were
+    (a bias on them still adds); the row beside it untouched; greedy and sampling alike pick
+    among the allowed."""
+    allowed = params(temperature=0.0, allowed_token_ids=(1, 3), logit_bias=((3, 0.5), (0, 9.0)))
+    free = params(temperature=0.0, logit_bias=((2, 1.0),))
+    pool, seqs = pool_with(device, 5, ("a", [1], allowed), ("b", [2], free))
+    logits = tensor([[1.0, 0.0, 0.5, 2.0, 3.0], [1.0, 0.0, 0.5, 2.0, 3.0]], device)
+    adjust = pool.step(seqs)
+    assert adjust.allowed_rows == [0] and adjust.allowed_at == [1, 3]
+    assert adjust_logits(logits, adjust).tolist() == [[-INF, 0.0, -INF, 2.5, -INF],
+                                                      [1.0, 0.0, 1.5, 2.0, 3.0]]
+    assert Sampler(5, device).sample(logits, [allowed, free], [None, None],
+                                     adjust=pool.step(seqs)).token_ids == [3, 4]
+    hot = params(temperature=1.0, allowed_token_ids=(0, 2))
+    pool, seqs = pool_with(device, 5, *[(f"h{i}", [1], hot) for i in range(200)])
+    drawn = Sampler(5, device, seed=0).sample(logits[:1].expand(200, -1).contiguous(),
+                                              [hot] * 200, [None] * 200,
+                                              adjust=pool.step(seqs)).token_ids
+    assert set(drawn) == {0, 2}
+
+
 def test_repetition_penalty_divides_or_multiplies_seen_logits(device):
     """Hugging Face's rule on the prompt's tokens: 2.0 / 2 and -1.0 * 2; unseen ones stay."""
     p = params(temperature=0.0, repetition_penalty=2.0)

@@ -139,7 +139,6 @@ def test_include_usage_only_when_streaming():
     ("truncate_prompt_tokens", -2, "greater than or equal to -1"),
     ("use_beam_search", True, "use_beam_search is not supported"),
     ("bad_words", ["x"], "bad_words is not supported"),
-    ("allowed_token_ids", [1, 2], "allowed_token_ids is not supported"),
     ("return_tokens_as_token_ids", True, "return_tokens_as_token_ids is not supported"),
 ])
 def test_bad_completion_field_is_a_400_naming_field_and_value(field, value, says):
@@ -157,6 +156,12 @@ def test_vllm_text_and_prompt_options():
         "include_stop_str_in_output": True, "skip_special_tokens": False,
         "truncate_prompt_tokens": 3})
     assert body.include_stop_str_in_output and not body.skip_special_tokens
+    assert CompletionRequest(prompt="hi", allowed_token_ids=[5, 3, 5]).sampling_params(
+        4, None).allowed_token_ids == (5, 3)
+    status, param, message = error_of(CompletionRequest, {"prompt": "hi",
+                                                          "allowed_token_ids": [1, -2]})
+    assert (status, param) == (400, "allowed_token_ids[1]")
+    assert "greater than or equal to 0" in message
     assert body.truncated([1, 2, 3, 4, 5], 100) == [3, 4, 5]
     assert body.truncated([1, 2], 100) == [1, 2]
     whole = CompletionRequest(prompt="hi", truncate_prompt_tokens=-1)

@@ -10,8 +10,9 @@ from typing import Annotated
 from msgspec import Struct
 from pydantic import Field
 
-from microserve.bounds import (INT32_MAX, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, Count,
-                               LogitBias, MinTokens, Penalty, RepetitionPenalty, Seed, TokenId)
+from microserve.bounds import (INT32_MAX, MAX_ALLOWED_TOKENS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS,
+                               MAX_LOGPROBS, Count, LogitBias, MinTokens, Penalty,
+                               RepetitionPenalty, Seed, TokenId)
 from microserve.messages.fields import CHECKED
 
 
@@ -59,6 +60,8 @@ class SamplingParams:
     logit_bias: Annotated[tuple[tuple[TokenId, LogitBias], ...],
                           Field(max_length=MAX_LOGIT_BIAS)] = ()
     min_tokens: MinTokens = 0  # at most max_tokens
+    # vLLM's allowed_token_ids: every other token is impossible (empty: no restriction)
+    allowed_token_ids: Annotated[tuple[TokenId, ...], Field(max_length=MAX_ALLOWED_TOKENS)] = ()
     # The LoRA adapter to generate with (a name the engine registered: the request's `model`
     # when it names an adapter); None: the base model.
     lora_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -81,8 +84,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether any logit adjustment is set (penalties, logit_bias, min_tokens)."""
-        return self.needs_token_counts or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether any logit adjustment is set (penalties, logit_bias, min_tokens,
+        allowed_token_ids)."""
+        return (self.needs_token_counts or bool(self.logit_bias) or self.min_tokens > 0
+                or bool(self.allowed_token_ids))
 
 
 @dataclass(slots=True)

@@ -18,7 +18,8 @@ context), and for chat `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs` (extra variables for the template).
 Options we do not implement are refused rather than ignored when ignoring them would silently
 change the output: best_of > 1, suffix, and vLLM's use_beam_search, bad_words,
-allowed_token_ids, return_tokens_as_token_ids and (chat) echo. `echo` (completions) puts the prompt in front of the
+return_tokens_as_token_ids and (chat) echo. vLLM's `allowed_token_ids` restricts sampling to
+those tokens. `echo` (completions) puts the prompt in front of the
 completion, and with `logprobs` the prompt tokens' logprobs in front of the completion's (the
 first token's null), as vLLM does. `n` choices per prompt and a batch of
 completion prompts are served as that many generations (at most MAX_CHOICES in one request).
@@ -35,9 +36,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from microserve.bounds import (FINITE, INT32_MAX, INT64_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, Count,
-                               MinTokens, Penalty, Priority, RepetitionPenalty, Seed, TokenId,
-                               TopK)
+from microserve.bounds import (FINITE, INT32_MAX, INT64_MAX, MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS,
+                               MAX_LOGPROBS, Count, MinTokens, Penalty, Priority,
+                               RepetitionPenalty, Seed, TokenId, TopK)
 from microserve.openai.tools import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
 from microserve.messages import SamplingParams
 
@@ -129,8 +130,9 @@ class GenerationRequest(BaseModel):
     # vLLM extensions we refuse when set (ignoring them would change the output unseen)
     use_beam_search: bool = False
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False
+    # vLLM extension: only these tokens may be sampled (ids below the vocabulary)
+    allowed_token_ids: list[TokenId] | None = Field(None, max_length=MAX_ALLOWED_TOKENS)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -139,8 +141,7 @@ class GenerationRequest(BaseModel):
             raise ValueError("truncate_prompt_tokens must be -1 (the context) or >= 1, got 0")
         return value
 
-    @field_validator("use_beam_search", "bad_words", "allowed_token_ids",
-                     "return_tokens_as_token_ids")
+    @field_validator("use_beam_search", "bad_words", "return_tokens_as_token_ids")
     @classmethod
     def _not_supported(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
@@ -241,6 +242,7 @@ class GenerationRequest(BaseModel):
                                 else self.repetition_penalty),
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             min_tokens=self.min_tokens,
+            allowed_token_ids=tuple(dict.fromkeys(self.allowed_token_ids or ())),
         )
 
 
