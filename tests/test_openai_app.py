@@ -203,6 +203,18 @@ async def test_completion_stream_with_usage(tok):
     assert {c["id"] for c in chunks[:3]} == {backend.calls[0][0]}
 
 
+async def test_allowed_token_ids_reach_the_backend_but_not_beside_a_grammar(tok):
+    backend = ScriptedBackend(steps(tok, "hello"))
+    async with client_for(backend, tok) as client:
+        ok = await client.post("/v1/completions", json={"prompt": "hi",
+                                                        "allowed_token_ids": [7, 3, 7]})
+        both = await client.post(CHAT, json={"messages": HI, "allowed_token_ids": [7],
+                                             "response_format": {"type": "json_object"}})
+    assert ok.status_code == 200 and backend.calls[0][2].allowed_token_ids == (7, 3)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "allowed_token_ids"
+    assert len(backend.calls) == 1
+
+
 async def test_continuous_usage_in_every_chunk(tok):
     """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far
     (the stream opens once the first output is in: the role chunk counts it), then the usage

@@ -264,6 +264,9 @@ class OpenAIFrontend:
         """`echo`: the prompt's text to put in front of the completion; with `logprobs`, the
         prompt tokens' logprobs go in front of the completion's too."""
         prompt_logprobs = logprobs if echo is not None else None
+        if grammar is not None and body.allowed_token_ids:  # two masks that may leave nothing
+            raise invalid_request("allowed_token_ids cannot be combined with a structured "
+                                  "output or a forced tool call", "allowed_token_ids")
         params = body.sampling_params(max_tokens, logprobs, grammar, choice, prompt_logprobs)
         if (adapter := self._served(body.model)) != self.backend.model_name:
             params = replace(params, lora_name=adapter)
