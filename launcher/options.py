@@ -204,6 +204,7 @@ def lora_options(p) -> None:
                    help="while it works, the engine logs its throughput, load and where its "
                         "core's time went every this many seconds (default: 10; 0: never)")
     tool_call_parser_option(p)
+    generation_config_option(p)
     _config_option(p, "--cpu-threads", type=int,
                    help="torch CPU threads (default: every core); engines sharing a host "
                         "should split the cores (microserve up does)")
@@ -260,6 +261,13 @@ def http_limits(args) -> HttpLimits:
     return HttpLimits(max_connections=args.max_connections,
                       header_timeout_s=args.header_timeout_s,
                       body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s)
+
+
+def generation_config_option(p) -> None:
+    """--generation-config: an engine's is the router's setting (router/settings.py)."""
+    field = SETTINGS["generation_config"]
+    p.add_argument("--generation-config", default=field.default, help=field.metadata["help"],
+                   **field.metadata["option"])
 
 
 def tool_call_parser_option(p) -> None:

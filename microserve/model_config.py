@@ -170,3 +170,34 @@ def _eos_ids(config: dict, generation: dict) -> tuple[int, ...]:
             if token_id is not None and token_id not in ids:
                 ids.append(int(token_id))
     return tuple(ids)
+
+
+# generation_config.json keys that become request defaults, as vLLM's `--generation-config
+# auto` and SGLang's `--sampling-defaults model` take them, with the range each must be in
+# (a value outside it, or not a number, is left out and named in the returned notes)
+_SAMPLING_KEYS = {"temperature": (0.0, 2.0), "top_p": (1e-9, 1.0), "top_k": (-1, 1 << 31),
+                  "min_p": (0.0, 1.0), "repetition_penalty": (1e-9, 2.0),
+                  "max_new_tokens": (1, 1 << 31)}
+
+
+def sampling_defaults(path: str | Path) -> tuple[dict[str, float | int], list[str]]:
+    """The sampling defaults a model directory's generation_config.json recommends:
+    (temperature / top_p / top_k / min_p / repetition_penalty / max_tokens as the request
+    fields name them, what was left out and why). Nothing if there is no such file."""
+    generation_path = Path(path) / "generation_config.json"
+    if not generation_path.is_file():
+        return {}, []
+    generation = _read_json(generation_path)
+    found, skipped = {}, []
+    for key, (low, high) in _SAMPLING_KEYS.items():
+        if key not in generation:
+            continue
+        value = generation[key]
+        integral = key in ("top_k", "max_new_tokens")
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (integral and not float(value).is_integer()) or not low <= value <= high):
+            skipped.append(f"{key}={value!r} (outside [{low}, {high}])")
+            continue
+        found["max_tokens" if key == "max_new_tokens" else key] = (
+            int(value) if integral else float(value))
+    return found, skipped

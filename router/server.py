@@ -25,7 +25,7 @@ from microserve.backend import BackendUnavailable
 from microserve.http_limits import fit_file_limit
 from microserve.http_server import QuietServer, listen_socket
 from microserve.metrics import Registry
-from microserve.openai.app import build_openai_app
+from microserve.openai.app import build_openai_app, model_sampling_defaults
 from microserve.tokenizer import Tokenizer
 from router.admin import AdminAPI, add_admin_routes
 from router.backend import RouterBackend
@@ -146,9 +146,12 @@ class Router:
         return self._app
 
     def _build_app(self) -> FastAPI:
+        defaults = model_sampling_defaults(self.config.tokenizer_dir,
+                                           self.config.generation_config)
         app = build_openai_app(self.backend, self.tokenizer, registry=self.registry,
                                tool_call_parser=self.config.tool_call_parser,
-                               larger_bodies={"/v1/files": UPLOAD_BODY_BYTES})
+                               larger_bodies={"/v1/files": UPLOAD_BODY_BYTES},
+                               sampling_defaults=defaults)
         add_batch_routes(app, self.batches and BatchAPI(self.batches.store, self.batches,
                                                         self.config.api_key))
         app.add_middleware(LiveRequests, admission=self.admission)

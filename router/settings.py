@@ -23,6 +23,7 @@ from router.engines import LIVENESS_TIMEOUT_S
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # TOOL_CALL_PARSERS: microserve/openai/tool_parsers.py's PARSERS
 BATCH_ORDERS = ("blend", "alternate", "dfs", "file")  # router/batches/order.py
+GENERATION_CONFIGS = ("auto", "openai", "vllm")  # vllm: vLLM's name for openai
 
 
 def _setting(default, help: str, *, file: str | None = "router", up: bool = False,
@@ -89,7 +90,16 @@ class RouterSettings:
                   "chat template does not render them) or llama3_json", file="top",
         choices=TOOL_CALL_PARSERS)
 
+    generation_config: str = _setting(
+        "auto", "where a request's default temperature, top_p, top_k, min_p, repetition_penalty "
+                "and max_tokens come from: auto (the model's generation_config.json, as vLLM "
+                "and SGLang take it) or openai (OpenAI's defaults, the file ignored; vllm is "
+                "vLLM's name for it)", file="top", choices=GENERATION_CONFIGS)
+
     def __post_init__(self):
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config {self.generation_config!r} is not one of "
+                             f"{', '.join(GENERATION_CONFIGS)}")
         if not 0 < self.health_timeout_s <= 300:
             raise ValueError(f"health_timeout_s {self.health_timeout_s} must be in (0, 300]")
         if not 0.5 <= self.liveness_timeout_s <= 300:

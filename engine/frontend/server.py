@@ -20,7 +20,7 @@ from engine.frontend.core_client import CoreClient
 from engine.frontend.microserving_api import add_microserving_routes
 from microserve.http_limits import HttpLimits, fit_file_limit
 from microserve.http_server import QuietServer, listen_socket
-from microserve.openai.app import build_openai_app
+from microserve.openai.app import build_openai_app, model_sampling_defaults
 from microserve.tokenizer import Tokenizer
 
 log = logging.getLogger("microserve.engine")
@@ -29,9 +29,11 @@ FDS_PER_CONNECTION = 1  # a client's socket (the core's is one for all of them)
 
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
-                     api_key: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
+                     api_key: str | None = None, tool_call_parser: str = "hermes",
+                     sampling_defaults: dict | None = None) -> FastAPI:
     """The OpenAI API over the engine, plus the microserving API (microserving_api.py)."""
-    app = build_openai_app(client, tokenizer, tool_call_parser=tool_call_parser)
+    app = build_openai_app(client, tokenizer, tool_call_parser=tool_call_parser,
+                           sampling_defaults=sampling_defaults)
     add_microserving_routes(app, client, api_key=api_key)
     return app
 
@@ -39,7 +41,7 @@ def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
 async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
                 log_level: str = "info", api_key: str | None = None,
                 deployment: str | None = None, tool_call_parser: str = "hermes",
-                http_limits: HttpLimits = HttpLimits()) -> None:
+                http_limits: HttpLimits = HttpLimits(), generation_config: str = "auto") -> None:
     sock = listen_socket(host, port)  # first: a busy port fails before the model loads
     limits = fit_file_limit(http_limits, FDS_PER_CONNECTION)
     tokenizer = Tokenizer.from_dir(config.model)
@@ -53,7 +55,8 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
         served_model_name, info.device, info.dtype, info.num_pages, info.page_size,
         info.kv_capacity_tokens, info.max_model_len, info.kv_transfer,
     )  # fmt: skip
-    app = build_engine_app(client, tokenizer, api_key, tool_call_parser)
+    defaults = model_sampling_defaults(config.model, generation_config)
+    app = build_engine_app(client, tokenizer, api_key, tool_call_parser, defaults)
     server = QuietServer.serving(app, log_level, limits)
 
     async def stop_when_core_exits():

@@ -35,6 +35,7 @@ from microserve.client_streams import ClientDisconnected, EventStream, unless_di
 from microserve.errors import (from_validation_errors, install_error_handlers, invalid_request,
                                model_not_found)
 from microserve.metrics import CONTENT_TYPE, Registry
+from microserve.model_config import sampling_defaults
 from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
 from microserve.openai.limits import check_choices, fit_context
 from microserve.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -71,9 +72,13 @@ class OpenAIFrontend:
     """The OpenAI endpoints over one backend and its tokenizer; see `build_openai_app`."""
 
     def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, registry: Registry,
-                 tool_parser: ToolParser):
+                 tool_parser: ToolParser, sampling_defaults: dict | None = None):
         self.backend, self.tokenizer, self.registry = backend, tokenizer, registry
         self.tool_parser = tool_parser
+        # the model's recommended sampling (build_openai_app), max_tokens apart
+        defaults = dict(sampling_defaults or {})
+        self._max_tokens_default = defaults.pop("max_tokens", None)
+        self.sampling_defaults = defaults
         self.started = int(time.time())
         self.requests = registry.counter(
             "microserve_requests_total", "HTTP requests by endpoint and status.",
@@ -113,7 +118,8 @@ class OpenAIFrontend:
             whole = len(prompt_ids)
             prompt_ids = body.truncated(prompt_ids, self.backend.max_model_len)
             max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids), body.max_tokens,
-                                     "max_tokens", "prompt", body.default_max_tokens)
+                                     "max_tokens", "prompt",
+                                     self._default_max_tokens(body.default_max_tokens))
             echo = None
             if body.echo:  # the prompt as sent, or its (kept) tokens' text
                 echo = (prompt if isinstance(prompt, str) and len(prompt_ids) == whole
@@ -139,8 +145,9 @@ class OpenAIFrontend:
         # The template writes the BOS itself.
         prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
         prompt_ids = body.truncated(prompt_ids, self.backend.max_model_len)
-        max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids), body.requested_max_tokens,
-                                       body.max_tokens_field, "messages")
+        max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids),
+                                 body.requested_max_tokens, body.max_tokens_field, "messages",
+                                 self._default_max_tokens(None))
         token_bytes = self.tokenizer.token_bytes if body.logprobs else None
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = []
@@ -240,6 +247,12 @@ class OpenAIFrontend:
         lark = self.tool_parser.grammar(functions, parallel)
         return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
+    def _default_max_tokens(self, own: int | None) -> int | None:
+        """The budget of a request without max_tokens: the endpoint's own default (None: the
+        context left), capped by the model's generation config's max_new_tokens."""
+        capped = [v for v in (own, self._max_tokens_default) if v is not None]
+        return min(capped) if capped else None
+
     def _check_model(self, model: str | None) -> None:
         # An absent or empty model means the served one, as in vLLM.
         if model and model != self.backend.model_name and model not in self.backend.lora_names():
@@ -267,7 +280,8 @@ class OpenAIFrontend:
         if grammar is not None and body.allowed_token_ids:  # two masks that may leave nothing
             raise invalid_request("allowed_token_ids cannot be combined with a structured "
                                   "output or a forced tool call", "allowed_token_ids")
-        params = body.sampling_params(max_tokens, logprobs, grammar, choice, prompt_logprobs)
+        params = body.sampling_params(max_tokens, logprobs, grammar, choice, prompt_logprobs,
+                                      self.sampling_defaults)
         if (adapter := self._served(body.model)) != self.backend.model_name:
             params = replace(params, lora_name=adapter)
         check_sampling(params, self.tokenizer.vocab_size)  # pydantic bounded what an int holds
@@ -502,6 +516,22 @@ class OpenAIFrontend:
                      sum(c for _, c in prompts.values()))
 
 
+def model_sampling_defaults(model_dir: str, generation_config: str) -> dict:
+    """What `build_openai_app` takes as `sampling_defaults` for a model directory under the
+    `generation_config` setting (auto: its generation_config.json's; openai / vllm: none),
+    logged as vLLM logs it, so an operator sees why unasked-for sampling changed."""
+    if generation_config != "auto":
+        return {}
+    defaults, skipped = sampling_defaults(model_dir)
+    if defaults:
+        log.info("the model's generation_config.json sets the defaults of requests that leave "
+                 "them out: %s (--generation-config openai keeps OpenAI's)",
+                 ", ".join(f"{k} {v}" for k, v in defaults.items()))
+    if skipped:
+        log.warning("generation_config.json: not used as defaults: %s", "; ".join(skipped))
+    return defaults
+
+
 def _sse_with(chunk: dict, usage_each: Callable[[], dict] | None) -> bytes:
     """A stream chunk as an SSE event, with the usage so far when `usage_each` is given."""
     if usage_each is not None:
@@ -512,7 +542,8 @@ def _sse_with(chunk: dict, usage_each: Callable[[], dict] | None) -> bytes:
 def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
                      registry: Registry | None = None,
                      tool_call_parser: str = "hermes",
-                     larger_bodies: dict[str, int] | None = None) -> FastAPI:
+                     larger_bodies: dict[str, int] | None = None,
+                     sampling_defaults: dict | None = None) -> FastAPI:
     """A FastAPI app serving the OpenAI API, /health and /metrics over `backend`.
 
     Args:
@@ -524,13 +555,16 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
             (microserve/openai/tool_parsers.py: hermes, llama3_json).
         larger_bodies: paths whose request bodies may be larger than MAX_BODY_BYTES (an upload
             route added later), and how large.
+        sampling_defaults: what a request that leaves temperature, top_p, top_k, min_p,
+            repetition_penalty or max_tokens out gets instead of OpenAI's defaults
+            (microserve.model_config.sampling_defaults: the model's generation config).
 
     Returns:
         The app; add more routes (`app.include_router(...)`) before serving it. Every error it
         returns is OpenAI's error JSON.
     """
     frontend = OpenAIFrontend(backend, tokenizer, registry or Registry(),
-                              make_parser(tool_call_parser))
+                              make_parser(tool_call_parser), sampling_defaults)
     app = FastAPI(title="microserve")
     install_error_handlers(app)
     app.add_middleware(LimitBody, larger=larger_bodies)

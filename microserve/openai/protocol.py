@@ -44,6 +44,11 @@ from microserve.messages import SamplingParams
 
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+# What a request that leaves these out gets, unless the model's generation config says otherwise
+# (microserve.model_config.sampling_defaults): OpenAI's defaults, and no top_k, min_p or
+# repetition penalty.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                     "repetition_penalty": 1.0}
 # Generations one request may start: n choices for each prompt of a batch. Each is a request to
 # the engines (sharing the prompt's KV through the prefix cache).
 MAX_CHOICES = 128
@@ -216,20 +221,26 @@ class GenerationRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         grammar: str | None = None, choice: int = 0,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
         """The engine's parameters for choice `choice` of a prompt: a seeded request's choices
         are seeded seed, seed + 1, ... (wrapping within 64 bits), so each is reproducible and
-        they differ."""
+        they differ. `defaults`: what temperature, top_p, top_k, min_p and repetition_penalty
+        are when the request leaves them out (the model's generation_config.json, as vLLM and
+        SGLang take it; OpenAI's defaults for what it does not set)."""
+        given = {name: getattr(self, name) for name in SAMPLING_DEFAULTS
+                 if getattr(self, name) is not None}
+        chosen = {**SAMPLING_DEFAULTS, **(defaults or {}), **given}
         seed = self.seed
         if seed is not None and choice:
             seed = (seed + choice + 2**63) % 2**64 - 2**63
             assert seed <= INT64_MAX
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0),
-            min_p=self.min_p or 0.0,
+            temperature=chosen["temperature"],
+            top_p=chosen["top_p"],
+            top_k=max(chosen["top_k"], 0),
+            min_p=chosen["min_p"],
             seed=seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
@@ -238,8 +249,7 @@ class GenerationRequest(BaseModel):
             grammar=grammar,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if self.repetition_penalty is None
-                                else self.repetition_penalty),
+            repetition_penalty=chosen["repetition_penalty"],
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             min_tokens=self.min_tokens,
             allowed_token_ids=tuple(dict.fromkeys(self.allowed_token_ids or ())),
