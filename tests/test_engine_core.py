@@ -47,6 +47,18 @@ def random_prompts(lengths, seed=0, vocab=TINY_VOCAB):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+def next_decode_step(core: EngineCore):
+    """The batch of one decode step of every running sequence (each at its last token),
+    and its input ids, to run through the model runner by hand."""
+    from kvcache.forward import ForwardBatch, SeqForward
+
+    seqs = list(core.scheduler.running)
+    batch = ForwardBatch([SeqForward(s.request_id, s.num_computed_tokens, 1,
+                                     core.kv.page_table(s.request_id)) for s in seqs],
+                         core.kv.page_size)  # fmt: skip
+    return batch, [s.token_ids()[-1] for s in seqs]
+
+
 def make_core(model_dir, **kw):
     kw.setdefault("page_size", 4)
     kw.setdefault("num_pages", 256)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import hf_greedy
-from test_engine_core import greedy, random_prompts, run_all
+from test_engine_core import greedy, next_decode_step, random_prompts, run_all
 
 pytestmark = pytest.mark.gpu
 
@@ -247,8 +247,6 @@ def test_bf16_few_rows_replay_matches_cublas(tiny_model_dir):
     import torch
     import torch.nn.functional as F
 
-    from kvcache.forward import ForwardBatch, SeqForward
-
     core = make_core(tiny_model_dir, dtype="bfloat16", async_scheduling=False, few_rows_gemm=8)
     runner = core.runner
     assert runner.model.model.layers[0].mlp.down_proj.few_rows == 8
@@ -256,12 +254,8 @@ def test_bf16_few_rows_replay_matches_cublas(tiny_model_dir):
         core.add_request(f"r{i}", p, greedy(8))
     for _ in range(4):
         core.step()
-    seqs = list(core.scheduler.running)
-    assert len(seqs) == 3
-    batch = ForwardBatch([SeqForward(s.request_id, s.num_computed_tokens, 1,
-                                     core.kv.page_table(s.request_id)) for s in seqs],
-                         core.kv.page_size)  # fmt: skip
-    ids = [s.token_ids()[-1] for s in seqs]
+    assert len(core.scheduler.running) == 3
+    batch, ids = next_decode_step(core)
     with torch.inference_mode():
         graph = runner.graphs.run(batch, ids)[:3].clone()
         logits = runner.model.compute_logits(graph)

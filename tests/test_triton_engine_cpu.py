@@ -18,7 +18,7 @@ from conftest import hf_greedy  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from kvcache.forward import ForwardBatch  # noqa: E402
-from test_engine_core import greedy, random_prompts, run_all  # noqa: E402
+from test_engine_core import greedy, next_decode_step, random_prompts, run_all  # noqa: E402
 from test_prompt_logprobs import assert_hf_scores, collect, scoring  # noqa: E402
 
 
@@ -51,8 +51,6 @@ def test_few_rows_projections_match_cublas_path_in_the_engine(tiny_model_dir):
     take torch's. The engine keeps generating with it (every request finishes)."""
     import torch.nn.functional as F
 
-    from kvcache.forward import SeqForward
-
     few = []  # (rows) of each call the kernel took
     import engine.kernels.few_rows as kernel
 
@@ -76,10 +74,7 @@ def test_few_rows_projections_match_cublas_path_in_the_engine(tiny_model_dir):
         core.step()
     seqs = list(core.scheduler.running)
     assert len(seqs) == 3
-    batch = ForwardBatch([SeqForward(s.request_id, s.num_computed_tokens, 1,
-                                     core.kv.page_table(s.request_id)) for s in seqs],
-                         core.kv.page_size)  # fmt: skip
-    ids = [s.token_ids()[-1] for s in seqs]
+    batch, ids = next_decode_step(core)
     kernel.few_rows_linear = counted
     try:
         with torch.inference_mode():
