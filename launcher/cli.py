@@ -52,6 +52,7 @@ def _run_engine(args) -> None:
     _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key,
                     deployment=args.deployment, tool_call_parser=args.tool_call_parser,
                     generation_config=args.generation_config,
+                    chat_template=args.chat_template,
                     http_limits=_http_limits(args)))
 
 

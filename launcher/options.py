@@ -205,6 +205,7 @@ def lora_options(p) -> None:
                         "core's time went every this many seconds (default: 10; 0: never)")
     tool_call_parser_option(p)
     generation_config_option(p)
+    chat_template_option(p)
     _config_option(p, "--cpu-threads", type=int,
                    help="torch CPU threads (default: every core); engines sharing a host "
                         "should split the cores (microserve up does)")
@@ -261,6 +262,13 @@ def http_limits(args) -> HttpLimits:
     return HttpLimits(max_connections=args.max_connections,
                       header_timeout_s=args.header_timeout_s,
                       body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s)
+
+
+def chat_template_option(p) -> None:
+    """--chat-template: an engine's is the router's setting (router/settings.py)."""
+    field = SETTINGS["chat_template"]
+    p.add_argument("--chat-template", default=field.default, help=field.metadata["help"],
+                   **field.metadata["option"])
 
 
 def generation_config_option(p) -> None:

@@ -66,6 +66,24 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _given_template(value: str) -> str:
+    """--chat-template's value: the text of the file it names, or the template itself (a
+    value with a template's braces, or no such file); checked by compiling it."""
+    path = Path(value)
+    looks_like_template = "{{" in value or "{%" in value
+    if not looks_like_template and len(value) < 4096:
+        try:
+            value = path.read_text()
+        except OSError as e:
+            raise ValueError(f"--chat-template {value!r}: not a readable file ({e.strerror}) "
+                             "nor a template") from None
+    try:
+        _compile_chat_template(value)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template: the template does not compile: {e}") from None
+    return value
+
+
 class Tokenizer:
     """A model's tokenizer: text <-> token ids, chat formatting, token strings for logprobs."""
 
@@ -92,12 +110,16 @@ class Tokenizer:
         self._bytes_cache: dict[int, bytes] = {}
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> "Tokenizer":
         """Load `tokenizer.json`, `tokenizer_config.json` and the chat template from a model dir.
 
-        The template comes from `chat_template.jinja` when present (newer transformers saves it
-        there), else from the config's `chat_template` (a string, or a list of named templates
-        of which "default" is used).
+        The template comes from `chat_template` when given (vLLM's --chat-template: a file's
+        path, or the template itself), else from `chat_template.jinja` when present (newer
+        transformers saves it there), else from the config's `chat_template` (a string, or a
+        list of named templates of which "default" is used).
+
+        Raises:
+            ValueError: a given template that does not compile (or an unreadable file).
         """
         model_dir = Path(model_dir)
         hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -109,6 +131,8 @@ class Tokenizer:
             template = template_path.read_text()
         elif isinstance(template, list):
             template = {t["name"]: t["template"] for t in template}.get("default")
+        if chat_template is not None:
+            template = _given_template(chat_template)
         return cls(hf, config, template)
 
     def _id_of(self, token: str | None) -> int | None:

@@ -92,7 +92,7 @@ class Router:
         self.discovery = Discovery(self.pool, config.engines_from_dns, config.dns_interval_s,
                                    self.registry)
         self.host = StrategyHost(self.pool)
-        self.tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
+        self.tokenizer = Tokenizer.from_dir(config.tokenizer_dir, config.chat_template)
         self.backend = RouterBackend(self.pool, self.host, config.served_model_name,
                                      self.registry, max_retries=config.max_retries)
         self.admission = Admission(config.batch_lines_per_engine,

@@ -90,6 +90,10 @@ class RouterSettings:
                   "chat template does not render them) or llama3_json", file="top",
         choices=TOOL_CALL_PARSERS)
 
+    chat_template: str | None = _setting(
+        None, "the chat template to render chat requests with instead of the model's (as "
+              "vLLM's option): a file's path, or the template itself", file="top",
+        metavar="FILE_OR_TEMPLATE")
     generation_config: str = _setting(
         "auto", "where a request's default temperature, top_p, top_k, min_p, repetition_penalty "
                 "and max_tokens come from: auto (the model's generation_config.json, as vLLM "

@@ -413,6 +413,14 @@ def test_the_routers_settings_are_its_options_and_its_deployment_keys(tmp_path):
     deployment = load_deployment(config)
     assert (deployment.router.queue_timeout_s, deployment.router.health_timeout_s) == (5.0, 7.0)
     assert load_deployment(config, queue_timeout_s=9.0).router.queue_timeout_s == 9.0
+    # the top-level ones: how the router renders and samples for every engine
+    config.write_text('chat_template = "t.jinja"\ngeneration_config = "openai"\n' + engines)
+    top = load_deployment(config).router
+    assert (top.chat_template, top.generation_config) == ("t.jinja", "openai")
+    assert (RouterSettings().chat_template, RouterSettings().generation_config) == (None, "auto")
+    config.write_text('generation_config = "model"\n' + engines)
+    with pytest.raises(ValueError, match="generation_config 'model' is not one of auto, openai"):
+        load_deployment(config)
     config.write_text('[router]\nqueue_timeout = 5\n' + engines)
     with pytest.raises(ValueError, match=r"\[router\]: unknown key\(s\) queue_timeout \(known: "):
         load_deployment(config)

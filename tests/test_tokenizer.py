@@ -144,6 +144,23 @@ def test_chat_template_file_and_named_templates(tmp_path):
     assert Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "user"}]) == "F1"
 
 
+def test_a_given_chat_template_replaces_the_models(tmp_path):
+    """vLLM's --chat-template: a file's path or the template itself, compiled up front."""
+    model_dir = make_tokenizer_dir(tmp_path / "m", chat_template="MODEL")
+    assert Tokenizer.from_dir(model_dir).apply_chat_template([]) == "MODEL"
+    inline = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    assert Tokenizer.from_dir(model_dir, inline).apply_chat_template(
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "[a][b]"
+    path = tmp_path / "t.jinja"
+    path.write_text("FILE {{ messages | length }}")
+    tok = Tokenizer.from_dir(model_dir, str(path))
+    assert tok.apply_chat_template([{"role": "user", "content": "a"}]) == "FILE 1"
+    with pytest.raises(ValueError, match="not a readable file"):
+        Tokenizer.from_dir(model_dir, str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        Tokenizer.from_dir(model_dir, "{% for m in messages %}")
+
+
 def test_no_chat_template(tmp_path):
     tok = Tokenizer.from_dir(make_tokenizer_dir(tmp_path, chat_template=None))
     with pytest.raises(ChatTemplateError, match="no chat template"):

@@ -41,10 +41,11 @@ def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
 async def serve(config: EngineConfig, served_model_name: str, host: str, port: int,
                 log_level: str = "info", api_key: str | None = None,
                 deployment: str | None = None, tool_call_parser: str = "hermes",
-                http_limits: HttpLimits = HttpLimits(), generation_config: str = "auto") -> None:
+                http_limits: HttpLimits = HttpLimits(), generation_config: str = "auto",
+                chat_template: str | None = None) -> None:
     sock = listen_socket(host, port)  # first: a busy port fails before the model loads
     limits = fit_file_limit(http_limits, FDS_PER_CONNECTION)
-    tokenizer = Tokenizer.from_dir(config.model)
+    tokenizer = Tokenizer.from_dir(config.model, chat_template)
     client = CoreClient(config, served_model_name, engine_key=api_key)
     await client.start()
     client.info.deployment = deployment  # what /microserving/stats reports with the model
