@@ -92,7 +92,8 @@ class RouterSettings:
 
     chat_template: str | None = _setting(
         None, "the chat template to render chat requests with instead of the model's (as "
-              "vLLM's option): a file's path, or the template itself", file="top",
+              "vLLM's option): a file's path, or the template itself (default: the model's)",
+        file="top",
         metavar="FILE_OR_TEMPLATE")
     generation_config: str = _setting(
         "auto", "where a request's default temperature, top_p, top_k, min_p, repetition_penalty "
