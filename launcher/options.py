@@ -113,7 +113,9 @@ def engine_options(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's "
                         "max_position_embeddings)")
     _config_option(p, "--no-prefix-cache", "enable_prefix_cache", action="store_false",
-                   help="do not reuse the KV of earlier requests' common prefixes")
+                   aliases=("--no-enable-prefix-caching",),
+                   help="do not reuse the KV of earlier requests' common prefixes "
+                        "(--no-enable-prefix-caching: vLLM's name)")
     _config_option(p, "--scheduling-policy", choices=POLICIES,
                    help="which requests run first: fcfs (arrival order), priority (the "
                         "request's `priority`, lower first, ties by arrival) or mlfq "
@@ -204,6 +206,7 @@ def lora_options(p) -> None:
                    help="while it works, the engine logs its throughput, load and where its "
                         "core's time went every this many seconds (default: 10; 0: never)")
     tool_call_parser_option(p)
+    vllm_flags(p)
     generation_config_option(p)
     chat_template_option(p)
     _config_option(p, "--cpu-threads", type=int,
@@ -262,6 +265,25 @@ def http_limits(args) -> HttpLimits:
     return HttpLimits(max_connections=args.max_connections,
                       header_timeout_s=args.header_timeout_s,
                       body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s)
+
+
+# vLLM's flags for what microserve always does: accepted, so that a command line written for
+# `vllm serve` runs; each says what it stands for here.
+VLLM_FLAGS = {
+    "--enable-auto-tool-choice": "tool calls are always parsed when a request has tools",
+    "--enable-prefix-caching": "the prefix cache is on unless --no-prefix-cache",
+    "--enable-chunked-prefill": "long prompts are always prefilled in chunks",
+    "--disable-log-requests": "requests are never logged one by one",
+    "--trust-remote-code": "no model code is ever run from a checkpoint (Llama architectures "
+                           "are built in)",
+}
+
+
+def vllm_flags(p) -> None:
+    """VLLM_FLAGS, each a flag that changes nothing (help: what it stands for here)."""
+    for flag, meaning in VLLM_FLAGS.items():
+        p.add_argument(flag, action="store_true", dest=f"vllm_{flag[2:].replace('-', '_')}",
+                       help=f"vLLM's flag, accepted and without effect: {meaning}")
 
 
 def chat_template_option(p) -> None:

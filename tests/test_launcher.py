@@ -347,6 +347,22 @@ def test_every_engine_option_says_what_it_does_and_its_default():
         assert flag or "default" in formatter._get_help_string(action), action.option_strings
 
 
+def test_a_vllm_serve_command_line_parses(tmp_path):
+    """vLLM's flags for what microserve always does are accepted (and change nothing), its
+    --no-enable-prefix-caching is --no-prefix-cache, and its --chat-template and
+    --generation-config reach the engine's frontend."""
+    from launcher.options import engine_config
+
+    args = parser().parse_args([
+        "engine", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--enable-prefix-caching", "--enable-chunked-prefill", "--disable-log-requests",
+        "--trust-remote-code", "--chat-template", "t.jinja", "--generation-config", "vllm"])
+    assert (args.chat_template, args.generation_config) == ("t.jinja", "vllm")
+    assert engine_config(args, str(tmp_path)).enable_prefix_cache
+    off = parser().parse_args(["engine", "--no-enable-prefix-caching"])
+    assert not engine_config(off, str(tmp_path)).enable_prefix_cache
+
+
 def test_help_never_shows_a_secret_from_the_environment(monkeypatch):
     for name in ("MICROSERVE_API_KEY", "MICROSERVE_ADMIN_TOKEN", "MICROSERVE_ENGINE_API_KEY"):
         monkeypatch.setenv(name, f"secret-{name}")
