@@ -37,7 +37,8 @@ class Help(argparse.HelpFormatter):
 
 
 def log_level_option(p) -> None:
-    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    p.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                   help="debug, info, warning or error (--uvicorn-log-level: vLLM's name)")
 
 
 def _config_option(p, flag: str, field: str | None = None, aliases: tuple[str, ...] = (),
@@ -94,7 +95,8 @@ def engine_options(p: argparse.ArgumentParser) -> None:
                    help="auto: the model's dtype; fp8 (fp8_e4m3): the KV cache as float8 e4m3, "
                         "scale 1, saturated at +-448: twice the tokens in the same memory "
                         "(CUDA: compute capability 8.9+)")
-    _config_option(p, "--page-size", type=int, help="tokens per KV page")
+    _config_option(p, "--page-size", type=int, aliases=("--block-size",),
+                   help="tokens per KV page (--block-size: vLLM's name)")
     _config_option(p, "--kv-cache-memory-gb", type=float, help="size of the KV pool (CPU)")
     _config_option(p, "--gpu-memory-utilization", type=float,
                    help="share of the GPU's memory for weights, activations and KV (CUDA)")

@@ -359,8 +359,10 @@ def test_a_vllm_serve_command_line_parses(tmp_path):
         "--trust-remote-code", "--chat-template", "t.jinja", "--generation-config", "vllm"])
     assert (args.chat_template, args.generation_config) == ("t.jinja", "vllm")
     assert engine_config(args, str(tmp_path)).enable_prefix_cache
-    off = parser().parse_args(["engine", "--no-enable-prefix-caching"])
+    off = parser().parse_args(["engine", "--no-enable-prefix-caching", "--block-size", "32",
+                               "--uvicorn-log-level", "warning"])
     assert not engine_config(off, str(tmp_path)).enable_prefix_cache
+    assert (engine_config(off, str(tmp_path)).page_size, off.log_level) == (32, "warning")
 
 
 def test_help_never_shows_a_secret_from_the_environment(monkeypatch):
