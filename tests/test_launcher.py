@@ -477,7 +477,8 @@ def test_engine_args_are_parsed_when_the_deployment_loads(tmp_path):
         engine_config = load_deployment(config).engines[0].config
         assert (engine_config.max_num_batched_tokens,
                 engine_config.max_prefill_step_tokens) == budgets, args
-    for args, message in [('["--page-size", "x"]', "argument --page-size: invalid int value"),
+    for args, message in [('["--page-size", "x"]',
+                           "argument --page-size/--block-size: invalid int value"),
                           ('["--page-size", "0"]', "page_size must be >= 1, got 0"),
                           ('["--launch-ahead-layers", "-1"]',
                            r"launch_ahead_layers must be 0 \(off\) to 1024, got -1"),
