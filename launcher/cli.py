@@ -42,6 +42,23 @@ def _engine_args(sub) -> None:
                                            "microserving API)"))
 
 
+def _serve_args(sub) -> None:
+    p = _command(sub, "serve", "`microserve engine` with the model first, as `vllm serve MODEL` "
+                               "takes it (the same options)")
+    p.add_argument("served_model", nargs="?", default=None, metavar="MODEL",
+                   help="what --model takes (default: the embedded model)")
+    engine_options(p)
+
+
+def _run_serve(args) -> None:
+    if args.served_model is not None:
+        if args.model is not None and args.model != args.served_model:
+            raise ValueError(f"the model is given twice: {args.served_model!r} and --model "
+                             f"{args.model!r}")
+        args.model = args.served_model
+    _run_engine(args)
+
+
 def _run_engine(args) -> None:
     # Imported here so `microserve --help` stays fast; neither imports torch.
     from engine.frontend.server import serve
@@ -313,6 +330,7 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     _up_args(sub)
     _engine_args(sub)
+    _serve_args(sub)
     _router_args(sub)
     _drain_args(sub)
     _batch_args(sub)
@@ -341,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(max(logging.getLevelName(level), logging.WARNING))
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
-        {"engine": _run_engine, "router": _run_router, "up": _run_up, "drain": _run_drain,
+        {"engine": _run_engine, "serve": _run_serve, "router": _run_router, "up": _run_up, "drain": _run_drain,
          "batch": _run_batch, "chat": _run_chat, "ab": _run_ab,
          "admin-token": _run_admin_token, "model-path": _run_model_path,
          "quantize": _run_quantize}[args.command](args)

@@ -365,6 +365,19 @@ def test_a_vllm_serve_command_line_parses(tmp_path):
     assert (engine_config(off, str(tmp_path)).page_size, off.log_level) == (32, "warning")
 
 
+def test_serve_takes_the_model_first_as_vllm_serve_does(monkeypatch):
+    import launcher.cli as cli
+
+    ran = []
+    monkeypatch.setattr(cli, "_run_engine", lambda args: ran.append(args.model))
+    for argv, model in ((["serve", "m1", "--port", "9"], "m1"), (["serve"], None),
+                        (["serve", "--model", "m2"], "m2"), (["serve", "m3", "--model", "m3"], "m3")):
+        cli._run_serve(parser().parse_args(argv))
+        assert ran.pop() == model, argv
+    with pytest.raises(ValueError, match="the model is given twice: 'a' and --model 'b'"):
+        cli._run_serve(parser().parse_args(["serve", "a", "--model", "b"]))
+
+
 def test_help_never_shows_a_secret_from_the_environment(monkeypatch):
     for name in ("MICROSERVE_API_KEY", "MICROSERVE_ADMIN_TOKEN", "MICROSERVE_ENGINE_API_KEY"):
         monkeypatch.setenv(name, f"secret-{name}")
