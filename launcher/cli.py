@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(max(logging.getLevelName(level), logging.WARNING))
     os.environ.setdefault("MICROSERVE_LOG_LEVEL", level)  # the core process logs at this level
     try:
-        {"engine": _run_engine, "serve": _run_serve, "router": _run_router, "up": _run_up, "drain": _run_drain,
+        {"engine": _run_engine, "serve": _run_serve, "router": _run_router, "up": _run_up,
+         "drain": _run_drain,
          "batch": _run_batch, "chat": _run_chat, "ab": _run_ab,
          "admin-token": _run_admin_token, "model-path": _run_model_path,
          "quantize": _run_quantize}[args.command](args)

@@ -371,7 +371,8 @@ def test_serve_takes_the_model_first_as_vllm_serve_does(monkeypatch):
     ran = []
     monkeypatch.setattr(cli, "_run_engine", lambda args: ran.append(args.model))
     for argv, model in ((["serve", "m1", "--port", "9"], "m1"), (["serve"], None),
-                        (["serve", "--model", "m2"], "m2"), (["serve", "m3", "--model", "m3"], "m3")):
+                        (["serve", "--model", "m2"], "m2"),
+                        (["serve", "m3", "--model", "m3"], "m3")):
         cli._run_serve(parser().parse_args(argv))
         assert ran.pop() == model, argv
     with pytest.raises(ValueError, match="the model is given twice: 'a' and --model 'b'"):
