@@ -456,6 +456,27 @@ async def test_chat_logprobs(tok):
     assert backend.calls[0][2].logprobs == 1
 
 
+async def test_logprobs_name_tokens_by_id_when_asked(tok):
+    """vLLM's return_tokens_as_token_ids: each logprobs token (and alternative) is
+    "token_id:ID", its bytes that string's."""
+    ids = steps(tok, "hello")[0]
+    backend = ScriptedBackend([ids], logprobs=True)
+    async with client_for(backend, tok) as client:
+        completion = (await client.post("/v1/completions", json={
+            "prompt": "hi", "logprobs": 1, "return_tokens_as_token_ids": True})).json()
+        chat = (await client.post(CHAT, json={
+            "messages": HI, "logprobs": True, "top_logprobs": 1,
+            "return_tokens_as_token_ids": True})).json()
+    names = [f"token_id:{t}" for t in ids]
+    logprobs = completion["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == names
+    assert logprobs["top_logprobs"] == [{n: -0.25 * t} for n, t in zip(names, ids)]
+    assert completion["choices"][0]["text"] == "hello"  # the text is still text
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], bytes(e["bytes"]).decode()) for e in content] == [(n, n) for n in names]
+    assert [e["top_logprobs"][0]["token"] for e in content] == names
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"

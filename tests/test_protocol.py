@@ -139,7 +139,6 @@ def test_include_usage_only_when_streaming():
     ("truncate_prompt_tokens", -2, "greater than or equal to -1"),
     ("use_beam_search", True, "use_beam_search is not supported"),
     ("bad_words", ["x"], "bad_words is not supported"),
-    ("return_tokens_as_token_ids", True, "return_tokens_as_token_ids is not supported"),
 ])
 def test_bad_completion_field_is_a_400_naming_field_and_value(field, value, says):
     status, param, message = error_of(CompletionRequest, {"prompt": "hi", field: value})

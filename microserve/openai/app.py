@@ -107,7 +107,10 @@ class OpenAIFrontend:
         prompts = body.prompts
         check_choices(len(prompts), body.n)
         grammar, _ = request_grammar(body.guided_fields())
-        token_text = self.tokenizer.token_text if body.logprobs is not None else None
+        token_text = None
+        if body.logprobs is not None:
+            token_text = _token_id_text if body.return_tokens_as_token_ids else (
+                self.tokenizer.token_text)
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         choices = []
         for number, prompt in enumerate(prompts):
@@ -148,7 +151,10 @@ class OpenAIFrontend:
         max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids),
                                  body.requested_max_tokens, body.max_tokens_field, "messages",
                                  self._default_max_tokens(None))
-        token_bytes = self.tokenizer.token_bytes if body.logprobs else None
+        token_bytes = None
+        if body.logprobs:
+            token_bytes = _token_id_bytes if body.return_tokens_as_token_ids else (
+                self.tokenizer.token_bytes)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = []
         for i in range(body.n):
@@ -530,6 +536,15 @@ def model_sampling_defaults(model_dir: str, generation_config: str) -> dict:
     if skipped:
         log.warning("generation_config.json: not used as defaults: %s", "; ".join(skipped))
     return defaults
+
+
+def _token_id_text(token_id: int) -> str:
+    """A logprobs entry's token under vLLM's return_tokens_as_token_ids: its id, not text."""
+    return f"token_id:{token_id}"
+
+
+def _token_id_bytes(token_id: int) -> bytes:
+    return _token_id_text(token_id).encode()
 
 
 def _sse_with(chunk: dict, usage_each: Callable[[], dict] | None) -> bytes:

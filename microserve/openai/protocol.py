@@ -17,8 +17,8 @@ vLLM's output and prompt options are honoured: `include_stop_str_in_output`,
 context), and for chat `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs` (extra variables for the template).
 Options we do not implement are refused rather than ignored when ignoring them would silently
-change the output: best_of > 1, suffix, and vLLM's use_beam_search, bad_words,
-return_tokens_as_token_ids and (chat) echo. vLLM's `allowed_token_ids` restricts sampling to
+change the output: best_of > 1, suffix, and vLLM's use_beam_search, bad_words and (chat)
+echo. vLLM's `return_tokens_as_token_ids` names logprobs' tokens by id. vLLM's `allowed_token_ids` restricts sampling to
 those tokens. `echo` (completions) puts the prompt in front of the
 completion, and with `logprobs` the prompt tokens' logprobs in front of the completion's (the
 first token's null), as vLLM does. `n` choices per prompt and a batch of
@@ -135,6 +135,7 @@ class GenerationRequest(BaseModel):
     # vLLM extensions we refuse when set (ignoring them would change the output unseen)
     use_beam_search: bool = False
     bad_words: list[str] | None = None
+    # vLLM extension: logprobs name each token "token_id:ID" instead of its text
     return_tokens_as_token_ids: bool = False
     # vLLM extension: only these tokens may be sampled (ids below the vocabulary)
     allowed_token_ids: list[TokenId] | None = Field(None, max_length=MAX_ALLOWED_TOKENS)
@@ -146,7 +147,7 @@ class GenerationRequest(BaseModel):
             raise ValueError("truncate_prompt_tokens must be -1 (the context) or >= 1, got 0")
         return value
 
-    @field_validator("use_beam_search", "bad_words", "return_tokens_as_token_ids")
+    @field_validator("use_beam_search", "bad_words")
     @classmethod
     def _not_supported(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
