@@ -322,8 +322,8 @@ def commands() -> dict[str, argparse.ArgumentParser]:
 
 def test_microserve_help_describes_each_command_on_its_own_line():
     text = parser().format_help()
-    assert list(commands()) == ["up", "engine", "router", "drain", "batch", "chat", "ab",
-                                "admin-token", "model-path", "quantize"]
+    assert list(commands()) == ["up", "engine", "serve", "router", "drain", "batch", "chat",
+                                "ab", "admin-token", "model-path", "quantize"]
     for name, command in commands().items():
         assert re.search(rf"^    {name}\s", text, flags=re.M), name
         assert command.description, name
