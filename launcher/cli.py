@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import logging
 import os
+import subprocess
 import sys
 
 from launcher.options import (
@@ -44,10 +45,35 @@ def _engine_args(sub) -> None:
 
 def _serve_args(sub) -> None:
     p = _command(sub, "serve", "`microserve engine` with the model first, as `vllm serve MODEL` "
-                               "takes it (the same options)")
+                               "takes it, and on a GPU when one is visible (the same options)")
     p.add_argument("served_model", nargs="?", default=None, metavar="MODEL",
                    help="what --model takes (default: the embedded model)")
     engine_options(p)
+    [device] = [a for a in p._actions if a.dest == "device"]
+    device.default = None
+    device.help = "cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)"
+
+
+# Asked in a child process, so that this one never loads the CUDA driver: whether the driver
+# sees a GPU (CUDA_VISIBLE_DEVICES respected), without torch.
+_CUDA_CHECK = """
+import ctypes, sys
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    sys.exit(1)
+count = ctypes.c_int(0)
+ok = cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0
+sys.exit(0 if ok and count.value > 0 else 1)
+"""
+
+
+def cuda_visible() -> bool:
+    try:
+        return subprocess.run([sys.executable, "-c", _CUDA_CHECK], timeout=60,
+                              capture_output=True).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _run_serve(args) -> None:
@@ -56,6 +82,11 @@ def _run_serve(args) -> None:
             raise ValueError(f"the model is given twice: {args.served_model!r} and --model "
                              f"{args.model!r}")
         args.model = args.served_model
+    if args.device is None:
+        args.device = "cuda" if cuda_visible() else "cpu"
+        logging.getLogger("microserve.cli").info("no --device: %s (%s)", args.device,
+                                                 "a GPU is visible" if args.device == "cuda"
+                                                 else "no GPU is visible")
     _run_engine(args)
 
 

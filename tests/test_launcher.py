@@ -377,6 +377,24 @@ def test_serve_takes_the_model_first_as_vllm_serve_does(monkeypatch):
         assert ran.pop() == model, argv
     with pytest.raises(ValueError, match="the model is given twice: 'a' and --model 'b'"):
         cli._run_serve(parser().parse_args(["serve", "a", "--model", "b"]))
+    # the device: cuda when the driver sees a GPU (asked in a child process), else cpu; as given
+    # when given (`engine` keeps cpu as its default)
+    monkeypatch.setattr(cli, "_run_engine", lambda args: ran.append(args.device))
+    for visible, argv, device in ((True, ["serve"], "cuda"), (False, ["serve"], "cpu"),
+                                  (True, ["serve", "--device", "cpu"], "cpu")):
+        monkeypatch.setattr(cli, "cuda_visible", lambda visible=visible: visible)
+        cli._run_serve(parser().parse_args(argv))
+        assert ran.pop() == device, (visible, argv)
+    assert parser().parse_args(["engine"]).device == "cpu"
+
+
+def test_cuda_visible_agrees_with_torch():
+    """The driver's answer, asked without torch in this process, is torch's."""
+    import torch
+
+    import launcher.cli as cli
+
+    assert cli.cuda_visible() == torch.cuda.is_available()
 
 
 def test_help_never_shows_a_secret_from_the_environment(monkeypatch):
