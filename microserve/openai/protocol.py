@@ -20,9 +20,8 @@ Options we do not implement are refused rather than ignored when ignoring them w
 change the output: best_of > 1, suffix, and vLLM's use_beam_search, bad_words and (chat)
 echo. vLLM's `return_tokens_as_token_ids` names logprobs' tokens by id, and its
 `allowed_token_ids` restricts sampling to those tokens. `echo` (completions) puts the prompt in
-front of the
-completion, and with `logprobs` the prompt tokens' logprobs in front of the completion's (the
-first token's null), as vLLM does. `n` choices per prompt and a batch of
+front of the completion, and with `logprobs` the prompt tokens' logprobs in front of the
+completion's (the first token's null), as vLLM does. `n` choices per prompt and a batch of
 completion prompts are served as that many generations (at most MAX_CHOICES in one request).
 
 Structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`, SGLang's
