@@ -207,10 +207,10 @@ def lora_options(p) -> None:
                    metavar="SECONDS",
                    help="while it works, the engine logs its throughput, load and where its "
                         "core's time went every this many seconds (default: 10; 0: never)")
-    tool_call_parser_option(p)
+    shared_setting_option(p, "tool_call_parser")
     vllm_flags(p)
-    generation_config_option(p)
-    chat_template_option(p)
+    shared_setting_option(p, "generation_config")
+    shared_setting_option(p, "chat_template")
     _config_option(p, "--cpu-threads", type=int,
                    help="torch CPU threads (default: every core); engines sharing a host "
                         "should split the cores (microserve up does)")
@@ -288,25 +288,12 @@ def vllm_flags(p) -> None:
                        help=f"vLLM's flag, accepted and without effect: {meaning}")
 
 
-def chat_template_option(p) -> None:
-    """--chat-template: an engine's is the router's setting (router/settings.py)."""
-    field = SETTINGS["chat_template"]
-    p.add_argument("--chat-template", default=field.default, help=field.metadata["help"],
-                   **field.metadata["option"])
-
-
-def generation_config_option(p) -> None:
-    """--generation-config: an engine's is the router's setting (router/settings.py)."""
-    field = SETTINGS["generation_config"]
-    p.add_argument("--generation-config", default=field.default, help=field.metadata["help"],
-                   **field.metadata["option"])
-
-
-def tool_call_parser_option(p) -> None:
-    """--tool-call-parser: an engine's is the router's setting (router/settings.py)."""
-    field = SETTINGS["tool_call_parser"]
-    p.add_argument("--tool-call-parser", default=field.default, help=field.metadata["help"],
-                   **field.metadata["option"])
+def shared_setting_option(p, name: str) -> None:
+    """An engine option that is one of the router's settings (router/settings.py), with its
+    default, help and choices: the tool-call format, the chat template, the sampling defaults."""
+    field = SETTINGS[name]
+    p.add_argument(f"--{name.replace('_', '-')}", default=field.default,
+                   help=field.metadata["help"], **field.metadata["option"])
 
 
 def json_object(value: str) -> dict:
