@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.device import gpu_of
+
 MAX_ROWS = 16  # the MMA's narrow side: more rows than this go to cuBLAS
 
 
@@ -130,7 +132,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | N
                                                                              torch.float32):
         raise ValueError(f"out must be [{m}, {n}] contiguous in {x.dtype} or float32, got "
                          f"{out.dtype} {tuple(out.shape)}")
-    config = config or few_rows_config(n, k, _num_sms(x))
+    gpu = gpu_of(x)  # None on CPU (the interpreter): any SM count will do
+    config = config or few_rows_config(n, k, 132 if gpu is None else gpu.multi_processor_count)
     split = max(1, config.split_k)
     # each split a whole number of tiles, so only the last split's last tile is ragged
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
@@ -150,9 +153,3 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | N
                                                          BLOCK=block, num_warps=4)
     return out
 
-
-def _num_sms(t: torch.Tensor) -> int:
-    if not t.is_cuda:
-        return 132
-    index = torch.cuda.current_device() if t.device.index is None else t.device.index
-    return torch.cuda.get_device_properties(index).multi_processor_count

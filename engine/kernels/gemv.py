@@ -31,13 +31,13 @@ CUDA-graph safety: the wrapper reads only shapes and dtypes; the grid depends on
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.device import gpu_of
 from engine.kernels import pdl as _pdl
 
 
@@ -94,16 +94,10 @@ _TILES_BY_GPU = {
 }
 
 
-@functools.cache
-def _gpu_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 def device_gpu(t: torch.Tensor) -> str:
     """The name of the GPU holding t ("" off CUDA, or under the Triton interpreter)."""
-    if not t.is_cuda:
-        return ""
-    return _gpu_name(torch.cuda.current_device() if t.device.index is None else t.device.index)
+    gpu = gpu_of(t)
+    return "" if gpu is None else gpu.name
 
 
 @triton.jit
