@@ -490,13 +490,15 @@ def first_token(core: EngineCore, rid: str, prompt: list[int]) -> tuple[float, f
     return wall * 1e3, gpu["gpu_s"] * 1e3, gpu["gpu_steps"]
 
 
-def ttft(core: EngineCore, vocab: int, repeat: int = 5) -> dict:
+def ttft(core: EngineCore, vocab: int, repeat: int = 5, shapes: dict | None = None) -> dict:
     """Idle engine, max_tokens 1: wall time from add_request to the token, and the GPU's time
     on the same steps. Cold: a fresh 1,000-token prompt. Cached: 500 new tokens after a
-    2,500-token context that an earlier request left in the prefix cache."""
+    2,500-token context that an earlier request left in the prefix cache. `shapes`: other
+    {name: (context, new)}."""
 
     out = {}
-    for name, (context, new) in {"cold_1000": (0, 1000), "cached_2500_new_500": (2500, 500)}.items():
+    shapes = shapes or {"cold_1000": (0, 1000), "cached_2500_new_500": (2500, 500)}
+    for name, (context, new) in shapes.items():
         rows = []
         for i, p in enumerate(prompts(repeat + 1, context + new, vocab, 20 + context)):
             if context:
@@ -545,6 +547,9 @@ FIGURES = {"decode1": decode1, "prefill": prefill, "decode128": decode128,
                max_tokens=129, temperature=0.0, ignore_eos=True, repetition_penalty=1.1,
                frequency_penalty=0.5, presence_penalty=0.5)),
            "offline300": lambda core, vocab: offline(core, vocab, n=300), "ttft": ttft,
+           # long whole prompts (the 16,384 in two steps of --max-prefill-step-tokens)
+           "ttft-long": partial(ttft, repeat=3, shapes={"cold_8192": (0, 8192),
+                                                        "cold_16384": (0, 16384)}),
            "decode256short": decode_short, "mixed": mixed, "beside-copies": beside_copies,
            "beside-copies-staged": partial(beside_copies, copy_programs=0),
            "beside-copies-dma": partial(beside_copies, dma_only=True),
@@ -585,9 +590,11 @@ def main() -> None:
                     help="the engine's --piecewise-bucket-step (buckets' spacing above 512)")
     ap.add_argument("--no-gemv", action="store_true",
                     help="batch-1 projections through cuBLAS, not the Triton GEMV")
-    ap.add_argument("--few-rows-gemm", type=int, default=0, metavar="N",
+    ap.add_argument("--few-rows-gemm", type=int, default=None, metavar="N",
                     help="the engine's --few-rows-gemm: steps of 2..N rows through the "
-                         "few-rows kernel, not cuBLAS (default: 0, off)")
+                         "few-rows kernel, not cuBLAS (default: the engine's; 0: off)")
+    ap.add_argument("--prompt-attention", choices=("auto", "paged", "sdpa"), default=None,
+                    help="the engine's --prompt-attention (whole prompts' attention)")
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch the GEMV without programmatic dependent launch")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=None,
@@ -614,7 +621,8 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
         **({} if args.max_piecewise_tokens is None else
            {"max_piecewise_tokens": args.max_piecewise_tokens}),
-        decode_gemv=not args.no_gemv, few_rows_gemm=args.few_rows_gemm,
+        decode_gemv=not args.no_gemv,
+        **({} if args.few_rows_gemm is None else {"few_rows_gemm": args.few_rows_gemm}),
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, pdl=not args.no_pdl,
         tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce,
@@ -624,13 +632,15 @@ def main() -> None:
         **({} if args.tp_overlap_tokens is None else
            {"tp_overlap_tokens": args.tp_overlap_tokens}),
         **({"blas_library": args.blas} if args.blas else {}),
+        **({"prompt_attention": args.prompt_attention} if args.prompt_attention else {}),
         **({"eager_blas_library": args.eager_blas} if args.eager_blas else {}),
     )  # fmt: skip
     results = {"model": args.model, "device": torch.cuda.get_device_name(),
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "blas": config.blas_library, "eager_blas": config.eager_blas_library}  # fmt: skip
     results["gemv"] = "off" if args.no_gemv else "no-pdl" if args.no_pdl else "pdl"
-    results["few_rows_gemm"] = args.few_rows_gemm
+    results["few_rows_gemm"] = "auto" if args.few_rows_gemm is None else args.few_rows_gemm
+    results["prompt_attention"] = config.prompt_attention
     results["tensor_parallel_size"] = args.tensor_parallel_size
     results["all_reduce"] = args.all_reduce
     results["tp_overlap_tokens"] = config.tp_overlap_tokens

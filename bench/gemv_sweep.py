@@ -259,7 +259,8 @@ def sweep_few_rows(name: str, n: int, k: int, m: int, rows: list[dict]) -> None:
                  "splits": 1, "rel_err": rel_err(linear().double(), ref), "us": ms * 1e3,
                  "tb_s": nbytes / ms / 1e9})  # fmt: skip
     _print_row(rows[-1])
-    default = few_rows_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    props = torch.cuda.get_device_properties(0)
+    default = few_rows_config(n, k, props.multi_processor_count, props.name)
     configs = [default] + [FewRowsConfig(*t, split_k=s) for t in FEW_ROWS_TILES
                            for s in (1, 2, 4)]  # fmt: skip
     for config in dict.fromkeys(configs):

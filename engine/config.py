@@ -113,12 +113,18 @@ class EngineConfig:
     launch_ahead_layers: int = 0
     # auto: triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1 (tests)
     attention_backend: str = "auto"
+    # triton backend: whole prompts (no cached prefix, at most 8 a step) attend with torch's
+    # fused SDPA over the step's own K/V when each has 4,096 tokens or more ("auto"), whatever
+    # their length ("sdpa"), or never ("paged": the paged extend kernel, as every other
+    # prompt chunk); an fp8 KV cache keeps the paged kernel (engine/attention/triton_backend.py)
+    prompt_attention: str = "auto"
     # CUDA, 16-bit weights: batch-1 decode projections through the Triton GEMV (not cuBLAS)
     decode_gemv: bool = True
     # CUDA, 16-bit weights: decode steps of 2..N rows (N <= 16) run their projections and the
     # LM head through the Triton few-rows kernel (engine/kernels/few_rows.py), each weight read
-    # once for all rows, instead of cuBLAS; 0: off (the default until measured on a GPU)
-    few_rows_gemm: int = 0
+    # once for all rows, instead of cuBLAS; 0: off; None (auto): 16 on one GPU whose tiles
+    # were swept (an H200: steps of 2-16 rows 2-6% faster), else off
+    few_rows_gemm: int | None = None
     # CUDA: the decode-path kernels launch with programmatic dependent launch where the GPU has
     # it (sm_90+; engine/kernels/pdl.py). bench.engine_gpu --no-pdl turns it off.
     pdl: bool = True
@@ -224,7 +230,7 @@ class EngineConfig:
         if not 0 <= self.launch_ahead_layers <= 1024:
             raise ValueError(f"launch_ahead_layers must be 0 (off) to 1024, got "
                              f"{self.launch_ahead_layers}")
-        if not 0 <= self.few_rows_gemm <= 16:
+        if self.few_rows_gemm is not None and not 0 <= self.few_rows_gemm <= 16:
             raise ValueError(f"few_rows_gemm must be 0 (off) to 16 rows, got {self.few_rows_gemm}")
         if not 1 <= self.piecewise_bucket_step <= 2048:
             raise ValueError(f"piecewise_bucket_step must be 1 to 2048 tokens, got "
@@ -245,6 +251,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}"
             )
+        if self.prompt_attention not in ("auto", "paged", "sdpa"):
+            raise ValueError("prompt_attention must be auto, paged or sdpa; got "
+                             f"{self.prompt_attention!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -315,6 +315,9 @@ class PiecewiseGraphs:
             if fill is not None:
                 bufs.input_ids[fill[0]] = fill[1]
             q = bufs.qkv[:n, : self._q_size].view(n, self._heads, self._head_dim)
+            kv_size = (bufs.qkv.shape[1] - self._q_size) // 2
+            k, v = (bufs.qkv[:n, self._q_size + i * kv_size : self._q_size + (i + 1) * kv_size]
+                    .view(n, -1, self._head_dim) for i in (0, 1))  # fmt: skip
             out = bufs.attn_out[:n].view(n, self._heads, self._head_dim)
             for i in range(self.num_layers + 1):
                 if self.use_graphs:
@@ -322,7 +325,7 @@ class PiecewiseGraphs:
                 else:
                     self._piece(i, bucket)
                 if i < self.num_layers:
-                    self.kv.attend_stored(i, q, out)
+                    self.kv.attend_stored(i, q, out, k, v)
                 if i == mark and self.use_graphs:
                     self.near_end = torch.cuda.Event()
                     self.near_end.record()

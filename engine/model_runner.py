@@ -111,7 +111,7 @@ class ModelRunner:
         self.triton = backend == "triton" or (backend == "auto" and self.cuda)
         if self.triton:
             self.model.use_triton_kernels(True, gemv=self.cuda and config.decode_gemv,
-                                          few_rows=config.few_rows_gemm)
+                                          few_rows=self._few_rows(config, tp.size))
         if self.lora is not None:
             self.lora.use_triton_kernels(self.triton)
         elif tp.size > 1:  # (an adapter's slots are per row of the whole step)
@@ -186,12 +186,26 @@ class ModelRunner:
         return (c.num_layers, 2, num_pages, self.engine_config.page_size, c.num_kv_heads,
                 c.head_dim)
 
+    def _few_rows(self, config: EngineConfig, tp_size: int) -> int:
+        """--few-rows-gemm, auto (None) resolved: 16 on one GPU whose few-rows tiles were
+        swept (engine/kernels/few_rows.py, _TILES_BY_GPU), else 0 (cuBLAS)."""
+        if config.few_rows_gemm is not None:
+            return config.few_rows_gemm
+        if not self.cuda or tp_size > 1:
+            return 0
+        from engine.kernels.few_rows import has_swept_tiles
+
+        return 16 if has_swept_tiles(torch.cuda.get_device_name(self.device)) else 0
+
     def allocate_kv(self, num_pages: int, max_model_len: int, capture_graphs: bool = True,
                     pool: torch.Tensor | None = None):
         """Build the paged KV cache (on `pool` when given: a transfer backend's memory)."""
         c, config = self.shape, self.engine_config
         if self.triton:
-            from engine.attention.triton_backend import TritonAttentionBackend
+            from engine.attention.triton_backend import (
+                DENSE_AUTO_MIN_TOKENS,
+                TritonAttentionBackend,
+            )
 
             backend = TritonAttentionBackend(
                 self.device, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -199,6 +213,8 @@ class ModelRunner:
                 max_seqs=config.max_num_seqs,
                 max_pages_per_seq=-(-max_model_len // config.page_size),
                 page_size=config.page_size,
+                dense_min_tokens={"auto": DENSE_AUTO_MIN_TOKENS, "sdpa": 1}.get(
+                    config.prompt_attention),
             )  # fmt: skip
         else:
             backend = TorchAttentionBackend(self.device)

@@ -121,11 +121,13 @@ class PagedKVCache:
         self._layer_written(layer)
         return out
 
-    def attend_stored(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def attend_stored(self, layer: int, q: torch.Tensor, out: torch.Tensor, k=None,
+                      v=None) -> torch.Tensor:
         """The second half of `attention` when the first (RoPE and the KV write, the
         backend's `store`) ran inside a CUDA graph piece: attend into `out`, then hand the
-        layer's KV to the sends (engine/cuda_graphs.py, PiecewiseGraphs)."""
-        self.backend.attend(self.kv[layer], q, out)
+        layer's KV to the sends (engine/cuda_graphs.py, PiecewiseGraphs). k, v: the step's
+        rotated K/V rows, for a backend that may attend them directly."""
+        self.backend.attend(self.kv[layer], q, out, k, v)
         self._layer_written(layer)
         return out
 

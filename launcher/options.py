@@ -194,10 +194,16 @@ def lora_options(p) -> None:
                    help="CUDA, async scheduling: schedule the step after one with prompt "
                         "tokens (piecewise graphs) only when this many of its layers are left, "
                         "so a prompt arriving meanwhile makes it (default: 0, at once)")
+    _config_option(p, "--prompt-attention", choices=("auto", "paged", "sdpa"),
+                   help="CUDA: whole prompts (no cached prefix, up to 8 a step) attend with "
+                        "torch's fused SDPA over the step's own K/V: auto when each has 4,096 "
+                        "tokens or more, sdpa always, paged never (the paged extend kernel); "
+                        "an fp8 KV cache keeps the paged kernel (default: auto)")
     _config_option(p, "--few-rows-gemm", type=int, metavar="N",
                    help="CUDA, 16-bit weights: decode steps of 2..N sequences (N <= 16) run "
                         "their projections through a Triton kernel that reads each weight once "
-                        "for all of them, not cuBLAS (default: 0, off)")
+                        "for all of them, not cuBLAS; 0: off (default: 16 on one GPU whose "
+                        "tiles were swept, an H200; else off)")
     _config_option(p, "--async-scheduling", type=_auto_on_off, metavar="{auto,on,off}",
                    help="launch step N before reading step N-1's tokens (default: auto, "
                         "which is on for CUDA)")

@@ -93,6 +93,21 @@ def test_the_default_tile_splits_k_to_cover_the_sms():
     assert cfg(64, 576).split_k == 1  # SmolLM2: too short to split
 
 
+def test_an_h200_takes_its_swept_tiles_for_rows_of_up_to_4096_columns():
+    """The H200's sweep: 4 stages, K unsplit; 256 columns a load for N up to 8,192 (qkv, o),
+    128 wider (gate_up, the LM head); the down projection keeps the rule; other GPUs too."""
+    cfg, tile = few.few_rows_config, few.FewRowsConfig
+    h200 = "NVIDIA H200"
+    assert cfg(6144, 4096, 132, h200) == tile(64, 256, 4, 4, split_k=1)  # qkv
+    assert cfg(4096, 4096, 132, h200) == tile(64, 256, 4, 4, split_k=1)  # o
+    assert cfg(28672, 4096, 132, h200) == tile(64, 128, 4, 4, split_k=1)  # gate_up
+    assert cfg(128256, 4096, 132, h200) == tile(64, 128, 4, 4, split_k=1)  # LM head
+    assert cfg(4096, 14336, 132, h200) == cfg(4096, 14336, 132) == tile(64, 128, 4, 3, 4)
+    assert cfg(6144, 4096, 132, "NVIDIA H100 80GB HBM3") == cfg(6144, 4096, 132)
+    # where `--few-rows-gemm` auto turns the kernel on
+    assert few.has_swept_tiles(h200) and not few.has_swept_tiles("NVIDIA H100 80GB HBM3")
+
+
 def test_refuses_what_it_does_not_take():
     x, w = inputs(2, 8, 16)
     assert few.fits(x, w)
@@ -114,3 +129,25 @@ def test_llama_shapes_on_gpu(m, n, k):
     x, w = inputs(m, n, k)
     w = w * 0.02
     assert_within_rounding(few.few_rows_linear(x, w), x, w)
+
+
+def test_few_rows_gemm_auto_is_16_on_one_gpu_with_swept_tiles(monkeypatch):
+    """`--few-rows-gemm` unset (auto): 16 rows on one H200, off on other GPUs, across
+    tensor-parallel ranks and on CPU; a number given is kept."""
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+    gpu = {"name": "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu["name"])
+
+    def resolved(cuda=True, tp=1, **config):
+        runner = SimpleNamespace(cuda=cuda, device="cuda:0")
+        return ModelRunner._few_rows(runner, EngineConfig(model="m", **config), tp)
+
+    assert resolved() == 16
+    assert resolved(tp=2) == 0 and resolved(cuda=False) == 0
+    assert resolved(few_rows_gemm=0) == 0 and resolved(few_rows_gemm=4, tp=2) == 4
+    gpu["name"] = "NVIDIA H100 80GB HBM3"
+    assert resolved() == 0

@@ -31,11 +31,14 @@ def tiny_ref(tiny_model_dir):
 
 
 @pytest.mark.parametrize("eager", [False, True])
-def test_fp32_tiny_equals_hf_on_gpu(tiny_model_dir, tiny_ref, eager):
+@pytest.mark.parametrize("prompt_attention", ["paged", "sdpa"])
+def test_fp32_tiny_equals_hf_on_gpu(tiny_model_dir, tiny_ref, eager, prompt_attention):
+    """Hugging Face's greedy tokens through graphs or eager steps; with `sdpa`, whole prompts'
+    attention through torch's SDPA over the step's own K/V."""
     prompts, ref = tiny_ref
     core = make_core(tiny_model_dir, dtype="float32", enforce_eager=eager,
                      max_num_batched_tokens=40, max_prefill_step_tokens=40,
-                     mixed_graph_tokens=32)  # fmt: skip
+                     mixed_graph_tokens=32, prompt_attention=prompt_attention)  # fmt: skip
     runner = core.runner
     assert (runner.graphs is None) == eager and (runner.pieces is None) == eager
     piecewise, mixed = [], []
@@ -94,7 +97,8 @@ def test_launch_marks_ride_the_piecewise_steps_and_leave_the_tokens_hf(tiny_mode
 def test_fp32_tiny_with_an_fp8_cache_equals_hf_reading_fp8_kv(tiny_model_dir, tiny_ref, eager):
     """--kv-cache-dtype fp8 on the GPU (compiled kernels: the store rounds to nearest even,
     as torch does): Hugging Face's greedy tokens with its attention reading K and V rounded to
-    e4m3 (bench.fp8_quality.hf_fp8_kv), through graphs and prefix-cache hits."""
+    e4m3 (bench.fp8_quality.hf_fp8_kv), through graphs and prefix-cache hits. Whole prompts
+    keep the paged kernel over the rounded cache though `sdpa` is asked for."""
     import torch
 
     from bench.fp8_quality import hf_fp8_kv
@@ -105,7 +109,7 @@ def test_fp32_tiny_with_an_fp8_cache_equals_hf_reading_fp8_kv(tiny_model_dir, ti
         ref = hf_greedy(tiny_model_dir, prompts, 32)
     core = make_core(tiny_model_dir, dtype="float32", enforce_eager=eager,
                      max_num_batched_tokens=40, max_prefill_step_tokens=40,
-                     kv_cache_dtype="fp8")  # fmt: skip
+                     kv_cache_dtype="fp8", prompt_attention="sdpa")  # fmt: skip
     assert core.runner.kv.kv.dtype == torch.float8_e4m3fn
     for tag in ("first", "again"):  # again: the prompts' prefixes come from the cache
         got = run_all(core, {f"{tag}{i}": p for i, p in enumerate(prompts)})
@@ -211,6 +215,80 @@ def test_bf16_piecewise_replay_above_512_tokens_matches_eager(tiny_model_dir, tm
     assert core.runner.pieces.buckets[-4:] == [512, 576, 640, 700]
     batch = _replay_matches_eager(core, "pieces", 600, (11, 12))
     assert batch.num_tokens == 602
+
+
+def test_bf16_long_whole_prompts_through_sdpa_match_the_paged_kernel(tiny_model_dir, tmp_path,
+                                                                     monkeypatch):
+    """`--prompt-attention auto` (the default): a step of two whole 4,096-token prompts
+    attends them with torch's SDPA (cuDNN's kernel on Hopper), each once a layer, over the
+    step's K/V; its hidden states match the same step through the paged extend kernel."""
+    import json
+    import shutil
+
+    import torch
+
+    import engine.attention.triton_backend as tb
+    from kvcache.forward import ForwardBatch, SeqForward
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "tiny-8k")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8192}))
+    core = make_core(str(model), dtype="bfloat16", async_scheduling=False, num_pages=600,
+                     max_prefill_step_tokens=8192)
+    runner = core.runner
+    calls, real = [], tb._causal_sdpa
+    monkeypatch.setattr(tb, "_causal_sdpa",
+                        lambda q, k, v, scale: (calls.append(q.shape[0]), real(q, k, v, scale))[1])
+    prompts = random_prompts([4096, 4096], seed=13)
+    seqs = []
+    for name in ("a", "b"):
+        core.kv.open(name, [])
+        assert core.kv.allocate(name, 4096)
+        seqs.append(SeqForward(name, 0, 4096, core.kv.page_table(name)))
+    batch = ForwardBatch(seqs, core.kv.page_size)
+    ids = prompts[0] + prompts[1]
+    with torch.inference_mode():
+        dense = runner._forward_eager(batch, ids).clone()
+        assert calls == [4096, 4096] * runner.model.config.num_layers
+        runner.kv.backend.dense_min_tokens = None
+        paged = runner._forward_eager(batch, ids)
+    assert len(calls) == 2 * runner.model.config.num_layers
+    # two bf16 kernels summing 4,096 keys in different orders, then two layers of a random
+    # model: compared as a whole (8.3e-3 on an H200; the kernels' own error is the test above)
+    diff = (dense.float() - paged.float()).norm() / paged.float().norm()
+    assert diff < 2e-2
+    for name in ("a", "b"):
+        core.kv.free(name)
+
+
+def test_bf16_sdpa_of_a_whole_prompt_is_as_close_to_fp32_as_the_paged_kernel():
+    """One layer's attention of a whole 4,096-token prompt at Llama-3.1-8B's heads (32 / 8,
+    head_dim 128, bf16, q/k/v views of one qkv buffer as the engine passes them): torch's SDPA
+    (`_causal_sdpa`) and the paged extend kernel against the same attention in fp32; SDPA's
+    error is no larger than 1.5x the paged kernel's."""
+    import torch
+
+    from engine.attention.triton_backend import _causal_sdpa
+    from engine.kernels.paged_attention import paged_extend_attention
+
+    n, heads, kv_heads, d, ps = 4096, 32, 8, 128, 16
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen, device="cuda",
+                      dtype=torch.bfloat16)  # fmt: skip
+    q, k, v = (x.view(n, -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], -1))
+    cache = torch.stack([k, v]).view(2, n // ps, ps, kv_heads, d).contiguous()
+    table = torch.arange(n // ps, dtype=torch.int32, device="cuda")[None]
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    paged = paged_extend_attention(q, cache[0], cache[1], table, cu,
+                                   torch.tensor([n], dtype=torch.int32, device="cuda"), n,
+                                   d**-0.5, torch.empty_like(q))  # fmt: skip
+    dense = _causal_sdpa(q, k, v, d**-0.5)
+    ref = _causal_sdpa(q.float(), k.float(), v.float(), d**-0.5)
+
+    def err(x):
+        return ((x.float() - ref).norm() / ref.norm()).item()
+
+    assert err(paged) < 1e-2 and err(dense) <= 1.5 * err(paged), (err(dense), err(paged))
 
 
 def test_bf16_batch1_gemv_matches_cublas(tiny_model_dir):

@@ -44,6 +44,103 @@ def test_triton_backend_engine_equals_hf(tiny_model_dir):
 
 
 
+def test_whole_prompts_attend_with_sdpa_and_equal_hf(tiny_model_dir, monkeypatch):
+    """`prompt_attention="sdpa"`: a step whose prompt rows are all whole prompts or first
+    chunks (no cached prefix), at most DENSE_MAX_SEQS of them (2 here), attends them with
+    torch's SDPA over the step's own K/V, one call a prompt and layer; more prompts, or a chunk
+    over a cached prefix (later chunks, prompts run again) take the paged kernel. Greedy tokens
+    equal Hugging Face's either way, and the KV the SDPA steps cached serves a second run."""
+    import engine.attention.triton_backend as tb
+
+    calls, real = [], tb._causal_sdpa
+
+    def counted(q, k, v, scale):
+        calls.append(q.shape[0])
+        return real(q, k, v, scale)
+
+    monkeypatch.setattr(tb, "_causal_sdpa", counted)
+    monkeypatch.setattr(tb, "DENSE_MAX_SEQS", 2)
+    steps, plan = [], tb.TritonAttentionBackend.plan
+
+    def planned(self, batch):
+        plan(self, batch)
+        ext = batch.seqs[self.num_decode:]
+        if ext:
+            steps.append(([(s.context_len, s.num_new_tokens) for s in ext],
+                          [b - a for a, b in self.dense]))
+
+    monkeypatch.setattr(tb.TritonAttentionBackend, "plan", planned)
+    # three whole prompts in the first step: over the cap, so no SDPA
+    prompts = random_prompts([5, 9, 17, 40], seed=11)
+    core, ref = triton_core_equals_hf(tiny_model_dir, prompts, 12, num_pages=64,
+                                      max_num_batched_tokens=24, max_num_seqs=8,
+                                      prompt_attention="sdpa")  # fmt: skip
+    assert steps[0] == ([(0, 5), (0, 9), (0, 10)], []) and calls == []
+    assert all(dense == [] for _, dense in steps)
+    # two fresh prompts: 20 whole and the first 4 of 30 by SDPA; the rest of 30 over that prefix
+    steps.clear()
+    fresh = random_prompts([20, 30], seed=12)
+    want = hf_greedy(tiny_model_dir, fresh, 12)
+    got = run_all(core, {f"fresh{i}": p for i, p in enumerate(fresh)}, greedy(12))
+    assert [got[f"fresh{i}"][0] for i in range(2)] == want
+    assert steps[:2] == [([(0, 20), (0, 4)], [20, 4]), ([(4, 23)], [])]  # beside a decode
+    layers = core.runner.model.config.num_layers
+    assert calls == [20, 4] * layers
+    # the same prompts again: everything but their last page's tokens cached, no SDPA
+    before = len(calls)
+    got = run_all(core, {f"again{i}": p for i, p in enumerate(prompts + fresh)}, greedy(12))
+    for i, expected in enumerate(ref + want):
+        assert got[f"again{i}"] == (expected, (len((prompts + fresh)[i]) - 1) // 4 * 4)
+    assert len(calls) == before
+    core.check_integrity()
+
+
+def test_prompt_attention_auto_takes_sdpa_only_for_few_long_whole_prompts():
+    """The default (`auto`, DENSE_AUTO_MIN_TOKENS): SDPA where it measured faster — at most
+    DENSE_MAX_SEQS whole prompts of 4,096 tokens or more, all of the step's prompt rows — and
+    the paged kernel for shorter prompts, a chunk over a cached prefix beside them, or more
+    prompts. Outside 16-bit q only while the math kernel's scores stay small; never over an
+    fp8 cache."""
+    from engine.attention.triton_backend import (
+        DENSE_AUTO_MIN_TOKENS,
+        DENSE_MAX_SEQS,
+        TritonAttentionBackend,
+    )
+    from kvcache.forward import SeqForward
+
+    assert (DENSE_AUTO_MIN_TOKENS, DENSE_MAX_SEQS) == (4096, 8)
+    backend = TritonAttentionBackend("cpu", 4, 2, 8, max_tokens=9 * 4096 + 1, max_seqs=10,
+                                     max_pages_per_seq=640, page_size=16,
+                                     dense_min_tokens=4096)  # fmt: skip
+    ids = iter(range(1000))
+
+    def plan(*seqs):  # (cached, new) per sequence
+        batch, page = [], 0
+        for cached, new in seqs:
+            pages = -(-(cached + new) // 16)
+            batch.append(SeqForward(f"s{next(ids)}", cached, new, list(range(page, page + pages))))
+            page += pages
+        backend.plan(ForwardBatch(batch, 16))
+        return backend.dense
+
+    assert plan((0, 4096), (0, 5000)) == [(0, 4096), (4096, 9096)]
+    assert plan((70, 1), (0, 4096)) == [(1, 4097)]  # a decode row before it
+    assert plan((0, 4095)) == []
+    assert plan((0, 4096), (0, 100)) == []
+    assert plan((0, 4096), (16, 4096)) == []  # a chunk over a cached prefix
+    assert plan(*[(0, 4096)] * 9) == []
+    assert len(plan(*[(0, 4096)] * 8)) == 8
+    assert plan((70, 1), (71, 1)) == []
+    plan((0, 4100))
+    cache16 = torch.zeros(1, dtype=torch.bfloat16)
+    q16 = torch.zeros(4100, 4, 8, dtype=torch.bfloat16)
+    assert backend._dense_fits(q16, cache16)
+    assert not backend._dense_fits(q16, torch.zeros(1, dtype=torch.float8_e4m3fn))
+    assert not backend._dense_fits(q16.float(), cache16.float())  # 4 x 4,100^2 scores > 2^26
+    plan((0, 4096))
+    assert backend._dense_fits(q16[:4096].float(), cache16.float())  # 4 x 4,096^2 = 2^26
+
+
 def test_few_rows_projections_match_cublas_path_in_the_engine(tiny_model_dir):
     """`few_rows_gemm`: a decode step of 2..N sequences runs the projections and the LM head
     through the few-rows kernel (fp16 here: the interpreter's bf16 dots are wrong); its logits
@@ -120,18 +217,23 @@ def test_piecewise_buckets_come_every_step_tokens_above_512():
     assert len(piece_buckets(2048, 64)) == 35
 
 
-def test_piecewise_forward_equals_hf_with_mixed_and_padded_steps(tiny_model_dir):
+@pytest.mark.parametrize("prompt_attention", ["paged", "sdpa"])
+def test_piecewise_forward_equals_hf_with_mixed_and_padded_steps(tiny_model_dir, monkeypatch,
+                                                                 prompt_attention):
     """The forward pass cut at attention (engine/cuda_graphs.py's PiecewiseGraphs, run here
     without capturing: the same pieces, launched one by one) in the real engine: prefill
     chunks beside decodes, every step padded to a bucket (16 or 24 tokens), Hugging Face's
     greedy tokens; the pad rows store nothing (a stray write would corrupt another
-    sequence's KV and change its tokens)."""
+    sequence's KV and change its tokens). With `sdpa`, whole prompts attend to the pieces'
+    own K/V rows (the qkv buffer's, rotated by the piece before)."""
+    import engine.attention.triton_backend as tb
     from engine.cuda_graphs import PiecewiseGraphs
 
     prompts = random_prompts([3, 9, 17, 30], seed=21)
     ref = hf_greedy(tiny_model_dir, prompts, 10)
     core = EngineCore(EngineConfig(model=tiny_model_dir, attention_backend="triton", page_size=4,
-                                   num_pages=64, max_num_batched_tokens=24, max_num_seqs=4))
+                                   num_pages=64, max_num_batched_tokens=24, max_num_seqs=4,
+                                   prompt_attention=prompt_attention))  # fmt: skip
     runner = core.runner
     pieces = PiecewiseGraphs(runner.model, runner.kv, runner.kv.backend, 24, use_graphs=False)
     assert pieces.buckets == [16, 24]
@@ -148,11 +250,18 @@ def test_piecewise_forward_equals_hf_with_mixed_and_padded_steps(tiny_model_dir)
 
     pieces.run = counted
     runner.pieces, runner._forward_eager = pieces, eager
+    sdpa, real_sdpa = [], tb._causal_sdpa
+    monkeypatch.setattr(tb, "_causal_sdpa", lambda q, k, v, scale: (
+        sdpa.append(q.shape[0]), real_sdpa(q, k, v, scale))[1])
     got = run_all(core, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(10))
     for i, expected in enumerate(ref):
         assert got[f"r{i}"][0] == expected, f"prompt {i}"
     assert any(n not in (16, 24) for n, _, _ in steps)  # padded
     assert any(chunks and decodes for _, chunks, decodes in steps)  # chunks beside decodes
+    # the first step, [3, 9, 12 of 17], is whole prompts: SDPA on each, every layer
+    layers = runner.model.config.num_layers
+    assert steps[0] == (24, 3, 0)
+    assert sdpa == ([3, 9, 12] * layers if prompt_attention == "sdpa" else [])
     # Prompt logprobs read the pieces' hidden states (the last piece's static output, padded)
     prompt = random_prompts([30], seed=22)[0]
     assert_hf_scores(tiny_model_dir, prompt,

@@ -10,9 +10,14 @@ copy for all its metadata.
                     paged_decode_attention      paged_extend_attention
                     (split-KV, GQA-grouped)     (causal over cached prefix + new tokens)
 
-The scheduler puts decoding sequences first, so the decode rows are a prefix of the packed
-tokens and both kernels work on plain slices. RoPE and the KV-cache write are one fused kernel
-(`rope_and_store_kv`) per layer, run before attention reads the cache.
+A step whose prompt rows are all whole prompts (no cached prefix) of at least
+`dense_min_tokens` each, at most `DENSE_MAX_SEQS` of them, attends them with torch's fused SDPA
+(cuDNN's kernel on Hopper) over the step's own contiguous K/V instead (`--prompt-attention`):
+on an H200 it runs two prompts of 4,096 tokens 1.12x faster than our paged extend kernel and
+one of 16,384 1.24x, but two of 1,024 0.80x and eight of 512 0.21x, one launch a prompt
+(docs/benchmarks.md). Only over a cache of q's dtype, whose K/V are the step's K/V exactly:
+an fp8 cache keeps the paged kernel, so a prompt attends to the same rounded keys its later
+decodes read.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ from engine.kernels.paged_attention import (
 from kvcache.forward import ForwardBatch
 from kvcache.paged import AttentionBackend
 
+# More whole prompts than this in a step take the paged kernel: SDPA runs one launch a prompt.
+DENSE_MAX_SEQS = 8
+# `--prompt-attention auto`: SDPA for whole prompts of this many tokens and more (16-bit q)
+DENSE_AUTO_MIN_TOKENS = 4096
+# Outside fp16/bf16, SDPA falls back to the math kernel, which holds heads x n x n scores:
+# whole prompts attend that way only while that stays this small.
+_MATH_MAX_SCORES = 1 << 26
+
 
 class TritonAttentionBackend(AttentionBackend):
     def __init__(
@@ -42,8 +55,10 @@ class TritonAttentionBackend(AttentionBackend):
         max_seqs: int,
         max_pages_per_seq: int,
         page_size: int,
+        dense_min_tokens: int | None = None,
     ):
         self.device = torch.device(device)
+        self.dense_min_tokens = dense_min_tokens  # None: whole prompts take the paged kernel
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.max_pages_per_seq = max_pages_per_seq
@@ -70,6 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_extend = 0
         self.max_q_len = 0
         self.num_splits = 1
+        self.dense: list[tuple[int, int]] = []  # packed rows of whole prompts (attend)
 
     def _splits(self, batch: int, pages: int) -> int:
         return choose_num_splits(batch, pages * self.page_size, self.num_kv_heads, self.num_sms)
@@ -94,6 +110,11 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_q_len = max((s.num_new_tokens for s in ext), default=0)
         max_pages = max((-(-s.kv_len // ps) for s in seqs[:n_dec]), default=1)
         self.num_splits = self._splits(n_dec, max_pages) if n_dec else 1
+        self.dense = []
+        least = self.dense_min_tokens
+        if least is not None and 0 < len(ext) <= DENSE_MAX_SEQS and all(
+                s.kv_len == s.num_new_tokens >= least for s in ext):
+            self.dense = [(n_dec + a, n_dec + b) for a, b in zip(cu, cu[1:])]
 
     def plan_graph(self, batch: ForwardBatch | None, graph_batch: int) -> None:
         """Decode-only step padded to `graph_batch` rows for a captured graph. Padding rows
@@ -104,6 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._upload(batch, pad, batch.slot_mapping() + [-1] * pad, [])
         self.num_tokens = self.num_decode = graph_batch
         self.num_extend, self.max_q_len = 0, 0
+        self.dense = []
         self.num_splits = self._splits(graph_batch, self.max_pages_per_seq)
 
     def plan_mixed(self, batch: ForwardBatch | None, graph_batch: int, chunk: int) -> None:
@@ -125,6 +147,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_tokens = graph_batch + chunk
         self.num_decode, self.num_extend = graph_batch, 1
         self.max_q_len = chunk
+        self.dense = []
         self.num_splits = self._splits(graph_batch, self.max_pages_per_seq)
 
     def _upload(self, batch: ForwardBatch, pad: int, slots: list[int], cu: list[int],
@@ -162,7 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, kv_layer, q, k, v, positions, cos_sin, qkv_delta=None):
         self.store(kv_layer, q, k, v, positions, cos_sin, self.num_tokens, qkv_delta)
-        return self.attend(kv_layer, q, torch.empty_like(q))
+        return self.attend(kv_layer, q, torch.empty_like(q), k, v)
 
     def store(self, kv_layer, q, k, v, positions, cos_sin, num_tokens: int,
               qkv_delta=None) -> None:
@@ -182,8 +205,9 @@ class TritonAttentionBackend(AttentionBackend):
             qkv_delta.add()
         rope_and_store_kv(q, k, v, positions, cos_sin, kv_layer[0], kv_layer[1], slots)
 
-    def attend(self, kv_layer, q, out):
-        """Attention of the step's q rows over the cache (their own K/V stored), into out."""
+    def attend(self, kv_layer, q, out, k=None, v=None):
+        """Attention of the step's q rows over the cache (their own K/V stored), into out.
+        k, v: the step's rotated K/V rows, which whole prompts may attend directly (`plan`)."""
         k_cache, v_cache = kv_layer[0], kv_layer[1]
         t = self.num_tokens
         nd = self.num_decode
@@ -197,7 +221,10 @@ class TritonAttentionBackend(AttentionBackend):
                 q[:nd], k_cache, v_cache, self.page_table[:nd], self.kv_lens[:nd], self.scale,
                 out[:nd], ws, self.num_splits,
             )  # fmt: skip
-        if self.num_extend:
+        if self.dense and k is not None and self._dense_fits(q, k_cache):
+            for a, b in self.dense:
+                out[a:b] = _causal_sdpa(q[a:b], k[a:b], v[a:b], self.scale)
+        elif self.num_extend:
             ne = self.num_extend
             paged_extend_attention(
                 q[nd:t], k_cache, v_cache, self.page_table[nd : nd + ne],
@@ -205,3 +232,19 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale, out[nd:t],
             )  # fmt: skip
         return out
+
+    def _dense_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if k_cache.dtype != q.dtype:  # an fp8 cache: attend to the rounded keys, paged
+            return False
+        if q.dtype in (torch.float16, torch.bfloat16):
+            return True
+        return q.shape[1] * max(b - a for a, b in self.dense) ** 2 <= _MATH_MAX_SCORES
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one whole prompt over its own keys: q [n, heads, D], k and v
+    [n, kv_heads, D] (views of the step's qkv rows) -> [n, heads, D]."""
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                           enable_gqa=True)  # fmt: skip
+    return out[0].transpose(0, 1)

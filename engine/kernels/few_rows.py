@@ -41,16 +41,37 @@ class FewRowsConfig:
     split_k: int = 1
 
 
-def few_rows_config(n: int, k: int, num_sms: int = 132) -> FewRowsConfig:
+def few_rows_config(n: int, k: int, num_sms: int = 132, gpu: str = "") -> FewRowsConfig:
     """A tile by shape: 64 output features a program, 128 columns a load, 3 stages in flight;
-    K split so that row blocks x splits cover the SMs at least once. Not yet swept on a GPU
-    (`python -m bench.gemv_sweep --engine --m M` sweeps it)."""
+    K split so that row blocks x splits cover the SMs at least once. On a GPU of
+    _TILES_BY_GPU (by torch.cuda.get_device_name), rows of up to 4,096 columns take its tiles
+    instead (`python -m bench.gemv_sweep --few-rows 4,16` sweeps them)."""
+    if k <= 4096 and gpu in _TILES_BY_GPU:
+        narrow, wide = _TILES_BY_GPU[gpu]
+        return narrow if n <= 8192 else wide
     block_n = 64
     blocks = triton.cdiv(n, block_n)
     split = 1
     while blocks * split < num_sms and k // (2 * split) >= 1024 and split < 8:
         split *= 2
     return FewRowsConfig(block_n=block_n, block_k=128, num_warps=4, num_stages=3, split_k=split)
+
+
+# Tiles for rows of up to 4,096 columns: N up to 8,192 (qkv, o), and wider (gate_up, the LM
+# head). The H200's from its `bench.gemv_sweep --few-rows 4,16` of 2026-11-29 (session 74,
+# Llama-3.1-8B's shapes; docs/benchmarks.md): 4 stages and no split of K where the rule
+# above takes 3 and splits qkv and o; at 4 rows qkv 16.2 -> 15.8 us, o 12.3 -> 12.2,
+# gate_up 67.1 -> 60.2 (cuBLAS: 61.0), the LM head 243.5 -> 243.4. The down projection's
+# 14,336 columns keep the rule (split 4 ways, 3 stages: the sweep's fastest).
+_TILES_BY_GPU = {
+    "NVIDIA H200": (FewRowsConfig(64, 256, 4, 4), FewRowsConfig(64, 128, 4, 4)),
+}
+
+
+def has_swept_tiles(gpu: str) -> bool:
+    """Whether `gpu` (torch.cuda.get_device_name) has tiles of its own here: where
+    `--few-rows-gemm auto` turns the kernel on."""
+    return gpu in _TILES_BY_GPU
 
 
 @triton.jit
@@ -133,7 +154,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | N
         raise ValueError(f"out must be [{m}, {n}] contiguous in {x.dtype} or float32, got "
                          f"{out.dtype} {tuple(out.shape)}")
     gpu = gpu_of(x)  # None on CPU (the interpreter): any SM count will do
-    config = config or few_rows_config(n, k, 132 if gpu is None else gpu.multi_processor_count)
+    config = config or (few_rows_config(n, k) if gpu is None else
+                        few_rows_config(n, k, gpu.multi_processor_count, gpu.name))
     split = max(1, config.split_k)
     # each split a whole number of tiles, so only the last split's last tile is ragged
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
