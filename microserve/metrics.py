@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 
 PREFIX = "microserve_"
+# vLLM's names for the figures a vLLM server's watchers read (docs/from-vllm.md#metrics)
+VLLM_PREFIX = "vllm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -33,8 +35,9 @@ class _Metric:
     kind = ""  # the TYPE line: counter, gauge, histogram
 
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
-        if not name.startswith(PREFIX):
-            raise ValueError(f"metric name {name!r} must start with {PREFIX!r}")
+        if not name.startswith((PREFIX, VLLM_PREFIX)):
+            raise ValueError(f"metric name {name!r} must start with {PREFIX!r} "
+                             f"(or {VLLM_PREFIX!r}, vLLM's name of the same figure)")
         self.name, self.help, self.labelnames = name, help, tuple(labelnames)
 
     def _key(self, labels: dict[str, str]) -> tuple[str, ...]:

@@ -609,6 +609,12 @@ def test_client_timeout_aborts_a_non_streamed_request(engine):
         assert time.monotonic() < deadline, "no 499 counted for the timed-out request"
         time.sleep(0.05)
     assert metric(engine.metrics(), series) == metric(metrics_before, series) + 1
+    # ... and ends it as vLLM's watchers count an aborted request
+    aborted = f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="abort"}}'
+    while metric(engine.metrics(), aborted) == metric(metrics_before, aborted):
+        assert time.monotonic() < deadline + 5, "no abort counted for the timed-out request"
+        time.sleep(0.05)
+    assert metric(engine.metrics(), aborted) == metric(metrics_before, aborted) + 1
 
 
 # ---- 11: models, metrics ----------------------------------------------------------------------
@@ -650,6 +656,25 @@ def test_metrics_count_requests_tokens_and_kv_pages(client, engine):
     assert metric(after, "microserve_engine_kv_pages_free") == stats["kv_pages_free"]
     assert metric(after, "microserve_engine_kv_pages_used") == 0
     assert "# TYPE microserve_time_to_first_token_seconds histogram" in after
+    # The same figures under vLLM's names, for what watches vLLM servers (labelled by model)
+    named = f'{{model_name="{MODEL}"}}'
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count"):
+        assert delta(name + named) == 1, name
+    reasons = {r: delta(f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="{r}"}}')
+               for r in ("stop", "length", "abort")}  # fmt: skip
+    assert reasons == {"stop": 0, "length": 1, "abort": 0}
+    assert delta("vllm:generation_tokens_total" + named) == 3
+    assert delta("vllm:prompt_tokens_total" + named) == delta("vllm:prefix_cache_queries_total"
+                                                              + named) == 4
+    assert metric(after, "vllm:prefix_cache_hits_total" + named) == stats["cached_prompt_tokens"]
+    assert metric(after, "vllm:num_preemptions_total" + named) == stats["preemptions"]
+    assert metric(after, "vllm:num_requests_running" + named) == 0
+    assert metric(after, "vllm:num_requests_waiting" + named) == 0
+    held = 256 - stats["kv_pages_free"] - stats["kv_pages_cached"]
+    assert metric(after, "vllm:kv_cache_usage_perc" + named) == held / 256 == 0.0
+    assert metric(after, "vllm:gpu_cache_usage_perc" + named) == 0.0
+    assert "# TYPE vllm:e2e_request_latency_seconds histogram" in after
 
 
 # ---- 9: more work than KV pages ----------------------------------------------------------------

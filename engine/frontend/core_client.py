@@ -63,6 +63,7 @@ from microserve.messages import (
     call_of,
 )
 from kvcache.transfer.auth import KEY_ENV, transfer_key
+from microserve import vllm_metrics
 from microserve.wire import FrameDecoder, encode
 
 log = logging.getLogger("microserve.engine")
@@ -322,7 +323,7 @@ class CoreClient(GenerateBackend):
     async def metrics_text(self) -> str:
         if not self._alive:
             return ""
-        return format_core_stats(await self.call(StatsRequest()), self.info)
+        return format_core_stats(await self.call(StatsRequest()), self.info, self.model_name)
 
 
 def _chunk(out: TokenOutput, num_generated: int, first: bool) -> GenerateChunk:
@@ -424,7 +425,10 @@ def _labelled(key: str, kind: str, help_text: str, label: str, values: dict) -> 
             *(f'{name}{{{label}="{k}"}} {v}' for k, v in values.items())]
 
 
-def format_core_stats(stats: EngineStats, info: EngineInfo) -> str:
+def format_core_stats(stats: EngineStats, info: EngineInfo, model_name: str | None = None) -> str:
+    """The core's stats as Prometheus text: microserve's names, then vLLM's for the figures
+    it has too (microserve/vllm_metrics.py), labelled with `model_name` (default: the
+    model's)."""
     lines = []
     for key, (kind, help_text) in _STAT_HELP.items():
         name = f"microserve_engine_{key}" + ("_total" if kind == "counter" else "")
@@ -451,4 +455,5 @@ def format_core_stats(stats: EngineStats, info: EngineInfo) -> str:
         "# TYPE microserve_engine_kv_capacity_tokens gauge",
         f"microserve_engine_kv_capacity_tokens {cap}",
     ]
+    lines += vllm_metrics.core_lines(stats, model_name or info.model_name)
     return "\n".join(lines) + "\n"

@@ -35,6 +35,7 @@ from microserve.client_streams import ClientDisconnected, EventStream, unless_di
 from microserve.errors import (from_validation_errors, install_error_handlers, invalid_request,
                                model_not_found)
 from microserve.metrics import CONTENT_TYPE, Registry
+from microserve.vllm_metrics import RequestMetrics
 from microserve.model_config import sampling_defaults
 from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
 from microserve.openai.limits import check_choices, fit_context
@@ -97,6 +98,7 @@ class OpenAIFrontend:
             "microserve_generation_tokens_total", "Generated tokens.")
         self._cached_tokens = registry.counter(
             "microserve_prefix_cache_hit_tokens_total", "Prompt tokens served from a prefix cache.")
+        self._vllm = RequestMetrics(registry, backend.model_name, TTFT_BUCKETS, TPOT_BUCKETS)
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -432,9 +434,11 @@ class OpenAIFrontend:
                     text, logprobs = run.echo + text, self._echoed(run, out) + logprobs
                     run.echo = None
                 if stop.stopped:
+                    run.finish_reason = FinishReason.STOP
                     yield self._delta(run, text, logprobs, FinishReason.STOP)
                     return
                 if backend_finished:
+                    run.finish_reason = out.finish_reason
                     text += stop.flush()
                 yield self._delta(run, text, logprobs, out.finish_reason)
                 if backend_finished:
@@ -498,6 +502,7 @@ class OpenAIFrontend:
         if run.first_token_at is None:
             run.first_token_at = now
             self._ttft.observe(now - run.arrival)
+            self._vllm.ttft.observe(now - run.arrival, **self._vllm.labels)
             self._prompt_tokens.inc(len(run.prompt_ids))
         run.last_token_at = now
         run.num_generated += len(out.token_ids)
@@ -509,6 +514,8 @@ class OpenAIFrontend:
         if run.first_token_at is not None and run.num_generated > 1:
             elapsed = run.last_token_at - run.first_token_at
             self._tpot.observe(elapsed / (run.num_generated - 1))
+            self._vllm.tpot.observe(elapsed / (run.num_generated - 1), **self._vllm.labels)
+        self._vllm.finished(run.arrival, time.perf_counter(), run.finish_reason)
 
     @staticmethod
     def _usage(runs: list[Run]) -> dict:

@@ -58,6 +58,7 @@ class Run:
     num_cached: int = 0
     first_token_at: float | None = None
     last_token_at: float = 0.0
+    finish_reason: str | None = None  # the backend's or a stop string's; None: cut short
 
 
 async def collect(deltas: AsyncIterator[Delta]) -> Delta:

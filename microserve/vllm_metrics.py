@@ -1,0 +1,97 @@
+"""vLLM's names for the figures microserve already measures, on the same /metrics page.
+
+What watches a vLLM server reads these names: an autoscaler on `vllm:num_requests_waiting`
+(KEDA, the production stack), the Gateway API inference extension's endpoint picker (waiting
+requests and `vllm:kv_cache_usage_perc`), vLLM's Grafana dashboard (the latency histograms).
+Each is labelled `model_name` (the served name), as vLLM labels its own. Only figures whose
+meaning is the same as vLLM's are exported under its names (docs/from-vllm.md#metrics):
+
+    vllm:num_requests_running / _waiting      the engine core's running / waiting requests
+    vllm:kv_cache_usage_perc (0..1)           KV pages held by requests / all pages; pages
+    vllm:gpu_cache_usage_perc                   only the prefix cache holds count as free, as
+                                                vLLM's evictable cached blocks do (the older
+                                                name too, for older watchers)
+    vllm:num_preemptions_total                requests preempted
+    vllm:prompt_tokens_total                  prompt tokens of finished requests
+    vllm:generation_tokens_total              tokens they generated
+    vllm:prefix_cache_queries_total / _hits_total   their prompt tokens looked up / found cached
+    vllm:time_to_first_token_seconds          arrival -> first token (the HTTP frontend's)
+    vllm:e2e_request_latency_seconds          arrival -> the request's end
+    vllm:request_time_per_output_token_seconds   per request, its mean gap after the first
+    vllm:request_success_total{finished_reason}  ended requests: stop, length or abort
+
+The engine core's part comes from its stats (`core_lines`, on an engine's /metrics); the
+request histograms from the OpenAI frontend (`RequestMetrics`, on an engine's and a router's).
+"""
+
+from __future__ import annotations
+
+from microserve.messages.status import EngineStats
+from microserve.metrics import Registry, _escape, _format_value
+
+# vLLM's own bucket bounds for the end-to-end latency (seconds)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+class RequestMetrics:
+    """The frontend's per-request histograms and counters under vLLM's names."""
+
+    def __init__(self, registry: Registry, model_name: str, ttft_buckets, tpot_buckets):
+        self.labels = {"model_name": model_name}
+        names = ["model_name"]
+        self.ttft = registry.histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token, seconds (vLLM's name).",
+            ttft_buckets, names)
+        self.e2e = registry.histogram(
+            "vllm:e2e_request_latency_seconds", "From arrival to the request's end, seconds "
+            "(vLLM's name).", E2E_BUCKETS, names)
+        self.tpot = registry.histogram(
+            "vllm:request_time_per_output_token_seconds", "Per request: mean time per output "
+            "token after the first, seconds (vLLM's name).", tpot_buckets, names)
+        self.success = registry.counter(
+            "vllm:request_success_total", "Requests ended, by finish reason (vLLM's name).",
+            [*names, "finished_reason"])
+        for reason in FINISHED_REASONS:  # every series present from the start, at 0
+            self.success.inc(0, finished_reason=reason, **self.labels)
+
+    def finished(self, arrival: float, now: float, finish_reason: str | None) -> None:
+        """A request ended: `finish_reason` None (it was cut short) counts as abort; tool
+        calls as stop."""
+        self.e2e.observe(now - arrival, **self.labels)
+        reason = {None: "abort", "tool_calls": "stop"}.get(finish_reason, finish_reason)
+        if reason not in FINISHED_REASONS:
+            reason = "abort"
+        self.success.inc(finished_reason=reason, **self.labels)
+
+
+def core_lines(stats: EngineStats, model_name: str) -> list[str]:
+    """The engine core's load and token counts under vLLM's names (Prometheus text lines)."""
+    label = f'{{model_name="{_escape(model_name)}"}}'
+    total = stats.kv_pages_total
+    usage = (total - stats.kv_pages_free - stats.kv_pages_cached) / total if total else 0.0
+    figures = [
+        ("vllm:num_requests_running", "gauge", "Requests running (vLLM's name).",
+         stats.running),
+        ("vllm:num_requests_waiting", "gauge", "Requests waiting for admission (vLLM's name).",
+         stats.waiting),
+        ("vllm:kv_cache_usage_perc", "gauge", "KV cache usage, 1 means 100 percent: pages "
+         "held by requests (vLLM's name).", usage),
+        ("vllm:gpu_cache_usage_perc", "gauge", "The same, by vLLM's older name.", usage),
+        ("vllm:num_preemptions_total", "counter", "Requests preempted (vLLM's name).",
+         stats.preemptions),
+        ("vllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests (vLLM's "
+         "name).", stats.prompt_tokens),
+        ("vllm:generation_tokens_total", "counter", "Tokens generated by finished requests "
+         "(vLLM's name).", stats.generation_tokens),
+        ("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix "
+         "cache (vLLM's name).", stats.prompt_tokens),
+        ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache "
+         "(vLLM's name).", stats.cached_prompt_tokens),
+    ]
+    lines = []
+    for name, kind, help_text, value in figures:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                  f"{name}{label} {_format_value(value)}"]
+    return lines
