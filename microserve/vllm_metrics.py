@@ -19,6 +19,10 @@ meaning is the same as vLLM's are exported under its names (docs/from-vllm.md#me
     vllm:e2e_request_latency_seconds          arrival -> the request's end
     vllm:request_time_per_output_token_seconds   per request, its mean gap after the first
     vllm:request_success_total{finished_reason}  ended requests: stop, length or abort
+    vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
+                                              with LoRA on: the adapters running and waiting
+                                                requests name (comma-separated) and the slots;
+                                                its value the time it was read, as vLLM's
 
 The engine core's part comes from its stats (`core_lines`, on an engine's /metrics); the
 request histograms from the OpenAI frontend (`RequestMetrics`, on an engine's and a router's).
@@ -26,7 +30,9 @@ request histograms from the OpenAI frontend (`RequestMetrics`, on an engine's an
 
 from __future__ import annotations
 
-from microserve.messages.status import EngineStats
+import time
+
+from microserve.messages.status import EngineInfo, EngineStats
 from microserve.metrics import Registry, _escape, _format_value
 
 # vLLM's own bucket bounds for the end-to-end latency (seconds)
@@ -66,7 +72,7 @@ class RequestMetrics:
         self.success.inc(finished_reason=reason, **self.labels)
 
 
-def core_lines(stats: EngineStats, model_name: str) -> list[str]:
+def core_lines(stats: EngineStats, info: EngineInfo, model_name: str) -> list[str]:
     """The engine core's load and token counts under vLLM's names (Prometheus text lines)."""
     label = f'{{model_name="{_escape(model_name)}"}}'
     total = stats.kv_pages_total
@@ -94,4 +100,14 @@ def core_lines(stats: EngineStats, model_name: str) -> list[str]:
     for name, kind, help_text, value in figures:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
                   f"{name}{label} {_format_value(value)}"]
+    if info.max_loras:
+        name = "vllm:lora_requests_info"
+        pairs = (("running_lora_adapters", ",".join(stats.lora_running)),
+                 ("waiting_lora_adapters", ",".join(stats.lora_waiting)),
+                 ("max_lora", str(info.max_loras)))
+        labels = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+        lines += [f"# HELP {name} LoRA adapters of the running and the waiting requests, and "
+                  f"the slots; the value is when this was read, seconds since the epoch "
+                  f"(vLLM's name).", f"# TYPE {name} gauge",
+                  f"{name}{{{labels}}} {_format_value(time.time())}"]
     return lines

@@ -150,6 +150,34 @@ def test_base_and_two_adapters_in_one_batch_equal_peft(tiny_model_dir, lora_dir,
     assert stats.lora_loads == 2 and stats.lora_load_seconds > 0
 
 
+def test_stats_and_vllms_lora_info_name_the_adapters_of_running_and_waiting_requests(
+        tiny_model_dir, lora_dir, prompts):
+    """One seat: the first request (a1) runs, a2's and the base's wait; the stats name the
+    adapters each side, and /metrics has them in vLLM's `vllm:lora_requests_info` labels (the
+    Gateway API inference extension routes by them), with the slots as `max_lora`."""
+    from engine.frontend.core_client import format_core_stats
+
+    core = make_core(tiny_model_dir, lora_dir, max_num_seqs=1, max_loras=2)
+    for rid, name in (("r1", "a1"), ("r2", "a2"), ("r3", None), ("r4", "a2")):
+        core.add_request(rid, prompts[0], greedy(name, 2))
+    core.step()
+    stats = core.stats()
+    assert (stats.running, stats.waiting) == (1, 3)
+    assert (stats.lora_running, stats.lora_waiting) == (["a1"], ["a2"])
+    [line] = [x for x in format_core_stats(stats, core.info, "tiny").splitlines()
+              if x.startswith("vllm:lora_requests_info{")]
+    labels, value = line.rsplit(" ", 1)
+    assert labels == ('vllm:lora_requests_info{running_lora_adapters="a1",'
+                      'waiting_lora_adapters="a2",max_lora="2"}')
+    assert abs(float(value) - time.time()) < 60
+    while core.has_work():
+        core.step()
+    stats = core.stats()
+    assert (stats.lora_running, stats.lora_waiting) == ([], [])
+    base = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64))
+    assert "vllm:lora_requests_info" not in format_core_stats(base.stats(), base.info)
+
+
 def test_prefill_chunks_and_decodes_of_adapters_in_one_step_equal_peft(
         tiny_model_dir, lora_dir, prompts, reference):
     """A 16-token budget: the 40-token prompts arrive in chunks while shorter requests of

@@ -257,7 +257,16 @@ class EngineCore(RequestLifecycle, StepPipeline, MessageHandlers):
             **asdict(self.loop),
             **(self.adapters.stats() if self.adapters is not None else {}),
             **(self.host_swap.stats() if self.host_swap is not None else {}),
+            lora_running=self._adapter_names(self.scheduler.running),
+            lora_waiting=self._adapter_names(self.scheduler.waiting),
         )
+
+    def _adapter_names(self, seqs) -> list[str]:
+        """The adapters `seqs` run with, by name, each once (sorted)."""
+        if self.adapters is None:
+            return []
+        registry = self.adapters.registry
+        return sorted({a.name for s in seqs if s.lora_id and (a := registry.get(s.lora_id))})
 
     def check_integrity(self) -> None:
         """The KV pages and the penalty pool's rows, then the request table against the

@@ -455,5 +455,5 @@ def format_core_stats(stats: EngineStats, info: EngineInfo, model_name: str | No
         "# TYPE microserve_engine_kv_capacity_tokens gauge",
         f"microserve_engine_kv_capacity_tokens {cap}",
     ]
-    lines += vllm_metrics.core_lines(stats, model_name or info.model_name)
+    lines += vllm_metrics.core_lines(stats, info, model_name or info.model_name)
     return "\n".join(lines) + "\n"

@@ -103,6 +103,9 @@ class EngineStats:
     lora_registered: list[str] = field(default_factory=list)
     lora_resident: list[str] = field(default_factory=list)
     lora_loading: list[str] = field(default_factory=list)
+    # adapters the running and the waiting requests name (vLLM's lora_requests_info)
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
     lora_loads: int = 0  # adapters read from disk (start-up and /v1/load_lora_adapter)
     lora_load_seconds: float = 0.0  # ... the time that took, checking and reading them
     lora_slot_writes: int = 0  # adapters copied into a slot (on first use, after an eviction)
