@@ -113,11 +113,12 @@ class EngineConfig:
     launch_ahead_layers: int = 0
     # auto: triton on CUDA, torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1 (tests)
     attention_backend: str = "auto"
-    # triton backend: whole prompts (no cached prefix, at most 8 a step) attend with torch's
-    # fused SDPA over the step's own K/V when each has 4,096 tokens or more ("auto"), whatever
-    # their length ("sdpa"), or never ("paged": the paged extend kernel, as every other
-    # prompt chunk); an fp8 KV cache keeps the paged kernel (engine/attention/triton_backend.py)
-    prompt_attention: str = "auto"
+    # triton backend: whole prompts (no cached prefix, at most 8 a step) attend with the paged
+    # extend kernel as every other prompt chunk ("paged"), or with torch's fused SDPA (cuDNN's
+    # kernel) over the step's own K/V when each has 4,096 tokens or more ("auto") or whatever
+    # their length ("sdpa"); an fp8 KV cache keeps the paged kernel. Not the default: cuDNN
+    # builds a graph for each new prompt length (engine/attention/triton_backend.py)
+    prompt_attention: str = "paged"
     # CUDA, 16-bit weights: batch-1 decode projections through the Triton GEMV (not cuBLAS)
     decode_gemv: bool = True
     # CUDA, 16-bit weights: decode steps of 2..N rows (N <= 16) run their projections and the

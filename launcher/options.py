@@ -196,9 +196,10 @@ def lora_options(p) -> None:
                         "so a prompt arriving meanwhile makes it (default: 0, at once)")
     _config_option(p, "--prompt-attention", choices=("auto", "paged", "sdpa"),
                    help="CUDA: whole prompts (no cached prefix, up to 8 a step) attend with "
-                        "torch's fused SDPA over the step's own K/V: auto when each has 4,096 "
-                        "tokens or more, sdpa always, paged never (the paged extend kernel); "
-                        "an fp8 KV cache keeps the paged kernel (default: auto)")
+                        "torch's fused SDPA (cuDNN) over the step's own K/V: auto when each "
+                        "has 4,096 tokens or more, sdpa always, paged never (the paged extend "
+                        "kernel; the default: cuDNN builds a graph per new prompt length); an "
+                        "fp8 KV cache keeps the paged kernel")
     _config_option(p, "--few-rows-gemm", type=int, metavar="N",
                    help="CUDA, 16-bit weights: decode steps of 2..N sequences (N <= 16) run "
                         "their projections through a Triton kernel that reads each weight once "

@@ -219,7 +219,7 @@ def test_bf16_piecewise_replay_above_512_tokens_matches_eager(tiny_model_dir, tm
 
 def test_bf16_long_whole_prompts_through_sdpa_match_the_paged_kernel(tiny_model_dir, tmp_path,
                                                                      monkeypatch):
-    """`--prompt-attention auto` (the default): a step of two whole 4,096-token prompts
+    """`--prompt-attention auto`: a step of two whole 4,096-token prompts
     attends them with torch's SDPA (cuDNN's kernel on Hopper), each once a layer, over the
     step's K/V; its hidden states match the same step through the paged extend kernel."""
     import json
@@ -234,7 +234,7 @@ def test_bf16_long_whole_prompts_through_sdpa_match_the_paged_kernel(tiny_model_
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8192}))
     core = make_core(str(model), dtype="bfloat16", async_scheduling=False, num_pages=600,
-                     max_prefill_step_tokens=8192)
+                     max_prefill_step_tokens=8192, prompt_attention="auto")
     runner = core.runner
     calls, real = [], tb._causal_sdpa
     monkeypatch.setattr(tb, "_causal_sdpa",

@@ -96,7 +96,7 @@ def test_whole_prompts_attend_with_sdpa_and_equal_hf(tiny_model_dir, monkeypatch
 
 
 def test_prompt_attention_auto_takes_sdpa_only_for_few_long_whole_prompts():
-    """The default (`auto`, DENSE_AUTO_MIN_TOKENS): SDPA where it measured faster — at most
+    """`auto` (DENSE_AUTO_MIN_TOKENS): SDPA where it measured faster — at most
     DENSE_MAX_SEQS whole prompts of 4,096 tokens or more, all of the step's prompt rows — and
     the paged kernel for shorter prompts, a chunk over a cached prefix beside them, or more
     prompts. Outside 16-bit q only while the math kernel's scores stay small; never over an

@@ -17,7 +17,9 @@ on an H200 it runs two prompts of 4,096 tokens 1.12x faster than our paged exten
 one of 16,384 1.24x, but two of 1,024 0.80x and eight of 512 0.21x, one launch a prompt
 (docs/benchmarks.md). Only over a cache of q's dtype, whose K/V are the step's K/V exactly:
 an fp8 cache keeps the paged kernel, so a prompt attends to the same rounded keys its later
-decodes read.
+decodes read. Off by default (`paged`): cuDNN builds and caches a graph for each new shape,
+which others report at hundreds of milliseconds, so a stream of prompts of ever new lengths
+would pay it again and again; the figures above were taken at fixed lengths.
 """
 
 from __future__ import annotations
