@@ -22,7 +22,9 @@ meaning is the same as vLLM's are exported under its names (docs/from-vllm.md#me
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
                                               with LoRA on: the adapters running and waiting
                                                 requests name (comma-separated) and the slots;
-                                                its value the time it was read, as vLLM's
+                                                its value the time it was read, as vLLM's;
+                                                left out where --api-key guards the engine
+                                                (/metrics is open, the names are tenants')
 
 The engine core's part comes from its stats (`core_lines`, on an engine's /metrics); the
 request histograms from the OpenAI frontend (`RequestMetrics`, on an engine's and a router's).
@@ -72,8 +74,10 @@ class RequestMetrics:
         self.success.inc(finished_reason=reason, **self.labels)
 
 
-def core_lines(stats: EngineStats, info: EngineInfo, model_name: str) -> list[str]:
-    """The engine core's load and token counts under vLLM's names (Prometheus text lines)."""
+def core_lines(stats: EngineStats, info: EngineInfo, model_name: str,
+               lora_names: bool = True) -> list[str]:
+    """The engine core's load and token counts under vLLM's names (Prometheus text lines);
+    `lora_names`: with the adapters' gauge (LoRA on)."""
     label = f'{{model_name="{_escape(model_name)}"}}'
     total = stats.kv_pages_total
     usage = (total - stats.kv_pages_free - stats.kv_pages_cached) / total if total else 0.0
@@ -100,7 +104,7 @@ def core_lines(stats: EngineStats, info: EngineInfo, model_name: str) -> list[st
     for name, kind, help_text, value in figures:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
                   f"{name}{label} {_format_value(value)}"]
-    if info.max_loras:
+    if info.max_loras and lora_names:
         name = "vllm:lora_requests_info"
         pairs = (("running_lora_adapters", ",".join(stats.lora_running)),
                  ("waiting_lora_adapters", ",".join(stats.lora_waiting)),

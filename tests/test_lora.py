@@ -176,6 +176,9 @@ def test_stats_and_vllms_lora_info_name_the_adapters_of_running_and_waiting_requ
     assert (stats.lora_running, stats.lora_waiting) == ([], [])
     base = EngineCore(EngineConfig(model=tiny_model_dir, page_size=4, num_pages=64))
     assert "vllm:lora_requests_info" not in format_core_stats(base.stats(), base.info)
+    # an engine behind --api-key: /metrics is open, the adapters' names stay off it
+    assert "vllm:lora_requests_info" not in format_core_stats(stats, core.info, "tiny",
+                                                              lora_names=False)
 
 
 def test_prefill_chunks_and_decodes_of_adapters_in_one_step_equal_peft(

@@ -134,6 +134,11 @@ def test_an_engine_without_the_adapter_refuses_by_name(up, admin):
     error = r.json()["error"]
     assert error["param"] == "lora_name" and "no LoRA adapter named 'nope'" in error["message"]
     assert "(loaded: a1, a2)" in error["message"]
+    # /metrics answers without the key, so an engine behind one keeps its adapters' names off
+    # it: vLLM's load figures are there, its adapter gauge is not
+    text = httpx.get(f"{up.engine_urls['d']}/metrics").text
+    assert 'vllm:num_requests_waiting{model_name="test-model"} 0.0' in text
+    assert "vllm:lora_requests_info" not in text and "a1" not in text
 
 
 def test_affinity_sends_an_adapter_where_it_is_resident(up, admin, adapters):

@@ -323,7 +323,9 @@ class CoreClient(GenerateBackend):
     async def metrics_text(self) -> str:
         if not self._alive:
             return ""
-        return format_core_stats(await self.call(StatsRequest()), self.info, self.model_name)
+        # /metrics is open: adapters' names (tenants', often) only where no key guards the rest
+        return format_core_stats(await self.call(StatsRequest()), self.info, self.model_name,
+                                 lora_names=self._engine_key is None)
 
 
 def _chunk(out: TokenOutput, num_generated: int, first: bool) -> GenerateChunk:
@@ -425,10 +427,11 @@ def _labelled(key: str, kind: str, help_text: str, label: str, values: dict) -> 
             *(f'{name}{{{label}="{k}"}} {v}' for k, v in values.items())]
 
 
-def format_core_stats(stats: EngineStats, info: EngineInfo, model_name: str | None = None) -> str:
+def format_core_stats(stats: EngineStats, info: EngineInfo, model_name: str | None = None,
+                      lora_names: bool = True) -> str:
     """The core's stats as Prometheus text: microserve's names, then vLLM's for the figures
     it has too (microserve/vllm_metrics.py), labelled with `model_name` (default: the
-    model's)."""
+    model's); `lora_names`: with vLLM's gauge of the adapters' names."""
     lines = []
     for key, (kind, help_text) in _STAT_HELP.items():
         name = f"microserve_engine_{key}" + ("_total" if kind == "counter" else "")
@@ -455,5 +458,5 @@ def format_core_stats(stats: EngineStats, info: EngineInfo, model_name: str | No
         "# TYPE microserve_engine_kv_capacity_tokens gauge",
         f"microserve_engine_kv_capacity_tokens {cap}",
     ]
-    lines += vllm_metrics.core_lines(stats, info, model_name or info.model_name)
+    lines += vllm_metrics.core_lines(stats, info, model_name or info.model_name, lora_names)
     return "\n".join(lines) + "\n"
