@@ -617,6 +617,28 @@ def test_client_timeout_aborts_a_non_streamed_request(engine):
     assert metric(engine.metrics(), aborted) == metric(metrics_before, aborted) + 1
 
 
+# ---- 10b: the Responses API -------------------------------------------------------------------
+
+
+def test_responses_api_answers_as_the_chat_request_does(client):
+    """The official client's `responses.create`, streamed and not, over the real model: the
+    greedy answer is chat's (the capital of France, then eos: completed), its usage too."""
+    response = client.responses.create(model=MODEL, input=CAPITAL[0]["content"],
+                                       max_output_tokens=20, temperature=0)
+    assert (response.status, response.output_text) == ("completed", CAPITAL_ANSWER)
+    completion = chat(client, 20)
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        completion.usage.prompt_tokens, completion.usage.completion_tokens)
+    stream = client.responses.create(model=MODEL, input=CAPITAL, max_output_tokens=3,
+                                     temperature=0, stream=True)
+    events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = events[-1]
+    assert done.type == "response.incomplete" and done.response.output_text == deltas
+    assert CAPITAL_ANSWER.startswith(deltas) and done.response.usage.output_tokens == 3
+    assert done.response.incomplete_details.reason == "max_output_tokens"
+
+
 # ---- 11: models, metrics ----------------------------------------------------------------------
 
 

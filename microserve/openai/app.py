@@ -38,6 +38,8 @@ from microserve.metrics import CONTENT_TYPE, Registry
 from microserve.vllm_metrics import RequestMetrics
 from microserve.model_config import sampling_defaults
 from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
+from microserve.openai.responses_api import ResponsesRequest, ResponseWriter, chat_request
+from microserve.openai.responses_api import usage as responses_usage
 from microserve.openai.limits import check_choices, fit_context
 from microserve.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                         MAX_TOKENIZE, DetokenizeRequest, GenerationRequest,
@@ -168,6 +170,67 @@ class OpenAIFrontend:
             choices.append((run, ChatWire(response_id, self._served(body.model), created,
                                           token_bytes, i)))
         return await self._respond(raw, body, choices)
+
+    async def responses(self, raw: Request) -> Response:
+        """OpenAI's Responses API, stateless (microserve/openai/responses_api.py): the chat
+        request the body means, generated as one, answered as a response object or its
+        stream of typed events."""
+        arrival = time.perf_counter()
+        body = await _parse_body(raw, ResponsesRequest)
+        chat = chat_request(body)
+        self._check_model(chat.model)
+        grammar = self._chat_grammar(chat)
+        text = self._render_chat(chat)
+        prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
+        prompt_ids = chat.truncated(prompt_ids, self.backend.max_model_len)
+        max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids),
+                                 chat.requested_max_tokens, "max_output_tokens", "input",
+                                 self._default_max_tokens(None))
+        writer = ResponseWriter(body, self._served(chat.model))
+        run = self._new_run(writer.id, chat, prompt_ids, max_tokens, None, arrival, grammar)
+        if parses_calls(chat.tools, chat.tool_choice):
+            run.tool_calls = self.tool_parser.stream(forces_calls(chat.tool_choice))
+        CLIENT.set(Client(chat.user, raw.headers))
+        gen = self._deltas(run)
+        try:
+            if not body.stream:
+                whole = await unless_disconnected(raw.receive, collect(gen))
+                calls = [call for _, call in whole.tool_calls]
+                return JSONResponse(writer.whole(whole.text, calls, whole.finish_reason,
+                                                 responses_usage(self._usage([run]))))
+            first = await unless_disconnected(raw.receive, anext(gen))
+        except ClientDisconnected:
+            await close_all([gen])
+            return Response(status_code=499)
+        except BaseException:
+            await close_all([gen])
+            raise
+        return EventStream(self._response_events(run, writer, first, gen),
+                           headers={"Cache-Control": "no-cache"})
+
+    async def _response_events(self, run: Run, writer: ResponseWriter, first: Delta,
+                               deltas: AsyncGenerator[Delta, None]
+                               ) -> AsyncGenerator[bytes, None]:
+        try:
+            for event in writer.events_opening():
+                yield event
+            delta, finish_reason = first, None
+            while delta is not None:
+                for event in writer.events_text(delta.text):
+                    yield event
+                for _, call in delta.tool_calls:
+                    for event in writer.events_call(call):
+                        yield event
+                finish_reason = delta.finish_reason or finish_reason
+                delta = await anext(deltas, None)
+            for event in writer.events_closing(finish_reason,
+                                               responses_usage(self._usage([run]))):
+                yield event
+        except Exception as e:  # the backend failed mid-stream: the status line is gone
+            for event in writer.events_failed(stream_error(e, run.request_id)["error"]):
+                yield event
+        finally:
+            await deltas.aclose()
 
     async def tokenize(self, raw: Request) -> JSONResponse:
         """vLLM's POST /tokenize: the prompt's token ids as a completion would send them, or
@@ -593,6 +656,7 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
     app.add_middleware(CountRequests, counter=frontend.requests)
     app.add_api_route("/v1/completions", frontend.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", frontend.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", frontend.responses, methods=["POST"])
     app.add_api_route("/v1/models", frontend.models, methods=["GET"])
     # :path, because model names may hold "/" (HuggingFaceTB/SmolLM2-135M-Instruct)
     app.add_api_route("/v1/models/{model_id:path}", frontend.model, methods=["GET"])

@@ -1,0 +1,318 @@
+"""OpenAI's Responses API (POST /v1/responses) over the chat completions machinery.
+
+A request is turned into the chat request it means (`chat_body`): `instructions` becomes the
+system turn, `input` the conversation (a string, or message items with text parts, and
+`function_call` / `function_call_output` items for tool turns), `tools` chat's function tools,
+`text.format` the response format, `max_output_tokens` the completion budget. The chat path
+then renders, checks and generates it as it does any chat request, and `ResponseWriter` writes
+the answer in the Responses API's shapes: a response object with `output` items (a `message`
+with `output_text`, and a `function_call` item per parsed call), or its stream of typed
+events (`response.created` ... `response.output_text.delta` ... `response.completed`).
+
+Stateless, as vLLM's server is by default: nothing is stored, so `previous_response_id` is
+refused (send the conversation in `input`) and `store` changes nothing. Only function tools.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from microserve.errors import from_validation_errors, invalid_request
+from microserve.openai.protocol import ChatCompletionRequest, Count
+from microserve.openai.tool_parsers import ParsedCall
+
+# chat's field -> the Responses API's, for the errors of the converted request
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+                "messages": "input"}  # fmt: skip
+_MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    """What POST /v1/responses accepts; fields it does not know are ignored (as OpenAI's)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Count | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool = True  # accepted; nothing is stored
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = None
+    seed: int | None = None
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request `body` means, validated (errors name the Responses API's fields)."""
+    if body.previous_response_id is not None:
+        raise invalid_request("previous_response_id is not supported: this server keeps no "
+                              "responses; send the conversation in 'input'",
+                              "previous_response_id")
+    chat: dict[str, Any] = {"model": body.model, "messages": _messages(body),
+                            "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
+    for name in ("temperature", "top_p", "user", "seed"):
+        if getattr(body, name) is not None:
+            chat[name] = getattr(body, name)
+    if body.max_output_tokens is not None:
+        chat["max_completion_tokens"] = body.max_output_tokens
+    if body.tools:
+        chat["tools"] = [_tool(i, tool) for i, tool in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _tool_choice(body.tool_choice)
+    if body.text is not None and body.text.get("format") is not None:
+        chat["response_format"] = _format(body.text["format"])
+    if body.stream:
+        chat["stream_options"] = {"include_usage": True}
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:
+        errors = e.errors()
+        for error in errors:
+            loc = list(error.get("loc", ()))
+            if loc and loc[0] in _FIELD_NAMES:
+                loc[0] = _FIELD_NAMES[loc[0]]
+                if loc[0] == "input" and len(loc) > 1 and body.instructions is not None:
+                    loc[1] = loc[1] - 1 if isinstance(loc[1], int) else loc[1]
+                error["loc"] = tuple(loc)
+        raise from_validation_errors(errors) from None
+
+
+def _messages(body: ResponsesRequest) -> list[dict]:
+    messages = [] if body.instructions is None else [
+        {"role": "system", "content": body.instructions}]
+    if isinstance(body.input, str):
+        return messages + [{"role": "user", "content": body.input}]
+    if not body.input:
+        raise invalid_request("input is empty", "input")
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        where = f"input[{i}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise invalid_request(f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}; "
+                                      f"got {role!r}", f"{where}.role")
+            messages.append({"role": role, "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where),
+                                 "arguments": _string(item, "arguments", where)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = _text(output, where)
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                             "content": output})
+        else:
+            raise invalid_request(f"{where} is an item of type {kind!r}; this server takes "
+                                  "message, function_call and function_call_output items",
+                                  f"{where}.type")
+    return messages
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts (joined by newlines, as chat's are)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid_request(f"{where}.content must be a string or a list of text parts",
+                              f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise invalid_request(f"{where}.content[{j}] is a part of type {kind!r}; only text "
+                                  "parts (input_text, output_text) are supported",
+                                  f"{where}.content[{j}].type")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise invalid_request(f"{where}.{key} must be a string", f"{where}.{key}")
+    return value
+
+
+def _tool(i: int, tool: dict) -> dict:
+    if tool.get("type") != "function":
+        raise invalid_request(f"tools[{i}] is a tool of type {tool.get('type')!r}; this server "
+                              "runs function tools only", f"tools[{i}].type")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid_request("tool_choice must be none, auto, required or "
+                          '{"type": "function", "name": ...}', "tool_choice")
+
+
+def _format(fmt: dict) -> dict:
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise invalid_request(f"text.format.type must be text, json_object or json_schema; got "
+                          f"{kind!r}", "text.format.type")
+
+
+def usage(chat_usage: dict) -> dict:
+    """Chat's usage in the Responses API's names."""
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens":
+                                     chat_usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+class ResponseWriter:
+    """One response's JSON: the whole object, or its stream of events (`events_*`)."""
+
+    def __init__(self, body: ResponsesRequest, model: str):
+        self.body, self.model = body, model
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = time.time()
+        self.output: list[dict] = []  # the items, in the order they were opened
+        self._message: dict | None = None  # the message item being written (streaming)
+        self._sequence = 0
+
+    # -- the response object ----------------------------------------------------------------
+
+    def response(self, status: str, usage_: dict | None = None,
+                 finish_reason: str | None = None, error: dict | None = None) -> dict:
+        incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+        if incomplete is not None and status == "completed":
+            status = "incomplete"
+        body = self.body
+        fmt = (body.text or {}).get("format") or {"type": "text"}
+        return {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": status, "error": error, "incomplete_details": incomplete,
+                "model": self.model, "instructions": body.instructions,
+                "max_output_tokens": body.max_output_tokens, "output": self.output,
+                "parallel_tool_calls": body.parallel_tool_calls,
+                "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+                "temperature": body.temperature, "top_p": body.top_p, "text": {"format": fmt},
+                "previous_response_id": None, "store": False, "truncation": "disabled",
+                "metadata": body.metadata or {}, "user": body.user, "usage": usage_}
+
+    def whole(self, text: str, calls: list[ParsedCall], finish_reason: str | None,
+              usage_: dict) -> dict:
+        """The non-streaming answer: the text as one message item (if any), then the calls."""
+        if text or not calls:
+            self.output.append(self._message_item(text, "completed"))
+        self.output += [self._call_item(call) for call in calls]
+        return self.response("completed", usage_, finish_reason)
+
+    def _message_item(self, text: str | None, status: str) -> dict:
+        content = [] if text is None else [self._text_part(text)]
+        return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status,
+                "role": "assistant", "content": content}
+
+    @staticmethod
+    def _text_part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    @staticmethod
+    def _call_item(call: ParsedCall) -> dict:
+        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}",
+                "call_id": call.id, "name": call.name, "arguments": call.arguments,
+                "status": "completed"}
+
+    # -- the stream -------------------------------------------------------------------------
+
+    def event(self, kind: str, **fields) -> bytes:
+        """One server-sent event, named as the Responses API names it."""
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+
+    def events_opening(self) -> list[bytes]:
+        start = self.response("in_progress")
+        return [self.event("response.created", response=start),
+                self.event("response.in_progress", response=start)]
+
+    def events_text(self, text: str) -> list[bytes]:
+        """A text delta, opening the message item first if this is its first text."""
+        if not text:
+            return []
+        out = []
+        if self._message is None:
+            self._message = self._message_item(None, "in_progress")
+            self.output.append(self._message)
+            out += [self.event("response.output_item.added", output_index=len(self.output) - 1,
+                               item={**self._message, "content": []}),
+                    self.event("response.content_part.added", item_id=self._message["id"],
+                               output_index=len(self.output) - 1, content_index=0,
+                               part=self._text_part(""))]
+            self._message["content"] = [self._text_part("")]
+        self._message["content"][0]["text"] += text
+        out.append(self.event("response.output_text.delta", item_id=self._message["id"],
+                              output_index=self.output.index(self._message), content_index=0,
+                              delta=text, logprobs=[]))
+        return out
+
+    def events_call(self, call: ParsedCall) -> list[bytes]:
+        """A parsed call as a whole function_call item (its arguments in one delta)."""
+        out = self._close_message()
+        item = self._call_item(call)
+        self.output.append(item)
+        index = len(self.output) - 1
+        out += [self.event("response.output_item.added", output_index=index,
+                           item={**item, "arguments": "", "status": "in_progress"}),
+                self.event("response.function_call_arguments.delta", item_id=item["id"],
+                           output_index=index, delta=call.arguments),
+                self.event("response.function_call_arguments.done", item_id=item["id"],
+                           output_index=index, arguments=call.arguments),
+                self.event("response.output_item.done", output_index=index, item=item)]
+        return out
+
+    def _close_message(self) -> list[bytes]:
+        message, self._message = self._message, None
+        if message is None:
+            return []
+        index = self.output.index(message)
+        part = message["content"][0]
+        message["status"] = "completed"
+        return [self.event("response.output_text.done", item_id=message["id"],
+                           output_index=index, content_index=0, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", item_id=message["id"],
+                           output_index=index, content_index=0, part=part),
+                self.event("response.output_item.done", output_index=index, item=message)]
+
+    def events_closing(self, finish_reason: str | None, usage_: dict) -> list[bytes]:
+        out = self._close_message()
+        done = self.response("completed", usage_, finish_reason)
+        kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
+        return out + [self.event(kind, response=done)]
+
+    def events_failed(self, error: dict) -> list[bytes]:
+        """The last event when generation failed mid-stream: `error` is OpenAI's error
+        object (message, code, ...)."""
+        failed = self.response("failed", error={"code": error.get("code") or "server_error",
+                                                "message": error.get("message", "")})
+        return [self.event("response.failed", response=failed)]

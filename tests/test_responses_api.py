@@ -1,0 +1,171 @@
+"""OpenAI's Responses API (POST /v1/responses) over a scripted backend, through the official
+`openai` client in-process (httpx's ASGI transport). The request reaches the backend as the
+equivalent chat request would (same prompt token ids, same sampling); the answer parses as
+the client's own Response and event types. The real model behind it: test_engine_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_openai_app import MODEL, ScriptedBackend, steps, tok  # noqa: F401 (tok: a fixture)
+
+from microserve.openai.app import build_openai_app
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}  # fmt: skip
+
+
+def clients(backend, tok):
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_openai_app(backend, tok)),
+                             base_url="http://test")
+    return http, openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http,
+                                    max_retries=0)
+
+
+async def test_text_answer_is_the_chat_requests_generation(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"), finish_reason="stop")
+    http, client = clients(backend, tok)
+    async with http:
+        response = await client.responses.create(
+            model=MODEL, input="hi there", instructions="Be brief.", max_output_tokens=9,
+            temperature=0, metadata={"k": "v"})
+        chat = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "max_completion_tokens": 9, "temperature": 0,
+            "messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "hi there"}]})  # fmt: skip
+    assert chat.status_code == 200
+    (_, prompt, params), (_, chat_prompt, chat_params) = backend.calls
+    assert prompt == chat_prompt and params.max_tokens == chat_params.max_tokens == 9
+    assert params.temperature == chat_params.temperature == 0.0
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert (response.status, response.model, response.output_text) == (
+        "completed", MODEL, "hello world")
+    [message] = response.output
+    assert (message.type, message.role, message.status) == ("message", "assistant", "completed")
+    assert [part.type for part in message.content] == ["output_text"]
+    out = len(tok.encode("hello")) + len(tok.encode(" world"))
+    assert (response.usage.input_tokens, response.usage.output_tokens,
+            response.usage.total_tokens) == (len(prompt), out, len(prompt) + out)
+    assert response.instructions == "Be brief." and response.metadata == {"k": "v"}
+
+
+async def test_cut_at_max_output_tokens_is_incomplete(tok):
+    backend = ScriptedBackend(steps(tok, "hello"), finish_reason="length")
+    http, client = clients(backend, tok)
+    async with http:
+        response = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == "hello"
+
+
+async def test_stream_events_in_order_through_the_client(tok):
+    backend = ScriptedBackend(steps(tok, "hello", " world"), finish_reason="stop")
+    http, client = clients(backend, tok)
+    async with http:
+        stream = await client.responses.create(model=MODEL, input="hi", stream=True)
+        events = [event async for event in stream]
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(10))
+    assert [e.delta for e in events if e.type == "response.output_text.delta"] == [
+        "hello", " world"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    item_id = events[2].item.id
+    assert {e.item_id for e in events[3:8]} == {item_id}
+    done = events[-1].response
+    assert (done.status, done.output_text, done.output[0].id) == (
+        "completed", "hello world", item_id)
+    assert done.usage.output_tokens == len(tok.encode("hello")) + len(tok.encode(" world"))
+
+
+async def test_tool_turns_render_as_the_chat_request_and_a_call_comes_back(tok):
+    """function_call / function_call_output items are chat's assistant tool call and tool
+    turn (the same prompt ids reach the backend); a call in the model's text comes back as a
+    function_call item, streamed or not."""
+    history = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "message", "role": "user", "content": "And tomorrow?"}]  # fmt: skip
+    chat_history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?"}]  # fmt: skip
+    backend = ScriptedBackend(steps(tok, CALL), finish_reason="stop")
+    backend.max_model_len = 2048  # the tools' text is in the prompt
+    http, client = clients(backend, tok)
+    async with http:
+        response = await client.responses.create(model=MODEL, input=history, tools=[WEATHER])
+        chat = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": chat_history, "tools": [
+                {"type": "function", "function": {k: v for k, v in WEATHER.items()
+                                                  if k != "type"}}]})  # fmt: skip
+        stream = await client.responses.create(model=MODEL, input=history, tools=[WEATHER],
+                                               stream=True)
+        events = [event async for event in stream]
+    assert chat.status_code == 200, chat.text
+    assert backend.calls[0][1] == backend.calls[1][1] == backend.calls[2][1]
+    [call] = response.output
+    assert (call.type, call.name, json.loads(call.arguments), call.status) == (
+        "function_call", "get_weather", {"city": "Paris"}, "completed")
+    assert call.call_id.startswith("call_") and response.status == "completed"
+    assert chat.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == (
+        "get_weather")
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"]
+    assert json.loads(events[4].arguments) == {"city": "Paris"}
+    assert events[-1].response.output[0].name == "get_weather"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "temperature": 3}, "temperature"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 1000}, "max_output_tokens"),
+    ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": "hi", "model": "gpt-4o"}, "model"),
+])  # fmt: skip
+async def test_refusals_name_the_responses_field(tok, body, param):
+    backend = ScriptedBackend(steps(tok, "x"))
+    http, _ = clients(backend, tok)
+    async with http:
+        response = await http.post("/v1/responses", json={"model": MODEL, **body})
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["param"] == param, response.text
+    assert backend.calls == []
+
+
+async def test_json_schema_format_reaches_the_backend_as_a_grammar(tok):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    backend = ScriptedBackend(steps(tok, '{"a": 1}'), finish_reason="stop")
+    http, client = clients(backend, tok)
+    async with http:
+        response = await client.responses.create(model=MODEL, input="give a", text={
+            "format": {"type": "json_schema", "name": "A", "schema": schema, "strict": True}})
+    assert json.loads(response.output_text) == {"a": 1}
+    assert response.text.format.type == "json_schema"
+    assert backend.calls[0][2].grammar is not None
