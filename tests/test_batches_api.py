@@ -149,6 +149,27 @@ def test_chat_lines_match_direct_chat(router):
         assert got == direct.choices[0].message.content
 
 
+def test_responses_lines_match_direct_responses(router):
+    """A batch on /v1/responses (OpenAI's Batch API takes that endpoint too): each line's
+    output body is the response object the same request gets directly, text and usage."""
+    c = client(router)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+              "body": {"model": "test-model", "input": " ".join(f"<{t}>" for t in SHARED + [60 + i]),
+                       "instructions": "Answer.", "max_output_tokens": 6, "temperature": 0}}
+             for i in range(3)]  # fmt: skip
+    made = c.files.create(file=("responses.jsonl", jsonl(lines)), purpose="batch")
+    batch = wait_for(c, c.batches.create(input_file_id=made.id, endpoint="/v1/responses",
+                                         completion_window="24h").id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    outputs = by_custom_id(c, batch.output_file_id)
+    for x in lines:
+        direct = c.responses.create(**x["body"])
+        body = outputs[x["custom_id"]]["response"]["body"]
+        assert body["object"] == "response" and body["status"] == direct.status
+        assert body["output"][0]["content"][0]["text"] == direct.output_text
+        assert body["usage"]["output_tokens"] == direct.usage.output_tokens == 6
+
+
 def test_the_cli_runs_a_file_and_writes_its_output(router, tmp_path):
     lines = [line(f"k{i}", SHARED + [70 + i], 5) for i in range(4)] + ["{bad"]
     path = tmp_path / "in.jsonl"

@@ -11,14 +11,21 @@ import json
 import httpx
 import openai
 import pytest
-from test_openai_app import MODEL, ScriptedBackend, steps, tok  # noqa: F401 (tok: a fixture)
+from test_openai_app import MODEL, ScriptedBackend, steps
+from test_tokenizer import make_tokenizer_dir
 
 from microserve.openai.app import build_openai_app
+from microserve.tokenizer import Tokenizer
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
 
 
 def clients(backend, tok):

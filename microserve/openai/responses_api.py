@@ -52,6 +52,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
     seed: int | None = None
+    priority: int | None = None  # vLLM's extension, as on chat (a batch line's is set for it)
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -62,7 +63,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                               "previous_response_id")
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body),
                             "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
-    for name in ("temperature", "top_p", "user", "seed"):
+    for name in ("temperature", "top_p", "user", "seed", "priority"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.max_output_tokens is not None:

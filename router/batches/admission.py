@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-LIVE_PATHS = ("/v1/chat/completions", "/v1/completions")
+LIVE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 POLL_S = 0.5  # how often a waiting dispatcher looks again (cancel, expiry) without a wakeup
 
 

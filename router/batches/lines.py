@@ -20,7 +20,7 @@ import msgspec
 
 from microserve.openai.protocol import DEFAULT_COMPLETION_TOKENS
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 DEFAULT_OUTPUT_TOKENS = 256  # the ordering's guess for a chat line without max_tokens
 
 
@@ -93,7 +93,7 @@ def _parse(idx: int, raw: bytes, endpoint: str, seen: set[str]) -> ParsedLine:
 
 
 def expected_output_tokens(body: dict, endpoint: str) -> int:
-    for key in ("max_completion_tokens", "max_tokens"):
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(key)
         if isinstance(value, int) and value > 0:
             return value

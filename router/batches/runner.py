@@ -31,6 +31,7 @@ import httpx
 
 from microserve.bounds import BACKGROUND_PRIORITY
 from microserve.metrics import Registry
+from microserve.openai.responses_api import ResponsesRequest, chat_request
 from microserve.tokenizer import Tokenizer
 from router.batches.admission import Admission
 from router.batches.lines import expected_output_tokens, iter_lines, output_line
@@ -178,8 +179,11 @@ class BatchRunner:
         """The line's prompt as the ordering sees it (32-bit token ids); a prompt the API will
         refuse orders as empty (its line fails when it runs, with the API's own error)."""
         try:
-            if endpoint == "/v1/chat/completions":
-                text = self.tokenizer.apply_chat_template(body["messages"])
+            if endpoint in ("/v1/chat/completions", "/v1/responses"):
+                messages = body["messages"] if endpoint == "/v1/chat/completions" else [
+                    m.template_dict() for m in
+                    chat_request(ResponsesRequest.model_validate(body)).messages]
+                text = self.tokenizer.apply_chat_template(messages)
                 return array("I", self.tokenizer.encode(text, add_special_tokens=False))
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
