@@ -155,6 +155,19 @@ async def test_tool_turns_render_as_the_chat_request_and_a_call_comes_back(tok):
     ({"input": "hi", "max_output_tokens": 1000}, "max_output_tokens"),
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "hi", "model": "gpt-4o"}, "model"),
+    ({"input": ["hi"]}, "input"),
+    ({"input": {"role": "user"}}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input[0].content[0].text"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": "hi", "text": {"format": "json"}}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                         "schema": {"type": 3}}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.name"),
+    ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "hi", "tool_choice": 5}, "tool_choice"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
 ])  # fmt: skip
 async def test_refusals_name_the_responses_field(tok, body, param):
     backend = ScriptedBackend(steps(tok, "x"))
@@ -164,6 +177,20 @@ async def test_refusals_name_the_responses_field(tok, body, param):
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["param"] == param, response.text
     assert backend.calls == []
+
+
+async def test_a_developer_turn_is_the_system_turn(tok):
+    """The Responses API's `developer` role renders as chat's `system` (templates know no
+    developer): the same prompt ids reach the backend."""
+    backend = ScriptedBackend(steps(tok, "ok"), finish_reason="stop")
+    http, client = clients(backend, tok)
+    async with http:
+        await client.responses.create(model=MODEL, input=[
+            {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+        await client.responses.create(model=MODEL, input="hi", instructions="Be brief.")
+        await http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
+    assert backend.calls[0][1] == backend.calls[1][1] == backend.calls[2][1]
 
 
 async def test_json_schema_format_reaches_the_backend_as_a_grammar(tok):

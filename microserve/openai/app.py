@@ -32,13 +32,15 @@ import llguidance
 from microserve import __version__
 from microserve.backend import CLIENT, BackendError, Client, GenerateBackend
 from microserve.client_streams import ClientDisconnected, EventStream, unless_disconnected
-from microserve.errors import (from_validation_errors, install_error_handlers, invalid_request,
+from microserve.errors import (OpenAIError, from_validation_errors, install_error_handlers,
+                               invalid_request,
                                model_not_found)
 from microserve.metrics import CONTENT_TYPE, Registry
 from microserve.vllm_metrics import RequestMetrics
 from microserve.model_config import sampling_defaults
 from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
-from microserve.openai.responses_api import ResponsesRequest, ResponseWriter, chat_request
+from microserve.openai.responses_api import (ResponsesRequest, ResponseWriter, chat_request,
+                                             renamed)
 from microserve.openai.responses_api import usage as responses_usage
 from microserve.openai.limits import check_choices, fit_context
 from microserve.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -179,15 +181,21 @@ class OpenAIFrontend:
         body = await _parse_body(raw, ResponsesRequest)
         chat = chat_request(body)
         self._check_model(chat.model)
-        grammar = self._chat_grammar(chat)
-        text = self._render_chat(chat)
+        try:  # what chat would refuse, named as the Responses API names it
+            grammar = self._chat_grammar(chat)
+            text = self._render_chat(chat)
+        except OpenAIError as e:
+            raise renamed(e, body) from None
         prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
         prompt_ids = chat.truncated(prompt_ids, self.backend.max_model_len)
         max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids),
                                  chat.requested_max_tokens, "max_output_tokens", "input",
                                  self._default_max_tokens(None))
         writer = ResponseWriter(body, self._served(chat.model))
-        run = self._new_run(writer.id, chat, prompt_ids, max_tokens, None, arrival, grammar)
+        try:
+            run = self._new_run(writer.id, chat, prompt_ids, max_tokens, None, arrival, grammar)
+        except OpenAIError as e:
+            raise renamed(e, body) from None
         if parses_calls(chat.tools, chat.tool_choice):
             run.tool_calls = self.tool_parser.stream(forces_calls(chat.tool_choice))
         CLIENT.set(Client(chat.user, raw.headers))

@@ -16,20 +16,25 @@ refused (send the conversation in `input`) and `store` changes nothing. Only fun
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from microserve.errors import from_validation_errors, invalid_request
+from microserve.errors import OpenAIError, from_validation_errors, invalid_request
 from microserve.openai.protocol import ChatCompletionRequest, Count
 from microserve.openai.tool_parsers import ParsedCall
 
-# chat's field -> the Responses API's, for the errors of the converted request
-_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-                "messages": "input"}  # fmt: skip
-_MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+# chat's names -> the Responses API's, for the errors of the converted request (in order)
+_RENAMES = ((re.compile(r"^response_format(\.json_schema)?"), "text.format"),
+            (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
+            (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
+            (re.compile(r"^tool_choice\..*"), "tool_choice"))  # fmt: skip
+# developer is the Responses API's word for what chat templates call system
+_MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system",
+                  "developer": "system"}  # fmt: skip
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -37,7 +42,7 @@ class ResponsesRequest(BaseModel):
     """What POST /v1/responses accepts; fields it does not know are ignored (as OpenAI's)."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: Any  # a string, or a list of items (objects): checked by _messages, naming input[i]
     instructions: str | None = None
     max_output_tokens: Count | None = None
     temperature: float | None = None
@@ -45,7 +50,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Any = None  # a string or {"type": "function", "name"}: _tool_choice
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     store: bool = True  # accepted; nothing is stored
@@ -53,6 +58,25 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     seed: int | None = None
     priority: int | None = None  # vLLM's extension, as on chat (a batch line's is set for it)
+
+    @field_validator("input")
+    @classmethod
+    def _string_or_items(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of input items")
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise ValueError(f"item {i} is a {type(item).__name__}, not an object")
+        return value
+
+    @field_validator("text")
+    @classmethod
+    def _format_object(cls, value: dict | None) -> dict | None:
+        if value is not None and not isinstance(value.get("format", {}), (dict, type(None))):
+            raise ValueError("text.format must be an object, e.g. {\"type\": \"json_schema\", ...}")
+        return value
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -79,15 +103,25 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:
-        errors = e.errors()
-        for error in errors:
-            loc = list(error.get("loc", ()))
-            if loc and loc[0] in _FIELD_NAMES:
-                loc[0] = _FIELD_NAMES[loc[0]]
-                if loc[0] == "input" and len(loc) > 1 and body.instructions is not None:
-                    loc[1] = loc[1] - 1 if isinstance(loc[1], int) else loc[1]
-                error["loc"] = tuple(loc)
-        raise from_validation_errors(errors) from None
+        raise renamed(from_validation_errors(e.errors()), body) from None
+
+
+def renamed(error: OpenAIError, body: ResponsesRequest) -> OpenAIError:
+    """A chat request's error in the Responses API's names: `messages[i]` is `input[i]` (one
+    less with instructions in front), `max_completion_tokens` is `max_output_tokens`,
+    `response_format` is `text.format`, a tool's `function.` is dropped."""
+    param = error.param
+    if param is None:
+        return error
+    shift = 0 if body.instructions is None else 1
+    new = re.sub(r"^messages\[(\d+)\]", lambda m: f"input[{int(m[1]) - shift}]", param)
+    new = "input" if new == "messages" else new
+    for pattern, replacement in _RENAMES:
+        new = pattern.sub(replacement, new)
+    if new == param:
+        return error
+    return OpenAIError(error.status_code, error.message.replace(param, new), type=error.type,
+                       param=new, code=error.code, retry_after=error.retry_after)
 
 
 def _messages(body: ResponsesRequest) -> list[dict]:
@@ -105,7 +139,8 @@ def _messages(body: ResponsesRequest) -> list[dict]:
             if role not in _MESSAGE_ROLES:
                 raise invalid_request(f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}; "
                                       f"got {role!r}", f"{where}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), where)})
+            messages.append({"role": _MESSAGE_ROLES[role],
+                             "content": _text(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where),
@@ -138,10 +173,13 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in _TEXT_PARTS:
             raise invalid_request(f"{where}.content[{j}] is a part of type {kind!r}; only text "
                                   "parts (input_text, output_text) are supported",
                                   f"{where}.content[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise invalid_request(f"{where}.content[{j}].text must be a string",
+                                  f"{where}.content[{j}].text")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -161,10 +199,11 @@ def _tool(i: int, tool: dict) -> dict:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: str | dict) -> str | dict:
+def _tool_choice(choice: Any) -> str | dict:
     if isinstance(choice, str):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+            choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise invalid_request("tool_choice must be none, auto, required or "
                           '{"type": "function", "name": ...}', "tool_choice")
