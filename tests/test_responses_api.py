@@ -203,3 +203,30 @@ async def test_json_schema_format_reaches_the_backend_as_a_grammar(tok):
     assert json.loads(response.output_text) == {"a": 1}
     assert response.text.format.type == "json_schema"
     assert backend.calls[0][2].grammar is not None
+
+
+async def test_logprobs_when_asked_for_streamed_and_not(tok):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: each token's logprob
+    and its alternatives on the output_text part, as chat reports them; streamed, on each
+    delta event, adding up to the part's."""
+    backend = ScriptedBackend(steps(tok, "hello", " world"), finish_reason="stop", logprobs=True)
+    http, client = clients(backend, tok)
+    async with http:
+        response = await client.responses.create(
+            model=MODEL, input="hi", top_logprobs=1, include=["message.output_text.logprobs"])
+        chat = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+            "top_logprobs": 1})
+        stream = await client.responses.create(model=MODEL, input="hi", top_logprobs=1,
+                                               stream=True)
+        events = [event async for event in stream]
+        plain = await client.responses.create(model=MODEL, input="hi")
+    assert backend.calls[0][2].logprobs == 1 and backend.calls[3][2].logprobs is None
+    want = chat.json()["choices"][0]["logprobs"]["content"]
+    got = [lp.model_dump() for lp in response.output[0].content[0].logprobs]
+    assert got == want and len(want) == len(tok.encode("hello")) + len(tok.encode(" world"))
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert streamed == want
+    assert [lp.model_dump() for lp in events[-1].response.output[0].content[0].logprobs] == want
+    assert plain.output[0].content[0].logprobs == []

@@ -191,9 +191,11 @@ class OpenAIFrontend:
         max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids),
                                  chat.requested_max_tokens, "max_output_tokens", "input",
                                  self._default_max_tokens(None))
-        writer = ResponseWriter(body, self._served(chat.model))
+        writer = ResponseWriter(body, self._served(chat.model),
+                                self.tokenizer.token_bytes if chat.logprobs else None)
         try:
-            run = self._new_run(writer.id, chat, prompt_ids, max_tokens, None, arrival, grammar)
+            run = self._new_run(writer.id, chat, prompt_ids, max_tokens, chat.requested_logprobs,
+                                arrival, grammar)
         except OpenAIError as e:
             raise renamed(e, body) from None
         if parses_calls(chat.tools, chat.tool_choice):
@@ -204,7 +206,8 @@ class OpenAIFrontend:
             if not body.stream:
                 whole = await unless_disconnected(raw.receive, collect(gen))
                 calls = [call for _, call in whole.tool_calls]
-                return JSONResponse(writer.whole(whole.text, calls, whole.finish_reason,
+                return JSONResponse(writer.whole(whole.text, whole.logprobs, calls,
+                                                 whole.finish_reason,
                                                  responses_usage(self._usage([run]))))
             first = await unless_disconnected(raw.receive, anext(gen))
         except ClientDisconnected:
@@ -224,7 +227,7 @@ class OpenAIFrontend:
                 yield event
             delta, finish_reason = first, None
             while delta is not None:
-                for event in writer.events_text(delta.text):
+                for event in writer.events_text(delta.text, delta.logprobs):
                     yield event
                 for _, call in delta.tool_calls:
                     for event in writer.events_call(call):

@@ -168,14 +168,20 @@ class ChatWire(_ResponseWire):
                   "finish_reason": finish_reason}
         return self._envelope(self.object, [choice], usage=usage)
 
-    def _token(self, token_id: int, logprob: float) -> dict:
-        raw = self._token_bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob),
-                "bytes": list(raw)}
-
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self._token_bytes is None:
             return None
-        content = [{**self._token(e.token_id, e.logprob),
-                    "top_logprobs": [self._token(t, p) for t, p in e.top]} for e in entries]
-        return {"content": content}
+        return {"content": token_logprobs(entries, self._token_bytes)}
+
+
+def token_logprobs(entries: list[TokenLogprob], token_bytes: Callable[[int], bytes]) -> list[dict]:
+    """Chat's (and the Responses API's) logprob entries: each token's text, logprob and bytes,
+    with its top alternatives."""
+
+    def token(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob),
+                "bytes": list(raw)}
+
+    return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, p) for t, p in e.top]}
+            for e in entries]

@@ -19,12 +19,15 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from microserve.errors import OpenAIError, from_validation_errors, invalid_request
+from microserve.messages import TokenLogprob
 from microserve.openai.protocol import ChatCompletionRequest, Count
+from microserve.openai.responses import token_logprobs
 from microserve.openai.tool_parsers import ParsedCall
 
 # chat's names -> the Responses API's, for the errors of the converted request (in order)
@@ -36,6 +39,7 @@ _RENAMES = ((re.compile(r"^response_format(\.json_schema)?"), "text.format"),
 _MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system",
                   "developer": "system"}  # fmt: skip
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the tokens' logprobs
 
 
 class ResponsesRequest(BaseModel):
@@ -58,6 +62,8 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     seed: int | None = None
     priority: int | None = None  # vLLM's extension, as on chat (a batch line's is set for it)
+    top_logprobs: int | None = None  # bounded as chat's
+    include: list[str] | None = None  # "message.output_text.logprobs": the tokens' logprobs
 
     @field_validator("input")
     @classmethod
@@ -98,6 +104,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         chat["tool_choice"] = _tool_choice(body.tool_choice)
     if body.text is not None and body.text.get("format") is not None:
         chat["response_format"] = _format(body.text["format"])
+    if body.top_logprobs is not None or LOGPROBS in (body.include or ()):
+        chat["logprobs"], chat["top_logprobs"] = True, body.top_logprobs or 0
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     try:
@@ -233,11 +241,14 @@ def usage(chat_usage: dict) -> dict:
 class ResponseWriter:
     """One response's JSON: the whole object, or its stream of events (`events_*`)."""
 
-    def __init__(self, body: ResponsesRequest, model: str):
-        self.body, self.model = body, model
+    def __init__(self, body: ResponsesRequest, model: str,
+                 token_bytes: Callable[[int], bytes] | None = None):
+        """`token_bytes`: the tokenizer's, when the request asked for logprobs."""
+        self.body, self.model, self._token_bytes = body, model, token_bytes
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = time.time()
         self.output: list[dict] = []  # the items, in the order they were opened
+        self._held: list[dict] = []  # streamed logprobs not yet sent with a text delta
         self._message: dict | None = None  # the message item being written (streaming)
         self._sequence = 0
 
@@ -260,11 +271,12 @@ class ResponseWriter:
                 "previous_response_id": None, "store": False, "truncation": "disabled",
                 "metadata": body.metadata or {}, "user": body.user, "usage": usage_}
 
-    def whole(self, text: str, calls: list[ParsedCall], finish_reason: str | None,
-              usage_: dict) -> dict:
+    def whole(self, text: str, logprobs: list[TokenLogprob], calls: list[ParsedCall],
+              finish_reason: str | None, usage_: dict) -> dict:
         """The non-streaming answer: the text as one message item (if any), then the calls."""
         if text or not calls:
             self.output.append(self._message_item(text, "completed"))
+            self.output[-1]["content"][0]["logprobs"] = self._logprobs(logprobs)
         self.output += [self._call_item(call) for call in calls]
         return self.response("completed", usage_, finish_reason)
 
@@ -296,8 +308,13 @@ class ResponseWriter:
         return [self.event("response.created", response=start),
                 self.event("response.in_progress", response=start)]
 
-    def events_text(self, text: str) -> list[bytes]:
-        """A text delta, opening the message item first if this is its first text."""
+    def _logprobs(self, entries: list[TokenLogprob]) -> list[dict]:
+        return [] if self._token_bytes is None else token_logprobs(entries, self._token_bytes)
+
+    def events_text(self, text: str, logprobs: list[TokenLogprob] = ()) -> list[bytes]:
+        """A text delta, opening the message item first if this is its first text. Logprobs of
+        tokens with no text yet (a character's first bytes) wait for the next delta."""
+        self._held += self._logprobs(logprobs)
         if not text:
             return []
         out = []
@@ -310,10 +327,12 @@ class ResponseWriter:
                                output_index=len(self.output) - 1, content_index=0,
                                part=self._text_part(""))]
             self._message["content"] = [self._text_part("")]
-        self._message["content"][0]["text"] += text
+        part, entries, self._held = self._message["content"][0], self._held, []
+        part["text"] += text
+        part["logprobs"] += entries
         out.append(self.event("response.output_text.delta", item_id=self._message["id"],
                               output_index=self.output.index(self._message), content_index=0,
-                              delta=text, logprobs=[]))
+                              delta=text, logprobs=entries))
         return out
 
     def events_call(self, call: ParsedCall) -> list[bytes]:
@@ -337,9 +356,12 @@ class ResponseWriter:
             return []
         index = self.output.index(message)
         part = message["content"][0]
+        part["logprobs"] += self._held  # tokens whose text never came (a stop token's)
+        self._held = []
         message["status"] = "completed"
         return [self.event("response.output_text.done", item_id=message["id"],
-                           output_index=index, content_index=0, text=part["text"], logprobs=[]),
+                           output_index=index, content_index=0, text=part["text"],
+                           logprobs=part["logprobs"]),
                 self.event("response.content_part.done", item_id=message["id"],
                            output_index=index, content_index=0, part=part),
                 self.event("response.output_item.done", output_index=index, item=message)]
