@@ -230,3 +230,26 @@ async def test_logprobs_when_asked_for_streamed_and_not(tok):
     assert streamed == want
     assert [lp.model_dump() for lp in events[-1].response.output[0].content[0].logprobs] == want
     assert plain.output[0].content[0].logprobs == []
+
+
+async def test_a_client_gone_mid_stream_or_before_the_first_token_aborts_the_request(tok):
+    """Over a real socket: a stream closed after its first delta, and a non-streamed request
+    given up before any token, each abort their generation in the backend (nothing runs on
+    for nobody)."""
+    from test_openai_app import eventually, live_server
+
+    backend = ScriptedBackend(steps(tok, "hello"), hang=True)
+    async with live_server(backend, tok) as (url, _), httpx.AsyncClient() as http:
+        body = {"model": MODEL, "input": "hi", "stream": True}
+        async with http.stream("POST", f"{url}/v1/responses", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and "output_text.delta" in line:
+                    assert json.loads(line[6:])["delta"] == "hello"
+                    break  # leaving the block closes the connection mid-stream
+        await eventually(lambda: backend.aborted == [backend.calls[0][0]])
+    waiting = ScriptedBackend([], hang=True)  # e.g. a long queue or prefill
+    async with live_server(waiting, tok) as (url, _), httpx.AsyncClient() as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"{url}/v1/responses", json={"model": MODEL, "input": "hi"},
+                            timeout=0.3)
+        await eventually(lambda: waiting.aborted == [waiting.calls[0][0]])
