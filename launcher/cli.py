@@ -99,6 +99,7 @@ def _run_engine(args) -> None:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     _run_loop(serve(config, name, args.host, args.port, args.log_level, api_key=args.api_key,
                     deployment=args.deployment, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser,
                     generation_config=args.generation_config,
                     chat_template=args.chat_template,
                     http_limits=_http_limits(args)))

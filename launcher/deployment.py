@@ -5,6 +5,7 @@ Config (TOML; see deploy/local-cpu.toml, and docs/router.md for every key):
     model = "smollm2-135m-instruct"      # or a Hugging Face directory; what every engine loads
     served_model_name = "..."            # optional: the name clients use
     tool_call_parser = "hermes"          # the router's tool-call format: hermes, llama3_json
+    reasoning_parser = "deepseek_r1"     # optional: thinking split from the answer
     generation_config = "auto"           # requests' sampling defaults: the model's, or openai
     chat_template = "t.jinja"            # optional: instead of the model's (a file, or the text)
 
@@ -19,7 +20,7 @@ Config (TOML; see deploy/local-cpu.toml, and docs/router.md for every key):
     args = ["--kv-cache-memory-gb", "1"] # more `microserve engine` options
     env = { CUDA_VISIBLE_DEVICES = "0" } # more environment
 
-The [router] keys, `tool_call_parser`, `generation_config` and `chat_template` are the router's
+The [router] keys, `tool_call_parser`, `reasoning_parser`, `generation_config` and `chat_template` are the router's
 settings (router/settings.py): their names, types and defaults come from there, as `microserve
 router`'s options do. Each engine's
 args are parsed as `microserve engine` parses them, into the EngineConfig it will run with

@@ -215,6 +215,7 @@ def lora_options(p) -> None:
                    help="while it works, the engine logs its throughput, load and where its "
                         "core's time went every this many seconds (default: 10; 0: never)")
     shared_setting_option(p, "tool_call_parser")
+    shared_setting_option(p, "reasoning_parser")
     vllm_flags(p)
     shared_setting_option(p, "generation_config")
     shared_setting_option(p, "chat_template")

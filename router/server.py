@@ -151,7 +151,8 @@ class Router:
         app = build_openai_app(self.backend, self.tokenizer, registry=self.registry,
                                tool_call_parser=self.config.tool_call_parser,
                                larger_bodies={"/v1/files": UPLOAD_BODY_BYTES},
-                               sampling_defaults=defaults)
+                               sampling_defaults=defaults,
+                               reasoning_parser=self.config.reasoning_parser)
         add_batch_routes(app, self.batches and BatchAPI(self.batches.store, self.batches,
                                                         self.config.api_key))
         app.add_middleware(LiveRequests, admission=self.admission)

@@ -18,6 +18,7 @@ from dataclasses import Field, dataclass, field, fields
 
 from microserve.backend import QUEUE_TIMEOUT_S
 from microserve.http_limits import HttpLimits
+from microserve.openai.reasoning import REASONING_PARSERS
 from router.engines import LIVENESS_TIMEOUT_S
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -89,6 +90,11 @@ class RouterSettings:
                   "(<tool_call> blocks; also how tools are written into the prompt when the "
                   "chat template does not render them) or llama3_json", file="top",
         choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _setting(
+        None, "how a reasoning model's thinking is split from its answer in chat and responses "
+              "(as vLLM's option): deepseek_r1 (up to the first </think>: DeepSeek-R1 and its "
+              "Llama distillations; default: unset, not split)", file="top",
+        choices=REASONING_PARSERS)
 
     chat_template: str | None = _setting(
         None, "the chat template to render chat requests with instead of the model's (as "
@@ -118,6 +124,9 @@ class RouterSettings:
         if self.batch_order not in BATCH_ORDERS:
             raise ValueError(f"batch_order {self.batch_order!r} is not one of "
                              f"{', '.join(BATCH_ORDERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of "
                              f"{', '.join(TOOL_CALL_PARSERS)}")

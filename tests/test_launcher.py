@@ -356,8 +356,13 @@ def test_a_vllm_serve_command_line_parses(tmp_path):
     args = parser().parse_args([
         "engine", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         "--enable-prefix-caching", "--enable-chunked-prefill", "--disable-log-requests",
-        "--trust-remote-code", "--chat-template", "t.jinja", "--generation-config", "vllm"])
+        "--trust-remote-code", "--chat-template", "t.jinja", "--generation-config", "vllm",
+        "--reasoning-parser", "deepseek_r1"])
     assert (args.chat_template, args.generation_config) == ("t.jinja", "vllm")
+    assert args.reasoning_parser == "deepseek_r1"
+    assert parser().parse_args(["engine"]).reasoning_parser is None
+    with pytest.raises(SystemExit):
+        parser().parse_args(["engine", "--reasoning-parser", "qwen3"])
     assert engine_config(args, str(tmp_path)).enable_prefix_cache
     off = parser().parse_args(["engine", "--no-enable-prefix-caching", "--block-size", "32",
                                "--uvicorn-log-level", "warning"])
@@ -470,6 +475,12 @@ def test_the_routers_settings_are_its_options_and_its_deployment_keys(tmp_path):
     assert (RouterSettings().chat_template, RouterSettings().generation_config) == (None, "auto")
     config.write_text('generation_config = "model"\n' + engines)
     with pytest.raises(ValueError, match="generation_config 'model' is not one of auto, openai"):
+        load_deployment(config)
+    config.write_text('reasoning_parser = "deepseek_r1"\n' + engines)
+    assert load_deployment(config).router.reasoning_parser == "deepseek_r1"
+    assert RouterSettings().reasoning_parser is None
+    config.write_text('reasoning_parser = "qwen3"\n' + engines)
+    with pytest.raises(ValueError, match="reasoning_parser 'qwen3' is not one of deepseek_r1"):
         load_deployment(config)
     config.write_text('[router]\nqueue_timeout = 5\n' + engines)
     with pytest.raises(ValueError, match=r"\[router\]: unknown key\(s\) queue_timeout \(known: "):

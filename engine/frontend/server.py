@@ -30,10 +30,11 @@ FDS_PER_CONNECTION = 1  # a client's socket (the core's is one for all of them)
 
 def build_engine_app(client: CoreClient, tokenizer: Tokenizer,
                      api_key: str | None = None, tool_call_parser: str = "hermes",
-                     sampling_defaults: dict | None = None) -> FastAPI:
+                     sampling_defaults: dict | None = None,
+                     reasoning_parser: str | None = None) -> FastAPI:
     """The OpenAI API over the engine, plus the microserving API (microserving_api.py)."""
     app = build_openai_app(client, tokenizer, tool_call_parser=tool_call_parser,
-                           sampling_defaults=sampling_defaults)
+                           sampling_defaults=sampling_defaults, reasoning_parser=reasoning_parser)
     add_microserving_routes(app, client, api_key=api_key)
     return app
 
@@ -42,7 +43,7 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
                 log_level: str = "info", api_key: str | None = None,
                 deployment: str | None = None, tool_call_parser: str = "hermes",
                 http_limits: HttpLimits = HttpLimits(), generation_config: str = "auto",
-                chat_template: str | None = None) -> None:
+                chat_template: str | None = None, reasoning_parser: str | None = None) -> None:
     sock = listen_socket(host, port)  # first: a busy port fails before the model loads
     limits = fit_file_limit(http_limits, FDS_PER_CONNECTION)
     tokenizer = Tokenizer.from_dir(config.model, chat_template)
@@ -57,7 +58,8 @@ async def serve(config: EngineConfig, served_model_name: str, host: str, port: i
         info.kv_capacity_tokens, info.max_model_len, info.kv_transfer,
     )  # fmt: skip
     defaults = model_sampling_defaults(config.model, generation_config)
-    app = build_engine_app(client, tokenizer, api_key, tool_call_parser, defaults)
+    app = build_engine_app(client, tokenizer, api_key, tool_call_parser, defaults,
+                           reasoning_parser)
     server = QuietServer.serving(app, log_level, limits)
 
     async def stop_when_core_exits():

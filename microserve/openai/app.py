@@ -38,6 +38,7 @@ from microserve.errors import (OpenAIError, from_validation_errors, install_erro
 from microserve.metrics import CONTENT_TYPE, Registry
 from microserve.vllm_metrics import RequestMetrics
 from microserve.model_config import sampling_defaults
+from microserve.openai.reasoning import REASONING_PARSERS, ThinkSplitter
 from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
 from microserve.openai.responses_api import (ResponsesRequest, ResponseWriter, chat_request,
                                              renamed)
@@ -77,9 +78,14 @@ class OpenAIFrontend:
     """The OpenAI endpoints over one backend and its tokenizer; see `build_openai_app`."""
 
     def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, registry: Registry,
-                 tool_parser: ToolParser, sampling_defaults: dict | None = None):
+                 tool_parser: ToolParser, sampling_defaults: dict | None = None,
+                 reasoning_parser: str | None = None):
         self.backend, self.tokenizer, self.registry = backend, tokenizer, registry
         self.tool_parser = tool_parser
+        if reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser {reasoning_parser!r} is not one of "
+                             f"{', '.join(REASONING_PARSERS)}")
+        self.reasoning_parser = reasoning_parser  # chat and responses split thinking off
         # the model's recommended sampling (build_openai_app), max_tokens apart
         defaults = dict(sampling_defaults or {})
         self._max_tokens_default = defaults.pop("max_tokens", None)
@@ -169,6 +175,8 @@ class OpenAIFrontend:
                                 choices_of=response_id if body.n > 1 else None)
             if parses_calls(body.tools, body.tool_choice):
                 run.tool_calls = self.tool_parser.stream(forces_calls(body.tool_choice))
+            if self.reasoning_parser is not None:
+                run.reasoning = ThinkSplitter()
             choices.append((run, ChatWire(response_id, self._served(body.model), created,
                                           token_bytes, i)))
         return await self._respond(raw, body, choices)
@@ -200,6 +208,8 @@ class OpenAIFrontend:
             raise renamed(e, body) from None
         if parses_calls(chat.tools, chat.tool_choice):
             run.tool_calls = self.tool_parser.stream(forces_calls(chat.tool_choice))
+        if self.reasoning_parser is not None:
+            run.reasoning = ThinkSplitter()
         CLIENT.set(Client(chat.user, raw.headers))
         gen = self._deltas(run)
         try:
@@ -208,7 +218,8 @@ class OpenAIFrontend:
                 calls = [call for _, call in whole.tool_calls]
                 return JSONResponse(writer.whole(whole.text, whole.logprobs, calls,
                                                  whole.finish_reason,
-                                                 responses_usage(self._usage([run]))))
+                                                 responses_usage(self._usage([run])),
+                                                 whole.reasoning))
             first = await unless_disconnected(raw.receive, anext(gen))
         except ClientDisconnected:
             await close_all([gen])
@@ -227,6 +238,8 @@ class OpenAIFrontend:
                 yield event
             delta, finish_reason = first, None
             while delta is not None:
+                for event in writer.events_reasoning(delta.reasoning):
+                    yield event
                 for event in writer.events_text(delta.text, delta.logprobs):
                     yield event
                 for _, call in delta.tool_calls:
@@ -386,7 +399,8 @@ class OpenAIFrontend:
             if not body.stream:
                 wholes = await unless_disconnected(raw.receive,
                                                    all_or_none([collect(g) for g in gens]))
-                bodies = [wire.body(w.text, w.logprobs, w.finish_reason, None, w.tool_calls)
+                bodies = [wire.body(w.text, w.logprobs, w.finish_reason, None, w.tool_calls,
+                                    w.reasoning)
                           for (_, wire), w in zip(choices, wholes)]
                 answer = bodies[0]
                 answer["choices"] = [b["choices"][0] for b in bodies]
@@ -423,7 +437,7 @@ class OpenAIFrontend:
             delta: Delta | None = first
             while delta is not None:
                 for chunk in wire.delta_chunks(delta.text, delta.logprobs, delta.finish_reason,
-                                               delta.tool_calls):
+                                               delta.tool_calls, delta.reasoning):
                     yield _sse_with(chunk, usage_each)
                 delta = await anext(deltas, None)
             if include_usage:
@@ -457,7 +471,7 @@ class OpenAIFrontend:
                     yield _sse_with(chunk, usage_each)
             for (_, wire), delta in zip(choices, firsts):
                 for chunk in wire.delta_chunks(delta.text, delta.logprobs, delta.finish_reason,
-                                               delta.tool_calls):
+                                               delta.tool_calls, delta.reasoning):
                     yield _sse_with(chunk, usage_each)
             pumps = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
             running = len(gens)
@@ -469,7 +483,8 @@ class OpenAIFrontend:
                     running -= 1
                     continue
                 for chunk in choices[k][1].delta_chunks(delta.text, delta.logprobs,
-                                                        delta.finish_reason, delta.tool_calls):
+                                                        delta.finish_reason, delta.tool_calls,
+                                                        delta.reasoning):
                     yield _sse_with(chunk, usage_each)
             if include_usage:
                 yield sse(choices[0][1].usage_chunk(self._usage([r for r, _ in choices])))
@@ -540,10 +555,17 @@ class OpenAIFrontend:
 
     def _delta(self, run: Run, text: str, logprobs: list[TokenLogprob],
                finish_reason: str | None) -> Delta:
-        """A delta, with the tool calls its text completed taken out of it (chat with tools).
-        A generation that stopped after calling tools finishes with "tool_calls"."""
+        """A delta, with its thinking split off (--reasoning-parser) and the tool calls its
+        answer completed taken out of it (chat with tools). A generation that stopped after
+        calling tools finishes with "tool_calls"."""
+        reasoning = None
+        if run.reasoning is not None:
+            reasoning, text = run.reasoning.feed(text)
+            if finish_reason is not None:
+                more_reasoning, more_text = run.reasoning.flush()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         if run.tool_calls is None:
-            return Delta(text, logprobs, finish_reason)
+            return Delta(text, logprobs, finish_reason, reasoning=reasoning)
         text, calls = run.tool_calls.feed(text)
         if finish_reason is not None:
             more_text, more_calls = run.tool_calls.flush()
@@ -552,7 +574,7 @@ class OpenAIFrontend:
         run.num_tool_calls += len(calls)
         if finish_reason == FinishReason.STOP and run.num_tool_calls:
             finish_reason = "tool_calls"
-        return Delta(text, logprobs, finish_reason, indexed)
+        return Delta(text, logprobs, finish_reason, indexed, reasoning)
 
     def _text_ids(self, run: Run, out: GenerateChunk) -> list[int]:
         """The tokens that become text: a final stop token's or eos's text is left out
@@ -639,7 +661,8 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
                      registry: Registry | None = None,
                      tool_call_parser: str = "hermes",
                      larger_bodies: dict[str, int] | None = None,
-                     sampling_defaults: dict | None = None) -> FastAPI:
+                     sampling_defaults: dict | None = None,
+                     reasoning_parser: str | None = None) -> FastAPI:
     """A FastAPI app serving the OpenAI API, /health and /metrics over `backend`.
 
     Args:
@@ -651,6 +674,8 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
             (microserve/openai/tool_parsers.py: hermes, llama3_json).
         larger_bodies: paths whose request bodies may be larger than MAX_BODY_BYTES (an upload
             route added later), and how large.
+        reasoning_parser: how a reasoning model's thinking is split from its answer in chat
+            and responses (microserve/openai/reasoning.py: deepseek_r1); None: not split.
         sampling_defaults: what a request that leaves temperature, top_p, top_k, min_p,
             repetition_penalty or max_tokens out gets instead of OpenAI's defaults
             (microserve.model_config.sampling_defaults: the model's generation config).
@@ -660,7 +685,7 @@ def build_openai_app(backend: GenerateBackend, tokenizer: Tokenizer, *,
         returns is OpenAI's error JSON.
     """
     frontend = OpenAIFrontend(backend, tokenizer, registry or Registry(),
-                              make_parser(tool_call_parser), sampling_defaults)
+                              make_parser(tool_call_parser), sampling_defaults, reasoning_parser)
     app = FastAPI(title="microserve")
     install_error_handlers(app)
     app.add_middleware(LimitBody, larger=larger_bodies)

@@ -62,7 +62,8 @@ class _ResponseWire:
         raise NotImplementedError
 
     def delta_chunks(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
-                     tool_calls: list[tuple[int, ParsedCall]]) -> list[dict]:
+                     tool_calls: list[tuple[int, ParsedCall]],
+                     reasoning: str | None = None) -> list[dict]:
         """The stream chunks of one delta (none if it adds nothing)."""
         if text or logprobs or finish_reason:
             return [self.chunk(text, logprobs, finish_reason)]
@@ -85,8 +86,9 @@ class CompletionWire(_ResponseWire):
         return self._envelope(self.chunk_object, [choice])
 
     def body(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
-             usage: dict, tool_calls: list[tuple[int, ParsedCall]] = ()) -> dict:
-        assert not tool_calls, "completions have no tool calls"
+             usage: dict, tool_calls: list[tuple[int, ParsedCall]] = (),
+             reasoning: str | None = None) -> dict:
+        assert not tool_calls and reasoning is None, "completions have no tool calls, no reasoning"
         return {**self.chunk(text, logprobs, finish_reason), "usage": usage}
 
     def _logprobs(self, entries: list[TokenLogprob | int]) -> dict | None:
@@ -135,12 +137,19 @@ class ChatWire(_ResponseWire):
         return self._envelope(self.chunk_object, [choice])
 
     def delta_chunks(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
-                     tool_calls: list[tuple[int, ParsedCall]]) -> list[dict]:
-        """Text first, then per call (OpenAI's shape) a chunk with its index, id, type and
-        name and one with its arguments, then the finish reason."""
+                     tool_calls: list[tuple[int, ParsedCall]],
+                     reasoning: str | None = None) -> list[dict]:
+        """Thinking first (--reasoning-parser: `reasoning_content`, and `reasoning` as vLLM
+        now names it), then text, then per call (OpenAI's shape) a chunk with its index, id,
+        type and name and one with its arguments, then the finish reason."""
+        chunks = []
+        if reasoning:
+            choice = {"index": self.index, "logprobs": None, "finish_reason": None,
+                      "delta": {"reasoning_content": reasoning, "reasoning": reasoning}}
+            chunks.append(self._envelope(self.chunk_object, [choice]))
         if not tool_calls:
-            return super().delta_chunks(text, logprobs, finish_reason, tool_calls)
-        chunks = super().delta_chunks(text, logprobs, None, [])
+            return chunks + super().delta_chunks(text, logprobs, finish_reason, tool_calls)
+        chunks += super().delta_chunks(text, logprobs, None, [])
         for index, call in tool_calls:
             opening = {"index": index, "id": call.id, "type": "function",
                        "function": {"name": call.name, "arguments": ""}}
@@ -156,8 +165,12 @@ class ChatWire(_ResponseWire):
         return self._envelope(self.chunk_object, [choice])
 
     def body(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
-             usage: dict, tool_calls: list[tuple[int, ParsedCall]] = ()) -> dict:
+             usage: dict, tool_calls: list[tuple[int, ParsedCall]] = (),
+             reasoning: str | None = None) -> dict:
         message = {"role": "assistant", "content": text}
+        if reasoning is not None:  # a reasoning parser is on: its fields, null if it thought not
+            message["reasoning_content"] = message["reasoning"] = reasoning or None
+            message["content"] = text or None  # as vLLM's: null when it only thought
         if tool_calls:  # content is what the model wrote besides the calls, or null
             message["content"] = text.strip() or None
             message["tool_calls"] = [

@@ -250,6 +250,7 @@ class ResponseWriter:
         self.output: list[dict] = []  # the items, in the order they were opened
         self._held: list[dict] = []  # streamed logprobs not yet sent with a text delta
         self._message: dict | None = None  # the message item being written (streaming)
+        self._reasoning: dict | None = None  # the reasoning item being written (streaming)
         self._sequence = 0
 
     # -- the response object ----------------------------------------------------------------
@@ -272,13 +273,21 @@ class ResponseWriter:
                 "metadata": body.metadata or {}, "user": body.user, "usage": usage_}
 
     def whole(self, text: str, logprobs: list[TokenLogprob], calls: list[ParsedCall],
-              finish_reason: str | None, usage_: dict) -> dict:
-        """The non-streaming answer: the text as one message item (if any), then the calls."""
+              finish_reason: str | None, usage_: dict, reasoning: str | None = None) -> dict:
+        """The non-streaming answer: the thinking as a reasoning item (--reasoning-parser),
+        the text as one message item (if any), then the calls."""
+        if reasoning:
+            self.output.append(self._reasoning_item(reasoning, "completed"))
         if text or not calls:
             self.output.append(self._message_item(text, "completed"))
             self.output[-1]["content"][0]["logprobs"] = self._logprobs(logprobs)
         self.output += [self._call_item(call) for call in calls]
         return self.response("completed", usage_, finish_reason)
+
+    @staticmethod
+    def _reasoning_item(text: str, status: str) -> dict:
+        return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
     def _message_item(self, text: str | None, status: str) -> dict:
         content = [] if text is None else [self._text_part(text)]
@@ -311,13 +320,41 @@ class ResponseWriter:
     def _logprobs(self, entries: list[TokenLogprob]) -> list[dict]:
         return [] if self._token_bytes is None else token_logprobs(entries, self._token_bytes)
 
+    def events_reasoning(self, text: str | None) -> list[bytes]:
+        """A piece of thinking, opening the reasoning item first if this is its first."""
+        if not text:
+            return []
+        out = []
+        if self._reasoning is None:
+            self._reasoning = self._reasoning_item("", "in_progress")
+            self.output.append(self._reasoning)
+            out.append(self.event("response.output_item.added",
+                                  output_index=len(self.output) - 1,
+                                  item={**self._reasoning, "content": []}))
+        self._reasoning["content"][0]["text"] += text
+        out.append(self.event("response.reasoning_text.delta", item_id=self._reasoning["id"],
+                              output_index=self.output.index(self._reasoning), content_index=0,
+                              delta=text))
+        return out
+
+    def _close_reasoning(self) -> list[bytes]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        index = self.output.index(item)
+        item["status"] = "completed"
+        return [self.event("response.reasoning_text.done", item_id=item["id"],
+                           output_index=index, content_index=0,
+                           text=item["content"][0]["text"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
     def events_text(self, text: str, logprobs: list[TokenLogprob] = ()) -> list[bytes]:
         """A text delta, opening the message item first if this is its first text. Logprobs of
         tokens with no text yet (a character's first bytes) wait for the next delta."""
         self._held += self._logprobs(logprobs)
         if not text:
             return []
-        out = []
+        out = self._close_reasoning()  # the answer begins: the thinking has ended
         if self._message is None:
             self._message = self._message_item(None, "in_progress")
             self.output.append(self._message)
@@ -337,7 +374,7 @@ class ResponseWriter:
 
     def events_call(self, call: ParsedCall) -> list[bytes]:
         """A parsed call as a whole function_call item (its arguments in one delta)."""
-        out = self._close_message()
+        out = self._close_reasoning() + self._close_message()
         item = self._call_item(call)
         self.output.append(item)
         index = len(self.output) - 1
@@ -367,7 +404,7 @@ class ResponseWriter:
                 self.event("response.output_item.done", output_index=index, item=message)]
 
     def events_closing(self, finish_reason: str | None, usage_: dict) -> list[bytes]:
-        out = self._close_message()
+        out = self._close_reasoning() + self._close_message()
         done = self.response("completed", usage_, finish_reason)
         kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
         return out + [self.event(kind, response=done)]

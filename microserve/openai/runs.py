@@ -13,6 +13,7 @@ import msgspec
 
 from microserve.backend import BackendError
 from microserve.errors import as_openai_error
+from microserve.openai.reasoning import ThinkSplitter
 from microserve.openai.tool_parsers import CallStream, ParsedCall
 from microserve.messages import SamplingParams, TokenLogprob
 
@@ -36,6 +37,7 @@ class Delta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     tool_calls: list[tuple[int, ParsedCall]] = field(default_factory=list)  # (index, call)
+    reasoning: str | None = None  # thinking split from the text (None: no reasoning parser)
 
 
 @dataclass
@@ -59,18 +61,22 @@ class Run:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     finish_reason: str | None = None  # the backend's or a stop string's; None: cut short
+    reasoning: ThinkSplitter | None = None  # --reasoning-parser: splits thinking from the text
 
 
 async def collect(deltas: AsyncIterator[Delta]) -> Delta:
     """All of a generation's deltas as one."""
     whole = Delta("", [], None)
-    texts = []
+    texts, thoughts = [], []
     async for delta in deltas:
         texts.append(delta.text)
         whole.logprobs.extend(delta.logprobs)
         whole.tool_calls.extend(delta.tool_calls)
         whole.finish_reason = delta.finish_reason
+        if delta.reasoning is not None:
+            thoughts.append(delta.reasoning)
     whole.text = "".join(texts)
+    whole.reasoning = "".join(thoughts) if thoughts else None
     return whole
 
 
