@@ -135,14 +135,20 @@ def test_round_trip_matches_direct_requests_and_bad_lines_go_to_the_error_file(r
         c.files.retrieve(made.id)
 
 
+def completed_batch(c: OpenAI, lines: list[dict], endpoint: str) -> dict[str, dict]:
+    """Run `lines` as a batch on `endpoint` to its end: every line completed; output lines by
+    custom_id."""
+    made = c.files.create(file=("lines.jsonl", jsonl(lines)), purpose="batch")
+    batch = wait_for(c, c.batches.create(input_file_id=made.id, endpoint=endpoint,
+                                         completion_window="24h").id)
+    assert batch.status == "completed" and batch.request_counts.completed == len(lines), batch
+    return by_custom_id(c, batch.output_file_id)
+
+
 def test_chat_lines_match_direct_chat(router):
     c = client(router)
     lines = [line(f"q{i}", SHARED + [50 + i], 6, url="/v1/chat/completions") for i in range(3)]
-    made = c.files.create(file=("chat.jsonl", jsonl(lines)), purpose="batch")
-    batch = wait_for(c, c.batches.create(input_file_id=made.id, endpoint="/v1/chat/completions",
-                                         completion_window="24h").id)
-    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
-    outputs = by_custom_id(c, batch.output_file_id)
+    outputs = completed_batch(c, lines, "/v1/chat/completions")
     for x in lines:
         direct = c.chat.completions.create(**x["body"])
         got = outputs[x["custom_id"]]["response"]["body"]["choices"][0]["message"]["content"]
@@ -157,11 +163,7 @@ def test_responses_lines_match_direct_responses(router):
               "body": {"model": "test-model", "input": " ".join(f"<{t}>" for t in SHARED + [60 + i]),
                        "instructions": "Answer.", "max_output_tokens": 6, "temperature": 0}}
              for i in range(3)]  # fmt: skip
-    made = c.files.create(file=("responses.jsonl", jsonl(lines)), purpose="batch")
-    batch = wait_for(c, c.batches.create(input_file_id=made.id, endpoint="/v1/responses",
-                                         completion_window="24h").id)
-    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
-    outputs = by_custom_id(c, batch.output_file_id)
+    outputs = completed_batch(c, lines, "/v1/responses")
     for x in lines:
         direct = c.responses.create(**x["body"])
         body = outputs[x["custom_id"]]["response"]["body"]
