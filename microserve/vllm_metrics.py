@@ -19,6 +19,8 @@ meaning is the same as vLLM's are exported under its names (docs/from-vllm.md#me
     vllm:e2e_request_latency_seconds          arrival -> the request's end
     vllm:request_time_per_output_token_seconds   per request, its mean gap after the first
     vllm:request_success_total{finished_reason}  ended requests: stop, length or abort
+    vllm:request_prompt_tokens / _generation_tokens   per ended request that started
+                                                generating: its prompt's and its output's tokens
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
                                               with LoRA on: the adapters running and waiting
                                                 requests name (comma-separated) and the slots;
@@ -43,12 +45,30 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's bounds for token counts)."""
+    bounds, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return bounds
+            bounds.append(step * scale)
+        scale *= 10
+
+
 class RequestMetrics:
     """The frontend's per-request histograms and counters under vLLM's names."""
 
-    def __init__(self, registry: Registry, model_name: str, ttft_buckets, tpot_buckets):
+    def __init__(self, registry: Registry, model_name: str, ttft_buckets, tpot_buckets,
+                 max_model_len: int):
         self.labels = {"model_name": model_name}
         names = ["model_name"]
+        self.prompt_tokens = registry.histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of a request that generated (vLLM's "
+            "name).", token_buckets(max_model_len), names)
+        self.generation_tokens = registry.histogram(
+            "vllm:request_generation_tokens", "Tokens a request generated (vLLM's name).",
+            token_buckets(max_model_len), names)
         self.ttft = registry.histogram(
             "vllm:time_to_first_token_seconds", "Time to first token, seconds (vLLM's name).",
             ttft_buckets, names)
@@ -64,10 +84,14 @@ class RequestMetrics:
         for reason in FINISHED_REASONS:  # every series present from the start, at 0
             self.success.inc(0, finished_reason=reason, **self.labels)
 
-    def finished(self, arrival: float, now: float, finish_reason: str | None) -> None:
+    def finished(self, arrival: float, now: float, finish_reason: str | None,
+                 prompt_tokens: int = 0, generated: int | None = None) -> None:
         """A request ended: `finish_reason` None (it was cut short) counts as abort; tool
-        calls as stop."""
+        calls as stop. `generated`: its tokens, None if it never started generating."""
         self.e2e.observe(now - arrival, **self.labels)
+        if generated is not None:
+            self.prompt_tokens.observe(prompt_tokens, **self.labels)
+            self.generation_tokens.observe(generated, **self.labels)
         reason = {None: "abort", "tool_calls": "stop"}.get(finish_reason, finish_reason)
         if reason not in FINISHED_REASONS:
             reason = "abort"

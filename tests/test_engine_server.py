@@ -686,6 +686,10 @@ def test_metrics_count_requests_tokens_and_kv_pages(client, engine):
     reasons = {r: delta(f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="{r}"}}')
                for r in ("stop", "length", "abort")}  # fmt: skip
     assert reasons == {"stop": 0, "length": 1, "abort": 0}
+    assert delta("vllm:request_prompt_tokens_sum" + named) == 4
+    assert delta("vllm:request_generation_tokens_sum" + named) == 3
+    assert delta('vllm:request_generation_tokens_bucket{model_name="%s",le="2.0"}' % MODEL) == 0
+    assert delta('vllm:request_generation_tokens_bucket{model_name="%s",le="5.0"}' % MODEL) == 1
     assert delta("vllm:generation_tokens_total" + named) == 3
     assert delta("vllm:prompt_tokens_total" + named) == delta("vllm:prefix_cache_queries_total"
                                                               + named) == 4

@@ -108,7 +108,8 @@ class OpenAIFrontend:
             "microserve_generation_tokens_total", "Generated tokens.")
         self._cached_tokens = registry.counter(
             "microserve_prefix_cache_hit_tokens_total", "Prompt tokens served from a prefix cache.")
-        self._vllm = RequestMetrics(registry, backend.model_name, TTFT_BUCKETS, TPOT_BUCKETS)
+        self._vllm = RequestMetrics(registry, backend.model_name, TTFT_BUCKETS, TPOT_BUCKETS,
+                                    backend.max_model_len)
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -611,7 +612,9 @@ class OpenAIFrontend:
             elapsed = run.last_token_at - run.first_token_at
             self._tpot.observe(elapsed / (run.num_generated - 1))
             self._vllm.tpot.observe(elapsed / (run.num_generated - 1), **self._vllm.labels)
-        self._vllm.finished(run.arrival, time.perf_counter(), run.finish_reason)
+        self._vllm.finished(run.arrival, time.perf_counter(), run.finish_reason,
+                            len(run.prompt_ids),
+                            run.num_generated if run.first_token_at is not None else None)
 
     @staticmethod
     def _usage(runs: list[Run]) -> dict:
