@@ -303,3 +303,49 @@ def test_masked_sampling_draws_only_allowed_tokens(device):
     result = sampler.sample(logits, [params(temperature=1.0, top_p=0.9)] * n, [None] * n,
                             mask=mask)
     assert set(result.token_ids) == set(allowed)
+
+
+def _whole_sort_filter(sampler: Sampler, logits: torch.Tensor, ps: list) -> torch.Tensor:
+    """The filter by sorting every whole row: what the candidates path must reproduce."""
+    vocab = logits.shape[-1]
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in ps],
+                     device=logits.device)
+    top_p = torch.tensor([p.top_p for p in ps], device=logits.device)
+    out = sampler._sorted_top_k_top_p(logits, k, top_p)
+    untouched = torch.tensor([p.top_k <= 0 and p.top_p >= 1.0 for p in ps], device=logits.device)
+    return torch.where(untouched[:, None], logits, out)
+
+
+@pytest.mark.parametrize("scale,ties", [(3.0, False), (3.0, True), (0.3, False), (8.0, True)])
+def test_top_k_top_p_from_candidates_equals_sorting_every_row(device, monkeypatch, scale, ties):
+    """The rows' 64 most likely tokens first (TOP_CANDIDATES shrunk from 1,024 for a small
+    vocabulary), the whole sort only where they do not settle the nucleus: the same kept set
+    and logits as sorting every row, with ties (bf16-rounded logits: equal values keep the
+    lower id first), top-k inside and past the candidates, flat rows whose nucleus reaches
+    past them, and rows with neither filter left bit-identical."""
+    import engine.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 64)
+    vocab = 3000
+    logits = random_logits(16, vocab, seed=7, device=device) * scale
+    if ties:
+        logits = logits.to(torch.bfloat16).float()
+    logits[15] = 0.5  # a flat row: every token tied
+    sampler = Sampler(vocab, device, seed=0)
+    cases = [params(top_p=0.9), params(top_p=0.5), params(top_k=10), params(top_k=64),
+             params(top_k=65), params(top_k=500, top_p=0.7), params(top_k=20, top_p=0.95),
+             params(), params(top_p=0.999), params(top_p=1e-9), params(top_k=1),
+             params(top_p=0.3), params(top_k=vocab), params(top_k=3000, top_p=0.8),
+             params(top_p=0.99), params(top_p=0.9)]
+    got = sampler._apply_top_k_top_p(logits, cases)
+    want = _whole_sort_filter(sampler, logits, cases)
+    assert torch.equal(got, want)
+    assert torch.equal(got[7], logits[7])  # no filter: untouched
+    assert (got[9] > float("-inf")).sum() == 1  # a tiny top_p keeps the most likely token
+    # the candidates settled the rows whose nucleus they hold (this test would pass vacuously
+    # if none were), not the flat row's nor a top-k past them
+    _, settled = Sampler._nucleus_of_candidates(
+        logits, torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in cases],
+                             device=device),
+        torch.tensor([p.top_p for p in cases], device=device), 64)
+    assert settled[[2, 9, 10]].all() and not settled[15] and not settled[4]
