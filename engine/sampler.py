@@ -142,6 +142,10 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
         self._positions = torch.arange(vocab_size, device=self.device)  # for top-k masks
+        # Top-k/top-p from each row's most likely tokens first (_apply_top_k_top_p): on the
+        # CPU. Not on a GPU yet: choosing the rows that still need the whole sort reads a
+        # result back, and that wait would stall the host's lead of a step (async scheduling).
+        self.candidates_first = self.device.type == "cpu"
         self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
 
     def sample(
@@ -281,9 +285,10 @@ class Sampler:
         keep the lower id first and the choice is reproducible. Rows without top-k or top-p
         come out untouched, which keeps a seeded row's tokens independent of its batch.
 
-        The rows' TOP_CANDIDATES most likely tokens come first (a top-k, ~18x cheaper than
-        sorting 128k logits on a CPU); only rows whose nucleus they do not settle — it reaches
-        their last one, or a top-k past them — sort the whole vocabulary.
+        On the CPU (`candidates_first`), the rows' TOP_CANDIDATES most likely tokens come first
+        (a top-k, ~18x cheaper than sorting 128k logits there); only rows whose nucleus they
+        do not settle — it reaches their last one, or a top-k past them — sort the whole
+        vocabulary. A GPU sorts every row.
         """
         rows = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
         if not rows:
@@ -300,7 +305,7 @@ class Sampler:
         k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long,
                       logits.device)
         top_p = to_device([p.top_p for p in params], torch.float32, logits.device)
-        if TOP_CANDIDATES >= vocab:
+        if TOP_CANDIDATES >= vocab or not self.candidates_first:
             return self._sorted_top_k_top_p(logits, k, top_p)
         out, settled = self._nucleus_of_candidates(logits, k, top_p, TOP_CANDIDATES)
         unsettled = (~settled).nonzero().flatten()

@@ -332,6 +332,8 @@ def test_top_k_top_p_from_candidates_equals_sorting_every_row(device, monkeypatc
         logits = logits.to(torch.bfloat16).float()
     logits[15] = 0.5  # a flat row: every token tied
     sampler = Sampler(vocab, device, seed=0)
+    assert sampler.candidates_first == (device.type == "cpu")
+    sampler.candidates_first = True  # (a GPU's sampler sorts every row: test the path there too)
     cases = [params(top_p=0.9), params(top_p=0.5), params(top_k=10), params(top_k=64),
              params(top_k=65), params(top_k=500, top_p=0.7), params(top_k=20, top_p=0.95),
              params(), params(top_p=0.999), params(top_p=1e-9), params(top_k=1),
