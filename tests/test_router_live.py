@@ -164,6 +164,33 @@ async def test_each_strategy_gives_the_greedy_tokens_of_one_engine(up, admin, to
         assert sent - sent_before == n - math.ceil(0.2 * n)
 
 
+async def test_responses_through_prefill_decode_answer_as_chat_does(up, admin):
+    """The Responses API through the router's P/D strategy (P prefills and sends the KV, D
+    decodes): the greedy answer and usage chat gets through the same strategy, streamed and
+    not (the first of the three sent the whole prompt's KV; the others, what D's prefix cache
+    lacked)."""
+    use(admin, **STRATEGIES["pd"])
+    c = client(up)
+    question = "[responses] What is a radix tree? Answer in one sentence."
+    sent = engine_stats(up.engine_urls["p"], check=False)["stats"]["kv_tokens_sent"]
+    chat_answer = await c.chat.completions.create(
+        model="test-model", messages=[{"role": "user", "content": question}],
+        max_tokens=N_NEW, temperature=0)
+    response = await c.responses.create(model="test-model", input=question,
+                                        max_output_tokens=N_NEW, temperature=0)
+    events = [e async for e in await c.responses.create(
+        model="test-model", input=question, max_output_tokens=N_NEW, temperature=0,
+        stream=True)]
+    await c.close()
+    text = chat_answer.choices[0].message.content
+    assert response.output_text == text == events[-1].response.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        chat_answer.usage.prompt_tokens, chat_answer.usage.completion_tokens)
+    after = engine_stats(up.engine_urls["p"], check=False)["stats"]["kv_tokens_sent"]
+    assert after - sent >= chat_answer.usage.prompt_tokens
+
+
 def streamed_chunks(up, prompt: list[int], max_tokens: int) -> tuple[list[dict], dict]:
     """A streamed completion's chunks as the client gets them, less what differs by request
     (id, created), and the usage's cached_tokens apart (a prefix cache hit differs too)."""
