@@ -40,9 +40,9 @@ from microserve.vllm_metrics import RequestMetrics
 from microserve.model_config import sampling_defaults
 from microserve.openai.reasoning import REASONING_PARSERS, ThinkSplitter
 from microserve.openai.responses import ChatWire, CompletionWire, model_card, model_list, usage
-from microserve.openai.responses_api import (ResponsesRequest, ResponseWriter, chat_request,
-                                             renamed)
-from microserve.openai.responses_api import usage as responses_usage
+from microserve.openai.responses_api import ResponsesRequest, chat_request, renamed
+from microserve.openai.responses_writer import ResponseWriter
+from microserve.openai.responses_writer import usage as responses_usage
 from microserve.openai.limits import check_choices, fit_context
 from microserve.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                         MAX_TOKENIZE, DetokenizeRequest, GenerationRequest,
