@@ -157,13 +157,7 @@ class OpenAIFrontend:
         self._check_model(body.model)
         check_choices(1, body.n)
         grammar = self._chat_grammar(body)
-        text = self._render_chat(body)
-        # The template writes the BOS itself.
-        prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
-        prompt_ids = body.truncated(prompt_ids, self.backend.max_model_len)
-        max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids),
-                                 body.requested_max_tokens, body.max_tokens_field, "messages",
-                                 self._default_max_tokens(None))
+        prompt_ids, max_tokens = await self._chat_prompt(body, body.max_tokens_field, "messages")
         token_bytes = None
         if body.logprobs:
             token_bytes = _token_id_bytes if body.return_tokens_as_token_ids else (
@@ -174,10 +168,7 @@ class OpenAIFrontend:
             run = self._new_run(run_id(response_id, i, body.n), body, prompt_ids, max_tokens,
                                 body.requested_logprobs, arrival, grammar, i,
                                 choices_of=response_id if body.n > 1 else None)
-            if parses_calls(body.tools, body.tool_choice):
-                run.tool_calls = self.tool_parser.stream(forces_calls(body.tool_choice))
-            if self.reasoning_parser is not None:
-                run.reasoning = ThinkSplitter()
+            self._read_chat_output(run, body)
             choices.append((run, ChatWire(response_id, self._served(body.model), created,
                                           token_bytes, i)))
         return await self._respond(raw, body, choices)
@@ -190,27 +181,16 @@ class OpenAIFrontend:
         body = await _parse_body(raw, ResponsesRequest)
         chat = chat_request(body)
         self._check_model(chat.model)
-        try:  # what chat would refuse, named as the Responses API names it
-            grammar = self._chat_grammar(chat)
-            text = self._render_chat(chat)
-        except OpenAIError as e:
-            raise renamed(e, body) from None
-        prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
-        prompt_ids = chat.truncated(prompt_ids, self.backend.max_model_len)
-        max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids),
-                                 chat.requested_max_tokens, "max_output_tokens", "input",
-                                 self._default_max_tokens(None))
         writer = ResponseWriter(body, self._served(chat.model),
                                 self.tokenizer.token_bytes if chat.logprobs else None)
-        try:
+        try:  # what chat would refuse, named as the Responses API names it
+            grammar = self._chat_grammar(chat)
+            prompt_ids, max_tokens = await self._chat_prompt(chat, "max_output_tokens", "input")
             run = self._new_run(writer.id, chat, prompt_ids, max_tokens, chat.requested_logprobs,
                                 arrival, grammar)
         except OpenAIError as e:
             raise renamed(e, body) from None
-        if parses_calls(chat.tools, chat.tool_choice):
-            run.tool_calls = self.tool_parser.stream(forces_calls(chat.tool_choice))
-        if self.reasoning_parser is not None:
-            run.reasoning = ThinkSplitter()
+        self._read_chat_output(run, chat)
         CLIENT.set(Client(chat.user, raw.headers))
         gen = self._deltas(run)
         try:
@@ -313,6 +293,27 @@ class OpenAIFrontend:
         return Response(text, media_type=CONTENT_TYPE)
 
     # -- request preparation --------------------------------------------------------------
+
+    async def _chat_prompt(self, body: ChatCompletionRequest, budget_field: str,
+                           prompt_field: str) -> tuple[list[int], int]:
+        """A chat request's prompt token ids (rendered, truncated as asked) and its output
+        budget; a budget past the context is a 400 naming `budget_field` / `prompt_field`."""
+        text = self._render_chat(body)
+        # The template writes the BOS itself.
+        prompt_ids = await self.tokenizer.encode_async(text, add_special_tokens=False)
+        prompt_ids = body.truncated(prompt_ids, self.backend.max_model_len)
+        max_tokens = fit_context(self.backend.max_model_len, len(prompt_ids),
+                                 body.requested_max_tokens, budget_field, prompt_field,
+                                 self._default_max_tokens(None))
+        return prompt_ids, max_tokens
+
+    def _read_chat_output(self, run: Run, body: ChatCompletionRequest) -> None:
+        """Set up what a chat generation's text is read for: tool calls (with tools), and
+        the thinking apart from the answer (--reasoning-parser)."""
+        if parses_calls(body.tools, body.tool_choice):
+            run.tool_calls = self.tool_parser.stream(forces_calls(body.tool_choice))
+        if self.reasoning_parser is not None:
+            run.reasoning = ThinkSplitter()
 
     def _render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> str:
         """The prompt text: tools and tool turns through the template when it renders them,
