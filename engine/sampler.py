@@ -306,7 +306,9 @@ class Sampler:
                       logits.device)
         top_p = to_device([p.top_p for p in params], torch.float32, logits.device)
         if TOP_CANDIDATES >= vocab or not self.candidates_first:
-            return self._sorted_top_k_top_p(logits, k, top_p)
+            return self._sorted_top_k_top_p(logits, k, top_p,
+                                            use_top_k=any(0 < p.top_k < vocab for p in params),
+                                            use_top_p=any(p.top_p < 1.0 for p in params))
         out, settled = self._nucleus_of_candidates(logits, k, top_p, TOP_CANDIDATES)
         unsettled = (~settled).nonzero().flatten()
         if unsettled.numel():  # (one host sync: which rows need the whole sort)
@@ -341,16 +343,19 @@ class Sampler:
         out.scatter_(-1, ids, candidates.masked_fill(~keep, float("-inf")))
         return out, settled
 
-    def _sorted_top_k_top_p(self, logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor
-                            ) -> torch.Tensor:
+    def _sorted_top_k_top_p(self, logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                            use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
         """The same filter by sorting each whole row (stable: equal logits keep the lower id
-        first)."""
+        first). `use_top_k` / `use_top_p` False: no row has one, so its passes are skipped."""
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-        sorted_logits.masked_fill_(self._positions[: logits.shape[-1]] >= k[:, None],
-                                   float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # 0 for the top token
-        sorted_logits.masked_fill_(mass_before >= _nucleus_bound(top_p)[:, None], float("-inf"))
+        if use_top_k:
+            sorted_logits.masked_fill_(self._positions[: logits.shape[-1]] >= k[:, None],
+                                       float("-inf"))
+        if use_top_p:
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # 0 for the top
+            sorted_logits.masked_fill_(mass_before >= _nucleus_bound(top_p)[:, None],
+                                       float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
     def _exponential_noise(
